@@ -1,0 +1,119 @@
+"""Settings of one MoE layer, validated once so that errors name the argument and the fix.
+
+Runtime objects (process groups, profiles) never live here: the config is plain data that can be
+saved, compared and printed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+GATES = ("softmax", "cosine")
+"""Gate (router) kinds: ``softmax`` is a linear router, ``cosine`` Tutel's cosine router (C.3)."""
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+EXPERT_KERNELS = ("bmm", "loop")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Everything that defines the function an MoE layer computes (and a few execution knobs).
+
+    ``gate`` selects how logits are made (linear or cosine), ``score_function`` how logits become
+    routing scores. ``capacity_factor`` follows Tutel: > 0 fixed factor, 0 the smallest capacity
+    that drops nothing, < 0 the same capped at ``|f|`` times the factor-1 capacity.
+    """
+
+    model_dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    gate: str = "softmax"
+    score_function: str = "softmax"
+    activation: str = "gelu"
+    normalize_gate: bool = True
+    batch_prioritized_routing: bool = False
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    num_shared_experts: int = 0
+    expert_bias_update_rate: float = 0.0
+    cosine_projection_dim: int = 256
+    cosine_min_temperature: float = 0.01
+    check_finite: bool = False
+    expert_kernel: str = "bmm"
+
+    def __post_init__(self) -> None:
+        _require_positive_int("model_dim", self.model_dim)
+        _require_positive_int("hidden_dim", self.hidden_dim)
+        _require_positive_int("num_experts", self.num_experts)
+        validate_top_k(self.top_k, self.num_experts)
+        validate_capacity_factor(self.capacity_factor)
+        _require_choice("gate", self.gate, GATES)
+        _require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        _require_choice("activation", self.activation, ACTIVATIONS)
+        _require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
+        for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(
+                f"num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}"
+            )
+        _require_positive_int("cosine_projection_dim", self.cosine_projection_dim)
+        if not (0 < self.cosine_min_temperature < math.inf):
+            raise ValueError(
+                f"cosine_min_temperature must be > 0, got {self.cosine_min_temperature!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MoEConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown MoE config key(s) {unknown}; valid keys are {sorted(known)}"
+            )
+        return cls(**values)
+
+
+def validate_top_k(top_k: object, num_experts: int) -> int:
+    """k must be an integer in [1, E]: each token picks k distinct experts."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"top_k must be an integer, got {top_k!r}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k > num_experts:
+        raise ValueError(
+            f"top_k={top_k} is larger than num_experts={num_experts}: "
+            "each token picks k distinct experts, so use top_k <= num_experts"
+        )
+    return top_k
+
+
+def validate_capacity_factor(capacity_factor: object) -> float:
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):
+        raise ValueError(f"capacity_factor must be a number, got {capacity_factor!r}")
+    if not math.isfinite(capacity_factor):
+        raise ValueError(
+            f"capacity_factor must be finite, got {capacity_factor!r}; "
+            "use 0 for 'never drop a token'"
+        )
+    return float(capacity_factor)
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")

@@ -1,0 +1,118 @@
+"""Spawn gloo worker processes on this machine and collect what each returns.
+
+Used by the tests, the benchmarks and the CLI. Fails fast and says which worker failed: a worker
+that raises, dies or exceeds the deadline ends the whole run, every collective has a timeout, and
+the surviving workers are terminated.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised, died or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+    results: Any, threads: int, collective_timeout_s: float,
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads_per_worker: int = 1,
+    timeout_s: float = 600.0,
+    collective_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`WorkerError`
+    naming the worker if any worker raises, dies, or the run exceeds ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    workers = [
+        context.Process(
+            target=_worker,
+            args=(rank, world_size, port, fn, args, results, threads_per_worker, collective_timeout_s),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        grace_polls = 0
+        while len(collected) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = _first_dead(workers, collected)
+                if dead is not None:
+                    grace_polls += 1  # its result may still be in the pipe: poll a little longer
+                    if grace_polls > 10:
+                        raise WorkerError(
+                            f"worker {dead} of {world_size} died with exit code "
+                            f"{workers[dead].exitcode} before returning"
+                        ) from None
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in collected]
+                    raise WorkerError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
+                continue
+            if not ok:
+                raise WorkerError(f"worker {rank} of {world_size} failed:\n{value}")
+            collected[rank] = value
+    finally:
+        for worker in workers:
+            worker.join(timeout=5 if len(collected) == world_size else 0.1)
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=5)
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _first_dead(workers: list[Any], collected: dict[int, Any]) -> int | None:
+    for rank, worker in enumerate(workers):
+        if rank not in collected and not worker.is_alive():
+            return rank
+    return None

@@ -1,0 +1,182 @@
+"""The plain single-process reference MoE: the oracle of the tests and the baseline of benchmarks.
+
+Written for reading, in the manner of Hugging Face's Mixtral block: route, fill capacity slots in a
+plain loop, then a loop over experts, each gathering its own tokens. It defines the semantics every
+optimized path must reproduce (same parameter names as :class:`moeflow.MoELayer` with all E experts
+local, so a single-process layer's state dict loads here unchanged).
+
+A forward handles the tokens of one rank: capacity uses this call's token count T.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Params(nn.Module):
+    """A plain container, so state-dict names read ``gate.weight``, ``experts.w1`` and so on."""
+
+
+def _expert_params(num: int, model_dim: int, hidden_dim: int, swiglu: bool) -> _Params:
+    params = _Params()
+    params.w1 = nn.Parameter(torch.randn(num, model_dim, hidden_dim) * model_dim**-0.5)
+    params.b1 = nn.Parameter(torch.zeros(num, hidden_dim))
+    params.w2 = nn.Parameter(torch.randn(num, hidden_dim, model_dim) * hidden_dim**-0.5)
+    params.b2 = nn.Parameter(torch.zeros(num, model_dim))
+    if swiglu:
+        params.w3 = nn.Parameter(torch.randn(num, model_dim, hidden_dim) * model_dim**-0.5)
+    return params
+
+
+class ReferenceMoE(nn.Module):
+    """Same arguments and semantics as :class:`moeflow.MoELayer`, single process, no tricks."""
+
+    def __init__(
+        self,
+        model_dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.0,
+        gate: str = "softmax",
+        activation: str = "gelu",
+        normalize_gate: bool = True,
+        batch_prioritized_routing: bool = False,
+        aux_loss_weight: float = 0.01,
+        z_loss_weight: float = 0.0,
+        *,
+        score_function: str = "softmax",
+        num_shared_experts: int = 0,
+        expert_bias_update_rate: float = 0.0,
+        cosine_projection_dim: int = 256,
+        cosine_min_temperature: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.model_dim, self.num_experts, self.top_k = model_dim, num_experts, top_k
+        self.capacity_factor, self.gate_kind, self.activation = capacity_factor, gate, activation
+        self.normalize_gate, self.batch_prioritized_routing = normalize_gate, batch_prioritized_routing
+        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
+        self.score_function, self.expert_bias_update_rate = score_function, expert_bias_update_rate
+        self.max_logit_scale = math.log(1.0 / cosine_min_temperature)
+
+        self.gate = _Params()
+        if gate == "cosine":
+            self.gate.projection = nn.Parameter(torch.randn(cosine_projection_dim, model_dim))
+            self.gate.weight = nn.Parameter(torch.randn(num_experts, cosine_projection_dim))
+            self.gate.logit_scale = nn.Parameter(torch.full((1,), math.log(2.0)))
+        else:
+            self.gate.weight = nn.Parameter(torch.randn(num_experts, model_dim) * model_dim**-0.5)
+        self.gate.register_buffer("expert_bias", torch.zeros(num_experts))
+        swiglu = activation == "swiglu"
+        self.experts = _expert_params(num_experts, model_dim, hidden_dim, swiglu)
+        self.shared_experts = (
+            _expert_params(num_shared_experts, model_dim, hidden_dim, swiglu) if num_shared_experts else None
+        )
+        self.global_load: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """In a multi-rank run the bias follows the load summed over ranks: set this to that sum."""
+        self.aux_loss = torch.zeros(())
+        self.tokens_per_expert: list[int] = []
+        self.dropped_per_expert: list[int] = []
+        self.capacity = 0
+
+    def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.gate_kind == "cosine":
+            projected = F.normalize(x @ self.gate.projection.float().t(), dim=-1)
+            experts = F.normalize(self.gate.weight.float(), dim=-1)
+            scale = torch.exp(self.gate.logit_scale.float().clamp(max=self.max_logit_scale))
+            return projected @ experts.t() * scale
+        return x @ self.gate.weight.float().t()
+
+    def ffn(self, params: _Params, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = x @ params.w1[e] + params.b1[e]
+        if self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        elif self.activation == "silu":
+            h = F.silu(h)
+        elif self.activation == "swiglu":
+            h = F.silu(h) * (x @ params.w3[e])
+        else:
+            raise ValueError(f"unknown activation {self.activation!r}")
+        return h @ params.w2[e] + params.b2[e]
+
+    def forward(
+        self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None
+    ) -> torch.Tensor:
+        k = self.top_k if top_k is None else top_k
+        f = self.capacity_factor if capacity_factor is None else capacity_factor
+        E = self.num_experts
+        tokens = x.reshape(-1, self.model_dim)
+        T = tokens.shape[0]
+
+        # 1. route: scores, the k best experts (bias only shifts the choice), combine weights
+        logits = self.gate_logits(tokens)
+        scores = torch.softmax(logits, -1) if self.score_function == "softmax" else torch.sigmoid(logits)
+        chooser = scores.detach()
+        if self.expert_bias_update_rate > 0:
+            chooser = chooser + self.gate.expert_bias
+        chosen = torch.topk(chooser, k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, chosen)
+        if self.normalize_gate:
+            weights = weights / weights.sum(-1, keepdim=True)
+
+        # 2. fill capacity: all first choices, then all second choices, ...
+        chosen_list = chosen.tolist()
+        chosen_score = scores.gather(1, chosen).tolist()
+        position = [[0] * k for _ in range(T)]
+        filled = [0] * E
+        for j in range(k):
+            order = list(range(T))
+            if self.batch_prioritized_routing:
+                order.sort(key=lambda t, j=j: -chosen_score[t][j])  # stable: ties keep token order
+            for t in order:
+                e = chosen_list[t][j]
+                position[t][j] = filled[e]
+                filled[e] += 1
+        needed = max(filled, default=0)
+        if f > 0:
+            capacity = math.ceil(k * f * T / E)
+        elif f == 0:
+            capacity = needed
+        else:
+            capacity = min(needed, math.ceil(k * -f * T / E))
+        kept = torch.tensor(position, dtype=torch.int64).reshape(T, k) < capacity
+
+        # 3. each expert processes its kept tokens; outputs are weighted and summed per token
+        out = torch.zeros_like(tokens)
+        for e in range(E):
+            token_ids, choice_ids = torch.where((chosen == e) & kept)
+            if token_ids.numel() == 0:
+                continue
+            expert_out = self.ffn(self.experts, e, tokens[token_ids])
+            out.index_add_(0, token_ids, expert_out * weights[token_ids, choice_ids, None].to(out.dtype))
+        if self.shared_experts is not None:
+            for s in range(self.shared_experts.w1.shape[0]):
+                out = out + self.ffn(self.shared_experts, s, tokens)
+
+        # 4. losses and bookkeeping
+        self.aux_loss = logits.new_zeros(())
+        if self.aux_loss_weight > 0 and T > 0:
+            probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+            share = torch.tensor(filled, dtype=probs.dtype) / (T * k)
+            self.aux_loss = self.aux_loss + self.aux_loss_weight * E * (share * probs.mean(0)).sum()
+        if self.z_loss_weight > 0 and T > 0:
+            z = torch.logsumexp(logits, -1).pow(2).mean()
+            self.aux_loss = self.aux_loss + self.z_loss_weight * z
+        if self.expert_bias_update_rate > 0 and self.training:
+            load = torch.tensor(filled, dtype=torch.float32)
+            if self.global_load is not None:
+                load = self.global_load(load)
+            with torch.no_grad():
+                self.gate.expert_bias += self.expert_bias_update_rate * torch.sign(load.mean() - load)
+        self.tokens_per_expert = filled
+        self.dropped_per_expert = [max(0, n - capacity) for n in filled]
+        self.capacity = capacity
+        return out.view(x.shape)

@@ -1,0 +1,21 @@
+"""Routing: gates, top-k selection, capacity, slot assignment and router losses."""
+
+from moeflow.routing.capacity import expert_capacity
+from moeflow.routing.gates import CosineGate, LinearGate, build_gate
+from moeflow.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
+from moeflow.routing.selection import ExpertChoice, routing_scores, select_experts
+from moeflow.routing.slots import assign_slots
+
+__all__ = [
+    "CosineGate",
+    "ExpertChoice",
+    "LinearGate",
+    "assign_slots",
+    "build_gate",
+    "expert_capacity",
+    "load_balancing_loss",
+    "router_z_loss",
+    "routing_scores",
+    "select_experts",
+    "updated_expert_bias",
+]

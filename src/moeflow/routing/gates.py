@@ -1,0 +1,75 @@
+"""Gates (routers): map tokens to fp32 expert logits.
+
+Logits are always computed in fp32 whatever the input dtype: routing decisions are discrete and
+low-precision logits flip them. Each gate also owns ``expert_bias``, the selection-only bias of
+auxiliary-loss-free balancing (zero and unused unless its update rate is positive).
+
+State-dict names (fixed, so weights move between implementations):
+
+- linear gate: ``weight`` (E, M)
+- cosine gate: ``projection`` (P, M), ``weight`` (E, P) the expert embeddings, ``logit_scale`` (1,)
+  holding log(1/temperature), clamped at log(1/min_temperature) when used
+- both: buffer ``expert_bias`` (E,)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearGate(nn.Module):
+    """logits = x W^T, the router of Switch/GShard/Tutel."""
+
+    def __init__(self, model_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        nn.init.normal_(self.weight, std=model_dim**-0.5)
+
+    def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TM.float(), self.weight.float())
+
+
+class CosineGate(nn.Module):
+    """Tutel's cosine router (paper C.3): softmax input is cos(Wx, m_e) / tau.
+
+    The normalization makes routing insensitive to the scale of x; tau is learnable and never
+    below ``min_temperature``.
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        projection_dim: int = 256,
+        min_temperature: float = 0.01,
+        init_temperature: float = 0.5,
+    ) -> None:
+        super().__init__()
+        self.projection = nn.Parameter(torch.empty(projection_dim, model_dim))
+        self.weight = nn.Parameter(torch.empty(num_experts, projection_dim))
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(1.0 / init_temperature)))
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.max_logit_scale = math.log(1.0 / min_temperature)
+        nn.init.normal_(self.projection, std=model_dim**-0.5)
+        nn.init.normal_(self.weight, std=0.01)
+
+    def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
+        projected_TP = F.normalize(F.linear(x_TM.float(), self.projection.float()), dim=-1)
+        experts_EP = F.normalize(self.weight.float(), dim=-1)
+        scale = self.logit_scale.float().clamp(max=self.max_logit_scale).exp()
+        return F.linear(projected_TP, experts_EP) * scale
+
+
+def build_gate(
+    kind: str, model_dim: int, num_experts: int, projection_dim: int, min_temperature: float
+) -> LinearGate | CosineGate:
+    if kind == "softmax":
+        return LinearGate(model_dim, num_experts)
+    if kind == "cosine":
+        return CosineGate(model_dim, num_experts, projection_dim, min_temperature)
+    raise ValueError(f"unknown gate {kind!r}; choose softmax or cosine")

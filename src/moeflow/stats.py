@@ -1,0 +1,44 @@
+"""What one MoE forward did: load per expert, drops, capacity and the execution plan.
+
+Dropped tokens are never silent: every forward fills a :class:`RoutingStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """Global (all ranks of the group) routing statistics of the last forward.
+
+    A token with top-k routing makes k assignments; counts are of assignments. ``dropped`` is the
+    number of assignments beyond capacity (they contribute zero to the output).
+    """
+
+    num_tokens: int
+    top_k: int
+    capacity: int
+    capacity_factor: float  # the requested setting (>0 fixed, 0 no-drop, <0 capped no-drop)
+    tokens_per_expert: list[int]  # assignments routed to each expert, before capacity
+    dropped_per_expert: list[int]
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_per_expert)
+
+    @property
+    def effective_capacity_factor(self) -> float:
+        """The capacity actually used, as a factor of the balanced load k*T/E (Tutel Fig. 10)."""
+        num_experts = len(self.tokens_per_expert)
+        world = max(1, int(self.plan.get("world_size", 1)))
+        balanced = self.top_k * self.num_tokens / (num_experts * world)
+        return self.capacity / balanced if balanced else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["dropped"] = self.dropped
+        values["effective_capacity_factor"] = self.effective_capacity_factor
+        return values

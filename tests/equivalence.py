@@ -1,0 +1,206 @@
+"""Layer-vs-reference equivalence, run inside each gloo worker (or a plain single process).
+
+Every case builds a :class:`ReferenceMoE` from a seed on every rank (so all ranks hold the same full
+weights), loads this rank's shard into a :class:`MoELayer`, runs forward and backward on this rank's
+own tokens in both, and compares outputs, the aux loss, the gradients of x, of the gate and of every
+expert weight (the reference's expert gradients summed over ranks, since each expert sees the tokens
+of every rank) and the global routing counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeflow import MoELayer
+from moeflow.experts import shard_expert_state
+from moeflow.reference import ReferenceMoE
+
+# fp32: the layer sums in a different order than the reference (bmm vs per-expert mm, index_add
+# over slots): a few ulps of the O(1) values and O(T) weight-gradient sums used here.
+FP32_TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
+# float64: same math, so differences are pure rounding of order 1e-15 (fp32 gate logits aside,
+# which both sides compute identically).
+FP64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layer: dict[str, Any] = field(default_factory=dict)
+    call: dict[str, Any] = field(default_factory=dict)
+    num_experts: int = 8
+    tokens_per_rank: int = 12
+    model_dim: int = 8
+    hidden_dim: int = 12
+    dtype: torch.dtype = torch.float32
+    steps: int = 1
+    same_expert: bool = False
+    empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
+
+
+def grid_cases() -> list[Case]:
+    """The full grid of the issue: k x capacity factor x gate x activation x BPR."""
+    cases = []
+    for k, factor, gate, activation, bpr in itertools.product(
+        (1, 2, 3), (1.0, 0.0, -1.5, 0.5), ("softmax", "cosine"), ("relu", "gelu", "silu", "swiglu"),
+        (False, True),
+    ):
+        layer = {
+            "top_k": k, "capacity_factor": factor, "gate": gate, "activation": activation,
+            "batch_prioritized_routing": bpr, "cosine_projection_dim": 6,
+        }
+        cases.append(Case(f"k{k}-f{factor}-{gate}-{activation}-bpr{int(bpr)}", layer))
+    return cases
+
+
+def extra_cases() -> list[Case]:
+    base = {"top_k": 2, "capacity_factor": 1.0}
+    return [
+        Case("empty-all", base, tokens_per_rank=0),
+        Case("empty-f0", {**base, "capacity_factor": 0.0}, tokens_per_rank=0),
+        Case("empty-rank0", base, empty_ranks=(0,)),
+        Case("empty-rank0-f0", {**base, "capacity_factor": 0.0}, empty_ranks=(0,)),
+        Case("same-expert-f1", base, same_expert=True),
+        Case("same-expert-f0", {**base, "capacity_factor": 0.0}, same_expert=True),
+        Case("same-expert-bpr", {**base, "batch_prioritized_routing": True}, same_expert=True),
+        Case("dynamic-topk-call", base, call={"top_k": 3, "capacity_factor": 0.0}),
+        Case("dynamic-f-call", base, call={"capacity_factor": 0.25}),
+        Case("one-local-expert", base, num_experts=4),
+        Case("many-tokens", {**base, "capacity_factor": 0.5}, tokens_per_rank=96),
+        Case("3d-input-shape", base, tokens_per_rank=12),
+        Case("sigmoid", {**base, "score_function": "sigmoid"}),
+        Case("sigmoid-unnormalized", {**base, "score_function": "sigmoid", "normalize_gate": False}),
+        Case("unnormalized", {**base, "normalize_gate": False}),
+        Case("z-loss", {**base, "z_loss_weight": 1e-3, "aux_loss_weight": 0.1}),
+        Case("no-aux", {**base, "aux_loss_weight": 0.0}),
+        Case("shared-experts", {**base, "num_shared_experts": 2}),
+        Case("shared-swiglu", {**base, "num_shared_experts": 1, "activation": "swiglu"}),
+        Case(
+            "bias-balancing", {**base, "expert_bias_update_rate": 0.05, "score_function": "sigmoid"},
+            steps=3,
+        ),
+        Case("bias-balancing-softmax", {**base, "expert_bias_update_rate": 0.05}, steps=3),
+        Case("loop-kernel", {**base, "expert_kernel": "loop"}),
+        Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
+        Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
+             dtype=torch.float64),
+    ]
+
+
+def all_cases() -> list[Case]:
+    return grid_cases() + extra_cases()
+
+
+def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
+    count = 0 if rank in {r % world_size for r in case.empty_ranks} else case.tokens_per_rank
+    generator = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(count, case.model_dim, generator=generator, dtype=case.dtype)
+    if case.same_expert:
+        x = x.abs() + 0.1
+    if case.name == "3d-input-shape":
+        x = x.view(3, -1, case.model_dim)
+    return x
+
+
+def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELayer]:
+    torch.manual_seed(7)
+    kwargs = dict(case.layer)
+    kernel = kwargs.pop("expert_kernel", "bmm")
+    reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
+    # non-zero biases, so that their gradients and the shared layout are exercised
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith((".b1", ".b2")):
+                param.normal_(std=0.1)
+        if case.same_expert:
+            steer = -torch.arange(case.num_experts, dtype=case.dtype).unsqueeze(1)
+            reference.gate.weight.copy_(steer.expand_as(reference.gate.weight) + 3.0 * (steer == 0))
+    layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, expert_kernel=kernel, **kwargs)
+    layer = layer.to(case.dtype)
+    layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
+    if world_size > 1:
+        reference.global_load = _sum_over_ranks
+    return reference, layer
+
+
+def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.clone()
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None, case: Case,
+             failures: list[str]) -> None:
+    if expected is None and actual is None:
+        return
+    if expected is None:
+        expected = torch.zeros_like(actual)
+    if actual is None:
+        actual = torch.zeros_like(expected)
+    tolerance = FP64_TOLERANCE if case.dtype == torch.float64 else FP32_TOLERANCE
+    try:
+        torch.testing.assert_close(actual, expected, **tolerance)
+    except AssertionError as error:
+        failures.append(f"{case.name}: {name}: {str(error).splitlines()[-3:]}")
+
+
+def check_case(case: Case, rank: int, world_size: int) -> list[str]:
+    """Run one case on this rank; return a list of mismatch descriptions (empty when equal)."""
+    reference, layer = _build(case, rank, world_size)
+    failures: list[str] = []
+    for step in range(case.steps):
+        x = _tokens(case, rank, world_size)
+        x_ref = x.clone().requires_grad_()
+        x_layer = x.clone().requires_grad_()
+        y_ref = reference(x_ref, **case.call)
+        y_layer = layer(x_layer, **case.call)
+        upstream = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(step), dtype=case.dtype)
+        reference_loss = (y_ref * upstream).sum() + reference.aux_loss
+        if reference_loss.requires_grad:  # an empty batch leaves the reference without a graph
+            reference_loss.backward()
+        # the layer always has a graph: its backward all-to-alls must run on every rank
+        ((y_layer * upstream).sum() + layer.aux_loss).backward()
+
+        _compare(f"step{step} output", y_layer, y_ref, case, failures)
+        _compare(f"step{step} aux_loss", layer.aux_loss.double(), reference.aux_loss.double(), case, failures)
+        _compare(f"step{step} grad x", x_layer.grad, x_ref.grad, case, failures)
+        _compare(f"step{step} expert_bias", layer.gate.expert_bias, reference.gate.expert_bias, case, failures)
+
+        reference_grads = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in reference.named_parameters()
+        }
+        if world_size > 1:  # an expert's gradient collects the tokens of every rank
+            for name, grad in reference_grads.items():
+                if name.startswith("experts."):
+                    reference_grads[name] = _sum_over_ranks(grad)
+        expected_grads = shard_expert_state(reference_grads, rank, world_size)
+        for name, param in layer.named_parameters():
+            _compare(f"step{step} grad {name}", param.grad, expected_grads.get(name), case, failures)
+
+        counts = torch.tensor(reference.tokens_per_expert or [0] * case.num_experts)
+        dropped = torch.tensor(reference.dropped_per_expert or [0] * case.num_experts)
+        if world_size > 1:
+            counts, dropped = _sum_over_ranks(counts), _sum_over_ranks(dropped)
+        stats = layer.last_stats
+        assert stats is not None
+        if stats.tokens_per_expert != counts.tolist():
+            failures.append(f"{case.name}: tokens_per_expert {stats.tokens_per_expert} != {counts.tolist()}")
+        if stats.dropped_per_expert != dropped.tolist():
+            failures.append(f"{case.name}: dropped {stats.dropped_per_expert} != {dropped.tolist()}")
+        reference.zero_grad()
+        layer.zero_grad()
+    return failures
+
+
+def check_cases(rank: int, world_size: int, cases: list[Case]) -> tuple[int, list[str]]:
+    """Worker entry point: run every case; return (cases run, all mismatches)."""
+    failures: list[str] = []
+    for case in cases:
+        failures.extend(check_case(case, rank, world_size))
+    return len(cases), [f"rank {rank}: {f}" for f in failures]
+

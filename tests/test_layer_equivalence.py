@@ -1,0 +1,29 @@
+"""Every path of MoELayer computes the reference function: outputs, aux loss, all gradients and the
+routing counts, on 1 (plain and gloo), 2 and 4 gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.distributed import run_distributed
+
+from equivalence import all_cases, check_cases
+
+
+def _assert_no_failures(results: list[tuple[int, list[str]]], expected_cases: int) -> None:
+    failures = [failure for _, rank_failures in results for failure in rank_failures]
+    assert all(count == expected_cases for count, _ in results)
+    assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:40])
+
+
+def test_single_process_without_process_group_matches_reference() -> None:
+    cases = all_cases()
+    _assert_no_failures([check_cases(0, 1, cases)], len(cases))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_expert_parallel_matches_reference(world_size: int) -> None:
+    cases = all_cases()
+    results = run_distributed(check_cases, world_size, cases, timeout_s=300, collective_timeout_s=60)
+    _assert_no_failures(results, len(cases))
