@@ -86,6 +86,8 @@ def extra_cases() -> list[Case]:
         ),
         Case("bias-balancing-softmax", {**base, "expert_bias_update_rate": 0.05}, steps=3),
         Case("loop-kernel", {**base, "expert_kernel": "loop"}),
+        Case("bmm-kernel", {**base, "expert_kernel": "bmm"}),
+        Case("auto-kernel-large-experts", base, num_experts=4, tokens_per_rank=1024),  # C >= 512
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
@@ -110,7 +112,7 @@ def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
 def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELayer]:
     torch.manual_seed(7)
     kwargs = dict(case.layer)
-    kernel = kwargs.pop("expert_kernel", "bmm")
+    kernel = kwargs.pop("expert_kernel", "auto")
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
@@ -172,7 +174,8 @@ def check_case(case: Case, rank: int, world_size: int) -> list[str]:
         _compare(f"step{step} expert_bias", layer.gate.expert_bias, reference.gate.expert_bias, case, failures)
 
         reference_grads = {
-            n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in reference.named_parameters()
+            n: torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in reference.named_parameters()
         }
         if world_size > 1:  # an expert's gradient collects the tokens of every rank
             for name, grad in reference_grads.items():

@@ -1,9 +1,10 @@
 """Fast encode/decode (Tutel 4.2, Appendix B): sparse scatter into expert buffers and back.
 
 Shapes: T tokens, M model dim, E experts, C capacity, K top-k, N kept (token, expert) assignments,
-S = E*C slots. Both directions are index operations costing O(N*M) time and memory; no dense
-(T, E, C) dispatch mask is ever built. A :class:`DispatchPlan` is immutable and carries everything
-decode needs, so several plans (pipeline chunks) can be in flight at once.
+S = E*C slots. Both directions are gathers (``index_select``, fused ``embedding_bag``) costing
+O(N*M) time and memory; no dense (T, E, C) dispatch mask is ever built. A :class:`DispatchPlan`
+is immutable and carries everything decode needs, so several plans (pipeline chunks) can be in
+flight at once.
 """
 
 from __future__ import annotations
@@ -11,16 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import FunctionCtx
+import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """Where each kept assignment comes from (token) and goes to (slot = expert * C + location)."""
+    """Where each kept assignment comes from (token) and goes to (slot = expert * C + location).
+
+    Kept assignments are listed token-major, so the assignments of token t form the bag
+    ``offsets_T[t] : offsets_T[t+1]`` (``embedding_bag`` sums such bags in one fused pass). The
+    slot-major view (``slot_token_S``, ``empty_slots``) turns scatters into gathers.
+    """
 
     token_idx_N: torch.Tensor
     slot_idx_N: torch.Tensor
     choice_mask_TK: torch.Tensor  # True where the (token, choice) was kept
+    offsets_T: torch.Tensor  # first kept assignment of each token
+    slot_token_S: torch.Tensor  # token held by each slot (0 for an empty slot)
+    empty_slots: torch.Tensor  # slots that hold no token
     num_tokens: int
     num_experts: int
     capacity: int
@@ -34,70 +44,93 @@ def make_dispatch_plan(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int
 ) -> DispatchPlan:
     num_tokens, top_k = expert_idx_TK.shape
+    device = expert_idx_TK.device
     kept_TK = location_TK < capacity
-    token_TK = torch.arange(num_tokens, device=expert_idx_TK.device).unsqueeze(1).expand(-1, top_k)
+    token_TK = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, top_k)
+    token_idx_N = token_TK[kept_TK]
+    slot_idx_N = (expert_idx_TK * capacity + location_TK)[kept_TK]
+    kept_per_token = kept_TK.sum(dim=1)
+    num_slots = num_experts * capacity
+    slot_token_S = torch.zeros(num_slots, dtype=torch.int64, device=device)
+    slot_token_S.index_copy_(0, slot_idx_N, token_idx_N)
+    occupied_S = torch.zeros(num_slots, dtype=torch.bool, device=device)
+    occupied_S.index_fill_(0, slot_idx_N, True)
     return DispatchPlan(
-        token_idx_N=token_TK[kept_TK],
-        slot_idx_N=(expert_idx_TK * capacity + location_TK)[kept_TK],
+        token_idx_N=token_idx_N,
+        slot_idx_N=slot_idx_N,
         choice_mask_TK=kept_TK,
+        offsets_T=torch.cumsum(kept_per_token, 0) - kept_per_token,
+        slot_token_S=slot_token_S,
+        empty_slots=torch.nonzero(~occupied_S).squeeze(1),
         num_tokens=num_tokens,
         num_experts=num_experts,
         capacity=capacity,
     )
 
 
+def _bag_sum(
+    rows_SM: torch.Tensor, plan: DispatchPlan, weight_N: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y_t = sum over the kept assignments n of token t of (weight_n *) rows[slot_n]: one pass."""
+    if plan.num_tokens == 0 or rows_SM.shape[0] == 0:
+        return rows_SM.new_zeros((plan.num_tokens, rows_SM.shape[1]))
+    return F.embedding_bag(
+        plan.slot_idx_N, rows_SM, plan.offsets_T, mode="sum", per_sample_weights=weight_N
+    )
+
+
+def _rows_per_slot(rows_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """(S, M): the row of the token each slot holds (garbage for empty slots, callers mask)."""
+    if plan.num_tokens == 0:
+        return rows_TM.new_zeros((plan.num_slots, rows_TM.shape[1]))
+    return rows_TM.index_select(0, plan.slot_token_S)
+
+
 class _FastEncode(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, x_TM: torch.Tensor, token_idx_N: torch.Tensor, slot_idx_N: torch.Tensor,
-        num_slots: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(token_idx_N, slot_idx_N)
-        ctx.num_tokens = x_TM.shape[0]
-        buffer_SM = x_TM.new_zeros((num_slots, x_TM.shape[1]))
-        buffer_SM.index_copy_(0, slot_idx_N, x_TM.index_select(0, token_idx_N))
-        return buffer_SM
+    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        ctx.plan = plan
+        buffer_SM = _rows_per_slot(x_TM, plan)
+        return buffer_SM.index_fill_(0, plan.empty_slots, 0)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        token_idx_N, slot_idx_N = ctx.saved_tensors
-        grad_x_TM = grad_SM.new_zeros((ctx.num_tokens, grad_SM.shape[1]))
-        grad_x_TM.index_add_(0, token_idx_N, grad_SM.index_select(0, slot_idx_N))
-        return grad_x_TM, None, None, None
+        return _bag_sum(grad_SM.contiguous(), ctx.plan), None
 
 
 class _FastDecode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor,
-        token_idx_N: torch.Tensor, slot_idx_N: torch.Tensor, num_tokens: int,
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: DispatchPlan
     ) -> torch.Tensor:
-        ctx.save_for_backward(buffer_SM, weight_N, token_idx_N, slot_idx_N)
-        weighted_NM = buffer_SM.index_select(0, slot_idx_N) * weight_N.unsqueeze(1)
-        y_TM = buffer_SM.new_zeros((num_tokens, buffer_SM.shape[1]))
-        return y_TM.index_add_(0, token_idx_N, weighted_NM)
+        ctx.plan = plan
+        ctx.save_for_backward(buffer_SM, weight_N)
+        return _bag_sum(buffer_SM, plan, weight_N)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
-        buffer_SM, weight_N, token_idx_N, slot_idx_N = ctx.saved_tensors
-        grad_NM = grad_TM.index_select(0, token_idx_N)
-        grad_buffer = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_buffer = torch.zeros_like(buffer_SM)
-            grad_buffer.index_copy_(0, slot_idx_N, grad_NM * weight_N.unsqueeze(1))
+        buffer_SM, weight_N = ctx.saved_tensors
+        plan: DispatchPlan = ctx.plan
+        grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), plan)
+        grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad_NM * buffer_SM.index_select(0, slot_idx_N)).sum(dim=1)
-        return grad_buffer, grad_weight, None, None, None
+            grad_weight_S = torch.linalg.vecdot(grad_per_slot_SM, buffer_SM)
+            grad_weight = grad_weight_S.index_select(0, plan.slot_idx_N)
+        slot_weight_S = weight_N.new_zeros(plan.num_slots).index_copy_(0, plan.slot_idx_N, weight_N)
+        grad_buffer = grad_per_slot_SM.mul_(slot_weight_S.unsqueeze(1))  # empty slots: weight 0
+        return grad_buffer, grad_weight, None
 
 
 def encode(x_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero."""
-    buffer_SM = _FastEncode.apply(x_TM, plan.token_idx_N, plan.slot_idx_N, plan.num_slots)
+    buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan)
     return buffer_SM.view(plan.num_experts, plan.capacity, x_TM.shape[1])
 
 
 def decode(buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Weighted gather back to tokens: y_t = sum over kept choices of w_tj * buffer[slot_tj]."""
     weight_N = weights_TK[plan.choice_mask_TK].to(buffer_ECM.dtype)
-    buffer_SM = buffer_ECM.reshape(plan.num_slots, buffer_ECM.shape[-1])
-    return _FastDecode.apply(buffer_SM, weight_N, plan.token_idx_N, plan.slot_idx_N, plan.num_tokens)
+    buffer_SM = buffer_ECM.reshape(plan.num_slots, buffer_ECM.shape[-1]).contiguous()
+    return _FastDecode.apply(buffer_SM, weight_N, plan)

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeflow.runtime import tune_cpu_allocator
+
 
 class WorkerError(RuntimeError):
     """A spawned worker raised, died or timed out."""
@@ -36,6 +38,7 @@ def _worker(
     results: Any, threads: int, collective_timeout_s: float,
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tune_cpu_allocator()
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
@@ -100,7 +103,7 @@ def run_distributed(
                     raise WorkerError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
                 continue
             if not ok:
-                raise WorkerError(f"worker {rank} of {world_size} failed:\n{value}")
+                raise WorkerError(_failure_message(workers, collected, rank, value))
             collected[rank] = value
     finally:
         for worker in workers:
@@ -109,6 +112,20 @@ def run_distributed(
                 worker.terminate()
                 worker.join(timeout=5)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, error: str) -> str:
+    """Name the root cause: a peer that died usually makes the others fail in a collective."""
+    message = f"worker {rank} of {len(workers)} failed:\n{error}"
+    for other, worker in enumerate(workers):
+        if other != rank and other not in collected:
+            worker.join(timeout=1.0)
+            if not worker.is_alive() and worker.exitcode not in (0, None):
+                return (
+                    f"worker {other} of {len(workers)} died with exit code {worker.exitcode}; "
+                    f"then {message}"
+                )
+    return message
 
 
 def _first_dead(workers: list[Any], collected: dict[int, Any]) -> int | None:

@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` (the main job) and `make test` (the whole suite).
+# Both create .venv when it is missing. torch is pinned to the CPU wheel that lies on this machine's
+# disk when no torch is importable: an unpinned torch would pull a CUDA build of several GB.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.moeflow-installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/moeflow bench layer
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

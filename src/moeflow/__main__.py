@@ -1,0 +1,5 @@
+import sys
+
+from moeflow.cli import main
+
+sys.exit(main())

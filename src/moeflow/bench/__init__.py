@@ -1,0 +1,1 @@
+"""Benchmarks: each prints one JSON object per measurement and a summary line."""

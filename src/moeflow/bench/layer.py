@@ -1,0 +1,209 @@
+"""``moeflow bench layer``: MoELayer against the plain reference and against the FLOP floor.
+
+For each configuration, in one run and side by side (round-robin, medians): forward+backward of
+MoELayer and of ReferenceMoE on the same weights and tokens, the expert FFN alone with every expert
+kernel, encode+decode alone (forward and backward) with the routing of the same tokens, and a large
+square matmul that gives this machine's rate. The floor is the expert FFN's floating-point work for
+the k*T routed tokens divided by that rate. With ``workers > 1`` every gloo worker holds T tokens,
+its share of the experts, and reports its own numbers; the slowest worker is reported. Its reference
+is the single-process cost of the same T tokens with all experts (what a worker would pay without
+expert parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeflow.bench.timing import matmul_flops_per_second
+from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.experts import ExpertFFN, ffn_flops, shard_expert_state
+from moeflow.layer import MoELayer
+from moeflow.reference import ReferenceMoE
+from moeflow.routing import assign_slots, expert_capacity, select_experts
+from moeflow.runtime import tune_cpu_allocator
+
+
+@dataclass(frozen=True)
+class LayerBenchConfig:
+    tokens: int = 4096
+    model_dim: int = 512
+    hidden_dim: int = 2048
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    activation: str = "gelu"
+    repeats: int = 5
+    warmup: int = 1
+    measure_kernels: bool = True
+
+
+# The two shapes of the issue's targets: few large experts, many small ones.
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((8, 2048), (64, 256))
+TARGETS = {  # (experts, hidden) -> (max ratio to floor, min speedup over the reference)
+    (8, 2048): (1.2, 1.0),
+    (64, 256): (1.6, 5.0),
+}
+MAX_ENCODE_DECODE_SHARE = 0.10
+
+
+def _timed_rounds(
+    fns: dict[str, Callable[[], object]], repeats: int, warmup: int, sync: Callable[[], None]
+) -> dict[str, float]:
+    """Round-robin medians; ``sync`` (a barrier across workers) runs untimed before each sample."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            sync()
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> None:
+    x = x.detach().requires_grad_()
+    y = module(x)
+    ((y * upstream).sum() + module.aux_loss).backward()
+    module.zero_grad(set_to_none=True)
+
+
+def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[str, Any]:
+    """Measure one configuration on this rank (works with and without a process group)."""
+    torch.manual_seed(0)
+    c = config
+    reference = ReferenceMoE(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
+                             capacity_factor=c.capacity_factor, activation=c.activation)
+    layer = MoELayer(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
+                     capacity_factor=c.capacity_factor, activation=c.activation)
+    layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(c.tokens, c.model_dim, generator=generator)
+    upstream = torch.randn(c.tokens, c.model_dim, generator=generator)
+    distributed = world_size > 1 and dist.is_initialized()
+
+    def sync() -> None:
+        if distributed:
+            dist.barrier()
+
+    fns: dict[str, Callable[[], object]] = {
+        "moeflow": lambda: _forward_backward(layer, x, upstream),
+        "reference": lambda: _forward_backward(reference, x, upstream),
+        "encode_decode": _encode_decode_step(layer, x, upstream, c),
+    }
+    stats = None
+    layer(x)  # routing stats and the capacity used, for the expert-kernel shapes
+    stats = layer.last_stats
+    assert stats is not None
+    if c.measure_kernels:
+        expert_tokens = world_size * stats.capacity
+        for kernel in ("auto", "bmm", "loop"):
+            fns[f"experts_{kernel}"] = _experts_step(layer, kernel, expert_tokens)
+    medians = _timed_rounds(fns, c.repeats, c.warmup, sync)
+    rate = matmul_flops_per_second()
+    floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
+    result: dict[str, Any] = {
+        "bench": "layer",
+        **{k: v for k, v in asdict(c).items() if k not in ("measure_kernels",)},
+        "workers": world_size,
+        "threads_per_worker": torch.get_num_threads(),
+        "malloc_tuned": tune_cpu_allocator(),
+        "capacity": stats.capacity,
+        "dropped": stats.dropped,
+        "matmul_gflops": rate / 1e9,
+        "floor_ms": floor_s * 1e3,
+        "moeflow_ms": medians["moeflow"] * 1e3,
+        "reference_ms": medians["reference"] * 1e3,
+        "speedup_vs_reference": medians["reference"] / medians["moeflow"],
+        "ratio_to_floor": medians["moeflow"] / floor_s,
+        "encode_decode_ms": medians["encode_decode"] * 1e3,
+        "encode_decode_share": medians["encode_decode"] / medians["moeflow"],
+    }
+    if c.measure_kernels:
+        result["expert_kernel_ms"] = {
+            k: medians[f"experts_{k}"] * 1e3 for k in ("auto", "bmm", "loop")
+        }
+    return result
+
+
+def _encode_decode_step(
+    layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, c: LayerBenchConfig
+) -> Callable[[], None]:
+    """Encode and decode alone, forward and backward, with the routing these tokens get."""
+    with torch.no_grad():
+        choice = select_experts(layer.gate(x), c.top_k)
+    location, counts = assign_slots(choice.expert_idx_TK, c.experts)
+    capacity = expert_capacity(c.capacity_factor, c.top_k, c.tokens, c.experts, int(counts.max()))
+    plan = make_dispatch_plan(choice.expert_idx_TK, location, c.experts, capacity)
+    weights = choice.weights_TK.detach()
+
+    def step() -> None:
+        x_leaf = x.detach().requires_grad_()
+        weights_leaf = weights.clone().requires_grad_()
+        buffer = encode(x_leaf, plan)
+        y = decode(buffer, weights_leaf, plan)
+        (y * upstream).sum().backward()
+
+    return step
+
+
+def _experts_step(layer: MoELayer, kernel: str, tokens_per_expert: int) -> Callable[[], None]:
+    experts = ExpertFFN(layer.num_local_experts, layer.config.model_dim, layer.config.hidden_dim,
+                        layer.config.activation, kernel)
+    experts.load_state_dict(layer.experts.state_dict())
+    x = torch.randn(layer.num_local_experts, tokens_per_expert, layer.config.model_dim)
+    upstream = torch.randn_like(x)
+
+    def step() -> None:
+        x_leaf = x.detach().requires_grad_()
+        (experts(x_leaf) * upstream).sum().backward()
+        experts.zero_grad(set_to_none=True)
+
+    return step
+
+
+def slowest_worker(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worker whose moeflow time is largest speaks for the run (everyone waits for it)."""
+    return max(results, key=lambda r: r["moeflow_ms"])
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary object: the issue's targets, met or not, for the shapes that have targets."""
+    checks = []
+    for r in results:
+        target = TARGETS.get((r["experts"], r["hidden_dim"]))
+        if target is None or r["tokens"] != 4096 or r["model_dim"] != 512 or r["workers"] != 1:
+            continue
+        max_floor_ratio, min_speedup = target
+        checks.append({
+            "experts": r["experts"], "hidden_dim": r["hidden_dim"],
+            "ratio_to_floor": round(r["ratio_to_floor"], 3), "max_ratio_to_floor": max_floor_ratio,
+            "speedup_vs_reference": round(r["speedup_vs_reference"], 2), "min_speedup": min_speedup,
+            "encode_decode_share": round(r["encode_decode_share"], 3),
+            "met": r["ratio_to_floor"] <= max_floor_ratio and r["speedup_vs_reference"] >= min_speedup
+            and r["encode_decode_share"] <= MAX_ENCODE_DECODE_SHARE,
+        })
+    return {
+        "summary": "layer",
+        "configurations": len(results),
+        "median_speedup_vs_reference": statistics.median(r["speedup_vs_reference"] for r in results),
+        "median_ratio_to_floor": statistics.median(r["ratio_to_floor"] for r in results),
+        "max_encode_decode_share": max(r["encode_decode_share"] for r in results),
+        "targets": checks,
+        "all_targets_met": all(check["met"] for check in checks) if checks else None,
+    }
+
+
+def print_json(obj: dict[str, Any]) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in obj.items()}), flush=True)

@@ -1,0 +1,100 @@
+"""The ``moeflow`` command line. Subcommands import what they need lazily, so ``--help`` is fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeflow", description="Fast distributed Mixture-of-Experts training and inference."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    layer = benches.add_parser(
+        "layer", help="MoELayer vs the plain reference and the FLOP floor, forward+backward",
+        description="Without --experts/--hidden-dim it measures the two target shapes "
+        "(E=8, H=2048) and (E=64, H=256).",
+    )
+    layer.add_argument("--tokens", type=int, default=4096, help="tokens per worker (default 4096)")
+    layer.add_argument("--model-dim", type=_positive_int, default=512)
+    layer.add_argument("--hidden-dim", type=_positive_int, default=None)
+    layer.add_argument("--experts", type=_positive_int, default=None)
+    layer.add_argument("--top-k", type=_positive_int, default=2)
+    layer.add_argument("--capacity-factor", type=float, default=1.0)
+    layer.add_argument("--activation", default="gelu", choices=("relu", "gelu", "silu", "swiglu"))
+    layer.add_argument("--workers", type=_positive_int, default=1,
+                       help="gloo worker processes, one intra-op thread each (default 1)")
+    layer.add_argument("--repeats", type=_positive_int, default=5)
+    layer.add_argument("--warmup", type=int, default=1)
+    layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    return parser
+
+
+def _bench_layer(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench.layer import (
+        DEFAULT_SHAPES,
+        LayerBenchConfig,
+        measure_layer,
+        print_json,
+        slowest_worker,
+        summarize,
+    )
+    from moeflow.distributed import run_distributed
+
+    if args.tokens < 0:
+        raise SystemExit(f"moeflow bench layer: --tokens must be >= 0, got {args.tokens}")
+    if (args.experts is None) != (args.hidden_dim is None):
+        shapes = [(args.experts or 8, args.hidden_dim or 2048)]
+    elif args.experts is None:
+        shapes = list(DEFAULT_SHAPES)
+    else:
+        shapes = [(args.experts, args.hidden_dim)]
+    results = []
+    for experts, hidden in shapes:
+        if args.top_k > experts:
+            raise SystemExit(f"moeflow bench layer: --top-k {args.top_k} exceeds --experts {experts}")
+        if experts % args.workers:
+            raise SystemExit(
+                f"moeflow bench layer: --experts {experts} is not divisible by --workers {args.workers}"
+            )
+        config = LayerBenchConfig(
+            tokens=args.tokens, model_dim=args.model_dim, hidden_dim=hidden, experts=experts,
+            top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
+            repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
+        )
+        if args.workers == 1:
+            torch.set_num_threads(1)
+            result = measure_layer(0, 1, config)
+        else:
+            result = slowest_worker(run_distributed(measure_layer, args.workers, config))
+        print_json(result)
+        results.append(result)
+    print_json(summarize(results))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    from moeflow.runtime import tune_cpu_allocator
+
+    tune_cpu_allocator()
+    if args.command == "bench" and args.bench == "layer":
+        return _bench_layer(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

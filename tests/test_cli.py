@@ -1,0 +1,46 @@
+"""`moeflow bench layer`: JSON lines with the promised fields, a summary, clear argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moeflow.cli import main
+
+FIELDS = {"moeflow_ms", "reference_ms", "speedup_vs_reference", "floor_ms", "ratio_to_floor",
+          "encode_decode_share", "matmul_gflops", "expert_kernel_ms", "experts", "hidden_dim", "tokens"}
+
+
+def test_bench_layer_prints_json_per_config_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "layer", "--tokens", "64", "--model-dim", "16", "--repeats", "1", "--warmup", "0"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["experts"] for line in lines[:-1]] == [8, 64]
+    assert all(set(line) >= FIELDS for line in lines[:-1])
+    assert all(line["moeflow_ms"] > 0 and 0 < line["encode_decode_share"] < 1 for line in lines[:-1])
+    assert lines[-1]["summary"] == "layer" and lines[-1]["configurations"] == 2
+
+
+@pytest.mark.distributed
+def test_bench_layer_with_workers() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "layer", "--workers", "2", "--tokens", "32",
+         "--model-dim", "16", "--experts", "4", "--hidden-dim", "16", "--repeats", "1", "--no-kernels"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout.splitlines()
+    first = json.loads(out[0])
+    assert first["workers"] == 2 and first["experts"] == 4 and "expert_kernel_ms" not in first
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--experts", "4", "--hidden-dim", "8", "--top-k", "5"], "--top-k 5 exceeds --experts 4"),
+        (["--experts", "6", "--hidden-dim", "8", "--workers", "4"], "--experts 6 is not divisible by --workers 4"),
+    ],
+)
+def test_bench_layer_argument_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "layer", *argv])

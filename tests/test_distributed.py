@@ -1,0 +1,60 @@
+"""Expert-parallel setup errors and fail-fast behaviour of spawned gloo workers."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from moeflow.distributed import WorkerError, run_distributed
+
+
+def _build_indivisible(rank: int, world_size: int) -> None:
+    from moeflow import MoELayer
+
+    MoELayer(8, 8, num_experts=3)
+
+
+def _die(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)  # a killed worker: no exception, no result
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for the dead one until the collective timeout
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+    return rank
+
+
+def _echo_rank(rank: int, world_size: int) -> tuple[int, int]:
+    return rank, world_size
+
+
+@pytest.mark.distributed
+def test_experts_not_divisible_by_workers_is_a_clear_error() -> None:
+    with pytest.raises(WorkerError, match="num_experts=3 is not divisible by the process group size 2"):
+        run_distributed(_build_indivisible, 2, timeout_s=120)
+
+
+@pytest.mark.distributed
+def test_a_dead_worker_fails_the_run_fast_and_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 1 of 2 died with exit code 3"):
+        run_distributed(_die, 2, timeout_s=120, collective_timeout_s=30)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.distributed
+def test_a_raising_worker_reports_its_traceback() -> None:
+    with pytest.raises(WorkerError, match=r"(?s)worker 1 of 2 failed.*boom on purpose"):
+        run_distributed(_raise_on_rank_one, 2, timeout_s=120)
+
+
+@pytest.mark.distributed
+def test_results_come_back_by_rank() -> None:
+    assert run_distributed(_echo_rank, 3, timeout_s=120) == [(0, 3), (1, 3), (2, 3)]
