@@ -26,7 +26,7 @@ def make(**overrides) -> MoELayer:
         ({"capacity_factor": float("nan")}, "capacity_factor must be finite"),
         ({"aux_loss_weight": -1.0}, "aux_loss_weight must be a finite number >= 0"),
         ({"num_shared_experts": -1}, "num_shared_experts"),
-        ({"expert_kernel": "cuda"}, "unknown expert_kernel"),
+        ({"expert_kernel": "auto"}, "unknown expert_kernel"),
     ],
 )
 def test_bad_arguments_name_themselves(overrides: dict, message: str) -> None:

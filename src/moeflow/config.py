@@ -15,7 +15,7 @@ GATES = ("softmax", "cosine")
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
-EXPERT_KERNELS = ("auto", "bmm", "loop")
+EXPERT_KERNELS = ("bmm", "loop")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class MoEConfig:
     cosine_projection_dim: int = 256
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
-    expert_kernel: str = "auto"
+    expert_kernel: str = "bmm"
 
     def __post_init__(self) -> None:
         _require_positive_int("model_dim", self.model_dim)

@@ -71,7 +71,7 @@ class MoELayer(nn.Module):
         expert_bias_update_rate: float = 0.0,
         cosine_projection_dim: int = 256,
         check_finite: bool = False,
-        expert_kernel: str = "auto",
+        expert_kernel: str = "bmm",
     ) -> None:
         super().__init__()
         config = MoEConfig(

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import matmul_flops_per_second
 from moeflow.dispatch import decode, encode, make_dispatch_plan
-from moeflow.experts import ExpertFFN, ffn_flops, shard_expert_state
+from moeflow.experts import KERNELS, ExpertFFN, ffn_flops, shard_expert_state
 from moeflow.layer import MoELayer
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
@@ -52,6 +51,7 @@ TARGETS = {  # (experts, hidden) -> (max ratio to floor, min speedup over the re
     (64, 256): (1.6, 5.0),
 }
 MAX_ENCODE_DECODE_SHARE = 0.10
+MATMUL_SIZE = 2048  # the square fp32 matmul whose rate defines the floor
 
 
 def _timed_rounds(
@@ -108,10 +108,12 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     assert stats is not None
     if c.measure_kernels:
         expert_tokens = world_size * stats.capacity
-        for kernel in ("auto", "bmm", "loop"):
+        for kernel in KERNELS:
             fns[f"experts_{kernel}"] = _experts_step(layer, kernel, expert_tokens)
+    square_a, square_b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
     medians = _timed_rounds(fns, c.repeats, c.warmup, sync)
-    rate = matmul_flops_per_second()
+    rate = 2 * MATMUL_SIZE**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {
         "bench": "layer",
@@ -132,7 +134,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     }
     if c.measure_kernels:
         result["expert_kernel_ms"] = {
-            k: medians[f"experts_{k}"] * 1e3 for k in ("auto", "bmm", "loop")
+            k: medians[f"experts_{k}"] * 1e3 for k in KERNELS
         }
     return result
 
