@@ -44,3 +44,15 @@ def test_bench_layer_with_workers() -> None:
 def test_bench_layer_argument_errors(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         main(["bench", "layer", *argv])
+
+
+def test_interleaved_medians_time_round_robin_and_skip_warmup() -> None:
+    from moeflow.bench.timing import interleaved_medians
+
+    calls: list[str] = []
+    medians = interleaved_medians(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=2,
+        before_each=lambda: calls.append("|"),
+    )
+    assert calls == ["|", "a", "|", "b"] * 5
+    assert set(medians) == {"a", "b"} and all(v >= 0 for v in medians.values())

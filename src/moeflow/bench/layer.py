@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.timing import interleaved_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops, shard_expert_state
 from moeflow.layer import MoELayer
@@ -54,24 +54,6 @@ MAX_ENCODE_DECODE_SHARE = 0.10
 MATMUL_SIZE = 2048  # the square fp32 matmul whose rate defines the floor
 
 
-def _timed_rounds(
-    fns: dict[str, Callable[[], object]], repeats: int, warmup: int, sync: Callable[[], None]
-) -> dict[str, float]:
-    """Round-robin medians; ``sync`` (a barrier across workers) runs untimed before each sample."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            sync()
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> None:
     x = x.detach().requires_grad_()
     y = module(x)
@@ -102,7 +84,6 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
         "reference": lambda: _forward_backward(reference, x, upstream),
         "encode_decode": _encode_decode_step(layer, x, upstream, c),
     }
-    stats = None
     layer(x)  # routing stats and the capacity used, for the expert-kernel shapes
     stats = layer.last_stats
     assert stats is not None
@@ -112,7 +93,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
             fns[f"experts_{kernel}"] = _experts_step(layer, kernel, expert_tokens)
     square_a, square_b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
-    medians = _timed_rounds(fns, c.repeats, c.warmup, sync)
+    medians = interleaved_medians(fns, c.repeats, c.warmup, before_each=sync)
     rate = 2 * MATMUL_SIZE**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {

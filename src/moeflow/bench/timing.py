@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks: medians of repeated runs, the machine's matmul rate."""
+"""Timing shared by the benchmarks: medians of round-robin runs, so noise hits every variant alike."""
 
 from __future__ import annotations
 
@@ -6,38 +6,24 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    before_each: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Median seconds of each function, measured round-robin after ``warmup`` untimed rounds.
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median time of each function, measured round-robin so that machine noise hits all alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+    ``before_each`` (for example a barrier across workers) runs untimed before every sample.
+    """
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    for round_index in range(warmup + repeats):
         for name, fn in fns.items():
+            if before_each is not None:
+                before_each()
             start = time.perf_counter()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            if round_index >= warmup:
+                samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def matmul_flops_per_second(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Rate of a large square matmul on this process's threads: the roofline's compute ceiling."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    seconds = median_seconds(lambda: torch.mm(a, b), repeats)
-    return 2 * size**3 / seconds

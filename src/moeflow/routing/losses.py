@@ -37,5 +37,5 @@ def updated_expert_bias(
 ) -> torch.Tensor:
     """Auxiliary-loss-free balancing (DeepSeek-V3): raise the bias of under-loaded experts and
     lower that of over-loaded ones by ``rate``, from the observed (global) load."""
-    load_E = tokens_per_expert_E.to(expert_bias_E.dtype)
+    load_E = tokens_per_expert_E.to(device=expert_bias_E.device, dtype=expert_bias_E.dtype)
     return expert_bias_E + rate * torch.sign(load_E.mean() - load_E)

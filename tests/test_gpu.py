@@ -1,0 +1,63 @@
+"""GPU paths: the layer on CUDA tensors and over a one-rank NCCL group. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow import MoELayer
+from moeflow.distributed import free_port
+from moeflow.reference import ReferenceMoE
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def _pair(**kwargs) -> tuple[ReferenceMoE, MoELayer]:
+    torch.manual_seed(0)
+    reference = ReferenceMoE(32, 48, 8, **kwargs)
+    layer = MoELayer(32, 48, 8, **kwargs).cuda()
+    layer.load_state_dict(reference.state_dict())
+    return reference, layer
+
+
+def _check(reference: ReferenceMoE, layer: MoELayer) -> None:
+    x = torch.randn(64, 32)
+    x_gpu = x.cuda().requires_grad_()
+    x_cpu = x.clone().requires_grad_()
+    upstream = torch.randn(64, 32)
+    ((reference(x_cpu) * upstream).sum() + reference.aux_loss).backward()
+    y = layer(x_gpu)
+    ((y * upstream.cuda()).sum() + layer.aux_loss).backward()
+    # TF32 is off for fp32 matmuls by default; differences are summation order on another device.
+    torch.testing.assert_close(y.cpu(), reference(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x_gpu.grad.cpu(), x_cpu.grad, rtol=1e-4, atol=1e-4)
+    for name, param in layer.named_parameters():
+        expected = dict(reference.named_parameters())[name].grad
+        torch.testing.assert_close(param.grad.cpu(), expected, rtol=1e-4, atol=1e-4, msg=name)
+    assert layer.last_stats.tokens_per_expert == reference.tokens_per_expert
+
+
+@cuda
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"capacity_factor": 0.5, "gate": "cosine"}, {"activation": "swiglu", "expert_bias_update_rate": 0.1}],
+)
+def test_layer_on_cuda_matches_reference(kwargs: dict) -> None:
+    _check(*_pair(**kwargs))
+
+
+@cuda
+def test_layer_over_one_rank_nccl_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch build has no NCCL")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        reference, layer = _pair(capacity_factor=0.0)
+        assert layer.world_size == 1 and layer.group is not None
+        _check(reference, layer)
+        assert layer.last_stats.plan["alltoall"] == "linear"
+    finally:
+        dist.destroy_process_group()
