@@ -10,6 +10,7 @@ of every rank) and the global routing counts.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class Case:
     steps: int = 1
     same_expert: bool = False
     empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
+    ranks_per_node: int | None = None  # LOCAL_WORLD_SIZE for the topology-aware all-to-alls
 
 
 def grid_cases() -> list[Case]:
@@ -87,6 +89,16 @@ def extra_cases() -> list[Case]:
         Case("bias-balancing-softmax", {**base, "expert_bias_update_rate": 0.05}, steps=3),
         Case("loop-kernel", {**base, "expert_kernel": "loop"}),
         Case("loop-kernel-swiglu", {**base, "expert_kernel": "loop", "activation": "swiglu"}),
+        *[
+            Case(
+                f"alltoall-{algorithm}-{per_node}-per-node",
+                {**base, "alltoall": algorithm, "capacity_factor": factor},
+                ranks_per_node=per_node,
+                empty_ranks=empty,
+            )
+            for algorithm in ("2dh", "pairwise")
+            for per_node, factor, empty in ((2, 1.0, ()), (1, 0.0, (1,)), (4, 0.5, ()))
+        ],
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
@@ -109,9 +121,15 @@ def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELayer]:
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if case.ranks_per_node is not None and world_size % case.ranks_per_node == 0:
+        os.environ["LOCAL_WORLD_SIZE"] = str(case.ranks_per_node)
     torch.manual_seed(7)
     kwargs = dict(case.layer)
-    kernel = kwargs.pop("expert_kernel", "bmm")
+    execution = {  # how the layer runs, not what it computes: the reference has no such knobs
+        "expert_kernel": kwargs.pop("expert_kernel", "bmm"),
+        "alltoall": kwargs.pop("alltoall", "linear"),
+    }
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
@@ -121,7 +139,7 @@ def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELay
         if case.same_expert:
             steer = -torch.arange(case.num_experts, dtype=case.dtype).unsqueeze(1)
             reference.gate.weight.copy_(steer.expand_as(reference.gate.weight) + 3.0 * (steer == 0))
-    layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, expert_kernel=kernel, **kwargs)
+    layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, **execution, **kwargs)
     layer = layer.to(case.dtype)
     layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
     if world_size > 1:

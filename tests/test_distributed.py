@@ -16,6 +16,19 @@ def _build_indivisible(rank: int, world_size: int) -> None:
     MoELayer(8, 8, num_experts=3)
 
 
+def _topology_algorithm_on_custom_group(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    from moeflow import MoELayer
+
+    subgroup = dist.new_group([0, 1])
+    try:
+        MoELayer(8, 8, num_experts=2, alltoall="2dh", group=subgroup)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _die(rank: int, world_size: int) -> None:
     import torch
     import torch.distributed as dist
@@ -39,6 +52,12 @@ def _echo_rank(rank: int, world_size: int) -> tuple[int, int]:
 def test_experts_not_divisible_by_workers_is_a_clear_error() -> None:
     with pytest.raises(WorkerError, match="num_experts=3 is not divisible by the process group size 2"):
         run_distributed(_build_indivisible, 2, timeout_s=120)
+
+
+@pytest.mark.distributed
+def test_topology_algorithms_refuse_a_custom_group() -> None:
+    messages = run_distributed(_topology_algorithm_on_custom_group, 2, timeout_s=120)
+    assert all("use alltoall='linear' with a custom group" in message for message in messages)
 
 
 @pytest.mark.distributed

@@ -27,6 +27,7 @@ def make(**overrides) -> MoELayer:
         ({"aux_loss_weight": -1.0}, "aux_loss_weight must be a finite number >= 0"),
         ({"num_shared_experts": -1}, "num_shared_experts"),
         ({"expert_kernel": "auto"}, "unknown expert_kernel"),
+        ({"alltoall": "ring"}, "unknown alltoall 'ring'"),
     ],
 )
 def test_bad_arguments_name_themselves(overrides: dict, message: str) -> None:

@@ -16,6 +16,7 @@ GATES = ("softmax", "cosine")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop")
+ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class MoEConfig:
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
     expert_kernel: str = "bmm"
+    alltoall: str = "linear"
 
     def __post_init__(self) -> None:
         _require_positive_int("model_dim", self.model_dim)
@@ -56,6 +58,7 @@ class MoEConfig:
         _require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
         _require_choice("activation", self.activation, ACTIVATIONS)
         _require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
+        _require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

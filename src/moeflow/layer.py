@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.comm import all_to_all, group_rank, group_size, resolve_group
+from moeflow.comm.algorithms import all_to_all_with
+from moeflow.comm.topology import topology_from_env
 from moeflow.config import MoEConfig, validate_capacity_factor, validate_top_k
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN
@@ -72,6 +74,7 @@ class MoELayer(nn.Module):
         cosine_projection_dim: int = 256,
         check_finite: bool = False,
         expert_kernel: str = "bmm",
+        alltoall: str = "linear",
     ) -> None:
         super().__init__()
         config = MoEConfig(
@@ -82,7 +85,7 @@ class MoELayer(nn.Module):
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
             expert_bias_update_rate=expert_bias_update_rate,
             cosine_projection_dim=cosine_projection_dim, check_finite=check_finite,
-            expert_kernel=expert_kernel,
+            expert_kernel=expert_kernel, alltoall=alltoall,
         )
         self.config = config
         self.group = resolve_group(group)
@@ -94,6 +97,12 @@ class MoELayer(nn.Module):
                 f"{self.world_size}; use a multiple of {self.world_size} experts or a smaller group"
             )
         self.num_local_experts = num_experts // self.world_size
+        self.topology = topology_from_env(self.world_size)
+        if alltoall != "linear" and self.group is not None and self.group != dist.group.WORLD:
+            raise ValueError(
+                f"alltoall={alltoall!r} runs on the default (world) process group, where ranks are "
+                "numbered node-major; use alltoall='linear' with a custom group"
+            )
         self.gate = build_gate(
             gate, model_dim, num_experts, cosine_projection_dim, config.cosine_min_temperature
         )
@@ -205,7 +214,7 @@ class MoELayer(nn.Module):
         if self.group is None:
             return dispatched_ECM
         _, capacity, model_dim = dispatched_ECM.shape
-        received_WLCM = all_to_all(dispatched_ECM, self.group).view(
+        received_WLCM = self._all_to_all(dispatched_ECM).view(
             self.world_size, self.num_local_experts, capacity, model_dim
         )
         return received_WLCM.transpose(0, 1).reshape(
@@ -220,8 +229,14 @@ class MoELayer(nn.Module):
         by_source_WLCM = expert_output_LXM.view(
             self.num_local_experts, self.world_size, capacity, model_dim
         ).transpose(0, 1)
-        returned = all_to_all(by_source_WLCM.contiguous(), self.group)
+        returned = self._all_to_all(by_source_WLCM.contiguous())
         return returned.view(self.config.num_experts, capacity, model_dim)
+
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all of rows laid out by destination rank, with the chosen algorithm."""
+        if self.config.alltoall == "linear":
+            return all_to_all(x, self.group)
+        return all_to_all_with(self.config.alltoall, x, self.topology)
 
     def _stats(self, load: _GlobalLoad, capacity: int, top_k: int, factor: float) -> RoutingStats:
         counts_WE = load.counts_WE
@@ -234,7 +249,7 @@ class MoELayer(nn.Module):
             tokens_per_expert=counts_WE.sum(0).tolist(),
             dropped_per_expert=dropped_E.tolist(),
             plan={
-                "alltoall": "linear" if self.group is not None else "none",
+                "alltoall": self.config.alltoall if self.group is not None else "none",
                 "pipeline_degree": 1,
                 "expert_kernel": self.config.expert_kernel,
                 "world_size": self.world_size,

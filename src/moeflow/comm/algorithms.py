@@ -1,0 +1,164 @@
+"""All-to-all algorithms with one contract: input laid out by destination rank, output by source
+rank, equal splits (None) or explicit ``input_splits``/``output_splits`` in rows.
+
+- ``linear``: ``dist.all_to_all_single``, one step.
+- ``2dh``: Tutel's two-dimensional hierarchical all-to-all (Algorithm 2): stride copy, all-to-all
+  among the ranks of a node, stride copy, all-to-all among the same-local-rank ranks of all nodes.
+  Every rank sends N + G messages instead of W, which wins when per-message latency dominates.
+- ``pairwise``: FasterMoE's grouped pairwise exchange (4.2): ranks form groups (one per node) on a
+  ring; in step j group i sends to group (i - j) and receives from group (i + j). Each step is
+  usable alone (:func:`pairwise_step`) for a fine-grained send/compute/receive schedule.
+
+All are differentiable: the backward of an all-to-all is the same algorithm with the split matrix
+transposed. They run on the default (world) group, where ranks are numbered node-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from moeflow.comm.alltoall import all_to_all
+from moeflow.comm.topology import Topology, node_groups
+from moeflow.config import ALLTOALL_ALGORITHMS
+
+ALGORITHMS = ALLTOALL_ALGORITHMS
+SplitMatrix = list[list[int]]  # rows[s][d]: rows rank s sends to rank d
+
+
+def split_matrix(
+    x: torch.Tensor, world_size: int, input_splits: Sequence[int] | None, group: dist.ProcessGroup | None = None
+) -> SplitMatrix:
+    """Every rank's input splits (one all-gather); equal splits need no communication."""
+    if input_splits is None:
+        if x.shape[0] % world_size:
+            raise ValueError(f"{x.shape[0]} rows cannot be split equally over {world_size} ranks")
+        chunk = x.shape[0] // world_size
+        return [[chunk] * world_size for _ in range(world_size)]
+    if len(input_splits) != world_size or sum(input_splits) != x.shape[0]:
+        raise ValueError(
+            f"input_splits {list(input_splits)} must have {world_size} entries summing to {x.shape[0]} rows"
+        )
+    local = torch.tensor(list(input_splits), dtype=torch.int64, device=x.device)
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local, group=group)
+    return torch.stack(parts).cpu().tolist()
+
+
+def _transpose(matrix: SplitMatrix) -> SplitMatrix:
+    return [list(column) for column in zip(*matrix, strict=True)]
+
+
+# -- 2DH --------------------------------------------------------------------------------------
+
+
+def _alltoall_2dh(x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
+    groups = node_groups(topology)
+    me = dist.get_rank()
+    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    node, local = topology.node_of(me), topology.local_rank_of(me)
+    rank = topology.rank_of
+    by_dest = x.split(matrix[me])
+    # stride copy: chunks ordered (dest local rank, dest node), so local rank g' gets one block
+    send = torch.cat([by_dest[rank(n, g)] for g in range(per_node) for n in range(nodes)])
+    send_splits = [sum(matrix[me][rank(n, g)] for n in range(nodes)) for g in range(per_node)]
+    recv_splits = [sum(matrix[rank(node, gs)][rank(n, local)] for n in range(nodes)) for gs in range(per_node)]
+    received = all_to_all(send, groups.intra_node, recv_splits, send_splits)
+    # received: (source local rank gs, dest node n) -> stride copy to (dest node n, gs)
+    sizes = [matrix[rank(node, gs)][rank(n, local)] for gs in range(per_node) for n in range(nodes)]
+    pieces = received.split(sizes)
+    send = torch.cat([pieces[gs * nodes + n] for n in range(nodes) for gs in range(per_node)])
+    send_splits = [sum(matrix[rank(node, gs)][rank(n, local)] for gs in range(per_node)) for n in range(nodes)]
+    recv_splits = [sum(matrix[rank(n, gs)][me] for gs in range(per_node)) for n in range(nodes)]
+    # output: (source node, source local rank) = source rank order
+    return all_to_all(send, groups.inter_node, recv_splits, send_splits)
+
+
+# -- grouped pairwise exchange ---------------------------------------------------------------
+
+
+def pairwise_peers(topology: Topology, rank: int, step: int) -> tuple[list[int], list[int]]:
+    """(ranks this rank sends to, ranks it receives from) in ``step`` of the grouped exchange."""
+    nodes = topology.num_nodes
+    group = topology.node_of(rank)
+    to_group, from_group = (group - step) % nodes, (group + step) % nodes
+    members = range(topology.ranks_per_node)
+    return [topology.rank_of(to_group, g) for g in members], [topology.rank_of(from_group, g) for g in members]
+
+
+def pairwise_step(
+    by_dest: Sequence[torch.Tensor], topology: Topology, matrix: SplitMatrix, step: int
+) -> dict[int, torch.Tensor]:
+    """Run one step: send this rank's chunks for the target group, return the chunks received,
+    keyed by source rank. Zero-row messages are skipped on both sides (both know the sizes)."""
+    me = dist.get_rank()
+    send_to, receive_from = pairwise_peers(topology, me, step)
+    received: dict[int, torch.Tensor] = {}
+    requests = []
+    row_shape = by_dest[0].shape[1:]
+    for source in receive_from:
+        rows = matrix[source][me]
+        if source == me:
+            received[source] = by_dest[me]
+        elif rows:
+            buffer = by_dest[0].new_empty((rows, *row_shape))
+            requests.append(dist.irecv(buffer, src=source))
+            received[source] = buffer
+        else:
+            received[source] = by_dest[0].new_empty((0, *row_shape))
+    for dest in send_to:
+        if dest != me and matrix[me][dest]:
+            requests.append(dist.isend(by_dest[dest].contiguous(), dst=dest))
+    for request in requests:
+        request.wait()
+    return received
+
+
+def _alltoall_pairwise(x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
+    by_dest = x.split(matrix[dist.get_rank()])
+    received: dict[int, torch.Tensor] = {}
+    for step in range(topology.num_nodes):
+        received.update(pairwise_step(by_dest, topology, matrix, step))
+    return torch.cat([received[source] for source in range(topology.world_size)])
+
+
+class _PairwiseAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
+        ctx.topology, ctx.matrix = topology, matrix
+        return _alltoall_pairwise(x, topology, matrix)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        return _alltoall_pairwise(grad.contiguous(), ctx.topology, _transpose(ctx.matrix)), None, None
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def all_to_all_with(
+    algorithm: str,
+    x: torch.Tensor,
+    topology: Topology,
+    input_splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """All-to-all over the world group with the named algorithm (differentiable)."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if algorithm == "linear":
+        out_splits = None if output_splits is None else list(output_splits)
+        in_splits = None if input_splits is None else list(input_splits)
+        return all_to_all(x, dist.group.WORLD, out_splits, in_splits)
+    matrix = split_matrix(x, topology.world_size, input_splits)
+    me = dist.get_rank()
+    expected = [matrix[source][me] for source in range(topology.world_size)]
+    if output_splits is not None and list(output_splits) != expected:
+        raise ValueError(f"output_splits {list(output_splits)} disagree with what peers send: {expected}")
+    if algorithm == "2dh":
+        return _alltoall_2dh(x.contiguous(), topology, matrix)
+    return _PairwiseAllToAll.apply(x.contiguous(), topology, matrix)
