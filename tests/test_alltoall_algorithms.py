@@ -81,3 +81,16 @@ def test_unknown_algorithm_and_bad_splits_are_rejected() -> None:
         all_to_all_with("ring", torch.zeros(2, 1), Topology(1, 1))
     with pytest.raises(ValueError, match="cannot be split equally over 3 ranks"):
         split_matrix(torch.zeros(4, 1), 3, None)
+
+
+def run_in_launched_rank() -> None:
+    """Entry point for ranks started by ``moeflow launch``: exit 1 on any mismatch."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    failures = _exchange(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]))
+    dist.destroy_process_group()
+    print("\n".join(failures) or "all algorithms equal linear", flush=True)
+    raise SystemExit(1 if failures else 0)

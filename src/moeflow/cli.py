@@ -38,7 +38,73 @@ def _build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--repeats", type=_positive_int, default=5)
     layer.add_argument("--warmup", type=int, default=1)
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    _add_cluster_arguments(commands.add_parser(
+        "launch", help="run a command as every rank of an emulated multi-node cluster (needs root)",
+        description="Example: moeflow launch --nodes 2 --ranks-per-node 2 --inter-gbit 1 -- "
+        "python -m moeflow bench layer",
+    ), launch=True)
+    cluster = commands.add_parser(
+        "cluster", help="create an emulated cluster, probe its links, print JSON, tear it down (needs root)"
+    )
+    _add_cluster_arguments(cluster, launch=False)
+    cluster.add_argument("--cleanup", action="store_true", help="only delete namespaces left by killed runs")
     return parser
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser, launch: bool) -> None:
+    parser.add_argument("--nodes", type=_positive_int, default=2)
+    parser.add_argument("--ranks-per-node", type=_positive_int, default=2)
+    parser.add_argument("--inter-gbit", type=float, default=1.0, help="inter-node bandwidth per node (Gbit/s)")
+    parser.add_argument("--inter-latency-us", type=float, default=0.0,
+                        help="one-way inter-node latency (needs the kernel's sch_netem)")
+    parser.add_argument("--inter-jitter-us", type=float, default=0.0)
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
+    if launch:
+        parser.add_argument("rank_command", nargs=argparse.REMAINDER, help="-- then the command each rank runs")
+
+
+def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (imported lazily)
+    from moeflow.testbed import ClusterSpec
+
+    try:
+        return ClusterSpec(args.nodes, args.ranks_per_node, args.inter_gbit, args.inter_latency_us,
+                           args.inter_jitter_us)
+    except ValueError as error:
+        raise SystemExit(f"moeflow {args.command}: {error}") from None
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from moeflow.testbed import ClusterError, launch
+
+    command = args.rank_command[1:] if args.rank_command[:1] == ["--"] else args.rank_command
+    if not command:
+        raise SystemExit("moeflow launch: give the command to run after --, e.g. -- python train.py")
+    try:
+        return launch(_cluster_spec(args), command, master_port=args.master_port, timeout_s=args.timeout)
+    except ClusterError as error:
+        raise SystemExit(f"moeflow launch: {error}") from None
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from moeflow.testbed import ClusterError, launch, stale_namespaces, unavailable_reason
+
+    if args.cleanup:
+        reason = unavailable_reason()
+        if reason:
+            raise SystemExit(f"moeflow cluster: {reason}")
+        stale = stale_namespaces()
+        for name in stale:
+            subprocess.run(["ip", "netns", "del", name], check=False, timeout=30)
+        print(f"deleted {len(stale)} stale namespace(s): {' '.join(stale) or '-'}")
+        return 0
+    try:
+        return launch(_cluster_spec(args), [sys.executable, "-m", "moeflow.testbed.probe"],
+                      master_port=args.master_port, timeout_s=args.timeout or 120)
+    except ClusterError as error:
+        raise SystemExit(f"moeflow cluster: {error}") from None
 
 
 def _bench_layer(args: argparse.Namespace) -> int:
@@ -93,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_cpu_allocator()
     if args.command == "bench" and args.bench == "layer":
         return _bench_layer(args)
+    if args.command == "launch":
+        return _launch(args)
+    if args.command == "cluster":
+        return _cluster(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

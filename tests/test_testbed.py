@@ -1,0 +1,150 @@
+"""Emulated cluster and launcher. Needs root and iproute2; otherwise skipped with the reason."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from moeflow.testbed import ClusterError, ClusterSpec, EmulatedCluster, launch, unavailable_reason
+
+REASON = unavailable_reason()
+needs_testbed = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+RANK_SCRIPT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from datetime import timedelta
+    from moeflow.comm.topology import topology_from_env
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    topology = topology_from_env(world)
+    print(f"rank={rank} local={os.environ['LOCAL_RANK']} node={topology.node_of(rank)} "
+          f"world={world} sum={int(total.item())} if={os.environ['GLOO_SOCKET_IFNAME']}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _our_namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.startswith("mf")}
+
+
+@needs_testbed
+def test_launch_runs_every_rank_with_torchrun_environment_and_tears_down() -> None:
+    before = _our_namespaces()
+    out = io.StringIO()
+    code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=1.0), [sys.executable, "-c", RANK_SCRIPT],
+                  master_port=29611, timeout_s=120, sink=out)
+    assert code == 0, out.getvalue()
+    lines = [line for line in out.getvalue().splitlines() if "rank=" in line]
+    assert len(lines) == 4
+    for rank in range(4):
+        line = next(line for line in lines if line.startswith(f"[rank {rank}] "))
+        assert f"rank={rank} local={rank % 2} node={rank // 2} world=4 sum=6" in line
+    assert _our_namespaces() == before
+
+
+@needs_testbed
+def test_a_failing_rank_stops_the_job_with_its_exit_code() -> None:
+    script = "import os, sys, time\nif os.environ['RANK'] == '3': sys.exit(7)\ntime.sleep(60)"
+    before = _our_namespaces()
+    out = io.StringIO()
+    start = time.monotonic()
+    code = launch(ClusterSpec(nodes=2, ranks_per_node=2), [sys.executable, "-c", script],
+                  master_port=29612, timeout_s=120, sink=out)
+    assert code == 7
+    assert time.monotonic() - start < 30
+    assert "rank 3 exited with code 7" in out.getvalue()
+    assert not _our_namespaces() - before
+
+
+@needs_testbed
+def test_timeout_stops_every_rank() -> None:
+    code = launch(ClusterSpec(nodes=1, ranks_per_node=2), [sys.executable, "-c", "import time; time.sleep(60)"],
+                  master_port=29613, timeout_s=2, sink=io.StringIO())
+    assert code == 124
+
+
+@needs_testbed
+def test_inter_node_link_is_shaped_and_intra_node_is_not() -> None:
+    """8 MiB over a 1 Gbit/s link needs >= 67 ms. A lower bound only: a busy machine can only make
+    it slower, so the test fails only when the link is not shaped."""
+    script = textwrap.dedent("""
+        import os, time, torch, torch.distributed as dist
+        from datetime import timedelta
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        rank = dist.get_rank()
+        data, ack = torch.zeros(2 << 20), torch.zeros(1)
+        for peer in (2,):  # the first rank of the other node
+            if rank == 0:
+                start = time.perf_counter(); dist.send(data, peer); dist.recv(ack, peer)
+                print(f"peer{peer}_ms={(time.perf_counter() - start) * 1e3:.1f}", flush=True)
+            elif rank == peer:
+                dist.recv(data, 0); dist.send(ack, 0)
+            dist.barrier()
+    """)
+    out = io.StringIO()
+    code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=1.0), [sys.executable, "-c", script],
+                  master_port=29614, timeout_s=120, sink=out)
+    assert code == 0, out.getvalue()
+    times = dict(part.split("=") for part in out.getvalue().split() if part.startswith("peer"))
+    assert float(times["peer2_ms"]) >= 60.0, times
+
+
+@needs_testbed
+def test_every_node_link_carries_the_configured_shaping() -> None:
+    with EmulatedCluster(ClusterSpec(nodes=3, ranks_per_node=1, inter_gbit=2.0)) as cluster:
+        for node in range(3):
+            shown = subprocess.run(
+                [*cluster.exec_prefix(node), "tc", "qdisc", "show", "dev", cluster.interface(node)],
+                capture_output=True, text=True, check=True,
+            ).stdout
+            assert ("netem" in shown or "tbf" in shown) and "2Gbit" in shown, shown
+        namespaces = set(cluster.info()["namespaces"])
+        assert namespaces <= _our_namespaces()
+    assert not namespaces & _our_namespaces()
+
+
+def test_bad_specs_and_missing_root_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="inter_gbit must be > 0"):
+        ClusterSpec(nodes=2, ranks_per_node=1, inter_gbit=0)
+    with pytest.raises(ValueError, match="exceeds inter_latency_us"):
+        ClusterSpec(nodes=2, ranks_per_node=1, inter_latency_us=10, inter_jitter_us=20)
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(ClusterError, match="needs root"):
+        EmulatedCluster(ClusterSpec(nodes=2, ranks_per_node=1)).up()
+
+
+@needs_testbed
+def test_cli_launch_and_cleanup() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "launch", "--nodes", "1", "--ranks-per-node", "2", "--master-port", "29615",
+         "--", sys.executable, "-c", "import os; print('hello from', os.environ['RANK'])"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[rank 0] hello from 0" in result.stdout and "[rank 1] hello from 1" in result.stdout
+    cleanup = subprocess.run([sys.executable, "-m", "moeflow", "cluster", "--cleanup"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    assert cleanup.stdout.startswith("deleted ")
+
+
+@needs_testbed
+def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
+    tests_dir = str(Path(__file__).parent)
+    script = (
+        f"import sys; sys.path.insert(0, {tests_dir!r}); "
+        "import test_alltoall_algorithms as t; t.run_in_launched_rank()"
+    )
+    out = io.StringIO()
+    code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=2.0), [sys.executable, "-c", script],
+                  master_port=29616, timeout_s=180, sink=out)
+    assert code == 0, out.getvalue()
+    assert out.getvalue().count("all algorithms equal linear") == 4
