@@ -56,3 +56,23 @@ def test_interleaved_medians_time_round_robin_and_skip_warmup() -> None:
     )
     assert calls == ["|", "a", "|", "b"] * 5
     assert set(medians) == {"a", "b"} and all(v >= 0 for v in medians.values())
+
+
+def test_bench_alltoall_rejects_bad_layouts() -> None:
+    with pytest.raises(SystemExit, match="--layouts takes NODESxRANKS like 2x2"):
+        main(["bench", "alltoall", "--layouts", "2by2"])
+
+
+def test_alltoall_summary_finds_the_crossover() -> None:
+    from moeflow.bench.alltoall import summarize
+
+    def record(size: int, algorithm: str, ms: float) -> dict:
+        return {"nodes": 4, "ranks_per_node": 2, "bytes_per_destination": size, "algorithm": algorithm, "ms": ms,
+                "latency_emulated": True}
+
+    results = [record(1024, "linear", 2.0), record(1024, "2dh", 1.0), record(1024, "pairwise", 4.0),
+               record(65536, "linear", 3.0), record(65536, "2dh", 2.5), record(65536, "pairwise", 3.0),
+               record(1 << 20, "linear", 10.0), record(1 << 20, "2dh", 12.0), record(1 << 20, "pairwise", 10.0)]
+    layout = summarize(results)["layouts"]["4x2"]
+    assert layout["2dh_wins_up_to_bytes"] == 65536
+    assert layout["2dh_speedup_over_linear"]["1024"] == 2.0

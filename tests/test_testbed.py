@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import textwrap
@@ -148,3 +149,16 @@ def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
                   master_port=29616, timeout_s=180, sink=out)
     assert code == 0, out.getvalue()
     assert out.getvalue().count("all algorithms equal linear") == 4
+
+
+@needs_testbed
+def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "alltoall", "--layouts", "1x2", "--sizes", "1024", "--repeats", "1"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {line["algorithm"] for line in lines[:-1]} == {"linear", "2dh", "pairwise"}
+    assert all(line["ms"] > 0 and line["bytes_per_destination"] == 1024 for line in lines[:-1])
+    assert "1x2" in lines[-1]["layouts"] and lines[-1]["summary"] == "alltoall"

@@ -38,6 +38,16 @@ def _build_parser() -> argparse.ArgumentParser:
     layer.add_argument("--repeats", type=_positive_int, default=5)
     layer.add_argument("--warmup", type=int, default=1)
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    alltoall = benches.add_parser(
+        "alltoall", help="linear vs 2DH vs pairwise all-to-all on emulated clusters (needs root)",
+    )
+    alltoall.add_argument("--layouts", nargs="+", default=["2x2", "4x2", "1x4"],
+                          help="NODESxRANKS_PER_NODE, default 2x2 4x2 1x4")
+    alltoall.add_argument("--sizes", type=_positive_int, nargs="+", default=None,
+                          help="bytes per destination (default 1 KiB .. 1 MiB)")
+    alltoall.add_argument("--inter-gbit", type=float, default=1.0)
+    alltoall.add_argument("--inter-latency-us", type=float, default=100.0)
+    alltoall.add_argument("--repeats", type=_positive_int, default=7)
     _add_cluster_arguments(commands.add_parser(
         "launch", help="run a command as every rank of an emulated multi-node cluster (needs root)",
         description="Example: moeflow launch --nodes 2 --ranks-per-node 2 --inter-gbit 1 -- "
@@ -107,6 +117,29 @@ def _cluster(args: argparse.Namespace) -> int:
         raise SystemExit(f"moeflow cluster: {error}") from None
 
 
+def _bench_alltoall(args: argparse.Namespace) -> int:
+    from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
+    from moeflow.bench.layer import print_json
+    from moeflow.testbed import ClusterError, unavailable_reason
+
+    layouts = []
+    for text in args.layouts:
+        nodes, _, per_node = text.partition("x")
+        if not (nodes.isdigit() and per_node.isdigit() and int(nodes) >= 1 and int(per_node) >= 1):
+            raise SystemExit(f"moeflow bench alltoall: --layouts takes NODESxRANKS like 2x2, got {text!r}")
+        layouts.append((int(nodes), int(per_node)))
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"moeflow bench alltoall: {reason}")
+    try:
+        results = run(layouts, list(args.sizes or DEFAULT_SIZES), args.inter_gbit, args.inter_latency_us,
+                      args.repeats)
+    except (ClusterError, RuntimeError) as error:
+        raise SystemExit(f"moeflow bench alltoall: {error}") from None
+    print_json(summarize(results))
+    return 0
+
+
 def _bench_layer(args: argparse.Namespace) -> int:
     import torch
 
@@ -159,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_cpu_allocator()
     if args.command == "bench" and args.bench == "layer":
         return _bench_layer(args)
+    if args.command == "bench" and args.bench == "alltoall":
+        return _bench_alltoall(args)
     if args.command == "launch":
         return _launch(args)
     if args.command == "cluster":
