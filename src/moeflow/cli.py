@@ -48,6 +48,24 @@ def _build_parser() -> argparse.ArgumentParser:
     alltoall.add_argument("--inter-gbit", type=float, default=1.0)
     alltoall.add_argument("--inter-latency-us", type=float, default=100.0)
     alltoall.add_argument("--repeats", type=_positive_int, default=7)
+    calibrate = commands.add_parser(
+        "calibrate", help="fit alpha-beta cost models (GEMM, collectives, interference); write a profile",
+        description="Locally it spawns --workers gloo workers; under moeflow launch or torchrun it uses the "
+        "launched ranks (rank 0 writes the profile).",
+    )
+    calibrate.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    calibrate.add_argument("--workers", type=_positive_int, default=2)
+    calibrate.add_argument("--model-dim", type=_positive_int, default=512)
+    calibrate.add_argument("--hidden-dim", type=_positive_int, default=1024)
+    calibrate.add_argument("--repeats", type=_positive_int, default=5)
+    plan = commands.add_parser("plan", help="predicted times of an MoE layer from a calibrated profile")
+    plan.add_argument("--profile", required=True)
+    plan.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per rank")
+    plan.add_argument("--model-dim", type=_positive_int, default=512)
+    plan.add_argument("--hidden-dim", type=_positive_int, default=1024)
+    plan.add_argument("--experts", type=_positive_int, default=8)
+    plan.add_argument("--top-k", type=_positive_int, default=2)
+    plan.add_argument("--capacity-factor", type=float, default=1.0)
     _add_cluster_arguments(commands.add_parser(
         "launch", help="run a command as every rank of an emulated multi-node cluster (needs root)",
         description="Example: moeflow launch --nodes 2 --ranks-per-node 2 --inter-gbit 1 -- "
@@ -115,6 +133,60 @@ def _cluster(args: argparse.Namespace) -> int:
                       master_port=args.master_port, timeout_s=args.timeout or 120)
     except ClusterError as error:
         raise SystemExit(f"moeflow cluster: {error}") from None
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    from moeflow.bench.layer import print_json
+    from moeflow.calibrate import CalibrationConfig, calibrate_from_env, calibrate_rank
+    from moeflow.distributed import run_distributed
+    from moeflow.perf import ClusterProfile
+
+    config = CalibrationConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim, repeats=args.repeats)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # ranks of moeflow launch / torchrun
+        profile = calibrate_from_env(config)
+        if profile is None:
+            return 0
+    else:
+        profile = run_distributed(calibrate_rank, args.workers, config, timeout_s=1800)[0]
+    for report in profile["quality"]["fits"]:
+        print_json(report)
+    ClusterProfile.from_dict(profile).save(args.out)
+    fits = profile["quality"]["fits"]
+    print_json({"summary": "calibrate", "profile": args.out, "fits": len(fits),
+                "min_r2": min(f["r2"] for f in fits),
+                "max_heldout_median_rel_error": max(f["heldout_median_rel_error"] for f in fits),
+                "interference": profile["interference"]})
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from moeflow.bench.layer import print_json
+    from moeflow.comm.algorithms import ALGORITHMS
+    from moeflow.perf import ClusterProfile, CostModel, LayerShape
+
+    try:
+        profile = ClusterProfile.load(args.profile)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"moeflow plan: {error}") from None
+    model = CostModel(profile)
+    if args.top_k > args.experts or args.experts % model.world_size:
+        raise SystemExit(f"moeflow plan: need top_k <= experts and experts divisible by {model.world_size} ranks")
+    shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
+    best = None
+    for algorithm in ALGORITHMS if model.world_size > 1 else ("linear",):
+        if f"alltoall.{algorithm}" not in profile.fits and model.world_size > 1:
+            continue
+        times = model.layer_times(shape, algorithm)
+        print_json({"plan": "layer", "alltoall": algorithm, **{k: v * 1e3 if k.endswith("_s") else v
+                    for k, v in times.items()}})
+        if best is None or times["serial_s"] < best[1]:
+            best = (algorithm, times["serial_s"])
+    assert best is not None
+    print_json({"summary": "plan", "alltoall": best[0], "predicted_serial_ms": best[1] * 1e3,
+                "world_size": model.world_size, "capacity": shape.capacity()})
+    return 0
 
 
 def _bench_alltoall(args: argparse.Namespace) -> int:
@@ -194,6 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_layer(args)
     if args.command == "bench" and args.bench == "alltoall":
         return _bench_alltoall(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "launch":
         return _launch(args)
     if args.command == "cluster":

@@ -189,4 +189,5 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_json(obj: dict[str, Any]) -> None:
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in obj.items()}), flush=True)
+    """One JSON line; floats keep 4 significant digits (so tiny fitted slopes stay visible)."""
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)

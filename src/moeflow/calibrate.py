@@ -1,0 +1,150 @@
+"""``moeflow calibrate``: micro-benchmarks -> alpha-beta fits -> a cluster profile (JSON).
+
+Measured on the running job's ranks (spawned gloo workers, or ranks started by ``moeflow launch`` /
+torchrun):
+- the expert GEMM (m x M) @ (M x H) over token counts m, x = m*M*H;
+- each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather (and
+  reduce-scatter where the backend has it), x = bytes each rank contributes, time of the slowest rank;
+- interference: a GEMM's slowdown while an asynchronous all-to-all is in flight.
+
+Every fit is made on half of the sizes and scored on the other half (held out): the profile stores
+the fit, its R^2 and the median relative error of its predictions on the held-out sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
+from moeflow.comm.topology import topology_from_env
+from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    model_dim: int = 512
+    hidden_dim: int = 1024
+    gemm_tokens: tuple[int, ...] = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
+    collective_bytes: tuple[int, ...] = tuple(int(2 ** (16 + i * 7 / 11)) for i in range(12))  # 64 KiB .. 8 MiB
+    repeats: int = 5
+
+
+def _median_time(fn: Callable[[], object], repeats: int, slowest_rank: bool) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        if slowest_rank:
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        if slowest_rank:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
+    weight = torch.randn(config.model_dim, config.hidden_dim)
+    points = []
+    for tokens in config.gemm_tokens:
+        x = torch.randn(tokens, config.model_dim)
+        seconds = _median_time(lambda x=x: torch.mm(x, weight), config.repeats, slowest_rank=False)
+        points.append((tokens * config.model_dim * config.hidden_dim, seconds))
+    return points
+
+
+def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
+    topology = topology_from_env(world)
+    points: dict[str, list[tuple[float, float]]] = {}
+    for size in config.collective_bytes:
+        elements = max(world, size // 4 // world * world)
+        x = torch.zeros(elements)
+        operations: dict[str, Callable[[], object]] = {
+            f"alltoall.{name}": (lambda name=name, x=x: all_to_all_with(name, x, topology)) for name in ALGORITHMS
+        }
+        operations["allreduce"] = lambda x=x: dist.all_reduce(x.clone())
+        gathered = [torch.empty_like(x) for _ in range(world)]
+        operations["allgather"] = lambda x=x, gathered=gathered: dist.all_gather(gathered, x)
+        for name, operation in operations.items():
+            points.setdefault(name, []).append((elements * 4, _median_time(operation, config.repeats, True)))
+    return points
+
+
+def _interference(config: CalibrationConfig, world: int) -> float:
+    """GEMM time while an all-to-all is in flight over GEMM time alone (>= 1 means slowdown)."""
+    x = torch.randn(config.gemm_tokens[-1], config.model_dim)
+    weight = torch.randn(config.model_dim, config.hidden_dim)
+    payload = torch.zeros(world * (config.collective_bytes[-1] // 4 // world))
+    received = torch.empty_like(payload)
+
+    def gemm_alone() -> None:
+        torch.mm(x, weight)
+
+    def gemm_during_alltoall() -> None:
+        work = dist.all_to_all_single(received, payload, async_op=True)
+        start = time.perf_counter()
+        torch.mm(x, weight)
+        samples.append(time.perf_counter() - start)
+        work.wait()
+
+    alone = _median_time(gemm_alone, config.repeats, slowest_rank=False)
+    samples: list[float] = []
+    for _ in range(config.repeats + 1):
+        dist.barrier()
+        gemm_during_alltoall()
+    return max(1.0, statistics.median(samples[1:]) / alone)
+
+
+def _fit_with_holdout(name: str, points: list[tuple[float, float]], unit: str) -> tuple[Any, dict[str, Any]]:
+    train, held_out = points[0::2], points[1::2]
+    fit = fit_alpha_beta([p[0] for p in train], [p[1] for p in train], unit)
+    error = median_relative_error(fit, [p[0] for p in held_out], [p[1] for p in held_out])
+    return fit, {"fit": name, "alpha_s": fit.alpha, "beta_s_per_unit": fit.beta, "unit": unit, "r2": fit.r2,
+                 "heldout_median_rel_error": error, "points": len(points)}
+
+
+def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str, Any] | None:
+    """Run on every rank of an initialized process group; rank 0 returns the profile as a dict."""
+    torch.set_num_threads(1)
+    topology = topology_from_env(world)
+    gemm = _gemm_points(config)
+    collectives = _collective_points(config, world) if world > 1 else {}
+    interference = _interference(config, world) if world > 1 else 1.0
+    if rank != 0:
+        return None
+    fits, quality = {}, []
+    fits["gemm"], report = _fit_with_holdout("gemm", gemm, "m*k*n")
+    quality.append(report)
+    for name, points in collectives.items():
+        fits[name], report = _fit_with_holdout(name, points, "bytes")
+        quality.append(report)
+    profile = ClusterProfile(
+        nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, fits=fits, interference=interference,
+        machine={
+            "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "threads_per_rank": 1, "backend": dist.get_backend(),
+            "latency_emulated": os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED"),
+        },
+        quality={"fits": quality, "interference": interference},
+    )
+    return profile.to_dict()
+
+
+def calibrate_from_env(config: CalibrationConfig) -> dict[str, Any] | None:
+    """Entry point for ranks started by ``moeflow launch`` or torchrun (env:// rendezvous)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        return calibrate_rank(dist.get_rank(), dist.get_world_size(), config)
+    finally:
+        dist.destroy_process_group()

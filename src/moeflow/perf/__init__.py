@@ -1,0 +1,23 @@
+"""Performance models: alpha-beta fits, cluster profiles, cost functions, FasterMoE's roofline.
+
+Plain math on numbers: nothing here imports torch.distributed, so planners and simulators can use it.
+"""
+
+from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_error
+from moeflow.perf.cost import CostModel, LayerShape
+from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile
+from moeflow.perf.roofline import Roofline, communication_latency, computation_latency, link_traffic
+
+__all__ = [
+    "PROFILE_VERSION",
+    "AlphaBeta",
+    "ClusterProfile",
+    "CostModel",
+    "LayerShape",
+    "Roofline",
+    "communication_latency",
+    "computation_latency",
+    "fit_alpha_beta",
+    "link_traffic",
+    "median_relative_error",
+]

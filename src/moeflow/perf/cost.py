@@ -1,0 +1,76 @@
+"""Cost functions on a calibrated profile: what PipeMoE's and Tutel's planners evaluate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.perf.profile import ClusterProfile
+from moeflow.perf.roofline import Roofline
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer on one rank: tokens T, model dim M, hidden H, E experts, k, capacity factor f."""
+
+    tokens: int
+    model_dim: int
+    hidden_dim: int
+    experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    bytes_per_element: int = 4
+    swiglu: bool = False
+
+    def capacity(self) -> int:
+        return max(1, -(-int(self.top_k * self.capacity_factor * self.tokens) // self.experts))
+
+
+class CostModel:
+    """t_gemm, t_expert, t_a2a (per algorithm), t_allreduce, t_allgather in seconds."""
+
+    def __init__(self, profile: ClusterProfile) -> None:
+        self.profile = profile
+
+    @property
+    def world_size(self) -> int:
+        return self.profile.nodes * self.profile.ranks_per_node
+
+    def t_gemm(self, m: int, k: int, n: int) -> float:
+        return self.profile.fit("gemm")(m * k * n)
+
+    def t_expert(self, shape: LayerShape, backward: bool = False, overlapped: bool = False) -> float:
+        """Expert FFN of the local experts on the dispatched (E_local, W*C, M) buffer."""
+        local_experts = max(1, shape.experts // self.world_size)
+        rows = self.world_size * shape.capacity()
+        projections = 3 if shape.swiglu else 2
+        one = self.t_gemm(rows, shape.model_dim, shape.hidden_dim) * projections * local_experts
+        seconds = one * (3 if backward else 1)
+        return seconds * (self.profile.interference if overlapped else 1.0)
+
+    def dispatch_bytes(self, shape: LayerShape) -> int:
+        """Bytes one rank sends in one all-to-all: its whole (E, C, M) buffer."""
+        return shape.experts * shape.capacity() * shape.model_dim * shape.bytes_per_element
+
+    def t_alltoall(self, algorithm: str, size_bytes: float) -> float:
+        if self.world_size == 1:
+            return 0.0
+        return self.profile.fit(f"alltoall.{algorithm}")(size_bytes)
+
+    def t_allreduce(self, size_bytes: float) -> float:
+        return 0.0 if self.world_size == 1 else self.profile.fit("allreduce")(size_bytes)
+
+    def t_allgather(self, size_bytes: float) -> float:
+        return 0.0 if self.world_size == 1 else self.profile.fit("allgather")(size_bytes)
+
+    def layer_times(self, shape: LayerShape, algorithm: str = "linear", backward: bool = True) -> dict[str, float]:
+        """Unpipelined forward(+backward) prediction: two all-to-alls per pass around the experts."""
+        passes = 2 if backward else 1
+        communicate = 2 * passes * self.t_alltoall(algorithm, self.dispatch_bytes(shape))
+        compute = self.t_expert(shape, backward=backward)
+        roofline = Roofline(compute, communicate)
+        return {
+            "compute_s": compute, "communicate_s": communicate, "serial_s": roofline.semi_ideal_s,
+            "ideal_s": roofline.ideal_s, "r_cc": roofline.r_cc,
+            "ideal_fraction_of_peak": roofline.ideal_fraction_of_peak,
+            "semi_ideal_fraction_of_peak": roofline.semi_ideal_fraction_of_peak,
+        }

@@ -1,0 +1,69 @@
+"""Cluster profile: the calibrated alpha-beta fits of one cluster, saved as versioned JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeflow.perf.alphabeta import AlphaBeta
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """Fits keyed by operation: ``gemm`` (x = m*k*n), ``alltoall.<algorithm>``, ``allreduce``,
+    ``allgather``, ``reducescatter`` (x = bytes each rank contributes). ``interference`` is the
+    slowdown factor of a GEMM that runs while an all-to-all is in flight (>= 1)."""
+
+    nodes: int
+    ranks_per_node: int
+    fits: dict[str, AlphaBeta]
+    interference: float = 1.0
+    machine: dict[str, Any] = field(default_factory=dict)
+    quality: dict[str, Any] = field(default_factory=dict)
+
+    def fit(self, name: str) -> AlphaBeta:
+        if name not in self.fits:
+            raise KeyError(f"profile has no fit for {name!r}; calibrated: {sorted(self.fits)}")
+        return self.fits[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+            "fits": {name: fit.to_dict() for name, fit in self.fits.items()},
+            "interference": self.interference, "machine": self.machine, "quality": self.quality,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ClusterProfile:
+        if values.get("version") != PROFILE_VERSION:
+            raise ValueError(
+                f"profile version {values.get('version')!r} is not {PROFILE_VERSION}; re-run moeflow calibrate"
+            )
+        return cls(
+            nodes=int(values["nodes"]), ranks_per_node=int(values["ranks_per_node"]),
+            fits={name: AlphaBeta.from_dict(fit) for name, fit in values["fits"].items()},
+            interference=float(values.get("interference", 1.0)), machine=dict(values.get("machine", {})),
+            quality=dict(values.get("quality", {})),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Atomic write: a temporary file in the same folder, then rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            temporary = handle.name
+        os.replace(temporary, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no cluster profile at {path}; create one with: moeflow calibrate --out {path}")
+        return cls.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,127 @@
+"""Performance models: fits, profiles, cost functions and FasterMoE's roofline (plain math)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moeflow.perf import (
+    AlphaBeta,
+    ClusterProfile,
+    CostModel,
+    LayerShape,
+    Roofline,
+    communication_latency,
+    computation_latency,
+    fit_alpha_beta,
+    link_traffic,
+    median_relative_error,
+)
+
+
+def test_fit_recovers_an_exact_line_and_scores_noise_lower() -> None:
+    xs = [1e3, 2e3, 4e3, 8e3]
+    exact = fit_alpha_beta(xs, [0.5 + 0.001 * x for x in xs])
+    assert exact.alpha == pytest.approx(0.5) and exact.beta == pytest.approx(0.001) and exact.r2 == pytest.approx(1)
+    noisy = fit_alpha_beta(xs, [1.6, 2.3, 4.9, 8.4])
+    assert 0.9 < noisy.r2 < 1.0
+    through_origin = fit_alpha_beta([1, 2, 3], [0.5, 2.0, 3.2])  # negative intercept -> clamped
+    assert through_origin.alpha == 0.0 and through_origin.beta > 0
+    with pytest.raises(ValueError, match="two distinct x"):
+        fit_alpha_beta([1, 1], [1, 2])
+    assert median_relative_error(AlphaBeta(0.0, 1.0), [1, 2, 4], [1.1, 2.0, 4.0]) == pytest.approx(0.0)
+
+
+def test_roofline_quantities() -> None:
+    compute_bound = Roofline(compute_s=2.0, communicate_s=1.0)
+    assert compute_bound.r_cc == 2.0 and compute_bound.ideal_fraction_of_peak == 1.0
+    assert compute_bound.semi_ideal_fraction_of_peak == pytest.approx(2 / 3)
+    assert compute_bound.ideal_s == 2.0 and compute_bound.semi_ideal_s == 3.0
+    comm_bound = Roofline(compute_s=1.0, communicate_s=4.0)
+    assert comm_bound.ideal_fraction_of_peak == 0.25
+    assert Roofline(1.0, 0.0).r_cc == float("inf")
+
+
+def test_topology_aware_traffic_and_latency() -> None:
+    # 2 nodes x 2 ranks; rank 0 sends 10 to rank 1 (same node) and 100 to rank 2 (other node)
+    matrix = [[0, 10, 100, 0], [0, 0, 0, 0], [0, 0, 0, 0], [50, 0, 0, 0]]
+    traffic = link_traffic(matrix, ranks_per_node=2)
+    assert traffic == {("local", 0): 10, ("up", 0): 100, ("down", 1): 100, ("up", 1): 50, ("down", 0): 50}
+    assert communication_latency(matrix, 2, inter_bytes_per_s=10.0, intra_bytes_per_s=100.0) == 10.0
+    assert computation_latency([100, 300], flops_per_token=2.0, flops_per_second=100.0) == 6.0
+
+
+def _profile() -> ClusterProfile:
+    fits = {
+        "gemm": AlphaBeta(0.0, 1e-9), "alltoall.linear": AlphaBeta(1e-3, 1e-8), "alltoall.2dh": AlphaBeta(2e-3, 1e-8),
+        "allreduce": AlphaBeta(1e-3, 2e-8), "allgather": AlphaBeta(1e-3, 1e-8),
+    }
+    return ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2)
+
+
+def test_cost_model_composes_the_fits() -> None:
+    model = CostModel(_profile())
+    shape = LayerShape(tokens=1024, model_dim=64, hidden_dim=128, experts=8, top_k=2)
+    assert shape.capacity() == 256
+    # 2 local experts x 2 GEMMs of (4 ranks * 256 rows) x 64 x 128
+    assert model.t_expert(shape) == pytest.approx(2 * 2 * 1e-9 * (4 * 256) * 64 * 128)
+    assert model.t_expert(shape, backward=True, overlapped=True) == pytest.approx(3 * 1.2 * model.t_expert(shape))
+    assert model.dispatch_bytes(shape) == 8 * 256 * 64 * 4
+    times = model.layer_times(shape, "linear")
+    assert times["communicate_s"] == pytest.approx(4 * (1e-3 + 1e-8 * model.dispatch_bytes(shape)))
+    assert times["serial_s"] == pytest.approx(times["compute_s"] + times["communicate_s"])
+    with pytest.raises(KeyError, match=r"no fit for 'alltoall\.pairwise'"):
+        model.t_alltoall("pairwise", 10)
+
+
+def test_profile_round_trip_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "profile.json"
+    _profile().save(path)
+    assert ClusterProfile.load(path) == _profile()
+    assert not list(path.parent.glob("*.tmp"))  # atomic write leaves no temporary behind
+    stale = json.loads(path.read_text()) | {"version": 0}
+    path.write_text(json.dumps(stale))
+    with pytest.raises(ValueError, match="re-run moeflow calibrate"):
+        ClusterProfile.load(path)
+    with pytest.raises(FileNotFoundError, match="moeflow calibrate --out"):
+        ClusterProfile.load(tmp_path / "missing.json")
+
+
+def test_perf_never_imports_torch_distributed() -> None:
+    import moeflow.perf
+
+    for source in Path(moeflow.perf.__file__).parent.glob("*.py"):
+        lines = [line.strip() for line in source.read_text().splitlines()]
+        imports = [line for line in lines if line.startswith(("import ", "from "))]
+        assert not [line for line in imports if "torch" in line.split()[1]], source
+
+
+@pytest.mark.distributed
+def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> None:
+    from moeflow.calibrate import CalibrationConfig, calibrate_rank
+    from moeflow.distributed import run_distributed
+
+    config = CalibrationConfig(model_dim=32, hidden_dim=64, gemm_tokens=(64, 128, 256, 512),
+                               collective_bytes=(4096, 16384, 65536, 262144), repeats=1)
+    profile_dict = run_distributed(calibrate_rank, 2, config, timeout_s=300)[0]
+    profile = ClusterProfile.from_dict(profile_dict)
+    assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
+                                 "allgather"}
+    assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
+    assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
+    assert CostModel(profile).layer_times(LayerShape(256, 32, 64, 4))["serial_s"] > 0
+
+
+def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.cli import main
+
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {line["alltoall"] for line in lines[:-1]} == {"linear", "2dh"}  # pairwise was not calibrated
+    assert lines[-1]["summary"] == "plan" and lines[-1]["alltoall"] == "linear"
+    with pytest.raises(SystemExit, match="moeflow calibrate --out"):
+        main(["plan", "--profile", str(tmp_path / "none.json")])
