@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from moeflow import MoELayer
 from moeflow.experts import shard_expert_state
+from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
 
 # fp32: the layer sums in a different order than the reference (bmm vs per-expert mm, index_add
@@ -27,6 +28,13 @@ FP32_TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
 # float64: same math, so differences are pure rounding of order 1e-15 (fp32 gate logits aside,
 # which both sides compute identically).
 FP64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
+
+
+PROFILE_FAVOURING_2DH = ClusterProfile(
+    nodes=2, ranks_per_node=2,
+    fits={"alltoall.linear": AlphaBeta(2e-3, 1e-8), "alltoall.2dh": AlphaBeta(1e-3, 1e-8),
+          "alltoall.pairwise": AlphaBeta(3e-3, 1e-8)},
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class Case:
     same_expert: bool = False
     empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
     ranks_per_node: int | None = None  # LOCAL_WORLD_SIZE for the topology-aware all-to-alls
+    expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
 
 
 def grid_cases() -> list[Case]:
@@ -99,6 +108,11 @@ def extra_cases() -> list[Case]:
             for algorithm in ("2dh", "pairwise")
             for per_node, factor, empty in ((2, 1.0, ()), (1, 0.0, (1,)), (4, 0.5, ()))
         ],
+        Case(
+            "alltoall-auto-from-profile", {**base, "alltoall": "auto", "profile": PROFILE_FAVOURING_2DH},
+            ranks_per_node=2, expected_alltoall="2dh",
+        ),
+        Case("alltoall-auto-without-profile", {**base, "alltoall": "auto"}, expected_alltoall="linear"),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
@@ -129,6 +143,7 @@ def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELay
     execution = {  # how the layer runs, not what it computes: the reference has no such knobs
         "expert_kernel": kwargs.pop("expert_kernel", "bmm"),
         "alltoall": kwargs.pop("alltoall", "linear"),
+        "profile": kwargs.pop("profile", None),
     }
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
@@ -208,6 +223,8 @@ def check_case(case: Case, rank: int, world_size: int) -> list[str]:
             counts, dropped = _sum_over_ranks(counts), _sum_over_ranks(dropped)
         stats = layer.last_stats
         assert stats is not None
+        if case.expected_alltoall and world_size > 1 and stats.plan["alltoall"] != case.expected_alltoall:
+            failures.append(f"{case.name}: used {stats.plan['alltoall']}, expected {case.expected_alltoall}")
         if stats.tokens_per_expert != counts.tolist():
             failures.append(f"{case.name}: tokens_per_expert {stats.tokens_per_expert} != {counts.tolist()}")
         if stats.dropped_per_expert != dropped.tolist():

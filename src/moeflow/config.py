@@ -17,6 +17,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop")
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
+ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class MoEConfig:
         _require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
         _require_choice("activation", self.activation, ACTIVATIONS)
         _require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
-        _require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
+        _require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

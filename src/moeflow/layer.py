@@ -17,9 +17,10 @@ from torch import nn
 from moeflow.comm import all_to_all, group_rank, group_size, resolve_group
 from moeflow.comm.algorithms import all_to_all_with
 from moeflow.comm.topology import topology_from_env
-from moeflow.config import MoEConfig, validate_capacity_factor, validate_top_k
+from moeflow.config import ALLTOALL_ALGORITHMS, MoEConfig, validate_capacity_factor, validate_top_k
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN
+from moeflow.perf import ClusterProfile, CostModel
 from moeflow.routing import (
     assign_slots,
     build_gate,
@@ -47,6 +48,8 @@ class _GlobalLoad:
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer with Tutel's API, expert-parallel over a group.
 
+    ``alltoall="auto"`` picks, per forward, the algorithm a calibrated ``profile`` (a
+    :class:`~moeflow.perf.ClusterProfile` or the path of one) predicts fastest; linear without one.
     ``group=None`` uses the default process group when torch.distributed is initialized and runs
     single-process otherwise. Expert e lives on rank e // L at local index e % L.
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
@@ -75,6 +78,7 @@ class MoELayer(nn.Module):
         check_finite: bool = False,
         expert_kernel: str = "bmm",
         alltoall: str = "linear",
+        profile: ClusterProfile | str | None = None,
     ) -> None:
         super().__init__()
         config = MoEConfig(
@@ -98,6 +102,9 @@ class MoELayer(nn.Module):
             )
         self.num_local_experts = num_experts // self.world_size
         self.topology = topology_from_env(self.world_size)
+        if isinstance(profile, str):
+            profile = ClusterProfile.load(profile)
+        self.cost_model = CostModel(profile) if profile is not None else None
         if alltoall != "linear" and self.group is not None and self.group != dist.group.WORLD:
             raise ValueError(
                 f"alltoall={alltoall!r} runs on the default (world) process group, where ranks are "
@@ -112,6 +119,7 @@ class MoELayer(nn.Module):
             if num_shared_experts
             else None
         )
+        self._algorithm = "linear"
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
 
@@ -143,6 +151,7 @@ class MoELayer(nn.Module):
 
         # encode -> dispatch -> experts -> combine -> decode
         dispatched_ECM = encode(x_TM, plan)
+        self._algorithm = self._choose_alltoall(dispatched_ECM)
         expert_input_LXM = self._dispatch(dispatched_ECM)
         expert_output_LXM = self.experts(expert_input_LXM)
         combined_ECM = self._combine(expert_output_LXM, capacity)
@@ -208,13 +217,24 @@ class MoELayer(nn.Module):
             gathered = torch.stack(parts).cpu()
         return _GlobalLoad(counts_WE=gathered[:, :-1], max_tokens_per_rank=int(gathered[:, -1].max()))
 
+    def _choose_alltoall(self, dispatched_ECM: torch.Tensor) -> str:
+        """``auto``: the algorithm with the lowest predicted time for this buffer, from the profile
+        (linear without one). Every rank sees the same profile and buffer shape, so all agree."""
+        if self.config.alltoall != "auto":
+            return self.config.alltoall
+        if self.cost_model is None or self.group is None:
+            return "linear"
+        size = dispatched_ECM.numel() * dispatched_ECM.element_size()
+        candidates = [a for a in ALLTOALL_ALGORITHMS if f"alltoall.{a}" in self.cost_model.profile.fits]
+        return min(candidates, key=lambda a: self.cost_model.t_alltoall(a, size), default="linear")
+
     def _dispatch(self, dispatched_ECM: torch.Tensor) -> torch.Tensor:
         """(E, C, M) by destination expert -> (L, W*C, M): the flexible all-to-all layout, one GEMM
         shape whatever the world size."""
         if self.group is None:
             return dispatched_ECM
         _, capacity, model_dim = dispatched_ECM.shape
-        received_WLCM = self._all_to_all(dispatched_ECM).view(
+        received_WLCM = self._all_to_all(dispatched_ECM, self._algorithm).view(
             self.world_size, self.num_local_experts, capacity, model_dim
         )
         return received_WLCM.transpose(0, 1).reshape(
@@ -229,14 +249,14 @@ class MoELayer(nn.Module):
         by_source_WLCM = expert_output_LXM.view(
             self.num_local_experts, self.world_size, capacity, model_dim
         ).transpose(0, 1)
-        returned = self._all_to_all(by_source_WLCM.contiguous())
+        returned = self._all_to_all(by_source_WLCM.contiguous(), self._algorithm)
         return returned.view(self.config.num_experts, capacity, model_dim)
 
-    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Equal-split all-to-all of rows laid out by destination rank, with the chosen algorithm."""
-        if self.config.alltoall == "linear":
+    def _all_to_all(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
+        """Equal-split all-to-all of rows laid out by destination rank, with the given algorithm."""
+        if algorithm == "linear":
             return all_to_all(x, self.group)
-        return all_to_all_with(self.config.alltoall, x, self.topology)
+        return all_to_all_with(algorithm, x, self.topology)
 
     def _stats(self, load: _GlobalLoad, capacity: int, top_k: int, factor: float) -> RoutingStats:
         counts_WE = load.counts_WE
@@ -249,7 +269,7 @@ class MoELayer(nn.Module):
             tokens_per_expert=counts_WE.sum(0).tolist(),
             dropped_per_expert=dropped_E.tolist(),
             plan={
-                "alltoall": self.config.alltoall if self.group is not None else "none",
+                "alltoall": self._algorithm if self.group is not None else "none",
                 "pipeline_degree": 1,
                 "expert_kernel": self.config.expert_kernel,
                 "world_size": self.world_size,
