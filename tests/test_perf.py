@@ -123,5 +123,6 @@ def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixtu
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["alltoall"] for line in lines[:-1]} == {"linear", "2dh"}  # pairwise was not calibrated
     assert lines[-1]["summary"] == "plan" and lines[-1]["alltoall"] == "linear"
+    assert {"compute_ms", "communicate_ms", "serial_ms", "ideal_ms", "r_cc"} <= set(lines[0])
     with pytest.raises(SystemExit, match="moeflow calibrate --out"):
         main(["plan", "--profile", str(tmp_path / "none.json")])

@@ -179,8 +179,9 @@ def _plan(args: argparse.Namespace) -> int:
         if f"alltoall.{algorithm}" not in profile.fits and model.world_size > 1:
             continue
         times = model.layer_times(shape, algorithm)
-        print_json({"plan": "layer", "alltoall": algorithm, **{k: v * 1e3 if k.endswith("_s") else v
-                    for k, v in times.items()}})
+        in_ms = {(k.removesuffix("_s") + "_ms" if k.endswith("_s") else k): (v * 1e3 if k.endswith("_s") else v)
+                 for k, v in times.items()}
+        print_json({"plan": "layer", "alltoall": algorithm, **in_ms})
         if best is None or times["serial_s"] < best[1]:
             best = (algorithm, times["serial_s"])
     assert best is not None
