@@ -3,8 +3,9 @@
 Measured on the running job's ranks (spawned gloo workers, or ranks started by ``moeflow launch`` /
 torchrun):
 - the expert GEMM (m x M) @ (M x H) over token counts m, x = m*M*H;
-- each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather (and
-  reduce-scatter where the backend has it), x = bytes each rank contributes, time of the slowest rank;
+- each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather,
+  reduce-scatter, and the linear all-to-all inside the intra-node and the inter-node (same local
+  rank) subgroups; x = bytes each rank contributes, time of the slowest rank;
 - interference: a GEMM's slowdown while an asynchronous all-to-all is in flight.
 
 Every fit is made on half of the sizes and scored on the other half (held out): the profile stores
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
-from moeflow.comm.topology import topology_from_env
+from moeflow.comm.alltoall import all_to_all
+from moeflow.comm.topology import node_groups, topology_from_env
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
 
 
@@ -66,6 +68,7 @@ def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
 
 def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
     topology = topology_from_env(world)
+    groups = node_groups(topology)
     points: dict[str, list[tuple[float, float]]] = {}
     for size in config.collective_bytes:
         elements = max(world, size // 4 // world * world)
@@ -76,6 +79,13 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
         operations["allreduce"] = lambda x=x: dist.all_reduce(x.clone())
         gathered = [torch.empty_like(x) for _ in range(world)]
         operations["allgather"] = lambda x=x, gathered=gathered: dist.all_gather(gathered, x)
+        scattered = torch.empty(elements // world)
+        operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_tensor(out, x)
+        # the same linear all-to-all inside each kind of subgroup: the fast and the slow link
+        if topology.ranks_per_node > 1:
+            operations["alltoall.intra_node"] = lambda x=x: all_to_all(x, groups.intra_node)
+        if topology.num_nodes > 1:
+            operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, groups.inter_node)
         for name, operation in operations.items():
             points.setdefault(name, []).append((elements * 4, _median_time(operation, config.repeats, True)))
     return points

@@ -62,6 +62,9 @@ class CostModel:
     def t_allgather(self, size_bytes: float) -> float:
         return 0.0 if self.world_size == 1 else self.profile.fit("allgather")(size_bytes)
 
+    def t_reducescatter(self, size_bytes: float) -> float:
+        return 0.0 if self.world_size == 1 else self.profile.fit("reducescatter")(size_bytes)
+
     def layer_times(self, shape: LayerShape, algorithm: str = "linear", backward: bool = True) -> dict[str, float]:
         """Unpipelined forward(+backward) prediction: two all-to-alls per pass around the experts."""
         passes = 2 if backward else 1

@@ -16,8 +16,9 @@ PROFILE_VERSION = 1
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    """Fits keyed by operation: ``gemm`` (x = m*k*n), ``alltoall.<algorithm>``, ``allreduce``,
-    ``allgather``, ``reducescatter`` (x = bytes each rank contributes). ``interference`` is the
+    """Fits keyed by operation: ``gemm`` (x = m*k*n), ``alltoall.<algorithm>``,
+    ``alltoall.intra_node``, ``alltoall.inter_node``, ``allreduce``, ``allgather``, ``reducescatter``
+    (x = bytes each rank contributes). ``interference`` is the
     slowdown factor of a GEMM that runs while an all-to-all is in flight (>= 1)."""
 
     nodes: int
