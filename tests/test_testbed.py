@@ -162,3 +162,18 @@ def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
     assert {line["algorithm"] for line in lines[:-1]} == {"linear", "2dh", "pairwise"}
     assert all(line["ms"] > 0 and line["bytes_per_destination"] == 1024 for line in lines[:-1])
     assert "1x2" in lines[-1]["layouts"] and lines[-1]["summary"] == "alltoall"
+
+
+@needs_testbed
+def test_cluster_command_probes_both_links() -> None:
+    """`moeflow cluster` runs moeflow.testbed.probe on every rank; rank 0 reports both links."""
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "cluster", "--nodes", "2", "--ranks-per-node", "2", "--inter-gbit", "1",
+         "--master-port", "29617"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("[rank 0] {"))[9:])
+    assert report["world_size"] == 4 and report["ranks_per_node"] == 2
+    assert 0 < report["inter_node"]["gbit_per_s"] < 1.1  # shaped to 1 Gbit/s: never faster
+    assert report["intra_node"]["round_trip_us"] > 0
