@@ -41,6 +41,16 @@ class CalibrationConfig:
     repeats: int = 5
 
 
+def _slowest_rank_seconds(fn: Callable[[], object]) -> float:
+    """One synchronized run; the slowest rank's time (what every rank waits for)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
 def _median_time(fn: Callable[[], object], repeats: int, slowest_rank: bool) -> float:
     fn()  # warm-up
     samples = []
@@ -70,6 +80,7 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
     topology = topology_from_env(world)
     groups = node_groups(topology)
     points: dict[str, list[tuple[float, float]]] = {}
+    measurements: list[tuple[str, int, Callable[[], object]]] = []
     for size in config.collective_bytes:
         elements = max(world, size // 4 // world * world)
         x = torch.zeros(elements)
@@ -87,7 +98,16 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
         if topology.num_nodes > 1:
             operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, groups.inter_node)
         for name, operation in operations.items():
-            points.setdefault(name, []).append((elements * 4, _median_time(operation, config.repeats, True)))
+            operation()  # warm-up: connections and buffers for this size
+            measurements.append((name, elements * 4, operation))
+    # round-robin over every (operation, size), so that slow drift of the machine spreads over all
+    # points instead of bending the curve; the median per point is kept
+    samples: list[list[float]] = [[] for _ in measurements]
+    for _ in range(config.repeats):
+        for index, (_, _, operation) in enumerate(measurements):
+            samples[index].append(_slowest_rank_seconds(operation))
+    for (name, size_bytes, _), values in zip(measurements, samples, strict=True):
+        points.setdefault(name, []).append((size_bytes, statistics.median(values)))
     return points
 
 
