@@ -119,7 +119,6 @@ class MoELayer(nn.Module):
             if num_shared_experts
             else None
         )
-        self._algorithm = "linear"
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
 
@@ -151,10 +150,10 @@ class MoELayer(nn.Module):
 
         # encode -> dispatch -> experts -> combine -> decode
         dispatched_ECM = encode(x_TM, plan)
-        self._algorithm = self._choose_alltoall(dispatched_ECM)
-        expert_input_LXM = self._dispatch(dispatched_ECM)
+        algorithm = self._choose_alltoall(dispatched_ECM)
+        expert_input_LXM = self._dispatch(dispatched_ECM, algorithm)
         expert_output_LXM = self.experts(expert_input_LXM)
-        combined_ECM = self._combine(expert_output_LXM, capacity)
+        combined_ECM = self._combine(expert_output_LXM, capacity, algorithm)
         y_TM = decode(combined_ECM, choice.weights_TK, plan)
 
         if self.shared_experts is not None:
@@ -168,7 +167,7 @@ class MoELayer(nn.Module):
                         self.gate.expert_bias, load.counts_WE.sum(0), config.expert_bias_update_rate
                     )
                 )
-        self.last_stats = self._stats(load, capacity, k, factor)
+        self.last_stats = self._stats(load, capacity, k, factor, algorithm)
         return y_TM.view(x.shape)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -228,20 +227,20 @@ class MoELayer(nn.Module):
         candidates = [a for a in ALLTOALL_ALGORITHMS if f"alltoall.{a}" in self.cost_model.profile.fits]
         return min(candidates, key=lambda a: self.cost_model.t_alltoall(a, size), default="linear")
 
-    def _dispatch(self, dispatched_ECM: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, dispatched_ECM: torch.Tensor, algorithm: str) -> torch.Tensor:
         """(E, C, M) by destination expert -> (L, W*C, M): the flexible all-to-all layout, one GEMM
         shape whatever the world size."""
         if self.group is None:
             return dispatched_ECM
         _, capacity, model_dim = dispatched_ECM.shape
-        received_WLCM = self._all_to_all(dispatched_ECM, self._algorithm).view(
+        received_WLCM = self._all_to_all(dispatched_ECM, algorithm).view(
             self.world_size, self.num_local_experts, capacity, model_dim
         )
         return received_WLCM.transpose(0, 1).reshape(
             self.num_local_experts, self.world_size * capacity, model_dim
         )
 
-    def _combine(self, expert_output_LXM: torch.Tensor, capacity: int) -> torch.Tensor:
+    def _combine(self, expert_output_LXM: torch.Tensor, capacity: int, algorithm: str) -> torch.Tensor:
         """Reverse of :meth:`_dispatch`: send each source rank its slots back, as (E, C, M)."""
         if self.group is None:
             return expert_output_LXM
@@ -249,7 +248,7 @@ class MoELayer(nn.Module):
         by_source_WLCM = expert_output_LXM.view(
             self.num_local_experts, self.world_size, capacity, model_dim
         ).transpose(0, 1)
-        returned = self._all_to_all(by_source_WLCM.contiguous(), self._algorithm)
+        returned = self._all_to_all(by_source_WLCM.contiguous(), algorithm)
         return returned.view(self.config.num_experts, capacity, model_dim)
 
     def _all_to_all(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
@@ -258,7 +257,9 @@ class MoELayer(nn.Module):
             return all_to_all(x, self.group)
         return all_to_all_with(algorithm, x, self.topology)
 
-    def _stats(self, load: _GlobalLoad, capacity: int, top_k: int, factor: float) -> RoutingStats:
+    def _stats(
+        self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, algorithm: str
+    ) -> RoutingStats:
         counts_WE = load.counts_WE
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
         return RoutingStats(
@@ -269,7 +270,7 @@ class MoELayer(nn.Module):
             tokens_per_expert=counts_WE.sum(0).tolist(),
             dropped_per_expert=dropped_E.tolist(),
             plan={
-                "alltoall": self._algorithm if self.group is not None else "none",
+                "alltoall": algorithm if self.group is not None else "none",
                 "pipeline_degree": 1,
                 "expert_kernel": self.config.expert_kernel,
                 "world_size": self.world_size,
