@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.timing import interleaved_medians, slowest_rank_seconds
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.topology import node_groups, topology_from_env
@@ -41,39 +42,14 @@ class CalibrationConfig:
     repeats: int = 5
 
 
-def _slowest_rank_seconds(fn: Callable[[], object]) -> float:
-    """One synchronized run; the slowest rank's time (what every rank waits for)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
-
-
-def _median_time(fn: Callable[[], object], repeats: int, slowest_rank: bool) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        if slowest_rank:
-            dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        if slowest_rank:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(float(elapsed))
-    return statistics.median(samples)
-
-
 def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
     weight = torch.randn(config.model_dim, config.hidden_dim)
-    points = []
-    for tokens in config.gemm_tokens:
-        x = torch.randn(tokens, config.model_dim)
-        seconds = _median_time(lambda x=x: torch.mm(x, weight), config.repeats, slowest_rank=False)
-        points.append((tokens * config.model_dim * config.hidden_dim, seconds))
-    return points
+    inputs = {tokens: torch.randn(tokens, config.model_dim) for tokens in config.gemm_tokens}
+    # round-robin over the sizes, like the collectives, so drift does not bend the curve
+    medians = interleaved_medians(
+        {tokens: (lambda x=x: torch.mm(x, weight)) for tokens, x in inputs.items()}, config.repeats
+    )
+    return [(tokens * config.model_dim * config.hidden_dim, seconds) for tokens, seconds in medians.items()]
 
 
 def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
@@ -105,7 +81,7 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
     samples: list[list[float]] = [[] for _ in measurements]
     for _ in range(config.repeats):
         for index, (_, _, operation) in enumerate(measurements):
-            samples[index].append(_slowest_rank_seconds(operation))
+            samples[index].append(slowest_rank_seconds(operation))
     for (name, size_bytes, _), values in zip(measurements, samples, strict=True):
         points.setdefault(name, []).append((size_bytes, statistics.median(values)))
     return points
@@ -118,9 +94,6 @@ def _interference(config: CalibrationConfig, world: int) -> float:
     payload = torch.zeros(world * (config.collective_bytes[-1] // 4 // world))
     received = torch.empty_like(payload)
 
-    def gemm_alone() -> None:
-        torch.mm(x, weight)
-
     def gemm_during_alltoall() -> None:
         work = dist.all_to_all_single(received, payload, async_op=True)
         start = time.perf_counter()
@@ -128,7 +101,7 @@ def _interference(config: CalibrationConfig, world: int) -> float:
         samples.append(time.perf_counter() - start)
         work.wait()
 
-    alone = _median_time(gemm_alone, config.repeats, slowest_rank=False)
+    alone = interleaved_medians({"gemm": lambda: torch.mm(x, weight)}, config.repeats)["gemm"]
     samples: list[float] = []
     for _ in range(config.repeats + 1):
         dist.barrier()

@@ -138,7 +138,7 @@ def _cluster(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     import os
 
-    from moeflow.bench.layer import print_json
+    from moeflow.bench import print_json
     from moeflow.calibrate import CalibrationConfig, calibrate_from_env, calibrate_rank
     from moeflow.distributed import run_distributed
     from moeflow.perf import ClusterProfile
@@ -162,7 +162,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from moeflow.bench.layer import print_json
+    from moeflow.bench import print_json
     from moeflow.comm.algorithms import ALGORITHMS
     from moeflow.perf import ClusterProfile, CostModel, LayerShape
 
@@ -191,8 +191,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench_alltoall(args: argparse.Namespace) -> int:
+    from moeflow.bench import print_json
     from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
-    from moeflow.bench.layer import print_json
     from moeflow.testbed import ClusterError, unavailable_reason
 
     layouts = []
@@ -216,14 +216,8 @@ def _bench_alltoall(args: argparse.Namespace) -> int:
 def _bench_layer(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench.layer import (
-        DEFAULT_SHAPES,
-        LayerBenchConfig,
-        measure_layer,
-        print_json,
-        slowest_worker,
-        summarize,
-    )
+    from moeflow.bench import print_json
+    from moeflow.bench.layer import DEFAULT_SHAPES, LayerBenchConfig, measure_layer, slowest_worker, summarize
     from moeflow.distributed import run_distributed
 
     if args.tokens < 0:

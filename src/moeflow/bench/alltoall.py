@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +27,7 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
+    from moeflow.bench.timing import slowest_rank_seconds
     from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
     from moeflow.comm.topology import topology_from_env
 
@@ -44,13 +44,9 @@ def _rank_main(argv: list[str]) -> None:
         samples: dict[str, list[float]] = {name: [] for name in ALGORITHMS}
         for round_index in range(args.repeats + 1):  # round 0 warms up connections and buffers
             for name in ALGORITHMS:
-                dist.barrier()
-                start = time.perf_counter()
-                all_to_all_with(name, x, topology)
-                slowest = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                seconds = slowest_rank_seconds(lambda name=name, x=x: all_to_all_with(name, x, topology))
                 if round_index:
-                    samples[name].append(float(slowest))
+                    samples[name].append(seconds)
         if rank == 0:
             for name, values in samples.items():
                 seconds = statistics.median(values)

@@ -12,7 +12,6 @@ expert parallelism).
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -186,8 +185,3 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "targets": checks,
         "all_targets_met": all(check["met"] for check in checks) if checks else None,
     }
-
-
-def print_json(obj: dict[str, Any]) -> None:
-    """One JSON line; floats keep 4 significant digits (so tiny fitted slopes stay visible)."""
-    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)

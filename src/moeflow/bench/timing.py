@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+K = TypeVar("K", bound=Hashable)
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]],
+    fns: dict[K, Callable[[], object]],
     repeats: int,
     warmup: int = 1,
     before_each: Callable[[], None] | None = None,
-) -> dict[str, float]:
+) -> dict[K, float]:
     """Median seconds of each function, measured round-robin after ``warmup`` untimed rounds.
 
     ``before_each`` (for example a barrier across workers) runs untimed before every sample.
     """
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[K, list[float]] = {name: [] for name in fns}
     for round_index in range(warmup + repeats):
         for name, fn in fns.items():
             if before_each is not None:
@@ -27,3 +33,13 @@ def interleaved_medians(
             if round_index >= warmup:
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:
+    """One synchronized run of ``fn`` on every rank; the slowest rank's time (what all wait for)."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed)
