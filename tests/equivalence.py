@@ -33,7 +33,7 @@ FP64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
 PROFILE_FAVOURING_2DH = ClusterProfile(
     nodes=2, ranks_per_node=2,
     fits={"alltoall.linear": AlphaBeta(2e-3, 1e-8), "alltoall.2dh": AlphaBeta(1e-3, 1e-8),
-          "alltoall.pairwise": AlphaBeta(3e-3, 1e-8)},
+          "alltoall.pairwise": AlphaBeta(3e-3, 1e-8), "gemm": AlphaBeta(1e-5, 1e-11)},
 )
 
 
@@ -113,8 +113,35 @@ def extra_cases() -> list[Case]:
             ranks_per_node=2, expected_alltoall="2dh",
         ),
         Case("alltoall-auto-without-profile", {**base, "alltoall": "auto"}, expected_alltoall="linear"),
+        *pipeline_cases(base),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
+             dtype=torch.float64),
+    ]
+
+
+def pipeline_cases(base: dict[str, Any]) -> list[Case]:
+    """Pipeline degrees x all-to-all algorithms (d=8 really makes 8 chunks: capacity 12), plus the
+    planner policies; uneven chunks (capacity 5 and f=0), swiglu, k=1 and an empty rank."""
+    cases = [
+        Case(f"pipeline-d{degree}-{algorithm}", {**base, "pipeline": degree, "alltoall": algorithm},
+             tokens_per_rank=48, ranks_per_node=2)
+        for degree in (2, 4, 8) for algorithm in ("linear", "2dh", "pairwise")
+    ]
+    return [
+        *cases,
+        Case("pipeline-d3-uneven-chunks", {**base, "pipeline": 3}, tokens_per_rank=20),
+        Case("pipeline-d4-f0-swiglu", {**base, "pipeline": 4, "capacity_factor": 0.0, "activation": "swiglu"},
+             tokens_per_rank=30),
+        Case("pipeline-d4-k1-empty-rank", {**base, "pipeline": 4, "top_k": 1}, tokens_per_rank=40,
+             empty_ranks=(1,)),
+        Case("pipeline-d2-loop-kernel", {**base, "pipeline": 2, "expert_kernel": "loop"}, tokens_per_rank=24),
+        Case("pipeline-d8-shared-experts", {**base, "pipeline": 8, "num_shared_experts": 1}, tokens_per_rank=48),
+        Case("pipeline-search-5-steps", {**base, "pipeline": "search", "alltoall": "auto"}, tokens_per_rank=48,
+             ranks_per_node=2, steps=5),
+        Case("pipeline-model", {**base, "pipeline": "model", "alltoall": "auto", "profile": PROFILE_FAVOURING_2DH},
+             tokens_per_rank=48, ranks_per_node=2, expected_alltoall="2dh"),
+        Case("pipeline-d4-float64", {**base, "pipeline": 4, "gate": "cosine"}, tokens_per_rank=32,
              dtype=torch.float64),
     ]
 
@@ -144,6 +171,7 @@ def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELay
         "expert_kernel": kwargs.pop("expert_kernel", "bmm"),
         "alltoall": kwargs.pop("alltoall", "linear"),
         "profile": kwargs.pop("profile", None),
+        "pipeline": kwargs.pop("pipeline", "auto"),
     }
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised

@@ -18,6 +18,8 @@ ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop")
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
+PIPELINE_POLICIES = ("auto", "model", "search")
+MAX_PIPELINE_DEGREE = 64
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class MoEConfig:
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
     expert_kernel: str = "bmm"
-    alltoall: str = "linear"
+    alltoall: str = "auto"
+    pipeline: int | str = "auto"
+    capacity_bucket: int = 128
 
     def __post_init__(self) -> None:
         _require_positive_int("model_dim", self.model_dim)
@@ -60,6 +64,8 @@ class MoEConfig:
         _require_choice("activation", self.activation, ACTIVATIONS)
         _require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
         _require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
+        validate_pipeline(self.pipeline)
+        _require_positive_int("capacity_bucket", self.capacity_bucket)
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -100,6 +106,19 @@ def validate_top_k(top_k: object, num_experts: int) -> int:
             "each token picks k distinct experts, so use top_k <= num_experts"
         )
     return top_k
+
+
+def validate_pipeline(pipeline: object) -> int | str:
+    """A policy name or a fixed degree in [1, MAX_PIPELINE_DEGREE]."""
+    if isinstance(pipeline, str):
+        _require_choice("pipeline", pipeline, PIPELINE_POLICIES)
+        return pipeline
+    if isinstance(pipeline, bool) or not isinstance(pipeline, int) or not 1 <= pipeline <= MAX_PIPELINE_DEGREE:
+        raise ValueError(
+            f"pipeline must be one of {', '.join(PIPELINE_POLICIES)} or a degree between 1 and "
+            f"{MAX_PIPELINE_DEGREE}, got {pipeline!r}"
+        )
+    return pipeline
 
 
 def validate_capacity_factor(capacity_factor: object) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,53 +53,91 @@ def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor) -> 
     return torch.ops.aten.silu_backward(grad_LCH, h_LCH)
 
 
+@dataclass(frozen=True)
+class FFNWeights:
+    """The parameters of L experts, as plain tensors (what the explicit forward/backward need)."""
+
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+    w3: torch.Tensor | None
+    activation: str
+    kernel: str
+
+
+@dataclass(frozen=True)
+class FFNSaved:
+    """What the backward of one :func:`ffn_forward` call needs (one per pipeline chunk)."""
+
+    x_LCM: torch.Tensor
+    h_LCH: torch.Tensor
+    a_LCH: torch.Tensor  # activation output (gelu/relu/silu), the gate half for swiglu
+    up_LCH: torch.Tensor | None  # swiglu only: x w3
+
+
+def ffn_forward(x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]:
+    """y = act(x w1 + b1) w2 + b2 (swiglu: (silu(x w1 + b1) * x w3) w2 + b2), no autograd."""
+    loop = weights.kernel == "loop"
+    h_LCH = batched_mm(x_LCM, weights.w1, loop).add_(weights.b1.unsqueeze(1))
+    a_LCH = _activate(weights.activation, h_LCH)
+    up_LCH = None
+    hidden_LCH = a_LCH
+    if weights.w3 is not None:
+        up_LCH = batched_mm(x_LCM, weights.w3, loop)
+        hidden_LCH = a_LCH * up_LCH
+    y_LCM = batched_mm(hidden_LCH, weights.w2, loop).add_(weights.b2.unsqueeze(1))
+    return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
+
+
+def ffn_backward(
+    saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(grad of x, [grad w1, b1, w2, b2, w3]); each gradient GEMM computed once."""
+    loop = weights.kernel == "loop"
+    x_LCM, h_LCH, gate_LCH, up_LCH = saved.x_LCM, saved.h_LCH, saved.a_LCH, saved.up_LCH
+    hidden_LCH = gate_LCH if up_LCH is None else gate_LCH * up_LCH
+    grad_b2 = grad_y_LCM.sum(dim=1)
+    grad_w2 = batched_mm(hidden_LCH.transpose(1, 2), grad_y_LCM, loop)
+    grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop)
+    grad_w3 = grad_up_LCH = None
+    if up_LCH is not None:
+        grad_up_LCH = grad_a_LCH * gate_LCH
+        grad_a_LCH = grad_a_LCH * up_LCH
+    grad_h_LCH = _activation_grad(weights.activation, grad_a_LCH, h_LCH)
+    grad_b1 = grad_h_LCH.sum(dim=1)
+    grad_w1 = batched_mm(x_LCM.transpose(1, 2), grad_h_LCH, loop)
+    grad_x_LCM = batched_mm(grad_h_LCH, weights.w1.transpose(1, 2), loop)
+    if grad_up_LCH is not None:
+        assert weights.w3 is not None
+        grad_w3 = batched_mm(x_LCM.transpose(1, 2), grad_up_LCH, loop)
+        grad_x_LCM += batched_mm(grad_up_LCH, weights.w3.transpose(1, 2), loop)
+    return grad_x_LCM, [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+
+
 class _ExpertFFNFunction(torch.autograd.Function):
+    """The whole FFN as one autograd node: saves only what :func:`ffn_backward` needs."""
+
     @staticmethod
     def forward(
         ctx: FunctionCtx, x_LCM: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
         b2: torch.Tensor, w3: torch.Tensor | None, activation: str, kernel: str,
     ) -> torch.Tensor:
-        loop = kernel == "loop"
-        h_LCH = batched_mm(x_LCM, w1, loop).add_(b1.unsqueeze(1))
-        a_LCH = _activate(activation, h_LCH)
-        gate_LCH = up_LCH = None
-        if w3 is not None:
-            gate_LCH, up_LCH = a_LCH, batched_mm(x_LCM, w3, loop)
-            a_LCH = gate_LCH * up_LCH
-        y_LCM = batched_mm(a_LCH, w2, loop).add_(b2.unsqueeze(1))
+        y_LCM, saved = ffn_forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3, activation, kernel))
+        # inputs go through save_for_backward (version-checked); intermediates ride on ctx
+        ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3)
         ctx.activation, ctx.kernel = activation, kernel
-        if w3 is None:
-            ctx.save_for_backward(x_LCM, w1, w2, h_LCH, a_LCH)
-        else:
-            ctx.save_for_backward(x_LCM, w1, w2, h_LCH, gate_LCH, w3, up_LCH)
+        ctx.h_LCH, ctx.a_LCH, ctx.up_LCH = saved.h_LCH, saved.a_LCH, saved.up_LCH
         return y_LCM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_y_LCM: torch.Tensor):  # type: ignore[override]
-        x_LCM, w1, w2, h_LCH, *rest = ctx.saved_tensors
-        swiglu = len(rest) == 3
-        loop = ctx.kernel == "loop"
-        if swiglu:
-            gate_LCH, w3, up_LCH = rest
-            a_LCH = gate_LCH * up_LCH
-        else:
-            (a_LCH,) = rest
-        grad_b2 = grad_y_LCM.sum(dim=1)
-        grad_w2 = batched_mm(a_LCH.transpose(1, 2), grad_y_LCM, loop)
-        grad_a_LCH = batched_mm(grad_y_LCM, w2.transpose(1, 2), loop)
-        grad_w3 = grad_up_LCH = None
-        if swiglu:
-            grad_up_LCH = grad_a_LCH * gate_LCH
-            grad_a_LCH = grad_a_LCH * up_LCH
-        grad_h_LCH = _activation_grad(ctx.activation, grad_a_LCH, h_LCH)
-        grad_b1 = grad_h_LCH.sum(dim=1)
-        grad_w1 = batched_mm(x_LCM.transpose(1, 2), grad_h_LCH, loop)
-        grad_x_LCM = batched_mm(grad_h_LCH, w1.transpose(1, 2), loop)
-        if swiglu:
-            grad_w3 = batched_mm(x_LCM.transpose(1, 2), grad_up_LCH, loop)
-            grad_x_LCM += batched_mm(grad_up_LCH, w3.transpose(1, 2), loop)
-        return grad_x_LCM, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, None, None
+        x_LCM, w1, b1, w2, b2, w3 = ctx.saved_tensors
+        weights = FFNWeights(w1, b1, w2, b2, w3, ctx.activation, ctx.kernel)
+        saved = FFNSaved(x_LCM, ctx.h_LCH, ctx.a_LCH, ctx.up_LCH)
+        grad_x_LCM, grad_weights = ffn_backward(saved, grad_y_LCM.contiguous(), weights)
+        return grad_x_LCM, *grad_weights, None, None
 
 
 class ExpertFFN(nn.Module):
@@ -136,6 +175,10 @@ class ExpertFFN(nn.Module):
                 nn.init.uniform_(weight, -bound, bound)
         nn.init.zeros_(self.b1)
         nn.init.zeros_(self.b2)
+
+    def weights(self) -> FFNWeights:
+        """The parameters as plain tensors, for code that runs the FFN outside autograd."""
+        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.activation, self.kernel)
 
     def forward(self, x_LCM: torch.Tensor) -> torch.Tensor:
         return _ExpertFFNFunction.apply(

@@ -14,13 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.comm import all_to_all, group_rank, group_size, resolve_group
-from moeflow.comm.algorithms import all_to_all_with
+from moeflow.comm import group_rank, group_size, resolve_group
 from moeflow.comm.topology import topology_from_env
 from moeflow.config import ALLTOALL_ALGORITHMS, MoEConfig, validate_capacity_factor, validate_top_k
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN
 from moeflow.perf import ClusterProfile, CostModel
+from moeflow.perf.pipeline import RegionShape, capacity_chunks
+from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.routing import (
     assign_slots,
     build_gate,
@@ -30,7 +32,7 @@ from moeflow.routing import (
     select_experts,
     updated_expert_bias,
 )
-from moeflow.stats import RoutingStats
+from moeflow.stats import PipelineTiming, RoutingStats
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,12 @@ class _GlobalLoad:
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer with Tutel's API, expert-parallel over a group.
 
-    ``alltoall="auto"`` picks, per forward, the algorithm a calibrated ``profile`` (a
-    :class:`~moeflow.perf.ClusterProfile` or the path of one) predicts fastest; linear without one.
+    Dispatch -> experts -> combine runs pipelined over ``pipeline`` capacity chunks with the
+    ``alltoall`` algorithm; both are planned per forward (:mod:`moeflow.planner`): ``"auto"`` ranks
+    the candidates with a calibrated ``profile`` (a :class:`~moeflow.perf.ClusterProfile` or the
+    path of one) and times the best few online, ``"model"`` trusts the profile, ``"search"`` times
+    {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
+    algorithm name forces that setting.
     ``group=None`` uses the default process group when torch.distributed is initialized and runs
     single-process otherwise. Expert e lives on rank e // L at local index e % L.
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
@@ -77,7 +83,9 @@ class MoELayer(nn.Module):
         cosine_projection_dim: int = 256,
         check_finite: bool = False,
         expert_kernel: str = "bmm",
-        alltoall: str = "linear",
+        alltoall: str = "auto",
+        pipeline: int | str = "auto",
+        capacity_bucket: int = 128,
         profile: ClusterProfile | str | None = None,
     ) -> None:
         super().__init__()
@@ -89,7 +97,8 @@ class MoELayer(nn.Module):
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
             expert_bias_update_rate=expert_bias_update_rate,
             cosine_projection_dim=cosine_projection_dim, check_finite=check_finite,
-            expert_kernel=expert_kernel, alltoall=alltoall,
+            expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
+            capacity_bucket=capacity_bucket,
         )
         self.config = config
         self.group = resolve_group(group)
@@ -105,11 +114,14 @@ class MoELayer(nn.Module):
         if isinstance(profile, str):
             profile = ClusterProfile.load(profile)
         self.cost_model = CostModel(profile) if profile is not None else None
-        if alltoall != "linear" and self.group is not None and self.group != dist.group.WORLD:
+        if alltoall not in ("linear", "auto") and self.group is not None and self.group != dist.group.WORLD:
             raise ValueError(
                 f"alltoall={alltoall!r} runs on the default (world) process group, where ranks are "
                 "numbered node-major; use alltoall='linear' with a custom group"
             )
+        self.planner = PipelinePlanner(
+            pipeline, self._candidate_algorithms(), self.cost_model, self.group, capacity_bucket
+        )
         self.gate = build_gate(
             gate, model_dim, num_experts, cosine_projection_dim, config.cosine_min_temperature
         )
@@ -148,12 +160,17 @@ class MoELayer(nn.Module):
         )
         plan = make_dispatch_plan(choice.expert_idx_TK, location_TK, config.num_experts, capacity)
 
-        # encode -> dispatch -> experts -> combine -> decode
+        # encode -> (dispatch -> experts -> combine, pipelined) -> decode
         dispatched_ECM = encode(x_TM, plan)
-        algorithm = self._choose_alltoall(dispatched_ECM)
-        expert_input_LXM = self._dispatch(dispatched_ECM, algorithm)
-        expert_output_LXM = self.experts(expert_input_LXM)
-        combined_ECM = self._combine(expert_output_LXM, capacity, algorithm)
+        region = RegionShape(
+            config.num_experts, self.world_size, capacity, config.model_dim, config.hidden_dim,
+            dispatched_ECM.element_size(), config.activation == "swiglu",
+        )
+        chosen, timing = self.planner.choose(region, backward=torch.is_grad_enabled())
+        route = ExpertExchange(
+            self.group, self.topology, chosen.plan.algorithm, self.world_size, self.num_local_experts
+        )
+        combined_ECM = pipelined_experts(dispatched_ECM, self.experts.weights(), route, chosen.plan.degree, timing)
         y_TM = decode(combined_ECM, choice.weights_TK, plan)
 
         if self.shared_experts is not None:
@@ -167,7 +184,7 @@ class MoELayer(nn.Module):
                         self.gate.expert_bias, load.counts_WE.sum(0), config.expert_bias_update_rate
                     )
                 )
-        self.last_stats = self._stats(load, capacity, k, factor, algorithm)
+        self.last_stats = self._stats(load, capacity, k, factor, chosen, timing)
         return y_TM.view(x.shape)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -216,49 +233,23 @@ class MoELayer(nn.Module):
             gathered = torch.stack(parts).cpu()
         return _GlobalLoad(counts_WE=gathered[:, :-1], max_tokens_per_rank=int(gathered[:, -1].max()))
 
-    def _choose_alltoall(self, dispatched_ECM: torch.Tensor) -> str:
-        """``auto``: the algorithm with the lowest predicted time for this buffer, from the profile
-        (linear without one). Every rank sees the same profile and buffer shape, so all agree."""
-        if self.config.alltoall != "auto":
-            return self.config.alltoall
-        if self.cost_model is None or self.group is None:
-            return "linear"
-        size = dispatched_ECM.numel() * dispatched_ECM.element_size()
-        candidates = [a for a in ALLTOALL_ALGORITHMS if f"alltoall.{a}" in self.cost_model.profile.fits]
-        return min(candidates, key=lambda a: self.cost_model.t_alltoall(a, size), default="linear")
-
-    def _dispatch(self, dispatched_ECM: torch.Tensor, algorithm: str) -> torch.Tensor:
-        """(E, C, M) by destination expert -> (L, W*C, M): the flexible all-to-all layout, one GEMM
-        shape whatever the world size."""
-        if self.group is None:
-            return dispatched_ECM
-        _, capacity, model_dim = dispatched_ECM.shape
-        received_WLCM = self._all_to_all(dispatched_ECM, algorithm).view(
-            self.world_size, self.num_local_experts, capacity, model_dim
-        )
-        return received_WLCM.transpose(0, 1).reshape(
-            self.num_local_experts, self.world_size * capacity, model_dim
-        )
-
-    def _combine(self, expert_output_LXM: torch.Tensor, capacity: int, algorithm: str) -> torch.Tensor:
-        """Reverse of :meth:`_dispatch`: send each source rank its slots back, as (E, C, M)."""
-        if self.group is None:
-            return expert_output_LXM
-        model_dim = expert_output_LXM.shape[-1]
-        by_source_WLCM = expert_output_LXM.view(
-            self.num_local_experts, self.world_size, capacity, model_dim
-        ).transpose(0, 1)
-        returned = self._all_to_all(by_source_WLCM.contiguous(), algorithm)
-        return returned.view(self.config.num_experts, capacity, model_dim)
-
-    def _all_to_all(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
-        """Equal-split all-to-all of rows laid out by destination rank, with the given algorithm."""
-        if algorithm == "linear":
-            return all_to_all(x, self.group)
-        return all_to_all_with(algorithm, x, self.topology)
+    def _candidate_algorithms(self) -> tuple[str, ...]:
+        """The all-to-alls the planner may pick: the forced one; linear on a custom group; those a
+        profile measured; otherwise those that differ from linear on this topology."""
+        config = self.config
+        if config.alltoall != "auto":
+            return (config.alltoall,)
+        if self.group is None or self.group != dist.group.WORLD:
+            return ("linear",)
+        if self.cost_model is not None and config.pipeline != "search":
+            return ALLTOALL_ALGORITHMS
+        nodes, per_node = self.topology.num_nodes, self.topology.ranks_per_node
+        useful = {"linear": True, "2dh": nodes > 1 and per_node > 1, "pairwise": nodes > 1}
+        return tuple(a for a in ALLTOALL_ALGORITHMS if useful[a])
 
     def _stats(
-        self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, algorithm: str
+        self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, chosen: PlanChoice,
+        timing: PipelineTiming,
     ) -> RoutingStats:
         counts_WE = load.counts_WE
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
@@ -270,11 +261,18 @@ class MoELayer(nn.Module):
             tokens_per_expert=counts_WE.sum(0).tolist(),
             dropped_per_expert=dropped_E.tolist(),
             plan={
-                "alltoall": algorithm if self.group is not None else "none",
-                "pipeline_degree": 1,
+                "alltoall": chosen.plan.algorithm,
+                "pipeline_degree": len(capacity_chunks(capacity, chosen.plan.degree)),
+                "requested_degree": chosen.plan.degree,
+                "policy": self.config.pipeline,
+                "source": chosen.source,
+                "capacity_key": chosen.key,
+                "predicted_forward_s": chosen.predicted_forward_s,
+                "predicted_backward_s": chosen.predicted_backward_s,
                 "expert_kernel": self.config.expert_kernel,
                 "world_size": self.world_size,
             },
+            timing=timing,
         )
 
     def extra_repr(self) -> str:

@@ -9,6 +9,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+@dataclass
+class PipelineTiming:
+    """Wall-clock seconds of the pipelined dispatch -> experts -> combine region on this rank: the
+    forward fills ``forward_s``, the backward (when one runs) ``backward_s``."""
+
+    forward_s: float | None = None
+    backward_s: float | None = None
+
+    @property
+    def total_s(self) -> float:
+        return (self.forward_s or 0.0) + (self.backward_s or 0.0)
+
+
 @dataclass(frozen=True)
 class RoutingStats:
     """Global (all ranks of the group) routing statistics of the last forward.
@@ -24,6 +37,7 @@ class RoutingStats:
     tokens_per_expert: list[int]  # assignments routed to each expert, before capacity
     dropped_per_expert: list[int]
     plan: dict[str, Any] = field(default_factory=dict)
+    timing: PipelineTiming = field(default_factory=PipelineTiming)  # measured; backward fills in later
 
     @property
     def dropped(self) -> int:

@@ -162,3 +162,24 @@ def all_to_all_with(
     if algorithm == "2dh":
         return _alltoall_2dh(x.contiguous(), topology, matrix)
     return _PairwiseAllToAll.apply(x.contiguous(), topology, matrix)
+
+
+def exchange(
+    algorithm: str, x: torch.Tensor, group: dist.ProcessGroup, topology: Topology
+) -> torch.Tensor:
+    """Equal-split all-to-all with the named algorithm, outside autograd.
+
+    For code that writes its own backward (the pipeline): with equal splits the adjoint of an
+    exchange is the same exchange, so forward and backward both call this.
+    """
+    with torch.no_grad():
+        if algorithm == "linear":
+            output = torch.empty_like(x)
+            dist.all_to_all_single(output, x.contiguous(), group=group)
+            return output
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        matrix = split_matrix(x, topology.world_size, None)
+        if algorithm == "2dh":
+            return _alltoall_2dh(x.contiguous(), topology, matrix)
+        return _alltoall_pairwise(x.contiguous(), topology, matrix)

@@ -1,0 +1,181 @@
+"""PipeMoE's model of a pipelined MoE layer: the event recurrences (Eq. 9-12), the closed-form
+optimal degree (Theorem 1, Algorithm 1), and per-plan predictions on a calibrated profile.
+
+The pipelined region is dispatch (D) -> experts (E) -> combine (C) on d capacity chunks. PipeMoE
+assumes one communication resource: all-to-alls run one at a time. moeflow's executor has exactly
+one communication worker that runs them in issue order D1..Dd, C1..Cd, so with
+``shared_network=True`` the recurrence also makes C1 wait for Dd (Eq. 11 with that extra term);
+``shared_network=False`` is Eq. 9-12 as printed. Plain math on numbers; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from moeflow.perf.cost import CostModel
+
+
+def capacity_chunks(capacity: int, degree: int) -> list[tuple[int, int]]:
+    """Split slots [0, capacity) into min(degree, capacity) contiguous ranges whose sizes differ by
+    at most one (at least one range, empty when capacity is 0)."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"pipeline degree must be an integer >= 1, got {degree!r}")
+    parts = max(1, min(degree, capacity))
+    base, extra = divmod(capacity, parts)
+    bounds, start = [], 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def pipeline_makespan(
+    t_dispatch: Sequence[float], t_expert: Sequence[float], t_combine: Sequence[float],
+    shared_network: bool = True,
+) -> float:
+    """Eq. 9-12: time from the start of D1 to the end of Cr for chunk times t_d, t_e, t_c."""
+    chunks = len(t_dispatch)
+    if not (chunks == len(t_expert) == len(t_combine)) or chunks == 0:
+        raise ValueError("t_dispatch, t_expert and t_combine need one entry per chunk (at least one)")
+    start_d = [0.0] * chunks
+    for i in range(1, chunks):
+        start_d[i] = start_d[i - 1] + t_dispatch[i - 1]  # Eq. 9
+    start_e = [start_d[0] + t_dispatch[0]] + [0.0] * (chunks - 1)
+    for i in range(1, chunks):
+        start_e[i] = max(start_e[i - 1] + t_expert[i - 1], start_d[i] + t_dispatch[i])  # Eq. 10
+    last_dispatch_end = start_d[-1] + t_dispatch[-1] if shared_network else 0.0
+    start_c = [max(start_e[0] + t_expert[0], last_dispatch_end)] + [0.0] * (chunks - 1)
+    for i in range(1, chunks):
+        start_c[i] = max(start_e[i] + t_expert[i], start_c[i - 1] + t_combine[i - 1])  # Eq. 11
+    return start_c[-1] + t_combine[-1] - start_d[0]  # Eq. 12
+
+
+@dataclass(frozen=True)
+class Theorem1Choice:
+    degree: int
+    predicted_s: float
+    case: str  # "r=1", "Q1" (communication-bound), "Q2" (computation-bound) or "notQ2"
+
+
+def theorem1_degree(
+    alpha_a: float, beta_a: float, n_d: float, alpha_e: float, beta_e: float, n_e: float, max_degree: int
+) -> Theorem1Choice:
+    """Theorem 1: the best degree from the case split of Eq. 19-44, with t_a2a(n) = alpha_a + beta_a n
+    and t_e(n) = alpha_e + beta_e n for the whole (unsplit) layer sizes n_d and n_e.
+
+    For r >= 2 exactly one of the cases holds: Q1 (Eq. 21) gives f2 (Eq. 25); not Q1 and Q2 (Eq. 30)
+    gives f3 (Eq. 34); neither gives f4 (Eq. 41). Each case's objective is minimised over the integer
+    degrees where the case holds (f2 and f4 grow with r; f3 is convex), and r = 1 (Eq. 19) wins ties.
+    """
+    best = Theorem1Choice(1, 2 * (alpha_a + beta_a * n_d) + alpha_e + beta_e * n_e, "r=1")
+    for r in range(2, max_degree + 1):
+        q1 = alpha_a + beta_a * n_d / r >= alpha_e + beta_e * n_e / r
+        q2 = 2 * (r - 1) * alpha_a + 2 * (r - 1) / r * beta_a * n_d < r * alpha_e + beta_e * n_e
+        if q1:
+            time, case = 2 * r * alpha_a + 2 * n_d * beta_a, "Q1"
+        elif q2:
+            time, case = 2 * alpha_a + beta_e * n_e + 2 * beta_a * n_d / r + alpha_e * r, "Q2"
+        else:
+            time, case = 2 * alpha_a * r + 2 * n_d * beta_a, "notQ2"
+        if time < best.predicted_s:
+            best = Theorem1Choice(r, time, case)
+    return best
+
+
+@dataclass(frozen=True)
+class RegionShape:
+    """The pipelined region of one MoE layer on one rank: an (E, C, M) dispatch buffer, E experts
+    over W ranks, expert FFN of hidden size H."""
+
+    experts: int
+    world_size: int
+    capacity: int
+    model_dim: int
+    hidden_dim: int
+    bytes_per_element: int = 4
+    swiglu: bool = False
+
+    @property
+    def local_experts(self) -> int:
+        return max(1, self.experts // self.world_size)
+
+
+@dataclass(frozen=True)
+class PlanPrediction:
+    degree: int
+    algorithm: str
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def chunk_costs(
+    cost: CostModel, shape: RegionShape, degree: int, algorithm: str
+) -> tuple[list[float], list[float]]:
+    """(all-to-all seconds, expert forward seconds) of each chunk at this degree."""
+    projections = 3 if shape.swiglu else 2
+    overlap = degree > 1 and shape.world_size > 1
+    slowdown = cost.profile.interference if overlap else 1.0
+    t_a2a, t_expert = [], []
+    for start, stop in capacity_chunks(shape.capacity, degree):
+        rows = stop - start
+        size = shape.experts * rows * shape.model_dim * shape.bytes_per_element
+        t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
+        gemm = cost.t_gemm(shape.world_size * rows, shape.model_dim, shape.hidden_dim)
+        t_expert.append(projections * shape.local_experts * gemm * slowdown)
+    return t_a2a, t_expert
+
+
+def predict_plan(
+    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, backward: bool = True
+) -> PlanPrediction:
+    """Forward (and backward: the same pipeline with twice the expert GEMM work) of one plan."""
+    t_a2a, t_expert = chunk_costs(cost, shape, degree, algorithm)
+    forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
+    back = pipeline_makespan(t_a2a, [2 * t for t in t_expert], t_a2a) if backward else 0.0
+    return PlanPrediction(degree, algorithm, forward, back)
+
+
+def rank_plans(
+    cost: CostModel, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], backward: bool = True
+) -> list[PlanPrediction]:
+    """Every (degree, algorithm) candidate, fastest predicted first; degrees above the capacity
+    collapse onto the capacity (one slot per chunk) and are listed once."""
+    usable = sorted({min(d, max(1, shape.capacity)) for d in degrees})
+    predictions = [predict_plan(cost, shape, d, a, backward) for a in algorithms for d in usable]
+    return sorted(predictions, key=lambda p: (p.total_s, p.degree))
+
+
+def theorem1_for_shape(cost: CostModel, shape: RegionShape, algorithm: str, max_degree: int) -> Theorem1Choice:
+    """Theorem 1 on the forward pass with this profile's fits (cross-check of the recurrence)."""
+    a2a = cost.profile.fit(f"alltoall.{algorithm}")
+    gemm = cost.profile.fit("gemm")
+    projections = 3 if shape.swiglu else 2
+    n_d = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
+    n_e = shape.world_size * shape.capacity * shape.model_dim * shape.hidden_dim
+    calls = projections * shape.local_experts
+    return theorem1_degree(a2a.alpha, a2a.beta, n_d, calls * gemm.alpha, calls * gemm.beta, n_e, max_degree)
+
+
+def degree_bound(capacity: int, max_degree: int) -> int:
+    return max(1, min(max_degree, capacity))
+
+
+__all__ = [
+    "PlanPrediction",
+    "RegionShape",
+    "Theorem1Choice",
+    "capacity_chunks",
+    "chunk_costs",
+    "degree_bound",
+    "pipeline_makespan",
+    "predict_plan",
+    "rank_plans",
+    "theorem1_degree",
+    "theorem1_for_shape",
+]

@@ -1,0 +1,190 @@
+"""Overlapped, pipelined dispatch -> experts -> combine (Tutel 3.2, PipeMoE III).
+
+Only the two all-to-alls and the experts between them are partitioned: the (E, C, M) dispatch
+buffer is split along the capacity dimension into d chunks. One communication worker thread (the
+CPU counterpart of a communication stream) runs the all-to-alls in issue order: the dispatch of
+every chunk first, then each chunk's combine as soon as its experts are done, while the calling
+thread computes the experts of the next chunk. gloo moves the bytes on its own threads and torch
+ops release the GIL, so on CPU communication overlaps computation; on GPU the collectives are
+NCCL's asynchronous work on its own stream.
+
+The backward is the same pipeline run on the output gradient, with the expert backward as the
+compute step: an equal-split all-to-all is its own adjoint, so the gradient of the combine is a
+dispatch and the gradient of the dispatch is a combine.
+
+Each chunk's state (its received rows, its saved activations) lives in per-chunk records owned by
+one autograd node, never on the layer: any number of chunks can be in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from moeflow.comm.algorithms import exchange
+from moeflow.comm.topology import Topology
+from moeflow.experts import FFNSaved, FFNWeights, ffn_backward, ffn_forward
+from moeflow.perf.pipeline import capacity_chunks
+from moeflow.stats import PipelineTiming
+
+__all__ = ["ExpertExchange", "PipelineTiming", "capacity_chunks", "pipelined_experts", "run_pipeline"]
+
+
+@dataclass(frozen=True)
+class ExpertExchange:
+    """How a chunk travels between the (E, Cj, M) layout by destination expert and the experts'
+    (L, W*Cj, M) layout (Tutel's flexible all-to-all layout). ``group=None``: one process, no
+    communication, only the chunking."""
+
+    group: dist.ProcessGroup | None
+    topology: Topology | None
+    algorithm: str
+    world_size: int
+    num_local_experts: int
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        _, rows, model_dim = chunk_ECM.shape
+        if self.group is None:
+            return chunk_ECM.contiguous()
+        received = self._all_to_all(chunk_ECM.contiguous())  # by source rank: (W, L, rows, M)
+        by_source_WLCM = received.view(self.world_size, self.num_local_experts, rows, model_dim)
+        return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.world_size * rows, model_dim)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.group is None:
+            return y_LXM
+        model_dim = y_LXM.shape[-1]
+        by_source_WLCM = y_LXM.view(self.num_local_experts, self.world_size, rows, model_dim).transpose(0, 1)
+        returned = self._all_to_all(by_source_WLCM.contiguous())
+        return returned.view(self.world_size * self.num_local_experts, rows, model_dim)
+
+    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
+        if self.algorithm != "linear" and self.topology is None:
+            raise ValueError(f"alltoall={self.algorithm!r} needs the cluster topology")
+        return exchange(self.algorithm, x, self.group, self.topology)  # type: ignore[arg-type]
+
+
+_worker_lock = threading.Lock()
+_worker: ThreadPoolExecutor | None = None
+
+
+def _communication_worker() -> ThreadPoolExecutor:
+    """The process's one communication thread: all-to-alls run one at a time, in issue order, so
+    every rank issues its collectives in the same order."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-comm")
+        return _worker
+
+
+def _without_grad(function: Callable[..., object], *args: object) -> object:
+    with torch.no_grad():  # grad mode is per thread and on by default in a new one
+        return function(*args)
+
+
+def run_pipeline(
+    buffer_ECM: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    compute: Callable[[int, torch.Tensor], torch.Tensor],
+    route: ExpertExchange,
+) -> torch.Tensor:
+    """out[:, a:b] = from_experts(compute(i, to_experts(buffer[:, a:b]))) for each chunk (a, b).
+
+    With more than one chunk and a process group, communication runs on the communication worker
+    while ``compute`` runs on the caller's thread; chunk i's experts overlap the dispatch of the
+    chunks after it and the combine of the chunks before it.
+    """
+    out_ECM = torch.empty_like(buffer_ECM)
+
+    def send(start: int, stop: int) -> torch.Tensor:
+        return route.to_experts(buffer_ECM[:, start:stop])
+
+    def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
+        out_ECM[:, start:stop] = route.from_experts(y_LXM, stop - start)
+
+    if len(chunks) == 1 or route.group is None:
+        for index, (start, stop) in enumerate(chunks):
+            receive(compute(index, send(start, stop)), start, stop)
+        return out_ECM
+
+    worker = _communication_worker()
+    dispatched: list[Future] = [worker.submit(_without_grad, send, start, stop) for start, stop in chunks]
+    combined: list[Future] = []
+    try:
+        for index, (start, stop) in enumerate(chunks):
+            y_LXM = compute(index, dispatched[index].result())
+            combined.append(worker.submit(_without_grad, receive, y_LXM, start, stop))
+        for future in combined:
+            future.result()
+    except BaseException:
+        for future in dispatched + combined:
+            future.cancel()
+        raise
+    return out_ECM
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: ExpertExchange, chunks: list[tuple[int, int]],
+        timing: PipelineTiming, activation: str, kernel: str, w1: torch.Tensor, b1: torch.Tensor,
+        w2: torch.Tensor, b2: torch.Tensor, w3: torch.Tensor | None,
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        weights = FFNWeights(w1, b1, w2, b2, w3, activation, kernel)
+        saved: list[FFNSaved | None] = [None] * len(chunks)
+
+        def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
+            y_LXM, saved[index] = ffn_forward(x_LXM, weights)
+            return y_LXM
+
+        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route)
+        ctx.save_for_backward(w1, b1, w2, b2, w3)
+        ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks = route, chunks, timing, saved
+        ctx.activation, ctx.kernel = activation, kernel
+        timing.forward_s = time.perf_counter() - start
+        return out_ECM
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
+        start = time.perf_counter()
+        weights = FFNWeights(*ctx.saved_tensors, ctx.activation, ctx.kernel)
+        saved: list[FFNSaved | None] = ctx.saved_chunks
+        totals: list[torch.Tensor | None] = [None] * 5
+
+        def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
+            chunk = saved[index]
+            assert chunk is not None, "backward through the pipelined experts ran twice"
+            grad_x_LXM, grads = ffn_backward(chunk, grad_y_LXM, weights)
+            saved[index] = None  # free this chunk's activations as soon as they are used
+            for slot, grad in enumerate(grads):
+                if grad is not None:
+                    totals[slot] = grad if totals[slot] is None else totals[slot].add_(grad)
+            return grad_x_LXM
+
+        grad_buffer_ECM = run_pipeline(grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route)
+        ctx.timing.backward_s = time.perf_counter() - start
+        return grad_buffer_ECM, None, None, None, None, None, *totals
+
+
+def pipelined_experts(
+    buffer_ECM: torch.Tensor, weights: FFNWeights, route: ExpertExchange, degree: int,
+    timing: PipelineTiming | None = None,
+) -> torch.Tensor:
+    """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns
+    the combined (E, C, M) buffer. Differentiable in the buffer and the expert weights."""
+    chunks = capacity_chunks(buffer_ECM.shape[1], degree)
+    return _PipelinedExperts.apply(
+        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(),
+        weights.activation, weights.kernel, weights.w1, weights.b1, weights.w2, weights.b2, weights.w3,
+    )

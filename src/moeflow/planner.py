@@ -1,0 +1,178 @@
+"""Chooses the pipeline degree d and the all-to-all algorithm of one MoE layer, per iteration.
+
+Policies (``pipeline=``):
+- ``"model"``: PipeMoE. Predict every (d, algorithm) with the event recurrences on the calibrated
+  profile and take the fastest (cached per capacity).
+- ``"search"``: Tutel 3.3. A dictionary keyed by floor(capacity / R): on a new key, each candidate
+  of {1, 2, 4, 8} x algorithms runs for a few iterations, the median time of the slowest rank is
+  kept, and the best candidate serves that key afterwards.
+- ``"auto"`` (default): the model ranks the candidates and only its top few are timed online, as in
+  ``search``; without a usable profile it is ``search``.
+- an integer: that degree; the algorithm is still planned when ``alltoall="auto"``.
+
+Every rank makes the same choice: decisions depend only on the capacity (agreed by all ranks) and
+on times reduced with MAX over the group.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans
+from moeflow.stats import PipelineTiming
+
+PIPELINE_POLICIES = ("auto", "model", "search")
+SEARCH_DEGREES = (1, 2, 4, 8)
+MAX_MODEL_DEGREE = 16
+
+
+@dataclass(frozen=True, order=True)
+class Plan:
+    degree: int
+    algorithm: str
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The plan of one forward and why: ``source`` is forced, model, trial, dictionary or local."""
+
+    plan: Plan
+    source: str
+    key: int | None = None
+    predicted_forward_s: float | None = None
+    predicted_backward_s: float | None = None
+
+
+@dataclass
+class _Search:
+    candidates: list[Plan]
+    trials: int
+    timings: list[list[PipelineTiming]] = field(default_factory=list)
+    issued: int = 0
+
+    def __post_init__(self) -> None:
+        self.timings = [[] for _ in self.candidates]
+
+    def next_trial(self) -> int | None:
+        if self.issued >= len(self.candidates) * self.trials:
+            return None
+        index = self.issued // self.trials
+        self.issued += 1
+        return index
+
+
+class PipelinePlanner:
+    """One per layer: owns the dictionary of best plans and the trials in progress."""
+
+    def __init__(
+        self,
+        pipeline: int | str,
+        algorithms: tuple[str, ...],
+        cost_model: CostModel | None,
+        group: dist.ProcessGroup | None,
+        capacity_bucket: int = 128,
+        search_trials: int = 3,
+        top_candidates: int = 3,
+    ) -> None:
+        if isinstance(pipeline, str) and pipeline not in PIPELINE_POLICIES:
+            raise ValueError(f"unknown pipeline policy {pipeline!r}; choose one of {PIPELINE_POLICIES} or an int")
+        self.group = group
+        modelled = _modelled_algorithms(cost_model, algorithms)
+        self._predictor = cost_model if modelled else None  # predictions for the stats
+        self.cost_model = cost_model if modelled and pipeline != "search" else None  # ranks plans
+        if self.cost_model is not None:
+            algorithms = modelled  # the model can only rank what the profile measured
+        if pipeline == "model" and self.cost_model is None:
+            raise ValueError(
+                "pipeline='model' needs a calibrated profile with the gemm fit and an all-to-all fit for "
+                f"{' or '.join(algorithms)}; pass profile=... (create one with `moeflow calibrate`) "
+                "or use pipeline='search'"
+            )
+        self.pipeline = pipeline
+        self.algorithms = algorithms
+        self.capacity_bucket = capacity_bucket
+        self.search_trials = search_trials
+        self.top_candidates = top_candidates
+        self.dictionary: dict[int, Plan] = {}
+        self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
+        self._searches: dict[int, _Search] = {}
+        self._model_cache: dict[tuple[RegionShape, bool], Plan] = {}
+
+    def choose(self, shape: RegionShape, backward: bool) -> tuple[PlanChoice, PipelineTiming]:
+        """The plan for this forward, and the timing record its execution must fill."""
+        timing = PipelineTiming()
+        if self.group is None:
+            degree = self.pipeline if isinstance(self.pipeline, int) else 1
+            return PlanChoice(Plan(degree, "none"), "local"), timing
+        degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
+        if degrees is not None and len(self.algorithms) == 1:
+            return self._with_prediction(Plan(degrees[0], self.algorithms[0]), "forced", None, shape, backward), timing
+        if self.pipeline == "model":
+            return self._with_prediction(self._model_choice(shape, backward), "model", None, shape, backward), timing
+
+        key = shape.capacity // self.capacity_bucket
+        if key in self.dictionary:
+            return self._with_prediction(self.dictionary[key], "dictionary", key, shape, backward), timing
+        search = self._searches.get(key)
+        if search is None:
+            search = _Search(self._candidates(shape, backward, degrees), self.search_trials)
+            self._searches[key] = search
+        index = search.next_trial()
+        if index is not None:
+            search.timings[index].append(timing)
+            return self._with_prediction(search.candidates[index], "trial", key, shape, backward), timing
+        best = self._finish_search(key, search)
+        return self._with_prediction(best, "dictionary", key, shape, backward), timing
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _candidates(self, shape: RegionShape, backward: bool, degrees: tuple[int, ...] | None) -> list[Plan]:
+        """Search: {1, 2, 4, 8} x algorithms. Auto: the model's top few of every degree up to 16."""
+        if self.cost_model is not None:
+            ranked = rank_plans(
+                self.cost_model, shape, degrees or range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward
+            )
+            return [Plan(p.degree, p.algorithm) for p in ranked[: self.top_candidates]]
+        usable = sorted({min(d, max(1, shape.capacity)) for d in (degrees or SEARCH_DEGREES)})
+        return [Plan(d, a) for a in self.algorithms for d in usable]
+
+    def _model_choice(self, shape: RegionShape, backward: bool) -> Plan:
+        cache_key = (shape, backward)
+        if cache_key not in self._model_cache:
+            assert self.cost_model is not None
+            best = rank_plans(self.cost_model, shape, range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward)[0]
+            self._model_cache[cache_key] = Plan(best.degree, best.algorithm)
+        return self._model_cache[cache_key]
+
+    def _finish_search(self, key: int, search: _Search) -> Plan:
+        medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
+        slowest = torch.tensor(medians, dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        values = slowest.tolist()
+        best = search.candidates[min(range(len(values)), key=lambda i: (values[i], i))]
+        self.dictionary[key] = best
+        self.measured[key] = dict(zip(search.candidates, values, strict=True))
+        del self._searches[key]
+        return best
+
+    def _with_prediction(
+        self, plan: Plan, source: str, key: int | None, shape: RegionShape, backward: bool
+    ) -> PlanChoice:
+        fits = self._predictor.profile.fits if self._predictor is not None else {}
+        if self._predictor is None or f"alltoall.{plan.algorithm}" not in fits:
+            return PlanChoice(plan, source, key)
+        prediction = predict_plan(self._predictor, shape, plan.degree, plan.algorithm, backward)
+        return PlanChoice(plan, source, key, prediction.forward_s, prediction.backward_s if backward else None)
+
+
+def _modelled_algorithms(cost_model: CostModel | None, algorithms: tuple[str, ...]) -> tuple[str, ...]:
+    """The algorithms the profile can predict (none without the GEMM fit)."""
+    if cost_model is None or "gemm" not in cost_model.profile.fits:
+        return ()
+    return tuple(a for a in algorithms if f"alltoall.{a}" in cost_model.profile.fits)

@@ -1,0 +1,214 @@
+"""The pipelined dispatch -> experts -> combine: chunking, real overlap, equality with d=1 on 1, 2
+and 4 processes (every algorithm), and the PipeMoE model behind the planner."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow.comm.topology import topology_from_env
+from moeflow.distributed import run_distributed
+from moeflow.experts import ExpertFFN
+from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+from moeflow.perf.pipeline import (
+    RegionShape,
+    capacity_chunks,
+    pipeline_makespan,
+    predict_plan,
+    rank_plans,
+    theorem1_degree,
+    theorem1_for_shape,
+)
+from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
+
+# -- chunking and the model ---------------------------------------------------------------------
+
+
+def test_capacity_chunks_cover_the_capacity_in_near_equal_contiguous_ranges() -> None:
+    assert capacity_chunks(12, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12)]
+    assert capacity_chunks(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty chunk
+    assert capacity_chunks(0, 4) == [(0, 0)]
+    assert capacity_chunks(10, 1) == [(0, 10)]
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="pipeline degree"):
+            capacity_chunks(10, bad)  # type: ignore[arg-type]
+
+
+def test_makespan_of_the_event_recurrences() -> None:
+    assert pipeline_makespan([1.0], [5.0], [1.0]) == 7.0  # r = 1: t_d + t_e + t_c
+    # computation-bound: D1, then four experts back to back, then the last combine
+    assert pipeline_makespan([1.0] * 4, [3.0] * 4, [1.0] * 4) == pytest.approx(1 + 12 + 1)
+    # communication-bound, one network: eight all-to-alls in a row
+    assert pipeline_makespan([3.0] * 4, [1.0] * 4, [3.0] * 4) == pytest.approx(24)
+    # Eq. 11 as printed lets C1 start while D2..D4 still run (two networks)
+    assert pipeline_makespan([3.0] * 4, [1.0] * 4, [3.0] * 4, shared_network=False) == pytest.approx(3 + 1 + 12)
+
+
+def test_theorem1_closed_form_matches_the_recurrence_exactly() -> None:
+    """Cross-check: the degree of Theorem 1 is the recurrence's best degree, and its predicted time
+    is the recurrence's time at that degree (one shared network, as the theorem assumes)."""
+    rng = random.Random(0)
+    for _ in range(500):
+        aa, ba, nd = 10 ** rng.uniform(-5, -2), 10 ** rng.uniform(-10, -8), 10 ** rng.uniform(5, 8)
+        ae, be, ne = 10 ** rng.uniform(-5, -2), 10 ** rng.uniform(-12, -10), 10 ** rng.uniform(8, 11)
+
+        def recurrence(r: int, aa=aa, ba=ba, nd=nd, ae=ae, be=be, ne=ne) -> float:
+            t_a2a, t_e = [aa + ba * nd / r] * r, [ae + be * ne / r] * r
+            return pipeline_makespan(t_a2a, t_e, t_a2a)
+
+        choice = theorem1_degree(aa, ba, nd, ae, be, ne, 16)
+        best = min(range(1, 17), key=recurrence)
+        assert recurrence(choice.degree) == pytest.approx(recurrence(best), rel=1e-12)
+        assert choice.predicted_s == pytest.approx(recurrence(choice.degree), rel=1e-12)
+
+
+def _profile(a2a_alpha: float, a2a_beta: float, interference: float = 1.0) -> ClusterProfile:
+    return ClusterProfile(
+        nodes=2, ranks_per_node=2, interference=interference,
+        fits={
+            "gemm": AlphaBeta(2e-5, 1.3e-11),
+            "alltoall.linear": AlphaBeta(a2a_alpha, a2a_beta),
+            "alltoall.2dh": AlphaBeta(2 * a2a_alpha, a2a_beta),
+            "alltoall.pairwise": AlphaBeta(1.5 * a2a_alpha, 1.1 * a2a_beta),
+        },
+    )
+
+
+def test_model_pipelines_balanced_layers_and_not_startup_bound_ones() -> None:
+    shape = RegionShape(experts=8, world_size=4, capacity=512, model_dim=512, hidden_dim=1024)
+    balanced = CostModel(_profile(5e-4, 8e-9))
+    ranked = rank_plans(balanced, shape, range(1, 17), ("linear", "2dh", "pairwise"))
+    assert ranked[0].degree > 1 and ranked[0].algorithm == "linear"
+    assert ranked[0].total_s < predict_plan(balanced, shape, 1, "linear").total_s
+    assert [p.total_s for p in ranked] == sorted(p.total_s for p in ranked)
+    # 50 ms to start any all-to-all: splitting only adds startups
+    startup_bound = CostModel(_profile(5e-2, 1e-10))
+    assert rank_plans(startup_bound, shape, range(1, 17), ("linear",))[0].degree == 1
+    # Theorem 1 agrees with the recurrence on the forward pass
+    choice = theorem1_for_shape(balanced, shape, "linear", 16)
+    assert choice.predicted_s == pytest.approx(predict_plan(balanced, shape, choice.degree, "linear").forward_s)
+
+
+def test_interference_makes_overlapped_compute_slower_in_the_model() -> None:
+    shape = RegionShape(experts=8, world_size=4, capacity=512, model_dim=512, hidden_dim=1024)
+    calm = predict_plan(CostModel(_profile(5e-4, 8e-9)), shape, 4, "linear")
+    noisy = predict_plan(CostModel(_profile(5e-4, 8e-9, interference=1.5)), shape, 4, "linear")
+    assert noisy.total_s > calm.total_s
+    assert predict_plan(CostModel(_profile(5e-4, 8e-9, interference=1.5)), shape, 1, "linear") == predict_plan(
+        CostModel(_profile(5e-4, 8e-9)), shape, 1, "linear"
+    )
+
+
+# -- the executor ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _RecordingRoute:
+    """A stand-in for ExpertExchange that blocks the experts of chunk 0 until the dispatch of
+    chunk 1 has run: only an executor that overlaps them can finish."""
+
+    dispatch_of_chunk1_ran: threading.Event
+    threads: set[str]
+    group: object = "fake"
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        self.threads.add(threading.current_thread().name)
+        if float(chunk_ECM[0, 0, 0]) == 1.0:
+            self.dispatch_of_chunk1_ran.set()
+        return chunk_ECM.clone()
+
+    def from_experts(self, y: torch.Tensor, rows: int) -> torch.Tensor:
+        return y
+
+
+def test_dispatch_of_the_next_chunk_runs_while_experts_compute() -> None:
+    route = _RecordingRoute(threading.Event(), set())
+    buffer = torch.arange(4.0).view(1, 4, 1).expand(1, 4, 1).contiguous()  # chunk i starts with value i
+
+    def compute(index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            assert route.dispatch_of_chunk1_ran.wait(timeout=10), "chunk 1 was not dispatched during experts(0)"
+        return x * 2
+
+    out = run_pipeline(buffer, capacity_chunks(4, 4), compute, route)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, buffer * 2)
+    assert route.threads == {name for name in route.threads if name.startswith("moeflow-comm")}
+
+
+def _all_experts(experts: int, dtype: torch.dtype, activation: str) -> ExpertFFN:
+    torch.manual_seed(3)  # the same weights on every rank; each rank keeps its slice
+    full = ExpertFFN(experts, 6, 10, activation).to(dtype)
+    with torch.no_grad():
+        full.b1.normal_()
+        full.b2.normal_()
+    return full
+
+
+def _pipeline_vs_degree_one(rank: int, world: int, per_node: int | None) -> list[str]:
+    """Every degree and algorithm gives the d=1 outputs and gradients (buffer and weights)."""
+    if per_node:
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    topology = topology_from_env(world)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    algorithms = ("linear", "2dh", "pairwise") if group is not None and topology.num_nodes > 1 else ("linear",)
+    failures = []
+    for dtype, activation, capacity in ((torch.float32, "gelu", 13), (torch.float64, "swiglu", 8)):
+        experts = 2 * world
+        full = _all_experts(experts, dtype, activation)
+        local = ExpertFFN(2, 6, 10, activation).to(dtype)
+        local.load_state_dict({k: v[2 * rank : 2 * rank + 2] if v.dim() else v for k, v in full.state_dict().items()})
+        buffer = torch.randn(experts, capacity, 6, dtype=dtype, generator=torch.Generator().manual_seed(rank))
+        upstream = torch.randn(experts, capacity, 6, dtype=dtype, generator=torch.Generator().manual_seed(9 + rank))
+        results = {}
+        for algorithm in algorithms:
+            for degree in (1, 2, 3, 4, 8):
+                route = ExpertExchange(group, topology, algorithm, world, 2)
+                x = buffer.clone().requires_grad_()
+                local.zero_grad()
+                y = pipelined_experts(x, local.weights(), route, degree)
+                (y * upstream).sum().backward()
+                results[(algorithm, degree)] = [y.detach(), x.grad] + [p.grad.clone() for p in local.parameters()]
+        baseline = results[("linear", 1)]
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+        for key, tensors in results.items():
+            for index, (actual, expected) in enumerate(zip(tensors, baseline, strict=True)):
+                try:
+                    torch.testing.assert_close(actual, expected, **tolerance)
+                except AssertionError as error:
+                    failures.append(f"rank {rank} {dtype} {key} tensor {index}: {str(error).splitlines()[-1]}")
+    return failures
+
+
+def test_every_degree_equals_degree_one_in_one_process() -> None:
+    assert _pipeline_vs_degree_one(0, 1, None) == []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "per_node"), [(1, None), (2, 1), (4, 2)])
+def test_every_degree_and_algorithm_equals_degree_one(world: int, per_node: int | None) -> None:
+    results = run_distributed(_pipeline_vs_degree_one, world, per_node, timeout_s=240, collective_timeout_s=60)
+    failures = [f for rank_failures in results for f in rank_failures]
+    assert not failures, "\n".join(failures[:20])
+
+
+def run_in_launched_rank() -> None:
+    """Entry point for ranks started by ``moeflow launch`` (the emulated cluster): the pipeline
+    against d=1 and the layer's pipeline cases against the reference; exit 1 on any mismatch."""
+    from datetime import timedelta
+
+    from equivalence import check_cases, pipeline_cases
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = _pipeline_vs_degree_one(rank, world, int(os.environ["LOCAL_WORLD_SIZE"]))
+    _, layer_failures = check_cases(rank, world, pipeline_cases({"top_k": 2, "capacity_factor": 1.0}))
+    dist.destroy_process_group()
+    failures += layer_failures
+    print("\n".join(failures) or "pipeline equals d=1 and the reference", flush=True)
+    raise SystemExit(1 if failures else 0)

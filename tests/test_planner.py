@@ -1,0 +1,138 @@
+"""The planner's policies inside a real layer: search fills Tutel's dictionary, auto times only the
+model's top candidates, model follows the PipeMoE prediction, forced settings are kept, and every
+rank makes the same choices."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from moeflow import MoELayer
+from moeflow.distributed import run_distributed
+from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+from moeflow.perf.pipeline import RegionShape, rank_plans
+
+PROFILE = ClusterProfile(
+    nodes=2, ranks_per_node=1,
+    fits={"gemm": AlphaBeta(2e-5, 1.3e-11), "alltoall.linear": AlphaBeta(3e-4, 8e-9),
+          "alltoall.pairwise": AlphaBeta(4e-4, 8e-9)},
+)
+
+
+def _steps(layer: MoELayer, steps: int, tokens: int) -> list[dict[str, Any]]:
+    plans = []
+    for step in range(steps):
+        x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        y = layer(x)
+        (y.square().sum() + layer.aux_loss).backward()
+        stats = layer.last_stats
+        assert stats is not None
+        plans.append({**stats.plan, "forward_s": stats.timing.forward_s, "backward_s": stats.timing.backward_s})
+    return plans
+
+
+def _policies(rank: int, world: int) -> dict[str, Any]:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    torch.manual_seed(0)
+    results: dict[str, Any] = {}
+    # capacity 2 (k=2, 8 experts, 8 tokens): degrees collapse to {1, 2}, two candidates x 3 trials
+    search = MoELayer(16, 32, 8, alltoall="linear", pipeline="search")
+    results["search"] = _steps(search, 8, 8)
+    results["search_dictionary"] = {key: (p.degree, p.algorithm) for key, p in search.planner.dictionary.items()}
+    results["search_measured"] = {
+        key: {(p.degree, p.algorithm): t for p, t in m.items()} for key, m in search.planner.measured.items()
+    }
+    auto = MoELayer(16, 32, 8, pipeline="auto", profile=PROFILE)
+    results["auto"] = _steps(auto, 11, 64)
+    model = MoELayer(16, 32, 8, pipeline="model", profile=PROFILE)
+    results["model"] = _steps(model, 2, 64)
+    results["forced"] = _steps(MoELayer(16, 32, 8, pipeline=4, alltoall="pairwise"), 1, 64)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_distributed(_policies, 2, timeout_s=240, collective_timeout_s=60)
+
+
+@pytest.mark.distributed
+def test_search_times_each_candidate_then_serves_the_fastest(two_ranks: list[dict[str, Any]]) -> None:
+    plans = two_ranks[0]["search"]
+    assert [p["source"] for p in plans] == ["trial"] * 6 + ["dictionary"] * 2
+    assert [p["requested_degree"] for p in plans[:6]] == [1, 1, 1, 2, 2, 2]
+    measured = two_ranks[0]["search_measured"][0]
+    best = min(measured, key=measured.get)
+    assert two_ranks[0]["search_dictionary"] == {0: best}
+    assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) == best
+    assert all(p["forward_s"] > 0 and p["backward_s"] > 0 for p in plans)
+
+
+@pytest.mark.distributed
+def test_every_rank_makes_the_same_choices(two_ranks: list[dict[str, Any]]) -> None:
+    def choices(result: dict[str, Any]) -> list[tuple]:
+        return [(p["source"], p["requested_degree"], p["alltoall"]) for policy in ("search", "auto", "model")
+                for p in result[policy]]
+
+    assert choices(two_ranks[0]) == choices(two_ranks[1])
+    assert two_ranks[0]["search_dictionary"] == two_ranks[1]["search_dictionary"]
+    # the dictionary keeps the slowest rank's median: both ranks hold the same numbers
+    assert two_ranks[0]["search_measured"] == two_ranks[1]["search_measured"]
+
+
+@pytest.mark.distributed
+def test_auto_times_only_the_models_top_three(two_ranks: list[dict[str, Any]]) -> None:
+    plans = two_ranks[0]["auto"]
+    assert [p["source"] for p in plans] == ["trial"] * 9 + ["dictionary"] * 2
+    capacity = 16  # 64 tokens, k=2, 8 experts, f=1
+    shape = RegionShape(8, 2, capacity, 16, 32)
+    top = [(p.degree, p.algorithm) for p in rank_plans(CostModel(PROFILE), shape, range(1, 17),
+                                                       ("linear", "pairwise"))[:3]]
+    assert [(p["requested_degree"], p["alltoall"]) for p in plans[0:9:3]] == top
+    assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) in top
+    assert all(p["predicted_forward_s"] > 0 and p["predicted_backward_s"] > 0 for p in plans)
+
+
+@pytest.mark.distributed
+def test_model_and_forced_plans(two_ranks: list[dict[str, Any]]) -> None:
+    shape = RegionShape(8, 2, 16, 16, 32)
+    best = rank_plans(CostModel(PROFILE), shape, range(1, 17), ("linear", "pairwise"))[0]
+    for plan in two_ranks[0]["model"]:
+        assert (plan["source"], plan["requested_degree"], plan["alltoall"]) == ("model", best.degree, best.algorithm)
+        assert plan["predicted_forward_s"] == pytest.approx(best.forward_s)
+    (forced,) = two_ranks[0]["forced"]
+    assert (forced["source"], forced["pipeline_degree"], forced["alltoall"]) == ("forced", 4, "pairwise")
+
+
+def test_single_process_runs_one_chunk_unless_forced() -> None:
+    x = torch.randn(32, 16)
+    layer = MoELayer(16, 32, 4)
+    layer(x)
+    assert layer.last_stats is not None
+    assert (layer.last_stats.plan["alltoall"], layer.last_stats.plan["pipeline_degree"]) == ("none", 1)
+    forced = MoELayer(16, 32, 4, pipeline=4)
+    forced(x)
+    assert forced.last_stats is not None and forced.last_stats.plan["pipeline_degree"] == 4
+    assert forced.last_stats.timing.forward_s is not None and forced.last_stats.timing.backward_s is None
+
+
+@pytest.mark.parametrize("bad", [0, -2, 65, 2.5, "fast", True])
+def test_bad_pipeline_setting_names_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match="pipeline"):
+        MoELayer(16, 32, 4, pipeline=bad)  # type: ignore[arg-type]
+
+
+def _model_without_profile(rank: int, world: int) -> str:
+    try:
+        MoELayer(16, 32, 4, pipeline="model")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_model_policy_without_a_profile_says_how_to_get_one() -> None:
+    (message,) = run_distributed(_model_without_profile, 1, timeout_s=60)
+    assert "profile" in message and "moeflow calibrate" in message
