@@ -48,6 +48,21 @@ def _build_parser() -> argparse.ArgumentParser:
     alltoall.add_argument("--inter-gbit", type=float, default=1.0)
     alltoall.add_argument("--inter-latency-us", type=float, default=100.0)
     alltoall.add_argument("--repeats", type=_positive_int, default=7)
+    pipeline = benches.add_parser(
+        "pipeline", help="fixed pipeline degrees and all-to-alls vs the planner on an emulated cluster (needs root)",
+        description="Grid: the product of the list options (default 32 configurations). Without --profile the "
+        "ranks calibrate the cluster first.",
+    )
+    pipeline.add_argument("--nodes", type=_positive_int, default=2)
+    pipeline.add_argument("--ranks-per-node", type=_positive_int, default=2)
+    pipeline.add_argument("--inter-gbit", type=float, default=1.0)
+    pipeline.add_argument("--tokens", type=_positive_int, nargs="+", default=[512, 1024], help="tokens per rank")
+    pipeline.add_argument("--model-dims", type=_positive_int, nargs="+", default=[256, 512])
+    pipeline.add_argument("--hidden-dims", type=_positive_int, nargs="+", default=[256, 1024])
+    pipeline.add_argument("--experts-per-rank", type=_positive_int, nargs="+", default=[1, 2])
+    pipeline.add_argument("--top-k", type=_positive_int, nargs="+", default=[1, 2])
+    pipeline.add_argument("--repeats", type=_positive_int, default=3)
+    pipeline.add_argument("--profile", default=None, help="a profile of this cluster (skips calibration)")
     calibrate = commands.add_parser(
         "calibrate", help="fit alpha-beta cost models (GEMM, collectives, interference); write a profile",
         description="Locally it spawns --workers gloo workers; under moeflow launch or torchrun it uses the "
@@ -66,6 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--experts", type=_positive_int, default=8)
     plan.add_argument("--top-k", type=_positive_int, default=2)
     plan.add_argument("--capacity-factor", type=float, default=1.0)
+    plan.add_argument("--max-degree", type=_positive_int, default=16)
+    plan.add_argument("--forward-only", action="store_true", help="plan for inference (no backward pass)")
     _add_cluster_arguments(commands.add_parser(
         "launch", help="run a command as every rank of an emulated multi-node cluster (needs root)",
         description="Example: moeflow launch --nodes 2 --ranks-per-node 2 --inter-gbit 1 -- "
@@ -165,6 +182,7 @@ def _plan(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.comm.algorithms import ALGORITHMS
     from moeflow.perf import ClusterProfile, CostModel, LayerShape
+    from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans, theorem1_for_shape
 
     try:
         profile = ClusterProfile.load(args.profile)
@@ -173,20 +191,52 @@ def _plan(args: argparse.Namespace) -> int:
     model = CostModel(profile)
     if args.top_k > args.experts or args.experts % model.world_size:
         raise SystemExit(f"moeflow plan: need top_k <= experts and experts divisible by {model.world_size} ranks")
+    if "gemm" not in profile.fits:
+        raise SystemExit("moeflow plan: the profile has no gemm fit; re-run moeflow calibrate")
     shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
-    best = None
-    for algorithm in ALGORITHMS if model.world_size > 1 else ("linear",):
-        if f"alltoall.{algorithm}" not in profile.fits and model.world_size > 1:
-            continue
-        times = model.layer_times(shape, algorithm)
-        in_ms = {(k.removesuffix("_s") + "_ms" if k.endswith("_s") else k): (v * 1e3 if k.endswith("_s") else v)
-                 for k, v in times.items()}
-        print_json({"plan": "layer", "alltoall": algorithm, **in_ms})
-        if best is None or times["serial_s"] < best[1]:
-            best = (algorithm, times["serial_s"])
-    assert best is not None
-    print_json({"summary": "plan", "alltoall": best[0], "predicted_serial_ms": best[1] * 1e3,
-                "world_size": model.world_size, "capacity": shape.capacity()})
+    region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim)
+    algorithms = [a for a in ALGORITHMS if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
+    backward = not args.forward_only
+    for algorithm in algorithms:
+        for degree in range(1, min(args.max_degree, region.capacity) + 1):
+            p = predict_plan(model, region, degree, algorithm, backward)
+            print_json({"plan": "pipeline", "alltoall": algorithm, "degree": degree, "forward_ms": p.forward_s * 1e3,
+                        "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
+        if model.world_size > 1:
+            choice = theorem1_for_shape(model, region, algorithm, args.max_degree)
+            print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
+                        "forward_ms": choice.predicted_s * 1e3})
+    best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
+    roofline = model.layer_times(shape, best.algorithm, backward)
+    unpipelined = predict_plan(model, region, 1, best.algorithm, backward)
+    print_json({
+        "summary": "plan", "alltoall": best.algorithm, "degree": best.degree,
+        "predicted_ms": best.total_s * 1e3, "predicted_d1_ms": unpipelined.total_s * 1e3,
+        "r_cc": roofline["r_cc"], "ideal_ms": roofline["ideal_s"] * 1e3, "semi_ideal_ms": roofline["serial_s"] * 1e3,
+        "ideal_fraction_of_peak": roofline["ideal_fraction_of_peak"],
+        "semi_ideal_fraction_of_peak": roofline["semi_ideal_fraction_of_peak"],
+        "world_size": model.world_size, "capacity": region.capacity, "backward": backward,
+    })
+    return 0
+
+
+def _bench_pipeline(args: argparse.Namespace) -> int:
+    import itertools
+
+    from moeflow.bench import print_json
+    from moeflow.bench.pipeline import GridPoint, run, summarize
+    from moeflow.testbed import ClusterError, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"moeflow bench pipeline: {reason}")
+    grid = [GridPoint(*values) for values in itertools.product(
+        args.tokens, args.model_dims, args.hidden_dims, args.experts_per_rank, args.top_k)]
+    try:
+        records = run(grid, args.nodes, args.ranks_per_node, args.inter_gbit, args.repeats, args.profile)
+    except (ClusterError, RuntimeError) as error:
+        raise SystemExit(f"moeflow bench pipeline: {error}") from None
+    print_json(summarize(records))
     return 0
 
 
@@ -261,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_layer(args)
     if args.command == "bench" and args.bench == "alltoall":
         return _bench_alltoall(args)
+    if args.command == "bench" and args.bench == "pipeline":
+        return _bench_pipeline(args)
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "plan":

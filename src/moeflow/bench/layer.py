@@ -66,8 +66,10 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     c = config
     reference = ReferenceMoE(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
                              capacity_factor=c.capacity_factor, activation=c.activation)
+    # one chunk and the linear all-to-all: this benchmark measures the layer's kernels, not the
+    # planner (moeflow bench pipeline does), so its trials must not mix into the medians
     layer = MoELayer(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
-                     capacity_factor=c.capacity_factor, activation=c.activation)
+                     capacity_factor=c.capacity_factor, activation=c.activation, pipeline=1, alltoall="linear")
     layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(c.tokens, c.model_dim, generator=generator)

@@ -60,7 +60,8 @@ class Theorem1Choice:
 
 
 def theorem1_degree(
-    alpha_a: float, beta_a: float, n_d: float, alpha_e: float, beta_e: float, n_e: float, max_degree: int
+    alpha_a: float, beta_a: float, n_d: float, alpha_e: float, beta_e: float, n_e: float, max_degree: int,
+    interference: float = 1.0,
 ) -> Theorem1Choice:
     """Theorem 1: the best degree from the case split of Eq. 19-44, with t_a2a(n) = alpha_a + beta_a n
     and t_e(n) = alpha_e + beta_e n for the whole (unsplit) layer sizes n_d and n_e.
@@ -68,8 +69,11 @@ def theorem1_degree(
     For r >= 2 exactly one of the cases holds: Q1 (Eq. 21) gives f2 (Eq. 25); not Q1 and Q2 (Eq. 30)
     gives f3 (Eq. 34); neither gives f4 (Eq. 41). Each case's objective is minimised over the integer
     degrees where the case holds (f2 and f4 grow with r; f3 is convex), and r = 1 (Eq. 19) wins ties.
+    ``interference`` scales the expert time of overlapped (r >= 2) runs, as the calibrated profile
+    measured it.
     """
     best = Theorem1Choice(1, 2 * (alpha_a + beta_a * n_d) + alpha_e + beta_e * n_e, "r=1")
+    alpha_e, beta_e = alpha_e * interference, beta_e * interference
     for r in range(2, max_degree + 1):
         q1 = alpha_a + beta_a * n_d / r >= alpha_e + beta_e * n_e / r
         q2 = 2 * (r - 1) * alpha_a + 2 * (r - 1) / r * beta_a * n_d < r * alpha_e + beta_e * n_e
@@ -159,7 +163,9 @@ def theorem1_for_shape(cost: CostModel, shape: RegionShape, algorithm: str, max_
     n_d = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
     n_e = shape.world_size * shape.capacity * shape.model_dim * shape.hidden_dim
     calls = projections * shape.local_experts
-    return theorem1_degree(a2a.alpha, a2a.beta, n_d, calls * gemm.alpha, calls * gemm.beta, n_e, max_degree)
+    return theorem1_degree(
+        a2a.alpha, a2a.beta, n_d, calls * gemm.alpha, calls * gemm.beta, n_e, max_degree, cost.profile.interference
+    )
 
 
 def degree_bound(capacity: int, max_degree: int) -> int:
