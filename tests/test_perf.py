@@ -122,7 +122,15 @@ def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "8"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["alltoall"] for line in lines[:-1]} == {"linear", "2dh"}  # pairwise was not calibrated
-    assert lines[-1]["summary"] == "plan" and lines[-1]["alltoall"] == "linear"
-    assert {"compute_ms", "communicate_ms", "serial_ms", "ideal_ms", "r_cc"} <= set(lines[0])
+    per_degree = [line for line in lines if line.get("plan") == "pipeline"]
+    assert {(line["alltoall"], line["degree"]) for line in per_degree} == {
+        (a, d) for a in ("linear", "2dh") for d in range(1, 17)}
+    assert {line["alltoall"] for line in lines if line.get("plan") == "theorem1"} == {"linear", "2dh"}
+    summary = lines[-1]
+    fastest = min(per_degree, key=lambda line: line["total_ms"])
+    assert summary["summary"] == "plan" and (summary["alltoall"], summary["degree"]) == (
+        fastest["alltoall"], fastest["degree"])
+    assert summary["predicted_ms"] <= summary["predicted_d1_ms"]
+    assert {"r_cc", "ideal_ms", "semi_ideal_ms", "ideal_fraction_of_peak"} <= set(summary)
     with pytest.raises(SystemExit, match="moeflow calibrate --out"):
         main(["plan", "--profile", str(tmp_path / "none.json")])

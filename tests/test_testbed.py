@@ -152,6 +152,39 @@ def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
 
 
 @needs_testbed
+def test_pipeline_equals_degree_one_and_the_reference_on_the_emulated_2x2_cluster() -> None:
+    tests_dir = str(Path(__file__).parent)
+    script = (
+        f"import sys; sys.path.insert(0, {tests_dir!r}); "
+        "import test_pipeline as t; t.run_in_launched_rank()"
+    )
+    out = io.StringIO()
+    code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=2.0), [sys.executable, "-c", script],
+                  master_port=29617, timeout_s=300, sink=out)
+    assert code == 0, out.getvalue()
+    assert out.getvalue().count("pipeline equals d=1 and the reference") == 4
+
+
+@needs_testbed
+def test_bench_pipeline_measures_every_setting_and_summarizes() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "pipeline", "--tokens", "64", "--model-dims", "32",
+         "--hidden-dims", "32", "--experts-per-rank", "1", "--top-k", "1", "--repeats", "1",
+         "--nodes", "2", "--ranks-per-node", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    settings = {r["setting"] for r in records if r.get("bench") == "pipeline"}
+    assert settings == {f"d{d}-{a}" for d in (1, 2, 4, 8) for a in ("linear", "pairwise")} | {"model", "auto"}
+    assert any(r.get("bench") == "pipeline-calibration" for r in records)
+    assert any(r.get("bench") == "pipeline-ideal" and r["ideal_ms"] > 0 for r in records)
+    summary = records[-1]
+    assert summary["summary"] == "pipeline" and summary["configs"] == 1
+    assert 0.0 <= summary["auto"]["share_within_5pct_of_best_fixed"] <= 1.0
+
+
+@needs_testbed
 def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "alltoall", "--layouts", "1x2", "--sizes", "1024", "--repeats", "1"],
