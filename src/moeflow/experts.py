@@ -90,29 +90,66 @@ def ffn_forward(x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor,
     return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
 
 
-def ffn_backward(
+@dataclass(frozen=True)
+class FFNWeightGradInputs:
+    """What the weight gradients of one backward need; chunks concatenate along dim 1."""
+
+    x_LCM: torch.Tensor
+    hidden_LCH: torch.Tensor  # input of w2: act(h), or act(h) * up for swiglu
+    grad_y_LCM: torch.Tensor
+    grad_h_LCH: torch.Tensor
+    grad_up_LCH: torch.Tensor | None
+
+    @staticmethod
+    def concat(parts: list[FFNWeightGradInputs]) -> FFNWeightGradInputs:
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(part, name) for part in parts], dim=1)
+
+        grad_up = cat("grad_up_LCH") if parts[0].grad_up_LCH is not None else None
+        return FFNWeightGradInputs(cat("x_LCM"), cat("hidden_LCH"), cat("grad_y_LCM"), cat("grad_h_LCH"), grad_up)
+
+
+def ffn_backward_data(
     saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """(grad of x, [grad w1, b1, w2, b2, w3]); each gradient GEMM computed once."""
+) -> tuple[torch.Tensor, FFNWeightGradInputs]:
+    """The gradient of x only, plus what :func:`ffn_weight_grads` needs later: a pipeline sends
+    grad x on at once and computes the weight gradients off the critical path."""
     loop = weights.kernel == "loop"
     x_LCM, h_LCH, gate_LCH, up_LCH = saved.x_LCM, saved.h_LCH, saved.a_LCH, saved.up_LCH
     hidden_LCH = gate_LCH if up_LCH is None else gate_LCH * up_LCH
-    grad_b2 = grad_y_LCM.sum(dim=1)
-    grad_w2 = batched_mm(hidden_LCH.transpose(1, 2), grad_y_LCM, loop)
     grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop)
-    grad_w3 = grad_up_LCH = None
+    grad_up_LCH = None
     if up_LCH is not None:
         grad_up_LCH = grad_a_LCH * gate_LCH
         grad_a_LCH = grad_a_LCH * up_LCH
     grad_h_LCH = _activation_grad(weights.activation, grad_a_LCH, h_LCH)
-    grad_b1 = grad_h_LCH.sum(dim=1)
-    grad_w1 = batched_mm(x_LCM.transpose(1, 2), grad_h_LCH, loop)
     grad_x_LCM = batched_mm(grad_h_LCH, weights.w1.transpose(1, 2), loop)
     if grad_up_LCH is not None:
         assert weights.w3 is not None
-        grad_w3 = batched_mm(x_LCM.transpose(1, 2), grad_up_LCH, loop)
         grad_x_LCM += batched_mm(grad_up_LCH, weights.w3.transpose(1, 2), loop)
-    return grad_x_LCM, [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+    return grad_x_LCM, FFNWeightGradInputs(x_LCM, hidden_LCH, grad_y_LCM, grad_h_LCH, grad_up_LCH)
+
+
+def ffn_weight_grads(inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]:
+    """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows."""
+    loop = weights.kernel == "loop"
+    grad_w2 = batched_mm(inputs.hidden_LCH.transpose(1, 2), inputs.grad_y_LCM, loop)
+    grad_w1 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_h_LCH, loop)
+    grad_w3 = None
+    if inputs.grad_up_LCH is not None:
+        grad_w3 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_up_LCH, loop)
+    return [grad_w1, inputs.grad_h_LCH.sum(dim=1), grad_w2, inputs.grad_y_LCM.sum(dim=1), grad_w3]
+
+
+def ffn_backward(
+    saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(grad of x, [grad w1, b1, w2, b2, w3]); each gradient GEMM computed once."""
+    grad_x_LCM, inputs = ffn_backward_data(saved, grad_y_LCM, weights)
+    return grad_x_LCM, ffn_weight_grads(inputs, weights)
 
 
 class _ExpertFFNFunction(torch.autograd.Function):

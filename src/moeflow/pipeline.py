@@ -30,7 +30,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.topology import Topology
-from moeflow.experts import FFNSaved, FFNWeights, ffn_backward, ffn_forward
+from moeflow.experts import FFNSaved, FFNWeightGradInputs, FFNWeights, ffn_backward_data, ffn_forward, ffn_weight_grads
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
 
@@ -96,6 +96,7 @@ def run_pipeline(
     chunks: list[tuple[int, int]],
     compute: Callable[[int, torch.Tensor], torch.Tensor],
     route: ExpertExchange,
+    after_compute: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """out[:, a:b] = from_experts(compute(i, to_experts(buffer[:, a:b]))) for each chunk (a, b).
 
@@ -114,6 +115,8 @@ def run_pipeline(
     if len(chunks) == 1 or route.group is None:
         for index, (start, stop) in enumerate(chunks):
             receive(compute(index, send(start, stop)), start, stop)
+        if after_compute is not None:
+            after_compute()
         return out_ECM
 
     worker = _communication_worker()
@@ -123,6 +126,8 @@ def run_pipeline(
         for index, (start, stop) in enumerate(chunks):
             y_LXM = compute(index, dispatched[index].result())
             combined.append(worker.submit(_without_grad, receive, y_LXM, start, stop))
+        if after_compute is not None:
+            after_compute()
         for future in combined:
             future.result()
     except BaseException:
@@ -160,19 +165,25 @@ class _PipelinedExperts(torch.autograd.Function):
         start = time.perf_counter()
         weights = FFNWeights(*ctx.saved_tensors, ctx.activation, ctx.kernel)
         saved: list[FFNSaved | None] = ctx.saved_chunks
+        pending: list[FFNWeightGradInputs] = []
         totals: list[torch.Tensor | None] = [None] * 5
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             chunk = saved[index]
             assert chunk is not None, "backward through the pipelined experts ran twice"
-            grad_x_LXM, grads = ffn_backward(chunk, grad_y_LXM, weights)
-            saved[index] = None  # free this chunk's activations as soon as they are used
-            for slot, grad in enumerate(grads):
-                if grad is not None:
-                    totals[slot] = grad if totals[slot] is None else totals[slot].add_(grad)
+            grad_x_LXM, weight_inputs = ffn_backward_data(chunk, grad_y_LXM, weights)
+            saved[index] = None
+            pending.append(weight_inputs)
             return grad_x_LXM
 
-        grad_buffer_ECM = run_pipeline(grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route)
+        def weight_gradients() -> None:
+            # deferred: full-size GEMMs, off the critical path, overlapping the last combines
+            totals[:] = ffn_weight_grads(FFNWeightGradInputs.concat(pending), weights)
+            pending.clear()
+
+        grad_buffer_ECM = run_pipeline(
+            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients
+        )
         ctx.timing.backward_s = time.perf_counter() - start
         return grad_buffer_ECM, None, None, None, None, None, *totals
 
