@@ -137,32 +137,28 @@ def test_cli_launch_and_cleanup() -> None:
     assert cleanup.stdout.startswith("deleted ")
 
 
-@needs_testbed
-def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
+def _run_test_module_on_2x2(module: str, master_port: int, timeout_s: float) -> str:
+    """Run ``module.run_in_launched_rank()`` (a test module here) as every rank of an emulated 2x2
+    cluster; assert that every rank exited 0 and return their output."""
     tests_dir = str(Path(__file__).parent)
-    script = (
-        f"import sys; sys.path.insert(0, {tests_dir!r}); "
-        "import test_alltoall_algorithms as t; t.run_in_launched_rank()"
-    )
+    script = f"import sys; sys.path.insert(0, {tests_dir!r}); import {module} as t; t.run_in_launched_rank()"
     out = io.StringIO()
     code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=2.0), [sys.executable, "-c", script],
-                  master_port=29616, timeout_s=180, sink=out)
+                  master_port=master_port, timeout_s=timeout_s, sink=out)
     assert code == 0, out.getvalue()
-    assert out.getvalue().count("all algorithms equal linear") == 4
+    return out.getvalue()
+
+
+@needs_testbed
+def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
+    output = _run_test_module_on_2x2("test_alltoall_algorithms", master_port=29616, timeout_s=180)
+    assert output.count("all algorithms equal linear") == 4
 
 
 @needs_testbed
 def test_pipeline_equals_degree_one_and_the_reference_on_the_emulated_2x2_cluster() -> None:
-    tests_dir = str(Path(__file__).parent)
-    script = (
-        f"import sys; sys.path.insert(0, {tests_dir!r}); "
-        "import test_pipeline as t; t.run_in_launched_rank()"
-    )
-    out = io.StringIO()
-    code = launch(ClusterSpec(nodes=2, ranks_per_node=2, inter_gbit=2.0), [sys.executable, "-c", script],
-                  master_port=29617, timeout_s=300, sink=out)
-    assert code == 0, out.getvalue()
-    assert out.getvalue().count("pipeline equals d=1 and the reference") == 4
+    output = _run_test_module_on_2x2("test_pipeline", master_port=29617, timeout_s=300)
+    assert output.count("pipeline equals d=1 and the reference") == 4
 
 
 @needs_testbed

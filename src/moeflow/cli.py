@@ -50,8 +50,8 @@ def _build_parser() -> argparse.ArgumentParser:
     alltoall.add_argument("--repeats", type=_positive_int, default=7)
     pipeline = benches.add_parser(
         "pipeline", help="fixed pipeline degrees and all-to-alls vs the planner on an emulated cluster (needs root)",
-        description="Grid: the product of the list options (default 32 configurations). Without --profile the "
-        "ranks calibrate the cluster first.",
+        description="Grid: the product of the list options (default 32 configurations, from communication-bound "
+        "H=256 to computation-bound H=1024 at 1 Gbit/s). Without --profile the ranks calibrate the cluster first.",
     )
     pipeline.add_argument("--nodes", type=_positive_int, default=2)
     pipeline.add_argument("--ranks-per-node", type=_positive_int, default=2)
@@ -182,7 +182,7 @@ def _plan(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.comm.algorithms import ALGORITHMS
     from moeflow.perf import ClusterProfile, CostModel, LayerShape
-    from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans, theorem1_for_shape
+    from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans, theorem1_for_shape, usable_degrees
 
     try:
         profile = ClusterProfile.load(args.profile)
@@ -198,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     algorithms = [a for a in ALGORITHMS if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
     for algorithm in algorithms:
-        for degree in range(1, min(args.max_degree, region.capacity) + 1):
+        for degree in usable_degrees(range(1, args.max_degree + 1), region.capacity):
             p = predict_plan(model, region, degree, algorithm, backward)
             print_json({"plan": "pipeline", "alltoall": algorithm, "degree": degree, "forward_ms": p.forward_s * 1e3,
                         "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})

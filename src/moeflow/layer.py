@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.comm import group_rank, group_size, resolve_group
+from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.topology import topology_from_env
 from moeflow.config import ALLTOALL_ALGORITHMS, MoEConfig, validate_capacity_factor, validate_top_k
 from moeflow.dispatch import decode, encode, make_dispatch_plan
@@ -243,9 +244,7 @@ class MoELayer(nn.Module):
             return ("linear",)
         if self.cost_model is not None and config.pipeline != "search":
             return ALLTOALL_ALGORITHMS
-        nodes, per_node = self.topology.num_nodes, self.topology.ranks_per_node
-        useful = {"linear": True, "2dh": nodes > 1 and per_node > 1, "pairwise": nodes > 1}
-        return tuple(a for a in ALLTOALL_ALGORITHMS if useful[a])
+        return distinct_algorithms(self.topology)
 
     def _stats(
         self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, chosen: PlanChoice,

@@ -19,14 +19,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
+from moeflow.comm.groups import max_over_ranks
+from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans
+from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans, usable_degrees
 from moeflow.stats import PipelineTiming
 
-PIPELINE_POLICIES = ("auto", "model", "search")
 SEARCH_DEGREES = (1, 2, 4, 8)
 MAX_MODEL_DEGREE = 16
 
@@ -79,8 +79,7 @@ class PipelinePlanner:
         search_trials: int = 3,
         top_candidates: int = 3,
     ) -> None:
-        if isinstance(pipeline, str) and pipeline not in PIPELINE_POLICIES:
-            raise ValueError(f"unknown pipeline policy {pipeline!r}; choose one of {PIPELINE_POLICIES} or an int")
+        validate_pipeline(pipeline)
         self.group = group
         modelled = _modelled_algorithms(cost_model, algorithms)
         self._predictor = cost_model if modelled else None  # predictions for the stats
@@ -138,7 +137,7 @@ class PipelinePlanner:
                 self.cost_model, shape, degrees or range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward
             )
             return [Plan(p.degree, p.algorithm) for p in ranked[: self.top_candidates]]
-        usable = sorted({min(d, max(1, shape.capacity)) for d in (degrees or SEARCH_DEGREES)})
+        usable = usable_degrees(degrees or SEARCH_DEGREES, shape.capacity)
         return [Plan(d, a) for a in self.algorithms for d in usable]
 
     def _model_choice(self, shape: RegionShape, backward: bool) -> Plan:
@@ -151,10 +150,7 @@ class PipelinePlanner:
 
     def _finish_search(self, key: int, search: _Search) -> Plan:
         medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
-        slowest = torch.tensor(medians, dtype=torch.float64)
-        if self.group is not None:
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        values = slowest.tolist()
+        values = medians if self.group is None else max_over_ranks(medians, self.group)
         best = search.candidates[min(range(len(values)), key=lambda i: (values[i], i))]
         self.dictionary[key] = best
         self.measured[key] = dict(zip(search.candidates, values, strict=True))

@@ -11,7 +11,6 @@ per layout, 2DH's speedup over linear at each size and the crossover: the larges
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -64,23 +63,19 @@ def run(
     master_port: int = 29700,
 ) -> list[dict[str, Any]]:
     """Launch each layout and return every rank-0 measurement (printed as they arrive)."""
+    from moeflow.bench import RankZeroRecords
     from moeflow.testbed import ClusterSpec, launch
 
     results: list[dict[str, Any]] = []
     for index, (nodes, per_node) in enumerate(layouts):
-        sink = io.StringIO()
+        sink = RankZeroRecords(inter_gbit=inter_gbit, inter_latency_us=latency_us)
         spec = ClusterSpec(nodes, per_node, inter_gbit, latency_us)
         command = [sys.executable, "-m", "moeflow.bench.alltoall", "--sizes", *map(str, sizes),
                    "--repeats", str(repeats)]
         code = launch(spec, command, master_port=master_port + index, timeout_s=600, sink=sink)
         if code:
             raise RuntimeError(f"alltoall benchmark on {nodes}x{per_node} failed (exit {code}):\n{sink.getvalue()}")
-        for line in sink.getvalue().splitlines():
-            if line.startswith("[rank 0] {"):
-                record = json.loads(line.removeprefix("[rank 0] "))
-                record.update(inter_gbit=inter_gbit, inter_latency_us=latency_us)
-                print(json.dumps(record), flush=True)
-                results.append(record)
+        results.extend(sink.records)
     return results
 
 

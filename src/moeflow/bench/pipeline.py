@@ -21,8 +21,6 @@ d=1 (linear) and the mean ratio to the ideal.
 from __future__ import annotations
 
 import argparse
-import io
-import itertools
 import json
 import os
 import statistics
@@ -34,7 +32,6 @@ from datetime import timedelta
 from typing import Any
 
 DEGREES = (1, 2, 4, 8)
-ALGORITHMS = ("linear", "2dh", "pairwise")
 WITHIN = 1.05
 
 
@@ -49,23 +46,6 @@ class GridPoint:
     @property
     def name(self) -> str:
         return f"T{self.tokens}-M{self.model_dim}-H{self.hidden_dim}-El{self.experts_per_rank}-k{self.top_k}"
-
-
-def default_grid() -> list[GridPoint]:
-    """32 configurations: communication-bound (H=256) to computation-bound (H=1024) on 1 Gbit/s."""
-    return [
-        GridPoint(*values)
-        for values in itertools.product((512, 1024), (256, 512), (256, 1024), (1, 2), (1, 2))
-    ]
-
-
-def _slowest(seconds: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
 
 
 def _iteration(layer: Any, x: Any) -> tuple[float, float]:
@@ -83,11 +63,13 @@ def _ideal(point: GridPoint, world: int, topology: Any, repeats: int) -> dict[st
     import torch
     import torch.distributed as dist
 
-    from moeflow.comm.algorithms import exchange
+    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.comm.algorithms import distinct_algorithms, exchange
     from moeflow.experts import ExpertFFN
+    from moeflow.perf import LayerShape
 
     experts = point.experts_per_rank * world
-    capacity = -(-point.top_k * point.tokens // experts)
+    capacity = LayerShape(point.tokens, point.model_dim, point.hidden_dim, experts, point.top_k).capacity()
     ffn = ExpertFFN(point.experts_per_rank, point.model_dim, point.hidden_dim)
     rows = torch.randn(point.experts_per_rank, world * capacity, point.model_dim, requires_grad=True)
     buffer = torch.randn(experts, capacity, point.model_dim)
@@ -99,14 +81,11 @@ def _ideal(point: GridPoint, world: int, topology: Any, repeats: int) -> dict[st
         for _ in range(4):
             exchange(algorithm, buffer, dist.group.WORLD, topology)
 
-    operations = {"compute": compute, **{a: (lambda a=a: communicate(a)) for a in _algorithms(topology)}}
+    operations = {"compute": compute, **{a: (lambda a=a: communicate(a)) for a in distinct_algorithms(topology)}}
     samples: dict[str, list[float]] = {name: [] for name in operations}
     for round_index in range(repeats + 1):
         for name, operation in operations.items():
-            dist.barrier()
-            start = time.perf_counter()
-            operation()
-            seconds = _slowest(time.perf_counter() - start)
+            seconds = slowest_rank_seconds(operation)
             if round_index:
                 samples[name].append(seconds)
     medians = {name: statistics.median(values) for name, values in samples.items()}
@@ -115,16 +94,12 @@ def _ideal(point: GridPoint, world: int, topology: Any, repeats: int) -> dict[st
     return {"t_comp_s": t_comp, "t_comm_s": t_comm, "ideal_s": max(t_comp, t_comm)}
 
 
-def _algorithms(topology: Any) -> tuple[str, ...]:
-    if topology.num_nodes > 1 and topology.ranks_per_node > 1:
-        return ALGORITHMS
-    return ("linear", "pairwise") if topology.num_nodes > 1 else ("linear",)
-
-
 def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from moeflow.comm.algorithms import distinct_algorithms
+    from moeflow.comm.groups import max_over_ranks
     from moeflow.comm.topology import topology_from_env
     from moeflow.layer import MoELayer
 
@@ -137,7 +112,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
         return MoELayer(point.model_dim, point.hidden_dim, experts, top_k=point.top_k, **settings)
 
     layers: dict[str, MoELayer] = {}
-    for algorithm in _algorithms(topology):
+    for algorithm in distinct_algorithms(topology):
         for degree in DEGREES:
             layers[f"d{degree}-{algorithm}"] = build(pipeline=degree, alltoall=algorithm)
     layers["model"] = build(pipeline="model", profile=profile)
@@ -157,7 +132,8 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
             dist.barrier()
             region, whole = _iteration(layer, x)
             if round_index:
-                samples[name].append((_slowest(region), _slowest(whole)))
+                region, whole = max_over_ranks([region, whole])
+                samples[name].append((region, whole))
             plans[name] = layer.last_stats.plan
     ideal = _ideal(point, world, topology, repeats)
     if rank != 0:
@@ -227,6 +203,7 @@ def run(
     profile: str | None = None, master_port: int = 29750, timeout_s: float = 3600,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
+    from moeflow.bench import RankZeroRecords
     from moeflow.testbed import ClusterSpec, launch
 
     with tempfile.TemporaryDirectory() as folder:
@@ -234,33 +211,12 @@ def run(
         command = [sys.executable, "-m", "moeflow.bench.pipeline", "--grid", json.dumps([asdict(p) for p in grid]),
                    "--repeats", str(repeats)]
         command += ["--profile", profile] if profile else ["--save-profile", saved]
-        sink = _LineSink()
+        sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
         code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
                       timeout_s=timeout_s, sink=sink)
         if code:
             raise RuntimeError(f"pipeline benchmark failed (exit {code}):\n{sink.getvalue()[-4000:]}")
-    for record in sink.records:
-        record.update(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
     return sink.records
-
-
-class _LineSink(io.StringIO):
-    """Collects the launcher's output; prints rank 0's JSON records as soon as they arrive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[dict[str, Any]] = []
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            if line.startswith("[rank 0] {"):
-                record = json.loads(line.removeprefix("[rank 0] "))
-                self.records.append(record)
-                print(json.dumps(record), flush=True)
-        return super().write(text)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

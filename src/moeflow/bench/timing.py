@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
+
+from moeflow.comm.groups import max_over_ranks
 
 K = TypeVar("K", bound=Hashable)
 
@@ -40,6 +41,5 @@ def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | No
     dist.barrier(group=group)
     start = time.perf_counter()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return float(elapsed)
+    (elapsed,) = max_over_ranks([time.perf_counter() - start], group)
+    return elapsed

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.comm.alltoall import all_to_all
+from moeflow.comm.alltoall import all_to_all, linear_all_to_all
 from moeflow.comm.topology import Topology, node_groups
 from moeflow.config import ALLTOALL_ALGORITHMS
 
@@ -46,6 +46,19 @@ def split_matrix(
     parts = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(parts, local, group=group)
     return torch.stack(parts).cpu().tolist()
+
+
+def distinct_algorithms(topology: Topology) -> tuple[str, ...]:
+    """The algorithms that differ from linear on this topology: 2DH needs several nodes of several
+    ranks, pairwise several nodes (on one node both reduce to a single exchange)."""
+    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    distinct = {"linear": True, "2dh": nodes > 1 and per_node > 1, "pairwise": nodes > 1}
+    return tuple(a for a in ALGORITHMS if distinct[a])
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
 def _transpose(matrix: SplitMatrix) -> SplitMatrix:
@@ -148,8 +161,7 @@ def all_to_all_with(
     output_splits: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """All-to-all over the world group with the named algorithm (differentiable)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    _check_algorithm(algorithm)
     if algorithm == "linear":
         out_splits = None if output_splits is None else list(output_splits)
         in_splits = None if input_splits is None else list(input_splits)
@@ -172,13 +184,10 @@ def exchange(
     For code that writes its own backward (the pipeline): with equal splits the adjoint of an
     exchange is the same exchange, so forward and backward both call this.
     """
+    _check_algorithm(algorithm)
     with torch.no_grad():
         if algorithm == "linear":
-            output = torch.empty_like(x)
-            dist.all_to_all_single(output, x.contiguous(), group=group)
-            return output
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            return linear_all_to_all(x, group, None, None)
         matrix = split_matrix(x, topology.world_size, None)
         if algorithm == "2dh":
             return _alltoall_2dh(x.contiguous(), topology, matrix)

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 
-def _linear_alltoall(
+def linear_all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup, output_splits: list[int] | None,
     input_splits: list[int] | None,
 ) -> torch.Tensor:
+    """``dist.all_to_all_single`` into a fresh output, outside autograd (None splits: equal)."""
     x = x.contiguous()
     rows = x.shape[0] if output_splits is None else sum(output_splits)
     output = x.new_empty((rows, *x.shape[1:]))
@@ -30,11 +31,11 @@ class _AllToAll(torch.autograd.Function):
         output_splits: list[int] | None, input_splits: list[int] | None,
     ) -> torch.Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        return _linear_alltoall(x, group, output_splits, input_splits)
+        return linear_all_to_all(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
-        grad_x = _linear_alltoall(grad, ctx.group, ctx.input_splits, ctx.output_splits)
+        grad_x = linear_all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits)
         return grad_x, None, None, None
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
@@ -23,3 +26,11 @@ def group_size(group: ProcessGroup | None) -> int:
 
 def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+def max_over_ranks(values: Sequence[float], group: ProcessGroup | None = None) -> list[float]:
+    """Element-wise maximum across the group's ranks, in one all-reduce: the slowest rank's
+    times, which every rank then agrees on."""
+    reduced = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.tolist()

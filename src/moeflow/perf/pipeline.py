@@ -145,12 +145,18 @@ def predict_plan(
     return PlanPrediction(degree, algorithm, forward, back)
 
 
+def usable_degrees(degrees: Iterable[int], capacity: int) -> list[int]:
+    """The distinct degrees that really run: above the capacity a degree collapses onto it (one
+    slot per chunk, see :func:`capacity_chunks`)."""
+    return sorted({min(d, max(1, capacity)) for d in degrees})
+
+
 def rank_plans(
     cost: CostModel, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], backward: bool = True
 ) -> list[PlanPrediction]:
     """Every (degree, algorithm) candidate, fastest predicted first; degrees above the capacity
     collapse onto the capacity (one slot per chunk) and are listed once."""
-    usable = sorted({min(d, max(1, shape.capacity)) for d in degrees})
+    usable = usable_degrees(degrees, shape.capacity)
     predictions = [predict_plan(cost, shape, d, a, backward) for a in algorithms for d in usable]
     return sorted(predictions, key=lambda p: (p.total_s, p.degree))
 
@@ -168,20 +174,16 @@ def theorem1_for_shape(cost: CostModel, shape: RegionShape, algorithm: str, max_
     )
 
 
-def degree_bound(capacity: int, max_degree: int) -> int:
-    return max(1, min(max_degree, capacity))
-
-
 __all__ = [
     "PlanPrediction",
     "RegionShape",
     "Theorem1Choice",
     "capacity_chunks",
     "chunk_costs",
-    "degree_bound",
     "pipeline_makespan",
     "predict_plan",
     "rank_plans",
     "theorem1_degree",
     "theorem1_for_shape",
+    "usable_degrees",
 ]
