@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/moeflow bench layer
+	$(VENV)/bin/moeflow train
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -19,6 +19,9 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="moeflow", description="Fast distributed Mixture-of-Experts training and inference."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    from moeflow.training.cli import add_train_parser
+
+    add_train_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
     layer = benches.add_parser(
@@ -63,6 +66,15 @@ def _build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--top-k", type=_positive_int, nargs="+", default=[1, 2])
     pipeline.add_argument("--repeats", type=_positive_int, default=3)
     pipeline.add_argument("--profile", default=None, help="a profile of this cluster (skips calibration)")
+    train_bench = benches.add_parser(
+        "train", help="model FLOPs utilization and the MoE layers' non-GEMM share of the default training run",
+        description="Trains the default model (or --config) for --steps steps on --workers workers, then measures "
+        "the matmul throughput of the same workers; medians over the steps after --warmup.",
+    )
+    train_bench.add_argument("--steps", type=_positive_int, default=40)
+    train_bench.add_argument("--warmup", type=int, default=15, help="steps left out (planner trials, warm-up)")
+    train_bench.add_argument("--workers", type=_positive_int, default=None, help="default: the config's (2)")
+    train_bench.add_argument("--config", default=None, help="a TOML, YAML or JSON file of training settings")
     calibrate = commands.add_parser(
         "calibrate", help="fit alpha-beta cost models (GEMM, collectives, interference); write a profile",
         description="Locally it spawns --workers gloo workers; under moeflow launch or torchrun it uses the "
@@ -302,11 +314,33 @@ def _bench_layer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    from moeflow.bench.train import run
+    from moeflow.training.config import TrainConfig, load_config_file
+
+    try:
+        values = load_config_file(args.config) if args.config else {}
+        values["steps"] = args.steps
+        if args.workers is not None:
+            values["workers"] = args.workers
+        config = TrainConfig(**{**values, "stop_at": None})
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"moeflow bench train: {error}") from None
+    return run(config, args.warmup)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from moeflow.runtime import tune_cpu_allocator
 
     tune_cpu_allocator()
+    if args.command in ("train", "report", "generate"):
+        from moeflow.training import cli as training_cli
+
+        return {"train": training_cli.run_train, "report": training_cli.run_report,
+                "generate": training_cli.run_generate}[args.command](args)
+    if args.command == "bench" and args.bench == "train":
+        return _bench_train(args)
     if args.command == "bench" and args.bench == "layer":
         return _bench_layer(args)
     if args.command == "bench" and args.bench == "alltoall":

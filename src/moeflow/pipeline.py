@@ -149,7 +149,9 @@ class _PipelinedExperts(torch.autograd.Function):
         saved: list[FFNSaved | None] = [None] * len(chunks)
 
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
             y_LXM, saved[index] = ffn_forward(x_LXM, weights)
+            timing.expert_forward_s += time.perf_counter() - begin
             return y_LXM
 
         out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route)
@@ -169,17 +171,21 @@ class _PipelinedExperts(torch.autograd.Function):
         totals: list[torch.Tensor | None] = [None] * 5
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
             chunk = saved[index]
             assert chunk is not None, "backward through the pipelined experts ran twice"
             grad_x_LXM, weight_inputs = ffn_backward_data(chunk, grad_y_LXM, weights)
             saved[index] = None
             pending.append(weight_inputs)
+            ctx.timing.expert_backward_s += time.perf_counter() - begin
             return grad_x_LXM
 
         def weight_gradients() -> None:
             # deferred: full-size GEMMs, off the critical path, overlapping the last combines
+            begin = time.perf_counter()
             totals[:] = ffn_weight_grads(FFNWeightGradInputs.concat(pending), weights)
             pending.clear()
+            ctx.timing.expert_backward_s += time.perf_counter() - begin
 
         grad_buffer_ECM = run_pipeline(
             grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients

@@ -12,14 +12,22 @@ from typing import Any
 @dataclass
 class PipelineTiming:
     """Wall-clock seconds of the pipelined dispatch -> experts -> combine region on this rank: the
-    forward fills ``forward_s``, the backward (when one runs) ``backward_s``."""
+    forward fills ``forward_s``, the backward (when one runs) ``backward_s``. The ``expert_*``
+    fields hold the part of each spent computing the experts on the caller's thread; the rest is
+    communication the pipeline did not hide."""
 
     forward_s: float | None = None
     backward_s: float | None = None
+    expert_forward_s: float = 0.0
+    expert_backward_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return (self.forward_s or 0.0) + (self.backward_s or 0.0)
+
+    @property
+    def expert_total_s(self) -> float:
+        return self.expert_forward_s + self.expert_backward_s
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,290 @@
+"""A decoder-only MoE transformer in the style of nanoGPT, built on :class:`~moeflow.MoELayer`.
+
+Reads top to bottom: config, attention, dense FFN, block, model. Pre-LayerNorm blocks, causal
+self-attention, an MoE feed-forward in every ``moe_every``-th block (a dense FFN elsewhere), tied
+input/output embeddings. Every MoE layer's aux loss is added to the language-model loss.
+
+Experts are expert-parallel over the process group (each rank holds E / W of them); every other
+parameter is replicated and kept equal by a gradient all-reduce in the trainer. Shapes: B batch,
+T positions, M model dim, V vocabulary, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.config import ACTIVATIONS, validate_pipeline, validate_top_k
+from moeflow.layer import MoELayer
+from moeflow.phases import PhaseClock
+
+# Phases of the time breakdown, in the order they are plotted.
+PHASES = ("attention", "routing", "all_to_all", "experts", "dense_ffn", "other")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The architecture. ``moe_every=1`` puts an MoE FFN in every block, 2 in every other block
+    (blocks 1, 3, ..., as in GShard and Switch)."""
+
+    vocab_size: int
+    context: int = 128
+    layers: int = 4
+    heads: int = 4
+    model_dim: int = 256
+    ffn_hidden: int = 512
+    num_experts: int = 8
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 0.0  # 0: no token is dropped at evaluation (batch-independent)
+    aux_loss_weight: float = 0.01
+    activation: str = "gelu"
+    pipeline: int | str = "auto"
+    alltoall: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts",
+                     "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.model_dim % self.heads:
+            raise ValueError(
+                f"model_dim={self.model_dim} is not divisible by heads={self.heads}; "
+                "choose heads that divide model_dim"
+            )
+        validate_top_k(self.top_k, self.num_experts)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is unknown; choose one of {', '.join(ACTIVATIONS)}")
+        validate_pipeline(self.pipeline)
+        if self.aux_loss_weight < 0:
+            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+
+    def is_moe_block(self, index: int) -> bool:
+        return index % self.moe_every == self.moe_every - 1
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        return [i for i in range(self.layers) if self.is_moe_block(i)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def active_parameters(self) -> int:
+        """Parameters one token passes through: attention, dense FFNs, the router and k experts of
+        each MoE layer, and the (tied) output head; position embeddings are a lookup, not counted."""
+        m, h = self.model_dim, self.ffn_hidden
+        projections = 3 if self.activation == "swiglu" else 2
+        ffn = projections * m * h + h + m
+        attention = 4 * m * m + 4 * m
+        norms = 4 * m
+        moe_blocks = len(self.moe_blocks)
+        dense_blocks = self.layers - moe_blocks
+        per_moe = self.num_experts * m + self.top_k * ffn
+        return (self.layers * (attention + norms) + dense_blocks * ffn + moe_blocks * per_moe
+                + 2 * m + self.vocab_size * m)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, forward and backward (nanoGPT / PaLM appendix B): 6 N for the
+        matmuls with N active parameters, plus 12 L T M for the attention scores and values."""
+        return 6.0 * self.active_parameters() + 12.0 * self.layers * self.context * self.model_dim
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.qkv = nn.Linear(config.model_dim, 3 * config.model_dim)
+        self.proj = nn.Linear(config.model_dim, config.model_dim)
+
+    def forward(self, x_BTM: torch.Tensor) -> torch.Tensor:
+        b, t, m = x_BTM.shape
+        q, k, v = self.qkv(x_BTM).split(m, dim=2)
+        shape = (b, t, self.heads, m // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, m))
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.model_dim, config.ffn_hidden)
+        self.down = nn.Linear(config.ffn_hidden, config.model_dim)
+        self.activation = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[config.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.activation(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: x + attention(ln(x)), then x + ffn(ln(x)), the FFN dense or MoE."""
+
+    def __init__(
+        self, config: TransformerConfig, moe: bool, group: dist.ProcessGroup | None, profile: str | None
+    ) -> None:
+        super().__init__()
+        self.ln_attention = nn.LayerNorm(config.model_dim)
+        self.attention = CausalSelfAttention(config)
+        self.ln_ffn = nn.LayerNorm(config.model_dim)
+        self.ffn: MoELayer | DenseFFN = (
+            MoELayer(
+                config.model_dim, config.ffn_hidden, config.num_experts, top_k=config.top_k,
+                capacity_factor=config.capacity_factor, activation=config.activation,
+                aux_loss_weight=config.aux_loss_weight, group=group, alltoall=config.alltoall,
+                pipeline=config.pipeline, profile=profile,
+            )
+            if moe
+            else DenseFFN(config)
+        )
+
+    @property
+    def moe(self) -> MoELayer | None:
+        return self.ffn if isinstance(self.ffn, MoELayer) else None
+
+    def forward(self, x: torch.Tensor, clock: PhaseClock, capacity_factor: float | None) -> torch.Tensor:
+        x = x + clock.around("attention", x, lambda h: self.attention(self.ln_attention(h)))
+        moe = self.moe
+        if moe is None:
+            return x + clock.around("dense_ffn", x, lambda h: self.ffn(self.ln_ffn(h)))
+        return x + clock.around("moe", x, lambda h: moe(self.ln_ffn(h), capacity_factor=capacity_factor))
+
+
+class MoETransformer(nn.Module):
+    """The language model. ``forward(idx, targets)`` returns (logits, loss) where loss is the mean
+    cross-entropy of the targets plus the sum of the MoE aux losses (``None`` without targets)."""
+
+    def __init__(
+        self, config: TransformerConfig, group: dist.ProcessGroup | None = None, seed: int = 0,
+        profile: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim)
+        self.position_embedding = nn.Embedding(config.context, config.model_dim)
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, profile) for i in range(config.layers))
+        self.ln_final = nn.LayerNorm(config.model_dim)
+        self.clock = PhaseClock(enabled=False)
+        self.last_lm_loss: torch.Tensor | None = None
+        self._initialize(seed)
+
+    # -- structure --------------------------------------------------------------------------------
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [block.moe for block in self.blocks if block.moe is not None]
+
+    def expert_parameter_names(self) -> set[str]:
+        """Names of the expert-parallel parameters: each rank holds a different slice of experts."""
+        return {
+            f"blocks.{i}.ffn.experts.{name}"
+            for i, block in enumerate(self.blocks) if block.moe is not None
+            for name, _ in block.moe.experts.named_parameters()
+        }
+
+    # -- initialization ---------------------------------------------------------------------------
+
+    def _initialize(self, seed: int) -> None:
+        """GPT-2 initialization from one seed, the same on every rank and for any number of ranks:
+        each MoE layer draws all E experts and keeps this rank's slice, so a model is the same
+        function whether it runs on 1 or W workers."""
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.layers)
+        experts = self.expert_parameter_names()
+        with torch.no_grad():
+            for name, parameter in self.named_parameters():
+                if name in experts:
+                    continue
+                if parameter.dim() == 1:  # biases zero, LayerNorm gains one
+                    parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
+                    continue
+                std = residual_std if name.endswith(("proj.weight", "down.weight")) else 0.02
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+            for layer_index, layer in enumerate(self.moe_layers()):
+                local, rank = layer.num_local_experts, layer.rank
+                layer_generator = torch.Generator().manual_seed(seed * 1000 + layer_index + 1)
+                for name, parameter in layer.experts.named_parameters():
+                    full_shape = (self.config.num_experts, *parameter.shape[1:])
+                    std = residual_std if name == "w2" else 0.02
+                    full = torch.randn(full_shape, generator=layer_generator) * std
+                    if name.startswith("b"):
+                        full.zero_()
+                    parameter.copy_(full[rank * local : (rank + 1) * local])
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(
+        self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, loss_weight_BT: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``loss_weight_BT`` (optional, 0/1) masks positions out of the loss (padding in evaluation)."""
+        t = idx_BT.shape[1]
+        if t > self.config.context:
+            raise ValueError(f"sequence length {t} exceeds the model's context={self.config.context}")
+        positions = torch.arange(t, device=idx_BT.device)
+        x = self.token_embedding(idx_BT) + self.position_embedding(positions)
+        capacity_factor = None if self.training else self.config.eval_capacity_factor
+        for block in self.blocks:
+            x = block(x, self.clock, capacity_factor)
+        logits_BTV = F.linear(self.ln_final(x), self.token_embedding.weight)  # tied output head
+        if targets_BT is None:
+            return logits_BTV, None
+        losses = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none")
+        if loss_weight_BT is None:
+            lm_loss = losses.mean()
+        else:
+            weights = loss_weight_BT.flatten().to(losses.dtype)
+            lm_loss = (losses * weights).sum() / weights.sum().clamp(min=1.0)
+        self.last_lm_loss = lm_loss.detach()
+        aux = sum((layer.aux_loss for layer in self.moe_layers()), start=lm_loss.new_zeros(()))
+        return logits_BTV, lm_loss + aux
+
+    @torch.no_grad()
+    def generate(
+        self, idx_BT: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``new_tokens`` tokens after the prompt (the context is cropped to the last
+        ``context`` tokens)."""
+        for _ in range(new_tokens):
+            window = idx_BT[:, -self.config.context :]
+            logits, _ = self(window)
+            logits = logits[:, -1, :] / max(temperature, 1e-5)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probabilities = F.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probabilities, 1, generator=generator)
+            idx_BT = torch.cat([idx_BT, next_token], dim=1)
+        return idx_BT
+
+
+def phase_seconds(model: MoETransformer) -> dict[str, float]:
+    """The step's time per phase from the model's clock and its MoE layers' pipeline timings:
+    routing is the MoE time outside the pipelined region (gate, top-k, encode, decode), all_to_all
+    the part of that region not spent in expert compute (communication the pipeline did not hide).
+    ``other`` (embeddings, norms, head, loss) is left to the caller, who knows the step time."""
+    seconds = model.clock.seconds
+    region = expert = 0.0
+    for layer in model.moe_layers():
+        if layer.last_stats is not None:
+            region += layer.last_stats.timing.total_s
+            expert += layer.last_stats.timing.expert_total_s
+    moe = seconds.get("moe", 0.0)
+    return {
+        "attention": seconds.get("attention", 0.0),
+        "routing": max(0.0, moe - region),
+        "all_to_all": max(0.0, region - expert),
+        "experts": expert,
+        "dense_ffn": seconds.get("dense_ffn", 0.0),
+    }

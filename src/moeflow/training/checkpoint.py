@@ -1,0 +1,171 @@
+"""Checkpoints in safetensors, independent of the number of workers, written atomically.
+
+A checkpoint is a folder ``checkpoints/step-NNNNNN`` holding ``model.safetensors`` (every
+parameter, experts gathered to their full (E, ...) shape), ``optimizer.safetensors`` (AdamW's
+moments in the same layout), ``state.json`` (step, counters, the config) and the tokenizer, so it
+is self-contained. Every rank takes part in the gather; rank 0 writes into a temporary folder,
+syncs it and renames it into place, then points ``checkpoints/latest`` at it, so a crash at any
+moment leaves the previous checkpoint whole. Loading slices the experts for the loading run's
+world size: a checkpoint from W workers loads into any W' that divides E.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeflow.experts import shard_expert_state
+from moeflow.models import MoETransformer
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _gather_experts(tensor: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
+    if group is None or world_size == 1:
+        return tensor.detach().cpu().clone()
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return torch.cat(parts).cpu()
+
+
+def full_state(
+    model: MoETransformer, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None,
+    world_size: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Model and optimizer tensors with the experts of all ranks (a collective: every rank calls it)."""
+    experts = model.expert_parameter_names()
+    model_state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        model_state[name] = (
+            _gather_experts(tensor, group, world_size) if name in experts else tensor.detach().cpu().clone()
+        )
+    optimizer_state: dict[str, torch.Tensor] = {}
+    if optimizer is not None:
+        for name, parameter in model.named_parameters():
+            state = optimizer.state.get(parameter, {})
+            for moment in _MOMENTS:
+                if moment in state:
+                    value = state[moment]
+                    optimizer_state[f"{name}.{moment}"] = (
+                        _gather_experts(value, group, world_size) if name in experts else value.detach().cpu().clone()
+                    )
+            if "step" in state:
+                optimizer_state[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
+    return model_state, optimizer_state
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model: MoETransformer, optimizer: torch.optim.Optimizer,
+    group: dist.ProcessGroup | None, rank: int, world_size: int, state: dict[str, Any],
+    extra_files: list[Path], keep: int,
+) -> Path:
+    """Write ``checkpoints/step-<step>`` atomically (rank 0) and return its path on every rank."""
+    from safetensors.torch import save_file
+
+    model_state, optimizer_state = full_state(model, optimizer, group, world_size)
+    root = run_dir / CHECKPOINTS
+    final = root / f"step-{step:06d}"
+    if rank != 0:
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    temporary = root / f".step-{step:06d}.tmp-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    save_file(model_state, str(temporary / "model.safetensors"))
+    save_file(optimizer_state, str(temporary / "optimizer.safetensors"))
+    (temporary / "state.json").write_text(json.dumps({**state, "step": step, "world_size": world_size}, indent=2))
+    for path in extra_files:
+        shutil.copy2(path, temporary / path.name)
+    for file in temporary.iterdir():
+        _fsync(file)
+    if final.exists():  # a re-run of the same step replaces it
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    _fsync(root)
+    _write_atomic(root / LATEST, final.name)
+    _prune(root, keep)
+    return final
+
+
+def latest_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint under a run folder, or ``path`` itself if it is one."""
+    if (path / "model.safetensors").exists():
+        return path
+    root = path / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.exists():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / "state.json").exists():
+            return candidate
+    complete = sorted(p for p in root.glob("step-*") if (p / "state.json").exists()) if root.is_dir() else []
+    return complete[-1] if complete else None
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "state.json").read_text())
+
+
+def load_checkpoint(
+    checkpoint: Path, model: MoETransformer, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
+) -> dict[str, Any]:
+    """Load this rank's slice of the checkpoint into ``model`` (and ``optimizer``); return its state."""
+    from safetensors.torch import load_file
+
+    device = next(model.parameters()).device
+    model_state = load_file(str(checkpoint / "model.safetensors"))
+    experts = model.expert_parameter_names()
+    model.load_state_dict(_shard(model_state, experts, rank, world_size), strict=True)
+    if optimizer is not None:
+        saved = load_file(str(checkpoint / "optimizer.safetensors"))
+        sharded = _shard(saved, {f"{n}.{m}" for n in experts for m in _MOMENTS}, rank, world_size)
+        for name, parameter in model.named_parameters():
+            if f"{name}.step" not in sharded:
+                continue
+            optimizer.state[parameter] = {
+                "step": sharded[f"{name}.step"].reshape(()).clone(),
+                **{moment: sharded[f"{name}.{moment}"].to(device) for moment in _MOMENTS},
+            }
+    return read_state(checkpoint)
+
+
+def _shard(
+    state: dict[str, torch.Tensor], expert_names: set[str], rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """Slice the expert entries for ``rank``; a clear error if E is not divisible by the world size."""
+    experts = {name: tensor for name, tensor in state.items() if name in expert_names}
+    try:
+        sliced = shard_expert_state(experts, rank, world_size, prefix="")
+    except ValueError as error:
+        raise ValueError(f"cannot load this checkpoint on {world_size} workers: {error}") from None
+    return {**state, **sliced}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

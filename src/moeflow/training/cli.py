@@ -1,0 +1,115 @@
+"""``moeflow train | report | generate``: flags are generated from :class:`TrainConfig`, so a flag,
+a config-file key and a key of the saved ``config.json`` are the same setting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from moeflow.training.config import TrainConfig, load_config_file
+
+
+def _pipeline(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _flag_type(annotation: str) -> Any:
+    if annotation.startswith("int | str"):
+        return _pipeline
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
+
+
+def add_train_parser(commands: Any) -> None:
+    train = commands.add_parser(
+        "train", help="train an MoE language model (the main job)",
+        description="Train a decoder-only MoE transformer on the Python standard library's sources (or --data) "
+        "with --workers gloo processes; writes metrics.jsonl, plots and checkpoints into --run-dir. Under "
+        "torchrun or moeflow launch each process runs as its launched rank.",
+        argument_default=argparse.SUPPRESS,
+    )
+    train.add_argument("--config", dest="config_file", help="a TOML, YAML or JSON file of settings (flags win)")
+    train.add_argument("--resume", help="continue the run in this folder from its newest checkpoint")
+    for field in fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        annotation = str(field.type)
+        if annotation == "bool":
+            train.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                               help=f"(default {field.default})")
+        else:
+            train.add_argument(flag, dest=field.name, type=_flag_type(annotation), metavar=field.name.upper(),
+                               help=f"(default {field.default})")
+    report = commands.add_parser("report", help="regenerate a run's plots and summary from its metrics.jsonl")
+    report.add_argument("run_dir")
+    generate = commands.add_parser("generate", help="sample text from a checkpoint")
+    generate.add_argument("--checkpoint", required=True, help="a run folder or one of its checkpoints/step-* folders")
+    generate.add_argument("--prompt", default="def ")
+    generate.add_argument("--tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--top-k", type=int, default=50)
+    generate.add_argument("--seed", type=int, default=0)
+
+
+def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
+    """Defaults < config file < flags; with --resume, the resumed run's config < flags."""
+    from moeflow.training.launch import resume_config
+
+    names = {f.name for f in fields(TrainConfig)}
+    flags = {name: value for name, value in vars(args).items() if name in names}
+    if getattr(args, "resume", None):
+        if getattr(args, "config_file", None):
+            raise ValueError("--config and --resume do not combine: a resumed run keeps its saved config (flags win)")
+        return resume_config(args.resume, flags)
+    values = load_config_file(args.config_file) if getattr(args, "config_file", None) else {}
+    return TrainConfig(**{**values, **flags}), None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from moeflow.distributed import WorkerError
+    from moeflow.training.launch import run_training
+
+    try:
+        config, checkpoint = train_config_from_args(args)
+        summary = run_training(config, checkpoint)
+    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as error:
+        print(f"moeflow train: error: {error}", file=sys.stderr)
+        return 2
+    except WorkerError as error:
+        print(f"moeflow train: the job failed: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps({"summary": "train", **summary}))
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from moeflow.training.report import write_report
+
+    try:
+        summary = write_report(Path(args.run_dir))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"moeflow report: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({"summary": "report", "run_dir": args.run_dir, **summary}))
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from moeflow.training.generate import generate_text
+
+    try:
+        text = generate_text(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"moeflow generate: error: {error}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+__all__ = ["add_train_parser", "run_generate", "run_report", "run_train", "train_config_from_args"]

@@ -1,0 +1,166 @@
+"""The trainer's settings: one flat dataclass, so that a flag, a config-file key and a saved key are
+the same name. Validated in the launching process, before any worker starts."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moeflow.config import validate_pipeline
+from moeflow.data import TOKENIZERS
+
+if TYPE_CHECKING:
+    from moeflow.models import TransformerConfig
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults train a 4-block, 8-expert top-2 model on 2 gloo workers in a few minutes on 2 cores."""
+
+    # data
+    data: str | None = None  # None: the Python standard library's sources
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    val_percent: float = 5.0
+    # model
+    context: int = 128
+    layers: int = 4
+    heads: int = 4
+    model_dim: int = 256
+    ffn_hidden: int = 512
+    num_experts: int = 8
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 0.0
+    aux_loss_weight: float = 0.01
+    activation: str = "gelu"
+    pipeline: int | str = "auto"
+    alltoall: str = "auto"
+    profile: str | None = None  # a calibrated cluster profile for the planner
+    # optimization
+    steps: int = 300
+    stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
+    batch_size: int = 8  # sequences per worker and step
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    # run
+    workers: int = 2
+    backend: str = "gloo"
+    threads_per_worker: int = 1
+    eval_interval: int = 50
+    eval_windows: int = 64  # validation windows, split over the workers
+    checkpoint_interval: int = 100
+    keep_checkpoints: int = 2
+    run_dir: str | None = None  # default: runs/<timestamp>
+    progress: bool = True
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts", "top_k",
+                    "moe_every", "steps", "batch_size", "workers", "threads_per_worker", "eval_interval",
+                    "eval_windows", "checkpoint_interval", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.context < 2:
+            raise ValueError(f"context must be at least 2 tokens, got {self.context}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer={self.tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        if self.num_experts % self.workers:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
+                f"split evenly over the workers, so use a multiple of {self.workers} experts or fewer workers"
+            )
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}; the schedule decays from lr to min_lr")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
+            raise ValueError(f"stop_at must be a step in [1, steps={self.steps}], got {self.stop_at!r}")
+        validate_pipeline(self.pipeline)
+        self.model_config(vocab_size=max(self.vocab_size, 2))  # the architecture's own checks
+
+    def model_config(self, vocab_size: int) -> TransformerConfig:
+        """The architecture, with the vocabulary of the prepared tokenizer."""
+        from moeflow.models import TransformerConfig
+
+        return TransformerConfig(
+            vocab_size=vocab_size, context=self.context, layers=self.layers, heads=self.heads,
+            model_dim=self.model_dim, ffn_hidden=self.ffn_hidden, num_experts=self.num_experts, top_k=self.top_k,
+            moe_every=self.moe_every, capacity_factor=self.capacity_factor,
+            eval_capacity_factor=self.eval_capacity_factor, aux_loss_weight=self.aux_loss_weight,
+            activation=self.activation, pipeline=self.pipeline, alltoall=self.alltoall,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def updated(self, values: dict[str, Any]) -> TrainConfig:
+        return replace(self, **checked_keys(values))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(TrainConfig)]
+
+
+def checked_keys(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    """``values`` if every key is a TrainConfig field; else an error naming the key and the closest."""
+    names = field_names()
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ValueError(f"unknown {source} key {key!r}{hint}")
+    return dict(values)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Keys and values of a TOML, YAML or JSON file (a ``[train]`` table or the top level)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml, .yaml or .json file")
+    text = file.read_text()
+    suffix = file.suffix.lower()
+    if suffix == ".toml":
+        import tomllib
+
+        values = tomllib.loads(text)
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(text) or {}
+    elif suffix == ".json":
+        values = json.loads(text)
+    else:
+        raise ValueError(f"config file {path!r} must end in .toml, .yaml, .yml or .json")
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path!r} must hold a table of keys, got {type(values).__name__}")
+    if set(values) == {"train"} and isinstance(values["train"], dict):
+        values = values["train"]
+    return checked_keys(values, source=f"config file {path!r}")

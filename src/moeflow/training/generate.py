@@ -1,0 +1,45 @@
+"""Sample text from a checkpoint, in one process (the experts of every rank are in the file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moeflow.data import load_tokenizer
+from moeflow.models import MoETransformer
+from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
+from moeflow.training.config import TrainConfig
+
+
+def load_model(path: str) -> tuple[MoETransformer, object, Path]:
+    """The model of a checkpoint (a run folder or one of its step folders), its tokenizer and path."""
+    checkpoint = latest_checkpoint(Path(path))
+    if checkpoint is None:
+        raise FileNotFoundError(
+            f"no checkpoint found under {path!r}; pass a run folder written by moeflow train or one of "
+            "its checkpoints/step-* folders"
+        )
+    state = read_state(checkpoint)
+    # one process runs every expert: no pipelining or all-to-all choice to make
+    config = TrainConfig(**state["config"]).updated({"workers": 1, "pipeline": 1, "alltoall": "linear",
+                                                     "profile": None})
+    tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
+    model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=None)
+    load_checkpoint(checkpoint, model, None, rank=0, world_size=1)
+    model.eval()
+    return model, tokenizer, checkpoint
+
+
+def generate_text(
+    path: str, prompt: str, new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0
+) -> str:
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    model, tokenizer, _ = load_model(path)
+    ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id("<|endoftext|>")]
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,119 @@
+"""Start a training run: check the config and the data, prepare the run folder, then run the
+workers — spawned here (gloo processes on this machine), or, when a launcher already started this
+process as one rank (``torchrun``, ``moeflow launch``: RANK and WORLD_SIZE are set), as that rank.
+
+Bad input fails here, before any worker starts. A worker that dies ends the job: the spawner
+notices within about two seconds and names it; the surviving workers are stopped, and the last
+checkpoint, written atomically, stays intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeflow.data import PreparedCorpus, prepare_corpus
+from moeflow.training.checkpoint import latest_checkpoint, read_state
+from moeflow.training.config import TrainConfig
+from moeflow.training.trainer import METRICS, Job, train_worker
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, Path]:
+    """The config of the run being resumed (from its newest checkpoint) with ``overrides`` applied."""
+    checkpoint = latest_checkpoint(Path(resume))
+    if checkpoint is None:
+        raise FileNotFoundError(
+            f"no checkpoint found under {resume!r}; --resume takes a run folder (or one of its "
+            "checkpoints/step-* folders) written by moeflow train"
+        )
+    saved = read_state(checkpoint)["config"]
+    config = TrainConfig(**{**saved, "stop_at": None}).updated(overrides)
+    return config, checkpoint
+
+
+def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
+    per_worker = corpus.train_tokens // config.workers
+    if per_worker <= config.context + 1:
+        raise ValueError(
+            f"each of the {config.workers} workers gets {per_worker} training tokens, fewer than "
+            f"context+1={config.context + 1}; use more data, a shorter --context or fewer --workers"
+        )
+    if corpus.val_tokens <= config.context + 1:
+        raise ValueError(
+            f"the validation split has {corpus.val_tokens} tokens, fewer than context+1={config.context + 1}; "
+            "use more data, a larger --val-percent or a shorter --context"
+        )
+
+
+def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
+    """Corpus, run folder and saved config; errors before any worker exists."""
+    corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent)
+    check_data_fits(config, corpus)
+    if checkpoint is not None:
+        run_dir = checkpoint.parent.parent  # experts are resliced for this run's number of workers
+    else:
+        run_dir = Path(config.run_dir or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+        if (run_dir / METRICS).exists():
+            raise FileExistsError(
+                f"run folder {str(run_dir)!r} already holds a run; continue it with --resume {run_dir} "
+                "or choose another --run-dir"
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = config.updated({"run_dir": str(run_dir)})
+    config.save(run_dir / "config.json")
+    (run_dir / "corpus.json").write_text(json.dumps(corpus.to_dict(), indent=2) + "\n")
+    return Job(config, corpus, str(run_dir), str(checkpoint) if checkpoint is not None else None)
+
+
+def run_training(config: TrainConfig, checkpoint: Path | None = None, report: bool = True) -> dict[str, Any]:
+    """Train; return rank 0's summary (every rank returns it when started by a launcher)."""
+    if launched_by_torchrun():
+        return _run_as_launched_rank(config, checkpoint, report)
+    from moeflow.distributed import run_distributed
+
+    job = prepare_job(config, checkpoint)
+    summary = run_distributed(
+        train_worker, job.config.workers, job, threads_per_worker=job.config.threads_per_worker,
+        timeout_s=float("inf"), collective_timeout_s=job.config.collective_timeout_s,
+    )[0]
+    if report:
+        _report(Path(job.run_dir))
+    return summary
+
+
+def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: bool) -> dict[str, Any]:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = config.updated({"workers": world_size})
+    torch.set_num_threads(config.threads_per_worker)
+    dist.init_process_group(
+        config.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.collective_timeout_s)
+    )
+    try:
+        job = [prepare_job(config, checkpoint) if rank == 0 else None]
+        dist.broadcast_object_list(job, src=0)  # one run folder for all ranks
+        assert job[0] is not None
+        # every node prepares (or finds) the corpus in its own cache
+        corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent)
+        summary = train_worker(rank, world_size, Job(job[0].config, corpus, job[0].run_dir, job[0].resume_from))
+    finally:
+        dist.destroy_process_group()
+    if report and rank == 0:
+        _report(Path(summary["run_dir"]))
+    return summary
+
+
+def _report(run_dir: Path) -> None:
+    from moeflow.training.report import write_report
+
+    write_report(run_dir)

@@ -1,0 +1,131 @@
+"""The run's plots, from ``metrics.jsonl`` alone (``moeflow report RUN_DIR`` regenerates them):
+
+- ``loss.png``: training loss (raw and smoothed), validation loss, and the corpus's unigram entropy;
+- ``expert_load.png``: per MoE layer, each expert's share of the routed tokens over the steps;
+- ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeflow.training.trainer import iterate_records
+
+PHASE_COLORS = {
+    "attention": "#4C72B0", "routing": "#DD8452", "all_to_all": "#C44E52", "experts": "#55A868",
+    "dense_ffn": "#8172B3", "other": "#937860", "grad_sync": "#DA8BC3", "optimizer": "#8C8C8C", "data": "#CCB974",
+}
+
+
+def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
+    out, running = np.empty_like(values), values[0]
+    for i, value in enumerate(values):
+        running = weight * running + (1 - weight) * value
+        out[i] = running
+    return out
+
+
+def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> dict[str, Any]:
+    """The numbers a reader wants first: last losses against the unigram baseline, throughput,
+    the time shares, and the MoE layers' share of time outside the expert GEMMs."""
+    vals = [r for r in records if "val_loss" in r]
+    times = [r["time_s"] for r in records[len(records) // 5 :]] or [r["time_s"] for r in records]
+    mean_time = {k: float(np.mean([t.get(k, 0.0) for t in times])) for k in PHASE_COLORS}
+    moe = mean_time["routing"] + mean_time["all_to_all"] + mean_time["experts"]
+    return {
+        "steps": records[-1]["step"],
+        "loss": records[-1]["loss"],
+        "val_loss": vals[-1]["val_loss"] if vals else None,
+        "unigram_entropy": corpus["unigram_entropy"] if corpus else None,
+        "unigram_val_loss": corpus["unigram_val_loss"] if corpus else None,
+        "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+        "time_share": {k: v / max(sum(mean_time.values()), 1e-12) for k, v in mean_time.items()},
+        "moe_non_gemm_share": (moe - mean_time["experts"]) / moe if moe else None,
+        "dropped_last_step": sum(layer["dropped"] for layer in records[-1].get("moe", [])),
+    }
+
+
+def write_report(run_dir: Path) -> dict[str, Any]:
+    """Write the three PNGs and ``summary.json`` into ``run_dir``; return the summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = list(iterate_records(run_dir))
+    if not records:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps yet")
+    corpus_path = run_dir / "corpus.json"
+    corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else None
+    summary = summarize(records, corpus)
+    steps = np.array([r["step"] for r in records])
+
+    # loss curves
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    loss = np.array([r["loss"] for r in records])
+    axis.plot(steps, loss, color="#4C72B0", alpha=0.3, linewidth=1, label="train (per step)")
+    axis.plot(steps, _smooth(loss), color="#4C72B0", linewidth=2, label="train (smoothed)")
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if vals:
+        axis.plot(*zip(*vals, strict=True), "o-", color="#C44E52", linewidth=2, label="validation")
+    if corpus:
+        axis.axhline(corpus["unigram_entropy"], color="gray", linestyle="--",
+                     label=f"unigram entropy {corpus['unigram_entropy']:.2f}")
+    axis.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"Loss — {run_dir.name}")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(figure)
+
+    # expert load heatmaps
+    layers = records[-1].get("moe", [])
+    if layers:
+        columns = min(2, len(layers))
+        rows = (len(layers) + columns - 1) // columns
+        figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
+        for index, layer in enumerate(layers):
+            axis = axes[index // columns][index % columns]
+            load = np.array([
+                next(m["tokens_per_expert"] for m in r["moe"] if m["block"] == layer["block"]) for r in records
+            ], dtype=float).T
+            share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
+            image = axis.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
+                                extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[0] - 0.5, -0.5),
+                                vmin=0, vmax=max(2.0 / share.shape[0], float(share.max())))
+            axis.set(xlabel="step", ylabel="expert", title=f"block {layer['block']}: share of routed tokens")
+            figure.colorbar(image, ax=axis)
+        for index in range(len(layers), rows * columns):
+            axes[index // columns][index % columns].axis("off")
+        figure.tight_layout()
+        figure.savefig(run_dir / "expert_load.png", dpi=110)
+        plt.close(figure)
+
+    # time breakdown
+    phases = [p for p in PHASE_COLORS if any(r["time_s"].get(p, 0) > 0 for r in records)]
+    stacked = np.array([[r["time_s"].get(p, 0.0) * 1e3 for r in records] for p in phases])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    left.stackplot(steps, np.array([_smooth(row) for row in stacked]), colors=[PHASE_COLORS[p] for p in phases],
+                   labels=phases)
+    left.set(xlabel="step", ylabel="ms per step (rank 0, smoothed)", title="Time per step by phase")
+    left.grid(alpha=0.3)
+    share = summary["time_share"]
+    bottom = 0.0
+    for phase in phases:
+        right.bar(0, share[phase] * 100, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
+        if share[phase] > 0.03:
+            right.text(0, bottom + share[phase] * 50, f"{phase} {share[phase]:.0%}", ha="center", va="center",
+                       fontsize=8, color="white")
+        bottom += share[phase] * 100
+    right.set(xticks=[], ylabel="% of step", title="Mean share", ylim=(0, 100))
+    left.legend(loc="upper right", fontsize=8, ncol=2)
+    figure.tight_layout()
+    figure.savefig(run_dir / "time_breakdown.png", dpi=110)
+    plt.close(figure)
+
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,333 @@
+"""The training loop that runs in every worker: data parallel for the replicated parameters (one
+gradient all-reduce per step), expert parallel for the experts (the MoE layers' all-to-alls).
+
+Everything a step does is a function of (seed, step, rank) and the checkpointed state, so a resumed
+run repeats the losses of an uninterrupted one. Rank 0 writes the metrics and the checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moeflow.data import PreparedCorpus
+from moeflow.models import MoETransformer
+from moeflow.models.transformer import phase_seconds
+from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
+from moeflow.training.config import TrainConfig
+
+METRICS = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every worker needs to know: picklable, sent to spawned workers."""
+
+    config: TrainConfig
+    corpus: PreparedCorpus
+    run_dir: str
+    resume_from: str | None = None
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This worker's contiguous part of the training stream."""
+    size = stream.shape[0]
+    return stream[rank * size // world_size : (rank + 1) * size // world_size]
+
+
+def training_batch(
+    shard: np.ndarray, step: int, rank: int, seed: int, batch_size: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_size`` random windows of the shard; a pure function of (seed, step, rank)."""
+    if shard.shape[0] <= context + 1:
+        raise ValueError(
+            f"a worker's share of the training data has {shard.shape[0]} tokens, fewer than context+1="
+            f"{context + 1}; use more data, a shorter context or fewer workers"
+        )
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
+    starts = torch.randint(0, shard.shape[0] - context - 1, (batch_size,), generator=generator).tolist()
+    windows = np.stack([np.asarray(shard[s : s + context + 1], dtype=np.int64) for s in starts])
+    tokens = torch.from_numpy(windows)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def validation_windows(stream: np.ndarray, count: int, context: int) -> list[int]:
+    """Evenly spaced window starts over the validation stream: the same for any number of workers."""
+    span = stream.shape[0] - context - 1
+    if span < 1:
+        raise ValueError(
+            f"the validation split has {stream.shape[0]} tokens, fewer than context+1={context + 1}; "
+            "use more data, a larger val_percent or a shorter context"
+        )
+    return [i * span // count for i in range(count)]
+
+
+# -- distributed helpers -------------------------------------------------------------------------
+
+
+def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor.tolist()
+
+
+def synchronize_gradients(
+    model: MoETransformer, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int
+) -> float:
+    """Average the replicated parameters' gradients over the workers (one flat all-reduce), scale the
+    experts' (each already sums every worker's tokens) to the same mean; return the squared norm of
+    the local expert gradients, for the global clipping norm."""
+    replicated, expert_sq = [], 0.0
+    for name, parameter in model.named_parameters():
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        if name in expert_names:
+            parameter.grad.div_(world_size)
+            expert_sq += float(parameter.grad.pow(2).sum())
+        else:
+            replicated.append(parameter.grad)
+    if group is not None and world_size > 1:
+        flat = torch.cat([g.reshape(-1) for g in replicated])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world_size)
+        offset = 0
+        for grad in replicated:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return expert_sq
+
+
+def clip_gradients(model: MoETransformer, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
+    """Clip by the norm of the whole (global) gradient; return that norm."""
+    replicated_sq = sum(
+        float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if n not in expert_names and p.grad is not None
+    )
+    norm = math.sqrt(replicated_sq + expert_sq_global)
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale)
+    return norm
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay from lr to min_lr at the last step."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: MoETransformer, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices decay, vectors (biases, norms) do not (nanoGPT)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(config.beta1, config.beta2), foreach=False,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: MoETransformer, stream: np.ndarray, config: TrainConfig, rank: int, world_size: int,
+    group: dist.ProcessGroup | None, device: torch.device,
+) -> float:
+    """Mean validation cross-entropy over a fixed set of windows, split over the workers (every
+    worker runs the same number of forwards; padding windows carry zero weight)."""
+    starts = validation_windows(stream, config.eval_windows, config.context)
+    mine = starts[rank::world_size]
+    per_worker = math.ceil(len(starts) / world_size)
+    weights = [1.0] * len(mine) + [0.0] * (per_worker - len(mine))
+    mine = mine + [starts[0]] * (per_worker - len(mine))
+    was_training = model.training
+    model.eval()
+    total = count = 0.0
+    for begin in range(0, per_worker, config.batch_size):
+        batch = mine[begin : begin + config.batch_size]
+        windows = torch.from_numpy(
+            np.stack([np.asarray(stream[s : s + config.context + 1], dtype=np.int64) for s in batch])
+        ).to(device)
+        logits, _ = model(windows[:, :-1])
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
+        weight = torch.tensor(weights[begin : begin + config.batch_size], device=device).repeat_interleave(
+            config.context
+        )
+        total += float((losses * weight).sum())
+        count += float(weight.sum())
+    model.train(was_training)
+    total, count = _all_reduce_sum([total, count], group, device)
+    return total / count
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _moe_records(model: MoETransformer) -> list[dict[str, Any]]:
+    records = []
+    for index, layer in zip(model.config.moe_blocks, model.moe_layers(), strict=True):
+        stats = layer.last_stats
+        if stats is None:
+            continue
+        records.append({
+            "block": index, "tokens_per_expert": stats.tokens_per_expert, "dropped": stats.dropped,
+            "capacity": stats.capacity, "alltoall": stats.plan.get("alltoall"),
+            "pipeline_degree": stats.plan.get("pipeline_degree"), "plan_source": stats.plan.get("source"),
+        })
+    return records
+
+
+class MetricsLog:
+    """``metrics.jsonl`` on rank 0; a resumed run first drops the records after its checkpoint."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._handle = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _progress(config: TrainConfig, rank: int, start: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=config.steps, initial=start, disable=rank != 0 or not config.progress, unit="step",
+        dynamic_ncols=True, mininterval=0.5, desc="train",
+    )
+
+
+def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
+    """Train (or continue) the run; rank 0 returns the run's summary."""
+    config, corpus = job.config, job.corpus
+    run_dir = Path(job.run_dir)
+    device = _device(config)
+    group = dist.group.WORLD if dist.is_initialized() else None
+    model = MoETransformer(config.model_config(corpus.vocab_size), group=group, seed=config.seed,
+                           profile=config.profile).to(device)
+    expert_names = model.expert_parameter_names()
+    optimizer = build_optimizer(model, config)
+    start_step, tokens_seen = 0, 0
+    if job.resume_from is not None:
+        state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
+        start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+    train_shard = shard_of(corpus.load("train"), rank, world_size)
+    val_stream = corpus.load("val")
+    log = MetricsLog(run_dir / METRICS, start_step if job.resume_from else None) if rank == 0 else None
+    tokens_per_step = config.batch_size * config.context * world_size
+    extra_files = [corpus.tokenizer_path, run_dir / "config.json"]
+    throughput: list[float] = []
+    val_loss: float | None = None
+    last_loss = float("nan")
+    checkpoint: Path | None = None
+    model.train()
+    model.clock.enabled = True
+    progress = _progress(config, rank, start_step)
+    last_step = config.stop_at or config.steps
+    try:
+        for step in range(start_step + 1, last_step + 1):
+            began = time.perf_counter()
+            lr = learning_rate(config, step)
+            for group_settings in optimizer.param_groups:
+                group_settings["lr"] = lr
+            inputs, targets = training_batch(train_shard, step, rank, config.seed, config.batch_size, config.context)
+            inputs, targets = inputs.to(device), targets.to(device)
+            data_s = time.perf_counter() - began
+
+            model.clock.reset()
+            forward_began = time.perf_counter()
+            _, loss = model(inputs, targets)
+            loss.backward()
+            compute_s = time.perf_counter() - forward_began
+
+            sync_began = time.perf_counter()
+            expert_sq = synchronize_gradients(model, expert_names, group, world_size)
+            lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
+            lm_sum, total_sum, expert_sq_global = _all_reduce_sum(
+                [lm_loss, float(loss.detach()), expert_sq], group, device
+            )
+            sync_s = time.perf_counter() - sync_began
+            optimizer_began = time.perf_counter()
+            grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer_s = time.perf_counter() - optimizer_began
+            step_s = time.perf_counter() - began
+            tokens_seen += tokens_per_step
+            throughput.append(tokens_per_step / step_s)
+            last_loss = lm_sum / world_size
+
+            phases = phase_seconds(model)
+            phases["other"] = max(0.0, compute_s - sum(phases.values()))
+            phases.update(grad_sync=sync_s, optimizer=optimizer_s, data=data_s)
+            record: dict[str, Any] = {
+                "step": step, "loss": last_loss, "aux_loss": (total_sum - lm_sum) / world_size, "lr": lr,
+                "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
+                "tokens_seen": tokens_seen, "time_s": phases, "moe": _moe_records(model),
+            }
+            if step % config.eval_interval == 0 or step == config.steps:
+                val_loss = evaluate(model, val_stream, config, rank, world_size, group, device)
+                record["val_loss"] = val_loss
+            if step % config.checkpoint_interval == 0 or step == last_step:
+                state = {"tokens_seen": tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
+                         "loss": last_loss, "val_loss": val_loss}
+                checkpoint = save_checkpoint(run_dir, step, model, optimizer, group, rank, world_size, state,
+                                             extra_files, config.keep_checkpoints)
+            if log is not None:
+                log.write(record)
+            postfix = {"loss": f"{last_loss:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
+            if val_loss is not None:
+                postfix["val"] = f"{val_loss:.3f}"
+            progress.set_postfix(postfix, refresh=False)
+            progress.update(1)
+    finally:
+        progress.close()
+        if log is not None:
+            log.close()
+    return {
+        "steps": last_step, "workers": world_size, "loss": last_loss, "val_loss": val_loss,
+        "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
+        "median_tokens_per_s": statistics.median(throughput) if throughput else None,
+        "checkpoint": str(checkpoint) if checkpoint else None, "run_dir": str(run_dir),
+    }
+
+
+def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:
+    path = run_dir / METRICS
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a moeflow run folder?")
+    for line in path.read_text().splitlines():
+        if line.strip():
+            yield json.loads(line)

@@ -1,0 +1,328 @@
+"""`moeflow train`: the model, the data, a short run whose loss falls, exact resume, checkpoint
+resharding between 1 and 2 workers, the data-parallel gradient, a killed worker, bad input, the
+report and sampling. Tiny models on a small real corpus (the standard library's ``json`` package)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
+from moeflow.distributed import run_distributed
+from moeflow.models import MoETransformer, TransformerConfig
+from moeflow.phases import PhaseClock
+from moeflow.training import TrainConfig
+from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
+from moeflow.training.launch import run_training
+from moeflow.training.trainer import evaluate, iterate_records, synchronize_gradients
+
+DATA = str(stdlib_directory() / "json")
+TINY: dict[str, Any] = dict(
+    data=DATA, vocab_size=512, context=32, layers=2, heads=2, model_dim=32, ffn_hidden=64, num_experts=4,
+    top_k=2, batch_size=4, steps=12, eval_interval=6, eval_windows=8, checkpoint_interval=6, warmup_steps=2,
+    lr=1e-2, min_lr=1e-3, pipeline=1, alltoall="linear", progress=False,
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Keep the tokenized corpora of the tests out of the user's cache (spawned workers inherit it)."""
+    cache = tmp_path_factory.mktemp("moeflow-cache")
+    previous = os.environ.get("MOEFLOW_CACHE")
+    os.environ["MOEFLOW_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("MOEFLOW_CACHE", None)
+    else:
+        os.environ["MOEFLOW_CACHE"] = previous
+
+
+def tiny(run_dir: Path, **changes: Any) -> TrainConfig:
+    return TrainConfig(**{**TINY, "run_dir": str(run_dir), **changes})
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in iterate_records(run_dir)}
+
+
+@pytest.fixture(scope="session")
+def two_worker_run(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path) -> Path:
+    """12 steps on 2 workers, checkpoints at 6 and 12, report written."""
+    run_dir = tmp_path_factory.mktemp("runs") / "uninterrupted"
+    run_training(tiny(run_dir))
+    return run_dir
+
+
+# -- model and data ------------------------------------------------------------------------------
+
+
+def test_model_counts_active_parameters_and_rejects_bad_shapes() -> None:
+    config = TransformerConfig(vocab_size=100, context=16, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+                               num_experts=4, top_k=1, moe_every=2, pipeline=1)
+    model = MoETransformer(config)
+    total = sum(p.numel() for p in model.parameters()) - model.position_embedding.weight.numel()
+    inactive = 3 * (2 * 16 * 32 + 32 + 16)  # three of the four experts of block 1 are not used by a token
+    assert config.active_parameters() == total - inactive
+    assert config.moe_blocks == [1] and model.blocks[0].moe is None and model.blocks[1].moe is not None
+    with pytest.raises(ValueError, match="model_dim=30 is not divisible by heads=4"):
+        TransformerConfig(vocab_size=10, model_dim=30, heads=4)
+    with pytest.raises(ValueError, match="top_k"):
+        TransformerConfig(vocab_size=10, num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_stdlib_corpus_skips_tests_and_split_is_deterministic(tmp_path: Path) -> None:
+    root, files = corpus_files(None)
+    names = [str(f.relative_to(root)) for f in files]
+    assert len(files) > 300 and "json/decoder.py" in names
+    assert not any(part in ("test", "site-packages") for name in names for part in Path(name).parts)
+    val = [n for n in names if is_validation_document(n, 5.0)]
+    assert 0.02 < len(val) / len(names) < 0.09 and val == [n for n in names if is_validation_document(n, 5.0)]
+    with pytest.raises(FileNotFoundError, match=r"data path .* does not exist"):
+        corpus_files(str(tmp_path / "missing"))
+
+
+def test_corpus_tokenizers_round_trip_and_unigram_baseline(tmp_path: Path) -> None:
+    text = "def add(a, b):\n    return a + b  # é\n" * 200
+    (tmp_path / "a.py").write_text(text)
+    for kind, vocab in (("bytes", range(257, 258)), ("bpe", range(258, 301))):  # BPE stops when no pair repeats
+        corpus = prepare_corpus(str(tmp_path / "a.py"), kind, 300, cache_dir=str(tmp_path / kind))
+        assert corpus.vocab_size in vocab and corpus.train_tokens > corpus.val_tokens > 0
+        from moeflow.data import load_tokenizer
+
+        tokenizer = load_tokenizer(corpus.tokenizer_path)
+        assert tokenizer.decode(tokenizer.encode(text[:200]).ids) == text[:200]
+        assert 0 < corpus.unigram_entropy < corpus.unigram_val_loss + 0.5
+        assert prepare_corpus(str(tmp_path / "a.py"), kind, 300, cache_dir=str(tmp_path / kind)) == corpus  # cached
+
+
+def test_phase_clock_times_forward_and_backward_of_a_phase() -> None:
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)
+            return grad * 2
+
+    clock = PhaseClock()
+    x = torch.ones(3, requires_grad=True)
+    y = clock.around("slow", x, Slow.apply) + clock.around("fast", x, lambda h: h + 1)
+    assert 0.02 <= clock.seconds["slow"] < 0.05 and clock.seconds["fast"] < 0.01
+    y.sum().backward()
+    assert clock.seconds["slow"] >= 0.07 and clock.seconds["fast"] < 0.01
+    assert torch.equal(x.grad, torch.full((3,), 3.0))
+
+
+# -- data-parallel + expert-parallel gradient ----------------------------------------------------
+
+
+def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    model = MoETransformer(config, group=dist.group.WORLD, seed=3)
+    batch = torch.randint(0, config.vocab_size, (4, config.context + 1), generator=torch.Generator().manual_seed(9))
+    mine = batch.chunk(world_size)[rank]
+    _, loss = model(mine[:, :-1], mine[:, 1:])
+    loss.backward()
+    experts = model.expert_parameter_names()
+    synchronize_gradients(model, experts, dist.group.WORLD, world_size)
+    grads = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        if name in experts:
+            parts = [torch.empty_like(grad) for _ in range(world_size)]
+            dist.all_gather(parts, grad)
+            grad = torch.cat(parts)
+        grads[name] = grad.numpy()  # tensors would travel as shared memory that dies with the worker
+    return grads
+
+
+@pytest.mark.distributed
+def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch() -> None:
+    # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss
+    config = TransformerConfig(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+                               num_experts=4, capacity_factor=0.0, aux_loss_weight=0.0, pipeline=1, alltoall="linear")
+    one = run_distributed(_synced_gradients, 1, config)[0]
+    two = run_distributed(_synced_gradients, 2, config)
+    assert set(one) == set(two[0]) and any("experts" in name for name in one)
+    for name, grad in one.items():
+        for rank in (0, 1):
+            torch.testing.assert_close(torch.from_numpy(two[rank][name]), torch.from_numpy(grad), rtol=1e-5,
+                                       atol=1e-7, msg=name)
+
+
+# -- training runs -------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_short_run_loss_falls_and_writes_metrics_plots_checkpoints(two_worker_run: Path) -> None:
+    records = list(iterate_records(two_worker_run))
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[0], records[-1]
+    assert last["loss"] < first["loss"] - 0.5
+    assert "val_loss" in records[5] and "val_loss" in last and "val_loss" not in records[6]
+    assert set(last["time_s"]) >= {"attention", "routing", "all_to_all", "experts", "grad_sync", "optimizer"}
+    assert all(v >= 0 for v in last["time_s"].values()) and last["time_s"]["experts"] > 0
+    for layer in last["moe"]:
+        assert sum(layer["tokens_per_expert"]) == 2 * 4 * 32 * 2  # workers x batch x context x k
+        assert layer["pipeline_degree"] == 1 and layer["alltoall"] == "linear"
+    assert json.loads((two_worker_run / "config.json").read_text())["workers"] == 2
+    for plot in ("loss.png", "expert_load.png", "time_breakdown.png"):
+        assert (two_worker_run / plot).stat().st_size > 10_000
+    assert sorted(p.name for p in (two_worker_run / "checkpoints").glob("step-*")) == ["step-000006", "step-000012"]
+    assert latest_checkpoint(two_worker_run) == two_worker_run / "checkpoints" / "step-000012"
+    summary = json.loads((two_worker_run / "summary.json").read_text())
+    assert summary["val_loss"] == last["val_loss"] and summary["unigram_entropy"] > 0
+
+
+@pytest.mark.distributed
+def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path, tmp_path: Path) -> None:
+    run_training(tiny(tmp_path / "resumed", stop_at=5, checkpoint_interval=100), report=False)
+    assert latest_checkpoint(tmp_path / "resumed").name == "step-000005"
+    from moeflow.cli import main
+
+    assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0
+    uninterrupted, resumed = losses(two_worker_run), losses(tmp_path / "resumed")
+    assert list(resumed) == list(range(1, 13))  # no step twice in metrics.jsonl
+    assert resumed == uninterrupted  # bit for bit
+
+
+def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str) -> float:
+    import torch.distributed as dist
+
+    from moeflow.data import PreparedCorpus
+
+    state = read_state(Path(checkpoint))
+    config = TrainConfig(**state["config"]).updated({"workers": world_size})
+    corpus = PreparedCorpus(**state["corpus"])
+    model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
+    load_checkpoint(Path(checkpoint), model, None, rank, world_size)
+    return evaluate(model, corpus.load("val"), config, rank, world_size, dist.group.WORLD, torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_checkpoints_reshard_between_one_and_two_workers(two_worker_run: Path, tmp_path: Path) -> None:
+    from_two = str(latest_checkpoint(two_worker_run))
+    on_one = run_distributed(_evaluate_checkpoint, 1, from_two)[0]
+    on_two = run_distributed(_evaluate_checkpoint, 2, from_two)[0]
+    recorded = list(iterate_records(two_worker_run))[-1]["val_loss"]
+    assert on_two == pytest.approx(recorded, rel=1e-6) and on_one == pytest.approx(recorded, rel=1e-5)
+
+    run_training(tiny(tmp_path / "one", workers=1, steps=4, checkpoint_interval=4), report=False)
+    from_one = str(latest_checkpoint(tmp_path / "one"))
+    assert run_distributed(_evaluate_checkpoint, 2, from_one)[0] == pytest.approx(
+        run_distributed(_evaluate_checkpoint, 1, from_one)[0], rel=1e-5
+    )
+    # and training goes on with the other number of workers
+    checkpoint = latest_checkpoint(tmp_path / "one")
+    summary = run_training(tiny(tmp_path / "one", workers=2, steps=6), checkpoint, report=False)
+    assert summary["workers"] == 2 and list(losses(tmp_path / "one")) == list(range(1, 7))
+
+
+@pytest.mark.distributed
+def test_generate_and_report_from_a_run(two_worker_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.cli import main
+
+    assert main(["generate", "--checkpoint", str(two_worker_run), "--prompt", "def ", "--tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text) > 8
+    (two_worker_run / "loss.png").unlink()
+    assert main(["report", str(two_worker_run)]) == 0
+    assert (two_worker_run / "loss.png").exists()
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["steps"] == 12
+
+
+# -- faults and bad input ------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+@pytest.mark.distributed
+def test_a_killed_worker_fails_the_job_fast_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("progress", "steps")]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moeflow", "train", *flags, "--steps=100000", "--checkpoint-interval=2",
+         "--eval-interval=100000", f"--run-dir={run_dir}", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while latest_checkpoint(run_dir) is None:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.2)
+        workers = [p for p in _children(process.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        os.kill(max(workers), signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 30
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    assert "died with exit code -9" in stderr and "worker" in stderr
+    checkpoint = latest_checkpoint(run_dir)
+    model = MoETransformer(TrainConfig(**read_state(checkpoint)["config"]).model_config(512))
+    assert read_state(checkpoint)["step"] % 2 == 0
+    load_checkpoint(checkpoint, model, None, rank=0, world_size=1)  # intact: loads completely
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-experts", "6", "--workers", "4"], "num_experts=6 is not divisible by workers=4"),
+        (["--heads", "3"], "model_dim=256 is not divisible by heads=3"),
+        (["--top-k", "9"], "top_k"),
+        (["--data", "/nonexistent/corpus"], "data path '/nonexistent/corpus' does not exist"),
+        (["--steps", "5", "--stop-at", "9"], "stop_at must be a step in"),
+    ],
+)
+def test_bad_input_fails_before_any_worker_starts(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moeflow.cli import main
+
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_config_files_unknown_keys_and_flag_precedence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.cli import _build_parser
+    from moeflow.training.cli import train_config_from_args
+
+    (tmp_path / "a.toml").write_text('[train]\nlayers = 2\nmodel_dim = 64\npipeline = "search"\n')
+    (tmp_path / "b.yaml").write_text("layers: 3\nnum_experts: 4\n")
+    (tmp_path / "bad.toml").write_text("layer = 2\n")
+    parse = _build_parser().parse_args
+    config, _ = train_config_from_args(parse(["train", "--config", str(tmp_path / "a.toml"), "--layers", "5"]))
+    assert (config.layers, config.model_dim, config.pipeline) == (5, 64, "search")
+    config, _ = train_config_from_args(parse(["train", "--config", str(tmp_path / "b.yaml"), "--pipeline", "2"]))
+    assert (config.layers, config.num_experts, config.pipeline) == (3, 4, 2)
+    from moeflow.cli import main
+
+    assert main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
+    assert "unknown config file" in (err := capsys.readouterr().err) and "did you mean 'layers'" in err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint found" in capsys.readouterr().err
