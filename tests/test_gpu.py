@@ -61,3 +61,26 @@ def test_layer_over_one_rank_nccl_group() -> None:
         assert layer.last_stats.plan["alltoall"] == "linear"
     finally:
         dist.destroy_process_group()
+
+
+@cuda
+def test_train_with_nccl_under_torchrun(tmp_path) -> None:
+    """The trainer's GPU path: one NCCL rank started by torchrun, model and batches on cuda:0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(json.__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
+         "-m", "moeflow", "train", "--backend", "nccl", "--data", str(data), "--vocab-size", "512",
+         "--context", "32", "--layers", "2", "--heads", "2", "--model-dim", "32", "--ffn-hidden", "64",
+         "--num-experts", "4", "--batch-size", "4", "--steps", "4", "--eval-interval", "2",
+         "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        capture_output=True, text=True, timeout=600, env={"MOEFLOW_CACHE": str(tmp_path / "cache"),
+                                                          **__import__("os").environ},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"summary"')))
+    assert summary["steps"] == 4 and summary["workers"] == 1 and summary["val_loss"] > 0

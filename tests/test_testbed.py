@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -206,3 +207,23 @@ def test_cluster_command_probes_both_links() -> None:
     assert report["world_size"] == 4 and report["ranks_per_node"] == 2
     assert 0 < report["inter_node"]["gbit_per_s"] < 1.1  # shaped to 1 Gbit/s: never faster
     assert report["intra_node"]["round_trip_us"] > 0
+
+
+@needs_testbed
+def test_train_runs_inside_the_emulated_cluster(tmp_path: Path) -> None:
+    """`moeflow train` started by `moeflow launch` on 2 emulated nodes: each rank in its namespace."""
+    json_package = Path(json.__file__).parent
+    flags = ["--data", str(json_package), "--vocab-size", "512", "--context", "32", "--layers", "2", "--heads", "2",
+             "--model-dim", "32", "--ffn-hidden", "64", "--num-experts", "4", "--batch-size", "4", "--steps", "4",
+             "--eval-interval", "2", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "launch", "--nodes", "2", "--ranks-per-node", "1", "--master-port", "29619",
+         "--timeout", "240", "--", sys.executable, "-m", "moeflow", "train", *flags],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "MOEFLOW_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(next(line for line in result.stdout.splitlines() if '{"summary": "train"' in line)
+                         .split("] ", 1)[1])
+    assert summary["workers"] == 2 and summary["steps"] == 4 and summary["val_loss"] > 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]

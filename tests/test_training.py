@@ -259,10 +259,9 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.distributed
 def test_a_killed_worker_fails_the_job_fast_and_keeps_the_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("progress", "steps")]
+    flags = _tiny_flags(run_dir, steps=100_000, checkpoint_interval=2, eval_interval=100_000)
     process = subprocess.Popen(
-        [sys.executable, "-m", "moeflow", "train", *flags, "--steps=100000", "--checkpoint-interval=2",
-         "--eval-interval=100000", f"--run-dir={run_dir}", "--no-progress"],
+        [sys.executable, "-m", "moeflow", "train", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -326,3 +325,22 @@ def test_config_files_unknown_keys_and_flag_precedence(tmp_path: Path, capsys: p
     assert "unknown config file" in (err := capsys.readouterr().err) and "did you mean 'layers'" in err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
+
+
+def _tiny_flags(run_dir: Path, **changes: Any) -> list[str]:
+    values = {**TINY, "run_dir": str(run_dir), **changes}
+    values.pop("progress")
+    return [f"--{key.replace('_', '-')}={value}" for key, value in values.items()] + ["--no-progress"]
+
+
+@pytest.mark.distributed
+def test_train_runs_under_torchrun_as_the_launched_ranks(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29631",
+         "-m", "moeflow", "train", *_tiny_flags(tmp_path / "run", steps=4, pipeline="auto", alltoall="auto")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"summary"')]
+    assert len(summaries) == 1 and summaries[0]["workers"] == 2 and summaries[0]["steps"] == 4
+    assert list(losses(tmp_path / "run")) == [1, 2, 3, 4] and (tmp_path / "run" / "loss.png").exists()

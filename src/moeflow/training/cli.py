@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -84,7 +85,8 @@ def run_train(args: argparse.Namespace) -> int:
     except WorkerError as error:
         print(f"moeflow train: the job failed: {error}", file=sys.stderr)
         return 1
-    print(json.dumps({"summary": "train", **summary}))
+    if os.environ.get("RANK", "0") == "0":  # under a launcher, one summary line
+        print(json.dumps({"summary": "train", **summary}))
     return 0
 
 

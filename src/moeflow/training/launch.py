@@ -96,6 +96,8 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = config.updated({"workers": world_size})
     torch.set_num_threads(config.threads_per_worker)
+    if config.backend == "nccl":  # before any collective: NCCL uses the current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         config.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.collective_timeout_s)
     )
