@@ -67,6 +67,7 @@ def test_layer_over_one_rank_nccl_group() -> None:
 def test_train_with_nccl_under_torchrun(tmp_path) -> None:
     """The trainer's GPU path: one NCCL rank started by torchrun, model and batches on cuda:0."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -78,8 +79,7 @@ def test_train_with_nccl_under_torchrun(tmp_path) -> None:
          "--context", "32", "--layers", "2", "--heads", "2", "--model-dim", "32", "--ffn-hidden", "64",
          "--num-experts", "4", "--batch-size", "4", "--steps", "4", "--eval-interval", "2",
          "--run-dir", str(tmp_path / "run"), "--no-progress"],
-        capture_output=True, text=True, timeout=600, env={"MOEFLOW_CACHE": str(tmp_path / "cache"),
-                                                          **__import__("os").environ},
+        capture_output=True, text=True, timeout=600, env={**os.environ, "MOEFLOW_CACHE": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"summary"')))
