@@ -45,12 +45,12 @@ class TrainConfig:
     alltoall: str = "auto"
     profile: str | None = None  # a calibrated cluster profile for the planner
     # optimization
-    steps: int = 300
+    steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
-    batch_size: int = 8  # sequences per worker and step
+    batch_size: int = 16  # sequences per worker and step
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -60,7 +60,7 @@ class TrainConfig:
     workers: int = 2
     backend: str = "gloo"
     threads_per_worker: int = 1
-    eval_interval: int = 50
+    eval_interval: int = 40
     eval_windows: int = 64  # validation windows, split over the workers
     checkpoint_interval: int = 100
     keep_checkpoints: int = 2
