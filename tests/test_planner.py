@@ -1,6 +1,6 @@
-"""The planner's policies inside a real layer: search fills Tutel's dictionary, auto times only the
-model's top candidates, model follows the PipeMoE prediction, forced settings are kept, and every
-rank makes the same choices."""
+"""The planner's policies inside a real layer: search fills Tutel's dictionary, auto times the
+model's top candidates and the power-of-two anchors, model follows the PipeMoE prediction, forced
+settings are kept, and every rank makes the same choices."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _policies(rank: int, world: int) -> dict[str, Any]:
         key: {(p.degree, p.algorithm): t for p, t in m.items()} for key, m in search.planner.measured.items()
     }
     auto = MoELayer(16, 32, 8, pipeline="auto", profile=PROFILE)
-    results["auto"] = _steps(auto, 11, 64)
+    results["auto"] = _steps(auto, 23, 64)
     model = MoELayer(16, 32, 8, pipeline="model", profile=PROFILE)
     results["model"] = _steps(model, 2, 64)
     results["forced"] = _steps(MoELayer(16, 32, 8, pipeline=4, alltoall="pairwise"), 1, 64)
@@ -83,15 +83,18 @@ def test_every_rank_makes_the_same_choices(two_ranks: list[dict[str, Any]]) -> N
 
 
 @pytest.mark.distributed
-def test_auto_times_only_the_models_top_three(two_ranks: list[dict[str, Any]]) -> None:
+def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks: list[dict[str, Any]]) -> None:
     plans = two_ranks[0]["auto"]
-    assert [p["source"] for p in plans] == ["trial"] * 9 + ["dictionary"] * 2
     capacity = 16  # 64 tokens, k=2, 8 experts, f=1
     shape = RegionShape(8, 2, capacity, 16, 32)
     top = [(p.degree, p.algorithm) for p in rank_plans(CostModel(PROFILE), shape, range(1, 17),
                                                        ("linear", "pairwise"))[:3]]
-    assert [(p["requested_degree"], p["alltoall"]) for p in plans[0:9:3]] == top
-    assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) in top
+    candidates = list(dict.fromkeys(top + [(d, top[0][1]) for d in (1, 2, 4, 8)]))
+    assert 4 <= len(candidates) <= 7
+    trials = 3 * len(candidates)
+    assert [p["source"] for p in plans] == ["trial"] * trials + ["dictionary"] * (len(plans) - trials)
+    assert [(p["requested_degree"], p["alltoall"]) for p in plans[0:trials:3]] == candidates
+    assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) in candidates
     assert all(p["predicted_forward_s"] > 0 and p["predicted_backward_s"] > 0 for p in plans)
 
 

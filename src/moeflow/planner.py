@@ -131,13 +131,18 @@ class PipelinePlanner:
     # -- internals ------------------------------------------------------------------------------
 
     def _candidates(self, shape: RegionShape, backward: bool, degrees: tuple[int, ...] | None) -> list[Plan]:
-        """Search: {1, 2, 4, 8} x algorithms. Auto: the model's top few of every degree up to 16."""
+        """Search: {1, 2, 4, 8} x algorithms. Auto: the model's top few of every degree up to 16, then
+        {1, 2, 4, 8} with the model's best algorithm as anchors: when the model is wrong (on the 2x1
+        emulated cluster it put d=16 first for compute-bound layers, 2-3x slower than d=2), the
+        online check still has a good plan to find."""
+        usable = usable_degrees(degrees or SEARCH_DEGREES, shape.capacity)
         if self.cost_model is not None:
             ranked = rank_plans(
                 self.cost_model, shape, degrees or range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward
             )
-            return [Plan(p.degree, p.algorithm) for p in ranked[: self.top_candidates]]
-        usable = usable_degrees(degrees or SEARCH_DEGREES, shape.capacity)
+            top = [Plan(p.degree, p.algorithm) for p in ranked[: self.top_candidates]]
+            anchors = [Plan(d, top[0].algorithm) for d in usable]
+            return list(dict.fromkeys(top + anchors))
         return [Plan(d, a) for a in self.algorithms for d in usable]
 
     def _model_choice(self, shape: RegionShape, backward: bool) -> Plan:
