@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeflow.files import write_atomic
+
 TOKENIZERS = ("bpe", "bytes")
 END_OF_TEXT = "<|endoftext|>"
 _FORMAT = 1  # bump when the cached layout changes
@@ -147,7 +149,7 @@ def prepare_corpus(
         if meta.exists():
             return PreparedCorpus(**json.loads(meta.read_text()))
         corpus = _build(directory, root, files, data, tokenizer, vocab_size, val_percent)
-        _write_atomic(meta, json.dumps(corpus.to_dict(), indent=2).encode())
+        write_atomic(meta, json.dumps(corpus.to_dict(), indent=2).encode())
         return corpus
 
 
@@ -222,12 +224,3 @@ def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
-
-
-def _write_atomic(path: Path, payload: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)

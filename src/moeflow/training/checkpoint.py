@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.experts import shard_expert_state
+from moeflow.files import write_atomic
 from moeflow.models import MoETransformer
 
 CHECKPOINTS = "checkpoints"
@@ -90,7 +91,7 @@ def save_checkpoint(
         shutil.rmtree(final)
     os.replace(temporary, final)
     _fsync(root)
-    _write_atomic(root / LATEST, final.name)
+    write_atomic(root / LATEST, final.name)
     _prune(root, keep)
     return final
 
@@ -146,15 +147,6 @@ def _shard(
     except ValueError as error:
         raise ValueError(f"cannot load this checkpoint on {world_size} workers: {error}") from None
     return {**state, **sliced}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 def _fsync(path: Path) -> None:

@@ -122,7 +122,9 @@ class TrainConfig:
         return replace(self, **checked_keys(values))
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from moeflow.files import write_atomic
+
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def field_names() -> list[str]:
