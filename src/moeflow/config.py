@@ -54,18 +54,18 @@ class MoEConfig:
     capacity_bucket: int = 128
 
     def __post_init__(self) -> None:
-        _require_positive_int("model_dim", self.model_dim)
-        _require_positive_int("hidden_dim", self.hidden_dim)
-        _require_positive_int("num_experts", self.num_experts)
+        require_positive_int("model_dim", self.model_dim)
+        require_positive_int("hidden_dim", self.hidden_dim)
+        require_positive_int("num_experts", self.num_experts)
         validate_top_k(self.top_k, self.num_experts)
         validate_capacity_factor(self.capacity_factor)
-        _require_choice("gate", self.gate, GATES)
-        _require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
-        _require_choice("activation", self.activation, ACTIVATIONS)
-        _require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
-        _require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
+        require_choice("gate", self.gate, GATES)
+        require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        require_choice("activation", self.activation, ACTIVATIONS)
+        require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
+        require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
-        _require_positive_int("capacity_bucket", self.capacity_bucket)
+        require_positive_int("capacity_bucket", self.capacity_bucket)
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -74,7 +74,7 @@ class MoEConfig:
             raise ValueError(
                 f"num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}"
             )
-        _require_positive_int("cosine_projection_dim", self.cosine_projection_dim)
+        require_positive_int("cosine_projection_dim", self.cosine_projection_dim)
         if not (0 < self.cosine_min_temperature < math.inf):
             raise ValueError(
                 f"cosine_min_temperature must be > 0, got {self.cosine_min_temperature!r}"
@@ -111,7 +111,7 @@ def validate_top_k(top_k: object, num_experts: int) -> int:
 def validate_pipeline(pipeline: object) -> int | str:
     """A policy name or a fixed degree in [1, MAX_PIPELINE_DEGREE]."""
     if isinstance(pipeline, str):
-        _require_choice("pipeline", pipeline, PIPELINE_POLICIES)
+        require_choice("pipeline", pipeline, PIPELINE_POLICIES)
         return pipeline
     if isinstance(pipeline, bool) or not isinstance(pipeline, int) or not 1 <= pipeline <= MAX_PIPELINE_DEGREE:
         raise ValueError(
@@ -132,11 +132,11 @@ def validate_capacity_factor(capacity_factor: object) -> float:
     return float(capacity_factor)
 
 
-def _require_positive_int(name: str, value: object) -> None:
+def require_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+def require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")

@@ -163,8 +163,10 @@ def _build(
     val_percent: float,
 ) -> PreparedCorpus:
     documents = list(_read_documents(root, files))
-    val_docs = [text for name, text in documents if is_validation_document(name, val_percent)]
-    train_docs = [text for name, text in documents if not is_validation_document(name, val_percent)]
+    train_docs: list[str] = []
+    val_docs: list[str] = []
+    for name, text in documents:
+        (val_docs if is_validation_document(name, val_percent) else train_docs).append(text)
     if not val_docs or not train_docs:  # one document (or very few): split the text itself
         joined = "\n".join(text for _, text in documents)
         cut = int(len(joined) * (1 - val_percent / 100))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.bench import print_json
+from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.config import TrainConfig
 from moeflow.training.trainer import Job, iterate_records, train_worker
 
@@ -57,16 +58,13 @@ def _bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 
 
 def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:
-    from moeflow.data import prepare_corpus
     from moeflow.distributed import run_distributed
-    from moeflow.training.launch import check_data_fits
+    from moeflow.training.launch import prepare_job
 
-    corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent)
-    check_data_fits(config, corpus)
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-train-") as run_dir:
-        config = replace(config, run_dir=run_dir, progress=False, eval_interval=10**9, checkpoint_interval=10**9)
-        config.save(Path(run_dir) / "config.json")
-        job = Job(config, corpus, run_dir)
+        job = prepare_job(replace(config, run_dir=run_dir, progress=False, eval_interval=10**9,
+                                  checkpoint_interval=10**9))
+        config, corpus = job.config, job.corpus
         result = run_distributed(_bench_worker, config.workers, job, threads_per_worker=config.threads_per_worker,
                                  timeout_s=float("inf"), collective_timeout_s=config.collective_timeout_s)[0]
         records = list(iterate_records(Path(run_dir)))[warmup:]
@@ -76,7 +74,7 @@ def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
     model_flops = model.flops_per_token() * tokens_per_s
     phase = {k: statistics.median(r["time_s"][k] for r in records) for k in records[0]["time_s"]}
-    moe = phase["routing"] + phase["all_to_all"] + phase["experts"]
+    moe = phase["routing"] + phase["all_to_all"] + phase["experts"]  # the MoE layers' time
     step_s = statistics.median(r["step_s"] for r in records)
     return {
         "bench": "train", "workers": config.workers, "steps_measured": len(records),
@@ -85,7 +83,7 @@ def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:
         "tokens_per_s": tokens_per_s, "model_gflops": model_flops / 1e9,
         "matmul_gflops": result["matmul_flops"] / 1e9, "mfu": model_flops / result["matmul_flops"],
         "step_ms": step_s * 1e3, "phase_ms": {k: v * 1e3 for k, v in phase.items()},
-        "moe_ms": moe * 1e3, "moe_non_gemm_share": (moe - phase["experts"]) / moe if moe else None,
+        "moe_ms": moe * 1e3, "moe_non_gemm_share": moe_non_gemm_share(phase),
         "pipeline_degrees": [m["pipeline_degree"] for m in records[-1]["moe"]],
         "loss": result["loss"],
     }

@@ -1,5 +1,5 @@
 """Models built on :class:`~moeflow.MoELayer`."""
 
-from moeflow.models.transformer import PHASES, MoETransformer, TransformerConfig
+from moeflow.models.transformer import MoETransformer, TransformerConfig
 
-__all__ = ["PHASES", "MoETransformer", "TransformerConfig"]
+__all__ = ["MoETransformer", "TransformerConfig"]

@@ -12,20 +12,25 @@ T positions, M model dim, V vocabulary, E experts.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.config import ACTIVATIONS, validate_pipeline, validate_top_k
+from moeflow.config import (
+    ACTIVATIONS,
+    ALLTOALL_CHOICES,
+    require_choice,
+    require_positive_int,
+    validate_capacity_factor,
+    validate_pipeline,
+    validate_top_k,
+)
+from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseClock
-
-# Phases of the time breakdown, in the order they are plotted.
-PHASES = ("attention", "routing", "all_to_all", "experts", "dense_ffn", "other")
 
 
 @dataclass(frozen=True)
@@ -52,17 +57,17 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts",
                      "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
         if self.model_dim % self.heads:
             raise ValueError(
                 f"model_dim={self.model_dim} is not divisible by heads={self.heads}; "
                 "choose heads that divide model_dim"
             )
         validate_top_k(self.top_k, self.num_experts)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is unknown; choose one of {', '.join(ACTIVATIONS)}")
+        require_choice("activation", self.activation, ACTIVATIONS)
+        require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
+        validate_capacity_factor(self.capacity_factor)
+        validate_capacity_factor(self.eval_capacity_factor)
         validate_pipeline(self.pipeline)
         if self.aux_loss_weight < 0:
             raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
@@ -73,14 +78,6 @@ class TransformerConfig:
     @property
     def moe_blocks(self) -> list[int]:
         return [i for i in range(self.layers) if self.is_moe_block(i)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
 
     def active_parameters(self) -> int:
         """Parameters one token passes through: attention, dense FFNs, the router and k experts of
@@ -118,15 +115,15 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, m))
 
 
-class DenseFFN(nn.Module):
+class DenseFFN(ExpertFFN):
+    """The FFN of a dense block: one expert that every token passes through (the experts' own FFN,
+    so every activation, swiglu included, means the same in dense and MoE blocks)."""
+
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(config.model_dim, config.ffn_hidden)
-        self.down = nn.Linear(config.ffn_hidden, config.model_dim)
-        self.activation = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[config.activation]
+        super().__init__(1, config.model_dim, config.ffn_hidden, config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.activation(self.up(x)))
+        return super().forward(x.reshape(1, -1, x.shape[-1])).view(x.shape)
 
 
 class Block(nn.Module):
@@ -206,10 +203,10 @@ class MoETransformer(nn.Module):
             for name, parameter in self.named_parameters():
                 if name in experts:
                     continue
-                if parameter.dim() == 1:  # biases zero, LayerNorm gains one
+                if parameter.dim() == 1 or name.endswith((".b1", ".b2")):  # biases zero, LayerNorm gains one
                     parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
                     continue
-                std = residual_std if name.endswith(("proj.weight", "down.weight")) else 0.02
+                std = residual_std if name.endswith(("proj.weight", ".w2")) else 0.02
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
             for layer_index, layer in enumerate(self.moe_layers()):
                 local, rank = layer.num_local_experts, layer.rank
@@ -225,9 +222,8 @@ class MoETransformer(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
 
     def forward(
-        self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, loss_weight_BT: torch.Tensor | None = None
+        self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``loss_weight_BT`` (optional, 0/1) masks positions out of the loss (padding in evaluation)."""
         t = idx_BT.shape[1]
         if t > self.config.context:
             raise ValueError(f"sequence length {t} exceeds the model's context={self.config.context}")
@@ -239,12 +235,7 @@ class MoETransformer(nn.Module):
         logits_BTV = F.linear(self.ln_final(x), self.token_embedding.weight)  # tied output head
         if targets_BT is None:
             return logits_BTV, None
-        losses = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none")
-        if loss_weight_BT is None:
-            lm_loss = losses.mean()
-        else:
-            weights = loss_weight_BT.flatten().to(losses.dtype)
-            lm_loss = (losses * weights).sum() / weights.sum().clamp(min=1.0)
+        lm_loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
         self.last_lm_loss = lm_loss.detach()
         aux = sum((layer.aux_loss for layer in self.moe_layers()), start=lm_loss.new_zeros(()))
         return logits_BTV, lm_loss + aux
@@ -288,3 +279,10 @@ def phase_seconds(model: MoETransformer) -> dict[str, float]:
         "experts": expert,
         "dense_ffn": seconds.get("dense_ffn", 0.0),
     }
+
+
+def moe_non_gemm_share(seconds: dict[str, float]) -> float | None:
+    """The share of the MoE layers' time outside the expert compute (routing, encode/decode and
+    all-to-all not hidden), from phase times as :func:`phase_seconds` names them."""
+    moe = seconds["routing"] + seconds["all_to_all"] + seconds["experts"]
+    return (moe - seconds["experts"]) / moe if moe else None

@@ -43,21 +43,18 @@ def full_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Model and optimizer tensors with the experts of all ranks (a collective: every rank calls it)."""
     experts = model.expert_parameter_names()
-    model_state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        model_state[name] = (
-            _gather_experts(tensor, group, world_size) if name in experts else tensor.detach().cpu().clone()
-        )
+
+    def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _gather_experts(tensor, group, world_size) if name in experts else tensor.detach().cpu().clone()
+
+    model_state = {name: full(name, tensor) for name, tensor in model.state_dict().items()}
     optimizer_state: dict[str, torch.Tensor] = {}
     if optimizer is not None:
         for name, parameter in model.named_parameters():
             state = optimizer.state.get(parameter, {})
             for moment in _MOMENTS:
                 if moment in state:
-                    value = state[moment]
-                    optimizer_state[f"{name}.{moment}"] = (
-                        _gather_experts(value, group, world_size) if name in experts else value.detach().cpu().clone()
-                    )
+                    optimizer_state[f"{name}.{moment}"] = full(name, state[moment])
             if "step" in state:
                 optimizer_state[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
     return model_state, optimizer_state

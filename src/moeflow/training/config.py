@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.config import validate_pipeline
+from moeflow.config import require_choice, require_positive_int
 from moeflow.data import TOKENIZERS
 
 if TYPE_CHECKING:
@@ -69,19 +69,15 @@ class TrainConfig:
     collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts", "top_k",
-                    "moe_every", "steps", "batch_size", "workers", "threads_per_worker", "eval_interval",
+        positive = ("vocab_size", "steps", "batch_size", "workers", "threads_per_worker", "eval_interval",
                     "eval_windows", "checkpoint_interval", "keep_checkpoints")
         for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            require_positive_int(name, getattr(self, name))
+        self.model_config(self.vocab_size)  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer={self.tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        require_choice("tokenizer", self.tokenizer, TOKENIZERS)
+        require_choice("backend", self.backend, BACKENDS)
         if self.num_experts % self.workers:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
@@ -100,20 +96,13 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
             raise ValueError(f"stop_at must be a step in [1, steps={self.steps}], got {self.stop_at!r}")
-        validate_pipeline(self.pipeline)
-        self.model_config(vocab_size=max(self.vocab_size, 2))  # the architecture's own checks
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""
         from moeflow.models import TransformerConfig
 
-        return TransformerConfig(
-            vocab_size=vocab_size, context=self.context, layers=self.layers, heads=self.heads,
-            model_dim=self.model_dim, ffn_hidden=self.ffn_hidden, num_experts=self.num_experts, top_k=self.top_k,
-            moe_every=self.moe_every, capacity_factor=self.capacity_factor,
-            eval_capacity_factor=self.eval_capacity_factor, aux_loss_weight=self.aux_loss_weight,
-            activation=self.activation, pipeline=self.pipeline, alltoall=self.alltoall,
-        )
+        architecture = {f.name for f in fields(TransformerConfig)} - {"vocab_size"}  # the same names here
+        return TransformerConfig(vocab_size=vocab_size, **{name: getattr(self, name) for name in architecture})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from moeflow.data import PreparedCorpus, prepare_corpus
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
-from moeflow.training.trainer import METRICS, Job, train_worker
+from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
 
 
 def launched_by_torchrun() -> bool:
@@ -43,17 +44,12 @@ def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, 
 
 
 def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
-    per_worker = corpus.train_tokens // config.workers
-    if per_worker <= config.context + 1:
-        raise ValueError(
-            f"each of the {config.workers} workers gets {per_worker} training tokens, fewer than "
-            f"context+1={config.context + 1}; use more data, a shorter --context or fewer --workers"
-        )
-    if corpus.val_tokens <= config.context + 1:
-        raise ValueError(
-            f"the validation split has {corpus.val_tokens} tokens, fewer than context+1={config.context + 1}; "
-            "use more data, a larger --val-percent or a shorter --context"
-        )
+    """The workers' own checks, made here so that they fail before any worker starts."""
+    require_windows(corpus.train_tokens // config.workers, context=config.context,
+                    what=f"each of the {config.workers} workers' share of the training data",
+                    fix="use more data, a shorter --context or fewer --workers")
+    require_windows(corpus.val_tokens, context=config.context, what="the validation split",
+                    fix="use more data, a larger --val-percent or a shorter --context")
 
 
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
@@ -96,8 +92,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = config.updated({"workers": world_size})
     torch.set_num_threads(config.threads_per_worker)
-    if config.backend == "nccl":  # before any collective: NCCL uses the current device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device_for(config)  # before the first collective
     dist.init_process_group(
         config.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.collective_timeout_s)
     )
@@ -105,9 +100,10 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
         job = [prepare_job(config, checkpoint) if rank == 0 else None]
         dist.broadcast_object_list(job, src=0)  # one run folder for all ranks
         assert job[0] is not None
-        # every node prepares (or finds) the corpus in its own cache
-        corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent)
-        summary = train_worker(rank, world_size, Job(job[0].config, corpus, job[0].run_dir, job[0].resume_from))
+        if rank != 0:  # every other rank prepares (or finds) the corpus in its own node's cache
+            job[0] = replace(job[0], corpus=prepare_corpus(config.data, config.tokenizer, config.vocab_size,
+                                                           config.val_percent))
+        summary = train_worker(rank, world_size, job[0])
     finally:
         dist.destroy_process_group()
     if report and rank == 0:

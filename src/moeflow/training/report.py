@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.trainer import iterate_records
 
 PHASE_COLORS = {
@@ -35,7 +36,6 @@ def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> d
     vals = [r for r in records if "val_loss" in r]
     times = [r["time_s"] for r in records[len(records) // 5 :]] or [r["time_s"] for r in records]
     mean_time = {k: float(np.mean([t.get(k, 0.0) for t in times])) for k in PHASE_COLORS}
-    moe = mean_time["routing"] + mean_time["all_to_all"] + mean_time["experts"]
     return {
         "steps": records[-1]["step"],
         "loss": records[-1]["loss"],
@@ -44,7 +44,7 @@ def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> d
         "unigram_val_loss": corpus["unigram_val_loss"] if corpus else None,
         "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
         "time_share": {k: v / max(sum(mean_time.values()), 1e-12) for k, v in mean_time.items()},
-        "moe_non_gemm_share": (moe - mean_time["experts"]) / moe if moe else None,
+        "moe_non_gemm_share": moe_non_gemm_share(mean_time),
         "dropped_last_step": sum(layer["dropped"] for layer in records[-1].get("moe", [])),
     }
 

@@ -50,30 +50,34 @@ def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return stream[rank * size // world_size : (rank + 1) * size // world_size]
 
 
+def require_windows(tokens: int, context: int, what: str, fix: str) -> None:
+    """A stream must hold one window of context+1 tokens (the inputs and the shifted targets)."""
+    if tokens <= context + 1:
+        raise ValueError(f"{what} has {tokens} tokens, fewer than context+1={context + 1}; {fix}")
+
+
+def token_windows(stream: np.ndarray, starts: list[int], context: int) -> torch.Tensor:
+    """(len(starts), context+1) int64 tokens: the windows of ``stream`` that begin at ``starts``."""
+    return torch.from_numpy(np.stack([np.asarray(stream[s : s + context + 1], dtype=np.int64) for s in starts]))
+
+
 def training_batch(
     shard: np.ndarray, step: int, rank: int, seed: int, batch_size: int, context: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of the shard; a pure function of (seed, step, rank)."""
-    if shard.shape[0] <= context + 1:
-        raise ValueError(
-            f"a worker's share of the training data has {shard.shape[0]} tokens, fewer than context+1="
-            f"{context + 1}; use more data, a shorter context or fewer workers"
-        )
+    require_windows(shard.shape[0], context, "a worker's share of the training data",
+                    "use more data, a shorter context or fewer workers")
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
     starts = torch.randint(0, shard.shape[0] - context - 1, (batch_size,), generator=generator).tolist()
-    windows = np.stack([np.asarray(shard[s : s + context + 1], dtype=np.int64) for s in starts])
-    tokens = torch.from_numpy(windows)
+    tokens = token_windows(shard, starts, context)
     return tokens[:, :-1], tokens[:, 1:]
 
 
 def validation_windows(stream: np.ndarray, count: int, context: int) -> list[int]:
     """Evenly spaced window starts over the validation stream: the same for any number of workers."""
+    require_windows(stream.shape[0], context, "the validation split",
+                    "use more data, a larger val_percent or a shorter context")
     span = stream.shape[0] - context - 1
-    if span < 1:
-        raise ValueError(
-            f"the validation split has {stream.shape[0]} tokens, fewer than context+1={context + 1}; "
-            "use more data, a larger val_percent or a shorter context"
-        )
     return [i * span // count for i in range(count)]
 
 
@@ -161,10 +165,7 @@ def evaluate(
     model.eval()
     total = count = 0.0
     for begin in range(0, per_worker, config.batch_size):
-        batch = mine[begin : begin + config.batch_size]
-        windows = torch.from_numpy(
-            np.stack([np.asarray(stream[s : s + config.context + 1], dtype=np.int64) for s in batch])
-        ).to(device)
+        windows = token_windows(stream, mine[begin : begin + config.batch_size], config.context).to(device)
         logits, _ = model(windows[:, :-1])
         losses = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
         weight = torch.tensor(weights[begin : begin + config.batch_size], device=device).repeat_interleave(
@@ -180,7 +181,8 @@ def evaluate(
 # -- the loop ------------------------------------------------------------------------------------
 
 
-def _device(config: TrainConfig) -> torch.device:
+def device_for(config: TrainConfig) -> torch.device:
+    """This process's device; for NCCL it also makes it current (NCCL uses the current device)."""
     if config.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -233,7 +235,7 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """Train (or continue) the run; rank 0 returns the run's summary."""
     config, corpus = job.config, job.corpus
     run_dir = Path(job.run_dir)
-    device = _device(config)
+    device = device_for(config)
     group = dist.group.WORLD if dist.is_initialized() else None
     model = MoETransformer(config.model_config(corpus.vocab_size), group=group, seed=config.seed,
                            profile=config.profile).to(device)
@@ -247,7 +249,7 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     val_stream = corpus.load("val")
     log = MetricsLog(run_dir / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     tokens_per_step = config.batch_size * config.context * world_size
-    extra_files = [corpus.tokenizer_path, run_dir / "config.json"]
+    extra_files = [corpus.tokenizer_path]  # state.json holds the config
     throughput: list[float] = []
     val_loss: float | None = None
     last_loss = float("nan")
@@ -300,13 +302,13 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             if step % config.eval_interval == 0 or step == config.steps:
                 val_loss = evaluate(model, val_stream, config, rank, world_size, group, device)
                 record["val_loss"] = val_loss
+            if log is not None:  # before the checkpoint: a resume from it finds this step's record
+                log.write(record)
             if step % config.checkpoint_interval == 0 or step == last_step:
                 state = {"tokens_seen": tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
                          "loss": last_loss, "val_loss": val_loss}
                 checkpoint = save_checkpoint(run_dir, step, model, optimizer, group, rank, world_size, state,
                                              extra_files, config.keep_checkpoints)
-            if log is not None:
-                log.write(record)
             postfix = {"loss": f"{last_loss:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
             if val_loss is not None:
                 postfix["val"] = f"{val_loss:.3f}"
