@@ -10,7 +10,6 @@ of every rank) and the global routing counts.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.experts import shard_expert_state
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
@@ -50,7 +51,7 @@ class Case:
     steps: int = 1
     same_expert: bool = False
     empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
-    ranks_per_node: int | None = None  # LOCAL_WORLD_SIZE for the topology-aware all-to-alls
+    ranks_per_node: int | None = None  # ranks per node of the topology for the topology-aware all-to-alls
     expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
 
 
@@ -114,9 +115,34 @@ def extra_cases() -> list[Case]:
         ),
         Case("alltoall-auto-without-profile", {**base, "alltoall": "auto"}, expected_alltoall="linear"),
         *pipeline_cases(base),
+        *parallel_cases(base),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
+    ]
+
+
+def parallel_cases(base: dict[str, Any]) -> list[Case]:
+    """The replicated schedule and bias-free experts (Mixtral-style), alone and with the other
+    paths: capacity factors, swiglu, pipelining, shared experts, k = 1 with Tutel's gate rule."""
+    replicated = {**base, "parallel": "replicated"}
+    return [
+        Case("replicated", replicated),
+        Case("replicated-f0-swiglu", {**replicated, "capacity_factor": 0.0, "activation": "swiglu"}),
+        Case("replicated-k1-bpr", {**replicated, "top_k": 1, "batch_prioritized_routing": True}),
+        Case("replicated-d3", {**replicated, "pipeline": 3}, tokens_per_rank=24),
+        Case("replicated-empty-rank0", replicated, empty_ranks=(0,)),
+        Case("replicated-six-experts", replicated, num_experts=6),
+        Case("replicated-no-bias-cosine", {**replicated, "bias": False, "gate": "cosine", "cosine_projection_dim": 6}),
+        Case("no-bias", {**base, "bias": False}),
+        Case("no-bias-swiglu-f0", {**base, "bias": False, "activation": "swiglu", "capacity_factor": 0.0}),
+        Case("no-bias-shared", {**base, "bias": False, "num_shared_experts": 1}),
+        Case("no-bias-d4-pairwise", {**base, "bias": False, "pipeline": 4, "alltoall": "pairwise"},
+             tokens_per_rank=48, ranks_per_node=2),
+        Case("no-bias-loop-kernel", {**base, "bias": False, "expert_kernel": "loop"}),
+        Case("k1-tutel-normalization", {**base, "top_k": 1}),
+        Case("k1-no-bias-d2", {**base, "top_k": 1, "bias": False, "pipeline": 2}, tokens_per_rank=24),
+        Case("float64-replicated-d2", {**replicated, "pipeline": 2, "activation": "swiglu"}, dtype=torch.float64),
     ]
 
 
@@ -161,10 +187,17 @@ def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
     return x
 
 
-def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELayer]:
-    os.environ.pop("LOCAL_WORLD_SIZE", None)
-    if case.ranks_per_node is not None and world_size % case.ranks_per_node == 0:
-        os.environ["LOCAL_WORLD_SIZE"] = str(case.ranks_per_node)
+def _groups(case: Case, world_size: int, cache: dict[int, ParallelGroups]) -> ParallelGroups:
+    """One ParallelGroups per topology for the whole run (their node groups are made once)."""
+    if world_size == 1 and not torch.distributed.is_initialized():
+        return ParallelGroups.single_process()
+    per_node = case.ranks_per_node if case.ranks_per_node and world_size % case.ranks_per_node == 0 else world_size
+    if per_node not in cache:
+        cache[per_node] = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, per_node))
+    return cache[per_node]
+
+
+def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tuple[ReferenceMoE, MoELayer]:
     torch.manual_seed(7)
     kwargs = dict(case.layer)
     execution = {  # how the layer runs, not what it computes: the reference has no such knobs
@@ -172,6 +205,8 @@ def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELay
         "alltoall": kwargs.pop("alltoall", "linear"),
         "profile": kwargs.pop("profile", None),
         "pipeline": kwargs.pop("pipeline", "auto"),
+        "parallel": kwargs.pop("parallel", "expert"),
+        "group": groups,
     }
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
@@ -184,7 +219,7 @@ def _build(case: Case, rank: int, world_size: int) -> tuple[ReferenceMoE, MoELay
             reference.gate.weight.copy_(steer.expand_as(reference.gate.weight) + 3.0 * (steer == 0))
     layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, **execution, **kwargs)
     layer = layer.to(case.dtype)
-    layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
+    layer.load_full_state_dict(reference.state_dict())
     if world_size > 1:
         reference.global_load = _sum_over_ranks
     return reference, layer
@@ -211,9 +246,9 @@ def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
         failures.append(f"{case.name}: {name}: {str(error).splitlines()[-3:]}")
 
 
-def check_case(case: Case, rank: int, world_size: int) -> list[str]:
+def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> list[str]:
     """Run one case on this rank; return a list of mismatch descriptions (empty when equal)."""
-    reference, layer = _build(case, rank, world_size)
+    reference, layer = _build(case, rank, world_size, groups)
     failures: list[str] = []
     for step in range(case.steps):
         x = _tokens(case, rank, world_size)
@@ -237,11 +272,13 @@ def check_case(case: Case, rank: int, world_size: int) -> list[str]:
             n: torch.zeros_like(p) if p.grad is None else p.grad
             for n, p in reference.named_parameters()
         }
-        if world_size > 1:  # an expert's gradient collects the tokens of every rank
+        if world_size > 1 and not layer.placement.is_replicated:
+            # an expert-parallel expert's gradient collects the tokens of every rank; a replicated
+            # expert's holds this rank's tokens (the trainer sums them like any replicated weight)
             for name, grad in reference_grads.items():
                 if name.startswith("experts."):
                     reference_grads[name] = _sum_over_ranks(grad)
-        expected_grads = shard_expert_state(reference_grads, rank, world_size)
+        expected_grads = shard_expert_state(reference_grads, layer.placement, rank)
         for name, param in layer.named_parameters():
             _compare(f"step{step} grad {name}", param.grad, expected_grads.get(name), case, failures)
 
@@ -251,8 +288,9 @@ def check_case(case: Case, rank: int, world_size: int) -> list[str]:
             counts, dropped = _sum_over_ranks(counts), _sum_over_ranks(dropped)
         stats = layer.last_stats
         assert stats is not None
-        if case.expected_alltoall and world_size > 1 and stats.plan["alltoall"] != case.expected_alltoall:
-            failures.append(f"{case.name}: used {stats.plan['alltoall']}, expected {case.expected_alltoall}")
+        assert stats.plan is not None
+        if case.expected_alltoall and world_size > 1 and stats.plan.alltoall != case.expected_alltoall:
+            failures.append(f"{case.name}: used {stats.plan.alltoall}, expected {case.expected_alltoall}")
         if stats.tokens_per_expert != counts.tolist():
             failures.append(f"{case.name}: tokens_per_expert {stats.tokens_per_expert} != {counts.tolist()}")
         if stats.dropped_per_expert != dropped.tolist():
@@ -265,7 +303,8 @@ def check_case(case: Case, rank: int, world_size: int) -> list[str]:
 def check_cases(rank: int, world_size: int, cases: list[Case]) -> tuple[int, list[str]]:
     """Worker entry point: run every case; return (cases run, all mismatches)."""
     failures: list[str] = []
+    groups: dict[int, ParallelGroups] = {}
     for case in cases:
-        failures.extend(check_case(case, rank, world_size))
+        failures.extend(check_case(case, rank, world_size, _groups(case, world_size, groups)))
     return len(cases), [f"rank {rank}: {f}" for f in failures]
 

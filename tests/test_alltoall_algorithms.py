@@ -7,9 +7,11 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with, pairwise_peers, split_matrix
-from moeflow.comm.topology import Topology, topology_from_env
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology, topology_from_environment
 from moeflow.distributed import run_distributed
 
 SPLIT_KINDS = ("equal", "uneven", "empty")
@@ -27,8 +29,7 @@ def _splits(kind: str, rank: int, world_size: int) -> list[int] | None:
 
 
 def _exchange(rank: int, world_size: int, ranks_per_node: int) -> list[str]:
-    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
-    topology = topology_from_env(world_size)
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, ranks_per_node))
     failures = []
     for kind in SPLIT_KINDS:
         in_splits = _splits(kind, rank, world_size)
@@ -39,7 +40,7 @@ def _exchange(rank: int, world_size: int, ranks_per_node: int) -> list[str]:
         results = {}
         for algorithm in ALGORITHMS:
             leaf = x.clone().requires_grad_()
-            out = all_to_all_with(algorithm, leaf, topology, in_splits, out_splits)
+            out = all_to_all_with(algorithm, leaf, groups, in_splits, out_splits)
             upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + rank))
             (out * upstream).sum().backward()
             results[algorithm] = (out.detach(), leaf.grad)
@@ -64,6 +65,10 @@ def test_topology_numbering_and_errors() -> None:
     assert (topology.node_of(5), topology.local_rank_of(5), topology.rank_of(2, 1)) == (2, 1, 5)
     with pytest.raises(ValueError, match="not a multiple of ranks per node 3"):
         Topology(world_size=8, ranks_per_node=3)
+    assert topology_from_environment({"LOCAL_WORLD_SIZE": "2"}, 4) == Topology(4, 2)
+    assert topology_from_environment({}, 4) == Topology(4, 4)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be an integer"):
+        topology_from_environment({"LOCAL_WORLD_SIZE": "two"}, 4)
 
 
 def test_pairwise_schedule_covers_every_pair_once() -> None:
@@ -78,7 +83,7 @@ def test_pairwise_schedule_covers_every_pair_once() -> None:
 
 def test_unknown_algorithm_and_bad_splits_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown alltoall algorithm 'ring'"):
-        all_to_all_with("ring", torch.zeros(2, 1), Topology(1, 1))
+        all_to_all_with("ring", torch.zeros(2, 1), ParallelGroups.single_process())
     with pytest.raises(ValueError, match="cannot be split equally over 3 ranks"):
         split_matrix(torch.zeros(4, 1), 3, None)
 
@@ -87,10 +92,8 @@ def run_in_launched_rank() -> None:
     """Entry point for ranks started by ``moeflow launch``: exit 1 on any mismatch."""
     from datetime import timedelta
 
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    failures = _exchange(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]))
+    failures = _exchange(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]))  # an entry point
     dist.destroy_process_group()
     print("\n".join(failures) or "all algorithms equal linear", flush=True)
     raise SystemExit(1 if failures else 0)

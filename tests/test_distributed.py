@@ -50,7 +50,8 @@ def _echo_rank(rank: int, world_size: int) -> tuple[int, int]:
 
 @pytest.mark.distributed
 def test_experts_not_divisible_by_workers_is_a_clear_error() -> None:
-    with pytest.raises(WorkerError, match="num_experts=3 is not divisible by the process group size 2"):
+    expected = r"num_experts=3 is not divisible by the expert group size 2.*parallel='replicated'"
+    with pytest.raises(WorkerError, match=expected):
         run_distributed(_build_indivisible, 2, timeout_s=120)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.distributed import run_distributed
@@ -23,7 +24,7 @@ def _check(rank: int, world: int, ep_size: int, esp_size: int) -> list[str]:
     buffers = [_data(w, experts, c, MODEL_DIM) for w in range(world)]
     upstreams = [_data(100 + w, LOCAL, world * c, MODEL_DIM) for w in range(world)]
     mine = buffers[rank].clone().requires_grad_()
-    out = ep_esp_dispatch(mine, ep_size, esp_size)
+    out = ep_esp_dispatch(mine, ep_size, esp_size, dist.group.WORLD)
     (out * upstreams[rank]).sum().backward()
     expected = torch.cat([buffers[w][p * LOCAL : (p + 1) * LOCAL] for w in range(world)], dim=1)
     expected_grad = torch.cat([
@@ -38,7 +39,7 @@ def _check(rank: int, world: int, ep_size: int, esp_size: int) -> list[str]:
     partials = [_data(200 + w, LOCAL, world * c, MODEL_DIM) for w in range(world)]
     heads = [_data(300 + w, experts, c, MODEL_DIM) for w in range(world)]
     mine = partials[rank].clone().requires_grad_()
-    combined = ep_esp_combine(mine, ep_size, esp_size, c)
+    combined = ep_esp_combine(mine, ep_size, esp_size, c, dist.group.WORLD)
     (combined * heads[rank]).sum().backward()
     expected = torch.cat([
         sum(partials[q * esp_size + s][:, rank * c : (rank + 1) * c] for s in range(esp_size))
@@ -74,7 +75,7 @@ def test_bad_layouts_are_rejected() -> None:
 
 def _bad_layout(rank: int, world: int) -> str:
     try:
-        ep_esp_dispatch(torch.zeros(4, 1, 1), ep_size=3, esp_size=1)
+        ep_esp_dispatch(torch.zeros(4, 1, 1), ep_size=3, esp_size=1, group=dist.group.WORLD)
     except ValueError as error:
         return str(error)
     return "no error"

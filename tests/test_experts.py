@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.experts import ExpertFFN, ffn_flops, shard_expert_state
+from moeflow.parallel import ExpertPlacement
 
 
 def dense_ffn(experts: ExpertFFN, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,9 @@ def test_unknown_kernel_is_rejected() -> None:
 def test_flops_and_sharding() -> None:
     assert ffn_flops(10, 4, 8, "gelu", backward=False) == 2 * 10 * 4 * 8 * 2
     assert ffn_flops(10, 4, 8, "swiglu", backward=True) == 3 * 2 * 10 * 4 * 8 * 3
-    full = {"gate.weight": torch.arange(4.0), "experts.w1": torch.arange(8.0).view(4, 2)}
-    shard = shard_expert_state(full, rank=1, world_size=2)
-    assert shard["experts.w1"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    full = {"gate.weight": torch.arange(4.0), "experts.b1": torch.arange(8.0).view(4, 2)}
+    shard = shard_expert_state(full, ExpertPlacement.expert_parallel(4, 2, hidden_dim=2), rank=1)
+    assert shard["experts.b1"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
     assert shard["gate.weight"].tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(ValueError, match="not divisible"):
-        shard_expert_state(full, rank=0, world_size=3)
+        ExpertPlacement.expert_parallel(4, 3, hidden_dim=2)

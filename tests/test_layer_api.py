@@ -72,7 +72,7 @@ def test_stats_count_drops_and_capacity() -> None:
     assert stats.capacity == 10  # ceil(2 * 0.5 * 40 / 4)
     assert sum(stats.tokens_per_expert) == 80
     assert stats.dropped == sum(max(0, n - 10) for n in stats.tokens_per_expert) > 0
-    assert stats.plan["world_size"] == 1 and stats.plan["pipeline_degree"] == 1
+    assert stats.plan is not None and stats.plan.world_size == 1 and stats.plan.pipeline_degree == 1
     layer(torch.randn(40, 8), capacity_factor=0)
     assert layer.last_stats.dropped == 0
     assert layer.last_stats.capacity == max(layer.last_stats.tokens_per_expert)

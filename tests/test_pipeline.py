@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from moeflow.comm.topology import topology_from_env
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.experts import ExpertFFN
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
@@ -119,7 +120,8 @@ class _RecordingRoute:
 
     dispatch_of_chunk1_ran: threading.Event
     threads: set[str]
-    group: object = "fake"
+    groups: ParallelGroups = field(default_factory=ParallelGroups.single_process)
+    communicates: bool = True
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         self.threads.add(threading.current_thread().name)
@@ -156,11 +158,10 @@ def _all_experts(experts: int, dtype: torch.dtype, activation: str) -> ExpertFFN
 
 def _pipeline_vs_degree_one(rank: int, world: int, per_node: int | None) -> list[str]:
     """Every degree and algorithm gives the d=1 outputs and gradients (buffer and weights)."""
-    if per_node:
-        os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
-    topology = topology_from_env(world)
-    group = dist.group.WORLD if dist.is_initialized() else None
-    algorithms = ("linear", "2dh", "pairwise") if group is not None and topology.num_nodes > 1 else ("linear",)
+    distributed = dist.is_initialized()
+    groups = ParallelGroups(dist.group.WORLD, Topology(world, per_node or world)) if distributed else None
+    topology = Topology(world, per_node or world)
+    algorithms = ("linear", "2dh", "pairwise") if distributed and topology.num_nodes > 1 else ("linear",)
     failures = []
     for dtype, activation, capacity in ((torch.float32, "gelu", 13), (torch.float64, "swiglu", 8)):
         experts = 2 * world
@@ -172,10 +173,10 @@ def _pipeline_vs_degree_one(rank: int, world: int, per_node: int | None) -> list
         results = {}
         for algorithm in algorithms:
             for degree in (1, 2, 3, 4, 8):
-                route = ExpertExchange(group, topology, algorithm, world, 2)
+                route = ExpertExchange(groups, algorithm, 2)
                 x = buffer.clone().requires_grad_()
                 local.zero_grad()
-                y = pipelined_experts(x, local.weights(), route, degree)
+                y = pipelined_experts(x, local.compute, local.weights(), route, degree)
                 (y * upstream).sum().backward()
                 results[(algorithm, degree)] = [y.detach(), x.grad] + [p.grad.clone() for p in local.parameters()]
         baseline = results[("linear", 1)]

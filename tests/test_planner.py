@@ -4,13 +4,16 @@ settings are kept, and every rank makes the same choices."""
 
 from __future__ import annotations
 
-import os
+from dataclasses import asdict
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
@@ -30,26 +33,27 @@ def _steps(layer: MoELayer, steps: int, tokens: int) -> list[dict[str, Any]]:
         (y.square().sum() + layer.aux_loss).backward()
         stats = layer.last_stats
         assert stats is not None
-        plans.append({**stats.plan, "forward_s": stats.timing.forward_s, "backward_s": stats.timing.backward_s})
+        assert stats.plan is not None
+        plans.append({**asdict(stats.plan), "forward_s": stats.timing.forward_s, "backward_s": stats.timing.backward_s})
     return plans
 
 
 def _policies(rank: int, world: int) -> dict[str, Any]:
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    groups = ParallelGroups(dist.group.WORLD, Topology(world, 1))  # one rank per node
     torch.manual_seed(0)
     results: dict[str, Any] = {}
     # capacity 2 (k=2, 8 experts, 8 tokens): degrees collapse to {1, 2}, two candidates x 3 trials
-    search = MoELayer(16, 32, 8, alltoall="linear", pipeline="search")
+    search = MoELayer(16, 32, 8, alltoall="linear", pipeline="search", group=groups)
     results["search"] = _steps(search, 8, 8)
     results["search_dictionary"] = {key: (p.degree, p.algorithm) for key, p in search.planner.dictionary.items()}
     results["search_measured"] = {
         key: {(p.degree, p.algorithm): t for p, t in m.items()} for key, m in search.planner.measured.items()
     }
-    auto = MoELayer(16, 32, 8, pipeline="auto", profile=PROFILE)
+    auto = MoELayer(16, 32, 8, pipeline="auto", profile=PROFILE, group=groups)
     results["auto"] = _steps(auto, 23, 64)
-    model = MoELayer(16, 32, 8, pipeline="model", profile=PROFILE)
+    model = MoELayer(16, 32, 8, pipeline="model", profile=PROFILE, group=groups)
     results["model"] = _steps(model, 2, 64)
-    results["forced"] = _steps(MoELayer(16, 32, 8, pipeline=4, alltoall="pairwise"), 1, 64)
+    results["forced"] = _steps(MoELayer(16, 32, 8, pipeline=4, alltoall="pairwise", group=groups), 1, 64)
     return results
 
 
@@ -114,10 +118,12 @@ def test_single_process_runs_one_chunk_unless_forced() -> None:
     layer = MoELayer(16, 32, 4)
     layer(x)
     assert layer.last_stats is not None
-    assert (layer.last_stats.plan["alltoall"], layer.last_stats.plan["pipeline_degree"]) == ("none", 1)
+    assert layer.last_stats.plan is not None
+    assert (layer.last_stats.plan.alltoall, layer.last_stats.plan.pipeline_degree) == ("none", 1)
     forced = MoELayer(16, 32, 4, pipeline=4)
     forced(x)
-    assert forced.last_stats is not None and forced.last_stats.plan["pipeline_degree"] == 4
+    assert forced.last_stats is not None and forced.last_stats.plan is not None
+    assert forced.last_stats.plan.pipeline_degree == 4
     assert forced.last_stats.timing.forward_s is not None and forced.last_stats.timing.backward_s is None
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moeflow.comm.groups import group_rank, group_size, resolve_group
+from moeflow.comm.groups import ParallelGroups, default_group, group_rank, group_size
 
 PROBE = "from moeflow.runtime import tune_cpu_allocator; print(tune_cpu_allocator(), tune_cpu_allocator())"
 
@@ -31,5 +31,5 @@ def test_allocator_tuning_can_be_turned_off() -> None:
 
 
 def test_no_process_group_means_single_process() -> None:
-    assert resolve_group(None) is None
+    assert default_group() is None and ParallelGroups.from_group(None).expert is None
     assert group_size(None) == 1 and group_rank(None) == 0

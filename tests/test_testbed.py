@@ -21,12 +21,12 @@ needs_testbed = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 RANK_SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from datetime import timedelta
-    from moeflow.comm.topology import topology_from_env
+    from moeflow.comm.topology import topology_from_environment
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    topology = topology_from_env(world)
+    topology = topology_from_environment(os.environ, world)
     print(f"rank={rank} local={os.environ['LOCAL_RANK']} node={topology.node_of(rank)} "
           f"world={world} sum={int(total.item())} if={os.environ['GLOO_SOCKET_IFNAME']}", flush=True)
     dist.destroy_process_group()

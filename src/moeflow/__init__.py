@@ -1,8 +1,27 @@
-"""moeflow: fast distributed Mixture-of-Experts training and inference on torch.distributed."""
+"""moeflow: fast distributed Mixture-of-Experts training and inference on torch.distributed.
 
-from moeflow.config import MoEConfig
-from moeflow.layer import MoELayer
-from moeflow.stats import RoutingStats
+``import moeflow`` stays light: the layer (and torch) load on first use of ``moeflow.MoELayer``, so
+the numpy-only parts (``moeflow.perf``, the planner) import without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moeflow.config import MoEConfig
+    from moeflow.layer import MoELayer
+    from moeflow.stats import RoutingStats
 
 __all__ = ["MoEConfig", "MoELayer", "RoutingStats"]
 __version__ = "0.1.0"
+
+_HOMES = {"MoEConfig": "moeflow.config", "MoELayer": "moeflow.layer", "RoutingStats": "moeflow.stats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'moeflow' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

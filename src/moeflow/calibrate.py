@@ -29,7 +29,8 @@ import torch.distributed as dist
 from moeflow.bench.timing import interleaved_medians, slowest_rank_seconds
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
-from moeflow.comm.topology import node_groups, topology_from_env
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
 
 
@@ -40,6 +41,7 @@ class CalibrationConfig:
     gemm_tokens: tuple[int, ...] = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
     collective_bytes: tuple[int, ...] = tuple(int(2 ** (16 + i * 7 / 11)) for i in range(12))  # 64 KiB .. 8 MiB
     repeats: int = 5
+    ranks_per_node: int | None = None  # the launcher's LOCAL_WORLD_SIZE; None: one node
 
 
 def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
@@ -52,27 +54,31 @@ def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
     return [(tokens * config.model_dim * config.hidden_dim, seconds) for tokens, seconds in medians.items()]
 
 
+def _topology(config: CalibrationConfig, world: int) -> Topology:
+    return Topology(world, config.ranks_per_node or world)
+
+
 def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
-    topology = topology_from_env(world)
-    groups = node_groups(topology)
+    topology = _topology(config, world)
+    parallel = ParallelGroups(dist.group.WORLD, topology)
     points: dict[str, list[tuple[float, float]]] = {}
     measurements: list[tuple[str, int, Callable[[], object]]] = []
     for size in config.collective_bytes:
         elements = max(world, size // 4 // world * world)
         x = torch.zeros(elements)
         operations: dict[str, Callable[[], object]] = {
-            f"alltoall.{name}": (lambda name=name, x=x: all_to_all_with(name, x, topology)) for name in ALGORITHMS
+            f"alltoall.{name}": (lambda name=name, x=x: all_to_all_with(name, x, parallel)) for name in ALGORITHMS
         }
-        operations["allreduce"] = lambda x=x: dist.all_reduce(x.clone())
+        operations["allreduce"] = lambda x=x: dist.all_reduce(x.clone(), group=dist.group.WORLD)
         gathered = [torch.empty_like(x) for _ in range(world)]
         operations["allgather"] = lambda x=x, gathered=gathered: dist.all_gather(gathered, x)
         scattered = torch.empty(elements // world)
         operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_tensor(out, x)
         # the same linear all-to-all inside each kind of subgroup: the fast and the slow link
         if topology.ranks_per_node > 1:
-            operations["alltoall.intra_node"] = lambda x=x: all_to_all(x, groups.intra_node)
+            operations["alltoall.intra_node"] = lambda x=x: all_to_all(x, parallel.node_groups().intra_node)
         if topology.num_nodes > 1:
-            operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, groups.inter_node)
+            operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, parallel.node_groups().inter_node)
         for name, operation in operations.items():
             operation()  # warm-up: connections and buffers for this size
             measurements.append((name, elements * 4, operation))
@@ -120,7 +126,7 @@ def _fit_with_holdout(name: str, points: list[tuple[float, float]], unit: str) -
 def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str, Any] | None:
     """Run on every rank of an initialized process group; rank 0 returns the profile as a dict."""
     torch.set_num_threads(1)
-    topology = topology_from_env(world)
+    topology = _topology(config, world)
     gemm = _gemm_points(config)
     collectives = _collective_points(config, world) if world > 1 else {}
     interference = _interference(config, world) if world > 1 else 1.0

@@ -7,6 +7,7 @@ saved, compared and printed.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -20,6 +21,29 @@ ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
 PIPELINE_POLICIES = ("auto", "model", "search")
 MAX_PIPELINE_DEGREE = 64
+PARALLEL_SCHEDULES = ("expert", "replicated")
+PARALLEL_CHOICES = ("auto", *PARALLEL_SCHEDULES)
+
+
+def ffn_projections(activation: str) -> int:
+    """GEMMs of one expert FFN: up and down, plus SwiGLU's gate projection (the one place that
+    knows this; FLOP counts, cost models and parameter counts ask here)."""
+    return 3 if activation == "swiglu" else 2
+
+
+def resolve_normalize_gate(normalize_gate: bool | None, top_k: int) -> bool:
+    """Tutel's rule: renormalise the k combine weights only when k > 1. At k = 1 renormalising
+    makes every weight 1, so the router gets no gradient from the task loss; an explicit True
+    there is honoured with a warning."""
+    if normalize_gate is None:
+        return top_k > 1
+    if normalize_gate and top_k == 1:
+        warnings.warn(
+            "normalize_gate=True with top_k=1 sets every combine weight to 1, so the router learns only "
+            "from the auxiliary loss; leave normalize_gate=None (normalise only when k > 1)",
+            UserWarning, stacklevel=3,
+        )
+    return bool(normalize_gate)
 
 
 @dataclass(frozen=True)
@@ -39,7 +63,7 @@ class MoEConfig:
     gate: str = "softmax"
     score_function: str = "softmax"
     activation: str = "gelu"
-    normalize_gate: bool = True
+    normalize_gate: bool | None = None  # None: Tutel's rule, normalise only when k > 1
     batch_prioritized_routing: bool = False
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
@@ -52,6 +76,9 @@ class MoEConfig:
     alltoall: str = "auto"
     pipeline: int | str = "auto"
     capacity_bucket: int = 128
+    bias: bool = True
+    parallel: str = "auto"
+    tokens_per_rank_hint: int | None = None
 
     def __post_init__(self) -> None:
         require_positive_int("model_dim", self.model_dim)
@@ -66,6 +93,13 @@ class MoEConfig:
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
         require_positive_int("capacity_bucket", self.capacity_bucket)
+        require_choice("parallel", self.parallel, PARALLEL_CHOICES)
+        if self.tokens_per_rank_hint is not None:
+            require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
+        if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
+            raise ValueError(f"normalize_gate must be True, False or None (Tutel's rule), got {self.normalize_gate!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"bias must be True or False, got {self.bias!r}")
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

@@ -17,14 +17,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
-KERNELS = ("bmm", "loop")
+from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
+from moeflow.parallel.placement import ExpertPlacement, expert_kind
+
+KERNELS = EXPERT_KERNELS
 
 
 def batched_mm(a_LIK: torch.Tensor, b_LKJ: torch.Tensor, loop: bool) -> torch.Tensor:
@@ -55,39 +58,27 @@ def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class FFNWeights:
-    """The parameters of L experts, as plain tensors (what the explicit forward/backward need)."""
+    """The parameters of L experts as plain tensors; the biases are None for bias-free experts
+    (Mixtral, Qwen-MoE, DeepSeek), ``w3`` is SwiGLU's up projection."""
 
     w1: torch.Tensor
-    b1: torch.Tensor
+    b1: torch.Tensor | None
     w2: torch.Tensor
-    b2: torch.Tensor
-    w3: torch.Tensor | None
-    activation: str
-    kernel: str
+    b2: torch.Tensor | None
+    w3: torch.Tensor | None = None
+
+    def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.w1, self.b1, self.w2, self.b2, self.w3)
 
 
 @dataclass(frozen=True)
 class FFNSaved:
-    """What the backward of one :func:`ffn_forward` call needs (one per pipeline chunk)."""
+    """What the backward of one forward call needs (one per pipeline chunk)."""
 
     x_LCM: torch.Tensor
-    h_LCH: torch.Tensor
-    a_LCH: torch.Tensor  # activation output (gelu/relu/silu), the gate half for swiglu
-    up_LCH: torch.Tensor | None  # swiglu only: x w3
-
-
-def ffn_forward(x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]:
-    """y = act(x w1 + b1) w2 + b2 (swiglu: (silu(x w1 + b1) * x w3) w2 + b2), no autograd."""
-    loop = weights.kernel == "loop"
-    h_LCH = batched_mm(x_LCM, weights.w1, loop).add_(weights.b1.unsqueeze(1))
-    a_LCH = _activate(weights.activation, h_LCH)
-    up_LCH = None
-    hidden_LCH = a_LCH
-    if weights.w3 is not None:
-        up_LCH = batched_mm(x_LCM, weights.w3, loop)
-        hidden_LCH = a_LCH * up_LCH
-    y_LCM = batched_mm(hidden_LCH, weights.w2, loop).add_(weights.b2.unsqueeze(1))
-    return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
+    h_LCH: torch.Tensor  # x w1 + b1
+    a_LCH: torch.Tensor  # act(h): the activation output, SwiGLU's gate half
+    up_LCH: torch.Tensor | None  # SwiGLU only: x w3
 
 
 @dataclass(frozen=True)
@@ -95,7 +86,7 @@ class FFNWeightGradInputs:
     """What the weight gradients of one backward need; chunks concatenate along dim 1."""
 
     x_LCM: torch.Tensor
-    hidden_LCH: torch.Tensor  # input of w2: act(h), or act(h) * up for swiglu
+    hidden_LCH: torch.Tensor  # input of w2: act(h), or act(h) * up for SwiGLU
     grad_y_LCM: torch.Tensor
     grad_h_LCH: torch.Tensor
     grad_up_LCH: torch.Tensor | None
@@ -112,58 +103,112 @@ class FFNWeightGradInputs:
         return FFNWeightGradInputs(cat("x_LCM"), cat("hidden_LCH"), cat("grad_y_LCM"), cat("grad_h_LCH"), grad_up)
 
 
-def ffn_backward_data(
-    saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
-) -> tuple[torch.Tensor, FFNWeightGradInputs]:
-    """The gradient of x only, plus what :func:`ffn_weight_grads` needs later: a pipeline sends
-    grad x on at once and computes the weight gradients off the critical path."""
-    loop = weights.kernel == "loop"
-    x_LCM, h_LCH, gate_LCH, up_LCH = saved.x_LCM, saved.h_LCH, saved.a_LCH, saved.up_LCH
-    hidden_LCH = gate_LCH if up_LCH is None else gate_LCH * up_LCH
-    grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop)
-    grad_up_LCH = None
-    if up_LCH is not None:
-        grad_up_LCH = grad_a_LCH * gate_LCH
-        grad_a_LCH = grad_a_LCH * up_LCH
-    grad_h_LCH = _activation_grad(weights.activation, grad_a_LCH, h_LCH)
-    grad_x_LCM = batched_mm(grad_h_LCH, weights.w1.transpose(1, 2), loop)
-    if grad_up_LCH is not None:
-        assert weights.w3 is not None
-        grad_x_LCM += batched_mm(grad_up_LCH, weights.w3.transpose(1, 2), loop)
-    return grad_x_LCM, FFNWeightGradInputs(x_LCM, hidden_LCH, grad_y_LCM, grad_h_LCH, grad_up_LCH)
+class ExpertCompute(Protocol):
+    """What the pipelined autograd node calls on one chunk of a block of local experts: the
+    forward, the input gradient (sent on at once), and the weight gradients (deferred, over all
+    chunks). Stateless: everything per chunk travels in the returned records."""
+
+    projections: int
+
+    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]: ...
+
+    def backward_input(
+        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+    ) -> tuple[torch.Tensor, FFNWeightGradInputs]: ...
+
+    def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]: ...
 
 
-def ffn_weight_grads(inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]:
-    """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows."""
-    loop = weights.kernel == "loop"
-    grad_w2 = batched_mm(inputs.hidden_LCH.transpose(1, 2), inputs.grad_y_LCM, loop)
-    grad_w1 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_h_LCH, loop)
-    grad_w3 = None
-    if inputs.grad_up_LCH is not None:
-        grad_w3 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_up_LCH, loop)
-    return [grad_w1, inputs.grad_h_LCH.sum(dim=1), grad_w2, inputs.grad_y_LCM.sum(dim=1), grad_w3]
+@dataclass(frozen=True)
+class FFNCompute:
+    """y = act(x w1 + b1) w2 + b2, biases optional. ``adds_output_bias=False`` is a hidden shard
+    other than the first: its partial output is summed with the others, which add b2 once."""
+
+    activation: str = "gelu"
+    kernel: str = "bmm"
+    adds_output_bias: bool = True
+    projections: int = 2
+
+    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]:
+        loop = self.kernel == "loop"
+        h_LCH = batched_mm(x_LCM, weights.w1, loop)
+        if weights.b1 is not None:
+            h_LCH.add_(weights.b1.unsqueeze(1))
+        a_LCH = _activate(self.activation, h_LCH)
+        up_LCH = self._up(x_LCM, weights)
+        hidden_LCH = a_LCH if up_LCH is None else a_LCH * up_LCH
+        y_LCM = batched_mm(hidden_LCH, weights.w2, loop)
+        if weights.b2 is not None and self.adds_output_bias:
+            y_LCM.add_(weights.b2.unsqueeze(1))
+        return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
+
+    def backward_input(
+        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+    ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
+        loop = self.kernel == "loop"
+        up_LCH = saved.up_LCH
+        hidden_LCH = saved.a_LCH if up_LCH is None else saved.a_LCH * up_LCH
+        grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop)
+        grad_up_LCH = None
+        if up_LCH is not None:
+            grad_up_LCH = grad_a_LCH * saved.a_LCH
+            grad_a_LCH = grad_a_LCH * up_LCH
+        grad_h_LCH = _activation_grad(self.activation, grad_a_LCH, saved.h_LCH)
+        grad_x_LCM = batched_mm(grad_h_LCH, weights.w1.transpose(1, 2), loop)
+        if grad_up_LCH is not None:
+            assert weights.w3 is not None
+            grad_x_LCM += batched_mm(grad_up_LCH, weights.w3.transpose(1, 2), loop)
+        return grad_x_LCM, FFNWeightGradInputs(saved.x_LCM, hidden_LCH, grad_y_LCM, grad_h_LCH, grad_up_LCH)
+
+    def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]:
+        """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows; None where absent."""
+        loop = self.kernel == "loop"
+        grad_w2 = batched_mm(inputs.hidden_LCH.transpose(1, 2), inputs.grad_y_LCM, loop)
+        grad_w1 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_h_LCH, loop)
+        grad_w3 = None
+        if inputs.grad_up_LCH is not None:
+            grad_w3 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_up_LCH, loop)
+        grad_b1 = inputs.grad_h_LCH.sum(dim=1) if weights.b1 is not None else None
+        grad_b2 = None
+        if weights.b2 is not None:
+            grad_b2 = inputs.grad_y_LCM.sum(dim=1) if self.adds_output_bias else torch.zeros_like(weights.b2)
+        return [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+
+    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights) -> torch.Tensor | None:
+        return None
 
 
-def ffn_backward(
-    saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """(grad of x, [grad w1, b1, w2, b2, w3]); each gradient GEMM computed once."""
-    grad_x_LCM, inputs = ffn_backward_data(saved, grad_y_LCM, weights)
-    return grad_x_LCM, ffn_weight_grads(inputs, weights)
+@dataclass(frozen=True)
+class SwiGLUCompute(FFNCompute):
+    """y = (silu(x w1 + b1) * (x w3)) w2 + b2: the gated FFN of LLaMA-style experts."""
+
+    activation: str = "silu"
+    projections: int = 3
+
+    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights) -> torch.Tensor | None:
+        assert weights.w3 is not None, "SwiGLU experts need w3"
+        return batched_mm(x_LCM, weights.w3, self.kernel == "loop")
+
+
+def expert_compute(activation: str, kernel: str = "bmm", adds_output_bias: bool = True) -> FFNCompute:
+    """The :class:`ExpertCompute` of an activation name."""
+    if activation == "swiglu":
+        return SwiGLUCompute(kernel=kernel, adds_output_bias=adds_output_bias)
+    return FFNCompute(activation, kernel, adds_output_bias)
 
 
 class _ExpertFFNFunction(torch.autograd.Function):
-    """The whole FFN as one autograd node: saves only what :func:`ffn_backward` needs."""
+    """The whole FFN as one autograd node: saves only what the backward needs."""
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x_LCM: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-        b2: torch.Tensor, w3: torch.Tensor | None, activation: str, kernel: str,
+        ctx: FunctionCtx, x_LCM: torch.Tensor, compute: FFNCompute, w1: torch.Tensor, b1: torch.Tensor | None,
+        w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None,
     ) -> torch.Tensor:
-        y_LCM, saved = ffn_forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3, activation, kernel))
+        y_LCM, saved = compute.forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3))
         # inputs go through save_for_backward (version-checked); intermediates ride on ctx
         ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3)
-        ctx.activation, ctx.kernel = activation, kernel
+        ctx.compute = compute
         ctx.h_LCH, ctx.a_LCH, ctx.up_LCH = saved.h_LCH, saved.a_LCH, saved.up_LCH
         return y_LCM
 
@@ -171,18 +216,19 @@ class _ExpertFFNFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_y_LCM: torch.Tensor):  # type: ignore[override]
         x_LCM, w1, b1, w2, b2, w3 = ctx.saved_tensors
-        weights = FFNWeights(w1, b1, w2, b2, w3, ctx.activation, ctx.kernel)
+        weights = FFNWeights(w1, b1, w2, b2, w3)
         saved = FFNSaved(x_LCM, ctx.h_LCH, ctx.a_LCH, ctx.up_LCH)
-        grad_x_LCM, grad_weights = ffn_backward(saved, grad_y_LCM.contiguous(), weights)
-        return grad_x_LCM, *grad_weights, None, None
+        grad_x_LCM, inputs = ctx.compute.backward_input(saved, grad_y_LCM.contiguous(), weights)
+        return grad_x_LCM, None, *ctx.compute.weight_grads(inputs, weights)
 
 
 class ExpertFFN(nn.Module):
-    """``num_experts`` independent two-layer FFNs evaluated together on (L, C, M) input."""
+    """``num_experts`` independent FFNs (or hidden shards of them) evaluated together on
+    (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``)."""
 
     def __init__(
         self, num_experts: int, model_dim: int, hidden_dim: int, activation: str = "gelu",
-        kernel: str = "bmm",
+        kernel: str = "bmm", bias: bool = True,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -191,10 +237,11 @@ class ExpertFFN(nn.Module):
             raise ValueError(f"unknown expert kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
         self.activation = activation
         self.kernel = kernel
+        self.compute = expert_compute(activation, kernel)
         self.w1 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim))
-        self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+        self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim)) if bias else None
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, model_dim))
-        self.b2 = nn.Parameter(torch.zeros(num_experts, model_dim))
+        self.b2 = nn.Parameter(torch.zeros(num_experts, model_dim)) if bias else None
         self.w3 = (
             nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim)) if activation == "swiglu" else None
         )
@@ -210,42 +257,28 @@ class ExpertFFN(nn.Module):
             if weight is not None:
                 bound = 1.0 / math.sqrt(fan_in)
                 nn.init.uniform_(weight, -bound, bound)
-        nn.init.zeros_(self.b1)
-        nn.init.zeros_(self.b2)
+        for bias in (self.b1, self.b2):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def weights(self) -> FFNWeights:
         """The parameters as plain tensors, for code that runs the FFN outside autograd."""
-        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.activation, self.kernel)
+        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
 
     def forward(self, x_LCM: torch.Tensor) -> torch.Tensor:
-        return _ExpertFFNFunction.apply(
-            x_LCM.contiguous(), self.w1, self.b1, self.w2, self.b2, self.w3, self.activation, self.kernel
-        )
+        return _ExpertFFNFunction.apply(x_LCM.contiguous(), self.compute, *self.weights().as_tuple())
 
 
 def ffn_flops(num_tokens: int, model_dim: int, hidden_dim: int, activation: str, backward: bool) -> int:
     """Floating-point work of the expert GEMMs for ``num_tokens`` routed tokens (the roofline's
     compute term); backward costs twice the forward (grad of input and of weight)."""
-    projections = 3 if activation == "swiglu" else 2
-    forward = 2 * num_tokens * model_dim * hidden_dim * projections
+    forward = 2 * num_tokens * model_dim * hidden_dim * ffn_projections(activation)
     return forward * (3 if backward else 1)
 
 
 def shard_expert_state(
-    full_state: Mapping[str, torch.Tensor], rank: int, world_size: int, prefix: str = "experts."
+    full_state: Mapping[str, torch.Tensor], placement: ExpertPlacement, rank: int, prefix: str = "experts."
 ) -> dict[str, torch.Tensor]:
-    """Slice a state dict holding all E experts down to the experts of ``rank``.
-
-    Expert e lives on rank e // E_local at local index e % E_local; other entries are copied.
-    """
-    sharded: dict[str, torch.Tensor] = {}
-    for name, tensor in full_state.items():
-        if name.startswith(prefix) or f".{prefix}" in name:
-            if tensor.shape[0] % world_size:
-                raise ValueError(
-                    f"{name} holds {tensor.shape[0]} experts, not divisible by world size {world_size}"
-                )
-            local = tensor.shape[0] // world_size
-            tensor = tensor[rank * local : (rank + 1) * local]
-        sharded[name] = tensor.clone()
-    return sharded
+    """Slice a state dict holding all E experts (names under ``prefix``) down to ``rank``'s part of
+    ``placement``; other entries are copied."""
+    return placement.shard_state(full_state, rank, lambda name: expert_kind(name, prefix))

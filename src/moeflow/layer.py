@@ -1,9 +1,9 @@
 """MoELayer: the public entry point. It reads top to bottom as the data flow of DESIGN.md:
 
-route -> encode -> dispatch (all-to-all) -> experts -> combine (all-to-all) -> decode.
+route -> encode -> schedule.run (dispatch, experts, combine) -> decode.
 
-Shapes: T tokens on this rank, M model dim, E experts, L = E / W local experts, W ranks in the
-group, C capacity (slots per expert per rank), K top-k.
+Shapes: T tokens on this rank, M model dim, E experts, L local experts (E / W under expert
+parallelism, E when replicated), W ranks in the group, C capacity (slots per expert per rank), K top-k.
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.comm import group_rank, group_size, resolve_group
+from moeflow.capacity import estimated_needed_capacity
 from moeflow.comm.algorithms import distinct_algorithms
-from moeflow.comm.topology import topology_from_env
-from moeflow.config import ALLTOALL_ALGORITHMS, MoEConfig, validate_capacity_factor, validate_top_k
+from moeflow.comm.groups import ParallelGroups, max_over_ranks
+from moeflow.config import (
+    ALLTOALL_ALGORITHMS,
+    MoEConfig,
+    ffn_projections,
+    resolve_normalize_gate,
+    validate_capacity_factor,
+    validate_top_k,
+)
 from moeflow.dispatch import decode, encode, make_dispatch_plan
-from moeflow.experts import ExpertFFN
+from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.parallel.placement import expert_kind
+from moeflow.parallel.schedules import select_schedule
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
-from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.routing import (
     assign_slots,
@@ -33,7 +41,7 @@ from moeflow.routing import (
     select_experts,
     updated_expert_bias,
 )
-from moeflow.stats import PipelineTiming, RoutingStats
+from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 
 @dataclass(frozen=True)
@@ -49,16 +57,25 @@ class _GlobalLoad:
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts feed-forward layer with Tutel's API, expert-parallel over a group.
+    """A Mixture-of-Experts feed-forward layer with Tutel's API, parallel over a group of ranks.
 
-    Dispatch -> experts -> combine runs pipelined over ``pipeline`` capacity chunks with the
-    ``alltoall`` algorithm; both are planned per forward (:mod:`moeflow.planner`): ``"auto"`` ranks
-    the candidates with a calibrated ``profile`` (a :class:`~moeflow.perf.ClusterProfile` or the
-    path of one) and times the best few online, ``"model"`` trusts the profile, ``"search"`` times
-    {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
-    algorithm name forces that setting.
-    ``group=None`` uses the default process group when torch.distributed is initialized and runs
-    single-process otherwise. Expert e lives on rank e // L at local index e % L.
+    ``group`` is a :class:`~moeflow.comm.ParallelGroups` (built once per job from the topology), a
+    plain process group (all its ranks count as one node), or None: the default group when
+    torch.distributed is initialized, one process otherwise.
+
+    ``parallel`` names the schedule, which also fixes where the expert weights live (its
+    :class:`~moeflow.parallel.ExpertPlacement`): ``"expert"`` splits the experts over the group and
+    moves tokens by all-to-all; ``"replicated"`` keeps every expert on every rank and moves no
+    token (the trainer then sums the expert gradients like any replicated weight); ``"auto"`` ranks
+    both for a training step on the calibrated ``profile`` at ``tokens_per_rank_hint`` tokens, and
+    keeps ``"expert"`` without them. Under the expert schedule, dispatch -> experts -> combine runs
+    pipelined over ``pipeline`` capacity chunks with the ``alltoall`` algorithm, both planned per
+    forward (:mod:`moeflow.planner`): ``"auto"`` ranks the candidates with the profile and times the
+    best few online, ``"model"`` trusts the profile, ``"search"`` times {1, 2, 4, 8} x algorithms
+    per capacity bucket of ``capacity_bucket`` slots; an int or an algorithm name forces it.
+
+    ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
+    ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek).
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
     ``last_stats`` a :class:`~moeflow.stats.RoutingStats`.
     """
@@ -72,11 +89,11 @@ class MoELayer(nn.Module):
         capacity_factor: float = 1.0,
         gate: str = "softmax",
         activation: str = "gelu",
-        normalize_gate: bool = True,
+        normalize_gate: bool | None = None,
         batch_prioritized_routing: bool = False,
         aux_loss_weight: float = 0.01,
         z_loss_weight: float = 0.0,
-        group: dist.ProcessGroup | None = None,
+        group: ParallelGroups | dist.ProcessGroup | None = None,
         *,
         score_function: str = "softmax",
         num_shared_experts: int = 0,
@@ -87,6 +104,9 @@ class MoELayer(nn.Module):
         alltoall: str = "auto",
         pipeline: int | str = "auto",
         capacity_bucket: int = 128,
+        bias: bool = True,
+        parallel: str = "auto",
+        tokens_per_rank_hint: int | None = None,
         profile: ClusterProfile | str | None = None,
     ) -> None:
         super().__init__()
@@ -99,41 +119,48 @@ class MoELayer(nn.Module):
             expert_bias_update_rate=expert_bias_update_rate,
             cosine_projection_dim=cosine_projection_dim, check_finite=check_finite,
             expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
-            capacity_bucket=capacity_bucket,
+            capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
+            tokens_per_rank_hint=tokens_per_rank_hint,
         )
         self.config = config
-        self.group = resolve_group(group)
-        self.world_size = group_size(self.group)
-        self.rank = group_rank(self.group)
-        if num_experts % self.world_size:
-            raise ValueError(
-                f"num_experts={num_experts} is not divisible by the process group size "
-                f"{self.world_size}; use a multiple of {self.world_size} experts or a smaller group"
-            )
-        self.num_local_experts = num_experts // self.world_size
-        self.topology = topology_from_env(self.world_size)
+        resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
+        self.groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
+        self.world_size, self.rank = self.groups.size, self.groups.rank
         if isinstance(profile, str):
             profile = ClusterProfile.load(profile)
         self.cost_model = CostModel(profile) if profile is not None else None
-        if alltoall not in ("linear", "auto") and self.group is not None and self.group != dist.group.WORLD:
+        if alltoall not in ("linear", "auto") and self.world_size > 1 and not self.groups.is_world:
             raise ValueError(
                 f"alltoall={alltoall!r} runs on the default (world) process group, where ranks are "
                 "numbered node-major; use alltoall='linear' with a custom group"
             )
+        algorithms = self._candidate_algorithms()
+        choice = select_schedule(
+            parallel, num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms
+        )
+        self.schedule, self.schedule_reason = choice.schedule, choice.reason
+        self.placement = self.schedule.placement(num_experts, self.world_size, hidden_dim)
+        local = self.placement.local(self.rank)
         self.planner = PipelinePlanner(
-            pipeline, self._candidate_algorithms(), self.cost_model, self.group, capacity_bucket
+            pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
+            capacity_bucket, schedule=self.schedule.name,
         )
         self.gate = build_gate(
             gate, model_dim, num_experts, cosine_projection_dim, config.cosine_min_temperature
         )
-        self.experts = ExpertFFN(self.num_local_experts, model_dim, hidden_dim, activation, expert_kernel)
+        hidden_local = local[0].hidden_stop - local[0].hidden_start
+        self.experts = ExpertFFN(len(local), model_dim, hidden_local, activation, expert_kernel, bias)
         self.shared_experts = (
-            ExpertFFN(num_shared_experts, model_dim, hidden_dim, activation, expert_kernel)
+            ExpertFFN(num_shared_experts, model_dim, hidden_dim, activation, expert_kernel, bias)
             if num_shared_experts
             else None
         )
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.num_experts
 
     def forward(
         self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None
@@ -148,9 +175,9 @@ class MoELayer(nn.Module):
         # route
         logits_TE = self.gate(x_TM)
         use_bias = config.expert_bias_update_rate > 0
+        normalize = config.normalize_gate if config.normalize_gate is not None else k > 1
         choice = select_experts(
-            logits_TE, k, config.score_function, config.normalize_gate,
-            self.gate.expert_bias if use_bias else None,
+            logits_TE, k, config.score_function, normalize, self.gate.expert_bias if use_bias else None,
         )
         self.aux_loss = self._router_loss(logits_TE, choice.scores_TE, choice.expert_idx_TK)
         priority_TK = choice.scores_TK if config.batch_prioritized_routing else None
@@ -161,17 +188,12 @@ class MoELayer(nn.Module):
         )
         plan = make_dispatch_plan(choice.expert_idx_TK, location_TK, config.num_experts, capacity)
 
-        # encode -> (dispatch -> experts -> combine, pipelined) -> decode
+        # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         dispatched_ECM = encode(x_TM, plan)
-        region = RegionShape(
-            config.num_experts, self.world_size, capacity, config.model_dim, config.hidden_dim,
-            dispatched_ECM.element_size(), config.activation == "swiglu",
+        chosen, timing = self.planner.choose(
+            self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled()
         )
-        chosen, timing = self.planner.choose(region, backward=torch.is_grad_enabled())
-        route = ExpertExchange(
-            self.group, self.topology, chosen.plan.algorithm, self.world_size, self.num_local_experts
-        )
-        combined_ECM = pipelined_experts(dispatched_ECM, self.experts.weights(), route, chosen.plan.degree, timing)
+        combined_ECM = self.schedule.run(chosen.plan, dispatched_ECM, self.experts, self.groups, timing)
         y_TM = decode(combined_ECM, choice.weights_TK, plan)
 
         if self.shared_experts is not None:
@@ -226,11 +248,11 @@ class MoELayer(nn.Module):
     def _exchange_load(self, counts_E: torch.Tensor, num_tokens: int) -> _GlobalLoad:
         """Every rank learns every rank's routing counts: capacity must agree across ranks."""
         local = torch.cat([counts_E, counts_E.new_tensor([num_tokens])])
-        if self.group is None:
+        if self.groups.expert is None:
             gathered = local.unsqueeze(0)
         else:
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(parts, local, group=self.group)
+            dist.all_gather(parts, local, group=self.groups.expert)
             gathered = torch.stack(parts).cpu()
         return _GlobalLoad(counts_WE=gathered[:, :-1], max_tokens_per_rank=int(gathered[:, -1].max()))
 
@@ -240,11 +262,34 @@ class MoELayer(nn.Module):
         config = self.config
         if config.alltoall != "auto":
             return (config.alltoall,)
-        if self.group is None or self.group != dist.group.WORLD:
+        if not self.groups.is_world:
             return ("linear",)
         if self.cost_model is not None and config.pipeline != "search":
             return ALLTOALL_ALGORITHMS
-        return distinct_algorithms(self.topology)
+        return distinct_algorithms(self.groups.topology)
+
+    def _reduce_max(self):
+        group = self.groups.expert
+        return lambda values: max_over_ranks(values, group)
+
+    def _region(self, capacity: int, bytes_per_element: int) -> RegionShape:
+        c = self.config
+        return RegionShape(
+            c.num_experts, self.world_size, capacity, c.model_dim, c.hidden_dim, bytes_per_element,
+            ffn_projections(c.activation), c.bias,
+        )
+
+    def _hint_shape(self, algorithms: tuple[str, ...]) -> RegionShape | None:
+        """The region at ``tokens_per_rank_hint`` tokens (balanced load), for ``parallel='auto'``;
+        None when the profile cannot predict the expert schedule."""
+        c = self.config
+        cost = self.cost_model
+        fits = cost.profile.fits if cost is not None else {}
+        if c.tokens_per_rank_hint is None or "gemm" not in fits or not any(f"alltoall.{a}" in fits for a in algorithms):
+            return None
+        needed = estimated_needed_capacity(c.top_k, c.tokens_per_rank_hint, c.num_experts)
+        capacity = expert_capacity(c.capacity_factor, c.top_k, c.tokens_per_rank_hint, c.num_experts, needed)
+        return self._region(capacity, 4)
 
     def _stats(
         self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, chosen: PlanChoice,
@@ -252,6 +297,20 @@ class MoELayer(nn.Module):
     ) -> RoutingStats:
         counts_WE = load.counts_WE
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
+        plan = ExecutionPlan(
+            schedule=chosen.plan.schedule,
+            alltoall=chosen.plan.algorithm,
+            pipeline_degree=len(capacity_chunks(capacity, chosen.plan.degree)),
+            requested_degree=chosen.plan.degree,
+            policy=self.config.pipeline,
+            source=chosen.source,
+            world_size=self.world_size,
+            expert_kernel=self.config.expert_kernel,
+            capacity_key=chosen.key,
+            predicted_forward_s=chosen.predicted_forward_s,
+            predicted_backward_s=chosen.predicted_backward_s,
+            predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
+        )
         return RoutingStats(
             num_tokens=int(counts_WE.sum()) // top_k,
             top_k=top_k,
@@ -259,25 +318,37 @@ class MoELayer(nn.Module):
             capacity_factor=factor,
             tokens_per_expert=counts_WE.sum(0).tolist(),
             dropped_per_expert=dropped_E.tolist(),
-            plan={
-                "alltoall": chosen.plan.algorithm,
-                "pipeline_degree": len(capacity_chunks(capacity, chosen.plan.degree)),
-                "requested_degree": chosen.plan.degree,
-                "policy": self.config.pipeline,
-                "source": chosen.source,
-                "capacity_key": chosen.key,
-                "predicted_forward_s": chosen.predicted_forward_s,
-                "predicted_backward_s": chosen.predicted_backward_s,
-                "expert_kernel": self.config.expert_kernel,
-                "world_size": self.world_size,
-            },
+            plan=plan,
             timing=timing,
         )
+
+    # -- state with all E experts ----------------------------------------------------------------
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a state dict that holds all E experts (a single-process run's, a checkpoint's, a
+        converted Hugging Face model's), keeping this rank's part of the placement."""
+        self.load_state_dict(shard_expert_state(state_dict, self.placement, self.rank), strict=strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The state with all E experts, on every rank (a collective over the expert group: each
+        rank contributes its primary shards, one all-reduce per expert tensor)."""
+        full: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict().items():
+            kind = expert_kind(name)
+            if kind is None:
+                full[name] = tensor.detach().clone()
+                continue
+            assembled = self.placement.empty_full(kind, tensor)
+            self.placement.write_primary(kind, tensor.detach(), self.rank, assembled)
+            if self.groups.expert is not None:
+                dist.all_reduce(assembled, group=self.groups.expert)
+            full[name] = assembled
+        return full
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"model_dim={c.model_dim}, hidden_dim={c.hidden_dim}, num_experts={c.num_experts} "
-            f"({self.num_local_experts} local of {self.world_size} ranks), top_k={c.top_k}, "
+            f"({self.num_local_experts} local of {self.world_size} ranks, {self.schedule.name}), top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}, gate={c.gate}, activation={c.activation}"
         )

@@ -13,24 +13,24 @@ compute step: an equal-split all-to-all is its own adjoint, so the gradient of t
 dispatch and the gradient of the dispatch is a combine.
 
 Each chunk's state (its received rows, its saved activations) lives in per-chunk records owned by
-one autograd node, never on the layer: any number of chunks can be in flight.
+one autograd node, never on the layer: any number of chunks can be in flight. The experts' math is
+an :class:`~moeflow.experts.ExpertCompute` (FFN, SwiGLU, with or without biases); the worker thread
+belongs to the layer's :class:`~moeflow.comm.ParallelGroups`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
-from moeflow.comm.topology import Topology
-from moeflow.experts import FFNSaved, FFNWeightGradInputs, FFNWeights, ffn_backward_data, ffn_forward, ffn_weight_grads
+from moeflow.comm.groups import ParallelGroups
+from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
 
@@ -40,50 +40,35 @@ __all__ = ["ExpertExchange", "PipelineTiming", "capacity_chunks", "pipelined_exp
 @dataclass(frozen=True)
 class ExpertExchange:
     """How a chunk travels between the (E, Cj, M) layout by destination expert and the experts'
-    (L, W*Cj, M) layout (Tutel's flexible all-to-all layout). ``group=None``: one process, no
-    communication, only the chunking."""
+    (L, W*Cj, M) layout (Tutel's flexible all-to-all layout), for an expert-parallel placement
+    over ``groups.expert``. ``groups=None`` or a one-rank group: tokens stay on this rank (one
+    process, or replicated experts), and only the chunking remains."""
 
-    group: dist.ProcessGroup | None
-    topology: Topology | None
+    groups: ParallelGroups | None
     algorithm: str
-    world_size: int
     num_local_experts: int
 
+    @property
+    def communicates(self) -> bool:
+        return self.groups is not None and self.groups.size > 1
+
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        _, rows, model_dim = chunk_ECM.shape
-        if self.group is None:
+        if not self.communicates:
             return chunk_ECM.contiguous()
-        received = self._all_to_all(chunk_ECM.contiguous())  # by source rank: (W, L, rows, M)
-        by_source_WLCM = received.view(self.world_size, self.num_local_experts, rows, model_dim)
-        return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.world_size * rows, model_dim)
+        assert self.groups is not None
+        _, rows, model_dim = chunk_ECM.shape
+        received = exchange(self.algorithm, chunk_ECM.contiguous(), self.groups)  # by source: (W, L, rows, M)
+        by_source_WLCM = received.view(self.groups.size, self.num_local_experts, rows, model_dim)
+        return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.groups.size * rows, model_dim)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.group is None:
+        if not self.communicates:
             return y_LXM
-        model_dim = y_LXM.shape[-1]
-        by_source_WLCM = y_LXM.view(self.num_local_experts, self.world_size, rows, model_dim).transpose(0, 1)
-        returned = self._all_to_all(by_source_WLCM.contiguous())
-        return returned.view(self.world_size * self.num_local_experts, rows, model_dim)
-
-    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.group is not None
-        if self.algorithm != "linear" and self.topology is None:
-            raise ValueError(f"alltoall={self.algorithm!r} needs the cluster topology")
-        return exchange(self.algorithm, x, self.group, self.topology)  # type: ignore[arg-type]
-
-
-_worker_lock = threading.Lock()
-_worker: ThreadPoolExecutor | None = None
-
-
-def _communication_worker() -> ThreadPoolExecutor:
-    """The process's one communication thread: all-to-alls run one at a time, in issue order, so
-    every rank issues its collectives in the same order."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-comm")
-        return _worker
+        assert self.groups is not None
+        world, model_dim = self.groups.size, y_LXM.shape[-1]
+        by_source_WLCM = y_LXM.view(self.num_local_experts, world, rows, model_dim).transpose(0, 1)
+        returned = exchange(self.algorithm, by_source_WLCM.contiguous(), self.groups)
+        return returned.view(world * self.num_local_experts, rows, model_dim)
 
 
 def _without_grad(function: Callable[..., object], *args: object) -> object:
@@ -112,14 +97,15 @@ def run_pipeline(
     def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
         out_ECM[:, start:stop] = route.from_experts(y_LXM, stop - start)
 
-    if len(chunks) == 1 or route.group is None:
+    if len(chunks) == 1 or not route.communicates:
         for index, (start, stop) in enumerate(chunks):
             receive(compute(index, send(start, stop)), start, stop)
         if after_compute is not None:
             after_compute()
         return out_ECM
 
-    worker = _communication_worker()
+    assert route.groups is not None
+    worker = route.groups.worker.executor()
     dispatched: list[Future] = [worker.submit(_without_grad, send, start, stop) for start, stop in chunks]
     combined: list[Future] = []
     try:
@@ -141,23 +127,21 @@ class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: ExpertExchange, chunks: list[tuple[int, int]],
-        timing: PipelineTiming, activation: str, kernel: str, w1: torch.Tensor, b1: torch.Tensor,
-        w2: torch.Tensor, b2: torch.Tensor, w3: torch.Tensor | None,
+        timing: PipelineTiming, compute: ExpertCompute, *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
         start = time.perf_counter()
-        weights = FFNWeights(w1, b1, w2, b2, w3, activation, kernel)
+        weights = FFNWeights(*weight_tensors)
         saved: list[FFNSaved | None] = [None] * len(chunks)
 
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
-            y_LXM, saved[index] = ffn_forward(x_LXM, weights)
+            y_LXM, saved[index] = compute.forward(x_LXM, weights)
             timing.expert_forward_s += time.perf_counter() - begin
             return y_LXM
 
         out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route)
-        ctx.save_for_backward(w1, b1, w2, b2, w3)
-        ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks = route, chunks, timing, saved
-        ctx.activation, ctx.kernel = activation, kernel
+        ctx.save_for_backward(*weight_tensors)
+        ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks, ctx.compute = route, chunks, timing, saved, compute
         timing.forward_s = time.perf_counter() - start
         return out_ECM
 
@@ -165,16 +149,17 @@ class _PipelinedExperts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
         start = time.perf_counter()
-        weights = FFNWeights(*ctx.saved_tensors, ctx.activation, ctx.kernel)
+        weights = FFNWeights(*ctx.saved_tensors)
+        compute: ExpertCompute = ctx.compute
         saved: list[FFNSaved | None] = ctx.saved_chunks
         pending: list[FFNWeightGradInputs] = []
-        totals: list[torch.Tensor | None] = [None] * 5
+        totals: list[torch.Tensor | None] = [None] * len(ctx.saved_tensors)
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             chunk = saved[index]
             assert chunk is not None, "backward through the pipelined experts ran twice"
-            grad_x_LXM, weight_inputs = ffn_backward_data(chunk, grad_y_LXM, weights)
+            grad_x_LXM, weight_inputs = compute.backward_input(chunk, grad_y_LXM, weights)
             saved[index] = None
             pending.append(weight_inputs)
             ctx.timing.expert_backward_s += time.perf_counter() - begin
@@ -183,7 +168,7 @@ class _PipelinedExperts(torch.autograd.Function):
         def weight_gradients() -> None:
             # deferred: full-size GEMMs, off the critical path, overlapping the last combines
             begin = time.perf_counter()
-            totals[:] = ffn_weight_grads(FFNWeightGradInputs.concat(pending), weights)
+            totals[:] = compute.weight_grads(FFNWeightGradInputs.concat(pending), weights)
             pending.clear()
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
@@ -191,17 +176,16 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients
         )
         ctx.timing.backward_s = time.perf_counter() - start
-        return grad_buffer_ECM, None, None, None, None, None, *totals
+        return grad_buffer_ECM, None, None, None, None, *totals
 
 
 def pipelined_experts(
-    buffer_ECM: torch.Tensor, weights: FFNWeights, route: ExpertExchange, degree: int,
+    buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, route: ExpertExchange, degree: int,
     timing: PipelineTiming | None = None,
 ) -> torch.Tensor:
     """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns
     the combined (E, C, M) buffer. Differentiable in the buffer and the expert weights."""
     chunks = capacity_chunks(buffer_ECM.shape[1], degree)
     return _PipelinedExperts.apply(
-        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(),
-        weights.activation, weights.kernel, weights.w1, weights.b1, weights.w2, weights.b2, weights.w3,
+        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(), compute, *weights.as_tuple()
     )

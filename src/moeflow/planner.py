@@ -1,4 +1,5 @@
-"""Chooses the pipeline degree d and the all-to-all algorithm of one MoE layer, per iteration.
+"""Chooses the plan of one MoE layer per iteration: the schedule's pipeline degree d and all-to-all
+algorithm (a :class:`~moeflow.perf.schedules.Plan`), ranked across schedules with one cost model.
 
 Policies (``pipeline=``):
 - ``"model"``: PipeMoE. Predict every (d, algorithm) with the event recurrences on the calibrated
@@ -11,30 +12,25 @@ Policies (``pipeline=``):
 - an integer: that degree; the algorithm is still planned when ``alltoall="auto"``.
 
 Every rank makes the same choice: decisions depend only on the capacity (agreed by all ranks) and
-on times reduced with MAX over the group.
+on times reduced with MAX over the group (``reduce_max``, which the layer passes in). No torch here:
+the planner is plain bookkeeping over :mod:`moeflow.perf`.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from moeflow.comm.groups import max_over_ranks
 from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans, usable_degrees
+from moeflow.perf.pipeline import RegionShape
+from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, rank_schedule_plans
 from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)
 MAX_MODEL_DEGREE = 16
-
-
-@dataclass(frozen=True, order=True)
-class Plan:
-    degree: int
-    algorithm: str
+ReduceMax = Callable[[Sequence[float]], list[float]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,7 @@ class PlanChoice:
     key: int | None = None
     predicted_forward_s: float | None = None
     predicted_backward_s: float | None = None
+    predicted_gradient_sync_s: float | None = None
 
 
 @dataclass
@@ -67,20 +64,28 @@ class _Search:
 
 
 class PipelinePlanner:
-    """One per layer: owns the dictionary of best plans and the trials in progress."""
+    """One per layer: owns the dictionary of best plans and the trials in progress.
+
+    ``schedule`` names the schedule whose plans are ranked (the layer's placement fixes it);
+    ``reduce_max`` is None for one process (nothing to plan: the degree runs locally).
+    """
 
     def __init__(
         self,
         pipeline: int | str,
         algorithms: tuple[str, ...],
         cost_model: CostModel | None,
-        group: dist.ProcessGroup | None,
+        reduce_max: ReduceMax | None,
         capacity_bucket: int = 128,
         search_trials: int = 3,
         top_candidates: int = 3,
+        schedule: str = "expert",
     ) -> None:
         validate_pipeline(pipeline)
-        self.group = group
+        self.reduce_max = reduce_max
+        self.schedule = schedule
+        if schedule != "expert":
+            algorithms = (LOCAL,)
         modelled = _modelled_algorithms(cost_model, algorithms)
         self._predictor = cost_model if modelled else None  # predictions for the stats
         self.cost_model = cost_model if modelled and pipeline != "search" else None  # ranks plans
@@ -105,12 +110,13 @@ class PipelinePlanner:
     def choose(self, shape: RegionShape, backward: bool) -> tuple[PlanChoice, PipelineTiming]:
         """The plan for this forward, and the timing record its execution must fill."""
         timing = PipelineTiming()
-        if self.group is None:
+        if self.reduce_max is None or self.schedule != "expert":  # nothing is sent: nothing to plan
             degree = self.pipeline if isinstance(self.pipeline, int) else 1
-            return PlanChoice(Plan(degree, "none"), "local"), timing
+            return self._with_prediction(Plan(self.schedule, degree, LOCAL), "local", None, shape, backward), timing
         degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
         if degrees is not None and len(self.algorithms) == 1:
-            return self._with_prediction(Plan(degrees[0], self.algorithms[0]), "forced", None, shape, backward), timing
+            plan = Plan(self.schedule, degrees[0], self.algorithms[0])
+            return self._with_prediction(plan, "forced", None, shape, backward), timing
         if self.pipeline == "model":
             return self._with_prediction(self._model_choice(shape, backward), "model", None, shape, backward), timing
 
@@ -135,27 +141,27 @@ class PipelinePlanner:
         {1, 2, 4, 8} with the model's best algorithm as anchors: when the model is wrong (on the 2x1
         emulated cluster it put d=16 first for compute-bound layers, 2-3x slower than d=2), the
         online check still has a good plan to find."""
-        usable = usable_degrees(degrees or SEARCH_DEGREES, shape.capacity)
+        model = SCHEDULE_MODELS[self.schedule]
         if self.cost_model is not None:
-            ranked = rank_plans(
-                self.cost_model, shape, degrees or range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward
-            )
-            top = [Plan(p.degree, p.algorithm) for p in ranked[: self.top_candidates]]
-            anchors = [Plan(d, top[0].algorithm) for d in usable]
+            ranked = self._ranked(shape, degrees or range(1, MAX_MODEL_DEGREE + 1), backward)
+            top = [plan for plan, _ in ranked[: self.top_candidates]]
+            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, (top[0].algorithm,))
             return list(dict.fromkeys(top + anchors))
-        return [Plan(d, a) for a in self.algorithms for d in usable]
+        return model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
+
+    def _ranked(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list:
+        assert self.cost_model is not None
+        return rank_schedule_plans(self.cost_model, shape, (self.schedule,), degrees, self.algorithms, backward)
 
     def _model_choice(self, shape: RegionShape, backward: bool) -> Plan:
         cache_key = (shape, backward)
         if cache_key not in self._model_cache:
-            assert self.cost_model is not None
-            best = rank_plans(self.cost_model, shape, range(1, MAX_MODEL_DEGREE + 1), self.algorithms, backward)[0]
-            self._model_cache[cache_key] = Plan(best.degree, best.algorithm)
+            self._model_cache[cache_key] = self._ranked(shape, range(1, MAX_MODEL_DEGREE + 1), backward)[0][0]
         return self._model_cache[cache_key]
 
     def _finish_search(self, key: int, search: _Search) -> Plan:
         medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
-        values = medians if self.group is None else max_over_ranks(medians, self.group)
+        values = medians if self.reduce_max is None else self.reduce_max(medians)
         best = search.candidates[min(range(len(values)), key=lambda i: (values[i], i))]
         self.dictionary[key] = best
         self.measured[key] = dict(zip(search.candidates, values, strict=True))
@@ -165,15 +171,17 @@ class PipelinePlanner:
     def _with_prediction(
         self, plan: Plan, source: str, key: int | None, shape: RegionShape, backward: bool
     ) -> PlanChoice:
-        fits = self._predictor.profile.fits if self._predictor is not None else {}
-        if self._predictor is None or f"alltoall.{plan.algorithm}" not in fits:
+        if self._predictor is None or plan.algorithm not in _modelled_algorithms(self._predictor, (plan.algorithm,)):
             return PlanChoice(plan, source, key)
-        prediction = predict_plan(self._predictor, shape, plan.degree, plan.algorithm, backward)
-        return PlanChoice(plan, source, key, prediction.forward_s, prediction.backward_s if backward else None)
+        prediction = SCHEDULE_MODELS[plan.schedule].predict(plan, self._predictor, shape, backward)
+        return PlanChoice(
+            plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
+            prediction.gradient_sync_s if backward else None,
+        )
 
 
 def _modelled_algorithms(cost_model: CostModel | None, algorithms: tuple[str, ...]) -> tuple[str, ...]:
     """The algorithms the profile can predict (none without the GEMM fit)."""
     if cost_model is None or "gemm" not in cost_model.profile.fits:
         return ()
-    return tuple(a for a in algorithms if f"alltoall.{a}" in cost_model.profile.fits)
+    return tuple(a for a in algorithms if a == LOCAL or f"alltoall.{a}" in cost_model.profile.fits)

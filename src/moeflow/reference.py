@@ -17,17 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.config import resolve_normalize_gate
+
 
 class _Params(nn.Module):
     """A plain container, so state-dict names read ``gate.weight``, ``experts.w1`` and so on."""
 
 
-def _expert_params(num: int, model_dim: int, hidden_dim: int, swiglu: bool) -> _Params:
+def _expert_params(num: int, model_dim: int, hidden_dim: int, swiglu: bool, bias: bool) -> _Params:
     params = _Params()
     params.w1 = nn.Parameter(torch.randn(num, model_dim, hidden_dim) * model_dim**-0.5)
-    params.b1 = nn.Parameter(torch.zeros(num, hidden_dim))
     params.w2 = nn.Parameter(torch.randn(num, hidden_dim, model_dim) * hidden_dim**-0.5)
-    params.b2 = nn.Parameter(torch.zeros(num, model_dim))
+    if bias:
+        params.b1 = nn.Parameter(torch.zeros(num, hidden_dim))
+        params.b2 = nn.Parameter(torch.zeros(num, model_dim))
     if swiglu:
         params.w3 = nn.Parameter(torch.randn(num, model_dim, hidden_dim) * model_dim**-0.5)
     return params
@@ -45,11 +48,12 @@ class ReferenceMoE(nn.Module):
         capacity_factor: float = 1.0,
         gate: str = "softmax",
         activation: str = "gelu",
-        normalize_gate: bool = True,
+        normalize_gate: bool | None = None,
         batch_prioritized_routing: bool = False,
         aux_loss_weight: float = 0.01,
         z_loss_weight: float = 0.0,
         *,
+        bias: bool = True,
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         expert_bias_update_rate: float = 0.0,
@@ -73,9 +77,9 @@ class ReferenceMoE(nn.Module):
             self.gate.weight = nn.Parameter(torch.randn(num_experts, model_dim) * model_dim**-0.5)
         self.gate.register_buffer("expert_bias", torch.zeros(num_experts))
         swiglu = activation == "swiglu"
-        self.experts = _expert_params(num_experts, model_dim, hidden_dim, swiglu)
+        self.experts = _expert_params(num_experts, model_dim, hidden_dim, swiglu, bias)
         self.shared_experts = (
-            _expert_params(num_shared_experts, model_dim, hidden_dim, swiglu) if num_shared_experts else None
+            _expert_params(num_shared_experts, model_dim, hidden_dim, swiglu, bias) if num_shared_experts else None
         )
         self.global_load: Callable[[torch.Tensor], torch.Tensor] | None = None
         """In a multi-rank run the bias follows the load summed over ranks: set this to that sum."""
@@ -94,7 +98,8 @@ class ReferenceMoE(nn.Module):
         return x @ self.gate.weight.float().t()
 
     def ffn(self, params: _Params, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = x @ params.w1[e] + params.b1[e]
+        has_bias = hasattr(params, "b1")
+        h = x @ params.w1[e] + (params.b1[e] if has_bias else 0.0)
         if self.activation == "relu":
             h = F.relu(h)
         elif self.activation == "gelu":
@@ -105,7 +110,7 @@ class ReferenceMoE(nn.Module):
             h = F.silu(h) * (x @ params.w3[e])
         else:
             raise ValueError(f"unknown activation {self.activation!r}")
-        return h @ params.w2[e] + params.b2[e]
+        return h @ params.w2[e] + (params.b2[e] if has_bias else 0.0)
 
     def forward(
         self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None
@@ -124,7 +129,7 @@ class ReferenceMoE(nn.Module):
             chooser = chooser + self.gate.expert_bias
         chosen = torch.topk(chooser, k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, chosen)
-        if self.normalize_gate:
+        if resolve_normalize_gate(self.normalize_gate, k):
             weights = weights / weights.sum(-1, keepdim=True)
 
         # 2. fill capacity: all first choices, then all second choices, ...

@@ -31,6 +31,27 @@ class PipelineTiming:
 
 
 @dataclass(frozen=True)
+class ExecutionPlan:
+    """How one forward ran the experts, and why: the schedule, the all-to-all, the pipeline degree
+    (``pipeline_degree`` chunks really ran, ``requested_degree`` was asked for), the planner policy
+    and the source of the choice (forced, model, trial, dictionary or local), its capacity bucket,
+    and the predicted seconds when a profile was given."""
+
+    schedule: str
+    alltoall: str
+    pipeline_degree: int
+    requested_degree: int
+    policy: int | str
+    source: str
+    world_size: int
+    expert_kernel: str
+    capacity_key: int | None = None
+    predicted_forward_s: float | None = None
+    predicted_backward_s: float | None = None
+    predicted_gradient_sync_s: float | None = None
+
+
+@dataclass(frozen=True)
 class RoutingStats:
     """Global (all ranks of the group) routing statistics of the last forward.
 
@@ -44,7 +65,7 @@ class RoutingStats:
     capacity_factor: float  # the requested setting (>0 fixed, 0 no-drop, <0 capped no-drop)
     tokens_per_expert: list[int]  # assignments routed to each expert, before capacity
     dropped_per_expert: list[int]
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: ExecutionPlan | None = None
     timing: PipelineTiming = field(default_factory=PipelineTiming)  # measured; backward fills in later
 
     @property
@@ -55,7 +76,7 @@ class RoutingStats:
     def effective_capacity_factor(self) -> float:
         """The capacity actually used, as a factor of the balanced load k*T/E (Tutel Fig. 10)."""
         num_experts = len(self.tokens_per_expert)
-        world = max(1, int(self.plan.get("world_size", 1)))
+        world = self.plan.world_size if self.plan is not None else 1
         balanced = self.top_k * self.num_tokens / (num_experts * world)
         return self.capacity / balanced if balanced else 0.0
 

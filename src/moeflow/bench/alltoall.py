@@ -28,7 +28,8 @@ def _rank_main(argv: list[str]) -> None:
 
     from moeflow.bench.timing import slowest_rank_seconds
     from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
-    from moeflow.comm.topology import topology_from_env
+    from moeflow.comm.groups import ParallelGroups
+    from moeflow.comm.topology import topology_from_environment
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
@@ -37,13 +38,14 @@ def _rank_main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     world, rank = dist.get_world_size(), dist.get_rank()
-    topology = topology_from_env(world)
+    topology = topology_from_environment(os.environ, world)
+    groups = ParallelGroups(dist.group.WORLD, topology)
     for size in args.sizes:
         x = torch.zeros(world * max(1, size // 4))
         samples: dict[str, list[float]] = {name: [] for name in ALGORITHMS}
         for round_index in range(args.repeats + 1):  # round 0 warms up connections and buffers
             for name in ALGORITHMS:
-                seconds = slowest_rank_seconds(lambda name=name, x=x: all_to_all_with(name, x, topology))
+                seconds = slowest_rank_seconds(lambda name=name, x=x: all_to_all_with(name, x, groups))
                 if round_index:
                     samples[name].append(seconds)
         if rank == 0:

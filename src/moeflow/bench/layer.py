@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from moeflow.bench.timing import interleaved_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
-from moeflow.experts import KERNELS, ExpertFFN, ffn_flops, shard_expert_state
+from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.layer import MoELayer
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
@@ -70,7 +70,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     # planner (moeflow bench pipeline does), so its trials must not mix into the medians
     layer = MoELayer(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
                      capacity_factor=c.capacity_factor, activation=c.activation, pipeline=1, alltoall="linear")
-    layer.load_state_dict(shard_expert_state(reference.state_dict(), rank, world_size))
+    layer.load_full_state_dict(reference.state_dict())
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(c.tokens, c.model_dim, generator=generator)
     upstream = torch.randn(c.tokens, c.model_dim, generator=generator)

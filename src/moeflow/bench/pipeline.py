@@ -57,11 +57,10 @@ def _iteration(layer: Any, x: Any) -> tuple[float, float]:
     return layer.last_stats.timing.total_s, time.perf_counter() - start
 
 
-def _ideal(point: GridPoint, world: int, topology: Any, repeats: int) -> dict[str, float]:
+def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str, float]:
     """t_comp: expert forward+backward alone on the dispatched rows; t_comm: the four all-to-alls
     of one iteration alone (fastest algorithm); all ranks at once, slowest rank, medians."""
     import torch
-    import torch.distributed as dist
 
     from moeflow.bench.timing import slowest_rank_seconds
     from moeflow.comm.algorithms import distinct_algorithms, exchange
@@ -79,9 +78,10 @@ def _ideal(point: GridPoint, world: int, topology: Any, repeats: int) -> dict[st
 
     def communicate(algorithm: str) -> None:
         for _ in range(4):
-            exchange(algorithm, buffer, dist.group.WORLD, topology)
+            exchange(algorithm, buffer, groups)
 
-    operations = {"compute": compute, **{a: (lambda a=a: communicate(a)) for a in distinct_algorithms(topology)}}
+    algorithms = distinct_algorithms(groups.topology)
+    operations = {"compute": compute, **{a: (lambda a=a: communicate(a)) for a in algorithms}}
     samples: dict[str, list[float]] = {name: [] for name in operations}
     for round_index in range(repeats + 1):
         for name, operation in operations.items():
@@ -99,20 +99,20 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     import torch.distributed as dist
 
     from moeflow.comm.algorithms import distinct_algorithms
-    from moeflow.comm.groups import max_over_ranks
-    from moeflow.comm.topology import topology_from_env
+    from moeflow.comm.groups import ParallelGroups, max_over_ranks
+    from moeflow.comm.topology import topology_from_environment
     from moeflow.layer import MoELayer
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    topology = topology_from_env(world)
+    groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, world))
     experts = point.experts_per_rank * world
 
     def build(**settings: Any) -> MoELayer:
         torch.manual_seed(0)
-        return MoELayer(point.model_dim, point.hidden_dim, experts, top_k=point.top_k, **settings)
+        return MoELayer(point.model_dim, point.hidden_dim, experts, top_k=point.top_k, group=groups, **settings)
 
     layers: dict[str, MoELayer] = {}
-    for algorithm in distinct_algorithms(topology):
+    for algorithm in distinct_algorithms(groups.topology):
         for degree in DEGREES:
             layers[f"d{degree}-{algorithm}"] = build(pipeline=degree, alltoall=algorithm)
     layers["model"] = build(pipeline="model", profile=profile)
@@ -123,26 +123,26 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     while True:  # let auto finish its online trials; they are the planner's cost, reported apart
         settle_iterations += 1
         _iteration(layers["auto"], x)
-        if layers["auto"].last_stats.plan["source"] == "dictionary":
+        if layers["auto"].last_stats.plan.source == "dictionary":
             break
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
-    plans: dict[str, dict[str, Any]] = {}
+    plans: dict[str, Any] = {}
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
             dist.barrier()
             region, whole = _iteration(layer, x)
             if round_index:
-                region, whole = max_over_ranks([region, whole])
+                region, whole = max_over_ranks([region, whole], dist.group.WORLD)
                 samples[name].append((region, whole))
             plans[name] = layer.last_stats.plan
-    ideal = _ideal(point, world, topology, repeats)
+    ideal = _ideal(point, world, groups, repeats)
     if rank != 0:
         return
     for name, values in samples.items():
         plan = plans[name]
         emit({
             "bench": "pipeline", "config": point.name, **asdict(point), "setting": name,
-            "degree": plan["pipeline_degree"], "alltoall": plan["alltoall"], "source": plan["source"],
+            "degree": plan.pipeline_degree, "alltoall": plan.alltoall, "source": plan.source,
             "region_ms": statistics.median(v[0] for v in values) * 1e3,
             "layer_ms": statistics.median(v[1] for v in values) * 1e3,
             "predicted_ms": _predicted_ms(plan),
@@ -152,8 +152,8 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
           **{key.removesuffix("_s") + "_ms": value * 1e3 for key, value in ideal.items()}})
 
 
-def _predicted_ms(plan: dict[str, Any]) -> float | None:
-    forward, backward = plan.get("predicted_forward_s"), plan.get("predicted_backward_s")
+def _predicted_ms(plan: Any) -> float | None:
+    forward, backward = plan.predicted_forward_s, plan.predicted_backward_s
     return None if forward is None else (forward + (backward or 0.0)) * 1e3
 
 

@@ -37,7 +37,9 @@ def interleaved_medians(
 
 
 def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:
-    """One synchronized run of ``fn`` on every rank; the slowest rank's time (what all wait for)."""
+    """One synchronized run of ``fn`` on every rank; the slowest rank's time (what all wait for).
+    ``group=None``: the world group."""
+    group = group or dist.group.WORLD
     dist.barrier(group=group)
     start = time.perf_counter()
     fn()

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.alltoall import all_to_all, linear_all_to_all
-from moeflow.comm.topology import Topology, node_groups
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS
 
 ALGORITHMS = ALLTOALL_ALGORITHMS
@@ -68,8 +69,8 @@ def _transpose(matrix: SplitMatrix) -> SplitMatrix:
 # -- 2DH --------------------------------------------------------------------------------------
 
 
-def _alltoall_2dh(x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
-    groups = node_groups(topology)
+def _alltoall_2dh(x: torch.Tensor, parallel_groups: ParallelGroups, matrix: SplitMatrix) -> torch.Tensor:
+    groups, topology = parallel_groups.node_groups(), parallel_groups.topology
     me = dist.get_rank()
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
     node, local = topology.node_of(me), topology.local_rank_of(me)
@@ -156,39 +157,51 @@ class _PairwiseAllToAll(torch.autograd.Function):
 def all_to_all_with(
     algorithm: str,
     x: torch.Tensor,
-    topology: Topology,
+    groups: ParallelGroups,
     input_splits: Sequence[int] | None = None,
     output_splits: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """All-to-all over the world group with the named algorithm (differentiable)."""
+    """All-to-all over ``groups.expert`` with the named algorithm (differentiable). 2DH and pairwise
+    need the expert group to be the world group (node-major ranks, ``groups.topology``)."""
     _check_algorithm(algorithm)
+    group = _require_group(groups, algorithm)
     if algorithm == "linear":
         out_splits = None if output_splits is None else list(output_splits)
         in_splits = None if input_splits is None else list(input_splits)
-        return all_to_all(x, dist.group.WORLD, out_splits, in_splits)
-    matrix = split_matrix(x, topology.world_size, input_splits)
+        return all_to_all(x, group, out_splits, in_splits)
+    matrix = split_matrix(x, groups.size, input_splits, group)
     me = dist.get_rank()
-    expected = [matrix[source][me] for source in range(topology.world_size)]
+    expected = [matrix[source][me] for source in range(groups.size)]
     if output_splits is not None and list(output_splits) != expected:
         raise ValueError(f"output_splits {list(output_splits)} disagree with what peers send: {expected}")
     if algorithm == "2dh":
-        return _alltoall_2dh(x.contiguous(), topology, matrix)
-    return _PairwiseAllToAll.apply(x.contiguous(), topology, matrix)
+        return _alltoall_2dh(x.contiguous(), groups, matrix)
+    return _PairwiseAllToAll.apply(x.contiguous(), groups.topology, matrix)
 
 
-def exchange(
-    algorithm: str, x: torch.Tensor, group: dist.ProcessGroup, topology: Topology
-) -> torch.Tensor:
-    """Equal-split all-to-all with the named algorithm, outside autograd.
+def exchange(algorithm: str, x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """Equal-split all-to-all over ``groups.expert`` with the named algorithm, outside autograd.
 
     For code that writes its own backward (the pipeline): with equal splits the adjoint of an
     exchange is the same exchange, so forward and backward both call this.
     """
     _check_algorithm(algorithm)
+    group = _require_group(groups, algorithm)
     with torch.no_grad():
         if algorithm == "linear":
             return linear_all_to_all(x, group, None, None)
-        matrix = split_matrix(x, topology.world_size, None)
+        matrix = split_matrix(x, groups.size, None)
         if algorithm == "2dh":
-            return _alltoall_2dh(x.contiguous(), topology, matrix)
-        return _alltoall_pairwise(x.contiguous(), topology, matrix)
+            return _alltoall_2dh(x.contiguous(), groups, matrix)
+        return _alltoall_pairwise(x.contiguous(), groups.topology, matrix)
+
+
+def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:
+    if groups.expert is None:
+        raise ValueError("an all-to-all needs a process group; this ParallelGroups is single-process")
+    if algorithm != "linear" and not groups.is_world:
+        raise ValueError(
+            f"alltoall={algorithm!r} runs on the world group, where ranks are numbered node-major; "
+            "use alltoall='linear' on a custom group"
+        )
+    return groups.expert

@@ -26,12 +26,11 @@ def _check(world: int, ep_size: int, esp_size: int, experts: int) -> int:
 
 
 def ep_esp_dispatch(
-    buffer_ECM: torch.Tensor, ep_size: int, esp_size: int, group: dist.ProcessGroup | None = None
+    buffer_ECM: torch.Tensor, ep_size: int, esp_size: int, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """(E, C, M) by destination expert -> (L, W*C, M): every ESP shard of an expert receives the
     tokens of every rank for that expert. The local dump (duplicating each EP block for its N_ESP
     ranks) is an expand, so its gradient sums over the shards."""
-    group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     experts, capacity, model_dim = buffer_ECM.shape
     local = _check(world, ep_size, esp_size, experts)
@@ -45,11 +44,10 @@ def ep_esp_dispatch(
 
 
 def ep_esp_combine(
-    partial_LXM: torch.Tensor, ep_size: int, esp_size: int, capacity: int, group: dist.ProcessGroup | None = None
+    partial_LXM: torch.Tensor, ep_size: int, esp_size: int, capacity: int, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """(L, W*C, M) partial outputs of this rank's hidden shard -> (E, C, M) full outputs of this
     rank's tokens: one all-to-all returns every shard's partial, a local sum combines them."""
-    group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     local, _, model_dim = partial_LXM.shape
     _check(world, ep_size, esp_size, local * ep_size)

@@ -1,20 +1,27 @@
-"""Process-group helpers: a layer built without an initialized process group runs single-process."""
+"""Process groups, passed in explicitly (Megatron-Core style): one :class:`ParallelGroups` value is
+built once per job from the topology and handed to every layer that communicates.
+
+Convention for all of ``moeflow.comm``: a collective over one group takes that
+``dist.ProcessGroup`` as a required argument; a topology-aware algorithm (2DH, pairwise) takes the
+:class:`ParallelGroups`. Nothing in ``comm`` falls back to the default group on its own.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
+
 ProcessGroup = dist.ProcessGroup
 
 
-def resolve_group(group: ProcessGroup | None) -> ProcessGroup | None:
-    """The group to use: the given one, the default one when torch.distributed is initialized,
-    or None (single process)."""
-    if group is not None:
-        return group
+def default_group() -> ProcessGroup | None:
+    """The default (world) group when torch.distributed is initialized, else None (one process)."""
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
@@ -28,9 +35,94 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def max_over_ranks(values: Sequence[float], group: ProcessGroup | None = None) -> list[float]:
+def max_over_ranks(values: Sequence[float], group: ProcessGroup) -> list[float]:
     """Element-wise maximum across the group's ranks, in one all-reduce: the slowest rank's
     times, which every rank then agrees on."""
     reduced = torch.tensor(list(values), dtype=torch.float64)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return reduced.tolist()
+
+
+class CommunicationWorker:
+    """One thread that runs collectives in issue order (the CPU counterpart of a communication
+    stream): every rank then issues its collectives in the same order. Started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-comm")
+            return self._executor
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+class ParallelGroups:
+    """Every group an MoE layer may communicate over, and the worker that issues its collectives.
+
+    - ``expert``: the ranks the experts are placed over (the layer's all-to-all group);
+    - ``topology``: how the world's ranks sit on nodes (for 2DH and the pairwise exchange, which run
+      on the world group, where ranks are numbered node-major);
+    - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
+    - the intra-node and inter-node groups are created on the first topology-aware all-to-all (a
+      collective: all ranks get there in the same order) and kept here.
+    ``ParallelGroups.single_process()`` is the no-communication value.
+    """
+
+    def __init__(
+        self, expert: ProcessGroup | None, topology: Topology, model: ProcessGroup | None = None
+    ) -> None:
+        size = group_size(expert)
+        if expert is not None and expert == default_group() and topology.world_size != size:
+            raise ValueError(
+                f"the topology describes {topology.world_size} ranks but the world group has {size}; "
+                "build it from the launcher's LOCAL_WORLD_SIZE for this job"
+            )
+        self.expert = expert
+        self.topology = topology if expert == default_group() else Topology(size, size)
+        self.model = model
+        self.worker = CommunicationWorker()
+        self._node_groups: NodeGroups | None = None
+
+    @classmethod
+    def single_process(cls) -> ParallelGroups:
+        return cls(None, Topology(1, 1))
+
+    @classmethod
+    def from_group(cls, group: ProcessGroup | None, topology: Topology | None = None) -> ParallelGroups:
+        """Groups for ``group`` (None: the default group, or one process when torch.distributed is
+        not initialized); without a topology all ranks count as one node."""
+        group = group if group is not None else default_group()
+        if group is None:
+            return cls.single_process()
+        size = group_size(group)
+        return cls(group, topology or Topology(size, size))
+
+    @property
+    def size(self) -> int:
+        """Ranks in the expert group."""
+        return group_size(self.expert)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the expert group."""
+        return group_rank(self.expert)
+
+    @property
+    def is_world(self) -> bool:
+        """Whether the expert group is the world group (where topology-aware algorithms run)."""
+        return self.expert is not None and self.expert == default_group()
+
+    def node_groups(self) -> NodeGroups:
+        if not self.is_world:
+            raise ValueError("topology-aware all-to-alls run on the world group; use alltoall='linear'")
+        if self._node_groups is None:
+            self._node_groups = create_node_groups(self.topology)
+        return self._node_groups

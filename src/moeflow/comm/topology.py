@@ -1,13 +1,13 @@
 """Cluster topology: rank -> (node, local rank), and the process subgroups the algorithms need.
 
 Ranks are numbered node-major (rank = node * ranks_per_node + local_rank), as torchrun and the
-testbed launch them. ``LOCAL_WORLD_SIZE`` (set by both) gives the ranks per node; without it the
-whole world is one node.
+testbed launch them. ``LOCAL_WORLD_SIZE`` (set by both) gives the ranks per node; entry points read
+it (:func:`topology_from_environment`) and pass the topology in.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,9 +39,10 @@ class Topology:
         return node * self.ranks_per_node + local_rank
 
 
-def topology_from_env(world_size: int) -> Topology:
-    """The topology of the running job: LOCAL_WORLD_SIZE ranks per node (default: one node)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
+def topology_from_environment(environment: Mapping[str, str], world_size: int) -> Topology:
+    """The topology a launcher describes: ``LOCAL_WORLD_SIZE`` ranks per node (default: one node).
+    Entry points pass ``os.environ``; library code receives the resulting :class:`Topology`."""
+    value = environment.get("LOCAL_WORLD_SIZE")
     if value is None:
         return Topology(world_size, world_size)
     try:
@@ -59,25 +60,20 @@ class NodeGroups:
     inter_node: dist.ProcessGroup
 
 
-_GROUP_CACHE: dict[tuple[int, int, int], NodeGroups] = {}
-
-
-def node_groups(topology: Topology) -> NodeGroups:
-    """Create (once per topology, on every rank in the same order) and return this rank's groups."""
-    key = (id(dist.group.WORLD), topology.world_size, topology.ranks_per_node)
-    if key not in _GROUP_CACHE:
-        rank = dist.get_rank()
-        intra = inter = None
-        for node in range(topology.num_nodes):
-            ranks = [topology.rank_of(node, local) for local in range(topology.ranks_per_node)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                intra = group
-        for local in range(topology.ranks_per_node):
-            ranks = [topology.rank_of(node, local) for node in range(topology.num_nodes)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                inter = group
-        assert intra is not None and inter is not None
-        _GROUP_CACHE[key] = NodeGroups(intra, inter)
-    return _GROUP_CACHE[key]
+def create_node_groups(topology: Topology) -> NodeGroups:
+    """Create this rank's node subgroups of the world group (a collective: every rank calls it, in
+    the same order, and gets its own pair)."""
+    rank = dist.get_rank()
+    intra = inter = None
+    for node in range(topology.num_nodes):
+        ranks = [topology.rank_of(node, local) for local in range(topology.ranks_per_node)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            intra = group
+    for local in range(topology.ranks_per_node):
+        ranks = [topology.rank_of(node, local) for node in range(topology.num_nodes)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            inter = group
+    assert intra is not None and inter is not None
+    return NodeGroups(intra, inter)

@@ -4,8 +4,9 @@ Reads top to bottom: config, attention, dense FFN, block, model. Pre-LayerNorm b
 self-attention, an MoE feed-forward in every ``moe_every``-th block (a dense FFN elsewhere), tied
 input/output embeddings. Every MoE layer's aux loss is added to the language-model loss.
 
-Experts are expert-parallel over the process group (each rank holds E / W of them); every other
-parameter is replicated and kept equal by a gradient all-reduce in the trainer. Shapes: B batch,
+Experts are placed by each MoE layer's schedule (expert parallel: each rank holds E / W of them;
+replicated: all of them); every other parameter, and replicated experts, are kept equal by a
+gradient all-reduce in the trainer. Shapes: B batch,
 T positions, M model dim, V vocabulary, E experts.
 """
 
@@ -19,9 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.comm.groups import ParallelGroups
 from moeflow.config import (
     ACTIVATIONS,
     ALLTOALL_CHOICES,
+    ffn_projections,
     require_choice,
     require_positive_int,
     validate_capacity_factor,
@@ -30,6 +33,7 @@ from moeflow.config import (
 )
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
+from moeflow.parallel.placement import ExpertPlacement
 from moeflow.phases import PhaseClock
 
 
@@ -83,8 +87,7 @@ class TransformerConfig:
         """Parameters one token passes through: attention, dense FFNs, the router and k experts of
         each MoE layer, and the (tied) output head; position embeddings are a lookup, not counted."""
         m, h = self.model_dim, self.ffn_hidden
-        projections = 3 if self.activation == "swiglu" else 2
-        ffn = projections * m * h + h + m
+        ffn = ffn_projections(self.activation) * m * h + h + m
         attention = 4 * m * m + 4 * m
         norms = 4 * m
         moe_blocks = len(self.moe_blocks)
@@ -130,7 +133,7 @@ class Block(nn.Module):
     """Pre-LayerNorm block: x + attention(ln(x)), then x + ffn(ln(x)), the FFN dense or MoE."""
 
     def __init__(
-        self, config: TransformerConfig, moe: bool, group: dist.ProcessGroup | None, profile: str | None
+        self, config: TransformerConfig, moe: bool, groups: ParallelGroups, profile: str | None
     ) -> None:
         super().__init__()
         self.ln_attention = nn.LayerNorm(config.model_dim)
@@ -140,7 +143,7 @@ class Block(nn.Module):
             MoELayer(
                 config.model_dim, config.ffn_hidden, config.num_experts, top_k=config.top_k,
                 capacity_factor=config.capacity_factor, activation=config.activation,
-                aux_loss_weight=config.aux_loss_weight, group=group, alltoall=config.alltoall,
+                aux_loss_weight=config.aux_loss_weight, group=groups, alltoall=config.alltoall,
                 pipeline=config.pipeline, profile=profile,
             )
             if moe
@@ -164,14 +167,17 @@ class MoETransformer(nn.Module):
     cross-entropy of the targets plus the sum of the MoE aux losses (``None`` without targets)."""
 
     def __init__(
-        self, config: TransformerConfig, group: dist.ProcessGroup | None = None, seed: int = 0,
+        self, config: TransformerConfig, group: ParallelGroups | dist.ProcessGroup | None = None, seed: int = 0,
         profile: str | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
         self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim)
         self.position_embedding = nn.Embedding(config.context, config.model_dim)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, profile) for i in range(config.layers))
+        self.blocks = nn.ModuleList(
+            Block(config, config.is_moe_block(i), groups, profile) for i in range(config.layers)
+        )
         self.ln_final = nn.LayerNorm(config.model_dim)
         self.clock = PhaseClock(enabled=False)
         self.last_lm_loss: torch.Tensor | None = None
@@ -182,13 +188,21 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [block.moe for block in self.blocks if block.moe is not None]
 
-    def expert_parameter_names(self) -> set[str]:
-        """Names of the expert-parallel parameters: each rank holds a different slice of experts."""
+    def placed_parameters(self) -> dict[str, tuple[ExpertPlacement, str]]:
+        """Every expert parameter's placement and kind (``w1``, ``b1``, ...), by name: what the
+        checkpoints slice and assemble full (E, ...) tensors with."""
         return {
-            f"blocks.{i}.ffn.experts.{name}"
+            f"blocks.{i}.ffn.experts.{name}": (block.moe.placement, name)
             for i, block in enumerate(self.blocks) if block.moe is not None
             for name, _ in block.moe.experts.named_parameters()
         }
+
+    def expert_parameter_names(self) -> set[str]:
+        """Parameters whose ranks hold different parts (expert parallel): their gradients already
+        sum every rank's tokens, so the trainer does not all-reduce them. Replicated experts are
+        ordinary replicated parameters."""
+        placed = self.placed_parameters()
+        return {name for name, (placement, _) in placed.items() if not placement.is_replicated}
 
     # -- initialization ---------------------------------------------------------------------------
 
@@ -198,7 +212,7 @@ class MoETransformer(nn.Module):
         function whether it runs on 1 or W workers."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
-        experts = self.expert_parameter_names()
+        experts = self.placed_parameters()
         with torch.no_grad():
             for name, parameter in self.named_parameters():
                 if name in experts:
@@ -209,15 +223,14 @@ class MoETransformer(nn.Module):
                 std = residual_std if name.endswith(("proj.weight", ".w2")) else 0.02
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
             for layer_index, layer in enumerate(self.moe_layers()):
-                local, rank = layer.num_local_experts, layer.rank
                 layer_generator = torch.Generator().manual_seed(seed * 1000 + layer_index + 1)
                 for name, parameter in layer.experts.named_parameters():
-                    full_shape = (self.config.num_experts, *parameter.shape[1:])
+                    full_shape = layer.placement.empty_full(name, parameter).shape
                     std = residual_std if name == "w2" else 0.02
                     full = torch.randn(full_shape, generator=layer_generator) * std
                     if name.startswith("b"):
                         full.zero_()
-                    parameter.copy_(full[rank * local : (rank + 1) * local])
+                    parameter.copy_(layer.placement.shard_tensor(name, full, layer.rank))
 
     # -- forward ----------------------------------------------------------------------------------
 

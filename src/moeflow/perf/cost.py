@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeflow.capacity import estimated_needed_capacity, expert_capacity
 from moeflow.perf.profile import ClusterProfile
 from moeflow.perf.roofline import Roofline
 
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One MoE layer on one rank: tokens T, model dim M, hidden H, E experts, k, capacity factor f."""
+    """One MoE layer on one rank: tokens T, model dim M, hidden H, E experts, k, capacity factor f,
+    GEMMs per expert (2, SwiGLU 3). ``needed`` is the largest per-expert load of the iteration
+    (what f <= 0 sizes the capacity from); None assumes the balanced load ceil(k T / E)."""
 
     tokens: int
     model_dim: int
@@ -19,10 +22,15 @@ class LayerShape:
     top_k: int = 2
     capacity_factor: float = 1.0
     bytes_per_element: int = 4
-    swiglu: bool = False
+    projections: int = 2
+    needed: int | None = None
 
     def capacity(self) -> int:
-        return max(1, -(-int(self.top_k * self.capacity_factor * self.tokens) // self.experts))
+        """The layer's own rule (:func:`moeflow.capacity.expert_capacity`)."""
+        needed = self.needed
+        if needed is None:
+            needed = estimated_needed_capacity(self.top_k, self.tokens, self.experts)
+        return expert_capacity(self.capacity_factor, self.top_k, self.tokens, self.experts, needed)
 
 
 class CostModel:
@@ -42,8 +50,7 @@ class CostModel:
         """Expert FFN of the local experts on the dispatched (E_local, W*C, M) buffer."""
         local_experts = max(1, shape.experts // self.world_size)
         rows = self.world_size * shape.capacity()
-        projections = 3 if shape.swiglu else 2
-        one = self.t_gemm(rows, shape.model_dim, shape.hidden_dim) * projections * local_experts
+        one = self.t_gemm(rows, shape.model_dim, shape.hidden_dim) * shape.projections * local_experts
         seconds = one * (3 if backward else 1)
         return seconds * (self.profile.interference if overlapped else 1.0)
 

@@ -99,30 +99,44 @@ class RegionShape:
     model_dim: int
     hidden_dim: int
     bytes_per_element: int = 4
-    swiglu: bool = False
+    projections: int = 2  # GEMMs per expert: 2, SwiGLU 3
+    bias: bool = True
 
     @property
     def local_experts(self) -> int:
         return max(1, self.experts // self.world_size)
 
+    @property
+    def expert_parameters(self) -> int:
+        """Parameters of one expert."""
+        return self.projections * self.model_dim * self.hidden_dim + (
+            self.hidden_dim + self.model_dim if self.bias else 0
+        )
+
 
 @dataclass(frozen=True)
 class PlanPrediction:
+    """Predicted seconds of one plan. ``gradient_sync_s`` is what the choice costs the trainer
+    (replicated experts: the all-reduce of their gradients); ``expert_memory_bytes`` the expert
+    weights one rank holds."""
+
     degree: int
     algorithm: str
     forward_s: float
     backward_s: float
+    gradient_sync_s: float = 0.0
+    expert_memory_bytes: int = 0
+    schedule: str = "expert"
 
     @property
     def total_s(self) -> float:
-        return self.forward_s + self.backward_s
+        return self.forward_s + self.backward_s + self.gradient_sync_s
 
 
 def chunk_costs(
     cost: CostModel, shape: RegionShape, degree: int, algorithm: str
 ) -> tuple[list[float], list[float]]:
     """(all-to-all seconds, expert forward seconds) of each chunk at this degree."""
-    projections = 3 if shape.swiglu else 2
     overlap = degree > 1 and shape.world_size > 1
     slowdown = cost.profile.interference if overlap else 1.0
     t_a2a, t_expert = [], []
@@ -131,7 +145,7 @@ def chunk_costs(
         size = shape.experts * rows * shape.model_dim * shape.bytes_per_element
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
         gemm = cost.t_gemm(shape.world_size * rows, shape.model_dim, shape.hidden_dim)
-        t_expert.append(projections * shape.local_experts * gemm * slowdown)
+        t_expert.append(shape.projections * shape.local_experts * gemm * slowdown)
     return t_a2a, t_expert
 
 
@@ -142,7 +156,8 @@ def predict_plan(
     t_a2a, t_expert = chunk_costs(cost, shape, degree, algorithm)
     forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
     back = pipeline_makespan(t_a2a, [2 * t for t in t_expert], t_a2a) if backward else 0.0
-    return PlanPrediction(degree, algorithm, forward, back)
+    memory = shape.local_experts * shape.expert_parameters * shape.bytes_per_element
+    return PlanPrediction(degree, algorithm, forward, back, expert_memory_bytes=memory)
 
 
 def usable_degrees(degrees: Iterable[int], capacity: int) -> list[int]:
@@ -165,10 +180,9 @@ def theorem1_for_shape(cost: CostModel, shape: RegionShape, algorithm: str, max_
     """Theorem 1 on the forward pass with this profile's fits (cross-check of the recurrence)."""
     a2a = cost.profile.fit(f"alltoall.{algorithm}")
     gemm = cost.profile.fit("gemm")
-    projections = 3 if shape.swiglu else 2
     n_d = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
     n_e = shape.world_size * shape.capacity * shape.model_dim * shape.hidden_dim
-    calls = projections * shape.local_experts
+    calls = shape.projections * shape.local_experts
     return theorem1_degree(
         a2a.alpha, a2a.beta, n_d, calls * gemm.alpha, calls * gemm.beta, n_e, max_degree, cost.profile.interference
     )

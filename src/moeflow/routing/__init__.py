@@ -1,6 +1,6 @@
 """Routing: gates, top-k selection, capacity, slot assignment and router losses."""
 
-from moeflow.routing.capacity import expert_capacity
+from moeflow.capacity import expert_capacity
 from moeflow.routing.gates import CosineGate, LinearGate, build_gate
 from moeflow.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
 from moeflow.routing.selection import ExpertChoice, routing_scores, select_experts

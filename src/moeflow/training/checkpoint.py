@@ -5,8 +5,9 @@ parameter, experts gathered to their full (E, ...) shape), ``optimizer.safetenso
 moments in the same layout), ``state.json`` (step, counters, the config) and the tokenizer, so it
 is self-contained. Every rank takes part in the gather; rank 0 writes into a temporary folder,
 syncs it and renames it into place, then points ``checkpoints/latest`` at it, so a crash at any
-moment leaves the previous checkpoint whole. Loading slices the experts for the loading run's
-world size: a checkpoint from W workers loads into any W' that divides E.
+moment leaves the previous checkpoint whole. Loading slices the experts for each layer's
+:class:`~moeflow.parallel.ExpertPlacement` in the loading run: a checkpoint from W workers loads into
+any placement that fits (expert parallel on any W' that divides E, replicated on any W').
 """
 
 from __future__ import annotations
@@ -20,32 +21,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.experts import shard_expert_state
 from moeflow.files import write_atomic
 from moeflow.models import MoETransformer
+from moeflow.parallel.placement import ExpertPlacement
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _gather_experts(tensor: torch.Tensor, group: dist.ProcessGroup | None, world_size: int) -> torch.Tensor:
-    if group is None or world_size == 1:
-        return tensor.detach().cpu().clone()
-    parts = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
-    return torch.cat(parts).cpu()
+def _gather_experts(
+    tensor: torch.Tensor, placement: ExpertPlacement, kind: str, rank: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The full (E, ...) tensor: every rank writes its primary shards into zeros, one all-reduce."""
+    full = placement.empty_full(kind, tensor.detach())
+    placement.write_primary(kind, tensor.detach(), rank, full)
+    if group is not None and placement.world_size > 1:
+        dist.all_reduce(full, group=group)
+    return full.cpu()
 
 
 def full_state(
     model: MoETransformer, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None,
-    world_size: int,
+    rank: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Model and optimizer tensors with the experts of all ranks (a collective: every rank calls it)."""
-    experts = model.expert_parameter_names()
+    placed = model.placed_parameters()
 
     def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _gather_experts(tensor, group, world_size) if name in experts else tensor.detach().cpu().clone()
+        if name not in placed:
+            return tensor.detach().cpu().clone()
+        placement, kind = placed[name]
+        return _gather_experts(tensor, placement, kind, rank, group)
 
     model_state = {name: full(name, tensor) for name, tensor in model.state_dict().items()}
     optimizer_state: dict[str, torch.Tensor] = {}
@@ -68,7 +75,7 @@ def save_checkpoint(
     """Write ``checkpoints/step-<step>`` atomically (rank 0) and return its path on every rank."""
     from safetensors.torch import save_file
 
-    model_state, optimizer_state = full_state(model, optimizer, group, world_size)
+    model_state, optimizer_state = full_state(model, optimizer, group, rank)
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:06d}"
     if rank != 0:
@@ -119,11 +126,12 @@ def load_checkpoint(
 
     device = next(model.parameters()).device
     model_state = load_file(str(checkpoint / "model.safetensors"))
-    experts = model.expert_parameter_names()
-    model.load_state_dict(_shard(model_state, experts, rank, world_size), strict=True)
+    placed = model.placed_parameters()
+    model.load_state_dict(_shard(model_state, placed, rank, world_size), strict=True)
     if optimizer is not None:
         saved = load_file(str(checkpoint / "optimizer.safetensors"))
-        sharded = _shard(saved, {f"{n}.{m}" for n in experts for m in _MOMENTS}, rank, world_size)
+        moments = {f"{n}.{m}": where for n, where in placed.items() for m in _MOMENTS}
+        sharded = _shard(saved, moments, rank, world_size)
         for name, parameter in model.named_parameters():
             if f"{name}.step" not in sharded:
                 continue
@@ -135,15 +143,17 @@ def load_checkpoint(
 
 
 def _shard(
-    state: dict[str, torch.Tensor], expert_names: set[str], rank: int, world_size: int
+    state: dict[str, torch.Tensor], placed: dict[str, tuple[ExpertPlacement, str]], rank: int, world_size: int
 ) -> dict[str, torch.Tensor]:
-    """Slice the expert entries for ``rank``; a clear error if E is not divisible by the world size."""
-    experts = {name: tensor for name, tensor in state.items() if name in expert_names}
+    """Slice the expert entries for ``rank``'s part of each one's placement."""
+    sliced = dict(state)
     try:
-        sliced = shard_expert_state(experts, rank, world_size, prefix="")
+        for name, (placement, kind) in placed.items():
+            if name in state:
+                sliced[name] = placement.shard_tensor(kind, state[name], rank)
     except ValueError as error:
         raise ValueError(f"cannot load this checkpoint on {world_size} workers: {error}") from None
-    return {**state, **sliced}
+    return sliced
 
 
 def _fsync(path: Path) -> None:

@@ -198,8 +198,10 @@ def _moe_records(model: MoETransformer) -> list[dict[str, Any]]:
             continue
         records.append({
             "block": index, "tokens_per_expert": stats.tokens_per_expert, "dropped": stats.dropped,
-            "capacity": stats.capacity, "alltoall": stats.plan.get("alltoall"),
-            "pipeline_degree": stats.plan.get("pipeline_degree"), "plan_source": stats.plan.get("source"),
+            "capacity": stats.capacity, "alltoall": stats.plan.alltoall if stats.plan else None,
+            "pipeline_degree": stats.plan.pipeline_degree if stats.plan else None,
+            "plan_source": stats.plan.source if stats.plan else None,
+            "schedule": stats.plan.schedule if stats.plan else None,
         })
     return records
 

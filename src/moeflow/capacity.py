@@ -1,4 +1,5 @@
-"""Expert capacity (Tutel Eq. 1 and its dynamic capacity factor)."""
+"""Expert capacity (Tutel Eq. 1 and its dynamic capacity factor): the one formula that the layer
+runs and the performance models plan with. Plain math, no torch."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def expert_capacity(
     if capacity_factor == 0:
         return needed
     return min(needed, math.ceil(top_k * -capacity_factor * num_tokens / num_experts))
+
+
+def estimated_needed_capacity(top_k: int, num_tokens: int, num_experts: int) -> int:
+    """What a planner assumes for ``needed`` before any routing is seen: the balanced load
+    ceil(k * T / E). The layer plans with the measured value; ``moeflow plan`` and the
+    benchmarks, which plan before a forward runs, use this."""
+    return math.ceil(top_k * num_tokens / num_experts)

@@ -1,0 +1,199 @@
+"""ExpertPlacement: the one place that maps experts to ranks.
+
+For every rank, which experts it holds and which slice of each expert's hidden dimension: whole
+(expert parallelism), the same expert on several ranks (replication), or an expert's hidden
+dimension split over several ranks (hidden sharding). Everything that asked "where does expert e
+live" by arithmetic asks a placement instead: the exchange layout, the slicing of a full (E, ...)
+state dict for a rank, and the re-assembly of the full state from every rank's part.
+
+Why not DTensor placements on a DeviceMesh: a mesh places every expert the same way, while the
+placements to come are irregular (FasterMoE shadows a few hot experts on every rank, Lina packs
+experts unevenly); and moeflow's checkpoints already hold full (E, ...) tensors in safetensors,
+which any placement slices directly.
+
+Parameter kinds (the last part of a state-dict name) and the axis of their hidden dimension:
+``w1``/``w3`` (E, M, H) axis 2, ``b1`` (E, H) axis 1, ``w2`` (E, H, M) axis 1; ``b2`` (E, M) has
+none: every shard of an expert holds it, and only the shard that starts at hidden 0 adds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+HIDDEN_AXIS: dict[str, int | None] = {"w1": 2, "w3": 2, "b1": 1, "w2": 1, "b2": None}
+
+
+@dataclass(frozen=True, order=True)
+class ExpertShard:
+    """Expert ``expert``'s hidden units [hidden_start, hidden_stop), held by one rank."""
+
+    expert: int
+    hidden_start: int
+    hidden_stop: int
+
+    @property
+    def adds_output_bias(self) -> bool:
+        return self.hidden_start == 0
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """``shards[r]``: the expert shards rank r holds, in local order (its parameters' first axis)."""
+
+    num_experts: int
+    hidden_dim: int
+    shards: tuple[tuple[ExpertShard, ...], ...]
+
+    def __post_init__(self) -> None:
+        held = {shard.expert for rank in self.shards for shard in rank}
+        if held != set(range(self.num_experts)):
+            raise ValueError(f"experts {sorted(set(range(self.num_experts)) - held)} are placed on no rank")
+        for rank, shards in enumerate(self.shards):
+            if not shards or len({s.hidden_stop - s.hidden_start for s in shards}) != 1:
+                raise ValueError(f"rank {rank} must hold at least one shard, all of the same hidden width")
+
+    # -- the placements -------------------------------------------------------------------------
+
+    @classmethod
+    def expert_parallel(cls, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        """Expert e whole on rank e // L, L = E / W experts per rank."""
+        if num_experts % world_size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert group size {world_size}; use a "
+                f"multiple of {world_size} experts, a smaller group, or parallel='replicated'"
+            )
+        local = num_experts // world_size
+        ranks = tuple(
+            tuple(ExpertShard(e, 0, hidden_dim) for e in range(r * local, (r + 1) * local)) for r in range(world_size)
+        )
+        return cls(num_experts, hidden_dim, ranks)
+
+    @classmethod
+    def replicated(cls, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        """Every rank holds every expert whole."""
+        every = tuple(ExpertShard(e, 0, hidden_dim) for e in range(num_experts))
+        return cls(num_experts, hidden_dim, (every,) * world_size)
+
+    @classmethod
+    def hidden_sharded(cls, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        """W a multiple of E: expert e's hidden dimension split evenly over ranks e*S .. e*S+S-1,
+        S = W / E (what Tutel's r needs when there are more ranks than experts)."""
+        if world_size % num_experts or hidden_dim % (world_size // num_experts):
+            raise ValueError(
+                f"hidden sharding needs the group size ({world_size}) to be a multiple of num_experts "
+                f"({num_experts}) and hidden_dim ({hidden_dim}) divisible by their ratio"
+            )
+        parts = world_size // num_experts
+        width = hidden_dim // parts
+        ranks = tuple(
+            (ExpertShard(r // parts, (r % parts) * width, (r % parts + 1) * width),) for r in range(world_size)
+        )
+        return cls(num_experts, hidden_dim, ranks)
+
+    # -- questions ------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shards)
+
+    def local(self, rank: int) -> tuple[ExpertShard, ...]:
+        return self.shards[rank]
+
+    def num_local(self, rank: int) -> int:
+        return len(self.shards[rank])
+
+    def holders(self, expert: int) -> tuple[int, ...]:
+        return tuple(r for r, shards in enumerate(self.shards) if any(s.expert == expert for s in shards))
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        """Each expert whole on exactly one rank, ranks holding consecutive experts in equal numbers:
+        the layout the equal-split all-to-all exchange assumes (expert e's slots go to rank e // L)."""
+        if self.num_experts % self.world_size:
+            return False
+        return self == ExpertPlacement.expert_parallel(self.num_experts, self.world_size, self.hidden_dim)
+
+    @property
+    def is_replicated(self) -> bool:
+        return self == ExpertPlacement.replicated(self.num_experts, self.world_size, self.hidden_dim)
+
+    def is_primary(self, rank: int, index: int) -> bool:
+        """Whether rank's local shard ``index`` is the first copy of its slice (lowest rank): the
+        copy a full state is assembled from."""
+        shard = self.shards[rank][index]
+        return not any(shard in self.shards[r] for r in range(rank))
+
+    # -- state dicts ----------------------------------------------------------------------------
+
+    def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's part of a full (E, ...) tensor of parameter kind ``kind`` (a copy)."""
+        self._check_full(kind, full)
+        axis = HIDDEN_AXIS[kind]
+        return torch.stack([_hidden_slice(full[s.expert], axis, s) for s in self.shards[rank]]).clone()
+
+    def assemble_tensor(self, kind: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full (E, ...) tensor from every rank's part (``parts[r]`` from rank r)."""
+        if len(parts) != self.world_size:
+            raise ValueError(f"need one part per rank ({self.world_size}), got {len(parts)}")
+        full = self.empty_full(kind, parts[0])
+        for rank, part in enumerate(parts):
+            self.write_primary(kind, part, rank, full)
+        return full
+
+    def empty_full(self, kind: str, part: torch.Tensor) -> torch.Tensor:
+        """A zero full (E, ...) tensor for a rank's part of kind ``kind``."""
+        shape = list(part.shape)
+        shape[0] = self.num_experts
+        axis = HIDDEN_AXIS[kind]
+        if axis is not None:
+            shape[axis] = self.hidden_dim
+        return part.new_zeros(shape)
+
+    def write_primary(self, kind: str, part: torch.Tensor, rank: int, full: torch.Tensor) -> None:
+        """Write the primary copies of rank's shards into ``full`` (summing every rank's writes
+        into zeros gives the full tensor: what a distributed gather does with one all-reduce)."""
+        axis = HIDDEN_AXIS[kind]
+        for index, shard in enumerate(self.shards[rank]):
+            if not self.is_primary(rank, index) or (axis is None and not shard.adds_output_bias):
+                continue
+            _hidden_slice(full[shard.expert], axis, shard).copy_(part[index])
+
+    def shard_state(
+        self, full_state: Mapping[str, torch.Tensor], rank: int, kind_of: Callable[[str], str | None]
+    ) -> dict[str, torch.Tensor]:
+        """Slice every expert entry of a state dict for ``rank``; ``kind_of(name)`` names an entry's
+        parameter kind, or None for entries that are not this placement's (copied unchanged)."""
+        sliced: dict[str, torch.Tensor] = {}
+        for name, tensor in full_state.items():
+            kind = kind_of(name)
+            sliced[name] = tensor.clone() if kind is None else self.shard_tensor(kind, tensor, rank)
+        return sliced
+
+    def _check_full(self, kind: str, full: torch.Tensor) -> None:
+        if kind not in HIDDEN_AXIS:
+            raise ValueError(f"unknown expert parameter kind {kind!r}; expected one of {sorted(HIDDEN_AXIS)}")
+        axis = HIDDEN_AXIS[kind]
+        if full.shape[0] != self.num_experts or (axis is not None and full.shape[axis] != self.hidden_dim):
+            raise ValueError(
+                f"{kind} has shape {tuple(full.shape)}; a full state needs {self.num_experts} experts"
+                + (f" of hidden size {self.hidden_dim}" if axis is not None else "")
+            )
+
+
+def _hidden_slice(expert: torch.Tensor, axis: int | None, shard: ExpertShard) -> torch.Tensor:
+    """The shard's view of one expert's tensor (``axis`` counts the expert axis, gone here)."""
+    if axis is None:
+        return expert
+    return expert.narrow(axis - 1, shard.hidden_start, shard.hidden_stop - shard.hidden_start)
+
+
+def expert_kind(name: str, prefix: str = "experts.") -> str | None:
+    """The parameter kind of a state-dict name under ``prefix`` (``experts.w1`` -> ``w1``;
+    ``blocks.0.ffn.experts.b2`` -> ``b2``), else None."""
+    if not (name.startswith(prefix) or f".{prefix}" in name):
+        return None
+    kind = name.rsplit(".", 1)[-1]
+    return kind if kind in HIDDEN_AXIS else None

@@ -1,0 +1,114 @@
+"""Parallel schedules: how a dispatched (E, C, M) buffer becomes the combined one.
+
+A schedule owns a placement rule (where the expert weights live), the model half (candidate plans
+and their predicted cost, :mod:`moeflow.perf.schedules`) and ``run``. ``MoELayer.forward`` calls
+``schedule.run`` between encode and decode; a new technique is a new schedule, not a new path
+through the layer.
+
+- :class:`ExpertParallelSchedule`: experts split over the group; tokens travel by all-to-all,
+  pipelined over capacity chunks with the planned algorithm.
+- :class:`ReplicatedSchedule`: every rank holds every expert and runs them on its own tokens; no
+  all-to-all. Its expert gradients are those of the rank's own tokens, summed by the trainer's
+  gradient all-reduce like any replicated parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.experts import ExpertFFN
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import PlanPrediction, RegionShape
+from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, rank_schedule_plans
+from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.stats import PipelineTiming
+
+
+class ParallelSchedule(Protocol):
+    name: str
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement: ...
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]: ...
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction: ...
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _ModelledSchedule:
+    """Candidates and predictions come from the schedule's numpy model of the same name."""
+
+    name: str
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return SCHEDULE_MODELS[self.name].candidates(shape, degrees, algorithms)
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        return SCHEDULE_MODELS[self.name].predict(plan, cost, shape, backward)
+
+
+@dataclass(frozen=True)
+class ExpertParallelSchedule(_ModelledSchedule):
+    name: str = "expert"
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming,
+    ) -> torch.Tensor:
+        route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
+        return pipelined_experts(dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing)
+
+
+@dataclass(frozen=True)
+class ReplicatedSchedule(_ModelledSchedule):
+    name: str = "replicated"
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming,
+    ) -> torch.Tensor:
+        route = ExpertExchange(None, LOCAL, experts.num_experts)
+        return pipelined_experts(dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing)
+
+
+SCHEDULES: dict[str, ParallelSchedule] = {"expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule()}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    schedule: ParallelSchedule
+    reason: str  # "forced", "default" (no profile or token hint) or "model"
+
+
+def select_schedule(
+    parallel: str, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
+    algorithms: tuple[str, ...],
+) -> ScheduleChoice:
+    """The layer's schedule, fixed when it is built because it decides where the weights live.
+    ``auto`` ranks every schedule's plans for a training step (forward, backward and the gradient
+    sync each choice costs) at the expected shape; without a profile or a token hint it keeps
+    expert parallelism, which holds the fewest weights per rank (and whose placement explains
+    what to do when E is not divisible by the group size)."""
+    if parallel != "auto":
+        return ScheduleChoice(SCHEDULES[parallel], "forced")
+    if world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
+        return ScheduleChoice(SCHEDULES["expert"], "default")
+    ranked = rank_schedule_plans(cost_model, shape, tuple(SCHEDULES), range(1, 17), algorithms, backward=True)
+    return ScheduleChoice(SCHEDULES[ranked[0][0].schedule], "model")
