@@ -20,40 +20,47 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
 from moeflow.parallel.placement import ExpertPlacement, expert_kind
+from moeflow.workspace import Workspace
 
 KERNELS = EXPERT_KERNELS
 
 
-def batched_mm(a_LIK: torch.Tensor, b_LKJ: torch.Tensor, loop: bool) -> torch.Tensor:
-    """(L, I, K) @ (L, K, J) -> (L, I, J), as one bmm or as L mm's written into one output."""
+def batched_mm(
+    a_LIK: torch.Tensor, b_LKJ: torch.Tensor, loop: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(L, I, K) @ (L, K, J) -> (L, I, J), as one bmm or as L mm's, written into ``out`` if given."""
+    if out is None:
+        out = a_LIK.new_empty((a_LIK.shape[0], a_LIK.shape[1], b_LKJ.shape[2]))
     if not loop:
-        return torch.bmm(a_LIK, b_LKJ)
-    out_LIJ = a_LIK.new_empty((a_LIK.shape[0], a_LIK.shape[1], b_LKJ.shape[2]))
+        return torch.bmm(a_LIK, b_LKJ, out=out)
     for e in range(a_LIK.shape[0]):
-        torch.mm(a_LIK[e], b_LKJ[e], out=out_LIJ[e])
-    return out_LIJ
+        torch.mm(a_LIK[e], b_LKJ[e], out=out[e])
+    return out
 
 
-def _activate(name: str, h_LCH: torch.Tensor) -> torch.Tensor:
+def _activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if name == "relu":
-        return F.relu(h_LCH)
+        return torch.clamp(h_LCH, min=0, out=out)
     if name == "gelu":
-        return F.gelu(h_LCH)  # exact erf form, torch's default
-    return F.silu(h_LCH)  # silu, and the gate half of swiglu
+        return torch.ops.aten.gelu.out(h_LCH, out=out)  # exact erf form, torch's default
+    return torch.ops.aten.silu.out(h_LCH, out=out)  # silu, and the gate half of swiglu
 
 
-def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor) -> torch.Tensor:
+def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if name == "relu":
-        return grad_LCH * (h_LCH > 0).to(grad_LCH.dtype)
+        return torch.mul(grad_LCH, h_LCH > 0, out=out)
     if name == "gelu":
-        return torch.ops.aten.gelu_backward(grad_LCH, h_LCH)
-    return torch.ops.aten.silu_backward(grad_LCH, h_LCH)
+        return torch.ops.aten.gelu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
+    return torch.ops.aten.silu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
+
+
+def _buffer(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(shape) if workspace is None else workspace.take(shape, like)
 
 
 @dataclass(frozen=True)
@@ -110,10 +117,12 @@ class ExpertCompute(Protocol):
 
     projections: int
 
-    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]: ...
+    def forward(
+        self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, FFNSaved]: ...
 
     def backward_input(
-        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNWeightGradInputs]: ...
 
     def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]: ...
@@ -129,35 +138,52 @@ class FFNCompute:
     adds_output_bias: bool = True
     projections: int = 2
 
-    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights) -> tuple[torch.Tensor, FFNSaved]:
+    def forward(
+        self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, FFNSaved]:
+        """y and what the backward needs; h, a (and up) come from ``workspace`` when given, and
+        belong to the returned record until the backward gives them back."""
         loop = self.kernel == "loop"
-        h_LCH = batched_mm(x_LCM, weights.w1, loop)
+        rows, hidden, model = x_LCM.shape[:2], weights.w1.shape[2], weights.w2.shape[2]
+        h_LCH = batched_mm(x_LCM, weights.w1, loop, _buffer(workspace, (*rows, hidden), x_LCM))
         if weights.b1 is not None:
             h_LCH.add_(weights.b1.unsqueeze(1))
-        a_LCH = _activate(self.activation, h_LCH)
-        up_LCH = self._up(x_LCM, weights)
-        hidden_LCH = a_LCH if up_LCH is None else a_LCH * up_LCH
-        y_LCM = batched_mm(hidden_LCH, weights.w2, loop)
+        a_LCH = _activate(self.activation, h_LCH, _buffer(workspace, (*rows, hidden), x_LCM))
+        up_LCH = self._up(x_LCM, weights, workspace)
+        hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
+        y_LCM = batched_mm(hidden_LCH, weights.w2, loop, _buffer(workspace, (*rows, model), x_LCM))
+        if up_LCH is not None and workspace is not None:
+            workspace.give(hidden_LCH)  # the backward recomputes it
         if weights.b2 is not None and self.adds_output_bias:
             y_LCM.add_(weights.b2.unsqueeze(1))
         return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
 
     def backward_input(
-        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights
+        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
         loop = self.kernel == "loop"
-        up_LCH = saved.up_LCH
-        hidden_LCH = saved.a_LCH if up_LCH is None else saved.a_LCH * up_LCH
-        grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop)
+        up_LCH, a_LCH = saved.up_LCH, saved.a_LCH
+        hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
+        grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop, _buffer(workspace, a_LCH.shape, a_LCH))
         grad_up_LCH = None
         if up_LCH is not None:
-            grad_up_LCH = grad_a_LCH * saved.a_LCH
-            grad_a_LCH = grad_a_LCH * up_LCH
-        grad_h_LCH = _activation_grad(self.activation, grad_a_LCH, saved.h_LCH)
-        grad_x_LCM = batched_mm(grad_h_LCH, weights.w1.transpose(1, 2), loop)
+            grad_up_LCH = torch.mul(grad_a_LCH, a_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
+            grad_a_LCH.mul_(up_LCH)
+        grad_h_LCH = _activation_grad(
+            self.activation, grad_a_LCH, saved.h_LCH, _buffer(workspace, a_LCH.shape, a_LCH)
+        )
+        if workspace is not None:
+            workspace.give(grad_a_LCH)
+        grad_x_LCM = batched_mm(
+            grad_h_LCH, weights.w1.transpose(1, 2), loop, _buffer(workspace, saved.x_LCM.shape, saved.x_LCM)
+        )
         if grad_up_LCH is not None:
             assert weights.w3 is not None
-            grad_x_LCM += batched_mm(grad_up_LCH, weights.w3.transpose(1, 2), loop)
+            w3_t = weights.w3.transpose(1, 2)
+            if loop:
+                grad_x_LCM.add_(batched_mm(grad_up_LCH, w3_t, loop))
+            else:
+                grad_x_LCM.baddbmm_(grad_up_LCH, w3_t)
         return grad_x_LCM, FFNWeightGradInputs(saved.x_LCM, hidden_LCH, grad_y_LCM, grad_h_LCH, grad_up_LCH)
 
     def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]:
@@ -174,7 +200,7 @@ class FFNCompute:
             grad_b2 = inputs.grad_y_LCM.sum(dim=1) if self.adds_output_bias else torch.zeros_like(weights.b2)
         return [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
 
-    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights) -> torch.Tensor | None:
+    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None) -> torch.Tensor | None:
         return None
 
 
@@ -185,9 +211,10 @@ class SwiGLUCompute(FFNCompute):
     activation: str = "silu"
     projections: int = 3
 
-    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights) -> torch.Tensor | None:
+    def _up(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None) -> torch.Tensor | None:
         assert weights.w3 is not None, "SwiGLU experts need w3"
-        return batched_mm(x_LCM, weights.w3, self.kernel == "loop")
+        out = _buffer(workspace, (*x_LCM.shape[:2], weights.w3.shape[2]), x_LCM)
+        return batched_mm(x_LCM, weights.w3, self.kernel == "loop", out)
 
 
 def expert_compute(activation: str, kernel: str = "bmm", adds_output_bias: bool = True) -> FFNCompute:

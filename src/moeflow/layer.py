@@ -42,6 +42,7 @@ from moeflow.routing import (
     updated_expert_bias,
 )
 from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
+from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class MoELayer(nn.Module):
             if num_shared_experts
             else None
         )
+        self.workspace = Workspace()  # the experts' large intermediates, reused step to step
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
 
@@ -193,7 +195,10 @@ class MoELayer(nn.Module):
         chosen, timing = self.planner.choose(
             self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled()
         )
-        combined_ECM = self.schedule.run(chosen.plan, dispatched_ECM, self.experts, self.groups, timing)
+        self.workspace.start_step()
+        combined_ECM = self.schedule.run(
+            chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace
+        )
         y_TM = decode(combined_ECM, choice.weights_TK, plan)
 
         if self.shared_experts is not None:

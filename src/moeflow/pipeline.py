@@ -33,6 +33,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
 
 __all__ = ["ExpertExchange", "PipelineTiming", "capacity_chunks", "pipelined_experts", "run_pipeline"]
 
@@ -82,12 +83,14 @@ def run_pipeline(
     compute: Callable[[int, torch.Tensor], torch.Tensor],
     route: ExpertExchange,
     after_compute: Callable[[], None] | None = None,
+    release: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """out[:, a:b] = from_experts(compute(i, to_experts(buffer[:, a:b]))) for each chunk (a, b).
 
     With more than one chunk and a process group, communication runs on the communication worker
     while ``compute`` runs on the caller's thread; chunk i's experts overlap the dispatch of the
-    chunks after it and the combine of the chunks before it.
+    chunks after it and the combine of the chunks before it. ``release`` gets each chunk's
+    computed output once it has been sent on (to give a workspace buffer back).
     """
     out_ECM = torch.empty_like(buffer_ECM)
 
@@ -96,6 +99,8 @@ def run_pipeline(
 
     def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
         out_ECM[:, start:stop] = route.from_experts(y_LXM, stop - start)
+        if release is not None:
+            release(y_LXM)
 
     if len(chunks) == 1 or not route.communicates:
         for index, (start, stop) in enumerate(chunks):
@@ -127,7 +132,8 @@ class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: ExpertExchange, chunks: list[tuple[int, int]],
-        timing: PipelineTiming, compute: ExpertCompute, *weight_tensors: torch.Tensor | None,
+        timing: PipelineTiming, compute: ExpertCompute, workspace: Workspace | None, for_backward: bool,
+        *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
         start = time.perf_counter()
         weights = FFNWeights(*weight_tensors)
@@ -135,13 +141,18 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
-            y_LXM, saved[index] = compute.forward(x_LXM, weights)
+            y_LXM, saved[index] = compute.forward(x_LXM, weights, workspace)
             timing.expert_forward_s += time.perf_counter() - begin
             return y_LXM
 
-        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route)
+        release = workspace.give if workspace is not None else None
+        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route, release=release)
+        if workspace is not None and not for_backward:  # no backward will read the activations
+            workspace.give(*(t for chunk in saved if chunk for t in (chunk.h_LCH, chunk.a_LCH, chunk.up_LCH)))
+            saved = []
         ctx.save_for_backward(*weight_tensors)
         ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks, ctx.compute = route, chunks, timing, saved, compute
+        ctx.workspace = workspace
         timing.forward_s = time.perf_counter() - start
         return out_ECM
 
@@ -151,17 +162,20 @@ class _PipelinedExperts(torch.autograd.Function):
         start = time.perf_counter()
         weights = FFNWeights(*ctx.saved_tensors)
         compute: ExpertCompute = ctx.compute
+        workspace: Workspace | None = ctx.workspace
         saved: list[FFNSaved | None] = ctx.saved_chunks
         pending: list[FFNWeightGradInputs] = []
+        done: list[FFNSaved] = []
         totals: list[torch.Tensor | None] = [None] * len(ctx.saved_tensors)
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             chunk = saved[index]
             assert chunk is not None, "backward through the pipelined experts ran twice"
-            grad_x_LXM, weight_inputs = compute.backward_input(chunk, grad_y_LXM, weights)
+            grad_x_LXM, weight_inputs = compute.backward_input(chunk, grad_y_LXM, weights, workspace)
             saved[index] = None
             pending.append(weight_inputs)
+            done.append(chunk)
             ctx.timing.expert_backward_s += time.perf_counter() - begin
             return grad_x_LXM
 
@@ -169,23 +183,40 @@ class _PipelinedExperts(torch.autograd.Function):
             # deferred: full-size GEMMs, off the critical path, overlapping the last combines
             begin = time.perf_counter()
             totals[:] = compute.weight_grads(FFNWeightGradInputs.concat(pending), weights)
+            if workspace is not None:
+                _give_back(workspace, done, pending)
             pending.clear()
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
+        release = workspace.give if workspace is not None else None
         grad_buffer_ECM = run_pipeline(
-            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients
+            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients,
+            release=release,
         )
         ctx.timing.backward_s = time.perf_counter() - start
-        return grad_buffer_ECM, None, None, None, None, *totals
+        return grad_buffer_ECM, None, None, None, None, None, None, *totals
+
+
+def _give_back(workspace: Workspace, done: list[FFNSaved], pending: list[FFNWeightGradInputs]) -> None:
+    """After the weight gradients nothing reads a chunk's activations or their gradients."""
+    for chunk, inputs in zip(done, pending, strict=True):
+        hidden = inputs.hidden_LCH if chunk.up_LCH is not None else None  # else it is a_LCH itself
+        workspace.give(chunk.h_LCH, chunk.a_LCH, chunk.up_LCH, hidden, inputs.grad_h_LCH, inputs.grad_up_LCH)
 
 
 def pipelined_experts(
     buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, route: ExpertExchange, degree: int,
-    timing: PipelineTiming | None = None,
+    timing: PipelineTiming | None = None, workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns
-    the combined (E, C, M) buffer. Differentiable in the buffer and the expert weights."""
+    the combined (E, C, M) buffer. Differentiable in the buffer and the expert weights. With a
+    ``workspace`` the experts' intermediates reuse its buffers."""
     chunks = capacity_chunks(buffer_ECM.shape[1], degree)
+    tensors = weights.as_tuple()
+    for_backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (buffer_ECM, *tensors)
+    )
     return _PipelinedExperts.apply(
-        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(), compute, *weights.as_tuple()
+        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(), compute, workspace,
+        for_backward, *tensors,
     )

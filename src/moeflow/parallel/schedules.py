@@ -28,6 +28,7 @@ from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, rank_schedule_plans
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
 
 
 class ParallelSchedule(Protocol):
@@ -41,7 +42,7 @@ class ParallelSchedule(Protocol):
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-        timing: PipelineTiming,
+        timing: PipelineTiming, workspace: Workspace | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -67,10 +68,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-        timing: PipelineTiming,
+        timing: PipelineTiming, workspace: Workspace | None = None,
     ) -> torch.Tensor:
         route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
-        return pipelined_experts(dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing)
+        return pipelined_experts(
+            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
+        )
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,12 @@ class ReplicatedSchedule(_ModelledSchedule):
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-        timing: PipelineTiming,
+        timing: PipelineTiming, workspace: Workspace | None = None,
     ) -> torch.Tensor:
         route = ExpertExchange(None, LOCAL, experts.num_experts)
-        return pipelined_experts(dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing)
+        return pipelined_experts(
+            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
+        )
 
 
 SCHEDULES: dict[str, ParallelSchedule] = {"expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule()}
