@@ -153,10 +153,13 @@ def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> 
 
 
 @pytest.mark.distributed
-def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch() -> None:
-    # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss
+@pytest.mark.parametrize("parallel", ["expert", "replicated"])
+def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str) -> None:
+    # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss;
+    # replicated experts are summed by the trainer's all-reduce, expert-parallel ones by the all-to-all
     config = TransformerConfig(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
-                               num_experts=4, capacity_factor=0.0, aux_loss_weight=0.0, pipeline=1, alltoall="linear")
+                               num_experts=4, capacity_factor=0.0, aux_loss_weight=0.0, pipeline=1, alltoall="linear",
+                               parallel=parallel)
     one = run_distributed(_synced_gradients, 1, config)[0]
     two = run_distributed(_synced_gradients, 2, config)
     assert set(one) == set(two[0]) and any("experts" in name for name in one)
@@ -202,13 +205,13 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
     assert resumed == uninterrupted  # bit for bit
 
 
-def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str) -> float:
+def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: str | None = None) -> float:
     import torch.distributed as dist
 
     from moeflow.data import PreparedCorpus
 
     state = read_state(Path(checkpoint))
-    config = TrainConfig(**state["config"]).updated({"workers": world_size})
+    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel or "expert"})
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
     load_checkpoint(Path(checkpoint), model, None, rank, world_size)
@@ -232,6 +235,25 @@ def test_checkpoints_reshard_between_one_and_two_workers(two_worker_run: Path, t
     checkpoint = latest_checkpoint(tmp_path / "one")
     summary = run_training(tiny(tmp_path / "one", workers=2, steps=6), checkpoint, report=False)
     assert summary["workers"] == 2 and list(losses(tmp_path / "one")) == list(range(1, 7))
+
+
+@pytest.mark.distributed
+def test_checkpoints_move_between_expert_parallel_and_replicated_experts(
+    two_worker_run: Path, tmp_path: Path
+) -> None:
+    from_expert_parallel = str(latest_checkpoint(two_worker_run))
+    recorded = list(iterate_records(two_worker_run))[-1]["val_loss"]
+    assert run_distributed(_evaluate_checkpoint, 2, from_expert_parallel, "replicated")[0] == pytest.approx(
+        recorded, rel=1e-5
+    )
+    run_training(tiny(tmp_path / "replicated", parallel="replicated", steps=4, checkpoint_interval=4), report=False)
+    from_replicated = str(latest_checkpoint(tmp_path / "replicated"))
+    on_replicated = run_distributed(_evaluate_checkpoint, 2, from_replicated, "replicated")[0]
+    assert run_distributed(_evaluate_checkpoint, 2, from_replicated, "expert")[0] == pytest.approx(
+        on_replicated, rel=1e-5
+    )
+    records = list(iterate_records(tmp_path / "replicated"))
+    assert {layer["schedule"] for layer in records[-1]["moe"]} == {"replicated"}
 
 
 @pytest.mark.distributed

@@ -24,6 +24,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.config import (
     ACTIVATIONS,
     ALLTOALL_CHOICES,
+    PARALLEL_CHOICES,
     ffn_projections,
     require_choice,
     require_positive_int,
@@ -57,6 +58,8 @@ class TransformerConfig:
     activation: str = "gelu"
     pipeline: int | str = "auto"
     alltoall: str = "auto"
+    parallel: str = "auto"
+    tokens_per_rank_hint: int | None = None  # what parallel="auto" plans for (batch x context)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts",
@@ -70,6 +73,7 @@ class TransformerConfig:
         validate_top_k(self.top_k, self.num_experts)
         require_choice("activation", self.activation, ACTIVATIONS)
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
+        require_choice("parallel", self.parallel, PARALLEL_CHOICES)
         validate_capacity_factor(self.capacity_factor)
         validate_capacity_factor(self.eval_capacity_factor)
         validate_pipeline(self.pipeline)
@@ -144,7 +148,8 @@ class Block(nn.Module):
                 config.model_dim, config.ffn_hidden, config.num_experts, top_k=config.top_k,
                 capacity_factor=config.capacity_factor, activation=config.activation,
                 aux_loss_weight=config.aux_loss_weight, group=groups, alltoall=config.alltoall,
-                pipeline=config.pipeline, profile=profile,
+                pipeline=config.pipeline, parallel=config.parallel,
+                tokens_per_rank_hint=config.tokens_per_rank_hint, profile=profile,
             )
             if moe
             else DenseFFN(config)

@@ -43,6 +43,7 @@ class TrainConfig:
     activation: str = "gelu"
     pipeline: int | str = "auto"
     alltoall: str = "auto"
+    parallel: str = "auto"  # expert | replicated | auto (auto needs --profile; planned for batch x context)
     profile: str | None = None  # a calibrated cluster profile for the planner
     # optimization
     steps: int = 200
@@ -78,10 +79,11 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
-        if self.num_experts % self.workers:
+        if self.num_experts % self.workers and self.parallel != "replicated":
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
-                f"split evenly over the workers, so use a multiple of {self.workers} experts or fewer workers"
+                f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
+                "--parallel replicated"
             )
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
@@ -101,8 +103,11 @@ class TrainConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""
         from moeflow.models import TransformerConfig
 
-        architecture = {f.name for f in fields(TransformerConfig)} - {"vocab_size"}  # the same names here
-        return TransformerConfig(vocab_size=vocab_size, **{name: getattr(self, name) for name in architecture})
+        architecture = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "tokens_per_rank_hint"}
+        return TransformerConfig(  # the same names here
+            vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
+            **{name: getattr(self, name) for name in architecture},
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

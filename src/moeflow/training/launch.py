@@ -23,6 +23,7 @@ import torch.distributed as dist
 from moeflow.data import PreparedCorpus, prepare_corpus
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
+from moeflow.comm.topology import topology_from_environment
 from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
 
 
@@ -90,9 +91,11 @@ def run_training(config: TrainConfig, checkpoint: Path | None = None, report: bo
 
 def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: bool) -> dict[str, Any]:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks_per_node = topology_from_environment(os.environ, world_size).ranks_per_node
     config = config.updated({"workers": world_size})
     torch.set_num_threads(config.threads_per_worker)
-    device_for(config)  # before the first collective
+    device_for(config, local_rank)  # before the first collective
     dist.init_process_group(
         config.backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.collective_timeout_s)
     )
@@ -103,7 +106,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
         if rank != 0:  # every other rank prepares (or finds) the corpus in its own node's cache
             job[0] = replace(job[0], corpus=prepare_corpus(config.data, config.tokenizer, config.vocab_size,
                                                            config.val_percent))
-        summary = train_worker(rank, world_size, job[0])
+        summary = train_worker(rank, world_size, replace(job[0], ranks_per_node=ranks_per_node, local_rank=local_rank))
     finally:
         dist.destroy_process_group()
     if report and rank == 0:

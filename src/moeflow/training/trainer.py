@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -23,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeflow.data import PreparedCorpus
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.models import MoETransformer
 from moeflow.models.transformer import phase_seconds
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
@@ -39,6 +40,8 @@ class Job:
     corpus: PreparedCorpus
     run_dir: str
     resume_from: str | None = None
+    ranks_per_node: int | None = None  # the launcher's LOCAL_WORLD_SIZE; None: all workers on one node
+    local_rank: int | None = None  # the launcher's LOCAL_RANK; None: the rank (spawned workers)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -181,10 +184,9 @@ def evaluate(
 # -- the loop ------------------------------------------------------------------------------------
 
 
-def device_for(config: TrainConfig) -> torch.device:
+def device_for(config: TrainConfig, local_rank: int) -> torch.device:
     """This process's device; for NCCL it also makes it current (NCCL uses the current device)."""
     if config.backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -237,9 +239,10 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """Train (or continue) the run; rank 0 returns the run's summary."""
     config, corpus = job.config, job.corpus
     run_dir = Path(job.run_dir)
-    device = device_for(config)
+    device = device_for(config, rank if job.local_rank is None else job.local_rank)
     group = dist.group.WORLD if dist.is_initialized() else None
-    model = MoETransformer(config.model_config(corpus.vocab_size), group=group, seed=config.seed,
+    groups = ParallelGroups.from_group(group, Topology(world_size, job.ranks_per_node or world_size))
+    model = MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
                            profile=config.profile).to(device)
     expert_names = model.expert_parameter_names()
     optimizer = build_optimizer(model, config)
