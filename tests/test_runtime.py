@@ -9,7 +9,10 @@ import pytest
 
 from moeflow.comm.groups import ParallelGroups, default_group, group_rank, group_size
 
-PROBE = "from moeflow.runtime import tune_cpu_allocator; print(tune_cpu_allocator(), tune_cpu_allocator())"
+PROBE = (  # what an entry point does
+    "import os; from moeflow.runtime import tune_cpu_allocator as t, tuning_requested as r; "
+    "print(t(r(os.environ)), t(r(os.environ)))"
+)
 
 
 def _probe(env_value: str | None) -> str:

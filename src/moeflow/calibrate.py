@@ -42,6 +42,7 @@ class CalibrationConfig:
     collective_bytes: tuple[int, ...] = tuple(int(2 ** (16 + i * 7 / 11)) for i in range(12))  # 64 KiB .. 8 MiB
     repeats: int = 5
     ranks_per_node: int | None = None  # the launcher's LOCAL_WORLD_SIZE; None: one node
+    latency_emulated: str | None = None  # the testbed's MOEFLOW_TESTBED_LATENCY_EMULATED, recorded as is
 
 
 def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
@@ -143,7 +144,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
         machine={
             "platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "threads_per_rank": 1, "backend": dist.get_backend(),
-            "latency_emulated": os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED"),
+            "latency_emulated": config.latency_emulated,
         },
         quality={"fits": quality, "interference": interference},
     )

@@ -166,14 +166,20 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     import os
+    from dataclasses import replace
 
     from moeflow.bench import print_json
     from moeflow.calibrate import CalibrationConfig, calibrate_from_env, calibrate_rank
     from moeflow.distributed import run_distributed
     from moeflow.perf import ClusterProfile
 
-    config = CalibrationConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim, repeats=args.repeats)
+    config = CalibrationConfig(
+        model_dim=args.model_dim, hidden_dim=args.hidden_dim, repeats=args.repeats,
+        latency_emulated=os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED"),
+    )
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # ranks of moeflow launch / torchrun
+        per_node = os.environ.get("LOCAL_WORLD_SIZE")
+        config = replace(config, ranks_per_node=int(per_node) if per_node else None)
         profile = calibrate_from_env(config)
         if profile is None:
             return 0
@@ -331,9 +337,11 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    from moeflow.runtime import tune_cpu_allocator
+    import os
 
-    tune_cpu_allocator()
+    from moeflow.runtime import tune_cpu_allocator, tuning_requested
+
+    tune_cpu_allocator(tuning_requested(os.environ))
     if args.command in ("train", "report", "generate"):
         from moeflow.training import cli as training_cli
 

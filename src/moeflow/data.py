@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -116,8 +116,10 @@ def is_validation_document(relative_path: str, val_percent: float) -> bool:
     return zlib.crc32(relative_path.encode()) % 10_000 < val_percent * 100
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow"))
+def default_cache_root(environment: Mapping[str, str]) -> Path:
+    """Where token streams are cached: ``MOEFLOW_CACHE`` or ~/.cache/moeflow (entry points pass
+    their ``os.environ``)."""
+    return Path(environment.get("MOEFLOW_CACHE", Path.home() / ".cache" / "moeflow"))
 
 
 def _corpus_key(root: Path, files: list[Path], tokenizer: str, vocab_size: int, val_percent: float) -> str:
@@ -130,9 +132,10 @@ def _corpus_key(root: Path, files: list[Path], tokenizer: str, vocab_size: int, 
 
 def prepare_corpus(
     data: str | None = None, tokenizer: str = "bpe", vocab_size: int = 4096, val_percent: float = 5.0,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, cache_root: Path | None = None,
 ) -> PreparedCorpus:
-    """Tokenize the corpus (or find it in the cache) and return where it lies."""
+    """Tokenize the corpus (or find it in the cache) and return where it lies: ``cache_dir`` if
+    given, else a folder named by the corpus's key under ``cache_root`` (default ~/.cache/moeflow)."""
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer={tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
     if tokenizer == "bpe" and not 256 < vocab_size <= 65_535:
@@ -141,7 +144,8 @@ def prepare_corpus(
         raise ValueError(f"val_percent={val_percent} must be between 0 and 100 (exclusive)")
     root, files = corpus_files(data)
     key = _corpus_key(root, files, tokenizer, vocab_size, val_percent)
-    directory = Path(cache_dir) if cache_dir is not None else _cache_root() / f"corpus-{key}"
+    root_dir = cache_root if cache_root is not None else Path.home() / ".cache" / "moeflow"
+    directory = Path(cache_dir) if cache_dir is not None else root_dir / f"corpus-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer; the others wait and then read the cache

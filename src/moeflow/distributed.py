@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeflow.runtime import tune_cpu_allocator
+from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
 
 class WorkerError(RuntimeError):
@@ -38,7 +38,7 @@ def _worker(
     results: Any, threads: int, collective_timeout_s: float,
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tune_cpu_allocator()
+    tune_cpu_allocator(tuning_requested(os.environ))
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(

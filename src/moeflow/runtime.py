@@ -4,28 +4,35 @@ glibc returns large freed blocks to the OS (``mmap``/trim) and the next allocati
 page-faults it back in: an MoE step allocates many multi-MB tensors, and on the 2-core machines
 this cost a third of the benchmark's wall time in system time. Keeping freed memory in the heap
 removes that. Importing moeflow never changes process state; entry points call
-:func:`tune_cpu_allocator`, and ``MOEFLOW_MALLOC_TUNING=0`` turns it off.
+:func:`tune_cpu_allocator`, and ``MOEFLOW_MALLOC_TUNING=0`` turns it off. The layer no longer
+depends on it: its workspace reuses the large buffers itself (:mod:`moeflow.workspace`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+from collections.abc import Mapping
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _tuned: bool | None = None
 
 
-def tune_cpu_allocator() -> bool:
-    """Keep freed memory for reuse (glibc only). Returns whether the setting is in effect."""
+def tuning_requested(environment: Mapping[str, str]) -> bool:
+    """What the entry points ask for: on unless ``MOEFLOW_MALLOC_TUNING=0``."""
+    return environment.get("MOEFLOW_MALLOC_TUNING", "1") != "0"
+
+
+def tune_cpu_allocator(enabled: bool = True) -> bool:
+    """Keep freed memory for reuse (glibc only), once per process. Returns whether the setting is
+    in effect. The process-wide malloc settings are the one state this module keeps."""
     global _tuned
     if _tuned is not None:
         return _tuned
     _tuned = False
-    if os.environ.get("MOEFLOW_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+    if not enabled or not sys.platform.startswith("linux"):
         return _tuned
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -31,3 +31,35 @@ class RankZeroRecords(io.StringIO):
                 self.records.append(record)
                 print(json.dumps(record), flush=True)
         return super().write(text)
+
+
+def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any) -> Any:
+    """Inside a launched cluster: the profile at ``path``, or calibrate this cluster now (every
+    rank takes part; rank 0 reports the calibration's quality and saves it to ``save_to``)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from moeflow.calibrate import CalibrationConfig, calibrate_rank
+    from moeflow.comm.topology import topology_from_environment
+    from moeflow.perf import ClusterProfile
+
+    if path:
+        return ClusterProfile.load(path)
+    start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = topology_from_environment(os.environ, world).ranks_per_node
+    latency = os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED")
+    config = CalibrationConfig(repeats=3, ranks_per_node=per_node, latency_emulated=latency)
+    values = [calibrate_rank(rank, world, config)]
+    dist.broadcast_object_list(values, src=0)
+    profile = ClusterProfile.from_dict(values[0])
+    if rank == 0:
+        if save_to:
+            profile.save(save_to)
+        fits = profile.quality["fits"]
+        emit({"bench": f"{bench}-calibration", "seconds": time.perf_counter() - start,
+              "min_r2": min(f["r2"] for f in fits), "interference": profile.interference,
+              "max_heldout_median_rel_error": max(f["heldout_median_rel_error"] for f in fits)})
+    return profile

@@ -12,6 +12,7 @@ expert parallelism).
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.layer import MoELayer
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
-from moeflow.runtime import tune_cpu_allocator
+from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
         **{k: v for k, v in asdict(c).items() if k not in ("measure_kernels",)},
         "workers": world_size,
         "threads_per_worker": torch.get_num_threads(),
-        "malloc_tuned": tune_cpu_allocator(),
+        "malloc_tuned": tune_cpu_allocator(tuning_requested(os.environ)),  # the entry point's setting
         "capacity": stats.capacity,
         "dropped": stats.dropped,
         "matmul_gflops": rate / 1e9,

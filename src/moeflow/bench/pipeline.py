@@ -161,9 +161,8 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.calibrate import CalibrationConfig, calibrate_rank
-    from moeflow.perf import ClusterProfile
-    from moeflow.runtime import tune_cpu_allocator
+    from moeflow.bench import cluster_profile
+    from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", required=True, help="JSON list of grid points")
@@ -171,28 +170,14 @@ def _rank_main(argv: list[str]) -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--save-profile", default=None)
     args = parser.parse_args(argv)
-    tune_cpu_allocator()
+    tune_cpu_allocator(tuning_requested(os.environ))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    rank = dist.get_rank()
 
     def emit(record: dict[str, Any]) -> None:
         print(json.dumps(record), flush=True)
 
-    if args.profile:
-        profile = ClusterProfile.load(args.profile)
-    else:
-        start = time.perf_counter()
-        values = [calibrate_rank(rank, dist.get_world_size(), CalibrationConfig(repeats=3))]
-        dist.broadcast_object_list(values, src=0)
-        profile = ClusterProfile.from_dict(values[0])
-        if rank == 0:
-            if args.save_profile:
-                profile.save(args.save_profile)
-            fits = profile.quality["fits"]
-            emit({"bench": "pipeline-calibration", "seconds": time.perf_counter() - start,
-                  "min_r2": min(f["r2"] for f in fits), "interference": profile.interference,
-                  "max_heldout_median_rel_error": max(f["heldout_median_rel_error"] for f in fits)})
+    profile = cluster_profile(args.profile, args.save_profile, "pipeline", emit)
     for values in json.loads(args.grid):
         _measure_point(GridPoint(**values), profile, args.repeats, emit)
     dist.destroy_process_group()

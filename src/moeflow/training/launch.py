@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.data import PreparedCorpus, prepare_corpus
+from moeflow.comm.topology import topology_from_environment
+from moeflow.data import PreparedCorpus, default_cache_root, prepare_corpus
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
-from moeflow.comm.topology import topology_from_environment
 from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
 
 
@@ -53,9 +53,15 @@ def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
                     fix="use more data, a larger --val-percent or a shorter --context")
 
 
+def _prepare_corpus(config: TrainConfig) -> PreparedCorpus:
+    """The corpus in this machine's cache (``MOEFLOW_CACHE``, read here at the entry point)."""
+    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent,
+                          cache_root=default_cache_root(os.environ))
+
+
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
     """Corpus, run folder and saved config; errors before any worker exists."""
-    corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent)
+    corpus = _prepare_corpus(config)
     check_data_fits(config, corpus)
     if checkpoint is not None:
         run_dir = checkpoint.parent.parent  # experts are resliced for this run's number of workers
@@ -104,8 +110,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
         dist.broadcast_object_list(job, src=0)  # one run folder for all ranks
         assert job[0] is not None
         if rank != 0:  # every other rank prepares (or finds) the corpus in its own node's cache
-            job[0] = replace(job[0], corpus=prepare_corpus(config.data, config.tokenizer, config.vocab_size,
-                                                           config.val_percent))
+            job[0] = replace(job[0], corpus=_prepare_corpus(config))
         summary = train_worker(rank, world_size, replace(job[0], ranks_per_node=ranks_per_node, local_rank=local_rank))
     finally:
         dist.destroy_process_group()

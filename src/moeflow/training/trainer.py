@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeflow.data import PreparedCorpus
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer
 from moeflow.models.transformer import phase_seconds
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
