@@ -182,6 +182,22 @@ def test_bench_pipeline_measures_every_setting_and_summarizes() -> None:
 
 
 @needs_testbed
+def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "schedules", "--experts", "2", "--hidden-dims", "32",
+         "--model-dim", "32", "--batch", "2", "--context", "16", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    (point,) = [r for r in records if r.get("bench") == "schedules"]
+    assert point["expert_step_ms"] > 0 and point["replicated_step_ms"] > 0
+    assert point["auto_picked"] in ("expert", "replicated") and point["auto_reason"] == "model"
+    summary = records[-1]
+    assert summary["summary"] == "schedules" and summary["configs"] == 1
+
+
+@needs_testbed
 def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "alltoall", "--layouts", "1x2", "--sizes", "1024", "--repeats", "1"],

@@ -66,6 +66,25 @@ def _build_parser() -> argparse.ArgumentParser:
     pipeline.add_argument("--top-k", type=_positive_int, nargs="+", default=[1, 2])
     pipeline.add_argument("--repeats", type=_positive_int, default=3)
     pipeline.add_argument("--profile", default=None, help="a profile of this cluster (skips calibration)")
+    schedules = benches.add_parser(
+        "schedules", help="replicated experts vs expert parallelism as whole training steps on an emulated cluster, "
+        "and what parallel='auto' picks (needs root)",
+        description="Grid: --experts x --hidden-dims at --tokens tokens per rank (a one-block MoE transformer). "
+        "Without --profile the ranks calibrate the cluster first.",
+    )
+    schedules.add_argument("--nodes", type=_positive_int, default=2, help="emulated nodes (default 2)")
+    schedules.add_argument("--ranks-per-node", type=_positive_int, default=1,
+                           help="ranks per node (default 1: one rank per core on 2 cores)")
+    schedules.add_argument("--inter-gbit", type=float, default=1.0, help="bandwidth between nodes, Gbit/s")
+    schedules.add_argument("--experts", type=_positive_int, nargs="+", default=[2, 4, 8],
+                           help="numbers of experts E to try")
+    schedules.add_argument("--hidden-dims", type=_positive_int, nargs="+", default=[64, 256, 1024],
+                           help="expert hidden sizes H to try")
+    schedules.add_argument("--model-dim", type=_positive_int, default=256, help="model dimension M")
+    schedules.add_argument("--batch", type=_positive_int, default=8, help="sequences per rank and step")
+    schedules.add_argument("--context", type=_positive_int, default=128, help="tokens per sequence")
+    schedules.add_argument("--repeats", type=_positive_int, default=5, help="timed steps per schedule (medians)")
+    schedules.add_argument("--profile", default=None, help="a profile of this cluster (skips calibration)")
     train_bench = benches.add_parser(
         "train", help="model FLOPs utilization and the MoE layers' non-GEMM share of the default training run",
         description="Trains the default model (or --config) for --steps steps on --workers workers, then measures "
@@ -258,6 +277,26 @@ def _bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_schedules(args: argparse.Namespace) -> int:
+    import itertools
+
+    from moeflow.bench import print_json
+    from moeflow.bench.schedules import SchedulePoint, run, summarize
+    from moeflow.testbed import ClusterError, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"moeflow bench schedules: {reason}")
+    grid = [SchedulePoint(e, h, args.model_dim, args.batch, args.context)
+            for e, h in itertools.product(args.experts, args.hidden_dims)]
+    try:
+        records = run(grid, args.nodes, args.ranks_per_node, args.inter_gbit, args.repeats, args.profile)
+    except (ClusterError, RuntimeError) as error:
+        raise SystemExit(f"moeflow bench schedules: {error}") from None
+    print_json(summarize(records))
+    return 0
+
+
 def _bench_alltoall(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
@@ -355,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_alltoall(args)
     if args.command == "bench" and args.bench == "pipeline":
         return _bench_pipeline(args)
+    if args.command == "bench" and args.bench == "schedules":
+        return _bench_schedules(args)
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "plan":

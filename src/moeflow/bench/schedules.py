@@ -1,0 +1,172 @@
+"""``moeflow bench schedules``: replicated experts against expert parallelism, as whole training
+steps on an emulated cluster, and what ``parallel="auto"`` picks.
+
+The driver launches one emulated cluster (2 nodes x 1 rank by default: one rank per core) and
+runs this module as every rank; unless a profile is given the ranks calibrate the cluster first.
+For each (experts E, hidden H) of the grid at a fixed number of tokens per rank, it builds the
+same one-block MoE transformer three times: ``parallel="expert"``, ``"replicated"`` and
+``"auto"`` (planned on the profile for this batch). A training step is forward, backward, the
+trainer's gradient synchronization (the all-reduce that replicated experts add to) and an AdamW
+step. The two fixed schedules are timed round-robin (the slowest rank, medians); ``auto`` is not
+timed, it runs one of them: the record says which, and whether that was the faster one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+SCHEDULES = ("expert", "replicated")
+
+
+@dataclass(frozen=True)
+class SchedulePoint:
+    experts: int
+    hidden_dim: int
+    model_dim: int = 256
+    batch: int = 8
+    context: int = 128
+
+    @property
+    def name(self) -> str:
+        return f"E{self.experts}-H{self.hidden_dim}-M{self.model_dim}-T{self.batch * self.context}"
+
+
+def _model(point: SchedulePoint, parallel: str, groups: Any, profile: Any) -> Any:
+    import torch
+
+    from moeflow.models import MoETransformer, TransformerConfig
+
+    config = TransformerConfig(
+        vocab_size=512, context=point.context, layers=1, heads=4, model_dim=point.model_dim,
+        ffn_hidden=point.hidden_dim, num_experts=point.experts, capacity_factor=1.0, parallel=parallel,
+        tokens_per_rank_hint=point.batch * point.context,
+    )
+    torch.manual_seed(0)
+    return MoETransformer(config, group=groups, seed=0, profile=profile)
+
+
+def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
+    """One training step of ``model`` on this rank's batch (what the trainer does, minus data)."""
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.training.trainer import synchronize_gradients
+
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 512, (point.batch, point.context + 1), generator=generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    expert_names = model.expert_parameter_names()
+
+    def step() -> None:
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        synchronize_gradients(model, expert_names, dist.group.WORLD, dist.get_world_size())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
+    import torch.distributed as dist
+
+    from moeflow.bench.timing import slowest_rank_seconds
+
+    rank = dist.get_rank()
+    auto = _model(point, "auto", groups, profile)
+    steps = {name: _step_function(_model(point, name, groups, profile), point, rank) for name in SCHEDULES}
+    for _ in range(12):  # warm up, and let the expert schedule's planner finish its online trials
+        for step in steps.values():
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            samples[name].append(slowest_rank_seconds(step))
+    if rank != 0:
+        return
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    faster = min(medians, key=medians.get)
+    layer = auto.moe_layers()[0]
+    emit({
+        "bench": "schedules", "config": point.name, **asdict(point),
+        **{f"{name}_step_ms": seconds * 1e3 for name, seconds in medians.items()},
+        "replicated_over_expert": medians["replicated"] / medians["expert"], "faster": faster,
+        "auto_picked": layer.schedule.name, "auto_reason": layer.schedule_reason,
+        "auto_picked_faster": layer.schedule.name == faster,
+        "auto_loss_vs_faster": medians[layer.schedule.name] / medians[faster] - 1.0,
+    })
+
+
+def _rank_main(argv: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.bench import cluster_profile
+    from moeflow.comm.groups import ParallelGroups
+    from moeflow.comm.topology import topology_from_environment
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", required=True, help="JSON list of grid points")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--save-profile", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, dist.get_world_size()))
+
+    def emit(record: dict[str, Any]) -> None:
+        print(json.dumps(record), flush=True)
+
+    profile = cluster_profile(args.profile, args.save_profile, "schedules", emit)
+    for values in json.loads(args.grid):
+        _measure_point(SchedulePoint(**values), groups, profile, args.repeats, emit)
+    dist.destroy_process_group()
+
+
+def run(
+    grid: list[SchedulePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
+    profile: str | None = None, master_port: int = 29760, timeout_s: float = 3600,
+) -> list[dict[str, Any]]:
+    """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
+    from moeflow.bench import RankZeroRecords
+    from moeflow.testbed import ClusterSpec, launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        saved = profile or os.path.join(folder, "profile.json")
+        command = [sys.executable, "-m", "moeflow.bench.schedules", "--grid", json.dumps([asdict(p) for p in grid]),
+                   "--repeats", str(repeats)]
+        command += ["--profile", profile] if profile else ["--save-profile", saved]
+        sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
+        code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
+                      timeout_s=timeout_s, sink=sink)
+        if code:
+            raise RuntimeError(f"schedules benchmark failed (exit {code}):\n{sink.getvalue()[-4000:]}")
+    return sink.records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The crossover (which schedule wins at each (E, H)) and how often auto ran the faster one."""
+    points = [r for r in records if r.get("bench") == "schedules"]
+    if not points:
+        return {"summary": "schedules", "configs": 0}
+    table = {f"E{r['experts']}-H{r['hidden_dim']}": round(r["replicated_over_expert"], 3) for r in points}
+    return {
+        "summary": "schedules", "configs": len(points),
+        "replicated_over_expert_step_time": table,
+        "replicated_faster": [r["config"] for r in points if r["faster"] == "replicated"],
+        "auto_picked_faster_share": sum(r["auto_picked_faster"] for r in points) / len(points),
+        "auto_worst_loss_vs_faster": max(r["auto_loss_vs_faster"] for r in points),
+    }
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
