@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _positive_int(text: str) -> int:
@@ -244,10 +245,13 @@ def _plan(args: argparse.Namespace) -> int:
             print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
                         "forward_ms": choice.predicted_s * 1e3})
     best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
+    replicated = _print_replicated_plan(model, region, backward)
     roofline = model.layer_times(shape, best.algorithm, backward)
     unpipelined = predict_plan(model, region, 1, best.algorithm, backward)
     print_json({
         "summary": "plan", "alltoall": best.algorithm, "degree": best.degree,
+        "schedule": "replicated" if replicated is not None and replicated.total_s < best.total_s else "expert",
+        "expert_memory_mb": best.expert_memory_bytes / 2**20,
         "predicted_ms": best.total_s * 1e3, "predicted_d1_ms": unpipelined.total_s * 1e3,
         "r_cc": roofline["r_cc"], "ideal_ms": roofline["ideal_s"] * 1e3, "semi_ideal_ms": roofline["serial_s"] * 1e3,
         "ideal_fraction_of_peak": roofline["ideal_fraction_of_peak"],
@@ -255,6 +259,22 @@ def _plan(args: argparse.Namespace) -> int:
         "world_size": model.world_size, "capacity": region.capacity, "backward": backward,
     })
     return 0
+
+
+def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
+    """The replicated schedule's prediction line (with the gradient all-reduce it adds to training)."""
+    from moeflow.bench import print_json
+    from moeflow.perf.schedules import SCHEDULE_MODELS
+
+    schedule = SCHEDULE_MODELS["replicated"]
+    if not schedule.can_predict(model):
+        return None
+    (plan,) = schedule.candidates(region, (), ())
+    p = schedule.predict(plan, model, region, backward)
+    print_json({"plan": "replicated", "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3,
+                "gradient_sync_ms": p.gradient_sync_s * 1e3, "total_ms": p.total_s * 1e3,
+                "expert_memory_mb": p.expert_memory_bytes / 2**20})
+    return p
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:

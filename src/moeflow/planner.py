@@ -184,4 +184,5 @@ def _modelled_algorithms(cost_model: CostModel | None, algorithms: tuple[str, ..
     """The algorithms the profile can predict (none without the GEMM fit)."""
     if cost_model is None or "gemm" not in cost_model.profile.fits:
         return ()
-    return tuple(a for a in algorithms if a == LOCAL or f"alltoall.{a}" in cost_model.profile.fits)
+    local = SCHEDULE_MODELS["replicated"].can_predict(cost_model)
+    return tuple(a for a in algorithms if (a == LOCAL and local) or f"alltoall.{a}" in cost_model.profile.fits)

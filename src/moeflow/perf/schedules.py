@@ -34,6 +34,8 @@ class Plan:
 class ScheduleModel(Protocol):
     name: str
 
+    def can_predict(self, cost: CostModel) -> bool: ...
+
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]: ...
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction: ...
@@ -42,6 +44,9 @@ class ScheduleModel(Protocol):
 @dataclass(frozen=True)
 class ExpertParallelModel:
     name: str = "expert"
+
+    def can_predict(self, cost: CostModel) -> bool:
+        return "gemm" in cost.profile.fits and any(f.startswith("alltoall.") for f in cost.profile.fits)
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         usable = usable_degrees(degrees, shape.capacity)
@@ -54,6 +59,10 @@ class ExpertParallelModel:
 @dataclass(frozen=True)
 class ReplicatedModel:
     name: str = "replicated"
+
+    def can_predict(self, cost: CostModel) -> bool:
+        """Its training cost needs the all-reduce fit (the expert gradients)."""
+        return "gemm" in cost.profile.fits and ("allreduce" in cost.profile.fits or cost.world_size == 1)
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         return [Plan(self.name, 1, LOCAL)]  # nothing to overlap: chunking would only add overhead
@@ -75,11 +84,13 @@ def rank_schedule_plans(
     cost: CostModel, shape: RegionShape, schedules: Iterable[str], degrees: Iterable[int],
     algorithms: Iterable[str], backward: bool,
 ) -> list[tuple[Plan, PlanPrediction]]:
-    """Every candidate of every named schedule with its prediction, fastest first."""
+    """Every candidate of every named schedule the profile can predict, fastest first."""
     degrees = list(degrees)
     ranked = []
     for name in schedules:
         model = SCHEDULE_MODELS[name]
+        if not model.can_predict(cost):
+            continue
         for plan in model.candidates(shape, degrees, algorithms):
             ranked.append((plan, model.predict(plan, cost, shape, backward)))
     return sorted(ranked, key=lambda item: (item[1].total_s, item[0].degree))
