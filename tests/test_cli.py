@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -76,3 +77,35 @@ def test_alltoall_summary_finds_the_crossover() -> None:
     layout = summarize(results)["layouts"]["4x2"]
     assert layout["2dh_wins_up_to_bytes"] == 65536
     assert layout["2dh_speedup_over_linear"]["1024"] == 2.0
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: str = "moeflow") -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:  # argparse keeps subcommands here; there is no public walker
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _subparsers(sub, f"{path} {name}")
+    return found
+
+
+def test_every_flag_of_every_command_says_what_it_does() -> None:
+    from moeflow.cli import build_parser
+
+    missing = []
+    for path, parser in _subparsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            text = (action.help or "").strip()
+            if not text or text.startswith("(default"):
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"flags without a help line: {missing}"
+
+
+def test_every_train_setting_has_its_help() -> None:
+    from dataclasses import fields
+
+    from moeflow.training.config import FIELD_HELP, TrainConfig
+
+    assert set(FIELD_HELP) == {f.name for f in fields(TrainConfig)}
+    assert all(len(text) > 10 for text in FIELD_HELP.values())

@@ -10,7 +10,7 @@ from pathlib import Path
 import moeflow
 
 SOURCE = Path(moeflow.__file__).parent
-ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "training/cli.py", "distributed.py",
+ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "distributed.py",
                 "testbed/", "bench/")
 
 

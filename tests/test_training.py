@@ -331,13 +331,13 @@ def test_bad_input_fails_before_any_worker_starts(
 
 
 def test_config_files_unknown_keys_and_flag_precedence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from moeflow.cli import _build_parser
-    from moeflow.training.cli import train_config_from_args
+    from moeflow.cli import build_parser
+    from moeflow.commands.train import train_config_from_args
 
     (tmp_path / "a.toml").write_text('[train]\nlayers = 2\nmodel_dim = 64\npipeline = "search"\n')
     (tmp_path / "b.yaml").write_text("layers: 3\nnum_experts: 4\n")
     (tmp_path / "bad.toml").write_text("layer = 2\n")
-    parse = _build_parser().parse_args
+    parse = build_parser().parse_args
     config, _ = train_config_from_args(parse(["train", "--config", str(tmp_path / "a.toml"), "--layers", "5"]))
     assert (config.layers, config.model_dim, config.pipeline) == (5, 64, "search")
     config, _ = train_config_from_args(parse(["train", "--config", str(tmp_path / "b.yaml"), "--pipeline", "2"]))

@@ -121,6 +121,52 @@ class TrainConfig:
         write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+FIELD_HELP: dict[str, str] = {
+    "data": "a text file or a folder of text files to train on; unset: the Python standard library's sources",
+    "tokenizer": "bpe (byte-level BPE trained on the training documents) or bytes",
+    "vocab_size": "BPE vocabulary size",
+    "val_percent": "share of documents held out for validation, by a stable hash of their path",
+    "context": "tokens per training sequence (the model's context)",
+    "layers": "transformer blocks",
+    "heads": "attention heads per block (must divide --model-dim)",
+    "model_dim": "model (embedding) dimension",
+    "ffn_hidden": "hidden size of every expert and dense FFN",
+    "num_experts": "experts per MoE layer",
+    "top_k": "experts each token is routed to",
+    "moe_every": "an MoE FFN in every N-th block, dense FFNs elsewhere",
+    "capacity_factor": "Tutel's capacity factor in training (> 0 fixed, 0 no drops, < 0 capped no drops)",
+    "eval_capacity_factor": "capacity factor at evaluation (0: no token dropped)",
+    "aux_loss_weight": "weight of the load-balancing loss of every MoE layer",
+    "activation": "expert activation: relu, gelu, silu or swiglu",
+    "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
+    "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
+    "parallel": "where experts live: expert (split over workers), replicated, or auto (planned on --profile)",
+    "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
+    "steps": "training steps of the whole run (the learning-rate schedule's length)",
+    "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",
+    "batch_size": "sequences per worker and step",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "learning rate at the end of the cosine decay",
+    "warmup_steps": "steps of linear learning-rate warm-up",
+    "weight_decay": "AdamW weight decay of matrices",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "grad_clip": "clip the global gradient norm to this (0: off)",
+    "seed": "seed of the weights and of the data order",
+    "workers": "worker processes (one per rank)",
+    "backend": "gloo (CPU) or nccl (GPUs)",
+    "threads_per_worker": "intra-op threads of each worker",
+    "eval_interval": "steps between validation evaluations",
+    "eval_windows": "validation windows per evaluation, split over the workers",
+    "checkpoint_interval": "steps between checkpoints",
+    "keep_checkpoints": "newest checkpoints kept",
+    "run_dir": "the run folder; unset: runs/<time>",
+    "progress": "show a progress bar",
+    "collective_timeout_s": "seconds before a collective that hangs fails the job",
+}
+"""What each setting does: the help of its flag (one line each; a test checks every field has one)."""
+
+
 def field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
 

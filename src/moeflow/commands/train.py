@@ -1,5 +1,6 @@
-"""``moeflow train | report | generate``: flags are generated from :class:`TrainConfig`, so a flag,
-a config-file key and a key of the saved ``config.json`` are the same setting."""
+"""``moeflow train | report | generate``: train flags are generated from :class:`TrainConfig` (and
+their help from its ``FIELD_HELP``), so a flag, a config-file key and a key of the saved
+``config.json`` are the same setting."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from moeflow.training.config import TrainConfig, load_config_file
+from moeflow.training.config import FIELD_HELP, TrainConfig, load_config_file
 
 
 def _pipeline(text: str) -> int | str:
@@ -28,7 +29,22 @@ def _flag_type(annotation: str) -> Any:
     return str
 
 
-def add_train_parser(commands: Any) -> None:
+def add_parser(commands: Any) -> None:
+    _add_train(commands)
+    report = commands.add_parser("report", help="regenerate a run's plots and summary from its metrics.jsonl")
+    report.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
+    report.set_defaults(func=run_report)
+    generate = commands.add_parser("generate", help="sample text from a checkpoint")
+    generate.add_argument("--checkpoint", required=True, help="a run folder or one of its checkpoints/step-* folders")
+    generate.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    generate.add_argument("--tokens", type=int, default=200, help="tokens to sample (default 200)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50)")
+    generate.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default 0)")
+    generate.set_defaults(func=run_generate)
+
+
+def _add_train(commands: Any) -> None:
     train = commands.add_parser(
         "train", help="train an MoE language model (the main job)",
         description="Train a decoder-only MoE transformer on the Python standard library's sources (or --data) "
@@ -41,21 +57,13 @@ def add_train_parser(commands: Any) -> None:
     for field in fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         annotation = str(field.type)
+        help_text = f"{FIELD_HELP[field.name]} (default {field.default})"
         if annotation == "bool":
-            train.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                               help=f"(default {field.default})")
+            train.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             train.add_argument(flag, dest=field.name, type=_flag_type(annotation), metavar=field.name.upper(),
-                               help=f"(default {field.default})")
-    report = commands.add_parser("report", help="regenerate a run's plots and summary from its metrics.jsonl")
-    report.add_argument("run_dir")
-    generate = commands.add_parser("generate", help="sample text from a checkpoint")
-    generate.add_argument("--checkpoint", required=True, help="a run folder or one of its checkpoints/step-* folders")
-    generate.add_argument("--prompt", default="def ")
-    generate.add_argument("--tokens", type=int, default=200)
-    generate.add_argument("--temperature", type=float, default=0.8)
-    generate.add_argument("--top-k", type=int, default=50)
-    generate.add_argument("--seed", type=int, default=0)
+                               help=help_text)
+    train.set_defaults(func=run_train)
 
 
 def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
@@ -114,4 +122,4 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_train_parser", "run_generate", "run_report", "run_train", "train_config_from_args"]
+__all__ = ["add_parser", "run_generate", "run_report", "run_train", "train_config_from_args"]

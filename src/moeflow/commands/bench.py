@@ -1,0 +1,234 @@
+"""``moeflow bench layer | alltoall | pipeline | schedules | train``: each prints one JSON object
+per measurement and a summary line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moeflow.commands import fail, positive_int, require_testbed
+
+
+def add_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_train):
+        add(benches)
+
+
+def _add_cluster_layout(parser: argparse.ArgumentParser, ranks_per_node: int) -> None:
+    parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=positive_int, default=ranks_per_node,
+                        help=f"ranks on each node (default {ranks_per_node})")
+    parser.add_argument("--inter-gbit", type=float, default=1.0, help="bandwidth between nodes, Gbit/s (default 1)")
+    parser.add_argument("--profile", default=None, help="a profile of this cluster (skips calibration)")
+
+
+# -- layer ----------------------------------------------------------------------------------------
+
+
+def _add_layer(benches: Any) -> None:
+    layer = benches.add_parser(
+        "layer", help="MoELayer vs the plain reference and the FLOP floor, forward+backward",
+        description="Without --experts/--hidden-dim it measures the two target shapes (E=8, H=2048) and (E=64, H=256).",
+    )
+    layer.add_argument("--tokens", type=int, default=4096, help="tokens per worker (default 4096)")
+    layer.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
+    layer.add_argument("--hidden-dim", type=positive_int, default=None, help="expert hidden size H")
+    layer.add_argument("--experts", type=positive_int, default=None, help="number of experts E")
+    layer.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2)")
+    layer.add_argument("--capacity-factor", type=float, default=1.0, help="Tutel's capacity factor (default 1)")
+    layer.add_argument("--activation", default="gelu", choices=("relu", "gelu", "silu", "swiglu"),
+                       help="expert activation (default gelu)")
+    layer.add_argument("--workers", type=positive_int, default=1,
+                       help="gloo worker processes, one intra-op thread each (default 1)")
+    layer.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    layer.set_defaults(func=run_layer)
+
+
+def _layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    from moeflow.bench.layer import DEFAULT_SHAPES
+
+    if (args.experts is None) != (args.hidden_dim is None):
+        shapes = [(args.experts or 8, args.hidden_dim or 2048)]
+    else:
+        shapes = list(DEFAULT_SHAPES) if args.experts is None else [(args.experts, args.hidden_dim)]
+    for experts, _ in shapes:
+        if args.top_k > experts:
+            raise fail("bench layer", f"--top-k {args.top_k} exceeds --experts {experts}")
+        if experts % args.workers:
+            raise fail("bench layer", f"--experts {experts} is not divisible by --workers {args.workers}")
+    return shapes
+
+
+def run_layer(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import print_json
+    from moeflow.bench.layer import LayerBenchConfig, measure_layer, slowest_worker, summarize
+    from moeflow.distributed import run_distributed
+
+    if args.tokens < 0:
+        raise fail("bench layer", f"--tokens must be >= 0, got {args.tokens}")
+    results = []
+    for experts, hidden in _layer_shapes(args):
+        config = LayerBenchConfig(
+            tokens=args.tokens, model_dim=args.model_dim, hidden_dim=hidden, experts=experts,
+            top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
+            repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
+        )
+        if args.workers == 1:
+            torch.set_num_threads(1)
+            result = measure_layer(0, 1, config)
+        else:
+            result = slowest_worker(run_distributed(measure_layer, args.workers, config))
+        print_json(result)
+        results.append(result)
+    print_json(summarize(results))
+    return 0
+
+
+# -- all-to-all -----------------------------------------------------------------------------------
+
+
+def _add_alltoall(benches: Any) -> None:
+    alltoall = benches.add_parser(
+        "alltoall", help="linear vs 2DH vs pairwise all-to-all on emulated clusters (needs root)",
+    )
+    alltoall.add_argument("--layouts", nargs="+", default=["2x2", "4x2", "1x4"],
+                          help="NODESxRANKS_PER_NODE, default 2x2 4x2 1x4")
+    alltoall.add_argument("--sizes", type=positive_int, nargs="+", default=None,
+                          help="bytes per destination (default 1 KiB .. 1 MiB)")
+    alltoall.add_argument("--inter-gbit", type=float, default=1.0, help="bandwidth between nodes, Gbit/s")
+    alltoall.add_argument("--inter-latency-us", type=float, default=100.0,
+                          help="one-way latency between nodes (needs sch_netem; recorded when absent)")
+    alltoall.add_argument("--repeats", type=positive_int, default=7, help="timed rounds, medians (default 7)")
+    alltoall.set_defaults(func=run_alltoall)
+
+
+def run_alltoall(args: argparse.Namespace) -> int:
+    from moeflow.bench import print_json
+    from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
+    from moeflow.testbed import ClusterError
+
+    layouts = []
+    for text in args.layouts:
+        nodes, _, per_node = text.partition("x")
+        if not (nodes.isdigit() and per_node.isdigit() and int(nodes) >= 1 and int(per_node) >= 1):
+            raise fail("bench alltoall", f"--layouts takes NODESxRANKS like 2x2, got {text!r}")
+        layouts.append((int(nodes), int(per_node)))
+    require_testbed("bench alltoall")
+    try:
+        results = run(layouts, list(args.sizes or DEFAULT_SIZES), args.inter_gbit, args.inter_latency_us,
+                      args.repeats)
+    except (ClusterError, RuntimeError) as error:
+        raise fail("bench alltoall", error) from None
+    print_json(summarize(results))
+    return 0
+
+
+# -- pipeline and schedules (emulated cluster grids) ----------------------------------------------
+
+
+def _add_pipeline(benches: Any) -> None:
+    pipeline = benches.add_parser(
+        "pipeline", help="fixed pipeline degrees and all-to-alls vs the planner on an emulated cluster (needs root)",
+        description="Grid: the product of the list options (default 32 configurations, from communication-bound "
+        "H=256 to computation-bound H=1024 at 1 Gbit/s). Without --profile the ranks calibrate the cluster first.",
+    )
+    _add_cluster_layout(pipeline, ranks_per_node=2)
+    pipeline.add_argument("--tokens", type=positive_int, nargs="+", default=[512, 1024], help="tokens per rank")
+    pipeline.add_argument("--model-dims", type=positive_int, nargs="+", default=[256, 512], help="model dimensions")
+    pipeline.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[256, 1024],
+                          help="expert hidden sizes")
+    pipeline.add_argument("--experts-per-rank", type=positive_int, nargs="+", default=[1, 2],
+                          help="experts on each rank")
+    pipeline.add_argument("--top-k", type=positive_int, nargs="+", default=[1, 2], help="experts per token")
+    pipeline.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
+    pipeline.set_defaults(func=run_pipeline)
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    import itertools
+
+    from moeflow.bench.pipeline import GridPoint, run, summarize
+
+    grid = [GridPoint(*values) for values in itertools.product(
+        args.tokens, args.model_dims, args.hidden_dims, args.experts_per_rank, args.top_k)]
+    return _run_cluster_grid("bench pipeline", run, summarize, grid, args)
+
+
+def _add_schedules(benches: Any) -> None:
+    schedules = benches.add_parser(
+        "schedules", help="replicated experts vs expert parallelism as whole training steps on an emulated cluster, "
+        "and what parallel='auto' picks (needs root)",
+        description="Grid: --experts x --hidden-dims at --batch x --context tokens per rank (a one-block MoE "
+        "transformer). Without --profile the ranks calibrate the cluster first.",
+    )
+    _add_cluster_layout(schedules, ranks_per_node=1)
+    schedules.add_argument("--experts", type=positive_int, nargs="+", default=[2, 4, 8],
+                           help="numbers of experts E to try")
+    schedules.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[64, 256, 1024],
+                           help="expert hidden sizes H to try")
+    schedules.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
+    schedules.add_argument("--batch", type=positive_int, default=8, help="sequences per rank and step (default 8)")
+    schedules.add_argument("--context", type=positive_int, default=128, help="tokens per sequence (default 128)")
+    schedules.add_argument("--repeats", type=positive_int, default=5, help="timed steps per schedule (default 5)")
+    schedules.set_defaults(func=run_schedules)
+
+
+def run_schedules(args: argparse.Namespace) -> int:
+    import itertools
+
+    from moeflow.bench.schedules import SchedulePoint, run, summarize
+
+    grid = [SchedulePoint(e, h, args.model_dim, args.batch, args.context)
+            for e, h in itertools.product(args.experts, args.hidden_dims)]
+    return _run_cluster_grid("bench schedules", run, summarize, grid, args)
+
+
+def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:
+    """Launch the emulated cluster for a grid benchmark and print its summary."""
+    from moeflow.bench import print_json
+    from moeflow.testbed import ClusterError
+
+    require_testbed(command)
+    try:
+        records = run(grid, args.nodes, args.ranks_per_node, args.inter_gbit, args.repeats, args.profile)
+    except (ClusterError, RuntimeError) as error:
+        raise fail(command, error) from None
+    print_json(summarize(records))
+    return 0
+
+
+# -- training -------------------------------------------------------------------------------------
+
+
+def _add_train(benches: Any) -> None:
+    train = benches.add_parser(
+        "train", help="model FLOPs utilization and the MoE layers' non-GEMM share of the default training run",
+        description="Trains the default model (or --config) for --steps steps on --workers workers, then measures "
+        "the matmul throughput of the same workers; medians over the steps after --warmup.",
+    )
+    train.add_argument("--steps", type=positive_int, default=40, help="training steps (default 40)")
+    train.add_argument("--warmup", type=int, default=15, help="steps left out (planner trials, warm-up)")
+    train.add_argument("--workers", type=positive_int, default=None, help="default: the config's (2)")
+    train.add_argument("--config", default=None, help="a TOML, YAML or JSON file of training settings")
+    train.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from moeflow.bench.train import run
+    from moeflow.training.config import TrainConfig, load_config_file
+
+    try:
+        values = load_config_file(args.config) if args.config else {}
+        values["steps"] = args.steps
+        if args.workers is not None:
+            values["workers"] = args.workers
+        config = TrainConfig(**{**values, "stop_at": None})
+    except (ValueError, FileNotFoundError) as error:
+        raise fail("bench train", error) from None
+    return run(config, args.warmup)

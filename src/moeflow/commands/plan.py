@@ -1,0 +1,101 @@
+"""``moeflow plan``: predicted times of an MoE layer from a calibrated profile, per all-to-all
+algorithm and pipeline degree, Theorem 1's choice, the replicated schedule, and a summary."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moeflow.commands import fail, positive_int
+
+
+def add_parser(commands: Any) -> None:
+    plan = commands.add_parser("plan", help="predicted times of an MoE layer from a calibrated profile")
+    plan.add_argument("--profile", required=True, help="a profile written by moeflow calibrate")
+    plan.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank (default 4096)")
+    plan.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
+    plan.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
+    plan.add_argument("--experts", type=positive_int, default=8, help="number of experts E (default 8)")
+    plan.add_argument("--top-k", type=positive_int, default=2, help="experts per token k (default 2)")
+    plan.add_argument("--capacity-factor", type=float, default=1.0,
+                      help="Tutel's capacity factor f; f <= 0 assumes the balanced load (default 1.0)")
+    plan.add_argument("--max-degree", type=positive_int, default=16,
+                      help="largest pipeline degree to predict (default 16)")
+    plan.add_argument("--forward-only", action="store_true", help="plan for inference (no backward pass)")
+    plan.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.bench import print_json
+    from moeflow.perf import ClusterProfile, CostModel, LayerShape
+    from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans
+
+    try:
+        profile = ClusterProfile.load(args.profile)
+    except (FileNotFoundError, ValueError) as error:
+        raise fail("plan", error) from None
+    model = CostModel(profile)
+    if args.top_k > args.experts or args.experts % model.world_size:
+        raise fail("plan", f"need top_k <= experts and experts divisible by {model.world_size} ranks")
+    if "gemm" not in profile.fits:
+        raise fail("plan", "the profile has no gemm fit; re-run moeflow calibrate")
+    shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
+    region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim)
+    algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
+    backward = not args.forward_only
+    _print_expert_parallel_plans(model, region, algorithms, args.max_degree, backward)
+    best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
+    replicated = _print_replicated_plan(model, region, backward)
+    roofline = model.layer_times(shape, best.algorithm, backward)
+    unpipelined = predict_plan(model, region, 1, best.algorithm, backward)
+    print_json({
+        "summary": "plan", "alltoall": best.algorithm, "degree": best.degree,
+        "schedule": "replicated" if replicated is not None and replicated.total_s < best.total_s else "expert",
+        "expert_memory_mb": best.expert_memory_bytes / 2**20,
+        "predicted_ms": best.total_s * 1e3, "predicted_d1_ms": unpipelined.total_s * 1e3,
+        "r_cc": roofline["r_cc"], "ideal_ms": roofline["ideal_s"] * 1e3, "semi_ideal_ms": roofline["serial_s"] * 1e3,
+        "ideal_fraction_of_peak": roofline["ideal_fraction_of_peak"],
+        "semi_ideal_fraction_of_peak": roofline["semi_ideal_fraction_of_peak"],
+        "world_size": model.world_size, "capacity": region.capacity, "backward": backward,
+    })
+    return 0
+
+
+def _algorithms() -> tuple[str, ...]:
+    from moeflow.config import ALLTOALL_ALGORITHMS
+
+    return ALLTOALL_ALGORITHMS
+
+
+def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str], max_degree: int,
+                                 backward: bool) -> None:
+    """One line per (algorithm, degree), and Theorem 1's choice per algorithm."""
+    from moeflow.bench import print_json
+    from moeflow.perf.pipeline import predict_plan, theorem1_for_shape, usable_degrees
+
+    for algorithm in algorithms:
+        for degree in usable_degrees(range(1, max_degree + 1), region.capacity):
+            p = predict_plan(model, region, degree, algorithm, backward)
+            print_json({"plan": "pipeline", "alltoall": algorithm, "degree": degree, "forward_ms": p.forward_s * 1e3,
+                        "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
+        if model.world_size > 1:
+            choice = theorem1_for_shape(model, region, algorithm, max_degree)
+            print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
+                        "forward_ms": choice.predicted_s * 1e3})
+
+
+def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
+    """The replicated schedule's line (with the gradient all-reduce it adds to training), or None
+    when the profile cannot price it."""
+    from moeflow.bench import print_json
+    from moeflow.perf.schedules import SCHEDULE_MODELS
+
+    schedule = SCHEDULE_MODELS["replicated"]
+    if not schedule.can_predict(model):
+        return None
+    (plan,) = schedule.candidates(region, (), ())
+    p = schedule.predict(plan, model, region, backward)
+    print_json({"plan": "replicated", "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3,
+                "gradient_sync_ms": p.gradient_sync_s * 1e3, "total_ms": p.total_s * 1e3,
+                "expert_memory_mb": p.expert_memory_bytes / 2**20})
+    return p
