@@ -66,7 +66,7 @@ def two_worker_run(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path)
 
 
 def test_model_counts_active_parameters_and_rejects_bad_shapes() -> None:
-    config = TransformerConfig(vocab_size=100, context=16, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+    config = TransformerConfig.build(vocab_size=100, context=16, layers=2, heads=2, model_dim=16, ffn_hidden=32,
                                num_experts=4, top_k=1, moe_every=2, pipeline=1)
     model = MoETransformer(config)
     total = sum(p.numel() for p in model.parameters()) - model.position_embedding.weight.numel()
@@ -74,9 +74,9 @@ def test_model_counts_active_parameters_and_rejects_bad_shapes() -> None:
     assert config.active_parameters() == total - inactive
     assert config.moe_blocks == [1] and model.blocks[0].moe is None and model.blocks[1].moe is not None
     with pytest.raises(ValueError, match="model_dim=30 is not divisible by heads=4"):
-        TransformerConfig(vocab_size=10, model_dim=30, heads=4)
+        TransformerConfig.build(vocab_size=10, model_dim=30, heads=4)
     with pytest.raises(ValueError, match="top_k"):
-        TransformerConfig(vocab_size=10, num_experts=2, top_k=3)
+        TransformerConfig.build(vocab_size=10, num_experts=2, top_k=3)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         model(torch.zeros(1, 17, dtype=torch.long))
 
@@ -157,7 +157,7 @@ def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> 
 def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str) -> None:
     # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss;
     # replicated experts are summed by the trainer's all-reduce, expert-parallel ones by the all-to-all
-    config = TransformerConfig(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+    config = TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
                                num_experts=4, capacity_factor=0.0, aux_loss_weight=0.0, pipeline=1, alltoall="linear",
                                parallel=parallel)
     one = run_distributed(_synced_gradients, 1, config)[0]

@@ -8,7 +8,7 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,7 @@ class MoELayer(nn.Module):
         num_shared_experts: int = 0,
         expert_bias_update_rate: float = 0.0,
         cosine_projection_dim: int = 256,
+        cosine_min_temperature: float = 0.01,
         check_finite: bool = False,
         expert_kernel: str = "bmm",
         alltoall: str = "auto",
@@ -118,7 +119,8 @@ class MoELayer(nn.Module):
             batch_prioritized_routing=batch_prioritized_routing, aux_loss_weight=aux_loss_weight,
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
             expert_bias_update_rate=expert_bias_update_rate,
-            cosine_projection_dim=cosine_projection_dim, check_finite=check_finite,
+            cosine_projection_dim=cosine_projection_dim, cosine_min_temperature=cosine_min_temperature,
+            check_finite=check_finite,
             expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
             capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
             tokens_per_rank_hint=tokens_per_rank_hint,
@@ -159,6 +161,14 @@ class MoELayer(nn.Module):
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: MoEConfig, group: ParallelGroups | dist.ProcessGroup | None = None,
+        profile: ClusterProfile | str | None = None,
+    ) -> MoELayer:
+        """The layer a :class:`MoEConfig` describes (what a model's config embeds)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(MoEConfig)}, group=group, profile=profile)
 
     @property
     def num_local_experts(self) -> int:

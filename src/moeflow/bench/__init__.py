@@ -63,3 +63,30 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
               "min_r2": min(f["r2"] for f in fits), "interference": profile.interference,
               "max_heldout_median_rel_error": max(f["heldout_median_rel_error"] for f in fits)})
     return profile
+
+
+def run_on_cluster(
+    module: str, name: str, grid: list[Any], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
+    profile: str | None, master_port: int, timeout_s: float,
+) -> list[dict[str, Any]]:
+    """Launch an emulated cluster that runs ``python -m module`` as every rank over a grid of
+    dataclass points (calibrating first unless ``profile`` is given); return rank 0's records,
+    printed as they come."""
+    import json
+    import os
+    import sys
+    import tempfile
+    from dataclasses import asdict
+
+    from moeflow.testbed import ClusterSpec, launch
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", module, "--grid", json.dumps([asdict(p) for p in grid]),
+                   "--repeats", str(repeats)]
+        command += ["--profile", profile] if profile else ["--save-profile", os.path.join(folder, "profile.json")]
+        sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
+        code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
+                      timeout_s=timeout_s, sink=sink)
+        if code:
+            raise RuntimeError(f"{name} benchmark failed (exit {code}):\n{sink.getvalue()[-4000:]}")
+    return sink.records

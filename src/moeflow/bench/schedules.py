@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -44,7 +43,7 @@ def _model(point: SchedulePoint, parallel: str, groups: Any, profile: Any) -> An
 
     from moeflow.models import MoETransformer, TransformerConfig
 
-    config = TransformerConfig(
+    config = TransformerConfig.build(
         vocab_size=512, context=point.context, layers=1, heads=4, model_dim=point.model_dim,
         ffn_hidden=point.hidden_dim, num_experts=point.experts, capacity_factor=1.0, parallel=parallel,
         tokens_per_rank_hint=point.batch * point.context,
@@ -137,20 +136,11 @@ def run(
     profile: str | None = None, master_port: int = 29760, timeout_s: float = 3600,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
-    from moeflow.bench import RankZeroRecords
-    from moeflow.testbed import ClusterSpec, launch
+    from moeflow.bench import run_on_cluster
 
-    with tempfile.TemporaryDirectory() as folder:
-        saved = profile or os.path.join(folder, "profile.json")
-        command = [sys.executable, "-m", "moeflow.bench.schedules", "--grid", json.dumps([asdict(p) for p in grid]),
-                   "--repeats", str(repeats)]
-        command += ["--profile", profile] if profile else ["--save-profile", saved]
-        sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
-        code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
-                      timeout_s=timeout_s, sink=sink)
-        if code:
-            raise RuntimeError(f"schedules benchmark failed (exit {code}):\n{sink.getvalue()[-4000:]}")
-    return sink.records
+    return run_on_cluster("moeflow.bench.schedules", "schedules", grid, nodes, ranks_per_node, inter_gbit, repeats,
+                          profile,
+                          master_port, timeout_s)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ T positions, M model dim, V vocabulary, E experts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,64 +22,61 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import (
-    ACTIVATIONS,
-    ALLTOALL_CHOICES,
-    PARALLEL_CHOICES,
-    ffn_projections,
-    require_choice,
-    require_positive_int,
-    validate_capacity_factor,
-    validate_pipeline,
-    validate_top_k,
-)
+from moeflow.config import MoEConfig, ffn_projections, require_positive_int, validate_capacity_factor
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.phases import PhaseClock
 
+MOE_DEFAULTS = {"model_dim": 256, "hidden_dim": 512, "num_experts": 8, "capacity_factor": 1.25}
+"""The MoE settings of the default model where they differ from the layer's own defaults."""
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """The architecture. ``moe_every=1`` puts an MoE FFN in every block, 2 in every other block
-    (blocks 1, 3, ..., as in GShard and Switch)."""
+    """The architecture. The MoE layers' settings are the layer's own :class:`MoEConfig` (its model
+    and hidden dimensions are the model's, and every FFN's, dense ones included); ``moe_every=1``
+    puts an MoE FFN in every block, 2 in every other block (blocks 1, 3, ..., as in GShard and
+    Switch). :meth:`build` takes the flat names the trainer and its flags use."""
 
     vocab_size: int
+    moe: MoEConfig
     context: int = 128
     layers: int = 4
     heads: int = 4
-    model_dim: int = 256
-    ffn_hidden: int = 512
-    num_experts: int = 8
-    top_k: int = 2
     moe_every: int = 1
-    capacity_factor: float = 1.25
     eval_capacity_factor: float = 0.0  # 0: no token is dropped at evaluation (batch-independent)
-    aux_loss_weight: float = 0.01
-    activation: str = "gelu"
-    pipeline: int | str = "auto"
-    alltoall: str = "auto"
-    parallel: str = "auto"
-    tokens_per_rank_hint: int | None = None  # what parallel="auto" plans for (batch x context)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context", "layers", "heads", "model_dim", "ffn_hidden", "num_experts",
-                     "moe_every"):
+        for name in ("vocab_size", "context", "layers", "heads", "moe_every"):
             require_positive_int(name, getattr(self, name))
         if self.model_dim % self.heads:
             raise ValueError(
                 f"model_dim={self.model_dim} is not divisible by heads={self.heads}; "
                 "choose heads that divide model_dim"
             )
-        validate_top_k(self.top_k, self.num_experts)
-        require_choice("activation", self.activation, ACTIVATIONS)
-        require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
-        require_choice("parallel", self.parallel, PARALLEL_CHOICES)
-        validate_capacity_factor(self.capacity_factor)
         validate_capacity_factor(self.eval_capacity_factor)
-        validate_pipeline(self.pipeline)
-        if self.aux_loss_weight < 0:
-            raise ValueError(f"aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+
+    @classmethod
+    def build(cls, **values: Any) -> TransformerConfig:
+        """From flat settings: the architecture's own names, MoEConfig's names, and ``ffn_hidden``
+        for the layer's ``hidden_dim``; MoE settings not given take :data:`MOE_DEFAULTS`."""
+        own = {f.name for f in fields(cls)} - {"moe"}
+        moe_names = {f.name for f in fields(MoEConfig)}
+        values = {("hidden_dim" if k == "ffn_hidden" else k): v for k, v in values.items()}
+        unknown = sorted(set(values) - own - moe_names)
+        if unknown:
+            raise ValueError(f"unknown model setting(s) {unknown}")
+        moe = MoEConfig(**{**MOE_DEFAULTS, **{k: v for k, v in values.items() if k in moe_names}})
+        return cls(moe=moe, **{k: v for k, v in values.items() if k in own})
+
+    @property
+    def model_dim(self) -> int:
+        return self.moe.model_dim
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.moe.hidden_dim
 
     def is_moe_block(self, index: int) -> bool:
         return index % self.moe_every == self.moe_every - 1
@@ -90,13 +88,13 @@ class TransformerConfig:
     def active_parameters(self) -> int:
         """Parameters one token passes through: attention, dense FFNs, the router and k experts of
         each MoE layer, and the (tied) output head; position embeddings are a lookup, not counted."""
-        m, h = self.model_dim, self.ffn_hidden
-        ffn = ffn_projections(self.activation) * m * h + h + m
+        m, h, moe = self.model_dim, self.ffn_hidden, self.moe
+        ffn = ffn_projections(moe.activation) * m * h + ((h + m) if moe.bias else 0)
         attention = 4 * m * m + 4 * m
         norms = 4 * m
         moe_blocks = len(self.moe_blocks)
         dense_blocks = self.layers - moe_blocks
-        per_moe = self.num_experts * m + self.top_k * ffn
+        per_moe = moe.num_experts * m + moe.top_k * ffn
         return (self.layers * (attention + norms) + dense_blocks * ffn + moe_blocks * per_moe
                 + 2 * m + self.vocab_size * m)
 
@@ -127,7 +125,7 @@ class DenseFFN(ExpertFFN):
     so every activation, swiglu included, means the same in dense and MoE blocks)."""
 
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__(1, config.model_dim, config.ffn_hidden, config.activation)
+        super().__init__(1, config.model_dim, config.ffn_hidden, config.moe.activation, bias=config.moe.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.reshape(1, -1, x.shape[-1])).view(x.shape)
@@ -144,15 +142,7 @@ class Block(nn.Module):
         self.attention = CausalSelfAttention(config)
         self.ln_ffn = nn.LayerNorm(config.model_dim)
         self.ffn: MoELayer | DenseFFN = (
-            MoELayer(
-                config.model_dim, config.ffn_hidden, config.num_experts, top_k=config.top_k,
-                capacity_factor=config.capacity_factor, activation=config.activation,
-                aux_loss_weight=config.aux_loss_weight, group=groups, alltoall=config.alltoall,
-                pipeline=config.pipeline, parallel=config.parallel,
-                tokens_per_rank_hint=config.tokens_per_rank_hint, profile=profile,
-            )
-            if moe
-            else DenseFFN(config)
+            MoELayer.from_config(config.moe, groups, profile) if moe else DenseFFN(config)
         )
 
     @property

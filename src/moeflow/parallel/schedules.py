@@ -58,6 +58,19 @@ class _ModelledSchedule:
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         return SCHEDULE_MODELS[self.name].predict(plan, cost, shape, backward)
 
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None,
+    ) -> torch.Tensor:
+        """The pipelined experts, with this schedule's way of moving chunks."""
+        route = self.exchange(plan, experts, groups)
+        return pipelined_experts(
+            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
+        )
+
+    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class ExpertParallelSchedule(_ModelledSchedule):
@@ -66,14 +79,8 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-    ) -> torch.Tensor:
-        route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
-        return pipelined_experts(
-            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
-        )
+    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+        return ExpertExchange(groups, plan.algorithm, experts.num_experts)  # all-to-all over the group
 
 
 @dataclass(frozen=True)
@@ -83,14 +90,8 @@ class ReplicatedSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-    ) -> torch.Tensor:
-        route = ExpertExchange(None, LOCAL, experts.num_experts)
-        return pipelined_experts(
-            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
-        )
+    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+        return ExpertExchange(None, LOCAL, experts.num_experts)  # tokens stay: only the chunking
 
 
 SCHEDULES: dict[str, ParallelSchedule] = {"expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule()}

@@ -103,10 +103,9 @@ class TrainConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""
         from moeflow.models import TransformerConfig
 
-        architecture = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "tokens_per_rank_hint"}
-        return TransformerConfig(  # the same names here
+        return TransformerConfig.build(
             vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
-            **{name: getattr(self, name) for name in architecture},
+            **{name: getattr(self, name) for name in MODEL_SETTINGS},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,6 +164,14 @@ FIELD_HELP: dict[str, str] = {
     "collective_timeout_s": "seconds before a collective that hangs fails the job",
 }
 """What each setting does: the help of its flag (one line each; a test checks every field has one)."""
+
+
+MODEL_SETTINGS = (
+    "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
+    "model_dim", "ffn_hidden", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
+    "pipeline", "alltoall", "parallel",  # the MoE layers' (MoEConfig's names; ffn_hidden is its hidden_dim)
+)
+"""The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 
 
 def field_names() -> list[str]:

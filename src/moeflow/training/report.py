@@ -54,17 +54,32 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = list(iterate_records(run_dir))
     if not records:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no steps yet")
     corpus_path = run_dir / "corpus.json"
     corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else None
     summary = summarize(records, corpus)
-    steps = np.array([r["step"] for r in records])
+    _plot_loss(run_dir, records, corpus)
+    _plot_expert_load(run_dir, records)
+    _plot_time_breakdown(run_dir, records, summary["time_share"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
-    # loss curves
+
+def _save(figure: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _plot_loss(run_dir: Path, records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> None:
+    """Training loss (raw and smoothed), validation loss, and the unigram entropy line."""
+    import matplotlib.pyplot as plt
+
+    steps = np.array([r["step"] for r in records])
     figure, axis = plt.subplots(figsize=(8, 4.5))
     loss = np.array([r["loss"] for r in records])
     axis.plot(steps, loss, color="#4C72B0", alpha=0.3, linewidth=1, label="train (per step)")
@@ -78,34 +93,41 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     axis.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=f"Loss — {run_dir.name}")
     axis.grid(alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(figure)
+    _save(figure, run_dir / "loss.png")
 
-    # expert load heatmaps
+
+def _plot_expert_load(run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """Per MoE layer, each expert's share of the routed tokens over the steps (a heatmap)."""
+    import matplotlib.pyplot as plt
+
     layers = records[-1].get("moe", [])
-    if layers:
-        columns = min(2, len(layers))
-        rows = (len(layers) + columns - 1) // columns
-        figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
-        for index, layer in enumerate(layers):
-            axis = axes[index // columns][index % columns]
-            load = np.array([
-                next(m["tokens_per_expert"] for m in r["moe"] if m["block"] == layer["block"]) for r in records
-            ], dtype=float).T
-            share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
-            image = axis.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
-                                extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[0] - 0.5, -0.5),
-                                vmin=0, vmax=max(2.0 / share.shape[0], float(share.max())))
-            axis.set(xlabel="step", ylabel="expert", title=f"block {layer['block']}: share of routed tokens")
-            figure.colorbar(image, ax=axis)
-        for index in range(len(layers), rows * columns):
-            axes[index // columns][index % columns].axis("off")
-        figure.tight_layout()
-        figure.savefig(run_dir / "expert_load.png", dpi=110)
-        plt.close(figure)
+    if not layers:
+        return
+    steps = np.array([r["step"] for r in records])
+    columns = min(2, len(layers))
+    rows = (len(layers) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
+    for index, layer in enumerate(layers):
+        axis = axes[index // columns][index % columns]
+        load = np.array([
+            next(m["tokens_per_expert"] for m in r["moe"] if m["block"] == layer["block"]) for r in records
+        ], dtype=float).T
+        share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
+        image = axis.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
+                            extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[0] - 0.5, -0.5),
+                            vmin=0, vmax=max(2.0 / share.shape[0], float(share.max())))
+        axis.set(xlabel="step", ylabel="expert", title=f"block {layer['block']}: share of routed tokens")
+        figure.colorbar(image, ax=axis)
+    for index in range(len(layers), rows * columns):
+        axes[index // columns][index % columns].axis("off")
+    _save(figure, run_dir / "expert_load.png")
 
-    # time breakdown
+
+def _plot_time_breakdown(run_dir: Path, records: list[dict[str, Any]], share: dict[str, float]) -> None:
+    """Time per step by phase (stacked, smoothed) and each phase's mean share (one bar)."""
+    import matplotlib.pyplot as plt
+
+    steps = np.array([r["step"] for r in records])
     phases = [p for p in PHASE_COLORS if any(r["time_s"].get(p, 0) > 0 for r in records)]
     stacked = np.array([[r["time_s"].get(p, 0.0) * 1e3 for r in records] for p in phases])
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
@@ -113,7 +135,6 @@ def write_report(run_dir: Path) -> dict[str, Any]:
                    labels=phases)
     left.set(xlabel="step", ylabel="ms per step (rank 0, smoothed)", title="Time per step by phase")
     left.grid(alpha=0.3)
-    share = summary["time_share"]
     bottom = 0.0
     for phase in phases:
         right.bar(0, share[phase] * 100, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
@@ -123,9 +144,4 @@ def write_report(run_dir: Path) -> dict[str, Any]:
         bottom += share[phase] * 100
     right.set(xticks=[], ylabel="% of step", title="Mean share", ylim=(0, 100))
     left.legend(loc="upper right", fontsize=8, ncol=2)
-    figure.tight_layout()
-    figure.savefig(run_dir / "time_breakdown.png", dpi=110)
-    plt.close(figure)
-
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    _save(figure, run_dir / "time_breakdown.png")

@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -235,100 +235,151 @@ def _progress(config: TrainConfig, rank: int, start: int) -> Any:
     )
 
 
-def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
-    """Train (or continue) the run; rank 0 returns the run's summary."""
+@dataclass
+class _Run:
+    """One worker's training run: what it built and what it has counted so far."""
+
+    job: Job
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None
+    model: MoETransformer
+    optimizer: torch.optim.Optimizer
+    train_shard: np.ndarray
+    val_stream: np.ndarray
+    log: MetricsLog | None
+    tokens_seen: int = 0
+    throughput: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    last_loss: float = float("nan")
+    checkpoint: Path | None = None
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.job.config
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.context * self.world_size
+
+
+def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
+    """Build the model and optimizer (from the checkpoint when resuming); return the step it is at."""
     config, corpus = job.config, job.corpus
-    run_dir = Path(job.run_dir)
     device = device_for(config, rank if job.local_rank is None else job.local_rank)
     group = dist.group.WORLD if dist.is_initialized() else None
     groups = ParallelGroups.from_group(group, Topology(world_size, job.ranks_per_node or world_size))
     model = MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
                            profile=config.profile).to(device)
-    expert_names = model.expert_parameter_names()
     optimizer = build_optimizer(model, config)
     start_step, tokens_seen = 0, 0
     if job.resume_from is not None:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
-    train_shard = shard_of(corpus.load("train"), rank, world_size)
-    val_stream = corpus.load("val")
-    log = MetricsLog(run_dir / METRICS, start_step if job.resume_from else None) if rank == 0 else None
-    tokens_per_step = config.batch_size * config.context * world_size
-    extra_files = [corpus.tokenizer_path]  # state.json holds the config
-    throughput: list[float] = []
-    val_loss: float | None = None
-    last_loss = float("nan")
-    checkpoint: Path | None = None
-    model.train()
-    model.clock.enabled = True
-    progress = _progress(config, rank, start_step)
-    last_step = config.stop_at or config.steps
+    log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
+    run = _Run(job, rank, world_size, device, group, model, optimizer, shard_of(corpus.load("train"), rank, world_size),
+               corpus.load("val"), log, tokens_seen)
+    return run, start_step
+
+
+def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
+    """One optimizer step; returns its metrics record (phase times included)."""
+    config, model = run.config, run.model
+    began = time.perf_counter()
+    lr = learning_rate(config, step)
+    for group_settings in run.optimizer.param_groups:
+        group_settings["lr"] = lr
+    inputs, targets = training_batch(run.train_shard, step, run.rank, config.seed, config.batch_size, config.context)
+    inputs, targets = inputs.to(run.device), targets.to(run.device)
+    data_s = time.perf_counter() - began
+
+    model.clock.reset()
+    forward_began = time.perf_counter()
+    _, loss = model(inputs, targets)
+    loss.backward()
+    compute_s = time.perf_counter() - forward_began
+
+    sync_began = time.perf_counter()
+    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size)
+    lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
+    lm_sum, total_sum, expert_sq_global = _all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
+                                                          run.device)
+    sync_s = time.perf_counter() - sync_began
+    optimizer_began = time.perf_counter()
+    grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    optimizer_s = time.perf_counter() - optimizer_began
+    step_s = time.perf_counter() - began
+    run.tokens_seen += run.tokens_per_step
+    run.throughput.append(run.tokens_per_step / step_s)
+    run.last_loss = lm_sum / run.world_size
+
+    phases = phase_seconds(model)
+    phases["other"] = max(0.0, compute_s - sum(phases.values()))
+    phases.update(grad_sync=sync_s, optimizer=optimizer_s, data=data_s)
+    return {
+        "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
+        "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
+        "tokens_seen": run.tokens_seen, "time_s": phases, "moe": _moe_records(model),
+    }
+
+
+def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[str, Any]) -> None:
+    """Validation when due, the metrics line, then the checkpoint when due (in that order: a resume
+    from the checkpoint finds this step's record)."""
+    config, corpus = run.config, run.job.corpus
+    if step % config.eval_interval == 0 or step == config.steps:
+        run.val_loss = evaluate(run.model, run.val_stream, config, run.rank, run.world_size, run.group, run.device)
+        record["val_loss"] = run.val_loss
+    if run.log is not None:
+        run.log.write(record)
+    if step % config.checkpoint_interval == 0 or step == last_step:
+        state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
+                 "loss": run.last_loss, "val_loss": run.val_loss}
+        run.checkpoint = save_checkpoint(
+            Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
+            [corpus.tokenizer_path], config.keep_checkpoints,  # state.json holds the config
+        )
+
+
+def _show_progress(progress: Any, run: _Run, record: dict[str, Any]) -> None:
+    postfix = {"loss": f"{run.last_loss:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if run.val_loss is not None:
+        postfix["val"] = f"{run.val_loss:.3f}"
+    progress.set_postfix(postfix, refresh=False)
+    progress.update(1)
+
+
+def _summary(run: _Run, last_step: int) -> dict[str, Any]:
+    corpus = run.job.corpus
+    return {
+        "steps": last_step, "workers": run.world_size, "loss": run.last_loss, "val_loss": run.val_loss,
+        "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
+        "median_tokens_per_s": statistics.median(run.throughput) if run.throughput else None,
+        "checkpoint": str(run.checkpoint) if run.checkpoint else None, "run_dir": str(Path(run.job.run_dir)),
+    }
+
+
+def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
+    """Train (or continue) the run; rank 0 returns the run's summary."""
+    run, start_step = _start_run(rank, world_size, job)
+    expert_names = run.model.expert_parameter_names()
+    run.model.train()
+    run.model.clock.enabled = True
+    progress = _progress(run.config, rank, start_step)
+    last_step = run.config.stop_at or run.config.steps
     try:
         for step in range(start_step + 1, last_step + 1):
-            began = time.perf_counter()
-            lr = learning_rate(config, step)
-            for group_settings in optimizer.param_groups:
-                group_settings["lr"] = lr
-            inputs, targets = training_batch(train_shard, step, rank, config.seed, config.batch_size, config.context)
-            inputs, targets = inputs.to(device), targets.to(device)
-            data_s = time.perf_counter() - began
-
-            model.clock.reset()
-            forward_began = time.perf_counter()
-            _, loss = model(inputs, targets)
-            loss.backward()
-            compute_s = time.perf_counter() - forward_began
-
-            sync_began = time.perf_counter()
-            expert_sq = synchronize_gradients(model, expert_names, group, world_size)
-            lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
-            lm_sum, total_sum, expert_sq_global = _all_reduce_sum(
-                [lm_loss, float(loss.detach()), expert_sq], group, device
-            )
-            sync_s = time.perf_counter() - sync_began
-            optimizer_began = time.perf_counter()
-            grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            optimizer_s = time.perf_counter() - optimizer_began
-            step_s = time.perf_counter() - began
-            tokens_seen += tokens_per_step
-            throughput.append(tokens_per_step / step_s)
-            last_loss = lm_sum / world_size
-
-            phases = phase_seconds(model)
-            phases["other"] = max(0.0, compute_s - sum(phases.values()))
-            phases.update(grad_sync=sync_s, optimizer=optimizer_s, data=data_s)
-            record: dict[str, Any] = {
-                "step": step, "loss": last_loss, "aux_loss": (total_sum - lm_sum) / world_size, "lr": lr,
-                "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
-                "tokens_seen": tokens_seen, "time_s": phases, "moe": _moe_records(model),
-            }
-            if step % config.eval_interval == 0 or step == config.steps:
-                val_loss = evaluate(model, val_stream, config, rank, world_size, group, device)
-                record["val_loss"] = val_loss
-            if log is not None:  # before the checkpoint: a resume from it finds this step's record
-                log.write(record)
-            if step % config.checkpoint_interval == 0 or step == last_step:
-                state = {"tokens_seen": tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
-                         "loss": last_loss, "val_loss": val_loss}
-                checkpoint = save_checkpoint(run_dir, step, model, optimizer, group, rank, world_size, state,
-                                             extra_files, config.keep_checkpoints)
-            postfix = {"loss": f"{last_loss:.3f}", "tok/s": f"{tokens_per_step / step_s:,.0f}"}
-            if val_loss is not None:
-                postfix["val"] = f"{val_loss:.3f}"
-            progress.set_postfix(postfix, refresh=False)
-            progress.update(1)
+            record = _train_step(run, step, expert_names)
+            _evaluate_log_checkpoint(run, step, last_step, record)
+            _show_progress(progress, run, record)
     finally:
         progress.close()
-        if log is not None:
-            log.close()
-    return {
-        "steps": last_step, "workers": world_size, "loss": last_loss, "val_loss": val_loss,
-        "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
-        "median_tokens_per_s": statistics.median(throughput) if throughput else None,
-        "checkpoint": str(checkpoint) if checkpoint else None, "run_dir": str(run_dir),
-    }
+        if run.log is not None:
+            run.log.close()
+    return _summary(run, last_step)
 
 
 def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:
