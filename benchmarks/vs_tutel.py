@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SHAPES = ((4096, 512, 2048, 1), (4096, 512, 512, 4), (2048, 1024, 1024, 2), (1024, 256, 1024, 2))
+SHAPES = ((4096, 512, 2048, 2), (4096, 512, 512, 4), (2048, 1024, 1024, 2), (1024, 256, 1024, 2))
 """(tokens per rank T, model dim M, hidden H, experts per rank L)."""
 
 
@@ -42,7 +42,7 @@ def _full_weights(experts: int, model_dim: int, hidden: int) -> dict[str, torch.
     }
 
 
-def _layers(shape: tuple[int, int, int, int], rank: int, world: int) -> tuple[Any, Any]:
+def _layers(shape: tuple[int, int, int, int], rank: int, world: int, pipeline: int | str) -> tuple[Any, Any]:
     import torch.distributed as dist
     from tutel import moe as tutel_moe
 
@@ -51,8 +51,14 @@ def _layers(shape: tuple[int, int, int, int], rank: int, world: int) -> tuple[An
     _, model_dim, hidden, local = shape
     experts = local * world
     full = _full_weights(experts, model_dim, hidden)
-    ours = MoELayer(model_dim, hidden, experts, top_k=2, capacity_factor=0.0, activation="gelu", aux_loss_weight=0.0)
-    ours.load_full_state_dict({**ours.state_dict(), **full})
+    ours = MoELayer(model_dim, hidden, experts, top_k=2, capacity_factor=0.0, activation="gelu", aux_loss_weight=0.0,
+                    pipeline=pipeline, **_groups(world))
+    if hasattr(ours, "load_full_state_dict"):
+        ours.load_full_state_dict({**ours.state_dict(), **full})
+    else:  # moeflow before the placement seam (for side-by-side runs of older commits)
+        from moeflow.experts import shard_expert_state
+
+        ours.load_state_dict(shard_expert_state({**ours.state_dict(), **full}, rank, world))
     group = dist.group.WORLD if dist.is_initialized() else None
     tutel = tutel_moe.moe_layer(
         gate_type={"type": "top", "k": 2, "capacity_factor": 0.0, "fp32_gate": True}, model_dim=model_dim,
@@ -68,6 +74,21 @@ def _layers(shape: tuple[int, int, int, int], rank: int, world: int) -> tuple[An
         tutel.experts.batched_fc2_w.copy_(full["experts.w2"][mine])
         tutel.experts.batched_fc2_bias.copy_(full["experts.b2"][mine])
     return ours, tutel
+
+
+def _groups(world: int) -> dict[str, Any]:
+    """The launcher's topology (LOCAL_WORLD_SIZE), passed in as a user's script does; older commits
+    read it from the environment themselves."""
+    import torch.distributed as dist
+
+    try:
+        from moeflow.comm.groups import ParallelGroups
+        from moeflow.comm.topology import topology_from_environment
+    except ImportError:
+        return {}
+    if not dist.is_initialized():
+        return {}
+    return {"group": ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, world))}
 
 
 def _step(layer: Any, x: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
@@ -92,11 +113,13 @@ def _slowest(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def measure(rank: int, world: int, shapes: list[tuple[int, int, int, int]], repeats: int) -> list[dict[str, Any]]:
+def measure(
+    rank: int, world: int, shapes: list[tuple[int, int, int, int]], repeats: int, pipeline: int | str = "auto"
+) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     records = []
     for shape in shapes:
-        ours, tutel = _layers(shape, rank, world)
+        ours, tutel = _layers(shape, rank, world, pipeline)
         generator = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(shape[0], shape[1], generator=generator)
         upstream = torch.randn(shape[0], shape[1], generator=generator)
@@ -110,6 +133,8 @@ def measure(rank: int, world: int, shapes: list[tuple[int, int, int, int]], repe
                 samples[name].append(_slowest(lambda layer=layer, x=x, upstream=upstream: _step(layer, x, upstream)))
         medians = {name: statistics.median(values) for name, values in samples.items()}
         plan = ours.last_stats.plan if ours.last_stats is not None else None
+        if isinstance(plan, dict):  # older commits kept the plan as a dict
+            plan = argparse.Namespace(**plan)
         records.append({
             "bench": "vs_tutel", "tokens": shape[0], "model_dim": shape[1], "hidden_dim": shape[2],
             "experts_per_rank": shape[3], "ranks": world, "max_abs_difference": difference,
@@ -131,22 +156,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1, help="gloo processes to spawn when not launched")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per layer (medians)")
+    parser.add_argument("--pipeline", default="auto", help="moeflow's pipeline setting: auto (default) or a degree")
     args = parser.parse_args()
+    pipeline = int(args.pipeline) if args.pipeline.isdigit() else args.pipeline
     if "RANK" in os.environ:  # a rank of moeflow launch or torchrun
         from datetime import timedelta
 
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-        records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats)
+        records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats, pipeline)
         rank = dist.get_rank()
         dist.destroy_process_group()
     elif args.workers > 1:
         from moeflow.distributed import run_distributed
 
-        records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, timeout_s=3600)[0], 0
+        records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, pipeline,
+                                           timeout_s=3600)[0], 0
     else:
-        records, rank = measure(0, 1, list(SHAPES), args.repeats), 0
+        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline), 0
     if rank == 0:
         for record in records:
             print(json.dumps(record), flush=True)
