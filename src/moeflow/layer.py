@@ -139,7 +139,7 @@ class MoELayer(nn.Module):
             )
         algorithms = self._candidate_algorithms()
         choice = select_schedule(
-            parallel, num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms
+            parallel, num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms, pipeline
         )
         self.schedule, self.schedule_reason = choice.schedule, choice.reason
         self.placement = self.schedule.placement(num_experts, self.world_size, hidden_dim)

@@ -105,16 +105,20 @@ class ScheduleChoice:
 
 def select_schedule(
     parallel: str, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
-    algorithms: tuple[str, ...],
+    algorithms: tuple[str, ...], pipeline: int | str = "auto",
 ) -> ScheduleChoice:
     """The layer's schedule, fixed when it is built because it decides where the weights live.
-    ``auto`` ranks every schedule's plans for a training step (forward, backward and the gradient
-    sync each choice costs) at the expected shape; without a profile or a token hint it keeps
-    expert parallelism, which holds the fewest weights per rank (and whose placement explains
-    what to do when E is not divisible by the group size)."""
+
+    ``auto`` ranks the schedules for a training step (forward, backward and the gradient sync each
+    choice costs) at the expected shape. Expert parallelism is priced unpipelined (or at a forced
+    degree): the overlap the model promises is what it gets wrong on the 2-core testbed (it put
+    d=10-16 first where d=2 ran fastest), and the online planner can still pipeline afterwards.
+    Without a profile or a token hint it keeps expert parallelism, which holds the fewest weights
+    per rank (and whose placement explains what to do when E is not divisible by the group size)."""
     if parallel != "auto":
         return ScheduleChoice(SCHEDULES[parallel], "forced")
     if world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
         return ScheduleChoice(SCHEDULES["expert"], "default")
-    ranked = rank_schedule_plans(cost_model, shape, tuple(SCHEDULES), range(1, 17), algorithms, backward=True)
+    degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
+    ranked = rank_schedule_plans(cost_model, shape, tuple(SCHEDULES), degrees, algorithms, backward=True)
     return ScheduleChoice(SCHEDULES[ranked[0][0].schedule], "model")
