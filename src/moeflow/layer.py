@@ -8,6 +8,7 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -129,28 +130,9 @@ class MoELayer(nn.Module):
         resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
         self.groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
         self.world_size, self.rank = self.groups.size, self.groups.rank
-        if isinstance(profile, str):
-            profile = ClusterProfile.load(profile)
-        self.cost_model = CostModel(profile) if profile is not None else None
-        if alltoall not in ("linear", "auto") and self.world_size > 1 and not self.groups.is_world:
-            raise ValueError(
-                f"alltoall={alltoall!r} runs on the default (world) process group, where ranks are "
-                "numbered node-major; use alltoall='linear' with a custom group"
-            )
-        algorithms = self._candidate_algorithms()
-        choice = select_schedule(
-            parallel, num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms, pipeline
-        )
-        self.schedule, self.schedule_reason = choice.schedule, choice.reason
-        self.placement = self.schedule.placement(num_experts, self.world_size, hidden_dim)
+        self._plan_execution(ClusterProfile.load(profile) if isinstance(profile, str) else profile)
+        self.gate = build_gate(gate, model_dim, num_experts, cosine_projection_dim, cosine_min_temperature)
         local = self.placement.local(self.rank)
-        self.planner = PipelinePlanner(
-            pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
-            capacity_bucket, schedule=self.schedule.name,
-        )
-        self.gate = build_gate(
-            gate, model_dim, num_experts, cosine_projection_dim, config.cosine_min_temperature
-        )
         hidden_local = local[0].hidden_stop - local[0].hidden_start
         self.experts = ExpertFFN(len(local), model_dim, hidden_local, activation, expert_kernel, bias)
         self.shared_experts = (
@@ -161,6 +143,27 @@ class MoELayer(nn.Module):
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
+
+    def _plan_execution(self, profile: ClusterProfile | None) -> None:
+        """The schedule (and with it the placement of the weights) and the per-iteration planner."""
+        c = self.config
+        self.cost_model = CostModel(profile) if profile is not None else None
+        if c.alltoall not in ("linear", "auto") and self.world_size > 1 and not self.groups.is_world:
+            raise ValueError(
+                f"alltoall={c.alltoall!r} runs on the default (world) process group, where ranks are "
+                "numbered node-major; use alltoall='linear' with a custom group"
+            )
+        algorithms = self._candidate_algorithms()
+        choice = select_schedule(
+            c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
+            c.pipeline,
+        )
+        self.schedule, self.schedule_reason = choice.schedule, choice.reason
+        self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
+        self.planner = PipelinePlanner(
+            c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
+            c.capacity_bucket, schedule=self.schedule.name,
+        )
 
     @classmethod
     def from_config(
@@ -283,8 +286,10 @@ class MoELayer(nn.Module):
             return ALLTOALL_ALGORITHMS
         return distinct_algorithms(self.groups.topology)
 
-    def _reduce_max(self):
+    def _reduce_max(self) -> Callable[[Sequence[float]], list[float]]:
+        """The slowest rank's times, for the planner (which imports no torch.distributed)."""
         group = self.groups.expert
+        assert group is not None
         return lambda values: max_over_ranks(values, group)
 
     def _region(self, capacity: int, bytes_per_element: int) -> RegionShape:
