@@ -58,3 +58,15 @@ def test_two_forwards_before_one_backward_match_the_reference() -> None:
             if name.startswith("experts."):
                 actual = getattr(layer.experts, name.split(".")[1]).grad
                 torch.testing.assert_close(actual, expected.grad, rtol=2e-5, atol=2e-5, msg=f"{activation} {name}")
+
+
+def test_a_copied_layer_computes_the_same_with_its_own_workspace() -> None:
+    import copy
+
+    _, layer = _pair()
+    x = torch.randn(16, 8)
+    with torch.no_grad():  # (a training forward leaves aux_loss in a graph, which torch cannot copy)
+        layer(x)
+    clone = copy.deepcopy(layer)
+    assert clone.workspace is not layer.workspace and clone.groups is layer.groups
+    torch.testing.assert_close(clone(x), layer(x), rtol=0, atol=0)

@@ -29,6 +29,9 @@ class Workspace:
         self._free: dict[_Key, list[torch.Tensor]] = defaultdict(list)
         self._used_this_step: set[_Key] = set()
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Workspace:
+        return Workspace()  # a copied layer keeps its own buffers, starting empty
+
     def take(self, shape: tuple[int, ...] | torch.Size, like: torch.Tensor) -> torch.Tensor:
         """An uninitialized buffer of ``shape`` with ``like``'s dtype and device."""
         key = (tuple(shape), like.dtype, like.device)

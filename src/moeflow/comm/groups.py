@@ -91,6 +91,9 @@ class ParallelGroups:
         self.worker = CommunicationWorker()
         self._node_groups: NodeGroups | None = None
 
+    def __deepcopy__(self, memo: dict[int, object]) -> ParallelGroups:
+        return self  # process groups are the job's, not a model's: a copied model shares them
+
     @classmethod
     def single_process(cls) -> ParallelGroups:
         return cls(None, Topology(1, 1))
