@@ -25,8 +25,8 @@ MATMUL = 2048
 
 def _step(module: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> None:
     x = x.detach().requires_grad_()
-    loss = (module(x) * upstream).sum() + module.aux_loss
-    loss.backward()
+    y = module(x)  # the upstream gradient goes in directly: no loss arithmetic inside the timing
+    torch.autograd.backward([y, module.aux_loss], [upstream, torch.ones_like(module.aux_loss)])
     module.zero_grad(set_to_none=True)
 
 

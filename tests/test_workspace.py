@@ -18,17 +18,49 @@ def _pair(**kwargs: object) -> tuple[ReferenceMoE, MoELayer]:
     return reference, layer
 
 
-def test_buffers_are_reused_and_stale_shapes_dropped() -> None:
+def test_a_buffer_is_reused_only_once_nothing_references_it() -> None:
     workspace = Workspace()
     like = torch.zeros(1)
     first = workspace.take((4, 5), like)
-    workspace.give(first)
+    pointer = first.data_ptr()
+    view = first[1:]  # a view keeps the storage in use
+    del first
     workspace.start_step()
-    assert workspace.take((4, 5), like).data_ptr() == first.data_ptr()
-    workspace.give(torch.empty(2, 2))
+    assert workspace.take((4, 5), like).data_ptr() != pointer  # the view still uses it
+    del view
+    assert workspace.pooled_bytes == 2 * 4 * 5 * 4  # both are free now
+    again = workspace.take((4, 5), like)
+    assert again.data_ptr() == pointer and again.shape == (4, 5) and again.is_contiguous()
+    assert workspace.take((4, 5), like).data_ptr() != pointer  # never handed out twice at once
+
+
+def test_stale_shapes_and_extra_buffers_are_dropped() -> None:
+    workspace = Workspace()
+    like = torch.zeros(1)
+    held = [workspace.take((2, 2), like) for _ in range(3)]
+    del held
+    workspace.start_step()
+    workspace.take((2, 2), like)  # this step needs one (2, 2) buffer
+    workspace.start_step()
+    assert workspace.pooled_bytes == 2 * 2 * 4
     workspace.start_step()  # (2, 2) was not taken in that step: dropped
-    workspace.start_step()
     assert workspace.pooled_bytes == 0
+
+
+def test_a_gradient_the_user_keeps_is_never_written_over() -> None:
+    _, layer = _pair()
+    x = torch.randn(32, 8)
+    (layer(x).sum() + layer.aux_loss).backward()
+    kept = layer.experts.w1.grad
+    snapshot = kept.clone()
+    layer.zero_grad(set_to_none=True)
+    (layer(2 * x).sum() + layer.aux_loss).backward()
+    assert layer.experts.w1.grad.data_ptr() != kept.data_ptr()
+    torch.testing.assert_close(kept, snapshot, rtol=0, atol=0)
+    del kept
+    layer.zero_grad(set_to_none=True)
+    (layer(x).sum() + layer.aux_loss).backward()
+    torch.testing.assert_close(layer.experts.w1.grad, snapshot, rtol=0, atol=0)
 
 
 def test_the_layer_reuses_its_buffers_across_steps() -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from moeflow.workspace import Workspace, buffer
+
 
 @dataclass(frozen=True)
 class DispatchPlan:
@@ -79,32 +81,52 @@ def _bag_sum(
     )
 
 
-def _rows_per_slot(rows_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """(S, M): the row of the token each slot holds (garbage for empty slots, callers mask)."""
+def _rows_per_slot(rows_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None) -> torch.Tensor:
+    """(S, M): the row of the token each slot holds (garbage for empty slots, callers mask). The
+    result flows on through autograd; a workspace reuses it once nothing references it."""
+    shape = (plan.num_slots, rows_TM.shape[1])
     if plan.num_tokens == 0:
-        return rows_TM.new_zeros((plan.num_slots, rows_TM.shape[1]))
-    return rows_TM.index_select(0, plan.slot_token_S)
+        return rows_TM.new_zeros(shape)
+    return torch.index_select(rows_TM, 0, plan.slot_token_S, out=buffer(workspace, shape, rows_TM))
+
+
+ROW_DOT_BLOCK = 256  # rows per block: a (256, M) product stays in cache
+
+
+def _row_dots(a_SM: torch.Tensor, b_SM: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products, a block of rows at a time: ``vecdot`` materializes the whole (S, M)
+    product, a fresh multi-MB buffer that cost 4-5x the arithmetic in page faults and cache misses."""
+    out_S = a_SM.new_empty(a_SM.shape[0])
+    block = a_SM.new_empty((min(ROW_DOT_BLOCK, a_SM.shape[0]), a_SM.shape[1]))
+    for start in range(0, a_SM.shape[0], ROW_DOT_BLOCK):
+        rows = slice(start, start + ROW_DOT_BLOCK)
+        product = torch.mul(a_SM[rows], b_SM[rows], out=block[: out_S[rows].shape[0]])
+        torch.sum(product, dim=1, out=out_S[rows])
+    return out_S
 
 
 class _FastEncode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None
+    ) -> torch.Tensor:
         ctx.plan = plan
-        buffer_SM = _rows_per_slot(x_TM, plan)
+        buffer_SM = _rows_per_slot(x_TM, plan, workspace)
         return buffer_SM.index_fill_(0, plan.empty_slots, 0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        return _bag_sum(grad_SM.contiguous(), ctx.plan), None
+        return _bag_sum(grad_SM.contiguous(), ctx.plan), None, None
 
 
 class _FastDecode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: DispatchPlan
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: DispatchPlan,
+        workspace: Workspace | None,
     ) -> torch.Tensor:
-        ctx.plan = plan
+        ctx.plan, ctx.workspace = plan, workspace
         ctx.save_for_backward(buffer_SM, weight_N)
         return _bag_sum(buffer_SM, plan, weight_N)
 
@@ -113,24 +135,26 @@ class _FastDecode(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_N = ctx.saved_tensors
         plan: DispatchPlan = ctx.plan
-        grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), plan)
+        grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), plan, ctx.workspace)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight_S = torch.linalg.vecdot(grad_per_slot_SM, buffer_SM)
+            grad_weight_S = _row_dots(grad_per_slot_SM, buffer_SM)
             grad_weight = grad_weight_S.index_select(0, plan.slot_idx_N)
         slot_weight_S = weight_N.new_zeros(plan.num_slots).index_copy_(0, plan.slot_idx_N, weight_N)
         grad_buffer = grad_per_slot_SM.mul_(slot_weight_S.unsqueeze(1))  # empty slots: weight 0
-        return grad_buffer, grad_weight, None
+        return grad_buffer, grad_weight, None, None
 
 
-def encode(x_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def encode(x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None) -> torch.Tensor:
     """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero."""
-    buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan)
+    buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan, workspace)
     return buffer_SM.view(plan.num_experts, plan.capacity, x_TM.shape[1])
 
 
-def decode(buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def decode(
+    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None
+) -> torch.Tensor:
     """Weighted gather back to tokens: y_t = sum over kept choices of w_tj * buffer[slot_tj]."""
     weight_N = weights_TK[plan.choice_mask_TK].to(buffer_ECM.dtype)
     buffer_SM = buffer_ECM.reshape(plan.num_slots, buffer_ECM.shape[-1]).contiguous()
-    return _FastDecode.apply(buffer_SM, weight_N, plan)
+    return _FastDecode.apply(buffer_SM, weight_N, plan, workspace)

@@ -26,6 +26,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
 from moeflow.parallel.placement import ExpertPlacement, expert_kind
 from moeflow.workspace import Workspace
+from moeflow.workspace import buffer as _buffer
 
 KERNELS = EXPERT_KERNELS
 
@@ -57,10 +58,6 @@ def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out
     if name == "gelu":
         return torch.ops.aten.gelu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
     return torch.ops.aten.silu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
-
-
-def _buffer(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(shape) if workspace is None else workspace.take(shape, like)
 
 
 @dataclass(frozen=True)
@@ -99,12 +96,15 @@ class FFNWeightGradInputs:
     grad_up_LCH: torch.Tensor | None
 
     @staticmethod
-    def concat(parts: list[FFNWeightGradInputs]) -> FFNWeightGradInputs:
+    def concat(parts: list[FFNWeightGradInputs], workspace: Workspace | None = None) -> FFNWeightGradInputs:
         if len(parts) == 1:
             return parts[0]
 
         def cat(name: str) -> torch.Tensor:
-            return torch.cat([getattr(part, name) for part in parts], dim=1)
+            tensors = [getattr(part, name) for part in parts]
+            first = tensors[0]
+            rows = sum(t.shape[1] for t in tensors)
+            return torch.cat(tensors, dim=1, out=_buffer(workspace, (first.shape[0], rows, first.shape[2]), first))
 
         grad_up = cat("grad_up_LCH") if parts[0].grad_up_LCH is not None else None
         return FFNWeightGradInputs(cat("x_LCM"), cat("hidden_LCH"), cat("grad_y_LCM"), cat("grad_h_LCH"), grad_up)
@@ -125,7 +125,9 @@ class ExpertCompute(Protocol):
         self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNWeightGradInputs]: ...
 
-    def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]: ...
+    def weight_grads(
+        self, inputs: FFNWeightGradInputs, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> list[torch.Tensor | None]: ...
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,7 @@ class FFNCompute:
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNSaved]:
-        """y and what the backward needs; h, a (and up) come from ``workspace`` when given, and
-        belong to the returned record until the backward gives them back."""
+        """y and what the backward needs; y, h, a (and up) come from ``workspace`` when given."""
         loop = self.kernel == "loop"
         rows, hidden, model = x_LCM.shape[:2], weights.w1.shape[2], weights.w2.shape[2]
         h_LCH = batched_mm(x_LCM, weights.w1, loop, _buffer(workspace, (*rows, hidden), x_LCM))
@@ -152,8 +153,6 @@ class FFNCompute:
         up_LCH = self._up(x_LCM, weights, workspace)
         hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
         y_LCM = batched_mm(hidden_LCH, weights.w2, loop, _buffer(workspace, (*rows, model), x_LCM))
-        if up_LCH is not None and workspace is not None:
-            workspace.give(hidden_LCH)  # the backward recomputes it
         if weights.b2 is not None and self.adds_output_bias:
             y_LCM.add_(weights.b2.unsqueeze(1))
         return y_LCM, FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
@@ -172,8 +171,6 @@ class FFNCompute:
         grad_h_LCH = _activation_grad(
             self.activation, grad_a_LCH, saved.h_LCH, _buffer(workspace, a_LCH.shape, a_LCH)
         )
-        if workspace is not None:
-            workspace.give(grad_a_LCH)
         grad_x_LCM = batched_mm(
             grad_h_LCH, weights.w1.transpose(1, 2), loop, _buffer(workspace, saved.x_LCM.shape, saved.x_LCM)
         )
@@ -186,14 +183,23 @@ class FFNCompute:
                 grad_x_LCM.baddbmm_(grad_up_LCH, w3_t)
         return grad_x_LCM, FFNWeightGradInputs(saved.x_LCM, hidden_LCH, grad_y_LCM, grad_h_LCH, grad_up_LCH)
 
-    def weight_grads(self, inputs: FFNWeightGradInputs, weights: FFNWeights) -> list[torch.Tensor | None]:
-        """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows; None where absent."""
+    def weight_grads(
+        self, inputs: FFNWeightGradInputs, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> list[torch.Tensor | None]:
+        """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows; None where absent. With
+        a ``workspace`` the large ones reuse storage that no earlier gradient still uses."""
         loop = self.kernel == "loop"
-        grad_w2 = batched_mm(inputs.hidden_LCH.transpose(1, 2), inputs.grad_y_LCM, loop)
-        grad_w1 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_h_LCH, loop)
+
+        def grad_of(weight: torch.Tensor, a_LKI: torch.Tensor, b_LIJ: torch.Tensor) -> torch.Tensor:
+            out = None if workspace is None else workspace.take(weight.shape, weight)
+            return batched_mm(a_LKI.transpose(1, 2), b_LIJ, loop, out)
+
+        grad_w2 = grad_of(weights.w2, inputs.hidden_LCH, inputs.grad_y_LCM)
+        grad_w1 = grad_of(weights.w1, inputs.x_LCM, inputs.grad_h_LCH)
         grad_w3 = None
         if inputs.grad_up_LCH is not None:
-            grad_w3 = batched_mm(inputs.x_LCM.transpose(1, 2), inputs.grad_up_LCH, loop)
+            assert weights.w3 is not None
+            grad_w3 = grad_of(weights.w3, inputs.x_LCM, inputs.grad_up_LCH)
         grad_b1 = inputs.grad_h_LCH.sum(dim=1) if weights.b1 is not None else None
         grad_b2 = None
         if weights.b2 is not None:

@@ -204,15 +204,15 @@ class MoELayer(nn.Module):
         plan = make_dispatch_plan(choice.expert_idx_TK, location_TK, config.num_experts, capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
-        dispatched_ECM = encode(x_TM, plan)
+        self.workspace.start_step()
+        dispatched_ECM = encode(x_TM, plan, self.workspace)
         chosen, timing = self.planner.choose(
             self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled()
         )
-        self.workspace.start_step()
         combined_ECM = self.schedule.run(
             chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace
         )
-        y_TM = decode(combined_ECM, choice.weights_TK, plan)
+        y_TM = decode(combined_ECM, choice.weights_TK, plan, self.workspace)
 
         if self.shared_experts is not None:
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)

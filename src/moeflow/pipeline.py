@@ -33,7 +33,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
+from moeflow.workspace import Workspace, buffer
 
 __all__ = ["ExpertExchange", "PipelineTiming", "capacity_chunks", "pipelined_experts", "run_pipeline"]
 
@@ -83,24 +83,27 @@ def run_pipeline(
     compute: Callable[[int, torch.Tensor], torch.Tensor],
     route: ExpertExchange,
     after_compute: Callable[[], None] | None = None,
-    release: Callable[[torch.Tensor], None] | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """out[:, a:b] = from_experts(compute(i, to_experts(buffer[:, a:b]))) for each chunk (a, b).
 
     With more than one chunk and a process group, communication runs on the communication worker
     while ``compute`` runs on the caller's thread; chunk i's experts overlap the dispatch of the
-    chunks after it and the combine of the chunks before it. ``release`` gets each chunk's
-    computed output once it has been sent on (to give a workspace buffer back).
+    chunks after it and the combine of the chunks before it. One chunk that stays on this rank
+    is returned as ``compute`` made it, with no copy.
     """
-    out_ECM = torch.empty_like(buffer_ECM)
+    if len(chunks) == 1 and not route.communicates:
+        out_ECM = compute(0, route.to_experts(buffer_ECM))
+        if after_compute is not None:
+            after_compute()
+        return out_ECM
+    out_ECM = buffer(workspace, buffer_ECM.shape, buffer_ECM)
 
     def send(start: int, stop: int) -> torch.Tensor:
         return route.to_experts(buffer_ECM[:, start:stop])
 
     def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
         out_ECM[:, start:stop] = route.from_experts(y_LXM, stop - start)
-        if release is not None:
-            release(y_LXM)
 
     if len(chunks) == 1 or not route.communicates:
         for index, (start, stop) in enumerate(chunks):
@@ -145,11 +148,9 @@ class _PipelinedExperts(torch.autograd.Function):
             timing.expert_forward_s += time.perf_counter() - begin
             return y_LXM
 
-        release = workspace.give if workspace is not None else None
-        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route, release=release)
-        if workspace is not None and not for_backward:  # no backward will read the activations
-            workspace.give(*(t for chunk in saved if chunk for t in (chunk.h_LCH, chunk.a_LCH, chunk.up_LCH)))
-            saved = []
+        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route, workspace=workspace)
+        if not for_backward:
+            saved = []  # no backward will read the activations: their buffers are free at once
         ctx.save_for_backward(*weight_tensors)
         ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks, ctx.compute = route, chunks, timing, saved, compute
         ctx.workspace = workspace
@@ -165,7 +166,6 @@ class _PipelinedExperts(torch.autograd.Function):
         workspace: Workspace | None = ctx.workspace
         saved: list[FFNSaved | None] = ctx.saved_chunks
         pending: list[FFNWeightGradInputs] = []
-        done: list[FFNSaved] = []
         totals: list[torch.Tensor | None] = [None] * len(ctx.saved_tensors)
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
@@ -175,33 +175,22 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_x_LXM, weight_inputs = compute.backward_input(chunk, grad_y_LXM, weights, workspace)
             saved[index] = None
             pending.append(weight_inputs)
-            done.append(chunk)
             ctx.timing.expert_backward_s += time.perf_counter() - begin
             return grad_x_LXM
 
         def weight_gradients() -> None:
             # deferred: full-size GEMMs, off the critical path, overlapping the last combines
             begin = time.perf_counter()
-            totals[:] = compute.weight_grads(FFNWeightGradInputs.concat(pending), weights)
-            if workspace is not None:
-                _give_back(workspace, done, pending)
-            pending.clear()
+            totals[:] = compute.weight_grads(FFNWeightGradInputs.concat(pending, workspace), weights, workspace)
+            pending.clear()  # the chunks' activations and their gradients are free from here
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
-        release = workspace.give if workspace is not None else None
         grad_buffer_ECM = run_pipeline(
             grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients,
-            release=release,
+            workspace=workspace,
         )
         ctx.timing.backward_s = time.perf_counter() - start
         return grad_buffer_ECM, None, None, None, None, None, None, *totals
-
-
-def _give_back(workspace: Workspace, done: list[FFNSaved], pending: list[FFNWeightGradInputs]) -> None:
-    """After the weight gradients nothing reads a chunk's activations or their gradients."""
-    for chunk, inputs in zip(done, pending, strict=True):
-        hidden = inputs.hidden_LCH if chunk.up_LCH is not None else None  # else it is a_LCH itself
-        workspace.give(chunk.h_LCH, chunk.a_LCH, chunk.up_LCH, hidden, inputs.grad_h_LCH, inputs.grad_up_LCH)
 
 
 def pipelined_experts(
