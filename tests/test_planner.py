@@ -17,6 +17,8 @@ from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
+from moeflow.perf.schedules import Plan
+from moeflow.planner import MIN_GAIN, simplest_within
 
 PROFILE = ClusterProfile(
     nodes=2, ranks_per_node=1,
@@ -68,7 +70,9 @@ def test_search_times_each_candidate_then_serves_the_fastest(two_ranks: list[dic
     assert [p["source"] for p in plans] == ["trial"] * 6 + ["dictionary"] * 2
     assert [p["requested_degree"] for p in plans[:6]] == [1, 1, 1, 2, 2, 2]
     measured = two_ranks[0]["search_measured"][0]
-    best = min(measured, key=measured.get)
+    plans_measured = [Plan("expert", degree, algorithm) for degree, algorithm in measured]
+    chosen = simplest_within(plans_measured, list(measured.values()), MIN_GAIN)
+    best = (chosen.degree, chosen.algorithm)
     assert two_ranks[0]["search_dictionary"] == {0: best}
     assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) == best
     assert all(p["forward_s"] > 0 and p["backward_s"] > 0 for p in plans)
@@ -145,3 +149,11 @@ def _model_without_profile(rank: int, world: int) -> str:
 def test_model_policy_without_a_profile_says_how_to_get_one() -> None:
     (message,) = run_distributed(_model_without_profile, 1, timeout_s=60)
     assert "profile" in message and "moeflow calibrate" in message
+
+
+def test_a_pipelined_plan_must_beat_the_simpler_ones_by_the_margin() -> None:
+    plans = [Plan("expert", 1, "linear"), Plan("expert", 2, "linear"), Plan("expert", 8, "pairwise")]
+    assert simplest_within(plans, [1.00, 0.97, 0.96], 0.05) == plans[0]  # inside the noise: d=1
+    assert simplest_within(plans, [1.00, 0.90, 0.89], 0.05) == plans[1]  # d=2 gains; d=8 adds nothing
+    assert simplest_within(plans, [1.00, 0.90, 0.80], 0.05) == plans[2]
+    assert simplest_within(plans, [1.00, 0.97, 0.96], 0.0) == plans[2]  # no margin: the fastest

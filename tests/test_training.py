@@ -367,3 +367,14 @@ def test_train_runs_under_torchrun_as_the_launched_ranks(tmp_path: Path) -> None
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"summary"')]
     assert len(summaries) == 1 and summaries[0]["workers"] == 2 and summaries[0]["steps"] == 4
     assert list(losses(tmp_path / "run")) == [1, 2, 3, 4] and (tmp_path / "run" / "loss.png").exists()
+
+
+def test_the_default_models_moe_layer_is_moeconfigs_default_for_it() -> None:
+    from dataclasses import replace
+
+    from moeflow.config import model_moe_defaults
+    from moeflow.training.config import TrainConfig
+
+    config = TrainConfig()
+    built = config.model_config(vocab_size=64).moe
+    assert built == replace(model_moe_defaults(), tokens_per_rank_hint=config.batch_size * config.context)

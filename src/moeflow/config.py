@@ -174,3 +174,13 @@ def require_positive_int(name: str, value: object) -> None:
 def require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+MODEL_MOE_DEFAULTS = {"model_dim": 256, "hidden_dim": 512, "num_experts": 8, "capacity_factor": 1.25}
+"""The MoE settings of the default language model where they differ from the layer's own defaults:
+with :class:`MoEConfig`'s defaults, the one source of the trainer's MoE defaults."""
+
+
+def model_moe_defaults() -> MoEConfig:
+    """The default language model's MoE layer settings."""
+    return MoEConfig(**MODEL_MOE_DEFAULTS)

@@ -22,14 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import MoEConfig, ffn_projections, require_positive_int, validate_capacity_factor
+from moeflow.config import (
+    MODEL_MOE_DEFAULTS,
+    MoEConfig,
+    ffn_projections,
+    require_positive_int,
+    validate_capacity_factor,
+)
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.phases import PhaseClock
-
-MOE_DEFAULTS = {"model_dim": 256, "hidden_dim": 512, "num_experts": 8, "capacity_factor": 1.25}
-"""The MoE settings of the default model where they differ from the layer's own defaults."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,14 @@ class TransformerConfig:
     @classmethod
     def build(cls, **values: Any) -> TransformerConfig:
         """From flat settings: the architecture's own names, MoEConfig's names, and ``ffn_hidden``
-        for the layer's ``hidden_dim``; MoE settings not given take :data:`MOE_DEFAULTS`."""
+        for the layer's ``hidden_dim``; MoE settings not given take ``moeflow.config.MODEL_MOE_DEFAULTS``."""
         own = {f.name for f in fields(cls)} - {"moe"}
         moe_names = {f.name for f in fields(MoEConfig)}
         values = {("hidden_dim" if k == "ffn_hidden" else k): v for k, v in values.items()}
         unknown = sorted(set(values) - own - moe_names)
         if unknown:
             raise ValueError(f"unknown model setting(s) {unknown}")
-        moe = MoEConfig(**{**MOE_DEFAULTS, **{k: v for k, v in values.items() if k in moe_names}})
+        moe = MoEConfig(**{**MODEL_MOE_DEFAULTS, **{k: v for k, v in values.items() if k in moe_names}})
         return cls(moe=moe, **{k: v for k, v in values.items() if k in own})
 
     @property

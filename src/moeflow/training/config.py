@@ -10,13 +10,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.config import require_choice, require_positive_int
+from moeflow.config import model_moe_defaults, require_choice, require_positive_int
 from moeflow.data import TOKENIZERS
 
 if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
 
 BACKENDS = ("gloo", "nccl")
+_MOE = model_moe_defaults()
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,19 @@ class TrainConfig:
     context: int = 128
     layers: int = 4
     heads: int = 4
-    model_dim: int = 256
-    ffn_hidden: int = 512
-    num_experts: int = 8
-    top_k: int = 2
+    # the MoE layers: defaults from MoEConfig (moeflow.config), the one source of them
+    model_dim: int = _MOE.model_dim
+    ffn_hidden: int = _MOE.hidden_dim
+    num_experts: int = _MOE.num_experts
+    top_k: int = _MOE.top_k
     moe_every: int = 1
-    capacity_factor: float = 1.25
+    capacity_factor: float = _MOE.capacity_factor
     eval_capacity_factor: float = 0.0
-    aux_loss_weight: float = 0.01
-    activation: str = "gelu"
-    pipeline: int | str = "auto"
-    alltoall: str = "auto"
-    parallel: str = "auto"  # expert | replicated | auto (auto needs --profile; planned for batch x context)
+    aux_loss_weight: float = _MOE.aux_loss_weight
+    activation: str = _MOE.activation
+    pipeline: int | str = _MOE.pipeline
+    alltoall: str = _MOE.alltoall
+    parallel: str = _MOE.parallel  # expert | replicated | auto (auto needs --profile; planned for batch x context)
     profile: str | None = None  # a calibrated cluster profile for the planner
     # optimization
     steps: int = 200
