@@ -124,7 +124,7 @@ def measure(
         x = torch.randn(shape[0], shape[1], generator=generator)
         upstream = torch.randn(shape[0], shape[1], generator=generator)
         difference = float((_step(ours, x, upstream) - _step(tutel, x, upstream)).abs().max())
-        for _ in range(12):  # warm-up; moeflow's planner settles its online trials here
+        for _ in range(16):  # warm-up; moeflow's planner settles its online trials here
             _step(ours, x, upstream)
             _step(tutel, x, upstream)
         samples: dict[str, list[float]] = {"moeflow": [], "tutel": []}

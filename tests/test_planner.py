@@ -67,8 +67,8 @@ def two_ranks() -> list[dict[str, Any]]:
 @pytest.mark.distributed
 def test_search_times_each_candidate_then_serves_the_fastest(two_ranks: list[dict[str, Any]]) -> None:
     plans = two_ranks[0]["search"]
-    assert [p["source"] for p in plans] == ["trial"] * 6 + ["dictionary"] * 2
-    assert [p["requested_degree"] for p in plans[:6]] == [1, 1, 1, 2, 2, 2]
+    assert [p["source"] for p in plans] == ["warmup"] + ["trial"] * 6 + ["dictionary"]
+    assert [p["requested_degree"] for p in plans[:7]] == [1, 1, 1, 1, 2, 2, 2]
     measured = two_ranks[0]["search_measured"][0]
     plans_measured = [Plan("expert", degree, algorithm) for degree, algorithm in measured]
     chosen = simplest_within(plans_measured, list(measured.values()), MIN_GAIN)
@@ -100,8 +100,8 @@ def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks:
     candidates = list(dict.fromkeys(top + [(d, top[0][1]) for d in (1, 2, 4, 8)]))
     assert 4 <= len(candidates) <= 7
     trials = 3 * len(candidates)
-    assert [p["source"] for p in plans] == ["trial"] * trials + ["dictionary"] * (len(plans) - trials)
-    assert [(p["requested_degree"], p["alltoall"]) for p in plans[0:trials:3]] == candidates
+    assert [p["source"] for p in plans] == ["warmup"] + ["trial"] * trials + ["dictionary"] * (len(plans) - trials - 1)
+    assert [(p["requested_degree"], p["alltoall"]) for p in plans[1:trials + 1:3]] == candidates
     assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) in candidates
     assert all(p["predicted_forward_s"] > 0 and p["predicted_backward_s"] > 0 for p in plans)
 

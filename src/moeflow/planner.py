@@ -6,7 +6,8 @@ Policies (``pipeline=``):
   profile and take the fastest (cached per capacity).
 - ``"search"``: Tutel 3.3. A dictionary keyed by floor(capacity / R): on a new key, each candidate
   of {1, 2, 4, 8} x algorithms runs for a few iterations, the median time of the slowest rank is
-  kept, and the best candidate serves that key afterwards: the one with the fewest chunks among
+  kept (one untimed warm-up call comes first: the first call at a new capacity grows buffers and
+  was always d=1's), and the best candidate serves that key afterwards: the one with the fewest chunks among
   those within ``min_gain`` (5 %) of the fastest. Trials are a few noisy medians, and a pipelined
   plan whose measured gain is inside that noise costs more than it saves (on two gloo ranks over
   loopback, trial noise picked d=2 or d=8 where d=1 ran 5-15 % faster).
@@ -39,7 +40,7 @@ ReduceMax = Callable[[Sequence[float]], list[float]]
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The plan of one forward and why: ``source`` is forced, model, trial, dictionary or local."""
+    """The plan of one forward and why: ``source`` is forced, model, warmup, trial, dictionary or local."""
 
     plan: Plan
     source: str
@@ -130,9 +131,10 @@ class PipelinePlanner:
         if key in self.dictionary:
             return self._with_prediction(self.dictionary[key], "dictionary", key, shape, backward), timing
         search = self._searches.get(key)
-        if search is None:
+        if search is None:  # the first call at a new key pays one-time costs: run it untimed
             search = _Search(self._candidates(shape, backward, degrees), self.search_trials)
             self._searches[key] = search
+            return self._with_prediction(search.candidates[0], "warmup", key, shape, backward), timing
         index = search.next_trial()
         if index is not None:
             search.timings[index].append(timing)
