@@ -1,0 +1,41 @@
+"""Sharded weights gathered for one computation, as ZeRO-3 does and Tutel's r = 0 needs.
+
+Each rank stores one dim-0 shard of a weight (its experts, or its hidden slice). ``gather_shards``
+all-gathers the full tensor for the forward; its backward reduce-scatters the gradient, so every
+rank's shard receives the sum of the gradients that all ranks' tokens produced, the same sum that
+expert parallelism gets by sending the tokens instead of the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from moeflow.comm.groups import group_size
+
+
+class _GatherShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        world = group_size(group)
+        full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+        return full
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_full: torch.Tensor):  # type: ignore[override]
+        world = group_size(ctx.group)
+        grad_shard = grad_full.new_empty((grad_full.shape[0] // world, *grad_full.shape[1:]))
+        dist.reduce_scatter_tensor(grad_shard, grad_full.contiguous(), group=ctx.group)
+        return grad_shard, None
+
+
+def gather_shards(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The full tensor from every rank's equal dim-0 shard (rank order); differentiable: the
+    gradient of a shard is the sum over ranks of the gradient of its rows."""
+    if group_size(group) == 1:
+        return shard
+    return _GatherShards.apply(shard, group)
