@@ -96,12 +96,13 @@ ROW_DOT_BLOCK = 256  # rows per block: a (256, M) product stays in cache
 def _row_dots(a_SM: torch.Tensor, b_SM: torch.Tensor) -> torch.Tensor:
     """Row-wise dot products, a block of rows at a time: ``vecdot`` materializes the whole (S, M)
     product, a fresh multi-MB buffer that cost 4-5x the arithmetic in page faults and cache misses."""
-    out_S = a_SM.new_empty(a_SM.shape[0])
-    block = a_SM.new_empty((min(ROW_DOT_BLOCK, a_SM.shape[0]), a_SM.shape[1]))
-    for start in range(0, a_SM.shape[0], ROW_DOT_BLOCK):
-        rows = slice(start, start + ROW_DOT_BLOCK)
-        product = torch.mul(a_SM[rows], b_SM[rows], out=block[: out_S[rows].shape[0]])
-        torch.sum(product, dim=1, out=out_S[rows])
+    num_rows = a_SM.shape[0]
+    out_S = a_SM.new_empty(num_rows)
+    block = a_SM.new_empty((min(ROW_DOT_BLOCK, num_rows), a_SM.shape[1]))
+    for start in range(0, num_rows, ROW_DOT_BLOCK):
+        stop = min(start + ROW_DOT_BLOCK, num_rows)
+        product = torch.mul(a_SM[start:stop], b_SM[start:stop], out=block[: stop - start])
+        torch.sum(product, dim=1, out=out_S[start:stop])
     return out_S
 
 

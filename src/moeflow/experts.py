@@ -191,8 +191,7 @@ class FFNCompute:
         loop = self.kernel == "loop"
 
         def grad_of(weight: torch.Tensor, a_LKI: torch.Tensor, b_LIJ: torch.Tensor) -> torch.Tensor:
-            out = None if workspace is None else workspace.take(weight.shape, weight)
-            return batched_mm(a_LKI.transpose(1, 2), b_LIJ, loop, out)
+            return batched_mm(a_LKI.transpose(1, 2), b_LIJ, loop, _buffer(workspace, weight.shape, weight))
 
         grad_w2 = grad_of(weights.w2, inputs.hidden_LCH, inputs.grad_y_LCM)
         grad_w1 = grad_of(weights.w1, inputs.x_LCM, inputs.grad_h_LCH)
