@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.config import switchable_rs
 from moeflow.experts import shard_expert_state
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
@@ -53,6 +54,7 @@ class Case:
     empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
     ranks_per_node: int | None = None  # ranks per node of the topology for the topology-aware all-to-alls
     expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
+    r_per_step: tuple[str, ...] = ()  # Tutel's r of each step's call ("r0", "r1", "rmid", "rmax")
 
 
 def grid_cases() -> list[Case]:
@@ -116,6 +118,7 @@ def extra_cases() -> list[Case]:
         Case("alltoall-auto-without-profile", {**base, "alltoall": "auto"}, expected_alltoall="linear"),
         *pipeline_cases(base),
         *parallel_cases(base),
+        *adaptive_cases(base),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
@@ -144,6 +147,44 @@ def parallel_cases(base: dict[str, Any]) -> list[Case]:
         Case("k1-no-bias-d2", {**base, "top_k": 1, "bias": False, "pipeline": 2}, tokens_per_rank=24),
         Case("float64-replicated-d2", {**replicated, "pipeline": 2, "activation": "swiglu"}, dtype=torch.float64),
     ]
+
+
+def adaptive_cases(base: dict[str, Any]) -> list[Case]:
+    """Tutel's r on its one storage layout: E = 8 (W <= E: r in {0, 1}), E = 2 and E = 1 (hidden
+    sharded over W / E ranks on 4 workers); "rmax" is ceil(W / E), "rmid" the middle valid r.
+    Capacity factors 1, 0, -1.5, top-1/2, degrees 1, 3 and 4 (chunks padded to the gather group),
+    algorithms, SwiGLU without biases, the planner searching r, and r switched on every call."""
+    def adaptive(r: str, **extra: Any) -> dict[str, Any]:
+        return {**base, "parallel": r, **extra}
+
+    return [
+        Case("adaptive-r0", adaptive("r0")),
+        Case("adaptive-r1", adaptive("r1")),
+        Case("adaptive-E2-rmax", adaptive("rmax"), num_experts=2),
+        Case("adaptive-E2-r0-f0", adaptive("r0", capacity_factor=0.0), num_experts=2),
+        Case("adaptive-E2-r1-d4", adaptive("r1", pipeline=4), num_experts=2, tokens_per_rank=48),
+        Case("adaptive-E2-rmax-d4-f-1.5", adaptive("rmax", pipeline=4, capacity_factor=-1.5), num_experts=2,
+             tokens_per_rank=40),
+        Case("adaptive-E1-rmid-k1", adaptive("rmid", top_k=1), num_experts=1),
+        Case("adaptive-E1-rmax-k1-d3-uneven", adaptive("rmax", top_k=1, pipeline=3, capacity_factor=-1.5),
+             num_experts=1, tokens_per_rank=20),
+        Case("adaptive-E1-r0-k1", adaptive("r0", top_k=1), num_experts=1),
+        Case("adaptive-E2-r1-swiglu-no-bias", adaptive("r1", activation="swiglu", bias=False), num_experts=2),
+        Case("adaptive-E2-rmax-pairwise", adaptive("rmax", alltoall="pairwise", top_k=1), num_experts=2,
+             ranks_per_node=2),
+        Case("adaptive-E2-search", adaptive("adaptive", pipeline="search", alltoall="auto"), num_experts=2,
+             tokens_per_rank=32, ranks_per_node=2, steps=8),
+        Case("adaptive-E1-r-switched-every-call", adaptive("adaptive", top_k=1), num_experts=1, steps=4,
+             r_per_step=("r0", "rmax", "r1", "rmid")),
+        Case("adaptive-E2-float64-rmax-d2", adaptive("rmax", pipeline=2), num_experts=2, tokens_per_rank=24,
+             dtype=torch.float64),
+    ]
+
+
+def resolve_r(name: str, num_experts: int, world_size: int) -> int:
+    """A case's symbolic r on this many workers."""
+    rs = switchable_rs(num_experts, world_size)
+    return {"r0": 0, "r1": 1, "rmax": rs[-1], "rmid": rs[len(rs) // 2]}[name]
 
 
 def pipeline_cases(base: dict[str, Any]) -> list[Case]:
@@ -208,6 +249,8 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "parallel": kwargs.pop("parallel", "expert"),
         "group": groups,
     }
+    if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
+        execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
@@ -255,7 +298,10 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
         x_ref = x.clone().requires_grad_()
         x_layer = x.clone().requires_grad_()
         y_ref = reference(x_ref, **case.call)
-        y_layer = layer(x_layer, **case.call)
+        call = dict(case.call)
+        if case.r_per_step:
+            call["r"] = resolve_r(case.r_per_step[step % len(case.r_per_step)], case.num_experts, world_size)
+        y_layer = layer(x_layer, **call)
         upstream = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(step), dtype=case.dtype)
         reference_loss = (y_ref * upstream).sum() + reference.aux_loss
         if reference_loss.requires_grad:  # an empty batch leaves the reference without a graph
@@ -279,6 +325,9 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
                 if name.startswith("experts."):
                     reference_grads[name] = _sum_over_ranks(grad)
         expected_grads = shard_expert_state(reference_grads, layer.placement, rank)
+        if "experts.b2" in expected_grads:  # only the shard that starts at hidden 0 adds b2
+            adds = [shard.adds_output_bias for shard in layer.placement.local(rank)]
+            expected_grads["experts.b2"] = expected_grads["experts.b2"] * torch.tensor(adds).unsqueeze(1)
         for name, param in layer.named_parameters():
             _compare(f"step{step} grad {name}", param.grad, expected_grads.get(name), case, failures)
 

@@ -153,8 +153,8 @@ def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", ["expert", "replicated"])
-def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str) -> None:
+@pytest.mark.parametrize("parallel", ["expert", "replicated", 0, "adaptive"])
+def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str | int) -> None:
     # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss;
     # replicated experts are summed by the trainer's all-reduce, expert-parallel ones by the all-to-all
     config = TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
@@ -205,13 +205,14 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
     assert resumed == uninterrupted  # bit for bit
 
 
-def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: str | None = None) -> float:
+def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: str | int | None = None) -> float:
     import torch.distributed as dist
 
     from moeflow.data import PreparedCorpus
 
     state = read_state(Path(checkpoint))
-    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel or "expert"})
+    parallel = "expert" if parallel is None else parallel
+    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel})
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
     load_checkpoint(Path(checkpoint), model, None, rank, world_size)
@@ -254,6 +255,24 @@ def test_checkpoints_move_between_expert_parallel_and_replicated_experts(
     )
     records = list(iterate_records(tmp_path / "replicated"))
     assert {layer["schedule"] for layer in records[-1]["moe"]} == {"replicated"}
+
+
+@pytest.mark.distributed
+def test_sharded_experts_train_resume_and_reshard_across_r_and_workers(tmp_path: Path) -> None:
+    """One expert on 2 workers: each holds half its hidden units (Tutel's W > E layout). A run at
+    r = 2 (EP+MP) evaluates the same on 1 worker and at r = 0 (ZeRO-style DP), and goes on at r = 0."""
+    sharded = {"num_experts": 1, "top_k": 1, "steps": 4, "checkpoint_interval": 4}
+    run_training(tiny(tmp_path / "r2", parallel=2, **sharded), report=False)
+    records = list(iterate_records(tmp_path / "r2"))
+    assert {layer["r"] for layer in records[-1]["moe"]} == {2}
+    checkpoint = str(latest_checkpoint(tmp_path / "r2"))
+    at_r2 = run_distributed(_evaluate_checkpoint, 2, checkpoint, 2)[0]
+    assert run_distributed(_evaluate_checkpoint, 2, checkpoint, 0)[0] == pytest.approx(at_r2, rel=1e-5)
+    assert run_distributed(_evaluate_checkpoint, 1, checkpoint, "expert")[0] == pytest.approx(at_r2, rel=1e-5)
+    summary = run_training(
+        tiny(tmp_path / "r2", parallel=0, **{**sharded, "steps": 6}), latest_checkpoint(tmp_path / "r2"), report=False
+    )
+    assert summary["workers"] == 2 and list(losses(tmp_path / "r2")) == list(range(1, 7))
 
 
 @pytest.mark.distributed

@@ -74,7 +74,7 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
         gathered = [torch.empty_like(x) for _ in range(world)]
         operations["allgather"] = lambda x=x, gathered=gathered: dist.all_gather(gathered, x)
         scattered = torch.empty(elements // world)
-        operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_tensor(out, x)
+        operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_single(out, x)
         # the same linear all-to-all inside each kind of subgroup: the fast and the slow link
         if topology.ranks_per_node > 1:
             operations["alltoall.intra_node"] = lambda x=x: all_to_all(x, parallel.node_groups().intra_node)

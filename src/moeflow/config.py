@@ -21,8 +21,9 @@ ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
 PIPELINE_POLICIES = ("auto", "model", "search")
 MAX_PIPELINE_DEGREE = 64
-PARALLEL_SCHEDULES = ("expert", "replicated")
+PARALLEL_SCHEDULES = ("expert", "replicated", "adaptive")
 PARALLEL_CHOICES = ("auto", *PARALLEL_SCHEDULES)
+"""``parallel`` is one of these names or Tutel's r, an int (see :func:`switchable_rs`)."""
 
 
 def ffn_projections(activation: str) -> int:
@@ -77,7 +78,7 @@ class MoEConfig:
     pipeline: int | str = "auto"
     capacity_bucket: int = 128
     bias: bool = True
-    parallel: str = "auto"
+    parallel: str | int = "auto"
     tokens_per_rank_hint: int | None = None
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class MoEConfig:
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
         require_positive_int("capacity_bucket", self.capacity_bucket)
-        require_choice("parallel", self.parallel, PARALLEL_CHOICES)
+        validate_parallel(self.parallel)
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
@@ -153,6 +154,59 @@ def validate_pipeline(pipeline: object) -> int | str:
             f"{MAX_PIPELINE_DEGREE}, got {pipeline!r}"
         )
     return pipeline
+
+
+def validate_parallel(parallel: object) -> str | int:
+    """A schedule name, or Tutel's r as an int >= 0 (checked against E and W by the layer)."""
+    if isinstance(parallel, str):
+        require_choice("parallel", parallel, PARALLEL_CHOICES)
+        return parallel
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 0:
+        raise ValueError(
+            f"parallel must be one of {', '.join(PARALLEL_CHOICES)} or Tutel's r (an integer >= 0), got {parallel!r}"
+        )
+    return parallel
+
+
+def switchable_rs(num_experts: int, world_size: int) -> tuple[int, ...]:
+    """Tutel's valid r on one storage layout: 0 (ZeRO-style data parallel) and, with S = W / E
+    hidden shards per expert, every divisor of S (r = 1 is EP+DP, r = S is EP+MP); {0, 1} when
+    W <= E. Tutel's code, like this, needs r | S so that every weight-gather group has S / r ranks."""
+    if world_size <= num_experts:
+        return (0, 1)
+    shards = world_size // num_experts
+    return (0, *(r for r in range(1, shards + 1) if shards % r == 0))
+
+
+def check_switchable_layout(num_experts: int, world_size: int, hidden_dim: int) -> None:
+    """The one storage layout every r runs on exists for this E, W and H."""
+    if world_size <= num_experts and num_experts % world_size:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the group size {world_size}; Tutel's r needs a "
+            f"multiple of {world_size} experts (or a group size that is a multiple of {num_experts})"
+        )
+    if world_size > num_experts and world_size % num_experts:
+        raise ValueError(
+            f"the group size {world_size} is larger than num_experts={num_experts} but not a multiple of it; "
+            f"Tutel's r shards each expert over W / E ranks: use {world_size // num_experts * num_experts} or "
+            f"{(world_size // num_experts + 1) * num_experts} ranks, or a divisor of {world_size} experts"
+        )
+    if world_size > num_experts and hidden_dim % (world_size // num_experts):
+        raise ValueError(
+            f"hidden_dim={hidden_dim} cannot be split over W / E = {world_size // num_experts} ranks per expert; "
+            "use a hidden_dim divisible by it"
+        )
+
+
+def validate_r(r: int, num_experts: int, world_size: int) -> int:
+    """r must be one of :func:`switchable_rs` for this E and W."""
+    valid = switchable_rs(num_experts, world_size)
+    if r not in valid:
+        raise ValueError(
+            f"parallel={r} is not a valid r for {num_experts} experts on {world_size} ranks; r must be in "
+            f"[0, ceil(W/E)] and divide W/E: choose one of {', '.join(map(str, valid))}"
+        )
+    return r
 
 
 def validate_capacity_factor(capacity_factor: object) -> float:

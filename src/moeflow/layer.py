@@ -24,6 +24,7 @@ from moeflow.config import (
     ffn_projections,
     resolve_normalize_gate,
     validate_capacity_factor,
+    validate_r,
     validate_top_k,
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
@@ -108,7 +109,7 @@ class MoELayer(nn.Module):
         pipeline: int | str = "auto",
         capacity_bucket: int = 128,
         bias: bool = True,
-        parallel: str = "auto",
+        parallel: str | int = "auto",
         tokens_per_rank_hint: int | None = None,
         profile: ClusterProfile | str | None = None,
     ) -> None:
@@ -162,7 +163,7 @@ class MoELayer(nn.Module):
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
-            c.capacity_bucket, schedule=self.schedule.name,
+            c.capacity_bucket, schedule=self.schedule.model,
         )
 
     @classmethod
@@ -178,9 +179,14 @@ class MoELayer(nn.Module):
         return self.experts.num_experts
 
     def forward(
-        self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None
+        self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None,
+        r: int | None = None,
     ) -> torch.Tensor:
+        """``r`` (Tutel's ``adaptive_r``) runs this call with that r, on a layer whose ``parallel`` is
+        ``"adaptive"`` or an int: switching moves no weight. Every rank must pass the same r."""
         config = self.config
+        if r is not None:
+            self._check_call_r(r)
         k = validate_top_k(config.top_k if top_k is None else top_k, config.num_experts)
         factor = validate_capacity_factor(
             config.capacity_factor if capacity_factor is None else capacity_factor
@@ -207,7 +213,7 @@ class MoELayer(nn.Module):
         self.workspace.start_step()
         dispatched_ECM = encode(x_TM, plan, self.workspace)
         chosen, timing = self.planner.choose(
-            self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled()
+            self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled(), r=r
         )
         combined_ECM = self.schedule.run(
             chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace
@@ -250,6 +256,16 @@ class MoELayer(nn.Module):
         if self.config.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or inf values (check_finite=True)")
         return x.reshape(-1, model_dim)
+
+    def _check_call_r(self, r: object) -> None:
+        if self.schedule.name != "adaptive":
+            raise ValueError(
+                f"r={r!r} switches Tutel's parallelism, which needs MoELayer(..., parallel='adaptive' or an int r); "
+                f"this layer runs parallel={self.schedule.name!r}"
+            )
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise ValueError(f"r must be an integer, got {r!r}")
+        validate_r(r, self.config.num_experts, self.world_size)
 
     def _router_loss(
         self, logits_TE: torch.Tensor, scores_TE: torch.Tensor, expert_idx_TK: torch.Tensor
@@ -319,6 +335,7 @@ class MoELayer(nn.Module):
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
         plan = ExecutionPlan(
             schedule=chosen.plan.schedule,
+            r=chosen.plan.r,
             alltoall=chosen.plan.algorithm,
             pipeline_degree=len(capacity_chunks(capacity, chosen.plan.degree)),
             requested_degree=chosen.plan.degree,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import RegionShape
-from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, rank_schedule_plans
+from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, ScheduleModel, rank_schedule_plans
 from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)
@@ -71,8 +71,9 @@ class _Search:
 class PipelinePlanner:
     """One per layer: owns the dictionary of best plans and the trials in progress.
 
-    ``schedule`` names the schedule whose plans are ranked (the layer's placement fixes it);
-    ``reduce_max`` is None for one process (nothing to plan: the degree runs locally).
+    ``schedule`` is the model of the schedule whose plans are ranked (the layer's placement fixes
+    it; an ``adaptive`` one adds Tutel's r to each plan), or its name; ``reduce_max`` is None for
+    one process (nothing to plan: the degree runs locally).
     """
 
     def __init__(
@@ -84,15 +85,18 @@ class PipelinePlanner:
         capacity_bucket: int = 128,
         search_trials: int = 3,
         top_candidates: int = 3,
-        schedule: str = "expert",
+        schedule: str | ScheduleModel = "expert",
         min_gain: float = MIN_GAIN,
     ) -> None:
         validate_pipeline(pipeline)
         self.reduce_max = reduce_max
-        self.schedule = schedule
-        if schedule != "expert":
+        self.model = SCHEDULE_MODELS[schedule] if isinstance(schedule, str) else schedule
+        self.schedule = self.model.name
+        if not self.model.sends_tokens:
             algorithms = (LOCAL,)
         modelled = _modelled_algorithms(cost_model, algorithms)
+        if cost_model is not None and not self.model.can_predict(cost_model):
+            modelled = ()
         self._predictor = cost_model if modelled else None  # predictions for the stats
         self.cost_model = cost_model if modelled and pipeline != "search" else None  # ranks plans
         if self.cost_model is not None:
@@ -114,16 +118,21 @@ class PipelinePlanner:
         self._searches: dict[int, _Search] = {}
         self._model_cache: dict[tuple[RegionShape, bool], Plan] = {}
 
-    def choose(self, shape: RegionShape, backward: bool) -> tuple[PlanChoice, PipelineTiming]:
-        """The plan for this forward, and the timing record its execution must fill."""
+    def choose(self, shape: RegionShape, backward: bool, r: int | None = None) -> tuple[PlanChoice, PipelineTiming]:
+        """The plan for this forward, and the timing record its execution must fill; ``r`` forces
+        Tutel's r for this call (the degree is then the forced one, or 1, on the first algorithm)."""
         timing = PipelineTiming()
-        if self.reduce_max is None or self.schedule != "expert":  # nothing is sent: nothing to plan
-            degree = self.pipeline if isinstance(self.pipeline, int) else 1
-            return self._with_prediction(Plan(self.schedule, degree, LOCAL), "local", None, shape, backward), timing
-        degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
-        if degrees is not None and len(self.algorithms) == 1:
-            plan = Plan(self.schedule, degrees[0], self.algorithms[0])
+        degree = self.pipeline if isinstance(self.pipeline, int) else 1
+        if r is not None:
+            plan = Plan(self.schedule, degree, self.algorithms[0], r) if r else Plan(self.schedule, 1, LOCAL, 0)
             return self._with_prediction(plan, "forced", None, shape, backward), timing
+        if self.reduce_max is None or not self.model.sends_tokens:  # nothing is sent: nothing to plan
+            local = self.model.forced_plan(degree, LOCAL) or Plan(self.schedule, degree, LOCAL, 1)
+            return self._with_prediction(local, "local", None, shape, backward), timing
+        degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
+        forced = self.model.forced_plan(degree, self.algorithms[0])
+        if forced is not None and (forced.algorithm == LOCAL or (degrees is not None and len(self.algorithms) == 1)):
+            return self._with_prediction(forced, "forced", None, shape, backward), timing
         if self.pipeline == "model":
             return self._with_prediction(self._model_choice(shape, backward), "model", None, shape, backward), timing
 
@@ -149,17 +158,18 @@ class PipelinePlanner:
         {1, 2, 4, 8} with the model's best algorithm as anchors: when the model is wrong (on the 2x1
         emulated cluster it put d=16 first for compute-bound layers, 2-3x slower than d=2), the
         online check still has a good plan to find."""
-        model = SCHEDULE_MODELS[self.schedule]
+        model = self.model
         if self.cost_model is not None:
             ranked = self._ranked(shape, degrees or range(1, MAX_MODEL_DEGREE + 1), backward)
             top = [plan for plan, _ in ranked[: self.top_candidates]]
-            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, (top[0].algorithm,))
+            sending = [plan.algorithm for plan, _ in ranked if plan.algorithm != LOCAL]
+            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, sending[:1] or (top[0].algorithm,))
             return list(dict.fromkeys(top + anchors))
         return model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
 
     def _ranked(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list:
         assert self.cost_model is not None
-        return rank_schedule_plans(self.cost_model, shape, (self.schedule,), degrees, self.algorithms, backward)
+        return rank_schedule_plans(self.cost_model, shape, (self.model,), degrees, self.algorithms, backward)
 
     def _model_choice(self, shape: RegionShape, backward: bool) -> Plan:
         cache_key = (shape, backward)
@@ -179,9 +189,10 @@ class PipelinePlanner:
     def _with_prediction(
         self, plan: Plan, source: str, key: int | None, shape: RegionShape, backward: bool
     ) -> PlanChoice:
-        if self._predictor is None or plan.algorithm not in _modelled_algorithms(self._predictor, (plan.algorithm,)):
+        modelled = plan.algorithm == LOCAL or plan.algorithm in _modelled_algorithms(self._predictor, (plan.algorithm,))
+        if self._predictor is None or not modelled:
             return PlanChoice(plan, source, key)
-        prediction = SCHEDULE_MODELS[plan.schedule].predict(plan, self._predictor, shape, backward)
+        prediction = self.model.predict(plan, self._predictor, shape, backward)
         return PlanChoice(
             plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
             prediction.gradient_sync_s if backward else None,

@@ -46,6 +46,7 @@ class ExecutionPlan:
     world_size: int
     expert_kernel: str
     capacity_key: int | None = None
+    r: int | None = None  # Tutel's r under the adaptive schedule
     predicted_forward_s: float | None = None
     predicted_backward_s: float | None = None
     predicted_gradient_sync_s: float | None = None

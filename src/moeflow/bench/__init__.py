@@ -90,3 +90,36 @@ def run_on_cluster(
         if code:
             raise RuntimeError(f"{name} benchmark failed (exit {code}):\n{sink.getvalue()[-4000:]}")
     return sink.records
+
+
+def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
+    """Every rank of a grid benchmark on the emulated cluster: parse the driver's arguments, join
+    the job (one intra-op thread), get the profile (given, or calibrated now), and call
+    ``measure(point_values, groups, profile, repeats, emit)`` for each grid point."""
+    import argparse
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.comm.groups import ParallelGroups
+    from moeflow.comm.topology import topology_from_environment
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", required=True, help="JSON list of grid points")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--save-profile", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, dist.get_world_size()))
+
+    def emit(record: dict[str, Any]) -> None:
+        print(json.dumps(record), flush=True)
+
+    profile = cluster_profile(args.profile, args.save_profile, bench, emit)
+    for values in json.loads(args.grid):
+        measure(values, groups, profile, args.repeats, emit)
+    dist.destroy_process_group()

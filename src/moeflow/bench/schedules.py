@@ -13,13 +13,9 @@ timed, it runs one of them: the record says which, and whether that was the fast
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 SCHEDULES = ("expert", "replicated")
@@ -105,30 +101,9 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
 
 
 def _rank_main(argv: list[str]) -> None:
-    import torch
-    import torch.distributed as dist
+    from moeflow.bench import grid_rank_main
 
-    from moeflow.bench import cluster_profile
-    from moeflow.comm.groups import ParallelGroups
-    from moeflow.comm.topology import topology_from_environment
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--grid", required=True, help="JSON list of grid points")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--profile", default=None)
-    parser.add_argument("--save-profile", default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, dist.get_world_size()))
-
-    def emit(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
-
-    profile = cluster_profile(args.profile, args.save_profile, "schedules", emit)
-    for values in json.loads(args.grid):
-        _measure_point(SchedulePoint(**values), groups, profile, args.repeats, emit)
-    dist.destroy_process_group()
+    grid_rank_main(argv, "schedules", lambda values, *rest: _measure_point(SchedulePoint(**values), *rest))
 
 
 def run(

@@ -90,6 +90,7 @@ class ParallelGroups:
         self.model = model
         self.worker = CommunicationWorker()
         self._node_groups: NodeGroups | None = None
+        self._blocks: dict[int, ProcessGroup] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParallelGroups:
         return self  # process groups are the job's, not a model's: a copied model shares them
@@ -122,6 +123,23 @@ class ParallelGroups:
     def is_world(self) -> bool:
         """Whether the expert group is the world group (where topology-aware algorithms run)."""
         return self.expert is not None and self.expert == default_group()
+
+    def block(self, size: int) -> ProcessGroup | None:
+        """This rank's block of ``size`` consecutive ranks of the expert group (ranks
+        [b * size, (b + 1) * size)): Tutel's weight-gather group (§3.1.2, g = (W / E) / r ranks).
+        Created on first use by the block's ranks alone (local synchronization), and kept; None
+        for a block of one rank."""
+        if size <= 1:
+            return None
+        if self.size % size:
+            raise ValueError(f"blocks of {size} ranks do not tile the expert group of {self.size}")
+        if size == self.size:
+            return self.expert
+        if size not in self._blocks:
+            first = self.rank // size * size
+            ranks = [dist.get_global_rank(self.expert, first + i) for i in range(size)]
+            self._blocks[size] = dist.new_group(ranks, use_local_synchronization=True)
+        return self._blocks[size]
 
     def node_groups(self) -> NodeGroups:
         if not self.is_world:

@@ -21,7 +21,7 @@ class _GatherShards(torch.autograd.Function):
         ctx.group = group
         world = group_size(group)
         full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+        dist.all_gather_single(full, shard.contiguous(), group=group)
         return full
 
     @staticmethod
@@ -29,7 +29,7 @@ class _GatherShards(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_full: torch.Tensor):  # type: ignore[override]
         world = group_size(ctx.group)
         grad_shard = grad_full.new_empty((grad_full.shape[0] // world, *grad_full.shape[1:]))
-        dist.reduce_scatter_tensor(grad_shard, grad_full.contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(grad_shard, grad_full.contiguous(), group=ctx.group)
         return grad_shard, None
 
 

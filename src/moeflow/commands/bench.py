@@ -1,4 +1,4 @@
-"""``moeflow bench layer | alltoall | pipeline | schedules | train``: each prints one JSON object
+"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | train``: each prints one JSON object
 per measurement and a summary line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moeflow.commands import fail, positive_int, require_testbed
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_train):
+    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_train):
         add(benches)
 
 
@@ -187,6 +187,36 @@ def run_schedules(args: argparse.Namespace) -> int:
     grid = [SchedulePoint(e, h, args.model_dim, args.batch, args.context)
             for e, h in itertools.product(args.experts, args.hidden_dims)]
     return _run_cluster_grid("bench schedules", run, summarize, grid, args)
+
+
+def _add_parallel(benches: Any) -> None:
+    parallel = benches.add_parser(
+        "parallel", help="every fixed Tutel r vs the planner's per-iteration choice on an emulated cluster "
+        "(needs root)",
+        description="Grid: --experts x --hidden-dims x --capacity-factors at --tokens tokens per rank (one MoE "
+        "layer). Without --profile the ranks calibrate the cluster first.",
+    )
+    _add_cluster_layout(parallel, ranks_per_node=1)
+    parallel.add_argument("--experts", type=positive_int, nargs="+", default=[1, 2],
+                          help="numbers of experts E (W > E shards each expert's hidden dimension)")
+    parallel.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[256, 2048],
+                          help="expert hidden sizes H (two expert sizes, as Tutel Fig. 12)")
+    parallel.add_argument("--capacity-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0],
+                          help="capacity factors f")
+    parallel.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank (default 512)")
+    parallel.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
+    parallel.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    parallel.set_defaults(func=run_parallel)
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    import itertools
+
+    from moeflow.bench.parallel import ParallelPoint, run, summarize
+
+    grid = [ParallelPoint(e, h, f, args.tokens, args.model_dim)
+            for e, h, f in itertools.product(args.experts, args.hidden_dims, args.capacity_factors)]
+    return _run_cluster_grid("bench parallel", run, summarize, grid, args)
 
 
 def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:

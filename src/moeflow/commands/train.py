@@ -15,13 +15,13 @@ from typing import Any
 from moeflow.training.config import FIELD_HELP, TrainConfig, load_config_file
 
 
-def _pipeline(text: str) -> int | str:
+def _int_or_name(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _flag_type(annotation: str) -> Any:
     if annotation.startswith("int | str"):
-        return _pipeline
+        return _int_or_name
     if annotation.startswith("int"):
         return int
     if annotation.startswith("float"):

@@ -10,6 +10,8 @@ through the layer.
 - :class:`ReplicatedSchedule`: every rank holds every expert and runs them on its own tokens; no
   all-to-all. Its expert gradients are those of the rank's own tokens, summed by the trainer's
   gradient all-reduce like any replicated parameter.
+- :class:`~moeflow.parallel.adaptive.AdaptiveSchedule`: Tutel's switchable parallelism, r chosen per
+  iteration on one sharded storage layout (r = 0 gathers the weights instead of moving tokens).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertFFN
+from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
-from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, rank_schedule_plans
+from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, ScheduleModel, rank_schedule_plans
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
@@ -33,6 +36,11 @@ from moeflow.workspace import Workspace
 
 class ParallelSchedule(Protocol):
     name: str
+
+    @property
+    def model(self) -> ScheduleModel:
+        """The model half: candidates and their predicted cost (what the planner ranks)."""
+        ...
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement: ...
 
@@ -51,6 +59,10 @@ class _ModelledSchedule:
     """Candidates and predictions come from the schedule's numpy model of the same name."""
 
     name: str
+
+    @property
+    def model(self) -> ScheduleModel:
+        return SCHEDULE_MODELS[self.name]
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         return SCHEDULE_MODELS[self.name].candidates(shape, degrees, algorithms)
@@ -94,17 +106,19 @@ class ReplicatedSchedule(_ModelledSchedule):
         return ExpertExchange(None, LOCAL, experts.num_experts)  # tokens stay: only the chunking
 
 
-SCHEDULES: dict[str, ParallelSchedule] = {"expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule()}
+SCHEDULES: dict[str, ParallelSchedule] = {
+    "expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule(), "adaptive": AdaptiveSchedule(),
+}
 
 
 @dataclass(frozen=True)
 class ScheduleChoice:
     schedule: ParallelSchedule
-    reason: str  # "forced", "default" (no profile or token hint) or "model"
+    reason: str  # "forced", "default" (no profile or token hint), "layout" (W > E) or "model"
 
 
 def select_schedule(
-    parallel: str, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
+    parallel: str | int, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
     algorithms: tuple[str, ...], pipeline: int | str = "auto",
 ) -> ScheduleChoice:
     """The layer's schedule, fixed when it is built because it decides where the weights live.
@@ -114,9 +128,15 @@ def select_schedule(
     degree): the overlap the model promises is what it gets wrong on the 2-core testbed (it put
     d=10-16 first where d=2 ran fastest), and the online planner can still pipeline afterwards.
     Without a profile or a token hint it keeps expert parallelism, which holds the fewest weights
-    per rank (and whose placement explains what to do when E is not divisible by the group size)."""
+    per rank (and whose placement explains what to do when E is not divisible by the group size).
+    With more ranks than experts (a multiple of them) only Tutel's switchable layout fits: ``auto``
+    is ``adaptive`` there. An int is Tutel's r, fixed."""
+    if isinstance(parallel, int):
+        return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
     if parallel != "auto":
         return ScheduleChoice(SCHEDULES[parallel], "forced")
+    if world_size > num_experts and world_size % num_experts == 0:
+        return ScheduleChoice(SCHEDULES["adaptive"], "layout")
     if world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
         return ScheduleChoice(SCHEDULES["expert"], "default")
     degrees = (pipeline,) if isinstance(pipeline, int) else (1,)

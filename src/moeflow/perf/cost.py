@@ -66,11 +66,23 @@ class CostModel:
     def t_allreduce(self, size_bytes: float) -> float:
         return 0.0 if self.world_size == 1 else self.profile.fit("allreduce")(size_bytes)
 
-    def t_allgather(self, size_bytes: float) -> float:
-        return 0.0 if self.world_size == 1 else self.profile.fit("allgather")(size_bytes)
+    def t_allgather(self, size_bytes: float, group_size: int | None = None) -> float:
+        """All-gather of ``size_bytes`` per rank (its input) over ``group_size`` ranks (the world
+        by default). A smaller group is priced as the world fit at the same received volume,
+        (g - 1) * x: ring collectives move that much whatever the group."""
+        group = self.world_size if group_size is None else group_size
+        if group <= 1 or self.world_size == 1:
+            return 0.0
+        return self.profile.fit("allgather")(size_bytes * (group - 1) / (self.world_size - 1))
 
-    def t_reducescatter(self, size_bytes: float) -> float:
-        return 0.0 if self.world_size == 1 else self.profile.fit("reducescatter")(size_bytes)
+    def t_reducescatter(self, size_bytes: float, group_size: int | None = None) -> float:
+        """Reduce-scatter of ``size_bytes`` per rank (its full input) over ``group_size`` ranks,
+        scaled to a smaller group by the received volume (g - 1) / g * x, as :meth:`t_allgather`."""
+        group = self.world_size if group_size is None else group_size
+        if group <= 1 or self.world_size == 1:
+            return 0.0
+        world = self.world_size
+        return self.profile.fit("reducescatter")(size_bytes * (group - 1) / group * world / (world - 1))
 
     def layer_times(self, shape: LayerShape, algorithm: str = "linear", backward: bool = True) -> dict[str, float]:
         """Unpipelined forward(+backward) prediction: two all-to-alls per pass around the experts."""

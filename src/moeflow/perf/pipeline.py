@@ -107,6 +107,11 @@ class RegionShape:
         return max(1, self.experts // self.world_size)
 
     @property
+    def hidden_shards(self) -> int:
+        """S = W / E ranks per expert when there are more ranks than experts, else 1."""
+        return self.world_size // self.experts if self.world_size > self.experts else 1
+
+    @property
     def expert_parameters(self) -> int:
         """Parameters of one expert."""
         return self.projections * self.model_dim * self.hidden_dim + (
@@ -134,17 +139,22 @@ class PlanPrediction:
 
 
 def chunk_costs(
-    cost: CostModel, shape: RegionShape, degree: int, algorithm: str
+    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, r: int = 1
 ) -> tuple[list[float], list[float]]:
-    """(all-to-all seconds, expert forward seconds) of each chunk at this degree."""
+    """(all-to-all seconds, expert forward seconds) of each chunk at this degree.
+
+    ``r`` is Tutel's r >= 1 (§3.1, Table 4 row 7) when W > E: each chunk is sent r times (to the r
+    hidden blocks of its expert) split over g = (W / E) / r ranks, and each rank runs one GEMM of
+    W * Cj / g rows on H / r hidden units. r = 1 with W <= E is plain expert parallelism."""
     overlap = degree > 1 and shape.world_size > 1
     slowdown = cost.profile.interference if overlap else 1.0
+    group = shape.hidden_shards // r
     t_a2a, t_expert = [], []
     for start, stop in capacity_chunks(shape.capacity, degree):
-        rows = stop - start
-        size = shape.experts * rows * shape.model_dim * shape.bytes_per_element
+        rows = -(-(stop - start) // group) * group  # padded to a multiple of g
+        size = r * shape.experts * rows * shape.model_dim * shape.bytes_per_element
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
-        gemm = cost.t_gemm(shape.world_size * rows, shape.model_dim, shape.hidden_dim)
+        gemm = cost.t_gemm(shape.world_size * rows // group, shape.model_dim, shape.hidden_dim // r)
         t_expert.append(shape.projections * shape.local_experts * gemm * slowdown)
     return t_a2a, t_expert
 

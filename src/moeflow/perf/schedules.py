@@ -8,6 +8,9 @@ lives in :mod:`moeflow.parallel.schedules`.
 - ``expert``: expert parallelism, PipeMoE's recurrences (:func:`moeflow.perf.pipeline.predict_plan`).
 - ``replicated``: every rank runs every expert on its own tokens; no all-to-all, but in training the
   trainer all-reduces the expert gradients (E experts' parameters), and every rank holds E experts.
+- ``adaptive``: Tutel's switchable parallelism (§3.1, Table 4) on one sharded storage layout:
+  r = 0 all-gathers the weights (ZeRO-3) and moves no token; r >= 1 sends every token to r hidden
+  blocks of its expert, each gathered over g = (W / E) / r ranks.
 """
 
 from __future__ import annotations
@@ -16,25 +19,40 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from moeflow.config import switchable_rs
 from moeflow.perf.cost import CostModel
-from moeflow.perf.pipeline import PlanPrediction, RegionShape, predict_plan, usable_degrees
+from moeflow.perf.pipeline import (
+    PlanPrediction,
+    RegionShape,
+    chunk_costs,
+    pipeline_makespan,
+    predict_plan,
+    usable_degrees,
+)
 
 LOCAL = "none"  # the algorithm of a plan that sends nothing
 
 
 @dataclass(frozen=True, order=True)
 class Plan:
-    """What one forward runs: the schedule, the pipeline degree and the all-to-all algorithm."""
+    """What one forward runs: the schedule, the pipeline degree, the all-to-all algorithm, and
+    Tutel's r for the ``adaptive`` schedule (None for the others)."""
 
     schedule: str
     degree: int
     algorithm: str
+    r: int | None = None
 
 
 class ScheduleModel(Protocol):
     name: str
+    sends_tokens: bool  # whether plans have an all-to-all (and so a degree and algorithm to choose)
 
     def can_predict(self, cost: CostModel) -> bool: ...
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        """The plan when the degree and algorithm are given, if nothing else is left to choose."""
+        ...
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]: ...
 
@@ -44,9 +62,13 @@ class ScheduleModel(Protocol):
 @dataclass(frozen=True)
 class ExpertParallelModel:
     name: str = "expert"
+    sends_tokens: bool = True
 
     def can_predict(self, cost: CostModel) -> bool:
         return "gemm" in cost.profile.fits and any(f.startswith("alltoall.") for f in cost.profile.fits)
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        return Plan(self.name, degree, algorithm)
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         usable = usable_degrees(degrees, shape.capacity)
@@ -59,6 +81,10 @@ class ExpertParallelModel:
 @dataclass(frozen=True)
 class ReplicatedModel:
     name: str = "replicated"
+    sends_tokens: bool = False
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        return Plan(self.name, degree, LOCAL)
 
     def can_predict(self, cost: CostModel) -> bool:
         """Its training cost needs the all-reduce fit (the expert gradients)."""
@@ -77,18 +103,79 @@ class ReplicatedModel:
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, sync, expert_bytes, self.name)
 
 
-SCHEDULE_MODELS: dict[str, ScheduleModel] = {"expert": ExpertParallelModel(), "replicated": ReplicatedModel()}
+@dataclass(frozen=True)
+class AdaptiveModel:
+    """Tutel §3.1's cost of each r on its one storage layout (Table 4: DP is O(P), EP+DP+MP is
+    O(C_g r + P / (E r)) below r = W / E and O(C_g W / E) at it), priced on the calibrated fits:
+
+    - r = 0: all-gather of all E experts over the W ranks before the experts, their gradients
+      reduce-scattered after; each rank runs E experts on its own C slots, nothing is sent;
+    - r >= 1: the weight all-gather (and gradient reduce-scatter) over g = S / r ranks of an
+      H / r hidden block (none at r = S), and the pipeline of :func:`chunk_costs` with r copies
+      of every chunk (PipeMoE's recurrence, Eq. 9-12, unchanged).
+    The gather sits outside the pipeline, as in Tutel. ``r`` restricts the candidates to one r."""
+
+    name: str = "adaptive"
+    r: int | None = None
+    sends_tokens: bool = True
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        if self.r is None:
+            return None
+        return Plan(self.name, 1, LOCAL, 0) if self.r == 0 else Plan(self.name, degree, algorithm, self.r)
+
+    def can_predict(self, cost: CostModel) -> bool:
+        fits = cost.profile.fits
+        return cost.world_size == 1 or (
+            "gemm" in fits and "allgather" in fits and "reducescatter" in fits
+            and any(f.startswith("alltoall.") for f in fits)
+        )
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        rs = switchable_rs(shape.experts, shape.world_size)
+        usable = usable_degrees(degrees, shape.capacity)
+        plans = []
+        for r in rs if self.r is None else (self.r,):
+            if r == 0:
+                plans.append(Plan(self.name, 1, LOCAL, 0))  # no all-to-all to overlap
+            else:
+                plans.extend(Plan(self.name, d, a, r) for a in algorithms if a != LOCAL for d in usable)
+        return plans
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        r = 1 if plan.r is None else plan.r
+        element = shape.bytes_per_element
+        if r == 0:
+            gathered = shape.experts * shape.expert_parameters * element
+            gemm = shape.projections * shape.experts * cost.t_gemm(shape.capacity, shape.model_dim, shape.hidden_dim)
+            forward = cost.t_allgather(gathered / shape.world_size) + gemm
+            back = 2 * gemm + cost.t_reducescatter(gathered) if backward else 0.0
+            return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, gathered, self.name)
+        group = shape.hidden_shards // r
+        block = shape.local_experts * shape.expert_parameters * element // r  # gathered H / r block
+        t_a2a, t_expert = chunk_costs(cost, shape, plan.degree, plan.algorithm, r)
+        forward = cost.t_allgather(block / group, group) + pipeline_makespan(t_a2a, t_expert, t_a2a)
+        back = 0.0
+        if backward:
+            back = pipeline_makespan(t_a2a, [2 * t for t in t_expert], t_a2a) + cost.t_reducescatter(block, group)
+        return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, block, self.name)
+
+
+SCHEDULE_MODELS: dict[str, ScheduleModel] = {
+    "expert": ExpertParallelModel(), "replicated": ReplicatedModel(), "adaptive": AdaptiveModel(),
+}
 
 
 def rank_schedule_plans(
-    cost: CostModel, shape: RegionShape, schedules: Iterable[str], degrees: Iterable[int],
+    cost: CostModel, shape: RegionShape, schedules: Iterable[str | ScheduleModel], degrees: Iterable[int],
     algorithms: Iterable[str], backward: bool,
 ) -> list[tuple[Plan, PlanPrediction]]:
-    """Every candidate of every named schedule the profile can predict, fastest first."""
+    """Every candidate of every schedule (a model, or the name of one) the profile can predict,
+    fastest first."""
     degrees = list(degrees)
     ranked = []
-    for name in schedules:
-        model = SCHEDULE_MODELS[name]
+    for schedule in schedules:
+        model = SCHEDULE_MODELS[schedule] if isinstance(schedule, str) else schedule
         if not model.can_predict(cost):
             continue
         for plan in model.candidates(shape, degrees, algorithms):

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.config import model_moe_defaults, require_choice, require_positive_int
+from moeflow.config import check_switchable_layout, model_moe_defaults, require_choice, require_positive_int
 from moeflow.data import TOKENIZERS
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class TrainConfig:
     activation: str = _MOE.activation
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
-    parallel: str = _MOE.parallel  # expert | replicated | auto (auto needs --profile; planned for batch x context)
+    parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     profile: str | None = None  # a calibrated cluster profile for the planner
     # optimization
     steps: int = 200
@@ -81,7 +81,10 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
-        if self.num_experts % self.workers and self.parallel != "replicated":
+        switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
+        if switchable and self.workers > self.num_experts:
+            check_switchable_layout(self.num_experts, self.workers, self.ffn_hidden)
+        elif self.num_experts % self.workers and self.parallel != "replicated":
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
                 f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
@@ -141,7 +144,8 @@ FIELD_HELP: dict[str, str] = {
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
-    "parallel": "where experts live: expert (split over workers), replicated, or auto (planned on --profile)",
+    "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
+    "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",

@@ -204,6 +204,7 @@ def _moe_records(model: MoETransformer) -> list[dict[str, Any]]:
             "pipeline_degree": stats.plan.pipeline_degree if stats.plan else None,
             "plan_source": stats.plan.source if stats.plan else None,
             "schedule": stats.plan.schedule if stats.plan else None,
+            "r": stats.plan.r if stats.plan else None,
         })
     return records
 

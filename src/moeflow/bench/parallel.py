@@ -1,0 +1,172 @@
+"""``moeflow bench parallel``: every fixed Tutel r against the planner's per-iteration choice, on an
+emulated cluster (Tutel Fig. 12 scaled down: capacity factor 1..8, two expert sizes).
+
+The driver launches one emulated cluster (2 nodes x 1 rank by default: one rank per core) and runs
+this module as every rank; unless a profile is given the ranks calibrate the cluster first. For each
+point (E experts, hidden H, capacity factor f) every valid r gets its own layer, ``parallel=r``
+(its pipeline degree and all-to-all still planned: ``pipeline="auto"``), and one more layer runs
+``parallel="adaptive"``, which plans r as well. All have the same weights and tokens. Each layer
+first runs until its planner has settled (its online trials are the planner's cost, not timed);
+then one forward + backward per layer, round-robin, slowest rank, medians.
+
+Two times per mode: the whole layer (what the planner is judged on), and the region each mode's
+cost function models (the schedule alone on a dispatched buffer: weight gathers, all-to-alls and
+experts, forward and backward), next to that cost function's prediction for the same plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+WITHIN = 1.10  # the planner's goal: within 10 % of the best fixed r
+
+
+@dataclass(frozen=True)
+class ParallelPoint:
+    experts: int
+    hidden_dim: int
+    capacity_factor: float
+    tokens: int = 1024
+    model_dim: int = 256
+    top_k: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"E{self.experts}-H{self.hidden_dim}-f{self.capacity_factor:g}-T{self.tokens}-M{self.model_dim}"
+
+
+def _layer_step(layer: Any, x: Any) -> None:
+    y = layer(x)
+    (y.square().mean() + layer.aux_loss).backward()
+    layer.zero_grad(set_to_none=True)
+
+
+def _region_step(layer: Any, buffer: Any) -> None:
+    """The modelled region alone: the schedule on a dispatched (E, C, M) buffer, forward + backward,
+    with the plan the layer last ran."""
+    from moeflow.perf.schedules import Plan
+    from moeflow.stats import PipelineTiming
+
+    ran = layer.last_stats.plan
+    plan = Plan(ran.schedule, ran.requested_degree, ran.alltoall, ran.r)
+    out = layer.schedule.run(plan, buffer, layer.experts, layer.groups, PipelineTiming(), layer.workspace)
+    out.square().mean().backward()
+    layer.zero_grad(set_to_none=True)
+
+
+def _settle(layer: Any, x: Any, limit: int = 300) -> int:
+    """Run until the planner serves from its dictionary (or has nothing to plan)."""
+    for iteration in range(1, limit + 1):
+        _layer_step(layer, x)
+        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
+            return iteration
+    return limit
+
+
+def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.config import switchable_rs
+    from moeflow.layer import MoELayer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def build(parallel: Any) -> MoELayer:
+        torch.manual_seed(0)
+        return MoELayer(
+            point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k,
+            capacity_factor=point.capacity_factor, group=groups, parallel=parallel, pipeline="auto",
+            profile=profile,
+        )
+
+    layers = {f"r{r}": build(r) for r in switchable_rs(point.experts, world)}
+    layers["planner"] = build("adaptive")
+    x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(rank))
+    settle = {name: _settle(layer, x) for name, layer in layers.items()}
+    capacity = layers["planner"].last_stats.capacity
+    buffer = torch.randn(point.experts, capacity, point.model_dim, requires_grad=True)
+    whole: dict[str, list[float]] = {name: [] for name in layers}
+    region: dict[str, list[float]] = {name: [] for name in layers}
+    for round_index in range(repeats + 1):  # round 0 warms every setting up
+        for name, layer in layers.items():
+            seconds = slowest_rank_seconds(lambda layer=layer: _layer_step(layer, x))
+            region_seconds = slowest_rank_seconds(lambda layer=layer: _region_step(layer, buffer))
+            if round_index:
+                whole[name].append(seconds)
+                region[name].append(region_seconds)
+    if rank == 0:
+        _emit_point(point, layers, whole, region, settle, emit)
+
+
+def _emit_point(
+    point: ParallelPoint, layers: dict[str, Any], whole: dict[str, list[float]], region: dict[str, list[float]],
+    settle: dict[str, int], emit: Any,
+) -> None:
+    medians = {name: statistics.median(values) for name, values in whole.items()}
+    fixed = {name: seconds for name, seconds in medians.items() if name != "planner"}
+    best = min(fixed, key=fixed.get)
+    for name, layer in layers.items():
+        plan = layer.last_stats.plan
+        predicted = (plan.predicted_forward_s or 0.0) + (plan.predicted_backward_s or 0.0)
+        measured_region = statistics.median(region[name])
+        emit({
+            "bench": "parallel", "config": point.name, **asdict(point), "mode": name, "r": plan.r,
+            "degree": plan.requested_degree, "alltoall": plan.alltoall, "capacity": layer.last_stats.capacity,
+            "layer_ms": medians[name] * 1e3, "region_ms": measured_region * 1e3,
+            "predicted_region_ms": predicted * 1e3 if predicted else None,
+            "model_rel_error": abs(predicted - measured_region) / measured_region if predicted else None,
+            "settle_iterations": settle[name],
+        })
+    emit({
+        "bench": "parallel-choice", "config": point.name, "best_fixed": best, "best_fixed_ms": fixed[best] * 1e3,
+        "planner_r": layers["planner"].last_stats.plan.r, "planner_ms": medians["planner"] * 1e3,
+        "planner_over_best": medians["planner"] / fixed[best],
+        "planner_within_10pct": medians["planner"] <= WITHIN * fixed[best],
+    })
+
+
+def _rank_main(argv: list[str]) -> None:
+    from moeflow.bench import grid_rank_main
+
+    grid_rank_main(argv, "parallel", lambda values, *rest: _measure_point(ParallelPoint(**values), *rest))
+
+
+def run(
+    grid: list[ParallelPoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
+    profile: str | None = None, master_port: int = 29770, timeout_s: float = 3600,
+) -> list[dict[str, Any]]:
+    """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
+    from moeflow.bench import run_on_cluster
+
+    return run_on_cluster("moeflow.bench.parallel", "parallel", grid, nodes, ranks_per_node, inter_gbit, repeats,
+                          profile, master_port, timeout_s)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often the planner is within 10 % of the best fixed r, and each mode's model error."""
+    choices = [r for r in records if r.get("bench") == "parallel-choice"]
+    modes = [r for r in records if r.get("bench") == "parallel" and r.get("model_rel_error") is not None]
+    if not choices:
+        return {"summary": "parallel", "configs": 0}
+    errors: dict[str, list[float]] = {}
+    for record in modes:
+        key = "planner" if record["mode"] == "planner" else f"r{record['r']}"
+        errors.setdefault(key, []).append(record["model_rel_error"])
+    return {
+        "summary": "parallel", "configs": len(choices),
+        "planner_within_10pct_share": sum(r["planner_within_10pct"] for r in choices) / len(choices),
+        "planner_over_best_median": statistics.median(r["planner_over_best"] for r in choices),
+        "planner_over_best_worst": max(r["planner_over_best"] for r in choices),
+        "best_fixed": {r["config"]: r["best_fixed"] for r in choices},
+        "model_median_rel_error": {k: statistics.median(v) for k, v in sorted(errors.items())},
+        "model_median_rel_error_all": statistics.median(e for v in errors.values() for e in v) if errors else None,
+    }
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

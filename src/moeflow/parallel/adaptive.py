@@ -1,0 +1,164 @@
+"""Tutel's zero-cost switchable parallelism (§3.1): every r runs on one storage layout.
+
+Storage (fixed, whatever r runs): with W <= E each rank holds E / W whole experts
+(:meth:`ExpertPlacement.expert_parallel`); with W > E (W a multiple of E) rank i holds hidden slice
+i mod S of expert i // S, S = W / E (:meth:`ExpertPlacement.hidden_sharded`). Switching r between
+iterations therefore moves no weight and touches no optimizer state; only transient gathered
+copies and the token routing change:
+
+- r = 0 (switchable DP, Fig. 6): the weights of all E experts are all-gathered over the W ranks
+  (ZeRO-3), every rank runs them on its own tokens, nothing is sent; the backward reduce-scatters
+  the weight gradients, so each stored slice gets the sum over every rank's tokens.
+- r >= 1 (switchable EP+DP+MP, Fig. 7): each rank repeats its (E, C, M) buffer r times and views
+  it as (W, C / g, M), g = S / r: rank e * S + j * g + p receives capacity part p of every rank's
+  slots of expert e, for hidden block j (units [j H / r, (j + 1) H / r)), which the g ranks of its
+  block all-gather from their stored slices. The combine returns the r blocks' partial outputs
+  and sums them locally. r = 1 is EP+DP, r = S is EP+MP (Parm's fused EP&ESP exchange).
+
+The output bias b2 is whole on every shard and added by the shard that starts at hidden 0 (the
+placement's rule); under a gather, the block that holds hidden 0 takes it from its first rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.comm.algorithms import exchange
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.zero import gather_shards
+from moeflow.config import check_switchable_layout, validate_r
+from moeflow.experts import ExpertFFN, FFNWeights
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import PlanPrediction, RegionShape
+from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
+from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
+
+
+def switchable_placement(num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+    """The one storage layout of every r (Tutel's ZeRO-style unique slices)."""
+    if world_size > num_experts:
+        return ExpertPlacement.hidden_sharded(num_experts, world_size, hidden_dim)
+    return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
+
+
+def gather_weights(weights: FFNWeights, group: torch.distributed.ProcessGroup | None, parts: int) -> FFNWeights:
+    """All-gather every rank's stored slices over ``group`` and join each run of ``parts``
+    consecutive ranks' hidden slices into one expert (or hidden block); differentiable: the
+    backward reduce-scatters the gradients onto the stored slices. b2 of a joined expert is its
+    first rank's (the one whose slice starts the block)."""
+    if group is None:
+        return weights
+
+    def join(tensor: torch.Tensor | None, hidden_axis: int | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        gathered = gather_shards(tensor, group)  # (N, ...) in group rank order
+        blocks = gathered.shape[0] // parts
+        if hidden_axis is None:  # b2 (N, M): the block's first rank
+            return gathered.view(blocks, parts, -1)[:, 0]
+        if hidden_axis == 1:  # b1 (N, Hs), w2 (N, Hs, M): slices are contiguous along the hidden axis
+            return gathered.reshape(blocks, parts * gathered.shape[1], *gathered.shape[2:])
+        model_dim, width = gathered.shape[1], gathered.shape[2]  # w1, w3 (N, M, Hs)
+        return gathered.view(blocks, parts, model_dim, width).transpose(1, 2).reshape(blocks, model_dim, parts * width)
+
+    return FFNWeights(
+        join(weights.w1, 2), join(weights.b1, 1), join(weights.w2, 1), join(weights.b2, None), join(weights.w3, 2)
+    )
+
+
+@dataclass(frozen=True)
+class SwitchableExchange:
+    """The route of r >= 1 with W > E: (E, Cj, M) chunks by destination expert <-> the (1, W * Cj / g,
+    M) rows of this rank's hidden block. Dispatch = all-to-all after an r-fold repeat; combine = the
+    same all-to-all, then the local sum over the r blocks: the two are each other's adjoint, as the
+    pipeline's backward needs. A chunk whose slots do not split over g ranks is padded with empty
+    slots (the padding is dropped again in the combine, and its gradient is zero)."""
+
+    groups: ParallelGroups
+    algorithm: str
+    r: int
+    group: int  # g = S / r: ranks that share one hidden block of one expert
+
+    @property
+    def communicates(self) -> bool:
+        return True
+
+    def _padded(self, rows: int) -> int:
+        return -(-rows // self.group) * self.group
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        experts, rows, model_dim = chunk_ECM.shape
+        padded = self._padded(rows)
+        if padded != rows:
+            chunk_ECM = F.pad(chunk_ECM, (0, 0, 0, padded - rows))
+        part = padded // self.group
+        repeated = (
+            chunk_ECM.view(experts, 1, self.group, part, model_dim)
+            .expand(experts, self.r, self.group, part, model_dim)
+            .reshape(self.groups.size, part, model_dim)
+        )
+        received = exchange(self.algorithm, repeated, self.groups)  # (W, Cj / g, M) by source
+        return received.view(1, self.groups.size * part, model_dim)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        world, model_dim = self.groups.size, y_LXM.shape[-1]
+        padded = self._padded(rows)
+        returned = exchange(self.algorithm, y_LXM.view(world, padded // self.group, model_dim), self.groups)
+        summed = returned.view(world // (self.r * self.group), self.r, padded, model_dim).sum(dim=1)
+        return summed if padded == rows else summed[:, :rows]
+
+
+@dataclass(frozen=True)
+class AdaptiveSchedule:
+    """Tutel's switchable parallelism as one schedule: the planner picks r per iteration (with the
+    pipeline degree and the all-to-all algorithm), or ``r`` fixes it."""
+
+    r: int | None = None
+    name: str = "adaptive"
+
+    @property
+    def model(self) -> AdaptiveModel:
+        return AdaptiveModel(self.name, self.r)
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        check_switchable_layout(num_experts, world_size, hidden_dim)
+        if self.r is not None:
+            validate_r(self.r, num_experts, world_size)
+        return switchable_placement(num_experts, world_size, hidden_dim)
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return self.model.candidates(shape, degrees, algorithms)
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        return self.model.predict(plan, cost, shape, backward)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None,
+    ) -> torch.Tensor:
+        num_experts, world = dispatched_ECM.shape[0], groups.size
+        r = validate_r(1 if plan.r is None else plan.r, num_experts, world)
+        shards = world // num_experts if world > num_experts else 1
+        stored = experts.weights()
+        if r == 0:  # every expert, gathered from all ranks; tokens stay
+            weights = gather_weights(stored, groups.expert if world > 1 else None, shards)
+            compute = dataclasses.replace(experts.compute, adds_output_bias=True)
+            route = ExpertExchange(None, LOCAL, num_experts)
+            return pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
+        if shards == 1:  # W <= E, r = 1: plain expert parallelism
+            route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
+            return pipelined_experts(dispatched_ECM, experts.compute, stored, route, plan.degree, timing, workspace)
+        group = shards // r
+        weights = gather_weights(stored, groups.block(group), group)
+        first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
+        compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
+        route = SwitchableExchange(groups, plan.algorithm, r, group)
+        return pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
