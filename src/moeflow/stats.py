@@ -14,16 +14,18 @@ class PipelineTiming:
     """Wall-clock seconds of the pipelined dispatch -> experts -> combine region on this rank: the
     forward fills ``forward_s``, the backward (when one runs) ``backward_s``. The ``expert_*``
     fields hold the part of each spent computing the experts on the caller's thread; the rest is
-    communication the pipeline did not hide."""
+    communication the pipeline did not hide. ``gather_s`` is the weight all-gathers a schedule runs
+    before the pipeline (Tutel's r); their gradient reduce-scatters count in ``backward_s``."""
 
     forward_s: float | None = None
     backward_s: float | None = None
     expert_forward_s: float = 0.0
     expert_backward_s: float = 0.0
+    gather_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return (self.forward_s or 0.0) + (self.backward_s or 0.0)
+        return (self.forward_s or 0.0) + (self.backward_s or 0.0) + self.gather_s
 
     @property
     def expert_total_s(self) -> float:

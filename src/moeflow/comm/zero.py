@@ -8,17 +8,22 @@ expert parallelism gets by sending the tokens instead of the weights.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_size
+from moeflow.stats import PipelineTiming
 
 
 class _GatherShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(
+        ctx: FunctionCtx, shard: torch.Tensor, group: dist.ProcessGroup, timing: PipelineTiming | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.timing = group, timing
         world = group_size(group)
         full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
         dist.all_gather_single(full, shard.contiguous(), group=group)
@@ -27,15 +32,21 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_full: torch.Tensor):  # type: ignore[override]
+        start = time.perf_counter()
         world = group_size(ctx.group)
         grad_shard = grad_full.new_empty((grad_full.shape[0] // world, *grad_full.shape[1:]))
         dist.reduce_scatter_single(grad_shard, grad_full.contiguous(), group=ctx.group)
-        return grad_shard, None
+        if ctx.timing is not None:  # the layer's backward includes its gradient reduce-scatter
+            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+        return grad_shard, None, None
 
 
-def gather_shards(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_shards(
+    shard: torch.Tensor, group: dist.ProcessGroup, timing: PipelineTiming | None = None
+) -> torch.Tensor:
     """The full tensor from every rank's equal dim-0 shard (rank order); differentiable: the
-    gradient of a shard is the sum over ranks of the gradient of its rows."""
+    gradient of a shard is the sum over ranks of the gradient of its rows. With a ``timing``, the
+    backward's reduce-scatter adds its seconds to ``timing.backward_s``."""
     if group_size(group) == 1:
         return shard
-    return _GatherShards.apply(shard, group)
+    return _GatherShards.apply(shard, group, timing)

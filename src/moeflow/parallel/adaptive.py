@@ -22,6 +22,7 @@ placement's rule); under a gather, the block that holds hidden 0 takes it from i
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,18 +50,21 @@ def switchable_placement(num_experts: int, world_size: int, hidden_dim: int) -> 
     return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
 
-def gather_weights(weights: FFNWeights, group: torch.distributed.ProcessGroup | None, parts: int) -> FFNWeights:
+def gather_weights(
+    weights: FFNWeights, group: torch.distributed.ProcessGroup | None, parts: int, timing: PipelineTiming | None = None
+) -> FFNWeights:
     """All-gather every rank's stored slices over ``group`` and join each run of ``parts``
     consecutive ranks' hidden slices into one expert (or hidden block); differentiable: the
     backward reduce-scatters the gradients onto the stored slices. b2 of a joined expert is its
-    first rank's (the one whose slice starts the block)."""
+    first rank's (the one whose slice starts the block). ``timing`` gets the seconds of the
+    gathers (forward) and of the reduce-scatters (backward): they are part of the layer's time."""
     if group is None:
         return weights
 
     def join(tensor: torch.Tensor | None, hidden_axis: int | None) -> torch.Tensor | None:
         if tensor is None:
             return None
-        gathered = gather_shards(tensor, group)  # (N, ...) in group rank order
+        gathered = gather_shards(tensor, group, timing)  # (N, ...) in group rank order
         blocks = gathered.shape[0] // parts
         if hidden_axis is None:  # b2 (N, M): the block's first rank
             return gathered.view(blocks, parts, -1)[:, 0]
@@ -69,9 +73,13 @@ def gather_weights(weights: FFNWeights, group: torch.distributed.ProcessGroup | 
         model_dim, width = gathered.shape[1], gathered.shape[2]  # w1, w3 (N, M, Hs)
         return gathered.view(blocks, parts, model_dim, width).transpose(1, 2).reshape(blocks, model_dim, parts * width)
 
-    return FFNWeights(
+    start = time.perf_counter()
+    joined = FFNWeights(
         join(weights.w1, 2), join(weights.b1, 1), join(weights.w2, 1), join(weights.b2, None), join(weights.w3, 2)
     )
+    if timing is not None:
+        timing.gather_s += time.perf_counter() - start
+    return joined
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ class AdaptiveSchedule:
         shards = world // num_experts if world > num_experts else 1
         stored = experts.weights()
         if r == 0:  # every expert, gathered from all ranks; tokens stay
-            weights = gather_weights(stored, groups.expert if world > 1 else None, shards)
+            weights = gather_weights(stored, groups.expert if world > 1 else None, shards, timing)
             compute = dataclasses.replace(experts.compute, adds_output_bias=True)
             route = ExpertExchange(None, LOCAL, num_experts)
             return pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
@@ -157,7 +165,7 @@ class AdaptiveSchedule:
             route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
             return pipelined_experts(dispatched_ECM, experts.compute, stored, route, plan.degree, timing, workspace)
         group = shards // r
-        weights = gather_weights(stored, groups.block(group), group)
+        weights = gather_weights(stored, groups.block(group), group, timing)
         first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
         compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
         route = SwitchableExchange(groups, plan.algorithm, r, group)
