@@ -175,3 +175,22 @@ def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert summary["schedule"] == expected
     with pytest.raises(SystemExit, match="moeflow calibrate --out"):
         main(["plan", "--profile", str(tmp_path / "none.json")])
+
+
+def test_plan_cli_prints_every_tutel_r_with_more_ranks_than_experts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moeflow.cli import main
+
+    profile = _profile()
+    fits = {**profile.fits, "reducescatter": AlphaBeta(1e-3, 1e-8)}
+    path = tmp_path / "profile.json"
+    ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2).save(path)
+    assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "2", "--top-k", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    adaptive = [line for line in lines if line.get("plan") == "adaptive"]
+    assert [line["r"] for line in adaptive] == [0, 1, 2]  # W / E = 2 hidden shards per expert
+    assert adaptive[0]["alltoall"] == "none" and adaptive[0]["degree"] == 1
+    (summary,) = [line for line in lines if line.get("summary") == "plan-adaptive"]
+    assert summary["predicted_ms"] == pytest.approx(min(line["total_ms"] for line in adaptive), rel=1e-3)
+    assert not any(line.get("plan") == "pipeline" for line in lines)  # 2 experts do not split over 4 ranks

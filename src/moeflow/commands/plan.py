@@ -1,5 +1,6 @@
 """``moeflow plan``: predicted times of an MoE layer from a calibrated profile, per all-to-all
-algorithm and pipeline degree, Theorem 1's choice, the replicated schedule, and a summary."""
+algorithm and pipeline degree, Theorem 1's choice, the replicated schedule, every Tutel r of the
+adaptive schedule, and a summary."""
 
 from __future__ import annotations
 
@@ -35,14 +36,18 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         raise fail("plan", error) from None
     model = CostModel(profile)
-    if args.top_k > args.experts or args.experts % model.world_size:
-        raise fail("plan", f"need top_k <= experts and experts divisible by {model.world_size} ranks")
+    world = model.world_size
+    if args.top_k > args.experts or (args.experts % world and world % args.experts):
+        raise fail("plan", f"need top_k <= experts, and experts divisible by the {world} ranks or dividing them")
     if "gemm" not in profile.fits:
         raise fail("plan", "the profile has no gemm fit; re-run moeflow calibrate")
     shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
     region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim)
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
+    _print_adaptive_plans(model, region, algorithms, args.max_degree, backward)
+    if args.experts % world:  # more ranks than experts: only Tutel's sharded layout fits
+        return 0
     _print_expert_parallel_plans(model, region, algorithms, args.max_degree, backward)
     best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
     replicated = _print_replicated_plan(model, region, backward)
@@ -82,6 +87,27 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
             choice = theorem1_for_shape(model, region, algorithm, max_degree)
             print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
                         "forward_ms": choice.predicted_s * 1e3})
+
+
+def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_degree: int, backward: bool) -> None:
+    """Per Tutel r, the best (degree, algorithm) of the adaptive schedule and its prediction (Tutel
+    §3.1, Table 4; :class:`moeflow.perf.schedules.AdaptiveModel`)."""
+    from moeflow.bench import print_json
+    from moeflow.perf.schedules import AdaptiveModel, rank_schedule_plans
+
+    if not AdaptiveModel().can_predict(model):
+        return
+    ranked = rank_schedule_plans(model, region, ("adaptive",), range(1, max_degree + 1), algorithms, backward)
+    best: dict[int, Any] = {}
+    for plan, prediction in ranked:  # fastest first
+        best.setdefault(plan.r, (plan, prediction))
+    for r, (plan, p) in sorted(best.items()):
+        print_json({"plan": "adaptive", "r": r, "alltoall": plan.algorithm, "degree": plan.degree,
+                    "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3,
+                    "expert_memory_mb": p.expert_memory_bytes / 2**20})
+    plan, p = ranked[0]
+    print_json({"summary": "plan-adaptive", "r": plan.r, "alltoall": plan.algorithm, "degree": plan.degree,
+                "predicted_ms": p.total_s * 1e3, "world_size": model.world_size, "capacity": region.capacity})
 
 
 def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
