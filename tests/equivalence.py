@@ -55,6 +55,12 @@ class Case:
     ranks_per_node: int | None = None  # ranks per node of the topology for the topology-aware all-to-alls
     expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
     r_per_step: tuple[str, ...] = ()  # Tutel's r of each step's call ("r0", "r1", "rmid", "rmax")
+    mp: int = 1  # tensor-parallel group size (Parm): tokens replicated over consecutive ranks
+
+
+def mp_size(case: Case, world_size: int) -> int:
+    """The case's MP size on this world (1 where the world is smaller: the case then runs as EP)."""
+    return case.mp if world_size % case.mp == 0 and torch.distributed.is_initialized() else 1
 
 
 def grid_cases() -> list[Case]:
@@ -119,6 +125,7 @@ def extra_cases() -> list[Case]:
         *pipeline_cases(base),
         *parallel_cases(base),
         *adaptive_cases(base),
+        *parm_cases(base),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
@@ -181,6 +188,27 @@ def adaptive_cases(base: dict[str, Any]) -> list[Case]:
     ]
 
 
+def parm_cases(base: dict[str, Any]) -> list[Case]:
+    """Parm's S2 and the DeepSpeed-MoE baseline behind MP = 2 (MP 2 x EP 2 on 4 workers, MP 2 x EP 1
+    on 2): E = 2 and E = 8 (four experts per EP group), capacity factors 1, 0 and -1.5, top-1/2,
+    degrees 1, 3 and 4 (chunks padded to the MP group), SwiGLU without biases."""
+    s2 = {**base, "parallel": "s2"}
+    return [
+        Case("parm-s2-E2", s2, num_experts=2, mp=2),
+        Case("parm-s2-E8-f0", {**s2, "capacity_factor": 0.0}, mp=2),
+        Case("parm-s2-E2-k1-f-1.5-d4", {**s2, "top_k": 1, "capacity_factor": -1.5, "pipeline": 4}, num_experts=2,
+             tokens_per_rank=30, mp=2),
+        Case("parm-s2-E8-d3-swiglu-no-bias", {**s2, "pipeline": 3, "activation": "swiglu", "bias": False},
+             tokens_per_rank=24, mp=2),
+        Case("parm-s2-E2-float64", s2, num_experts=2, mp=2, dtype=torch.float64),
+        Case("parm-baseline-E2", {**base, "parallel": "ds-baseline"}, num_experts=2, mp=2),
+        Case("parm-baseline-E8-k1-f-1.5-d4", {**base, "parallel": "ds-baseline", "top_k": 1, "capacity_factor": -1.5,
+                                             "pipeline": 4}, tokens_per_rank=30, mp=2),
+        Case("parm-baseline-E8-f0-swiglu-no-bias", {**base, "parallel": "ds-baseline", "capacity_factor": 0.0,
+                                                   "activation": "swiglu", "bias": False}, mp=2),
+    ]
+
+
 def resolve_r(name: str, num_experts: int, world_size: int) -> int:
     """A case's symbolic r on this many workers."""
     rs = switchable_rs(num_experts, world_size)
@@ -219,7 +247,7 @@ def all_cases() -> list[Case]:
 
 def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
     count = 0 if rank in {r % world_size for r in case.empty_ranks} else case.tokens_per_rank
-    generator = torch.Generator().manual_seed(1000 + rank)
+    generator = torch.Generator().manual_seed(1000 + rank // mp_size(case, world_size))  # same over MP
     x = torch.randn(count, case.model_dim, generator=generator, dtype=case.dtype)
     if case.same_expert:
         x = x.abs() + 0.1
@@ -228,14 +256,16 @@ def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
     return x
 
 
-def _groups(case: Case, world_size: int, cache: dict[int, ParallelGroups]) -> ParallelGroups:
-    """One ParallelGroups per topology for the whole run (their node groups are made once)."""
+def _groups(case: Case, world_size: int, cache: dict[tuple[int, int], ParallelGroups]) -> ParallelGroups:
+    """One ParallelGroups per topology and MP size for the whole run (their groups are made once)."""
     if world_size == 1 and not torch.distributed.is_initialized():
         return ParallelGroups.single_process()
     per_node = case.ranks_per_node if case.ranks_per_node and world_size % case.ranks_per_node == 0 else world_size
-    if per_node not in cache:
-        cache[per_node] = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, per_node))
-    return cache[per_node]
+    mp = mp_size(case, world_size)
+    if (per_node, mp) not in cache:
+        model = torch.distributed.new_subgroups(group_size=mp)[0] if mp > 1 else None
+        cache[per_node, mp] = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, per_node), model)
+    return cache[per_node, mp]
 
 
 def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tuple[ReferenceMoE, MoELayer]:
@@ -249,6 +279,8 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "parallel": kwargs.pop("parallel", "expert"),
         "group": groups,
     }
+    if execution["parallel"] in ("s2", "ds-baseline") and groups.model is None:
+        execution["parallel"] = "expert"  # no MP group on this world: the case runs as plain EP
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
         execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
@@ -320,10 +352,11 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
         }
         if world_size > 1 and not layer.placement.is_replicated:
             # an expert-parallel expert's gradient collects the tokens of every rank; a replicated
-            # expert's holds this rank's tokens (the trainer sums them like any replicated weight)
+            # expert's holds this rank's tokens (the trainer sums them like any replicated weight);
+            # MP members hold the same tokens, which count once
             for name, grad in reference_grads.items():
                 if name.startswith("experts."):
-                    reference_grads[name] = _sum_over_ranks(grad)
+                    reference_grads[name] = _sum_over_ranks(grad) / mp_size(case, world_size)
         expected_grads = shard_expert_state(reference_grads, layer.placement, rank)
         if "experts.b2" in expected_grads:  # only the shard that starts at hidden 0 adds b2
             adds = [shard.adds_output_bias for shard in layer.placement.local(rank)]
@@ -334,7 +367,8 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
         counts = torch.tensor(reference.tokens_per_expert or [0] * case.num_experts)
         dropped = torch.tensor(reference.dropped_per_expert or [0] * case.num_experts)
         if world_size > 1:
-            counts, dropped = _sum_over_ranks(counts), _sum_over_ranks(dropped)
+            mp = mp_size(case, world_size)
+            counts, dropped = _sum_over_ranks(counts) // mp, _sum_over_ranks(dropped) // mp
         stats = layer.last_stats
         assert stats is not None
         assert stats.plan is not None
@@ -352,7 +386,7 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
 def check_cases(rank: int, world_size: int, cases: list[Case]) -> tuple[int, list[str]]:
     """Worker entry point: run every case; return (cases run, all mismatches)."""
     failures: list[str] = []
-    groups: dict[int, ParallelGroups] = {}
+    groups: dict[tuple[int, int], ParallelGroups] = {}
     for case in cases:
         failures.extend(check_case(case, rank, world_size, _groups(case, world_size, groups)))
     return len(cases), [f"rank {rank}: {f}" for f in failures]

@@ -181,6 +181,30 @@ def test_bench_pipeline_measures_every_setting_and_summarizes() -> None:
     assert 0.0 <= summary["auto"]["share_within_5pct_of_best_fixed"] <= 1.0
 
 
+def _bench_parallel(*flags: str) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "parallel", "--hidden-dims", "32", "--model-dim", "32",
+         "--tokens", "32", "--capacity-factors", "2", "--repeats", "1", *flags],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@needs_testbed
+def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
+    records = _bench_parallel("--experts", "1")
+    modes = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
+    assert set(modes) == {"r0", "r1", "r2", "planner"} and modes["r2"]["r"] == 2
+    assert all(r["layer_ms"] > 0 and r["predicted_region_ms"] > 0 for r in modes.values())
+    (choice,) = [r for r in records if r.get("bench") == "parallel-choice"]
+    assert choice["best_fixed"] in ("r0", "r1", "r2") and choice["planner_r"] in (0, 1, 2)
+    assert records[-1]["summary"] == "parallel" and 0 <= records[-1]["planner_within_10pct_share"] <= 1
+    records = _bench_parallel("--experts", "2", "--mp", "2")
+    assert {r["mode"] for r in records if r.get("bench") == "parallel"} == {"s2", "ds-baseline"}
+    assert records[-1]["s2_over_baseline_geomean"] > 0
+
+
 @needs_testbed
 def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
     result = subprocess.run(

@@ -21,7 +21,9 @@ ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
 PIPELINE_POLICIES = ("auto", "model", "search")
 MAX_PIPELINE_DEGREE = 64
-PARALLEL_SCHEDULES = ("expert", "replicated", "adaptive")
+PARM_SCHEDULES = ("s2", "ds-baseline")
+"""Parm's schedules: they need the ``mp_group`` of the tensor-parallel attention in front."""
+PARALLEL_SCHEDULES = ("expert", "replicated", "adaptive", *PARM_SCHEDULES)
 PARALLEL_CHOICES = ("auto", *PARALLEL_SCHEDULES)
 """``parallel`` is one of these names or Tutel's r, an int (see :func:`switchable_rs`)."""
 

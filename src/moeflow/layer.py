@@ -20,6 +20,7 @@ from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.config import (
     ALLTOALL_ALGORITHMS,
+    PARM_SCHEDULES,
     MoEConfig,
     ffn_projections,
     resolve_normalize_gate,
@@ -29,6 +30,7 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.parallel.parm import BaselineSchedule, ParmS2Schedule, check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
 from moeflow.perf import ClusterProfile, CostModel
@@ -112,6 +114,7 @@ class MoELayer(nn.Module):
         parallel: str | int = "auto",
         tokens_per_rank_hint: int | None = None,
         profile: ClusterProfile | str | None = None,
+        mp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         config = MoEConfig(
@@ -130,6 +133,7 @@ class MoELayer(nn.Module):
         self.config = config
         resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
         self.groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
+        self._attach_mp_group(mp_group, parallel)
         self.world_size, self.rank = self.groups.size, self.groups.rank
         self._plan_execution(ClusterProfile.load(profile) if isinstance(profile, str) else profile)
         self.gate = build_gate(gate, model_dim, num_experts, cosine_projection_dim, cosine_min_temperature)
@@ -155,16 +159,36 @@ class MoELayer(nn.Module):
                 "numbered node-major; use alltoall='linear' with a custom group"
             )
         algorithms = self._candidate_algorithms()
-        choice = select_schedule(
-            c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
-            c.pipeline,
-        )
-        self.schedule, self.schedule_reason = choice.schedule, choice.reason
+        if c.parallel in PARM_SCHEDULES:
+            parm = {"s2": ParmS2Schedule, "ds-baseline": BaselineSchedule}[str(c.parallel)]
+            self.schedule, self.schedule_reason = parm(check_mp_group(self.groups)), "forced"
+        else:
+            choice = select_schedule(
+                c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
+                c.pipeline,
+            )
+            self.schedule, self.schedule_reason = choice.schedule, choice.reason
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
             c.capacity_bucket, schedule=self.schedule.model,
         )
+
+    def _attach_mp_group(self, mp_group: dist.ProcessGroup | None, parallel: str | int) -> None:
+        """Parm's schedules run behind tensor-parallel attention over ``mp_group``; the others have
+        no use for one."""
+        if mp_group is None:
+            if parallel in PARM_SCHEDULES and self.groups.model is None:
+                raise ValueError(f"parallel={parallel!r} needs mp_group=<the tensor-parallel group of the attention>")
+            return
+        if parallel not in PARM_SCHEDULES:
+            raise ValueError(
+                f"mp_group is used by Parm's schedules (parallel={' or '.join(map(repr, PARM_SCHEDULES))}); "
+                f"got parallel={parallel!r}"
+            )
+        if self.groups.model is not None and self.groups.model != mp_group:
+            raise ValueError("mp_group differs from the model group of the ParallelGroups passed as group")
+        self.groups.model = mp_group
 
     @classmethod
     def from_config(
@@ -332,6 +356,8 @@ class MoELayer(nn.Module):
         timing: PipelineTiming,
     ) -> RoutingStats:
         counts_WE = load.counts_WE
+        if self.groups.model is not None:  # MP members hold the same tokens: count them once
+            counts_WE = counts_WE[:: dist.get_world_size(self.groups.model)]
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
         plan = ExecutionPlan(
             schedule=chosen.plan.schedule,

@@ -9,8 +9,9 @@ ops release the GIL, so on CPU communication overlaps computation; on GPU the co
 NCCL's asynchronous work on its own stream.
 
 The backward is the same pipeline run on the output gradient, with the expert backward as the
-compute step: an equal-split all-to-all is its own adjoint, so the gradient of the combine is a
-dispatch and the gradient of the dispatch is a combine.
+compute step, over the route's ``adjoint()``: an equal-split all-to-all is its own adjoint, so for
+expert parallelism the gradient of the combine is a dispatch and the gradient of the dispatch is a
+combine (a route whose dispatch and combine are not each other's adjoint returns another route).
 
 Each chunk's state (its received rows, its saved activations) lives in per-chunk records owned by
 one autograd node, never on the layer: any number of chunks can be in flight. The experts' math is
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -35,7 +37,26 @@ from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
-__all__ = ["ExpertExchange", "PipelineTiming", "capacity_chunks", "pipelined_experts", "run_pipeline"]
+__all__ = ["ExpertExchange", "PipelineTiming", "Route", "capacity_chunks", "pipelined_experts", "run_pipeline"]
+
+
+class Route(Protocol):
+    """How chunks travel between the (E, Cj, M) layout by destination expert and the rows of this
+    rank's experts; ``groups`` supplies the communication worker."""
+
+    @property
+    def groups(self) -> ParallelGroups | None: ...
+
+    @property
+    def communicates(self) -> bool: ...
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor: ...
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor: ...
+
+    def adjoint(self) -> Route:
+        """The route the backward runs: dispatch = the combine's adjoint, and the reverse."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,10 @@ class ExpertExchange:
         by_source_WLCM = received.view(self.groups.size, self.num_local_experts, rows, model_dim)
         return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.groups.size * rows, model_dim)
 
+    def adjoint(self) -> ExpertExchange:
+        """The route of the backward: an equal-split exchange is its own adjoint."""
+        return self
+
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         if not self.communicates:
             return y_LXM
@@ -81,7 +106,7 @@ def run_pipeline(
     buffer_ECM: torch.Tensor,
     chunks: list[tuple[int, int]],
     compute: Callable[[int, torch.Tensor], torch.Tensor],
-    route: ExpertExchange,
+    route: Route,
     after_compute: Callable[[], None] | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
@@ -134,7 +159,7 @@ def run_pipeline(
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: ExpertExchange, chunks: list[tuple[int, int]],
+        ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: Route, chunks: list[tuple[int, int]],
         timing: PipelineTiming, compute: ExpertCompute, workspace: Workspace | None, for_backward: bool,
         *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -186,15 +211,15 @@ class _PipelinedExperts(torch.autograd.Function):
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
         grad_buffer_ECM = run_pipeline(
-            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route, after_compute=weight_gradients,
-            workspace=workspace,
+            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route.adjoint(),
+            after_compute=weight_gradients, workspace=workspace,
         )
         ctx.timing.backward_s = time.perf_counter() - start
         return grad_buffer_ECM, None, None, None, None, None, None, *totals
 
 
 def pipelined_experts(
-    buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, route: ExpertExchange, degree: int,
+    buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, route: Route, degree: int,
     timing: PipelineTiming | None = None, workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns

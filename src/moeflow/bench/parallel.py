@@ -32,10 +32,12 @@ class ParallelPoint:
     tokens: int = 1024
     model_dim: int = 256
     top_k: int = 1
+    mp: int = 1  # > 1: Parm's schedules behind tensor-parallel attention of this many ranks
 
     @property
     def name(self) -> str:
-        return f"E{self.experts}-H{self.hidden_dim}-f{self.capacity_factor:g}-T{self.tokens}-M{self.model_dim}"
+        name = f"E{self.experts}-H{self.hidden_dim}-f{self.capacity_factor:g}-T{self.tokens}-M{self.model_dim}"
+        return name if self.mp == 1 else f"{name}-MP{self.mp}"
 
 
 def _layer_step(layer: Any, x: Any) -> None:
@@ -71,24 +73,30 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     import torch.distributed as dist
 
     from moeflow.bench.timing import slowest_rank_seconds
-    from moeflow.config import switchable_rs
+    from moeflow.config import PARM_SCHEDULES, switchable_rs
     from moeflow.layer import MoELayer
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    if point.mp > 1 and groups.model is None:
+        groups.model = dist.new_subgroups(group_size=point.mp)[0]
 
     def build(parallel: Any) -> MoELayer:
         torch.manual_seed(0)
         return MoELayer(
             point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k,
             capacity_factor=point.capacity_factor, group=groups, parallel=parallel, pipeline="auto",
-            profile=profile,
+            profile=profile, mp_group=groups.model if point.mp > 1 else None,
         )
 
-    layers = {f"r{r}": build(r) for r in switchable_rs(point.experts, world)}
-    layers["planner"] = build("adaptive")
-    x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(rank))
+    if point.mp > 1:
+        layers = {name: build(name) for name in PARM_SCHEDULES}
+    else:
+        layers = {f"r{r}": build(r) for r in switchable_rs(point.experts, world)}
+        layers["planner"] = build("adaptive")
+    tokens = torch.Generator().manual_seed(rank // point.mp)  # the same tokens on the members of an MP group
+    x = torch.randn(point.tokens, point.model_dim, generator=tokens)
     settle = {name: _settle(layer, x) for name, layer in layers.items()}
-    capacity = layers["planner"].last_stats.capacity
+    capacity = next(iter(layers.values())).last_stats.capacity
     buffer = torch.randn(point.experts, capacity, point.model_dim, requires_grad=True)
     whole: dict[str, list[float]] = {name: [] for name in layers}
     region: dict[str, list[float]] = {name: [] for name in layers}
@@ -101,6 +109,9 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
                 region[name].append(region_seconds)
     if rank == 0:
         _emit_point(point, layers, whole, region, settle, emit)
+        if point.mp > 1:
+            baseline, s2 = (statistics.median(whole[name]) for name in ("ds-baseline", "s2"))
+            emit({"bench": "parallel-parm", "config": point.name, "s2_over_baseline_speedup": baseline / s2})
 
 
 def _emit_point(
@@ -122,6 +133,8 @@ def _emit_point(
             "model_rel_error": abs(predicted - measured_region) / measured_region if predicted else None,
             "settle_iterations": settle[name],
         })
+    if "planner" not in layers:  # Parm's schedules: no per-iteration choice among them yet
+        return
     emit({
         "bench": "parallel-choice", "config": point.name, "best_fixed": best, "best_fixed_ms": fixed[best] * 1e3,
         "planner_r": layers["planner"].last_stats.plan.r, "planner_ms": medians["planner"] * 1e3,
@@ -149,23 +162,39 @@ def run(
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """How often the planner is within 10 % of the best fixed r, and each mode's model error."""
+    parm = [r for r in records if r.get("bench") == "parallel-parm"]
     choices = [r for r in records if r.get("bench") == "parallel-choice"]
     modes = [r for r in records if r.get("bench") == "parallel" and r.get("model_rel_error") is not None]
-    if not choices:
+    if not choices and not parm:
         return {"summary": "parallel", "configs": 0}
     errors: dict[str, list[float]] = {}
     for record in modes:
-        key = "planner" if record["mode"] == "planner" else f"r{record['r']}"
+        key = record["mode"] if record["r"] is None or record["mode"] == "planner" else f"r{record['r']}"
         errors.setdefault(key, []).append(record["model_rel_error"])
     return {
-        "summary": "parallel", "configs": len(choices),
-        "planner_within_10pct_share": sum(r["planner_within_10pct"] for r in choices) / len(choices),
-        "planner_over_best_median": statistics.median(r["planner_over_best"] for r in choices),
-        "planner_over_best_worst": max(r["planner_over_best"] for r in choices),
+        "summary": "parallel", "configs": len(choices) + len(parm),
+        "s2_over_baseline_geomean": _geomean([r["s2_over_baseline_speedup"] for r in parm]) if parm else None,
+        **_planner_summary(choices),
         "best_fixed": {r["config"]: r["best_fixed"] for r in choices},
         "model_median_rel_error": {k: statistics.median(v) for k, v in sorted(errors.items())},
         "model_median_rel_error_all": statistics.median(e for v in errors.values() for e in v) if errors else None,
     }
+
+
+def _planner_summary(choices: list[dict[str, Any]]) -> dict[str, Any]:
+    if not choices:
+        return {}
+    return {
+        "planner_within_10pct_share": sum(r["planner_within_10pct"] for r in choices) / len(choices),
+        "planner_over_best_median": statistics.median(r["planner_over_best"] for r in choices),
+        "planner_over_best_worst": max(r["planner_over_best"] for r in choices),
+    }
+
+
+def _geomean(values: list[float]) -> float:
+    import math
+
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class ParallelGroups:
         self.worker = CommunicationWorker()
         self._node_groups: NodeGroups | None = None
         self._blocks: dict[int, ProcessGroup] = {}
+        self._strided: dict[int, ProcessGroup] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParallelGroups:
         return self  # process groups are the job's, not a model's: a copied model shares them
@@ -140,6 +141,21 @@ class ParallelGroups:
             ranks = [dist.get_global_rank(self.expert, first + i) for i in range(size)]
             self._blocks[size] = dist.new_group(ranks, use_local_synchronization=True)
         return self._blocks[size]
+
+    def strided(self, stride: int) -> ProcessGroup | None:
+        """This rank's group of the ranks of the expert group with its index modulo ``stride``
+        (DeepSpeed-MoE's EP group when ESP groups are ``stride`` consecutive ranks). Created on
+        first use by its ranks alone, and kept; None when it has one rank."""
+        if self.size % stride:
+            raise ValueError(f"a stride of {stride} ranks does not tile the expert group of {self.size}")
+        if stride == self.size:
+            return None
+        if stride == 1:
+            return self.expert
+        if stride not in self._strided:
+            ranks = [dist.get_global_rank(self.expert, i) for i in range(self.rank % stride, self.size, stride)]
+            self._strided[stride] = dist.new_group(ranks, use_local_synchronization=True)
+        return self._strided[stride]
 
     def node_groups(self) -> NodeGroups:
         if not self.is_world:

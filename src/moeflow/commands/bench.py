@@ -205,6 +205,9 @@ def _add_parallel(benches: Any) -> None:
                           help="capacity factors f")
     parallel.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank (default 512)")
     parallel.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
+    parallel.add_argument("--mp", type=positive_int, default=1,
+                          help="> 1: Parm's S2 against the DeepSpeed-MoE baseline behind MP attention of this many "
+                          "ranks (N_ESP = N_MP) instead of Tutel's r")
     parallel.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
     parallel.set_defaults(func=run_parallel)
 
@@ -214,7 +217,7 @@ def run_parallel(args: argparse.Namespace) -> int:
 
     from moeflow.bench.parallel import ParallelPoint, run, summarize
 
-    grid = [ParallelPoint(e, h, f, args.tokens, args.model_dim)
+    grid = [ParallelPoint(e, h, f, args.tokens, args.model_dim, mp=args.mp)
             for e, h, f in itertools.product(args.experts, args.hidden_dims, args.capacity_factors)]
     return _run_cluster_grid("bench parallel", run, summarize, grid, args)
 

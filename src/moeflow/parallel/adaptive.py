@@ -99,6 +99,10 @@ class SwitchableExchange:
     def communicates(self) -> bool:
         return True
 
+    def adjoint(self) -> SwitchableExchange:
+        """Dispatch and combine are each other's adjoint: the backward runs the same route."""
+        return self
+
     def _padded(self, rows: int) -> int:
         return -(-rows // self.group) * self.group
 

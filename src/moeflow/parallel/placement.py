@@ -86,10 +86,27 @@ class ExpertPlacement:
                 f"hidden sharding needs the group size ({world_size}) to be a multiple of num_experts "
                 f"({num_experts}) and hidden_dim ({hidden_dim}) divisible by their ratio"
             )
-        parts = world_size // num_experts
-        width = hidden_dim // parts
+        return cls.expert_and_hidden_sharded(num_experts, num_experts, world_size // num_experts, hidden_dim)
+
+    @classmethod
+    def expert_and_hidden_sharded(
+        cls, num_experts: int, ep_size: int, esp_size: int, hidden_dim: int
+    ) -> ExpertPlacement:
+        """Parm's EP x ESP layout: rank ep * N_ESP + esp holds experts [ep * L, (ep + 1) * L),
+        L = E / N_EP, each as hidden slice esp of N_ESP (the ranks of one ESP group are consecutive)."""
+        if num_experts % ep_size or hidden_dim % esp_size:
+            raise ValueError(
+                f"{num_experts} experts of hidden_dim {hidden_dim} cannot be split over {ep_size} expert-parallel "
+                f"groups of {esp_size} hidden shards; num_experts must be a multiple of {ep_size} and hidden_dim "
+                f"of {esp_size}"
+            )
+        local, width = num_experts // ep_size, hidden_dim // esp_size
         ranks = tuple(
-            (ExpertShard(r // parts, (r % parts) * width, (r % parts + 1) * width),) for r in range(world_size)
+            tuple(
+                ExpertShard(e, (r % esp_size) * width, (r % esp_size + 1) * width)
+                for e in range(r // esp_size * local, (r // esp_size + 1) * local)
+            )
+            for r in range(ep_size * esp_size)
         )
         return cls(num_experts, hidden_dim, ranks)
 

@@ -1,0 +1,327 @@
+"""Parm's schedules for an MoE layer behind tensor-parallel (MP) attention (Parm §III).
+
+Tokens arrive replicated over the MP group (as Megatron / DeepSpeed-MoE pass them) and must leave
+replicated. The experts use Parm's EP x ESP layout with N_ESP = N_MP (its real models' setting):
+rank ep * N_MP + esp holds experts [ep * L, (ep + 1) * L) as hidden slice esp, so the MP group of
+a rank is also its ESP group.
+
+- ``s2`` ("disable MP after the gate, enable it before the combine", Fig. 3c): every MP member
+  gates all its tokens (identical on the group), keeps its 1/N_MP part of each expert's capacity
+  slots (MP-Split), sends it with Parm's fused EP&ESP all-to-all (dump + one all-to-all over all
+  W ranks), and after the experts the same all-to-all plus the local sum over the N_ESP hidden
+  shards returns its part, which one MP all-gather makes whole again. Compute and all-to-all
+  volume fall by N_MP against the DeepSpeed-MoE baseline, which repeats every expert's work on
+  each MP member.
+- ``ds-baseline`` (DeepSpeed-MoE v0.8.1 as Parm §II-B describes it, Eq. 1): an ESP all-gather of
+  the dispatched buffer (N_ESP copies of the same slots, since the tokens are replicated), an EP
+  all-to-all over the strided EP group, the shards on every copy, an ESP all-reduce of the shard
+  partials, the EP all-to-all back, and this member's copy kept (ESP-Split).
+
+Gradients follow Megatron's convention for a replicated tensor: its gradient is the same on every
+MP member, so the all-gather's backward keeps this member's part (and the split's backward is the
+all-gather). Under it the dispatch and the combine are each other's adjoint, as the pipeline's
+backward needs, and every expert shard sees each token once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
+from moeflow.comm.groups import ParallelGroups, group_rank, group_size
+from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import PlanPrediction, RegionShape, capacity_chunks, pipeline_makespan, usable_degrees
+from moeflow.perf.schedules import Plan
+from moeflow.pipeline import pipelined_experts
+from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
+
+
+def check_mp_group(groups: ParallelGroups) -> int:
+    """The MP group's size, after checking that it is a block of consecutive ranks of the layer's
+    group (the layout Parm and Megatron use: MP inside a node)."""
+    mp = groups.model
+    if mp is None:
+        raise ValueError("this schedule needs an mp_group: MoELayer(..., mp_group=<tensor-parallel group>)")
+    size = group_size(mp)
+    if groups.expert is None or groups.size % size:
+        raise ValueError(f"mp_group of {size} ranks must divide the layer's group of {groups.size} ranks")
+    members = [dist.get_global_rank(mp, i) for i in range(size)]
+    expert_ranks = [dist.get_global_rank(groups.expert, i) for i in range(groups.size)]
+    if not set(members) <= set(expert_ranks):
+        raise ValueError(f"mp_group (ranks {members}) is not a subgroup of the layer's group (ranks {expert_ranks})")
+    first = expert_ranks.index(members[0])
+    if members != expert_ranks[first:first + size] or first % size:
+        raise ValueError(
+            f"mp_group (ranks {members}) must be {size} consecutive ranks of the layer's group starting at a "
+            f"multiple of {size}, as tensor-parallel groups are laid out"
+        )
+    return size
+
+
+@dataclass(frozen=True)
+class ParmS2Exchange:
+    """S2's route: (E, Cj, M) chunks by destination expert (the same on every MP member) <-> the
+    (L, W * Cj / N_MP, M) rows of this rank's hidden shards. A chunk whose slots do not split over
+    the MP group is padded with empty slots."""
+
+    groups: ParallelGroups
+    mp_size: int
+    mp_rank: int
+
+    @property
+    def communicates(self) -> bool:
+        return True
+
+    def adjoint(self) -> ParmS2Exchange:
+        """Dispatch and combine are each other's adjoint: the backward runs the same route."""
+        return self
+
+    def _padded(self, rows: int) -> int:
+        return -(-rows // self.mp_size) * self.mp_size
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        rows = chunk_ECM.shape[1]
+        padded = self._padded(rows)
+        if padded != rows:
+            chunk_ECM = F.pad(chunk_ECM, (0, 0, 0, padded - rows))
+        part = padded // self.mp_size
+        own = chunk_ECM[:, self.mp_rank * part:(self.mp_rank + 1) * part].contiguous()  # MP-Split
+        assert self.groups.expert is not None
+        return ep_esp_dispatch(own, self.groups.size // self.mp_size, self.mp_size, self.groups.expert)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        padded = self._padded(rows)
+        part = padded // self.mp_size
+        assert self.groups.expert is not None and self.groups.model is not None
+        own_ECM = ep_esp_combine(y_LXM, self.groups.size // self.mp_size, self.mp_size, part, self.groups.expert)
+        experts, _, model_dim = own_ECM.shape
+        gathered = own_ECM.new_empty((self.mp_size * experts, part, model_dim))
+        dist.all_gather_single(gathered, own_ECM.contiguous(), group=self.groups.model)  # MP-AllGather
+        by_member = gathered.view(self.mp_size, experts, part, model_dim)
+        whole = by_member.transpose(0, 1).reshape(experts, padded, model_dim)
+        return whole if padded == rows else whole[:, :rows]
+
+
+@dataclass(frozen=True)
+class ParmS2Model:
+    """Parm Eq. 14's terms per chunk, in PipeMoE's recurrence: the fused EP&ESP all-to-all of the
+    dumped part, N_ESP * E * Cj / N_MP * M elements (dispatch), the same plus the MP all-gather of
+    E * Cj * M (combine, serial: no SAA here), and the shard GEMMs of W * Cj / N_MP rows on
+    H / N_ESP hidden units."""
+
+    mp_size: int
+    name: str = "s2"
+    sends_tokens: bool = True
+
+    def can_predict(self, cost: CostModel) -> bool:
+        fits = cost.profile.fits
+        return "gemm" in fits and "alltoall.linear" in fits and "allgather" in fits
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        return Plan(self.name, degree, "linear")
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        mp, element = self.mp_size, shape.bytes_per_element
+        local = shape.experts // (shape.world_size // mp)
+        slowdown = cost.profile.interference if plan.degree > 1 else 1.0
+        dispatch, combine, expert = [], [], []
+        for start, stop in capacity_chunks(shape.capacity, plan.degree):
+            part = -(-(stop - start) // mp)
+            sent = mp * shape.experts * part * shape.model_dim * element
+            dispatch.append(cost.t_alltoall("linear", sent))
+            combine.append(dispatch[-1] + cost.t_allgather(shape.experts * part * shape.model_dim * element, mp))
+            gemm = cost.t_gemm(shape.world_size * part, shape.model_dim, shape.hidden_dim // mp)
+            expert.append(shape.projections * local * gemm * slowdown)
+        forward = pipeline_makespan(dispatch, expert, combine)
+        back = pipeline_makespan(dispatch, [2 * t for t in expert], combine) if backward else 0.0
+        memory = local * shape.expert_parameters * element // mp
+        return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
+
+
+@dataclass(frozen=True)
+class ParmS2Schedule:
+    """Parm's S2 on the EP x ESP layout (N_ESP = N_MP); needs the layer's ``mp_group``."""
+
+    mp_size: int
+    name: str = "s2"
+
+    @property
+    def model(self) -> ParmS2Model:
+        return ParmS2Model(self.mp_size, self.name)
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        return ExpertPlacement.expert_and_hidden_sharded(
+            num_experts, world_size // self.mp_size, self.mp_size, hidden_dim
+        )
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return self.model.candidates(shape, degrees, algorithms)
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        return self.model.predict(plan, cost, shape, backward)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None,
+    ) -> torch.Tensor:
+        mp_rank = group_rank(groups.model)
+        compute = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
+        route = ParmS2Exchange(groups, self.mp_size, mp_rank)
+        return pipelined_experts(
+            dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace
+        )
+
+
+@dataclass(frozen=True)
+class _ScaledWeightGrads:
+    """An expert computation whose weight gradients are scaled (the baseline's N copies of every
+    slot are one tensor under Megatron's convention: each copy's gradient counts 1 / N)."""
+
+    inner: ExpertCompute
+    scale: float
+
+    @property
+    def projections(self) -> int:
+        return self.inner.projections
+
+    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None):
+        return self.inner.forward(x_LCM, weights, workspace)
+
+    def backward_input(self, saved, grad_y_LCM, weights, workspace=None):
+        return self.inner.backward_input(saved, grad_y_LCM, weights, workspace)
+
+    def weight_grads(self, inputs, weights, workspace=None) -> list[torch.Tensor | None]:
+        return [None if g is None else g.mul_(self.scale) for g in self.inner.weight_grads(inputs, weights, workspace)]
+
+
+@dataclass(frozen=True)
+class BaselineExchange:
+    """The DeepSpeed-MoE baseline's route (N = N_MP = N_ESP copies, N_EP = W / N ranks in the strided
+    EP group, L local experts): (E, Cj, M) <-> (L, N_EP * N * Cj, M). Its combine keeps one copy,
+    so the backward runs :meth:`adjoint`, the true adjoint under Megatron's convention."""
+
+    groups: ParallelGroups
+    mp_size: int
+    mp_rank: int
+    backward: bool = False
+
+    @property
+    def communicates(self) -> bool:
+        return True
+
+    def adjoint(self) -> BaselineExchange:
+        return dataclasses.replace(self, backward=not self.backward)
+
+    def _ep_exchange(self, blocks: torch.Tensor) -> torch.Tensor:
+        """All-to-all over the EP group of (N_EP, ...) blocks by destination -> by source."""
+        group = self.groups.strided(self.mp_size)
+        if group is None:
+            return blocks
+        received = torch.empty_like(blocks)
+        dist.all_to_all_single(received, blocks.contiguous(), group=group)
+        return received
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        n, (experts, rows, model_dim) = self.mp_size, chunk_ECM.shape
+        ep = self.groups.size // n
+        if self.backward:  # adjoint of the combine: this copy only, EP all-to-all, ESP all-reduce
+            copies = chunk_ECM.new_zeros((ep, n, experts // ep, rows, model_dim))
+            copies[:, self.mp_rank] = chunk_ECM.view(ep, experts // ep, rows, model_dim)
+        else:  # ESP all-gather of the (identical) buffers of the MP members
+            gathered = chunk_ECM.new_empty((n * experts, rows, model_dim))
+            dist.all_gather_single(gathered, chunk_ECM.contiguous(), group=self.groups.model)
+            copies = gathered.view(n, ep, experts // ep, rows, model_dim).transpose(0, 1)
+        received = self._ep_exchange(copies.contiguous())  # (N_EP source, N, L, Cj, M)
+        rows_LXM = received.permute(2, 0, 1, 3, 4).reshape(experts // ep, ep * n * rows, model_dim)
+        if self.backward:
+            dist.all_reduce(rows_LXM, group=self.groups.model)
+        return rows_LXM
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        n, (local, _, model_dim) = self.mp_size, y_LXM.shape
+        ep = self.groups.size // n
+        if not self.backward:  # ESP all-reduce: the shards' partial outputs summed
+            y_LXM = y_LXM.clone()
+            dist.all_reduce(y_LXM, group=self.groups.model)
+        blocks = y_LXM.view(local, ep, n, rows, model_dim).permute(1, 2, 0, 3, 4).contiguous()
+        returned = self._ep_exchange(blocks)  # (N_EP destination, N copies, L, Cj, M)
+        if not self.backward:  # ESP-Split: this member's copy
+            return returned[:, self.mp_rank].reshape(ep * local, rows, model_dim)
+        by_copy = returned.transpose(0, 1).reshape(n * ep * local, rows, model_dim)
+        own = by_copy.new_empty((ep * local, rows, model_dim))
+        dist.reduce_scatter_single(own, by_copy.contiguous(), group=self.groups.model)  # adjoint of the gather
+        return own
+
+
+@dataclass(frozen=True)
+class BaselineModel:
+    """Parm Eq. 1 per chunk in PipeMoE's recurrence: dispatch = ESP all-gather of N copies plus the
+    EP all-to-all of N * E * Cj * M elements; combine = the ESP all-reduce of the partials plus the
+    all-to-all back; the shards run N copies: N_EP * N * Cj rows on H / N hidden units."""
+
+    mp_size: int
+    name: str = "ds-baseline"
+    sends_tokens: bool = True
+
+    def can_predict(self, cost: CostModel) -> bool:
+        fits = cost.profile.fits
+        return "gemm" in fits and "alltoall.linear" in fits and "allgather" in fits and "allreduce" in fits
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        return Plan(self.name, degree, "linear")
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        n, element = self.mp_size, shape.bytes_per_element
+        ep = shape.world_size // n
+        local = shape.experts // ep
+        slowdown = cost.profile.interference if plan.degree > 1 else 1.0
+        world = shape.world_size
+        moved = (ep - 1) / ep * world / max(1, world - 1)  # EP group's share of the world fit's traffic
+        dispatch, combine, expert = [], [], []
+        for start, stop in capacity_chunks(shape.capacity, plan.degree):
+            buffer = shape.experts * (stop - start) * shape.model_dim * element
+            a2a = cost.t_alltoall("linear", n * buffer * moved) if ep > 1 else 0.0
+            dispatch.append(cost.t_allgather(buffer, n) + a2a)
+            combine.append(cost.t_allreduce(n * buffer) + a2a)
+            gemm = cost.t_gemm(ep * n * (stop - start), shape.model_dim, shape.hidden_dim // n)
+            expert.append(shape.projections * local * gemm * slowdown)
+        forward = pipeline_makespan(dispatch, expert, combine)
+        back = pipeline_makespan(dispatch, [2 * t for t in expert], combine) if backward else 0.0
+        memory = local * shape.expert_parameters * element // n
+        return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
+
+
+@dataclass(frozen=True)
+class BaselineSchedule(ParmS2Schedule):
+    """DeepSpeed-MoE's MP+EP+ESP baseline on the same EP x ESP layout as S2."""
+
+    name: str = "ds-baseline"
+
+    @property
+    def model(self) -> BaselineModel:  # type: ignore[override]
+        return BaselineModel(self.mp_size, self.name)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None,
+    ) -> torch.Tensor:
+        mp_rank = group_rank(groups.model)
+        shard = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)
+        compute = _ScaledWeightGrads(shard, 1.0 / self.mp_size)
+        route = BaselineExchange(groups, self.mp_size, mp_rank)
+        return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)
