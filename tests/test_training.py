@@ -337,6 +337,9 @@ def test_a_killed_worker_fails_the_job_fast_and_keeps_the_checkpoint(tmp_path: P
         (["--top-k", "9"], "top_k"),
         (["--data", "/nonexistent/corpus"], "data path '/nonexistent/corpus' does not exist"),
         (["--steps", "5", "--stop-at", "9"], "stop_at must be a step in"),
+        (["--parallel", "s2"], "does not have yet"),
+        (["--parallel", "3"], "not a valid r"),
+        (["--num-experts", "3", "--workers", "4", "--parallel", "adaptive"], "not a multiple of it"),
     ],
 )
 def test_bad_input_fails_before_any_worker_starts(

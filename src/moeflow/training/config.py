@@ -10,7 +10,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.config import check_switchable_layout, model_moe_defaults, require_choice, require_positive_int
+from moeflow.config import (
+    PARM_SCHEDULES,
+    check_switchable_layout,
+    model_moe_defaults,
+    require_choice,
+    require_positive_int,
+    validate_r,
+)
 from moeflow.data import TOKENIZERS
 
 if TYPE_CHECKING:
@@ -81,9 +88,16 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
+        if self.parallel in PARM_SCHEDULES:
+            raise ValueError(
+                f"--parallel {self.parallel} runs behind tensor-parallel attention, which moeflow train does not "
+                "have yet (no --mp-size); use expert, replicated, adaptive, auto or an int r"
+            )
         switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
         if switchable and self.workers > self.num_experts:
             check_switchable_layout(self.num_experts, self.workers, self.ffn_hidden)
+        if isinstance(self.parallel, int):
+            validate_r(self.parallel, self.num_experts, self.workers)
         elif self.num_experts % self.workers and self.parallel != "replicated":
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
