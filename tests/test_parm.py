@@ -58,6 +58,6 @@ def test_s2_costs_less_than_the_baseline_as_parm_eq10_says() -> None:
     cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
     for capacity in (16, 256, 4096):
         shape = RegionShape(2, 4, capacity, 256, 1024)
-        s2 = ParmS2Model(2).predict(Plan("s2", 1, "linear"), cost, shape, backward=True)
-        baseline = BaselineModel(2).predict(Plan("ds-baseline", 1, "linear"), cost, shape, backward=True)
+        s2 = ParmS2Model(mp_size=2).predict(Plan("s2", 1, "linear"), cost, shape, backward=True)
+        baseline = BaselineModel(mp_size=2).predict(Plan("ds-baseline", 1, "linear"), cost, shape, backward=True)
         assert s2.total_s < baseline.total_s

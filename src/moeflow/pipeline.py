@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
@@ -37,7 +38,10 @@ from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
-__all__ = ["ExpertExchange", "PipelineTiming", "Route", "capacity_chunks", "pipelined_experts", "run_pipeline"]
+__all__ = [
+    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "pipelined_experts",
+    "run_pipeline",
+]
 
 
 class Route(Protocol):
@@ -95,6 +99,30 @@ class ExpertExchange:
         by_source_WLCM = y_LXM.view(self.num_local_experts, world, rows, model_dim).transpose(0, 1)
         returned = exchange(self.algorithm, by_source_WLCM.contiguous(), self.groups)
         return returned.view(world * self.num_local_experts, rows, model_dim)
+
+
+class SelfAdjointRoute:
+    """A communicating route whose dispatch and combine are each other's adjoint, so the backward
+    runs the same route."""
+
+    @property
+    def communicates(self) -> bool:
+        return True
+
+    def adjoint(self) -> Self:
+        return self
+
+
+def pad_slots(chunk_ECM: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The chunk with empty slots appended until its slot count is a multiple of ``multiple`` (for
+    routes that split a chunk's slots over several ranks); the route drops them again."""
+    rows = chunk_ECM.shape[1]
+    padded = padded_slots(rows, multiple)
+    return chunk_ECM if padded == rows else F.pad(chunk_ECM, (0, 0, 0, padded - rows))
+
+
+def padded_slots(rows: int, multiple: int) -> int:
+    return -(-rows // multiple) * multiple
 
 
 def _without_grad(function: Callable[..., object], *args: object) -> object:

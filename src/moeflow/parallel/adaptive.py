@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
 from moeflow.experts import ExpertFFN, FFNWeights
+from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.perf import CostModel
-from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
-from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.pipeline import ExpertExchange, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
 
@@ -83,7 +80,7 @@ def gather_weights(
 
 
 @dataclass(frozen=True)
-class SwitchableExchange:
+class SwitchableExchange(SelfAdjointRoute):
     """The route of r >= 1 with W > E: (E, Cj, M) chunks by destination expert <-> the (1, W * Cj / g,
     M) rows of this rank's hidden block. Dispatch = all-to-all after an r-fold repeat; combine = the
     same all-to-all, then the local sum over the r blocks: the two are each other's adjoint, as the
@@ -95,22 +92,9 @@ class SwitchableExchange:
     r: int
     group: int  # g = S / r: ranks that share one hidden block of one expert
 
-    @property
-    def communicates(self) -> bool:
-        return True
-
-    def adjoint(self) -> SwitchableExchange:
-        """Dispatch and combine are each other's adjoint: the backward runs the same route."""
-        return self
-
-    def _padded(self, rows: int) -> int:
-        return -(-rows // self.group) * self.group
-
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        experts, rows, model_dim = chunk_ECM.shape
-        padded = self._padded(rows)
-        if padded != rows:
-            chunk_ECM = F.pad(chunk_ECM, (0, 0, 0, padded - rows))
+        chunk_ECM = pad_slots(chunk_ECM, self.group)
+        experts, padded, model_dim = chunk_ECM.shape
         part = padded // self.group
         repeated = (
             chunk_ECM.view(experts, 1, self.group, part, model_dim)
@@ -122,14 +106,14 @@ class SwitchableExchange:
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         world, model_dim = self.groups.size, y_LXM.shape[-1]
-        padded = self._padded(rows)
+        padded = padded_slots(rows, self.group)
         returned = exchange(self.algorithm, y_LXM.view(world, padded // self.group, model_dim), self.groups)
         summed = returned.view(world // (self.r * self.group), self.r, padded, model_dim).sum(dim=1)
         return summed if padded == rows else summed[:, :rows]
 
 
 @dataclass(frozen=True)
-class AdaptiveSchedule:
+class AdaptiveSchedule(ModelledSchedule):
     """Tutel's switchable parallelism as one schedule: the planner picks r per iteration (with the
     pipeline degree and the all-to-all algorithm), or ``r`` fixes it."""
 
@@ -145,12 +129,6 @@ class AdaptiveSchedule:
         if self.r is not None:
             validate_r(self.r, num_experts, world_size)
         return switchable_placement(num_experts, world_size, hidden_dim)
-
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return self.model.candidates(shape, degrees, algorithms)
-
-    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        return self.model.predict(plan, cost, shape, backward)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,

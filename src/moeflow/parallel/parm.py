@@ -31,16 +31,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
+from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape, capacity_chunks, pipeline_makespan, usable_degrees
 from moeflow.perf.schedules import Plan
-from moeflow.pipeline import pipelined_experts
+from moeflow.pipeline import SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
 
@@ -68,7 +68,7 @@ def check_mp_group(groups: ParallelGroups) -> int:
 
 
 @dataclass(frozen=True)
-class ParmS2Exchange:
+class ParmS2Exchange(SelfAdjointRoute):
     """S2's route: (E, Cj, M) chunks by destination expert (the same on every MP member) <-> the
     (L, W * Cj / N_MP, M) rows of this rank's hidden shards. A chunk whose slots do not split over
     the MP group is padded with empty slots."""
@@ -77,29 +77,15 @@ class ParmS2Exchange:
     mp_size: int
     mp_rank: int
 
-    @property
-    def communicates(self) -> bool:
-        return True
-
-    def adjoint(self) -> ParmS2Exchange:
-        """Dispatch and combine are each other's adjoint: the backward runs the same route."""
-        return self
-
-    def _padded(self, rows: int) -> int:
-        return -(-rows // self.mp_size) * self.mp_size
-
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        rows = chunk_ECM.shape[1]
-        padded = self._padded(rows)
-        if padded != rows:
-            chunk_ECM = F.pad(chunk_ECM, (0, 0, 0, padded - rows))
-        part = padded // self.mp_size
+        chunk_ECM = pad_slots(chunk_ECM, self.mp_size)
+        part = chunk_ECM.shape[1] // self.mp_size
         own = chunk_ECM[:, self.mp_rank * part:(self.mp_rank + 1) * part].contiguous()  # MP-Split
         assert self.groups.expert is not None
         return ep_esp_dispatch(own, self.groups.size // self.mp_size, self.mp_size, self.groups.expert)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-        padded = self._padded(rows)
+        padded = padded_slots(rows, self.mp_size)
         part = padded // self.mp_size
         assert self.groups.expert is not None and self.groups.model is not None
         own_ECM = ep_esp_combine(y_LXM, self.groups.size // self.mp_size, self.mp_size, part, self.groups.expert)
@@ -112,25 +98,33 @@ class ParmS2Exchange:
 
 
 @dataclass(frozen=True)
-class ParmS2Model:
-    """Parm Eq. 14's terms per chunk, in PipeMoE's recurrence: the fused EP&ESP all-to-all of the
-    dumped part, N_ESP * E * Cj / N_MP * M elements (dispatch), the same plus the MP all-gather of
-    E * Cj * M (combine, serial: no SAA here), and the shard GEMMs of W * Cj / N_MP rows on
-    H / N_ESP hidden units."""
+class _LinearAllToAllModel:
+    """Candidates of a schedule whose all-to-all is the plain one: every usable degree, linear."""
 
-    mp_size: int
-    name: str = "s2"
-    sends_tokens: bool = True
+    name: str
+    needs: tuple[str, ...]  # the profile fits its cost uses
 
     def can_predict(self, cost: CostModel) -> bool:
-        fits = cost.profile.fits
-        return "gemm" in fits and "alltoall.linear" in fits and "allgather" in fits
+        return all(fit in cost.profile.fits for fit in self.needs)
 
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
         return Plan(self.name, degree, "linear")
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
+
+
+@dataclass(frozen=True)
+class ParmS2Model(_LinearAllToAllModel):
+    """Parm Eq. 14's terms per chunk, in PipeMoE's recurrence: the fused EP&ESP all-to-all of the
+    dumped part, N_ESP * E * Cj / N_MP * M elements (dispatch), the same plus the MP all-gather of
+    E * Cj * M (combine, serial: no SAA here), and the shard GEMMs of W * Cj / N_MP rows on
+    H / N_ESP hidden units."""
+
+    name: str = "s2"
+    needs: tuple[str, ...] = ("gemm", "alltoall.linear", "allgather")
+    mp_size: int = 2
+    sends_tokens: bool = True
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         mp, element = self.mp_size, shape.bytes_per_element
@@ -151,7 +145,7 @@ class ParmS2Model:
 
 
 @dataclass(frozen=True)
-class ParmS2Schedule:
+class ParmS2Schedule(ModelledSchedule):
     """Parm's S2 on the EP x ESP layout (N_ESP = N_MP); needs the layer's ``mp_group``."""
 
     mp_size: int
@@ -159,18 +153,12 @@ class ParmS2Schedule:
 
     @property
     def model(self) -> ParmS2Model:
-        return ParmS2Model(self.mp_size, self.name)
+        return ParmS2Model(self.name, mp_size=self.mp_size)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_and_hidden_sharded(
             num_experts, world_size // self.mp_size, self.mp_size, hidden_dim
         )
-
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return self.model.candidates(shape, degrees, algorithms)
-
-    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        return self.model.predict(plan, cost, shape, backward)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
@@ -266,24 +254,15 @@ class BaselineExchange:
 
 
 @dataclass(frozen=True)
-class BaselineModel:
+class BaselineModel(_LinearAllToAllModel):
     """Parm Eq. 1 per chunk in PipeMoE's recurrence: dispatch = ESP all-gather of N copies plus the
     EP all-to-all of N * E * Cj * M elements; combine = the ESP all-reduce of the partials plus the
     all-to-all back; the shards run N copies: N_EP * N * Cj rows on H / N hidden units."""
 
-    mp_size: int
     name: str = "ds-baseline"
+    needs: tuple[str, ...] = ("gemm", "alltoall.linear", "allgather", "allreduce")
+    mp_size: int = 2
     sends_tokens: bool = True
-
-    def can_predict(self, cost: CostModel) -> bool:
-        fits = cost.profile.fits
-        return "gemm" in fits and "alltoall.linear" in fits and "allgather" in fits and "allreduce" in fits
-
-    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
-        return Plan(self.name, degree, "linear")
-
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         n, element = self.mp_size, shape.bytes_per_element
@@ -314,7 +293,7 @@ class BaselineSchedule(ParmS2Schedule):
 
     @property
     def model(self) -> BaselineModel:  # type: ignore[override]
-        return BaselineModel(self.mp_size, self.name)
+        return BaselineModel(self.name, mp_size=self.mp_size)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,

@@ -25,6 +25,7 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertFFN
 from moeflow.parallel.adaptive import AdaptiveSchedule
+from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
@@ -55,7 +56,7 @@ class ParallelSchedule(Protocol):
 
 
 @dataclass(frozen=True)
-class _ModelledSchedule:
+class _ModelledSchedule(ModelledSchedule):
     """Candidates and predictions come from the schedule's numpy model of the same name."""
 
     name: str
@@ -63,12 +64,6 @@ class _ModelledSchedule:
     @property
     def model(self) -> ScheduleModel:
         return SCHEDULE_MODELS[self.name]
-
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return SCHEDULE_MODELS[self.name].candidates(shape, degrees, algorithms)
-
-    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        return SCHEDULE_MODELS[self.name].predict(plan, cost, shape, backward)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,

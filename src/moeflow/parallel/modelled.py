@@ -1,0 +1,23 @@
+"""The model half of a run-half schedule: candidates and predictions come from its ``model``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import PlanPrediction, RegionShape
+from moeflow.perf.schedules import Plan, ScheduleModel
+
+
+class ModelledSchedule:
+    """Mixin for a schedule with a ``model`` property (:class:`moeflow.perf.schedules.ScheduleModel`)."""
+
+    @property
+    def model(self) -> ScheduleModel:
+        raise NotImplementedError
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return self.model.candidates(shape, degrees, algorithms)
+
+    def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        return self.model.predict(plan, cost, shape, backward)
