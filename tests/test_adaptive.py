@@ -14,7 +14,7 @@ from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
-from moeflow.planner import PipelinePlanner
+from moeflow.planner import PipelinePlanner, ternary_next_r
 from moeflow.reference import ReferenceMoE
 
 
@@ -134,3 +134,29 @@ def test_planner_searches_r_with_the_degree_and_keeps_the_fastest() -> None:
         timing.forward_s = 1.0 if choice.plan.r == 2 and choice.plan.degree == 2 else 2.0
     assert seen == {0, 1, 2}
     assert planner.dictionary[0] == Plan("adaptive", 2, "linear", 2)
+
+
+def test_ternary_search_over_r_finds_the_minimum_of_a_convex_cost() -> None:
+    interior = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+    for best in interior:
+        measured: dict[int, float] = {}
+        while (r := ternary_next_r(interior, measured)) is not None:
+            measured[r] = abs(interior.index(r) - interior.index(best)) + 1.0
+        assert min(measured, key=measured.get) == best
+        assert len(measured) < len(interior)  # it prunes
+
+
+def test_planner_runs_tutels_ternary_search_over_r_when_s_has_many_divisors() -> None:
+    """W = 12, E = 1: S = 12, r in {0, 1, 2, 3, 4, 6, 12}; the time is convex in r with its minimum
+    at r = 3: the search times r = 0, r = 12 and only part of the interior, and keeps r = 3."""
+    planner = PipelinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
+    shape = RegionShape(1, 12, 64, 8, 48)
+    seen = set()
+    for _ in range(400):
+        choice, timing = planner.choose(shape, backward=True)
+        if choice.source == "dictionary":
+            break
+        seen.add(choice.plan.r)
+        timing.forward_s = {0: 9.0, 12: 9.0}.get(choice.plan.r, abs(choice.plan.r - 3) + 1.0)
+    assert planner.dictionary[0].r == 3
+    assert {0, 3, 12} <= seen and seen < {0, 1, 2, 3, 4, 6, 12}

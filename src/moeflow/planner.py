@@ -56,9 +56,15 @@ class _Search:
     trials: int
     timings: list[list[PipelineTiming]] = field(default_factory=list)
     issued: int = 0
+    held_back: list[Plan] = field(default_factory=list)  # plans of Tutel r's the ternary search may add
+    interior_rs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.timings = [[] for _ in self.candidates]
+
+    def add(self, plans: list[Plan]) -> None:
+        self.candidates.extend(plans)
+        self.timings.extend([] for _ in plans)
 
     def next_trial(self) -> int | None:
         if self.issued >= len(self.candidates) * self.trials:
@@ -141,10 +147,12 @@ class PipelinePlanner:
             return self._with_prediction(self.dictionary[key], "dictionary", key, shape, backward), timing
         search = self._searches.get(key)
         if search is None:  # the first call at a new key pays one-time costs: run it untimed
-            search = _Search(self._candidates(shape, backward, degrees), self.search_trials)
+            search = self._new_search(self._candidates(shape, backward, degrees))
             self._searches[key] = search
             return self._with_prediction(search.candidates[0], "warmup", key, shape, backward), timing
         index = search.next_trial()
+        if index is None and self._next_r(search):
+            index = search.next_trial()
         if index is not None:
             search.timings[index].append(timing)
             return self._with_prediction(search.candidates[index], "trial", key, shape, backward), timing
@@ -166,6 +174,35 @@ class PipelinePlanner:
             anchors = model.candidates(shape, degrees or SEARCH_DEGREES, sending[:1] or (top[0].algorithm,))
             return list(dict.fromkeys(top + anchors))
         return model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
+
+    def _new_search(self, candidates: list[Plan]) -> _Search:
+        """Trials of every candidate; with more than two Tutel r between 1 and S - 1, only r = 0,
+        r = S and the ternary search's first r at first (Tutel §3.3), the others held back."""
+        rs = sorted({plan.r for plan in candidates if plan.r is not None})
+        interior = tuple(rs[1:-1]) if rs and rs[0] == 0 else tuple(rs[:-1])
+        if len(interior) <= 2:
+            return _Search(candidates, self.search_trials)
+        first = {r for r in rs if r not in interior} | {ternary_next_r(interior, {})}
+        search = _Search([p for p in candidates if p.r in first], self.search_trials)
+        search.held_back, search.interior_rs = [p for p in candidates if p.r not in first], interior
+        return search
+
+    def _next_r(self, search: _Search) -> bool:
+        """Add the plans of the ternary search's next r (all ranks agree: slowest-rank medians)."""
+        if not search.held_back:
+            return False
+        medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
+        values = medians if self.reduce_max is None else self.reduce_max(medians)
+        best_of_r: dict[int, float] = {}
+        for plan, seconds in zip(search.candidates, values, strict=True):
+            if plan.r in search.interior_rs:
+                best_of_r[plan.r] = min(seconds, best_of_r.get(plan.r, seconds))
+        r = ternary_next_r(search.interior_rs, best_of_r)
+        if r is None:
+            return False
+        search.add([p for p in search.held_back if p.r == r])
+        search.held_back = [p for p in search.held_back if p.r != r]
+        return True
 
     def _ranked(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list:
         assert self.cost_model is not None
@@ -197,6 +234,24 @@ class PipelinePlanner:
             plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
             prediction.gradient_sync_s if backward else None,
         )
+
+
+def ternary_next_r(interior: Sequence[int], measured: dict[int, float]) -> int | None:
+    """Tutel §3.3: the next r of a ternary search over the sorted ``interior`` r (1 .. S - 1, where
+    the cost is convex in r), given the best time ``measured`` for each r tried so far; None when
+    the search is over. Replays the search from the start, so it is a pure function."""
+    lo, hi = 0, len(interior) - 1
+    while hi - lo > 2:
+        third = (hi - lo) // 3
+        left, right = interior[lo + third], interior[hi - third]
+        for r in (left, right):
+            if r not in measured:
+                return r
+        if measured[left] < measured[right]:
+            hi = hi - third - 1
+        else:
+            lo = lo + third + 1
+    return next((r for r in interior[lo:hi + 1] if r not in measured), None)
 
 
 def simplest_within(candidates: Sequence[Plan], seconds: Sequence[float], min_gain: float) -> Plan:
