@@ -143,7 +143,8 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
     profile_dict = run_distributed(calibrate_rank, 2, config, timeout_s=300)[0]
     profile = ClusterProfile.from_dict(profile_dict)
     assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
-                                 "allgather", "reducescatter", "alltoall.intra_node"}  # one node: no inter-node
+                                 "allgather", "reducescatter", "alltoall.intra_node",  # one node: no inter-node
+                                 "ffn.forward", "ffn.backward"}
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
     assert CostModel(profile).layer_times(LayerShape(256, 32, 64, 4))["serial_s"] > 0
@@ -194,3 +195,16 @@ def test_plan_cli_prints_every_tutel_r_with_more_ranks_than_experts(
     (summary,) = [line for line in lines if line.get("summary") == "plan-adaptive"]
     assert summary["predicted_ms"] == pytest.approx(min(line["total_ms"] for line in adaptive), rel=1e-3)
     assert not any(line.get("plan") == "pipeline" for line in lines)  # 2 experts do not split over 4 ranks
+
+
+def test_expert_ffn_time_comes_from_its_own_fits_or_from_the_gemm() -> None:
+    """Without the calibrated FFN fits: projections GEMMs forward, twice that backward; with them,
+    the fits at x = rows * M * H * projections."""
+    plain = CostModel(_profile())
+    forward = plain.t_ffn(128, 64, 256, 2)
+    assert forward == pytest.approx(2 * plain.t_gemm(128, 64, 256))
+    assert plain.t_ffn(128, 64, 256, 2, backward=True) == pytest.approx(2 * forward)
+    fits = {**_profile().fits, "ffn.forward": AlphaBeta(1e-3, 1e-10), "ffn.backward": AlphaBeta(2e-3, 3e-10)}
+    calibrated = CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
+    assert calibrated.t_ffn(128, 64, 256, 3) == pytest.approx(1e-3 + 1e-10 * 128 * 64 * 256 * 3)
+    assert calibrated.t_ffn(128, 64, 256, 3, backward=True) == pytest.approx(2e-3 + 3e-10 * 128 * 64 * 256 * 3)

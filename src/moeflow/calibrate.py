@@ -3,6 +3,8 @@
 Measured on the running job's ranks (spawned gloo workers, or ranks started by ``moeflow launch`` /
 torchrun):
 - the expert GEMM (m x M) @ (M x H) over token counts m, x = m*M*H;
+- one whole expert FFN's forward and backward over the same m, x = m*M*H*2 (the cost model's
+  ``t_ffn``: the GEMMs plus bias, activation and the weight-gradient GEMMs);
 - each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather,
   reduce-scatter, and the linear all-to-all inside the intra-node and the inter-node (same local
   rank) subgroups; x = bytes each rank contributes, time of the slowest rank;
@@ -53,6 +55,29 @@ def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
         {tokens: (lambda x=x: torch.mm(x, weight)) for tokens, x in inputs.items()}, config.repeats
     )
     return [(tokens * config.model_dim * config.hidden_dim, seconds) for tokens, seconds in medians.items()]
+
+
+def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]]]:
+    """One expert FFN (gelu, M x H) on m tokens, forward and backward timed whole: what the cost
+    model's ``t_ffn`` prices (the GEMMs, bias, activation, input and weight gradients);
+    x = m * M * H * 2 projections. The backward is (forward + backward) - forward, medians."""
+    from moeflow.experts import ExpertFFN
+
+    ffn = ExpertFFN(1, config.model_dim, config.hidden_dim)
+    sizes = config.gemm_tokens[::2] if len(config.gemm_tokens) >= 8 else config.gemm_tokens  # >= 4 points
+    inputs = {m: torch.randn(1, m, config.model_dim, requires_grad=True) for m in sizes}
+
+    def forward_backward(x: torch.Tensor) -> None:
+        ffn(x).sum().backward()
+
+    operations = {("forward", m): (lambda x=x: ffn(x)) for m, x in inputs.items()}
+    operations |= {("both", m): (lambda x=x: forward_backward(x)) for m, x in inputs.items()}
+    medians = interleaved_medians(operations, config.repeats)
+    work = {m: m * config.model_dim * config.hidden_dim * 2 for m in inputs}
+    return {
+        "ffn.forward": [(work[m], medians[("forward", m)]) for m in inputs],
+        "ffn.backward": [(work[m], max(0.0, medians[("both", m)] - medians[("forward", m)])) for m in inputs],
+    }
 
 
 def _topology(config: CalibrationConfig, world: int) -> Topology:
@@ -129,6 +154,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     torch.set_num_threads(1)
     topology = _topology(config, world)
     gemm = _gemm_points(config)
+    ffn = _ffn_points(config)
     collectives = _collective_points(config, world) if world > 1 else {}
     interference = _interference(config, world) if world > 1 else 1.0
     if rank != 0:
@@ -136,6 +162,9 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     fits, quality = {}, []
     fits["gemm"], report = _fit_with_holdout("gemm", gemm, "m*k*n")
     quality.append(report)
+    for name, points in ffn.items():
+        fits[name], report = _fit_with_holdout(name, points, "m*M*H*projections")
+        quality.append(report)
     for name, points in collectives.items():
         fits[name], report = _fit_with_holdout(name, points, "bytes")
         quality.append(report)

@@ -130,16 +130,17 @@ class ParmS2Model(_LinearAllToAllModel):
         mp, element = self.mp_size, shape.bytes_per_element
         local = shape.experts // (shape.world_size // mp)
         slowdown = cost.profile.interference if plan.degree > 1 else 1.0
-        dispatch, combine, expert = [], [], []
+        dispatch, combine, expert, expert_back = [], [], [], []
         for start, stop in capacity_chunks(shape.capacity, plan.degree):
             part = -(-(stop - start) // mp)
             sent = mp * shape.experts * part * shape.model_dim * element
             dispatch.append(cost.t_alltoall("linear", sent))
             combine.append(dispatch[-1] + cost.t_allgather(shape.experts * part * shape.model_dim * element, mp))
-            gemm = cost.t_gemm(shape.world_size * part, shape.model_dim, shape.hidden_dim // mp)
-            expert.append(shape.projections * local * gemm * slowdown)
+            dims = (shape.world_size * part, shape.model_dim, shape.hidden_dim // mp, shape.projections)
+            expert.append(local * cost.t_ffn(*dims) * slowdown)
+            expert_back.append(local * cost.t_ffn(*dims, backward=True) * slowdown)
         forward = pipeline_makespan(dispatch, expert, combine)
-        back = pipeline_makespan(dispatch, [2 * t for t in expert], combine) if backward else 0.0
+        back = pipeline_makespan(dispatch, expert_back, combine) if backward else 0.0
         memory = local * shape.expert_parameters * element // mp
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
 
@@ -271,16 +272,17 @@ class BaselineModel(_LinearAllToAllModel):
         slowdown = cost.profile.interference if plan.degree > 1 else 1.0
         world = shape.world_size
         moved = (ep - 1) / ep * world / max(1, world - 1)  # EP group's share of the world fit's traffic
-        dispatch, combine, expert = [], [], []
+        dispatch, combine, expert, expert_back = [], [], [], []
         for start, stop in capacity_chunks(shape.capacity, plan.degree):
             buffer = shape.experts * (stop - start) * shape.model_dim * element
             a2a = cost.t_alltoall("linear", n * buffer * moved) if ep > 1 else 0.0
             dispatch.append(cost.t_allgather(buffer, n) + a2a)
             combine.append(cost.t_allreduce(n * buffer) + a2a)
-            gemm = cost.t_gemm(ep * n * (stop - start), shape.model_dim, shape.hidden_dim // n)
-            expert.append(shape.projections * local * gemm * slowdown)
+            dims = (ep * n * (stop - start), shape.model_dim, shape.hidden_dim // n, shape.projections)
+            expert.append(local * cost.t_ffn(*dims) * slowdown)
+            expert_back.append(local * cost.t_ffn(*dims, backward=True) * slowdown)
         forward = pipeline_makespan(dispatch, expert, combine)
-        back = pipeline_makespan(dispatch, [2 * t for t in expert], combine) if backward else 0.0
+        back = pipeline_makespan(dispatch, expert_back, combine) if backward else 0.0
         memory = local * shape.expert_parameters * element // n
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
 

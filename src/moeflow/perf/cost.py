@@ -46,12 +46,23 @@ class CostModel:
     def t_gemm(self, m: int, k: int, n: int) -> float:
         return self.profile.fit("gemm")(m * k * n)
 
+    def t_ffn(self, rows: int, model_dim: int, hidden_dim: int, projections: int, backward: bool = False) -> float:
+        """One expert FFN (or hidden shard) on ``rows`` tokens, forward or backward. With the
+        calibrated ``ffn.forward`` / ``ffn.backward`` fits (the whole FFN timed: GEMMs, bias,
+        activation, and the backward's input and weight gradients) it is those at x = rows * M * H *
+        projections; without them, projections GEMMs forward and twice that backward."""
+        work = rows * model_dim * hidden_dim * projections
+        fit = f"ffn.{'backward' if backward else 'forward'}"
+        if fit in self.profile.fits:
+            return self.profile.fit(fit)(work)
+        return (2 if backward else 1) * projections * self.t_gemm(rows, model_dim, hidden_dim)
+
     def t_expert(self, shape: LayerShape, backward: bool = False, overlapped: bool = False) -> float:
         """Expert FFN of the local experts on the dispatched (E_local, W*C, M) buffer."""
         local_experts = max(1, shape.experts // self.world_size)
         rows = self.world_size * shape.capacity()
-        one = self.t_gemm(rows, shape.model_dim, shape.hidden_dim) * shape.projections * local_experts
-        seconds = one * (3 if backward else 1)
+        dims = (rows, shape.model_dim, shape.hidden_dim, shape.projections)
+        seconds = local_experts * (self.t_ffn(*dims) + (self.t_ffn(*dims, backward=True) if backward else 0.0))
         return seconds * (self.profile.interference if overlapped else 1.0)
 
     def dispatch_bytes(self, shape: LayerShape) -> int:

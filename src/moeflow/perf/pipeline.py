@@ -140,8 +140,8 @@ class PlanPrediction:
 
 def chunk_costs(
     cost: CostModel, shape: RegionShape, degree: int, algorithm: str, r: int = 1
-) -> tuple[list[float], list[float]]:
-    """(all-to-all seconds, expert forward seconds) of each chunk at this degree.
+) -> tuple[list[float], list[float], list[float]]:
+    """(all-to-all seconds, expert forward seconds, expert backward seconds) of each chunk.
 
     ``r`` is Tutel's r >= 1 (§3.1, Table 4 row 7) when W > E: each chunk is sent r times (to the r
     hidden blocks of its expert) split over g = (W / E) / r ranks, and each rank runs one GEMM of
@@ -149,23 +149,24 @@ def chunk_costs(
     overlap = degree > 1 and shape.world_size > 1
     slowdown = cost.profile.interference if overlap else 1.0
     group = shape.hidden_shards // r
-    t_a2a, t_expert = [], []
+    t_a2a, t_expert, t_back = [], [], []
     for start, stop in capacity_chunks(shape.capacity, degree):
         rows = -(-(stop - start) // group) * group  # padded to a multiple of g
         size = r * shape.experts * rows * shape.model_dim * shape.bytes_per_element
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
-        gemm = cost.t_gemm(shape.world_size * rows // group, shape.model_dim, shape.hidden_dim // r)
-        t_expert.append(shape.projections * shape.local_experts * gemm * slowdown)
-    return t_a2a, t_expert
+        dims = (shape.world_size * rows // group, shape.model_dim, shape.hidden_dim // r, shape.projections)
+        t_expert.append(shape.local_experts * cost.t_ffn(*dims) * slowdown)
+        t_back.append(shape.local_experts * cost.t_ffn(*dims, backward=True) * slowdown)
+    return t_a2a, t_expert, t_back
 
 
 def predict_plan(
     cost: CostModel, shape: RegionShape, degree: int, algorithm: str, backward: bool = True
 ) -> PlanPrediction:
     """Forward (and backward: the same pipeline with twice the expert GEMM work) of one plan."""
-    t_a2a, t_expert = chunk_costs(cost, shape, degree, algorithm)
+    t_a2a, t_expert, t_back = chunk_costs(cost, shape, degree, algorithm)
     forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
-    back = pipeline_makespan(t_a2a, [2 * t for t in t_expert], t_a2a) if backward else 0.0
+    back = pipeline_makespan(t_a2a, t_back, t_a2a) if backward else 0.0
     memory = shape.local_experts * shape.expert_parameters * shape.bytes_per_element
     return PlanPrediction(degree, algorithm, forward, back, expert_memory_bytes=memory)
 

@@ -94,10 +94,9 @@ class ReplicatedModel:
         return [Plan(self.name, 1, LOCAL)]  # nothing to overlap: chunking would only add overhead
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        rows = shape.capacity  # this rank's own slots of each expert
-        t_expert = shape.projections * shape.experts * cost.t_gemm(rows, shape.model_dim, shape.hidden_dim)
-        forward = t_expert
-        back = 2 * t_expert if backward else 0.0
+        dims = (shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)  # own slots of each expert
+        forward = shape.experts * cost.t_ffn(*dims)
+        back = shape.experts * cost.t_ffn(*dims, backward=True) if backward else 0.0
         expert_bytes = shape.experts * shape.expert_parameters * shape.bytes_per_element
         sync = cost.t_allreduce(expert_bytes) if backward and shape.world_size > 1 else 0.0
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, sync, expert_bytes, self.name)
@@ -147,17 +146,19 @@ class AdaptiveModel:
         element = shape.bytes_per_element
         if r == 0:
             gathered = shape.experts * shape.expert_parameters * element
-            gemm = shape.projections * shape.experts * cost.t_gemm(shape.capacity, shape.model_dim, shape.hidden_dim)
-            forward = cost.t_allgather(gathered / shape.world_size) + gemm
-            back = 2 * gemm + cost.t_reducescatter(gathered) if backward else 0.0
+            dims = (shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)
+            forward = cost.t_allgather(gathered / shape.world_size) + shape.experts * cost.t_ffn(*dims)
+            back = 0.0
+            if backward:
+                back = shape.experts * cost.t_ffn(*dims, backward=True) + cost.t_reducescatter(gathered)
             return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, gathered, self.name)
         group = shape.hidden_shards // r
         block = shape.local_experts * shape.expert_parameters * element // r  # gathered H / r block
-        t_a2a, t_expert = chunk_costs(cost, shape, plan.degree, plan.algorithm, r)
+        t_a2a, t_expert, t_back = chunk_costs(cost, shape, plan.degree, plan.algorithm, r)
         forward = cost.t_allgather(block / group, group) + pipeline_makespan(t_a2a, t_expert, t_a2a)
         back = 0.0
         if backward:
-            back = pipeline_makespan(t_a2a, [2 * t for t in t_expert], t_a2a) + cost.t_reducescatter(block, group)
+            back = pipeline_makespan(t_a2a, t_back, t_a2a) + cost.t_reducescatter(block, group)
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, block, self.name)
 
 
