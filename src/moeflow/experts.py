@@ -139,6 +139,7 @@ class FFNCompute:
     kernel: str = "bmm"
     adds_output_bias: bool = True
     projections: int = 2
+    weight_grad_scale: float = 1.0  # < 1 where a schedule runs the same slots on several copies
 
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
@@ -203,7 +204,12 @@ class FFNCompute:
         grad_b2 = None
         if weights.b2 is not None:
             grad_b2 = inputs.grad_y_LCM.sum(dim=1) if self.adds_output_bias else torch.zeros_like(weights.b2)
-        return [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+        grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+        if self.weight_grad_scale != 1.0:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(self.weight_grad_scale)
+        return grads
 
     def _up(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None) -> torch.Tensor | None:
         return None

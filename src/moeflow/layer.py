@@ -30,7 +30,7 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
-from moeflow.parallel.parm import BaselineSchedule, ParmS2Schedule, check_mp_group
+from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
 from moeflow.perf import ClusterProfile, CostModel
@@ -159,15 +159,12 @@ class MoELayer(nn.Module):
                 "numbered node-major; use alltoall='linear' with a custom group"
             )
         algorithms = self._candidate_algorithms()
-        if c.parallel in PARM_SCHEDULES:
-            parm = {"s2": ParmS2Schedule, "ds-baseline": BaselineSchedule}[str(c.parallel)]
-            self.schedule, self.schedule_reason = parm(check_mp_group(self.groups)), "forced"
-        else:
-            choice = select_schedule(
-                c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
-                c.pipeline,
-            )
-            self.schedule, self.schedule_reason = choice.schedule, choice.reason
+        mp_size = check_mp_group(self.groups) if c.parallel in PARM_SCHEDULES else 1
+        choice = select_schedule(
+            c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
+            c.pipeline, mp_size,
+        )
+        self.schedule, self.schedule_reason = choice.schedule, choice.reason
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,

@@ -191,8 +191,7 @@ class PipelinePlanner:
         """Add the plans of the ternary search's next r (all ranks agree: slowest-rank medians)."""
         if not search.held_back:
             return False
-        medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
-        values = medians if self.reduce_max is None else self.reduce_max(medians)
+        values = self._slowest_medians(search)
         best_of_r: dict[int, float] = {}
         for plan, seconds in zip(search.candidates, values, strict=True):
             if plan.r in search.interior_rs:
@@ -214,9 +213,13 @@ class PipelinePlanner:
             self._model_cache[cache_key] = self._ranked(shape, range(1, MAX_MODEL_DEGREE + 1), backward)[0][0]
         return self._model_cache[cache_key]
 
-    def _finish_search(self, key: int, search: _Search) -> Plan:
+    def _slowest_medians(self, search: _Search) -> list[float]:
+        """Each candidate's median trial time on the slowest rank (every rank gets the same list)."""
         medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
-        values = medians if self.reduce_max is None else self.reduce_max(medians)
+        return medians if self.reduce_max is None else self.reduce_max(medians)
+
+    def _finish_search(self, key: int, search: _Search) -> Plan:
+        values = self._slowest_medians(search)
         best = simplest_within(search.candidates, values, self.min_gain)
         self.dictionary[key] = best
         self.measured[key] = dict(zip(search.candidates, values, strict=True))

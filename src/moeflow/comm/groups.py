@@ -136,11 +136,8 @@ class ParallelGroups:
             raise ValueError(f"blocks of {size} ranks do not tile the expert group of {self.size}")
         if size == self.size:
             return self.expert
-        if size not in self._blocks:
-            first = self.rank // size * size
-            ranks = [dist.get_global_rank(self.expert, first + i) for i in range(size)]
-            self._blocks[size] = dist.new_group(ranks, use_local_synchronization=True)
-        return self._blocks[size]
+        first = self.rank // size * size
+        return self._own_subgroup(self._blocks, size, range(first, first + size))
 
     def strided(self, stride: int) -> ProcessGroup | None:
         """This rank's group of the ranks of the expert group with its index modulo ``stride``
@@ -152,10 +149,15 @@ class ParallelGroups:
             return None
         if stride == 1:
             return self.expert
-        if stride not in self._strided:
-            ranks = [dist.get_global_rank(self.expert, i) for i in range(self.rank % stride, self.size, stride)]
-            self._strided[stride] = dist.new_group(ranks, use_local_synchronization=True)
-        return self._strided[stride]
+        return self._own_subgroup(self._strided, stride, range(self.rank % stride, self.size, stride))
+
+    def _own_subgroup(self, cache: dict[int, ProcessGroup], key: int, members: range) -> ProcessGroup:
+        """This rank's subgroup of the expert group's ranks ``members``, made on first use by those
+        ranks alone (local synchronization: the other subgroups need not exist yet), then kept."""
+        if key not in cache:
+            ranks = [dist.get_global_rank(self.expert, i) for i in members]
+            cache[key] = dist.new_group(ranks, use_local_synchronization=True)
+        return cache[key]
 
     def node_groups(self) -> NodeGroups:
         if not self.is_world:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
-from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
+from moeflow.experts import ExpertFFN
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
@@ -128,21 +128,14 @@ class ParmS2Model(_LinearAllToAllModel):
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         mp, element = self.mp_size, shape.bytes_per_element
-        local = shape.experts // (shape.world_size // mp)
-        slowdown = cost.profile.interference if plan.degree > 1 else 1.0
-        dispatch, combine, expert, expert_back = [], [], [], []
+        chunks = []
         for start, stop in capacity_chunks(shape.capacity, plan.degree):
             part = -(-(stop - start) // mp)
             sent = mp * shape.experts * part * shape.model_dim * element
-            dispatch.append(cost.t_alltoall("linear", sent))
-            combine.append(dispatch[-1] + cost.t_allgather(shape.experts * part * shape.model_dim * element, mp))
-            dims = (shape.world_size * part, shape.model_dim, shape.hidden_dim // mp, shape.projections)
-            expert.append(local * cost.t_ffn(*dims) * slowdown)
-            expert_back.append(local * cost.t_ffn(*dims, backward=True) * slowdown)
-        forward = pipeline_makespan(dispatch, expert, combine)
-        back = pipeline_makespan(dispatch, expert_back, combine) if backward else 0.0
-        memory = local * shape.expert_parameters * element // mp
-        return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
+            dispatch = cost.t_alltoall("linear", sent)
+            combine = dispatch + cost.t_allgather(shape.experts * part * shape.model_dim * element, mp)
+            chunks.append((dispatch, combine, shape.world_size * part))
+        return _shard_pipeline_prediction(self.name, plan, cost, shape, mp, chunks, backward)
 
 
 @dataclass(frozen=True)
@@ -171,28 +164,6 @@ class ParmS2Schedule(ModelledSchedule):
         return pipelined_experts(
             dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace
         )
-
-
-@dataclass(frozen=True)
-class _ScaledWeightGrads:
-    """An expert computation whose weight gradients are scaled (the baseline's N copies of every
-    slot are one tensor under Megatron's convention: each copy's gradient counts 1 / N)."""
-
-    inner: ExpertCompute
-    scale: float
-
-    @property
-    def projections(self) -> int:
-        return self.inner.projections
-
-    def forward(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None):
-        return self.inner.forward(x_LCM, weights, workspace)
-
-    def backward_input(self, saved, grad_y_LCM, weights, workspace=None):
-        return self.inner.backward_input(saved, grad_y_LCM, weights, workspace)
-
-    def weight_grads(self, inputs, weights, workspace=None) -> list[torch.Tensor | None]:
-        return [None if g is None else g.mul_(self.scale) for g in self.inner.weight_grads(inputs, weights, workspace)]
 
 
 @dataclass(frozen=True)
@@ -266,25 +237,36 @@ class BaselineModel(_LinearAllToAllModel):
     sends_tokens: bool = True
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        n, element = self.mp_size, shape.bytes_per_element
-        ep = shape.world_size // n
-        local = shape.experts // ep
-        slowdown = cost.profile.interference if plan.degree > 1 else 1.0
-        world = shape.world_size
+        n, element, world = self.mp_size, shape.bytes_per_element, shape.world_size
+        ep = world // n
         moved = (ep - 1) / ep * world / max(1, world - 1)  # EP group's share of the world fit's traffic
-        dispatch, combine, expert, expert_back = [], [], [], []
+        chunks = []
         for start, stop in capacity_chunks(shape.capacity, plan.degree):
             buffer = shape.experts * (stop - start) * shape.model_dim * element
             a2a = cost.t_alltoall("linear", n * buffer * moved) if ep > 1 else 0.0
-            dispatch.append(cost.t_allgather(buffer, n) + a2a)
-            combine.append(cost.t_allreduce(n * buffer) + a2a)
-            dims = (ep * n * (stop - start), shape.model_dim, shape.hidden_dim // n, shape.projections)
-            expert.append(local * cost.t_ffn(*dims) * slowdown)
-            expert_back.append(local * cost.t_ffn(*dims, backward=True) * slowdown)
-        forward = pipeline_makespan(dispatch, expert, combine)
-        back = pipeline_makespan(dispatch, expert_back, combine) if backward else 0.0
-        memory = local * shape.expert_parameters * element // n
-        return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, self.name)
+            dispatch, combine = cost.t_allgather(buffer, n) + a2a, cost.t_allreduce(n * buffer) + a2a
+            chunks.append((dispatch, combine, world * (stop - start)))
+        return _shard_pipeline_prediction(self.name, plan, cost, shape, n, chunks, backward)
+
+
+def _shard_pipeline_prediction(
+    name: str, plan: Plan, cost: CostModel, shape: RegionShape, mp: int, chunks: list[tuple[float, float, int]],
+    backward: bool,
+) -> PlanPrediction:
+    """PipeMoE's recurrence over chunks of (dispatch s, combine s, rows each hidden shard runs),
+    with the shards' FFN (H / N_MP hidden units, E / N_EP local experts) from the calibrated fits."""
+    local = shape.experts // (shape.world_size // mp)
+    slowdown = cost.profile.interference if plan.degree > 1 else 1.0
+    dispatch = [d for d, _, _ in chunks]
+    combine = [c for _, c, _ in chunks]
+    dims = [(rows, shape.model_dim, shape.hidden_dim // mp, shape.projections) for _, _, rows in chunks]
+    expert = [local * cost.t_ffn(*d) * slowdown for d in dims]
+    forward = pipeline_makespan(dispatch, expert, combine)
+    back = 0.0
+    if backward:
+        back = pipeline_makespan(dispatch, [local * cost.t_ffn(*d, backward=True) * slowdown for d in dims], combine)
+    memory = local * shape.expert_parameters * shape.bytes_per_element // mp
+    return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, name)
 
 
 @dataclass(frozen=True)
@@ -302,7 +284,9 @@ class BaselineSchedule(ParmS2Schedule):
         timing: PipelineTiming, workspace: Workspace | None = None,
     ) -> torch.Tensor:
         mp_rank = group_rank(groups.model)
-        shard = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)
-        compute = _ScaledWeightGrads(shard, 1.0 / self.mp_size)
+        # the N copies of every slot are one tensor under Megatron's convention: each counts 1 / N
+        compute = dataclasses.replace(
+            experts.compute, adds_output_bias=mp_rank == 0, weight_grad_scale=1.0 / self.mp_size
+        )
         route = BaselineExchange(groups, self.mp_size, mp_rank)
         return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)

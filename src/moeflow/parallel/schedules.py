@@ -23,9 +23,11 @@ from typing import Protocol
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.config import PARM_SCHEDULES
 from moeflow.experts import ExpertFFN
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
+from moeflow.parallel.parm import BaselineSchedule, ParmS2Schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
@@ -114,7 +116,7 @@ class ScheduleChoice:
 
 def select_schedule(
     parallel: str | int, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
-    algorithms: tuple[str, ...], pipeline: int | str = "auto",
+    algorithms: tuple[str, ...], pipeline: int | str = "auto", mp_size: int = 1,
 ) -> ScheduleChoice:
     """The layer's schedule, fixed when it is built because it decides where the weights live.
 
@@ -125,9 +127,12 @@ def select_schedule(
     Without a profile or a token hint it keeps expert parallelism, which holds the fewest weights
     per rank (and whose placement explains what to do when E is not divisible by the group size).
     With more ranks than experts (a multiple of them) only Tutel's switchable layout fits: ``auto``
-    is ``adaptive`` there. An int is Tutel's r, fixed."""
+    is ``adaptive`` there. An int is Tutel's r, fixed. Parm's schedules run behind tensor-parallel
+    attention of ``mp_size`` ranks."""
     if isinstance(parallel, int):
         return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
+    if parallel in PARM_SCHEDULES:
+        return ScheduleChoice({"s2": ParmS2Schedule, "ds-baseline": BaselineSchedule}[parallel](mp_size), "forced")
     if parallel != "auto":
         return ScheduleChoice(SCHEDULES[parallel], "forced")
     if world_size > num_experts and world_size % num_experts == 0:
