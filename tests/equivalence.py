@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.config import switchable_rs
+from moeflow.config import PARM_SCHEDULES, switchable_rs
 from moeflow.experts import shard_expert_state
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
@@ -193,6 +193,7 @@ def parm_cases(base: dict[str, Any]) -> list[Case]:
     on 2): E = 2 and E = 8 (four experts per EP group), capacity factors 1, 0 and -1.5, top-1/2,
     degrees 1, 3 and 4 (chunks padded to the MP group), SwiGLU without biases."""
     s2 = {**base, "parallel": "s2"}
+    s1 = {**base, "parallel": "s1"}
     return [
         Case("parm-s2-E2", s2, num_experts=2, mp=2),
         Case("parm-s2-E8-f0", {**s2, "capacity_factor": 0.0}, mp=2),
@@ -201,6 +202,18 @@ def parm_cases(base: dict[str, Any]) -> list[Case]:
         Case("parm-s2-E8-d3-swiglu-no-bias", {**s2, "pipeline": 3, "activation": "swiglu", "bias": False},
              tokens_per_rank=24, mp=2),
         Case("parm-s2-E2-float64", s2, num_experts=2, mp=2, dtype=torch.float64),
+        Case("parm-s2-saa-E8-d3", {**s2, "alltoall": "saa", "pipeline": 3}, tokens_per_rank=24, mp=2),
+        Case("parm-s2-saa-E2-k1-f-1.5", {**s2, "alltoall": "saa", "top_k": 1, "capacity_factor": -1.5},
+             num_experts=2, tokens_per_rank=30, mp=2),
+        Case("parm-s1-E2", s1, num_experts=2, mp=2),
+        Case("parm-s1-E8-f1-drops", {**s1, "capacity_factor": 0.5}, mp=2),
+        Case("parm-s1-E8-f0", {**s1, "capacity_factor": 0.0}, mp=2),
+        Case("parm-s1-E2-k1-f-1.5-d4", {**s1, "top_k": 1, "capacity_factor": -1.5, "pipeline": 4}, num_experts=2,
+             tokens_per_rank=31, mp=2),
+        Case("parm-s1-E8-d3-swiglu-no-bias-bpr", {**s1, "pipeline": 3, "activation": "swiglu", "bias": False,
+                                                  "batch_prioritized_routing": True}, tokens_per_rank=25, mp=2),
+        Case("parm-s1-E2-float64", s1, num_experts=2, mp=2, dtype=torch.float64),
+        Case("parm-auto-E8-switches", {**base, "parallel": "auto", "pipeline": 1}, mp=2, steps=11),
         Case("parm-baseline-E2", {**base, "parallel": "ds-baseline"}, num_experts=2, mp=2),
         Case("parm-baseline-E8-k1-f-1.5-d4", {**base, "parallel": "ds-baseline", "top_k": 1, "capacity_factor": -1.5,
                                              "pipeline": 4}, tokens_per_rank=30, mp=2),
@@ -279,8 +292,9 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "parallel": kwargs.pop("parallel", "expert"),
         "group": groups,
     }
-    if execution["parallel"] in ("s2", "ds-baseline") and groups.model is None:
+    if execution["parallel"] in PARM_SCHEDULES and groups.model is None:
         execution["parallel"] = "expert"  # no MP group on this world: the case runs as plain EP
+        execution["alltoall"] = "linear" if execution["alltoall"] == "saa" else execution["alltoall"]
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
         execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)

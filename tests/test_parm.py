@@ -1,15 +1,20 @@
-"""Parm's schedules behind tensor-parallel attention: bad MP groups get clear errors, and the cost
-functions order S2 below the DeepSpeed-MoE baseline as Parm Eq. 10 proves. (Layer-vs-reference
-equivalence of S2 and the baseline is in ``equivalence.parm_cases``.)"""
+"""Parm's schedules behind tensor-parallel attention: bad MP groups get clear errors, S1's packing
+of its own slots keeps every kept choice, the cost functions order S2 below the DeepSpeed-MoE
+baseline as Parm Eq. 10 proves and choose between S1 and S2 as Algorithm 1 does, and ``auto``
+switches between them per iteration. (Layer-vs-reference equivalence of S1, S2 with and without
+SAA, ``auto`` and the baseline is in ``equivalence.parm_cases``.)"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
+from moeflow.comm.mp import member_rows
 from moeflow.distributed import run_distributed
-from moeflow.parallel.parm import BaselineModel, ParmS2Model
+from moeflow.parallel.parm import BaselineModel, ParmModel
+from moeflow.parallel.token_share import packed_locations
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import Plan
@@ -31,6 +36,7 @@ def _bad_groups(rank: int, world: int) -> list[str]:
         _error(lambda: MoELayer(8, 16, 4, group=contiguous, parallel="s2", mp_group=strided)),
         _error(lambda: MoELayer(8, 16, 4, parallel="expert", mp_group=contiguous)),
         _error(lambda: MoELayer(8, 16, 4, parallel="s2", mp_group=contiguous)),
+        _error(lambda: MoELayer(8, 16, 4, parallel="auto", mp_group=contiguous)),
     ]
 
 
@@ -40,7 +46,7 @@ def test_mp_groups_that_do_not_fit_name_the_fix() -> None:
         assert "must be 2 consecutive ranks" in messages[0]
         assert "is not a subgroup of the layer's group" in messages[1]
         assert "mp_group is used by Parm's schedules" in messages[2]
-        assert messages[3] == "no error"
+        assert messages[3] == messages[4] == "no error"
 
 
 def test_parm_schedules_need_an_mp_group() -> None:
@@ -48,6 +54,70 @@ def test_parm_schedules_need_an_mp_group() -> None:
         MoELayer(8, 16, 4, parallel="s2")
     with pytest.raises(ValueError, match=r"parallel='ds-baseline' needs mp_group="):
         MoELayer(8, 16, 4, parallel="ds-baseline")
+    with pytest.raises(ValueError, match=r"parallel='s1' needs mp_group="):
+        MoELayer(8, 16, 4, parallel="s1")
+    with pytest.raises(ValueError, match=r"alltoall='saa' .* needs parallel='s2'"):
+        MoELayer(8, 16, 4, alltoall="saa")
+
+
+@pytest.mark.parametrize("batch_prioritized", [False, True])
+def test_s1_packs_each_members_kept_slots_once_in_slot_order(batch_prioritized: bool) -> None:
+    from moeflow.routing import assign_slots
+
+    generator = torch.Generator().manual_seed(3)
+    tokens, top_k, experts, capacity, members = 27, 2, 4, 5, 2
+    expert_idx = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    priority = torch.rand(tokens, top_k, generator=generator) if batch_prioritized else None
+    location, _ = assign_slots(expert_idx, experts, priority)
+    packed = [packed_locations(expert_idx, location, capacity, experts, members, m) for m in range(members)]
+    assert packed[0][1] == packed[1][1] <= capacity  # every member agrees on the packed capacity
+    for member, (packed_TK, packed_capacity) in enumerate(packed):
+        start, stop = member_rows(tokens, members, member)
+        own_idx, own_loc = expert_idx[start:stop], location[start:stop]
+        kept = own_loc < capacity
+        assert torch.equal(packed_TK < packed_capacity, kept)  # drops are the whole routing's drops
+        for expert in range(experts):
+            mine = kept & (own_idx == expert)
+            slots = packed_TK[mine]
+            assert sorted(slots.tolist()) == list(range(int(mine.sum())))  # dense, each slot once
+            assert torch.equal(torch.argsort(slots), torch.argsort(own_loc[mine]))  # slot order kept
+
+
+def _parm_cost(saa_beta: float) -> CostModel:
+    fits = {
+        "gemm": AlphaBeta(1e-5, 1e-10), "alltoall.linear": AlphaBeta(1e-4, 1e-8),
+        "allgather": AlphaBeta(1e-4, 1e-8), "allgather.intra_node": AlphaBeta(1e-4, 1e-8),
+        "allreduce": AlphaBeta(1e-4, 2e-8), "alltoall.saa": AlphaBeta(1e-4, saa_beta),
+    }
+    return CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
+
+
+def test_parm_chooses_s2_for_few_slots_and_s1_for_many_as_algorithm_1() -> None:
+    """Parm §IV-B: as T -> 0 S2 wins (its all-gather shrinks with the slots), as T grows S1 wins
+    (its all-gather of the T x M tokens does not grow with the capacity factor)."""
+    cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
+
+    def best(capacity: int) -> Plan:
+        shape = RegionShape(4, 4, capacity, 256, 1024, tokens=512)
+        plans = model.candidates(shape, (1,), ("linear", "saa"))
+        return min(plans, key=lambda plan: model.predict(plan, cost, shape, backward=False).forward_s)
+
+    assert {plan.schedule for plan in model.candidates(RegionShape(4, 4, 64, 256, 1024), (1, 2), ("linear", "saa"))} \
+        == {"s1", "s2"}
+    assert best(8).schedule == "s2" and best(8).algorithm == "saa"
+    assert best(2048).schedule == "s1"
+
+
+def _switching_layer(rank: int, world: int) -> list[tuple[str, str]]:
+    mp = dist.new_subgroups(group_size=2)[0]
+    layer = MoELayer(8, 16, 4, top_k=1, parallel="auto", pipeline=1, mp_group=mp)
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(rank // 2))
+    seen = []
+    for _ in range(11):
+        layer(x).sum().backward()
+        assert layer.last_stats is not None and layer.last_stats.plan is not None
+        seen.append((layer.last_stats.plan.schedule, layer.last_stats.plan.alltoall))
+    return seen
 
 
 def test_s2_costs_less_than_the_baseline_as_parm_eq10_says() -> None:
@@ -58,6 +128,13 @@ def test_s2_costs_less_than_the_baseline_as_parm_eq10_says() -> None:
     cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
     for capacity in (16, 256, 4096):
         shape = RegionShape(2, 4, capacity, 256, 1024)
-        s2 = ParmS2Model(mp_size=2).predict(Plan("s2", 1, "linear"), cost, shape, backward=True)
+        s2 = ParmModel("s2", mp_size=2).predict(Plan("s2", 1, "linear"), cost, shape, backward=True)
         baseline = BaselineModel(mp_size=2).predict(Plan("ds-baseline", 1, "linear"), cost, shape, backward=True)
         assert s2.total_s < baseline.total_s
+
+
+@pytest.mark.distributed
+def test_auto_behind_mp_tries_s1_and_s2_with_and_without_saa_and_keeps_one() -> None:
+    for seen in run_distributed(_switching_layer, 4, timeout_s=120):
+        assert set(seen[:-1]) == {("s1", "linear"), ("s2", "linear"), ("s2", "saa")}
+        assert seen[-1] in set(seen[:-1])  # the dictionary serves the best from then on

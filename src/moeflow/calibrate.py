@@ -32,6 +32,7 @@ from moeflow.bench.timing import interleaved_medians, slowest_rank_seconds
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.comm.topology import Topology
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
 
@@ -102,7 +103,7 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
         operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_single(out, x)
         # the same linear all-to-all inside each kind of subgroup: the fast and the slow link
         if topology.ranks_per_node > 1:
-            operations["alltoall.intra_node"] = lambda x=x: all_to_all(x, parallel.node_groups().intra_node)
+            operations |= _intra_node_operations(x, parallel, topology.ranks_per_node)
         if topology.num_nodes > 1:
             operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, parallel.node_groups().inter_node)
         for name, operation in operations.items():
@@ -117,6 +118,23 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
     for (name, size_bytes, _), values in zip(measurements, samples, strict=True):
         points.setdefault(name, []).append((size_bytes, statistics.median(values)))
     return points
+
+
+def _intra_node_operations(
+    x: torch.Tensor, parallel: ParallelGroups, ranks_per_node: int
+) -> dict[str, Callable[[], object]]:
+    """What runs inside a node: the linear all-to-all (the fast link), the all-gather over a
+    tensor-parallel (MP) group, and Parm's SAA (the S2 combine: fused EP&ESP all-to-all of x
+    overlapped with the MP all-gather, N_MP = N_ESP = ranks per node); x is the bytes in."""
+    intra = parallel.node_groups().intra_node
+    gathered = x.new_empty(ranks_per_node * x.numel())
+    partial = x.view(1, -1, 1)
+    capacity = partial.shape[1] // parallel.size
+    return {
+        "alltoall.intra_node": lambda: all_to_all(x, intra),
+        "allgather.intra_node": lambda: dist.all_gather_single(gathered, x, group=intra),
+        "alltoall.saa": lambda: ep_esp_combine_allgather(partial, ranks_per_node, capacity, parallel.expert, intra),
+    }
 
 
 def _interference(config: CalibrationConfig, world: int) -> float:

@@ -18,10 +18,13 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop")
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
-ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, "auto")
+SAA = "saa"
+"""Parm's S2 combine with its all-to-all overlapped with the MP all-gather: an ``alltoall`` choice
+only for the schedules behind tensor-parallel attention."""
+ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, SAA, "auto")
 PIPELINE_POLICIES = ("auto", "model", "search")
 MAX_PIPELINE_DEGREE = 64
-PARM_SCHEDULES = ("s2", "ds-baseline")
+PARM_SCHEDULES = ("s1", "s2", "ds-baseline")
 """Parm's schedules: they need the ``mp_group`` of the tensor-parallel attention in front."""
 PARALLEL_SCHEDULES = ("expert", "replicated", "adaptive", *PARM_SCHEDULES)
 PARALLEL_CHOICES = ("auto", *PARALLEL_SCHEDULES)

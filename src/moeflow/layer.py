@@ -21,6 +21,7 @@ from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.config import (
     ALLTOALL_ALGORITHMS,
     PARM_SCHEDULES,
+    SAA,
     MoEConfig,
     ffn_projections,
     resolve_normalize_gate,
@@ -153,13 +154,18 @@ class MoELayer(nn.Module):
         """The schedule (and with it the placement of the weights) and the per-iteration planner."""
         c = self.config
         self.cost_model = CostModel(profile) if profile is not None else None
-        if c.alltoall not in ("linear", "auto") and self.world_size > 1 and not self.groups.is_world:
+        if c.alltoall == SAA and self.groups.model is None:
+            raise ValueError(
+                "alltoall='saa' overlaps Parm's S2 combine with the MP all-gather: it needs parallel='s2' or "
+                "'auto' with mp_group=<the tensor-parallel group>; use alltoall='linear' or 'auto'"
+            )
+        if c.alltoall not in ("linear", SAA, "auto") and self.world_size > 1 and not self.groups.is_world:
             raise ValueError(
                 f"alltoall={c.alltoall!r} runs on the default (world) process group, where ranks are "
                 "numbered node-major; use alltoall='linear' with a custom group"
             )
-        algorithms = self._candidate_algorithms()
-        mp_size = check_mp_group(self.groups) if c.parallel in PARM_SCHEDULES else 1
+        mp_size = check_mp_group(self.groups) if self.groups.model is not None else 1
+        algorithms = self._candidate_algorithms(mp_size > 1)
         choice = select_schedule(
             c.parallel, c.num_experts, self.world_size, self.cost_model, self._hint_shape(algorithms), algorithms,
             c.pipeline, mp_size,
@@ -172,16 +178,16 @@ class MoELayer(nn.Module):
         )
 
     def _attach_mp_group(self, mp_group: dist.ProcessGroup | None, parallel: str | int) -> None:
-        """Parm's schedules run behind tensor-parallel attention over ``mp_group``; the others have
-        no use for one."""
+        """Parm's schedules run behind tensor-parallel attention over ``mp_group`` (``auto`` then
+        chooses between S1 and S2); the others have no use for one."""
         if mp_group is None:
             if parallel in PARM_SCHEDULES and self.groups.model is None:
                 raise ValueError(f"parallel={parallel!r} needs mp_group=<the tensor-parallel group of the attention>")
             return
-        if parallel not in PARM_SCHEDULES:
+        if parallel not in (*PARM_SCHEDULES, "auto"):
             raise ValueError(
-                f"mp_group is used by Parm's schedules (parallel={' or '.join(map(repr, PARM_SCHEDULES))}); "
-                f"got parallel={parallel!r}"
+                f"mp_group is used by Parm's schedules (parallel='auto' or "
+                f"{' or '.join(map(repr, PARM_SCHEDULES))}); got parallel={parallel!r}"
             )
         if self.groups.model is not None and self.groups.model != mp_group:
             raise ValueError("mp_group differs from the model group of the ParallelGroups passed as group")
@@ -228,18 +234,21 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(
             factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity
         )
-        plan = make_dispatch_plan(choice.expert_idx_TK, location_TK, config.num_experts, capacity)
+        chosen, timing = self.planner.choose(
+            self._region(capacity, x_TM.element_size(), x_TM.shape[0]), backward=torch.is_grad_enabled(), r=r
+        )
+        # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
+        share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts)
+        owned = share.own(x_TM, choice.weights_TK, choice.expert_idx_TK, location_TK, capacity)
+        plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         self.workspace.start_step()
-        dispatched_ECM = encode(x_TM, plan, self.workspace)
-        chosen, timing = self.planner.choose(
-            self._region(capacity, dispatched_ECM.element_size()), backward=torch.is_grad_enabled(), r=r
-        )
+        dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
         combined_ECM = self.schedule.run(
             chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace
         )
-        y_TM = decode(combined_ECM, choice.weights_TK, plan, self.workspace)
+        y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
 
         if self.shared_experts is not None:
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
@@ -311,12 +320,15 @@ class MoELayer(nn.Module):
             gathered = torch.stack(parts).cpu()
         return _GlobalLoad(counts_WE=gathered[:, :-1], max_tokens_per_rank=int(gathered[:, -1].max()))
 
-    def _candidate_algorithms(self) -> tuple[str, ...]:
-        """The all-to-alls the planner may pick: the forced one; linear on a custom group; those a
-        profile measured; otherwise those that differ from linear on this topology."""
+    def _candidate_algorithms(self, behind_mp: bool) -> tuple[str, ...]:
+        """The all-to-alls the planner may pick: the forced one; behind tensor-parallel attention,
+        Parm's plain and overlapped (SAA) combines; linear on a custom group; those a profile
+        measured; otherwise those that differ from linear on this topology."""
         config = self.config
         if config.alltoall != "auto":
             return (config.alltoall,)
+        if behind_mp:
+            return ("linear", SAA)
         if not self.groups.is_world:
             return ("linear",)
         if self.cost_model is not None and config.pipeline != "search":
@@ -329,11 +341,11 @@ class MoELayer(nn.Module):
         assert group is not None
         return lambda values: max_over_ranks(values, group)
 
-    def _region(self, capacity: int, bytes_per_element: int) -> RegionShape:
+    def _region(self, capacity: int, bytes_per_element: int, tokens: int = 0) -> RegionShape:
         c = self.config
         return RegionShape(
             c.num_experts, self.world_size, capacity, c.model_dim, c.hidden_dim, bytes_per_element,
-            ffn_projections(c.activation), c.bias,
+            ffn_projections(c.activation), c.bias, tokens,
         )
 
     def _hint_shape(self, algorithms: tuple[str, ...]) -> RegionShape | None:

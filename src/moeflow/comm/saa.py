@@ -73,3 +73,44 @@ def simultaneous_alltoall_allgather(
     if x.shape[0] % dist.get_world_size(a2a_group):
         raise ValueError(f"{x.shape[0]} rows cannot be split equally over the all-to-all group")
     return _SimultaneousAllToAllAllGather.apply(x, a2a_group, mp_group)
+
+
+def ep_esp_combine_allgather(
+    partial_LXM: torch.Tensor, esp_size: int, capacity: int, group: dist.ProcessGroup, mp_group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Parm's S2 combine with SAA (§III-D): :func:`moeflow.comm.ep_esp.ep_esp_combine` (fused
+    EP&ESP all-to-all + local sum over the N_ESP shard partials) followed by the MP all-gather of
+    the (E, C, M) result, overlapped. The all-to-all runs in N_EP phases; in phase i a rank receives
+    the partials of ESP group ``ep - i`` (sending its own to ``ep + i``), sums them, and
+    all-gathers that group's (L, C, M) block over MP while phase i + 1 is in flight (the summing
+    variant of Parm's kernel). ESP and MP groups are the same contiguous ranks (N_ESP = N_MP).
+
+    Returns (E, N_MP * C, M): each expert's slots in MP-member order, as the serial combine then
+    all-gather gives them. Not differentiable (the pipeline runs the adjoint route itself)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    local, _, model_dim = partial_LXM.shape
+    ep_size, ep = world // esp_size, rank // esp_size
+    mp_size = dist.get_world_size(mp_group)
+    by_source = partial_LXM.view(local, world, capacity, model_dim).transpose(0, 1).contiguous()
+    gathered = partial_LXM.new_empty((ep_size, mp_size * local, capacity, model_dim))
+    pending = []
+    for phase in range(ep_size):
+        source_ep, target_ep = (ep - phase) % ep_size, (ep + phase) % ep_size
+        received = partial_LXM.new_empty((esp_size, local, capacity, model_dim))
+        requests = []
+        for member in range(esp_size):
+            source, target = source_ep * esp_size + member, target_ep * esp_size + member
+            if source == rank:
+                received[member] = by_source[rank]
+            else:
+                requests.append(dist.irecv(received[member], src=dist.get_global_rank(group, source), group=group))
+            if target != rank:
+                requests.append(dist.isend(by_source[target], dst=dist.get_global_rank(group, target), group=group))
+        for request in requests:
+            request.wait()
+        summed = received.sum(dim=0)  # the local combine of this group's experts
+        pending.append(dist.all_gather_single(gathered[source_ep], summed, group=mp_group, async_op=True))
+    for work in pending:
+        work.wait()
+    by_member = gathered.view(ep_size, mp_size, local, capacity, model_dim)
+    return by_member.permute(0, 2, 1, 3, 4).reshape(ep_size * local, mp_size * capacity, model_dim)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from moeflow.comm.groups import ParallelGroups
+from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import Plan, ScheduleModel
@@ -21,3 +23,7 @@ class ModelledSchedule:
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         return self.model.predict(plan, cost, shape, backward)
+
+    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+        """The tokens this rank encodes and decodes: all it routed, unless the schedule splits them."""
+        return ALL_TOKENS

@@ -34,9 +34,11 @@ import torch.distributed as dist
 
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
+from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.experts import ExpertFFN
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape, capacity_chunks, pipeline_makespan, usable_degrees
 from moeflow.perf.schedules import Plan
@@ -68,91 +70,141 @@ def check_mp_group(groups: ParallelGroups) -> int:
 
 
 @dataclass(frozen=True)
-class ParmS2Exchange(SelfAdjointRoute):
-    """S2's route: (E, Cj, M) chunks by destination expert (the same on every MP member) <-> the
-    (L, W * Cj / N_MP, M) rows of this rank's hidden shards. A chunk whose slots do not split over
-    the MP group is padded with empty slots."""
+class ParmExchange(SelfAdjointRoute):
+    """The route of S1 and S2: (E, Cj, M) chunks by destination expert <-> the (L, W * Cj / split, M)
+    rows of this rank's hidden shards, with Parm's fused EP&ESP all-to-all (dump + one all-to-all
+    over all W ranks; back: the all-to-all and the local sum over the N_ESP shards).
+
+    S2 (``split`` = N_MP) sends this member's 1/N_MP of each chunk's slots (MP-Split; a chunk whose
+    slots do not split is padded with empty slots) and all-gathers the combined parts over MP.
+    S1 (``split`` = 1) sends the whole chunk: it holds only this member's tokens already."""
 
     groups: ParallelGroups
-    mp_size: int
+    esp_size: int
     mp_rank: int
+    split: int
+    saa: bool = False  # S2: overlap the combine's all-to-all with the MP all-gather
+
+    @property
+    def _ep_size(self) -> int:
+        return self.groups.size // self.esp_size
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        chunk_ECM = pad_slots(chunk_ECM, self.mp_size)
-        part = chunk_ECM.shape[1] // self.mp_size
-        own = chunk_ECM[:, self.mp_rank * part:(self.mp_rank + 1) * part].contiguous()  # MP-Split
         assert self.groups.expert is not None
-        return ep_esp_dispatch(own, self.groups.size // self.mp_size, self.mp_size, self.groups.expert)
+        if self.split > 1:
+            chunk_ECM = pad_slots(chunk_ECM, self.split)
+            part = chunk_ECM.shape[1] // self.split
+            chunk_ECM = chunk_ECM[:, self.mp_rank * part:(self.mp_rank + 1) * part]  # MP-Split
+        return ep_esp_dispatch(chunk_ECM.contiguous(), self._ep_size, self.esp_size, self.groups.expert)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-        padded = padded_slots(rows, self.mp_size)
-        part = padded // self.mp_size
-        assert self.groups.expert is not None and self.groups.model is not None
-        own_ECM = ep_esp_combine(y_LXM, self.groups.size // self.mp_size, self.mp_size, part, self.groups.expert)
-        experts, _, model_dim = own_ECM.shape
-        gathered = own_ECM.new_empty((self.mp_size * experts, part, model_dim))
-        dist.all_gather_single(gathered, own_ECM.contiguous(), group=self.groups.model)  # MP-AllGather
-        by_member = gathered.view(self.mp_size, experts, part, model_dim)
-        whole = by_member.transpose(0, 1).reshape(experts, padded, model_dim)
+        assert self.groups.expert is not None
+        if self.split == 1:
+            return ep_esp_combine(y_LXM, self._ep_size, self.esp_size, rows, self.groups.expert)
+        padded = padded_slots(rows, self.split)
+        part = padded // self.split
+        assert self.groups.model is not None
+        if self.saa:
+            whole = ep_esp_combine_allgather(y_LXM, self.esp_size, part, self.groups.expert, self.groups.model)
+        else:
+            own_ECM = ep_esp_combine(y_LXM, self._ep_size, self.esp_size, part, self.groups.expert)
+            experts, _, model_dim = own_ECM.shape
+            gathered = own_ECM.new_empty((self.split * experts, part, model_dim))
+            dist.all_gather_single(gathered, own_ECM.contiguous(), group=self.groups.model)  # MP-AllGather
+            by_member = gathered.view(self.split, experts, part, model_dim)
+            whole = by_member.transpose(0, 1).reshape(experts, padded, model_dim)
         return whole if padded == rows else whole[:, :rows]
 
 
+PARM_COMBINES = ("linear", "saa")
+"""S2's combine: the fused all-to-all then the MP all-gather, or the two overlapped (SAA)."""
+
+
 @dataclass(frozen=True)
-class _LinearAllToAllModel:
-    """Candidates of a schedule whose all-to-all is the plain one: every usable degree, linear."""
+class ParmModel:
+    """Parm's S1 and S2 in PipeMoE's recurrence, per capacity chunk (``name`` "s1", "s2", or "parm"
+    for both: Algorithm 1's choice between them, made here by ranking their predictions).
+
+    - S1 (Eq. 13): each member sends its own tokens' slots, about Cj / N_MP per expert: the fused
+      EP&ESP all-to-all of N_ESP * E * Cj / N_MP * M elements each way, and the MP all-gather of
+      the decoded T x M rows (AG_MP(BLM)) after the pipeline (its backward: the split's all-gather).
+    - S2 (Eq. 14): the same all-to-alls on the MP-split slots; the combine adds the MP all-gather of
+      E * Cj * M, in series (``linear``) or overlapped with the all-to-all (``saa``).
+    The shards run W * Cj / N_MP rows on H / N_ESP hidden units. Unpipelined and without the
+    experts, the two are Algorithm 1's t_D1 and t_D2."""
 
     name: str
-    needs: tuple[str, ...]  # the profile fits its cost uses
+    mp_size: int
+    sends_tokens: bool = True
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        return ("s1", "s2") if self.name == "parm" else (self.name,)
 
     def can_predict(self, cost: CostModel) -> bool:
-        return all(fit in cost.profile.fits for fit in self.needs)
+        return all(fit in cost.profile.fits for fit in ("gemm", "alltoall.linear", "allgather"))
 
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
-        return Plan(self.name, degree, "linear")
+        if len(self.schedules) > 1:
+            return None
+        combine = algorithm if self.name == "s2" and algorithm in PARM_COMBINES else "linear"
+        return Plan(self.name, degree, combine)
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
+        degrees, combines = tuple(degrees), [a for a in algorithms if a in PARM_COMBINES] or ["linear"]
+        plans = [Plan("s1", d, "linear") for d in usable_degrees(degrees, self._own_slots(shape.capacity))]
+        plans += [Plan("s2", d, a) for a in combines for d in usable_degrees(degrees, shape.capacity)]
+        return [plan for plan in plans if plan.schedule in self.schedules]
 
-
-@dataclass(frozen=True)
-class ParmS2Model(_LinearAllToAllModel):
-    """Parm Eq. 14's terms per chunk, in PipeMoE's recurrence: the fused EP&ESP all-to-all of the
-    dumped part, N_ESP * E * Cj / N_MP * M elements (dispatch), the same plus the MP all-gather of
-    E * Cj * M (combine, serial: no SAA here), and the shard GEMMs of W * Cj / N_MP rows on
-    H / N_ESP hidden units."""
-
-    name: str = "s2"
-    needs: tuple[str, ...] = ("gemm", "alltoall.linear", "allgather")
-    mp_size: int = 2
-    sends_tokens: bool = True
+    def _own_slots(self, capacity: int) -> int:
+        """S1's packed capacity under a balanced split: each member's tokens hold 1 / N_MP of the slots."""
+        return -(-capacity // self.mp_size)
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         mp, element = self.mp_size, shape.bytes_per_element
-        chunks = []
-        for start, stop in capacity_chunks(shape.capacity, plan.degree):
-            part = -(-(stop - start) // mp)
-            sent = mp * shape.experts * part * shape.model_dim * element
-            dispatch = cost.t_alltoall("linear", sent)
-            combine = dispatch + cost.t_allgather(shape.experts * part * shape.model_dim * element, mp)
-            chunks.append((dispatch, combine, shape.world_size * part))
-        return _shard_pipeline_prediction(self.name, plan, cost, shape, mp, chunks, backward)
+        row = shape.experts * shape.model_dim * element  # one slot of every expert, in bytes
+        chunks, serial = [], 0.0
+        if plan.schedule == "s1":
+            for start, stop in capacity_chunks(self._own_slots(shape.capacity), plan.degree):
+                a2a = cost.t_alltoall("linear", mp * (stop - start) * row)
+                chunks.append((a2a, a2a, shape.world_size * (stop - start)))
+            serial = cost.t_allgather(-(-shape.tokens // mp) * shape.model_dim * element, mp, intra_node=True)
+        else:
+            for start, stop in capacity_chunks(shape.capacity, plan.degree):
+                part = -(-(stop - start) // mp)
+                a2a = cost.t_alltoall("linear", mp * part * row)
+                combine = (
+                    cost.t_saa(mp * part * row, mp) if plan.algorithm == "saa"
+                    else a2a + cost.t_allgather(part * row, mp, intra_node=True)
+                )
+                chunks.append((a2a, combine, shape.world_size * part))
+        return _shard_pipeline_prediction(plan, cost, shape, mp, chunks, backward, serial)
 
 
 @dataclass(frozen=True)
-class ParmS2Schedule(ModelledSchedule):
-    """Parm's S2 on the EP x ESP layout (N_ESP = N_MP); needs the layer's ``mp_group``."""
+class ParmSchedule(ModelledSchedule):
+    """Parm's S1 and S2 on the EP x ESP layout (N_ESP = N_MP), behind tensor-parallel attention
+    over the layer's ``mp_group``: ``name`` "s1" or "s2" fixes one, "parm" lets the planner choose
+    per iteration (Algorithm 1's choice; both share the layout, so switching moves no weight)."""
 
     mp_size: int
-    name: str = "s2"
+    name: str = "parm"
 
     @property
-    def model(self) -> ParmS2Model:
-        return ParmS2Model(self.name, mp_size=self.mp_size)
+    def model(self) -> ParmModel:
+        return ParmModel(self.name, self.mp_size)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_and_hidden_sharded(
             num_experts, world_size // self.mp_size, self.mp_size, hidden_dim
         )
+
+    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+        """S1 encodes and decodes this member's tokens only; S2 all of them."""
+        if plan.schedule != "s1":
+            return ALL_TOKENS
+        assert groups.model is not None and groups.expert is not None
+        return MPTokenShare(groups.model, groups.expert, num_experts)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
@@ -160,7 +212,8 @@ class ParmS2Schedule(ModelledSchedule):
     ) -> torch.Tensor:
         mp_rank = group_rank(groups.model)
         compute = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
-        route = ParmS2Exchange(groups, self.mp_size, mp_rank)
+        split = self.mp_size if plan.schedule == "s2" else 1
+        route = ParmExchange(groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
         return pipelined_experts(
             dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace
         )
@@ -226,15 +279,23 @@ class BaselineExchange:
 
 
 @dataclass(frozen=True)
-class BaselineModel(_LinearAllToAllModel):
+class BaselineModel:
     """Parm Eq. 1 per chunk in PipeMoE's recurrence: dispatch = ESP all-gather of N copies plus the
     EP all-to-all of N * E * Cj * M elements; combine = the ESP all-reduce of the partials plus the
     all-to-all back; the shards run N copies: N_EP * N * Cj rows on H / N hidden units."""
 
     name: str = "ds-baseline"
-    needs: tuple[str, ...] = ("gemm", "alltoall.linear", "allgather", "allreduce")
     mp_size: int = 2
     sends_tokens: bool = True
+
+    def can_predict(self, cost: CostModel) -> bool:
+        return all(fit in cost.profile.fits for fit in ("gemm", "alltoall.linear", "allgather", "allreduce"))
+
+    def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
+        return Plan(self.name, degree, "linear")
+
+    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         n, element, world = self.mp_size, shape.bytes_per_element, shape.world_size
@@ -246,34 +307,39 @@ class BaselineModel(_LinearAllToAllModel):
             a2a = cost.t_alltoall("linear", n * buffer * moved) if ep > 1 else 0.0
             dispatch, combine = cost.t_allgather(buffer, n) + a2a, cost.t_allreduce(n * buffer) + a2a
             chunks.append((dispatch, combine, world * (stop - start)))
-        return _shard_pipeline_prediction(self.name, plan, cost, shape, n, chunks, backward)
+        return _shard_pipeline_prediction(plan, cost, shape, n, chunks, backward)
 
 
 def _shard_pipeline_prediction(
-    name: str, plan: Plan, cost: CostModel, shape: RegionShape, mp: int, chunks: list[tuple[float, float, int]],
-    backward: bool,
+    plan: Plan, cost: CostModel, shape: RegionShape, mp: int, chunks: list[tuple[float, float, int]],
+    backward: bool, serial_s: float = 0.0,
 ) -> PlanPrediction:
     """PipeMoE's recurrence over chunks of (dispatch s, combine s, rows each hidden shard runs),
-    with the shards' FFN (H / N_MP hidden units, E / N_EP local experts) from the calibrated fits."""
+    with the shards' FFN (H / N_MP hidden units, E / N_EP local experts) from the calibrated fits,
+    plus ``serial_s`` outside the pipeline in each pass."""
     local = shape.experts // (shape.world_size // mp)
     slowdown = cost.profile.interference if plan.degree > 1 else 1.0
     dispatch = [d for d, _, _ in chunks]
     combine = [c for _, c, _ in chunks]
     dims = [(rows, shape.model_dim, shape.hidden_dim // mp, shape.projections) for _, _, rows in chunks]
     expert = [local * cost.t_ffn(*d) * slowdown for d in dims]
-    forward = pipeline_makespan(dispatch, expert, combine)
+    forward = serial_s + pipeline_makespan(dispatch, expert, combine)
     back = 0.0
     if backward:
-        back = pipeline_makespan(dispatch, [local * cost.t_ffn(*d, backward=True) * slowdown for d in dims], combine)
+        expert_back = [local * cost.t_ffn(*d, backward=True) * slowdown for d in dims]
+        back = serial_s + pipeline_makespan(dispatch, expert_back, combine)
     memory = local * shape.expert_parameters * shape.bytes_per_element // mp
-    return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, name)
+    return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, plan.schedule)
 
 
 @dataclass(frozen=True)
-class BaselineSchedule(ParmS2Schedule):
-    """DeepSpeed-MoE's MP+EP+ESP baseline on the same EP x ESP layout as S2."""
+class BaselineSchedule(ParmSchedule):
+    """DeepSpeed-MoE's MP+EP+ESP baseline on the same EP x ESP layout as S1 and S2."""
 
     name: str = "ds-baseline"
+
+    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+        return ALL_TOKENS
 
     @property
     def model(self) -> BaselineModel:  # type: ignore[override]

@@ -27,8 +27,9 @@ from moeflow.config import PARM_SCHEDULES
 from moeflow.experts import ExpertFFN
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
-from moeflow.parallel.parm import BaselineSchedule, ParmS2Schedule
+from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, ScheduleModel, rank_schedule_plans
@@ -50,6 +51,10 @@ class ParallelSchedule(Protocol):
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]: ...
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction: ...
+
+    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+        """Which routed tokens this rank encodes, sends and decodes under ``plan``."""
+        ...
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
@@ -128,11 +133,15 @@ def select_schedule(
     per rank (and whose placement explains what to do when E is not divisible by the group size).
     With more ranks than experts (a multiple of them) only Tutel's switchable layout fits: ``auto``
     is ``adaptive`` there. An int is Tutel's r, fixed. Parm's schedules run behind tensor-parallel
-    attention of ``mp_size`` ranks."""
+    attention of ``mp_size`` ranks; behind it ``auto`` is Parm: S1 or S2 chosen per iteration."""
     if isinstance(parallel, int):
         return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
+    if parallel == "ds-baseline":
+        return ScheduleChoice(BaselineSchedule(mp_size), "forced")
     if parallel in PARM_SCHEDULES:
-        return ScheduleChoice({"s2": ParmS2Schedule, "ds-baseline": BaselineSchedule}[parallel](mp_size), "forced")
+        return ScheduleChoice(ParmSchedule(mp_size, parallel), "forced")
+    if parallel == "auto" and mp_size > 1:
+        return ScheduleChoice(ParmSchedule(mp_size, "parm"), "mp_group")
     if parallel != "auto":
         return ScheduleChoice(SCHEDULES[parallel], "forced")
     if world_size > num_experts and world_size % num_experts == 0:

@@ -77,14 +77,29 @@ class CostModel:
     def t_allreduce(self, size_bytes: float) -> float:
         return 0.0 if self.world_size == 1 else self.profile.fit("allreduce")(size_bytes)
 
-    def t_allgather(self, size_bytes: float, group_size: int | None = None) -> float:
+    def t_allgather(self, size_bytes: float, group_size: int | None = None, intra_node: bool = False) -> float:
         """All-gather of ``size_bytes`` per rank (its input) over ``group_size`` ranks (the world
-        by default). A smaller group is priced as the world fit at the same received volume,
-        (g - 1) * x: ring collectives move that much whatever the group."""
+        by default). A smaller group is priced as the fit at the same received volume, (g - 1) * x:
+        ring collectives move that much whatever the group. ``intra_node``: the group lies inside
+        one node (Parm's MP group), priced from the ``allgather.intra_node`` fit when calibrated."""
         group = self.world_size if group_size is None else group_size
         if group <= 1 or self.world_size == 1:
             return 0.0
+        per_node = self.profile.ranks_per_node
+        if intra_node and per_node > 1 and "allgather.intra_node" in self.profile.fits:
+            return self.profile.fit("allgather.intra_node")(size_bytes * (group - 1) / (per_node - 1))
         return self.profile.fit("allgather")(size_bytes * (group - 1) / (self.world_size - 1))
+
+    def t_saa(self, size_bytes: float, mp_size: int) -> float:
+        """Parm's SAA: an all-to-all of ``size_bytes`` per rank over the world overlapped with the
+        all-gather of what it returns over an intra-node MP group of ``mp_size`` ranks (one op,
+        fitted whole as Parm §V-A's alpha_o + beta_o x, at the calibrated N_MP = ranks per node;
+        uncalibrated: the two in series)."""
+        per_node = self.profile.ranks_per_node
+        if "alltoall.saa" in self.profile.fits and mp_size == per_node:
+            return self.profile.fit("alltoall.saa")(size_bytes)
+        returned = size_bytes / max(1, mp_size)  # the ESP sum leaves 1 / N_ESP of the partials
+        return self.t_alltoall("linear", size_bytes) + self.t_allgather(returned, mp_size, intra_node=True)
 
     def t_reducescatter(self, size_bytes: float, group_size: int | None = None) -> float:
         """Reduce-scatter of ``size_bytes`` per rank (its full input) over ``group_size`` ranks,

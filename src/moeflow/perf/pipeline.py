@@ -101,6 +101,7 @@ class RegionShape:
     bytes_per_element: int = 4
     projections: int = 2  # GEMMs per expert: 2, SwiGLU 3
     bias: bool = True
+    tokens: int = 0  # tokens the rank routed (Parm's S1 all-gathers them); 0 when unknown
 
     @property
     def local_experts(self) -> int:
