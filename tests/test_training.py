@@ -212,7 +212,7 @@ def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: 
 
     state = read_state(Path(checkpoint))
     parallel = "expert" if parallel is None else parallel
-    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel})
+    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel, "mp_size": 1})
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
     load_checkpoint(Path(checkpoint), model, None, rank, world_size)
@@ -273,6 +273,31 @@ def test_sharded_experts_train_resume_and_reshard_across_r_and_workers(tmp_path:
         tiny(tmp_path / "r2", parallel=0, **{**sharded, "steps": 6}), latest_checkpoint(tmp_path / "r2"), report=False
     )
     assert summary["workers"] == 2 and list(losses(tmp_path / "r2")) == list(range(1, 7))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_attention_trains_as_data_parallel_and_resumes_switching_s1_s2(
+    two_worker_run: Path, tmp_path: Path
+) -> None:
+    """4 workers with --mp-size 2 are 2 data-parallel replicas of heads split over 2 workers, the
+    MoE layers behind them on Parm's schedules: the same losses as the 2-worker run step for step,
+    under S1, and resumed under auto (S1 and S2 chosen per step). Its checkpoint holds full tensors:
+    it evaluates on 1 worker without tensor parallelism as the 2-worker run's does."""
+    run_dir = tmp_path / "mp"
+    run_training(tiny(run_dir, workers=4, mp_size=2, parallel="s1", stop_at=6), report=False)
+    records = list(iterate_records(run_dir))
+    assert {layer["schedule"] for layer in records[-1]["moe"]} == {"s1"}
+    step6 = run_dir / "checkpoints" / "step-000006"
+    at_one = run_distributed(_evaluate_checkpoint, 1, str(step6))[0]
+    reference = run_distributed(_evaluate_checkpoint, 1, str(two_worker_run / "checkpoints" / "step-000006"))[0]
+    assert at_one == pytest.approx(reference, rel=1e-5)
+    run_training(tiny(run_dir, workers=4, mp_size=2, parallel="auto"), latest_checkpoint(run_dir), report=False)
+    schedules = {layer["schedule"] for record in iterate_records(run_dir) for layer in record["moe"]}
+    assert schedules == {"s1", "s2"}
+    expected = losses(two_worker_run)
+    assert list(losses(run_dir)) == list(range(1, 13))
+    for step, loss in losses(run_dir).items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
 
 
 @pytest.mark.distributed
@@ -337,7 +362,11 @@ def test_a_killed_worker_fails_the_job_fast_and_keeps_the_checkpoint(tmp_path: P
         (["--top-k", "9"], "top_k"),
         (["--data", "/nonexistent/corpus"], "data path '/nonexistent/corpus' does not exist"),
         (["--steps", "5", "--stop-at", "9"], "stop_at must be a step in"),
-        (["--parallel", "s2"], "does not have yet"),
+        (["--parallel", "s2"], "add --mp-size N"),
+        (["--mp-size", "3"], "workers=2 is not a multiple of mp_size=3"),
+        (["--mp-size", "2", "--heads", "1", "--model-dim", "64"], "heads=1 cannot be split over mp_size=2"),
+        (["--mp-size", "2", "--parallel", "expert"], "does not run behind tensor-parallel attention"),
+        (["--mp-size", "2", "--workers", "4", "--num-experts", "3"], "over 2 expert-parallel groups"),
         (["--parallel", "3"], "not a valid r"),
         (["--num-experts", "3", "--workers", "4", "--parallel", "adaptive"], "not a multiple of it"),
     ],

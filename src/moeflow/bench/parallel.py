@@ -1,5 +1,7 @@
 """``moeflow bench parallel``: every fixed Tutel r against the planner's per-iteration choice, on an
-emulated cluster (Tutel Fig. 12 scaled down: capacity factor 1..8, two expert sizes).
+emulated cluster (Tutel Fig. 12 scaled down: capacity factor 1..8, two expert sizes). With ``mp``
+> 1, Parm's modes behind tensor-parallel attention instead: the DeepSpeed-MoE baseline, S1, S2,
+S2 with SAA, and ``auto`` (the planner's S1/S2 choice, Parm's Algorithm 1 plus online trials).
 
 The driver launches one emulated cluster (2 nodes x 1 rank by default: one rank per core) and runs
 this module as every rank; unless a profile is given the ranks calibrate the cluster first. For each
@@ -46,17 +48,31 @@ def _layer_step(layer: Any, x: Any) -> None:
     layer.zero_grad(set_to_none=True)
 
 
-def _region_step(layer: Any, buffer: Any) -> None:
+def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     """The modelled region alone: the schedule on a dispatched (E, C, M) buffer, forward + backward,
-    with the plan the layer last ran."""
+    with the plan the layer last ran. S1's region is its own 1 / N_MP of the slots plus the MP
+    all-gather of the token rows (and its backward, the split's all-gather)."""
+    from moeflow.comm.mp import gather_rows, split_rows
     from moeflow.perf.schedules import Plan
     from moeflow.stats import PipelineTiming
 
     ran = layer.last_stats.plan
     plan = Plan(ran.schedule, ran.requested_degree, ran.alltoall, ran.r)
+    extra = 0.0
+    if plan.schedule == "s1":
+        mp = layer.groups.model
+        buffer = buffer[:, : -(-buffer.shape[1] // dist_size(mp))]
+        rows = x.detach().requires_grad_()
+        extra = gather_rows(split_rows(rows, mp), rows.shape[0], mp).square().mean()
     out = layer.schedule.run(plan, buffer, layer.experts, layer.groups, PipelineTiming(), layer.workspace)
-    out.square().mean().backward()
+    (out.square().mean() + extra).backward()
     layer.zero_grad(set_to_none=True)
+
+
+def dist_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def _settle(layer: Any, x: Any, limit: int = 300) -> int:
@@ -80,16 +96,18 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     if point.mp > 1 and groups.model is None:
         groups.model = dist.new_subgroups(group_size=point.mp)[0]
 
-    def build(parallel: Any) -> MoELayer:
+    def build(parallel: Any, alltoall: str = "auto") -> MoELayer:
         torch.manual_seed(0)
         return MoELayer(
             point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k,
             capacity_factor=point.capacity_factor, group=groups, parallel=parallel, pipeline="auto",
-            profile=profile, mp_group=groups.model if point.mp > 1 else None,
+            profile=profile, mp_group=groups.model if point.mp > 1 else None, alltoall=alltoall,
         )
 
     if point.mp > 1:
         layers = {name: build(name) for name in PARM_SCHEDULES}
+        layers["s2-saa"] = build("s2", alltoall="saa")
+        layers["planner"] = build("auto")
     else:
         layers = {f"r{r}": build(r) for r in switchable_rs(point.experts, world)}
         layers["planner"] = build("adaptive")
@@ -103,15 +121,20 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
             seconds = slowest_rank_seconds(lambda layer=layer: _layer_step(layer, x))
-            region_seconds = slowest_rank_seconds(lambda layer=layer: _region_step(layer, buffer))
+            region_seconds = slowest_rank_seconds(lambda layer=layer: _region_step(layer, buffer, x))
             if round_index:
                 whole[name].append(seconds)
                 region[name].append(region_seconds)
     if rank == 0:
         _emit_point(point, layers, whole, region, settle, emit)
         if point.mp > 1:
-            baseline, s2 = (statistics.median(whole[name]) for name in ("ds-baseline", "s2"))
-            emit({"bench": "parallel-parm", "config": point.name, "s2_over_baseline_speedup": baseline / s2})
+            baseline = statistics.median(whole["ds-baseline"])
+            emit({
+                "bench": "parallel-parm", "config": point.name,
+                **{f"{name}_over_baseline_speedup": baseline / statistics.median(whole[name])
+                   for name in ("s1", "s2", "s2-saa", "planner")},
+                "planner_schedule": layers["planner"].last_stats.plan.schedule,
+            })
 
 
 def _emit_point(
@@ -127,17 +150,17 @@ def _emit_point(
         measured_region = statistics.median(region[name])
         emit({
             "bench": "parallel", "config": point.name, **asdict(point), "mode": name, "r": plan.r,
+            "schedule": plan.schedule,
             "degree": plan.requested_degree, "alltoall": plan.alltoall, "capacity": layer.last_stats.capacity,
             "layer_ms": medians[name] * 1e3, "region_ms": measured_region * 1e3,
             "predicted_region_ms": predicted * 1e3 if predicted else None,
             "model_rel_error": abs(predicted - measured_region) / measured_region if predicted else None,
             "settle_iterations": settle[name],
         })
-    if "planner" not in layers:  # Parm's schedules: no per-iteration choice among them yet
-        return
     emit({
         "bench": "parallel-choice", "config": point.name, "best_fixed": best, "best_fixed_ms": fixed[best] * 1e3,
         "planner_r": layers["planner"].last_stats.plan.r, "planner_ms": medians["planner"] * 1e3,
+        "planner_schedule": layers["planner"].last_stats.plan.schedule,
         "planner_over_best": medians["planner"] / fixed[best],
         "planner_within_10pct": medians["planner"] <= WITHIN * fixed[best],
     })
@@ -170,10 +193,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     errors: dict[str, list[float]] = {}
     for record in modes:
         key = record["mode"] if record["r"] is None or record["mode"] == "planner" else f"r{record['r']}"
+        if record["mode"] == "planner" and record["r"] is None:  # Parm's auto: by the schedule it ran
+            key = f"planner:{record['schedule']}"
         errors.setdefault(key, []).append(record["model_rel_error"])
     return {
-        "summary": "parallel", "configs": len(choices) + len(parm),
-        "s2_over_baseline_geomean": _geomean([r["s2_over_baseline_speedup"] for r in parm]) if parm else None,
+        "summary": "parallel", "configs": len({r["config"] for r in choices + parm}),
+        **{f"{name}_over_baseline_geomean": _geomean([r[f"{name}_over_baseline_speedup"] for r in parm])
+           for name in ("s1", "s2", "s2-saa", "planner") if parm},
         **_planner_summary(choices),
         "best_fixed": {r["config"]: r["best_fixed"] for r in choices},
         "model_median_rel_error": {k: statistics.median(v) for k, v in sorted(errors.items())},

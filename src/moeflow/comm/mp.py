@@ -70,3 +70,42 @@ def split_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_rows(rows: torch.Tensor, num_rows: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The replicated ``num_rows``-row tensor from every member's rows (backward: own rows)."""
     return _GatherRows.apply(rows, num_rows, group)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = partial.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A replicated input entering a tensor-parallel computation (Megatron's f): the identity,
+    whose backward sums the members' partial input gradients."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of the members' partial outputs, replicated (Megatron's g): an all-reduce whose
+    backward is the identity (the output's gradient is the same on every member)."""
+    return _ReduceFromRegion.apply(partial, group)

@@ -206,8 +206,8 @@ def _add_parallel(benches: Any) -> None:
     parallel.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank (default 512)")
     parallel.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     parallel.add_argument("--mp", type=positive_int, default=1,
-                          help="> 1: Parm's S2 against the DeepSpeed-MoE baseline behind MP attention of this many "
-                          "ranks (N_ESP = N_MP) instead of Tutel's r")
+                          help="> 1: Parm's S1, S2, S2+SAA and auto against the DeepSpeed-MoE baseline behind MP "
+                          "attention of this many ranks (N_ESP = N_MP) instead of Tutel's r")
     parallel.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
     parallel.set_defaults(func=run_parallel)
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, group_size
+from moeflow.comm.mp import copy_to_region, reduce_from_region
 from moeflow.config import (
     MODEL_MOE_DEFAULTS,
     MoEConfig,
@@ -31,6 +32,7 @@ from moeflow.config import (
 )
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
+from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.phases import PhaseClock
 
@@ -108,19 +110,36 @@ class TransformerConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    """Causal multi-head attention; with an ``mp_group`` of N ranks, tensor parallel: this member
+    runs heads / N of the heads on the (replicated) input, and one all-reduce sums the members'
+    output projections (Megatron's column- then row-parallel pair)."""
+
+    def __init__(self, config: TransformerConfig, mp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.heads = config.heads
-        self.qkv = nn.Linear(config.model_dim, 3 * config.model_dim)
-        self.proj = nn.Linear(config.model_dim, config.model_dim)
+        members = group_size(mp_group)
+        if config.heads % members:
+            raise ValueError(
+                f"heads={config.heads} cannot be split over mp_size={members} tensor-parallel ranks; "
+                "use an mp_size that divides the heads"
+            )
+        self.mp_group = mp_group if members > 1 else None
+        self.heads, local_dim = config.heads // members, config.model_dim // members
+        self.qkv = nn.Linear(config.model_dim, 3 * local_dim)
+        self.proj = nn.Linear(local_dim, config.model_dim)
 
     def forward(self, x_BTM: torch.Tensor) -> torch.Tensor:
-        b, t, m = x_BTM.shape
-        q, k, v = self.qkv(x_BTM).split(m, dim=2)
-        shape = (b, t, self.heads, m // self.heads)
+        b, t, _ = x_BTM.shape
+        if self.mp_group is not None:
+            x_BTM = copy_to_region(x_BTM, self.mp_group)
+        local_dim = self.proj.in_features
+        q, k, v = self.qkv(x_BTM).split(local_dim, dim=2)
+        shape = (b, t, self.heads, local_dim // self.heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, m))
+        out = F.linear(y.transpose(1, 2).reshape(b, t, local_dim), self.proj.weight)
+        if self.mp_group is not None:
+            out = reduce_from_region(out, self.mp_group)
+        return out + self.proj.bias
 
 
 class DenseFFN(ExpertFFN):
@@ -142,7 +161,7 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.ln_attention = nn.LayerNorm(config.model_dim)
-        self.attention = CausalSelfAttention(config)
+        self.attention = CausalSelfAttention(config, groups.model)
         self.ln_ffn = nn.LayerNorm(config.model_dim)
         self.ffn: MoELayer | DenseFFN = (
             MoELayer.from_config(config.moe, groups, profile) if moe else DenseFFN(config)
@@ -171,6 +190,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
+        self.groups = groups
         self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim)
         self.position_embedding = nn.Embedding(config.context, config.model_dim)
         self.blocks = nn.ModuleList(
@@ -186,21 +206,37 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [block.moe for block in self.blocks if block.moe is not None]
 
-    def placed_parameters(self) -> dict[str, tuple[ExpertPlacement, str]]:
-        """Every expert parameter's placement and kind (``w1``, ``b1``, ...), by name: what the
-        checkpoints slice and assemble full (E, ...) tensors with."""
-        return {
+    def placed_parameters(self) -> dict[str, tuple[ExpertPlacement | HeadShards, str]]:
+        """Every expert parameter's placement and kind (``w1``, ``b1``, ...) and every
+        tensor-parallel attention parameter's head layout and kind, by name: what the checkpoints
+        slice and assemble full tensors with."""
+        placed: dict[str, tuple[ExpertPlacement | HeadShards, str]] = {
             f"blocks.{i}.ffn.experts.{name}": (block.moe.placement, name)
             for i, block in enumerate(self.blocks) if block.moe is not None
             for name, _ in block.moe.experts.named_parameters()
         }
+        return placed | self._head_shards()
+
+    def _head_shards(self) -> dict[str, tuple[ExpertPlacement | HeadShards, str]]:
+        members = group_size(self.groups.model)
+        if members == 1:
+            return {}
+        shards = HeadShards(self.groups.size, members, self.config.model_dim)
+        return {f"blocks.{i}.attention.{kind}": (shards, kind) for i in range(self.config.layers)
+                for kind in TENSOR_PARALLEL_KINDS}
 
     def expert_parameter_names(self) -> set[str]:
         """Parameters whose ranks hold different parts (expert parallel): their gradients already
         sum every rank's tokens, so the trainer does not all-reduce them. Replicated experts are
         ordinary replicated parameters."""
         placed = self.placed_parameters()
-        return {name for name, (placement, _) in placed.items() if not placement.is_replicated}
+        return {name for name, (placement, _) in placed.items()
+                if isinstance(placement, ExpertPlacement) and not placement.is_replicated}
+
+    def tensor_parallel_parameter_names(self) -> set[str]:
+        """Attention parameters split over the MP group: the trainer averages them over the
+        data-parallel replicas of the same heads only."""
+        return set(self._head_shards())
 
     # -- initialization ---------------------------------------------------------------------------
 
@@ -211,14 +247,20 @@ class MoETransformer(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         experts = self.placed_parameters()
+        heads = self._head_shards()
         with torch.no_grad():
             for name, parameter in self.named_parameters():
-                if name in experts:
+                if name in experts and name not in heads:
                     continue
                 if parameter.dim() == 1 or name.endswith((".b1", ".b2")):  # biases zero, LayerNorm gains one
                     parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
                     continue
                 std = residual_std if name.endswith(("proj.weight", ".w2")) else 0.02
+                if name in heads:  # drawn whole, so any MP size gives the same model
+                    shards, kind = heads[name]
+                    full = torch.randn(shards.full_shape(kind, parameter), generator=generator) * std
+                    parameter.copy_(shards.shard_tensor(kind, full, self.groups.rank))
+                    continue
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
             for layer_index, layer in enumerate(self.moe_layers()):
                 layer_generator = torch.Generator().manual_seed(seed * 1000 + layer_index + 1)

@@ -53,6 +53,7 @@ class TrainConfig:
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
+    mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     profile: str | None = None  # a calibrated cluster profile for the planner
     # optimization
     steps: int = 200
@@ -79,7 +80,7 @@ class TrainConfig:
     collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "steps", "batch_size", "workers", "threads_per_worker", "eval_interval",
+        positive = ("vocab_size", "steps", "batch_size", "workers", "mp_size", "threads_per_worker", "eval_interval",
                     "eval_windows", "checkpoint_interval", "keep_checkpoints")
         for name in positive:
             require_positive_int(name, getattr(self, name))
@@ -88,22 +89,7 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
-        if self.parallel in PARM_SCHEDULES:
-            raise ValueError(
-                f"--parallel {self.parallel} runs behind tensor-parallel attention, which moeflow train does not "
-                "have yet (no --mp-size); use expert, replicated, adaptive, auto or an int r"
-            )
-        switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
-        if switchable and self.workers > self.num_experts:
-            check_switchable_layout(self.num_experts, self.workers, self.ffn_hidden)
-        if isinstance(self.parallel, int):
-            validate_r(self.parallel, self.num_experts, self.workers)
-        elif self.num_experts % self.workers and self.parallel != "replicated":
-            raise ValueError(
-                f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
-                f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
-                "--parallel replicated"
-            )
+        self._check_parallel()
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -117,6 +103,49 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
             raise ValueError(f"stop_at must be a step in [1, steps={self.steps}], got {self.stop_at!r}")
+
+    def _check_parallel(self) -> None:
+        """The MoE layers' schedule fits the workers (and the tensor-parallel attention, if any)."""
+        if self.mp_size > 1:
+            self._check_tensor_parallel()
+            return
+        if self.parallel in PARM_SCHEDULES:
+            raise ValueError(
+                f"--parallel {self.parallel} runs behind tensor-parallel attention: add --mp-size N (N > 1 "
+                "workers per attention group), or use expert, replicated, adaptive, auto or an int r"
+            )
+        switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
+        if switchable and self.workers > self.num_experts:
+            check_switchable_layout(self.num_experts, self.workers, self.ffn_hidden)
+        if isinstance(self.parallel, int):
+            validate_r(self.parallel, self.num_experts, self.workers)
+        elif self.num_experts % self.workers and self.parallel != "replicated":
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
+                f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
+                "--parallel replicated"
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
+        if self.workers % self.mp_size:
+            raise ValueError(f"workers={self.workers} is not a multiple of mp_size={self.mp_size}; "
+                             "tensor-parallel groups are mp_size consecutive workers")
+        if self.heads % self.mp_size:
+            raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
+                             "that divides the heads")
+        if self.parallel not in ("auto", *PARM_SCHEDULES):
+            raise ValueError(
+                f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
+                f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(PARM_SCHEDULES)}"
+            )
+        expert_groups = self.workers // self.mp_size
+        if self.num_experts % expert_groups or self.ffn_hidden % self.mp_size:
+            raise ValueError(
+                f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with ffn_hidden="
+                f"{self.ffn_hidden} over mp_size={self.mp_size} shards: use a multiple of {expert_groups} experts "
+                f"and an ffn_hidden divisible by {self.mp_size}"
+            )
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""
@@ -159,7 +188,9 @@ FIELD_HELP: dict[str, str] = {
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
-    "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto",
+    "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
+    "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
+    "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",

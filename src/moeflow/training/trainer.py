@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.comm.topology import Topology
 from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer
@@ -95,35 +95,52 @@ def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device
 
 
 def synchronize_gradients(
-    model: MoETransformer, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int
+    model: MoETransformer, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
 ) -> float:
     """Average the replicated parameters' gradients over the workers (one flat all-reduce), scale the
-    experts' (each already sums every worker's tokens) to the same mean; return the squared norm of
-    the local expert gradients, for the global clipping norm."""
-    replicated, expert_sq = [], 0.0
+    experts' (each already sums every data-parallel replica's tokens) to the same mean, and average
+    tensor-parallel attention's over the replicas of the same heads; return this worker's share of
+    the squared norm of the sharded gradients, whose sum over the workers is theirs, for the global
+    clipping norm. With MP groups of N workers the W workers are W / N data-parallel replicas."""
+    heads = model.tensor_parallel_parameter_names()
+    replicas = world_size // group_size(model.groups.model)
+    replicated, heads_grads, sharded_sq = [], [], 0.0
     for name, parameter in model.named_parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         if name in expert_names:
-            parameter.grad.div_(world_size)
-            expert_sq += float(parameter.grad.pow(2).sum())
+            parameter.grad.div_(replicas)
+            sharded_sq += float(parameter.grad.pow(2).sum())
+        elif name in heads:
+            heads_grads.append(parameter.grad)
         else:
             replicated.append(parameter.grad)
     if group is not None and world_size > 1:
-        flat = torch.cat([g.reshape(-1) for g in replicated])
+        _average(replicated, group, world_size)
+    if heads_grads:
+        _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
+        sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
+    return sharded_sq
+
+
+def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
+    """The mean of each gradient over ``group`` (one flat all-reduce)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None and size > 1:
         dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
-        offset = 0
-        for grad in replicated:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-    return expert_sq
+    flat.div_(size)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def clip_gradients(model: MoETransformer, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
-    """Clip by the norm of the whole (global) gradient; return that norm."""
+    """Clip by the norm of the whole (global) gradient; return that norm. ``expert_sq_global`` is
+    the sharded gradients' part (experts, tensor-parallel attention), summed over the workers."""
+    sharded = expert_names | model.tensor_parallel_parameter_names()
     replicated_sq = sum(
-        float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if n not in expert_names and p.grad is not None
+        float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if n not in sharded and p.grad is not None
     )
     norm = math.sqrt(replicated_sq + expert_sq_global)
     if max_norm > 0 and norm > max_norm:
@@ -261,8 +278,17 @@ class _Run:
         return self.job.config
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the workers of one tensor-parallel group share their tokens."""
+        return self.world_size // self.config.mp_size
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.config.mp_size
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.config.batch_size * self.config.context * self.world_size
+        return self.config.batch_size * self.config.context * self.replicas
 
 
 def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
@@ -270,7 +296,10 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     config, corpus = job.config, job.corpus
     device = device_for(config, rank if job.local_rank is None else job.local_rank)
     group = dist.group.WORLD if dist.is_initialized() else None
-    groups = ParallelGroups.from_group(group, Topology(world_size, job.ranks_per_node or world_size))
+    topology = Topology(world_size, job.ranks_per_node or world_size)
+    mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
+    groups = ParallelGroups.from_group(group, topology)
+    groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
                            profile=config.profile).to(device)
     optimizer = build_optimizer(model, config)
@@ -279,8 +308,10 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
-    run = _Run(job, rank, world_size, device, group, model, optimizer, shard_of(corpus.load("train"), rank, world_size),
-               corpus.load("val"), log, tokens_seen)
+    replica, replicas = rank // config.mp_size, world_size // config.mp_size  # MP members share their data
+    train_shard = shard_of(corpus.load("train"), replica, replicas)
+    run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
+               tokens_seen)
     return run, start_step
 
 
@@ -291,7 +322,7 @@ def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
     lr = learning_rate(config, step)
     for group_settings in run.optimizer.param_groups:
         group_settings["lr"] = lr
-    inputs, targets = training_batch(run.train_shard, step, run.rank, config.seed, config.batch_size, config.context)
+    inputs, targets = training_batch(run.train_shard, step, run.replica, config.seed, config.batch_size, config.context)
     inputs, targets = inputs.to(run.device), targets.to(run.device)
     data_s = time.perf_counter() - began
 
@@ -332,7 +363,7 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
     from the checkpoint finds this step's record)."""
     config, corpus = run.config, run.job.corpus
     if step % config.eval_interval == 0 or step == config.steps:
-        run.val_loss = evaluate(run.model, run.val_stream, config, run.rank, run.world_size, run.group, run.device)
+        run.val_loss = evaluate(run.model, run.val_stream, config, run.replica, run.replicas, run.group, run.device)
         record["val_loss"] = run.val_loss
     if run.log is not None:
         run.log.write(record)

@@ -1,0 +1,63 @@
+"""Tensor-parallel (MP) attention's parameter layout: each member of an MP group of N ranks holds
+heads / N of the heads (Megatron: the QKV projection split by output rows, the output projection by
+input columns; its bias whole, added once after the sum).
+
+:class:`HeadShards` answers what checkpoints and initialization ask of a placement (the full
+shape, this rank's slice, the primary copy), so a checkpoint keeps the full tensors under their
+usual names and loads into any MP size that divides the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TENSOR_PARALLEL_KINDS = ("qkv.weight", "qkv.bias", "proj.weight")
+"""The attention tensors that are split over the MP group (``proj.bias`` stays whole)."""
+
+
+@dataclass(frozen=True)
+class HeadShards:
+    """The heads layout over ``world_size`` ranks in MP groups of ``mp_size`` consecutive ranks:
+    rank r holds head block r % mp_size; the ranks with r // mp_size == 0 hold the primary copies
+    (the others are data-parallel replicas)."""
+
+    world_size: int
+    mp_size: int
+    model_dim: int
+
+    @property
+    def is_replicated(self) -> bool:
+        return False
+
+    def _block(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """A view of ``full``: the part member ``rank % mp_size`` holds."""
+        n, m = self.mp_size, self.model_dim
+        member = rank % n
+        if kind == "proj.weight":
+            return full.view(m, n, m // n)[:, member]
+        if kind in ("qkv.weight", "qkv.bias"):
+            return full.view(3, n, m // n, *full.shape[1:])[:, member]
+        raise ValueError(f"{kind!r} is not split over the MP group (those are {TENSOR_PARALLEL_KINDS})")
+
+    def full_shape(self, kind: str, local: torch.Tensor) -> tuple[int, ...]:
+        if kind == "proj.weight":
+            return (self.model_dim, self.model_dim)
+        return (3 * self.model_dim, *local.shape[1:])
+
+    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor:
+        return local.new_zeros(self.full_shape(kind, local))
+
+    def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        if tuple(full.shape[:2]) != self.full_shape(kind, full)[:2]:
+            raise ValueError(f"{kind} has shape {tuple(full.shape)}, not the model's (model_dim={self.model_dim})")
+        block = self._block(kind, full, rank)
+        return block.reshape(-1, *block.shape[2:]) if kind != "proj.weight" else block.contiguous()
+
+    def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
+        """Write this rank's block into ``full`` if it holds the primary copy (a sum over all
+        ranks then assembles the tensor)."""
+        if rank // self.mp_size == 0:
+            block = self._block(kind, full, rank)
+            block.copy_(local.reshape(block.shape))
