@@ -144,7 +144,7 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
     profile = ClusterProfile.from_dict(profile_dict)
     assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
                                  "allgather", "reducescatter", "alltoall.intra_node",  # one node: no inter-node
-                                 "ffn.forward", "ffn.backward"}
+                                 "allgather.intra_node", "alltoall.saa", "ffn.forward", "ffn.backward"}
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
     assert CostModel(profile).layer_times(LayerShape(256, 32, 64, 4))["serial_s"] > 0
@@ -195,6 +195,27 @@ def test_plan_cli_prints_every_tutel_r_with_more_ranks_than_experts(
     (summary,) = [line for line in lines if line.get("summary") == "plan-adaptive"]
     assert summary["predicted_ms"] == pytest.approx(min(line["total_ms"] for line in adaptive), rel=1e-3)
     assert not any(line.get("plan") == "pipeline" for line in lines)  # 2 experts do not split over 4 ranks
+
+
+def test_plan_cli_prints_parms_modes_behind_mp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.cli import main
+
+    profile = _profile()
+    fits = {**profile.fits, "allgather": AlphaBeta(1e-3, 1e-8), "allreduce": AlphaBeta(1e-3, 2e-8)}
+    path = tmp_path / "profile.json"
+    ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2).save(path)
+    argv = ["plan", "--profile", str(path), "--tokens", "1024", "--experts", "4", "--top-k", "1", "--mp", "2"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    modes = {(line["schedule"], line["alltoall"]): line for line in lines if line.get("plan") == "parm"}
+    assert set(modes) == {("ds-baseline", "linear"), ("s1", "linear"), ("s2", "linear"), ("s2", "saa")}
+    parm = [line["total_ms"] for mode, line in modes.items() if mode[0] != "ds-baseline"]
+    assert max(parm) < modes["ds-baseline", "linear"]["total_ms"]
+    summary = lines[-1]
+    assert summary["summary"] == "plan-parm" and summary["algorithm1"] in ("s1", "s2")
+    assert summary["predicted_ms"] == pytest.approx(min(parm), rel=1e-3)
+    with pytest.raises(SystemExit, match="--mp 3 must divide"):
+        main([*argv[:-1], "3"])
 
 
 def test_expert_ffn_time_comes_from_its_own_fits_or_from_the_gemm() -> None:

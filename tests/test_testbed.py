@@ -201,8 +201,12 @@ def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
     assert choice["best_fixed"] in ("r0", "r1", "r2") and choice["planner_r"] in (0, 1, 2)
     assert records[-1]["summary"] == "parallel" and 0 <= records[-1]["planner_within_10pct_share"] <= 1
     records = _bench_parallel("--experts", "2", "--mp", "2")
-    assert {r["mode"] for r in records if r.get("bench") == "parallel"} == {"s2", "ds-baseline"}
-    assert records[-1]["s2_over_baseline_geomean"] > 0
+    parm = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
+    assert set(parm) == {"s1", "s2", "s2-saa", "ds-baseline", "planner"}
+    assert parm["s2-saa"]["alltoall"] == "saa" and parm["planner"]["schedule"] in ("s1", "s2")
+    (choice,) = [r for r in records if r.get("bench") == "parallel-choice"]
+    assert choice["planner_schedule"] in ("s1", "s2")
+    assert records[-1]["s1_over_baseline_geomean"] > 0 and records[-1]["s2_over_baseline_geomean"] > 0
 
 
 @needs_testbed

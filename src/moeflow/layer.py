@@ -74,11 +74,15 @@ class MoELayer(nn.Module):
     moves tokens by all-to-all; ``"replicated"`` keeps every expert on every rank and moves no
     token (the trainer then sums the expert gradients like any replicated weight); ``"auto"`` ranks
     both for a training step on the calibrated ``profile`` at ``tokens_per_rank_hint`` tokens, and
-    keeps ``"expert"`` without them. Under the expert schedule, dispatch -> experts -> combine runs
-    pipelined over ``pipeline`` capacity chunks with the ``alltoall`` algorithm, both planned per
-    forward (:mod:`moeflow.planner`): ``"auto"`` ranks the candidates with the profile and times the
-    best few online, ``"model"`` trusts the profile, ``"search"`` times {1, 2, 4, 8} x algorithms
-    per capacity bucket of ``capacity_bucket`` slots; an int or an algorithm name forces it.
+    keeps ``"expert"`` without them. ``"adaptive"`` or an int is Tutel's switchable parallelism (r
+    per iteration or fixed). Behind tensor-parallel attention (``mp_group``, tokens replicated over
+    it) ``"s1"``, ``"s2"`` and ``"ds-baseline"`` are Parm's schedules and the DeepSpeed-MoE
+    baseline, and ``"auto"`` chooses S1 or S2 per iteration. Under the expert schedule, dispatch ->
+    experts -> combine runs pipelined over ``pipeline`` capacity chunks with the ``alltoall``
+    algorithm, both planned per forward (:mod:`moeflow.planner`): ``"auto"`` ranks the candidates
+    with the profile and times the best few online, ``"model"`` trusts the profile, ``"search"``
+    times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
+    algorithm name forces it.
 
     ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
     ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek).

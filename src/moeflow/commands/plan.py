@@ -1,6 +1,7 @@
 """``moeflow plan``: predicted times of an MoE layer from a calibrated profile, per all-to-all
 algorithm and pipeline degree, Theorem 1's choice, the replicated schedule, every Tutel r of the
-adaptive schedule, and a summary."""
+adaptive schedule, and a summary; with ``--mp N``, Parm's modes behind tensor-parallel attention of N
+ranks instead (the DeepSpeed-MoE baseline, S1, S2 with and without SAA, and Algorithm 1's choice)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--max-degree", type=positive_int, default=16,
                       help="largest pipeline degree to predict (default 16)")
     plan.add_argument("--forward-only", action="store_true", help="plan for inference (no backward pass)")
+    plan.add_argument("--mp", type=positive_int, default=1,
+                      help="> 1: Parm's modes behind tensor-parallel attention of this many ranks (default 1)")
     plan.set_defaults(func=run)
 
 
@@ -42,9 +45,16 @@ def run(args: argparse.Namespace) -> int:
     if "gemm" not in profile.fits:
         raise fail("plan", "the profile has no gemm fit; re-run moeflow calibrate")
     shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
-    region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim)
+    region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim,
+                         tokens=args.tokens)
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
+    if args.mp > 1:
+        if world % args.mp or args.experts % (world // args.mp) or args.hidden_dim % args.mp:
+            raise fail("plan", f"--mp {args.mp} must divide the {world} ranks, the hidden size, and leave "
+                       "expert-parallel groups that divide the experts")
+        _print_parm_plans(model, region, args.mp, args.max_degree, backward)
+        return 0
     _print_adaptive_plans(model, region, algorithms, args.max_degree, backward)
     if args.experts % world:  # more ranks than experts: only Tutel's sharded layout fits
         return 0
@@ -125,3 +135,32 @@ def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
                 "gradient_sync_ms": p.gradient_sync_s * 1e3, "total_ms": p.total_s * 1e3,
                 "expert_memory_mb": p.expert_memory_bytes / 2**20})
     return p
+
+
+def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backward: bool) -> None:
+    """Per Parm mode (baseline, S1, S2, S2 + SAA) its best degree and prediction, then the choice
+    of ``parallel='auto'`` behind an mp_group (:class:`moeflow.parallel.parm.ParmModel`) and the
+    unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
+    from moeflow.bench import print_json
+    from moeflow.parallel.parm import BaselineModel, ParmModel
+    from moeflow.perf.schedules import Plan, rank_schedule_plans
+
+    models = (BaselineModel(mp_size=mp), ParmModel("parm", mp))
+    if not all(m.can_predict(model) for m in models):
+        return
+    ranked = rank_schedule_plans(model, region, models, range(1, max_degree + 1), ("linear", "saa"), backward)
+    best: dict[tuple[str, str], Any] = {}
+    for plan, prediction in ranked:  # fastest first
+        best.setdefault((plan.schedule, plan.algorithm), (plan, prediction))
+    for (schedule, combine), (plan, p) in best.items():
+        print_json({"plan": "parm", "schedule": schedule, "alltoall": combine, "degree": plan.degree,
+                    "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
+    parm = ParmModel("parm", mp)
+    t_s1, t_s2 = (
+        parm.predict(Plan(s, 1, a), model, region, False).forward_s for s, a in (("s1", "linear"), ("s2", "saa"))
+    )
+    auto = min((item for item in ranked if item[0].schedule != "ds-baseline"), key=lambda item: item[1].total_s)
+    print_json({"summary": "plan-parm", "schedule": auto[0].schedule, "alltoall": auto[0].algorithm,
+                "degree": auto[0].degree, "predicted_ms": auto[1].total_s * 1e3,
+                "algorithm1": "s1" if t_s1 <= t_s2 else "s2", "algorithm1_s1_ms": t_s1 * 1e3,
+                "algorithm1_s2_ms": t_s2 * 1e3, "mp": mp, "world_size": model.world_size, "capacity": region.capacity})
