@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
 from moeflow.comm.mp import member_rows
+from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.parallel.parm import BaselineModel, ParmModel
 from moeflow.parallel.token_share import packed_locations
@@ -37,6 +39,9 @@ def _bad_groups(rank: int, world: int) -> list[str]:
         _error(lambda: MoELayer(8, 16, 4, parallel="expert", mp_group=contiguous)),
         _error(lambda: MoELayer(8, 16, 4, parallel="s2", mp_group=contiguous)),
         _error(lambda: MoELayer(8, 16, 4, parallel="auto", mp_group=contiguous)),
+        _error(lambda: MoELayer(8, 16, 4, group=ParallelGroups(dist.group.WORLD, Topology(4, 4), contiguous),
+                                parallel="expert")),
+        _error(lambda: MoELayer(8, 16, 4, parallel="s1", alltoall="saa", mp_group=contiguous)),
     ]
 
 
@@ -47,6 +52,8 @@ def test_mp_groups_that_do_not_fit_name_the_fix() -> None:
         assert "is not a subgroup of the layer's group" in messages[1]
         assert "mp_group is used by Parm's schedules" in messages[2]
         assert messages[3] == messages[4] == "no error"
+        assert "which only Parm's schedules use; got parallel='expert'" in messages[5]
+        assert "alltoall='saa'" in messages[6]
 
 
 def test_parm_schedules_need_an_mp_group() -> None:
@@ -117,6 +124,8 @@ def _switching_layer(rank: int, world: int) -> list[tuple[str, str]]:
         layer(x).sum().backward()
         assert layer.last_stats is not None and layer.last_stats.plan is not None
         seen.append((layer.last_stats.plan.schedule, layer.last_stats.plan.alltoall))
+        if seen[-1][0] == "s1":  # its token all-gathers run outside the pipeline, and the trials see them
+            assert layer.last_stats.timing.gather_s > 0 and layer.last_stats.timing.backward_s > 0
     return seen
 
 

@@ -201,7 +201,8 @@ def test_plan_cli_prints_parms_modes_behind_mp(tmp_path: Path, capsys: pytest.Ca
     from moeflow.cli import main
 
     profile = _profile()
-    fits = {**profile.fits, "allgather": AlphaBeta(1e-3, 1e-8), "allreduce": AlphaBeta(1e-3, 2e-8)}
+    fits = {**profile.fits, "allgather": AlphaBeta(1e-3, 1e-8), "allreduce": AlphaBeta(1e-3, 2e-8),
+            "alltoall.saa": AlphaBeta(1e-3, 1.5e-8)}
     path = tmp_path / "profile.json"
     ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2).save(path)
     argv = ["plan", "--profile", str(path), "--tokens", "1024", "--experts", "4", "--top-k", "1", "--mp", "2"]

@@ -158,7 +158,7 @@ class MoELayer(nn.Module):
         """The schedule (and with it the placement of the weights) and the per-iteration planner."""
         c = self.config
         self.cost_model = CostModel(profile) if profile is not None else None
-        if c.alltoall == SAA and self.groups.model is None:
+        if c.alltoall == SAA and (self.groups.model is None or c.parallel in ("s1", "ds-baseline")):
             raise ValueError(
                 "alltoall='saa' overlaps Parm's S2 combine with the MP all-gather: it needs parallel='s2' or "
                 "'auto' with mp_group=<the tensor-parallel group>; use alltoall='linear' or 'auto'"
@@ -187,6 +187,11 @@ class MoELayer(nn.Module):
         if mp_group is None:
             if parallel in PARM_SCHEDULES and self.groups.model is None:
                 raise ValueError(f"parallel={parallel!r} needs mp_group=<the tensor-parallel group of the attention>")
+            if self.groups.model is not None and parallel not in (*PARM_SCHEDULES, "auto"):
+                raise ValueError(
+                    f"the ParallelGroups passed as group have a model (tensor-parallel) group, which only Parm's "
+                    f"schedules use; got parallel={parallel!r}: use 'auto' or one of {PARM_SCHEDULES}"
+                )
             return
         if parallel not in (*PARM_SCHEDULES, "auto"):
             raise ValueError(
@@ -239,10 +244,11 @@ class MoELayer(nn.Module):
             factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity
         )
         chosen, timing = self.planner.choose(
-            self._region(capacity, x_TM.element_size(), x_TM.shape[0]), backward=torch.is_grad_enabled(), r=r
+            self._region(capacity, x_TM.element_size(), load.max_tokens_per_rank, load.needed_capacity),
+            backward=torch.is_grad_enabled(), r=r,
         )
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
-        share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts)
+        share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
         owned = share.own(x_TM, choice.weights_TK, choice.expert_idx_TK, location_TK, capacity)
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
@@ -265,7 +271,7 @@ class MoELayer(nn.Module):
                         self.gate.expert_bias, load.counts_WE.sum(0), config.expert_bias_update_rate
                     )
                 )
-        self.last_stats = self._stats(load, capacity, k, factor, chosen, timing)
+        self.last_stats = self._stats(load, capacity, k, factor, chosen, timing, owned.capacity)
         return y_TM.view(x.shape)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -345,11 +351,11 @@ class MoELayer(nn.Module):
         assert group is not None
         return lambda values: max_over_ranks(values, group)
 
-    def _region(self, capacity: int, bytes_per_element: int, tokens: int = 0) -> RegionShape:
+    def _region(self, capacity: int, bytes_per_element: int, tokens: int = 0, needed: int = 0) -> RegionShape:
         c = self.config
         return RegionShape(
             c.num_experts, self.world_size, capacity, c.model_dim, c.hidden_dim, bytes_per_element,
-            ffn_projections(c.activation), c.bias, tokens,
+            ffn_projections(c.activation), c.bias, tokens, needed,
         )
 
     def _hint_shape(self, algorithms: tuple[str, ...]) -> RegionShape | None:
@@ -366,7 +372,7 @@ class MoELayer(nn.Module):
 
     def _stats(
         self, load: _GlobalLoad, capacity: int, top_k: int, factor: float, chosen: PlanChoice,
-        timing: PipelineTiming,
+        timing: PipelineTiming, slots: int,
     ) -> RoutingStats:
         counts_WE = load.counts_WE
         if self.groups.model is not None:  # MP members hold the same tokens: count them once
@@ -376,7 +382,7 @@ class MoELayer(nn.Module):
             schedule=chosen.plan.schedule,
             r=chosen.plan.r,
             alltoall=chosen.plan.algorithm,
-            pipeline_degree=len(capacity_chunks(capacity, chosen.plan.degree)),
+            pipeline_degree=len(capacity_chunks(slots, chosen.plan.degree)),
             requested_degree=chosen.plan.degree,
             policy=self.config.pipeline,
             source=chosen.source,
@@ -386,6 +392,7 @@ class MoELayer(nn.Module):
             predicted_forward_s=chosen.predicted_forward_s,
             predicted_backward_s=chosen.predicted_backward_s,
             predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
+            slots=slots,
         )
         return RoutingStats(
             num_tokens=int(counts_WE.sum()) // top_k,

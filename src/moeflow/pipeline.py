@@ -242,7 +242,7 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route.adjoint(),
             after_compute=weight_gradients, workspace=workspace,
         )
-        ctx.timing.backward_s = time.perf_counter() - start
+        ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
         return grad_buffer_ECM, None, None, None, None, None, None, *totals
 
 

@@ -14,8 +14,9 @@ class PipelineTiming:
     """Wall-clock seconds of the pipelined dispatch -> experts -> combine region on this rank: the
     forward fills ``forward_s``, the backward (when one runs) ``backward_s``. The ``expert_*``
     fields hold the part of each spent computing the experts on the caller's thread; the rest is
-    communication the pipeline did not hide. ``gather_s`` is the weight all-gathers a schedule runs
-    before the pipeline (Tutel's r); their gradient reduce-scatters count in ``backward_s``."""
+    communication the pipeline did not hide. ``gather_s`` is the collectives a schedule runs outside
+    the pipeline in the forward (Tutel's weight all-gathers, Parm S1's token all-gather); their
+    backward counterparts (reduce-scatters, the split's all-gather) count in ``backward_s``."""
 
     forward_s: float | None = None
     backward_s: float | None = None
@@ -37,7 +38,8 @@ class ExecutionPlan:
     """How one forward ran the experts, and why: the schedule, the all-to-all, the pipeline degree
     (``pipeline_degree`` chunks really ran, ``requested_degree`` was asked for), the planner policy
     and the source of the choice (forced, model, trial, dictionary or local), its capacity bucket,
-    and the predicted seconds when a profile was given."""
+    and the predicted seconds when a profile was given. ``slots`` is the slots per expert of the
+    buffer this rank sent: the capacity, or under Parm's S1 this MP member's packed share."""
 
     schedule: str
     alltoall: str
@@ -52,6 +54,7 @@ class ExecutionPlan:
     predicted_forward_s: float | None = None
     predicted_backward_s: float | None = None
     predicted_gradient_sync_s: float | None = None
+    slots: int | None = None
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def _layer_step(layer: Any, x: Any) -> None:
 
 def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     """The modelled region alone: the schedule on a dispatched (E, C, M) buffer, forward + backward,
-    with the plan the layer last ran. S1's region is its own 1 / N_MP of the slots plus the MP
+    with the plan the layer last ran. S1's region is the packed slots its own tokens held plus the MP
     all-gather of the token rows (and its backward, the split's all-gather)."""
     from moeflow.comm.mp import gather_rows, split_rows
     from moeflow.perf.schedules import Plan
@@ -61,18 +61,13 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     extra = 0.0
     if plan.schedule == "s1":
         mp = layer.groups.model
-        buffer = buffer[:, : -(-buffer.shape[1] // dist_size(mp))]
+        buffer = buffer[:, : ran.slots]  # the slots its own tokens held
         rows = x.detach().requires_grad_()
         extra = gather_rows(split_rows(rows, mp), rows.shape[0], mp).square().mean()
     out = layer.schedule.run(plan, buffer, layer.experts, layer.groups, PipelineTiming(), layer.workspace)
     (out.square().mean() + extra).backward()
     layer.zero_grad(set_to_none=True)
 
-
-def dist_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
 
 
 def _settle(layer: Any, x: Any, limit: int = 300) -> int:

@@ -12,11 +12,14 @@ every member's rows without communicating; a short last member is padded for the
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_rank, group_size
+from moeflow.stats import PipelineTiming
 
 
 def member_rows(num_rows: int, members: int, member: int) -> tuple[int, int]:
@@ -38,15 +41,21 @@ def _all_gather_rows(rows: torch.Tensor, num_rows: int, group: dist.ProcessGroup
 
 class _SplitRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.num_rows = group, full.shape[0]
+    def forward(
+        ctx: FunctionCtx, full: torch.Tensor, group: dist.ProcessGroup, timing: PipelineTiming | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.num_rows, ctx.timing = group, full.shape[0], timing
         start, stop = member_rows(full.shape[0], group_size(group), group_rank(group))
         return full[start:stop]
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_rows: torch.Tensor):  # type: ignore[override]
-        return _all_gather_rows(grad_rows.contiguous(), ctx.num_rows, ctx.group), None
+        start = time.perf_counter()
+        grad = _all_gather_rows(grad_rows.contiguous(), ctx.num_rows, ctx.group)
+        if ctx.timing is not None:  # the layer's backward includes this all-gather
+            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+        return grad, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -62,9 +71,10 @@ class _GatherRows(torch.autograd.Function):
         return grad_full[start:stop], None, None
 
 
-def split_rows(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """This member's rows of a tensor replicated over ``group`` (backward: all-gather)."""
-    return _SplitRows.apply(full, group)
+def split_rows(full: torch.Tensor, group: dist.ProcessGroup, timing: PipelineTiming | None = None) -> torch.Tensor:
+    """This member's rows of a tensor replicated over ``group`` (backward: all-gather, whose
+    seconds a ``timing`` adds to its ``backward_s``)."""
+    return _SplitRows.apply(full, group, timing)
 
 
 def gather_rows(rows: torch.Tensor, num_rows: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -21,6 +21,14 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.comm.alltoall import all_to_all
 
 
+def _exchange(operations: list[dist.P2POp]) -> None:
+    """One phase's sends and receives, posted as one batch (NCCL would deadlock on two ranks that
+    each post their receive before their send as separate calls)."""
+    if operations:
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+
+
 def _phases(x: torch.Tensor, a2a_group: dist.ProcessGroup, mp_group: dist.ProcessGroup) -> torch.Tensor:
     n, me = dist.get_world_size(a2a_group), dist.get_rank(a2a_group)
     mp_size = dist.get_world_size(mp_group)
@@ -33,12 +41,11 @@ def _phases(x: torch.Tensor, a2a_group: dist.ProcessGroup, mp_group: dist.Proces
             received = chunks[me]
         else:
             received = torch.empty_like(chunks[0])
-            requests = [
-                dist.irecv(received, src=dist.get_global_rank(a2a_group, from_peer), group=a2a_group),
-                dist.isend(chunks[to_peer].contiguous(), dst=dist.get_global_rank(a2a_group, to_peer), group=a2a_group),
-            ]
-            for request in requests:
-                request.wait()
+            source, target = dist.get_global_rank(a2a_group, from_peer), dist.get_global_rank(a2a_group, to_peer)
+            _exchange([
+                dist.P2POp(dist.irecv, received, source, a2a_group),
+                dist.P2POp(dist.isend, chunks[to_peer].contiguous(), target, a2a_group),
+            ])
         # overlap: gather this phase's slice over MP while the next phase's exchange proceeds
         gathered[from_peer] = [torch.empty_like(received) for _ in range(mp_size)]
         pending.append(dist.all_gather(gathered[from_peer], received.contiguous(), group=mp_group, async_op=True))
@@ -97,17 +104,16 @@ def ep_esp_combine_allgather(
     for phase in range(ep_size):
         source_ep, target_ep = (ep - phase) % ep_size, (ep + phase) % ep_size
         received = partial_LXM.new_empty((esp_size, local, capacity, model_dim))
-        requests = []
+        operations = []
         for member in range(esp_size):
             source, target = source_ep * esp_size + member, target_ep * esp_size + member
             if source == rank:
                 received[member] = by_source[rank]
             else:
-                requests.append(dist.irecv(received[member], src=dist.get_global_rank(group, source), group=group))
+                operations.append(dist.P2POp(dist.irecv, received[member], dist.get_global_rank(group, source), group))
             if target != rank:
-                requests.append(dist.isend(by_source[target], dst=dist.get_global_rank(group, target), group=group))
-        for request in requests:
-            request.wait()
+                operations.append(dist.P2POp(dist.isend, by_source[target], dist.get_global_rank(group, target), group))
+        _exchange(operations)
         summed = received.sum(dim=0)  # the local combine of this group's experts
         pending.append(dist.all_gather_single(gathered[source_ep], summed, group=mp_group, async_op=True))
     for work in pending:

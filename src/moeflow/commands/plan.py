@@ -148,7 +148,8 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     models = (BaselineModel(mp_size=mp), ParmModel("parm", mp))
     if not all(m.can_predict(model) for m in models):
         return
-    ranked = rank_schedule_plans(model, region, models, range(1, max_degree + 1), ("linear", "saa"), backward)
+    combines = [a for a in ("linear", "saa") if f"alltoall.{a}" in model.profile.fits]  # what the layer plans
+    ranked = rank_schedule_plans(model, region, models, range(1, max_degree + 1), combines, backward)
     best: dict[tuple[str, str], Any] = {}
     for plan, prediction in ranked:  # fastest first
         best.setdefault((plan.schedule, plan.algorithm), (plan, prediction))
@@ -156,7 +157,7 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
         print_json({"plan": "parm", "schedule": schedule, "alltoall": combine, "degree": plan.degree,
                     "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
     parm = ParmModel("parm", mp)
-    t_s1, t_s2 = (
+    t_s1, t_s2 = (  # t_saa falls back to the all-to-all then the all-gather without the SAA fit
         parm.predict(Plan(s, 1, a), model, region, False).forward_s for s, a in (("s1", "linear"), ("s2", "saa"))
     )
     auto = min((item for item in ranked if item[0].schedule != "ds-baseline"), key=lambda item: item[1].total_s)

@@ -9,6 +9,7 @@ from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import Plan, ScheduleModel
+from moeflow.stats import PipelineTiming
 
 
 class ModelledSchedule:
@@ -24,6 +25,8 @@ class ModelledSchedule:
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         return self.model.predict(plan, cost, shape, backward)
 
-    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+    def token_share(
+        self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
+    ) -> TokenShare:
         """The tokens this rank encodes and decodes: all it routed, unless the schedule splits them."""
         return ALL_TOKENS

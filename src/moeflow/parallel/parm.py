@@ -152,20 +152,21 @@ class ParmModel:
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         degrees, combines = tuple(degrees), [a for a in algorithms if a in PARM_COMBINES] or ["linear"]
-        plans = [Plan("s1", d, "linear") for d in usable_degrees(degrees, self._own_slots(shape.capacity))]
+        plans = [Plan("s1", d, "linear") for d in usable_degrees(degrees, self._own_slots(shape))]
         plans += [Plan("s2", d, a) for a in combines for d in usable_degrees(degrees, shape.capacity)]
         return [plan for plan in plans if plan.schedule in self.schedules]
 
-    def _own_slots(self, capacity: int) -> int:
-        """S1's packed capacity under a balanced split: each member's tokens hold 1 / N_MP of the slots."""
-        return -(-capacity // self.mp_size)
+    def _own_slots(self, shape: RegionShape) -> int:
+        """S1's packed capacity under a balanced split: each member's tokens hold 1 / N_MP of the
+        occupied slots (S1 sends no empty slot, S2 sends its share of all of them)."""
+        return max(1, -(-shape.occupied // self.mp_size))
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         mp, element = self.mp_size, shape.bytes_per_element
         row = shape.experts * shape.model_dim * element  # one slot of every expert, in bytes
         chunks, serial = [], 0.0
         if plan.schedule == "s1":
-            for start, stop in capacity_chunks(self._own_slots(shape.capacity), plan.degree):
+            for start, stop in capacity_chunks(self._own_slots(shape), plan.degree):
                 a2a = cost.t_alltoall("linear", mp * (stop - start) * row)
                 chunks.append((a2a, a2a, shape.world_size * (stop - start)))
             serial = cost.t_allgather(-(-shape.tokens // mp) * shape.model_dim * element, mp, intra_node=True)
@@ -199,12 +200,14 @@ class ParmSchedule(ModelledSchedule):
             num_experts, world_size // self.mp_size, self.mp_size, hidden_dim
         )
 
-    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+    def token_share(
+        self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
+    ) -> TokenShare:
         """S1 encodes and decodes this member's tokens only; S2 all of them."""
         if plan.schedule != "s1":
             return ALL_TOKENS
         assert groups.model is not None and groups.expert is not None
-        return MPTokenShare(groups.model, groups.expert, num_experts)
+        return MPTokenShare(groups.model, groups.expert, num_experts, timing)
 
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
@@ -338,7 +341,9 @@ class BaselineSchedule(ParmSchedule):
 
     name: str = "ds-baseline"
 
-    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+    def token_share(
+        self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
+    ) -> TokenShare:
         return ALL_TOKENS
 
     @property

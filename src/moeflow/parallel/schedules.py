@@ -52,7 +52,9 @@ class ParallelSchedule(Protocol):
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction: ...
 
-    def token_share(self, plan: Plan, groups: ParallelGroups, num_experts: int) -> TokenShare:
+    def token_share(
+        self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
+    ) -> TokenShare:
         """Which routed tokens this rank encodes, sends and decodes under ``plan``."""
         ...
 

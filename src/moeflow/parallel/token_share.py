@@ -14,14 +14,16 @@ carry about 1/N_MP of the slots each.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from moeflow.comm.groups import group_rank, group_size, max_over_ranks
+from moeflow.comm.groups import group_rank, group_size
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
+from moeflow.stats import PipelineTiming
 
 
 @dataclass(frozen=True)
@@ -95,29 +97,39 @@ def packed_locations(
 @dataclass(frozen=True)
 class MPTokenShare:
     """Parm's MP-Split before the dispatch and MP-AllGather after the decode, over ``group``; the
-    packed capacity is agreed over ``expert_group`` (the all-to-all's ranks)."""
+    packed capacity is agreed over ``expert_group`` (the all-to-all's ranks). Its collectives run
+    outside the pipeline: ``timing`` counts them (forward in ``gather_s``, backward in
+    ``backward_s``), so the planner's trials see S1's whole cost."""
 
     group: dist.ProcessGroup
     expert_group: dist.ProcessGroup
     num_experts: int
+    timing: PipelineTiming
 
     def own(
         self, x_TM: torch.Tensor, weights_TK: torch.Tensor, expert_idx_TK: torch.Tensor,
         location_TK: torch.Tensor, capacity: int,
     ) -> OwnedTokens:
+        began = time.perf_counter()
         members, member = group_size(self.group), group_rank(self.group)
         start, stop = member_rows(x_TM.shape[0], members, member)
         packed_TK, own_capacity = packed_locations(
             expert_idx_TK, location_TK, capacity, self.num_experts, members, member
         )
-        packed_capacity = int(max_over_ranks([own_capacity], self.expert_group)[0])  # other MP groups' tokens differ
+        agreed = torch.tensor([own_capacity], device=location_TK.device)  # other MP groups' tokens differ
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.expert_group)
+        packed_capacity = int(agreed)
         packed_TK = packed_TK.masked_fill(packed_TK >= own_capacity, packed_capacity)  # dropped stay dropped
+        self.timing.gather_s += time.perf_counter() - began
         # the split's backward all-gathers the members' row gradients: x and the combine weights
         # get the whole gradient on every member, as replicated tensors must
         return OwnedTokens(
-            split_rows(x_TM, self.group), split_rows(weights_TK, self.group), expert_idx_TK[start:stop], packed_TK,
-            packed_capacity,
+            split_rows(x_TM, self.group, self.timing), split_rows(weights_TK, self.group, self.timing),
+            expert_idx_TK[start:stop], packed_TK, packed_capacity,
         )
 
     def output(self, y_TM: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        return gather_rows(y_TM, num_tokens, self.group)
+        began = time.perf_counter()
+        y_TM = gather_rows(y_TM, num_tokens, self.group)
+        self.timing.gather_s += time.perf_counter() - began
+        return y_TM

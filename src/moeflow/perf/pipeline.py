@@ -102,6 +102,12 @@ class RegionShape:
     projections: int = 2  # GEMMs per expert: 2, SwiGLU 3
     bias: bool = True
     tokens: int = 0  # tokens the rank routed (Parm's S1 all-gathers them); 0 when unknown
+    needed: int = 0  # the largest per-expert load of any rank (S1 sends occupied slots only); 0 unknown
+
+    @property
+    def occupied(self) -> int:
+        """Slots per expert that hold tokens, at most: the capacity, or less when the load is known."""
+        return min(self.capacity, self.needed) if self.needed else self.capacity
 
     @property
     def local_experts(self) -> int:

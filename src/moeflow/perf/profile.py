@@ -17,8 +17,10 @@ PROFILE_VERSION = 1
 @dataclass(frozen=True)
 class ClusterProfile:
     """Fits keyed by operation: ``gemm`` (x = m*k*n), ``alltoall.<algorithm>``,
-    ``alltoall.intra_node``, ``alltoall.inter_node``, ``allreduce``, ``allgather``, ``reducescatter``
-    (x = bytes each rank contributes). ``interference`` is the
+    ``alltoall.intra_node``, ``alltoall.inter_node``, ``allreduce``, ``allgather``, ``reducescatter``,
+    ``allgather.intra_node`` (over one node: Parm's MP group), ``alltoall.saa`` (Parm's S2 combine
+    with SAA, x = its all-to-all's bytes) (x = bytes each rank contributes), ``ffn.forward`` and
+    ``ffn.backward`` (x = m*M*H*projections). ``interference`` is the
     slowdown factor of a GEMM that runs while an all-to-all is in flight (>= 1)."""
 
     nodes: int
