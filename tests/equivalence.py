@@ -105,6 +105,12 @@ def extra_cases() -> list[Case]:
             steps=3,
         ),
         Case("bias-balancing-softmax", {**base, "expert_bias_update_rate": 0.05}, steps=3),
+        Case("deepseek-groups-scaled", {**base, "score_function": "sigmoid", "expert_groups": 4, "top_groups": 2,
+                                        "routed_scaling_factor": 2.5, "activation": "swiglu", "bias": False,
+                                        "num_shared_experts": 1}),
+        Case("deepseek-groups-bias-balancing-f0", {**base, "score_function": "sigmoid", "expert_groups": 2,
+                                                   "top_groups": 1, "routed_scaling_factor": 0.5,
+                                                   "capacity_factor": 0.0, "expert_bias_update_rate": 0.05}, steps=3),
         Case("loop-kernel", {**base, "expert_kernel": "loop"}),
         Case("loop-kernel-swiglu", {**base, "expert_kernel": "loop", "activation": "swiglu"}),
         *[

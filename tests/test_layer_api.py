@@ -28,6 +28,11 @@ def make(**overrides) -> MoELayer:
         ({"num_shared_experts": -1}, "num_shared_experts"),
         ({"expert_kernel": "auto"}, "unknown expert_kernel"),
         ({"alltoall": "ring"}, "unknown alltoall 'ring'"),
+        ({"expert_groups": 3}, "cannot form expert_groups=3 equal groups"),
+        ({"expert_groups": 4}, "equal groups of at least 2"),
+        ({"top_groups": 2}, "top_groups=2 needs expert_groups > 1"),
+        ({"expert_groups": 2, "top_groups": 1, "top_k": 3}, "hold 2 experts, fewer than top_k=3"),
+        ({"routed_scaling_factor": 0.0}, "routed_scaling_factor must be a finite number > 0"),
     ],
 )
 def test_bad_arguments_name_themselves(overrides: dict, message: str) -> None:
@@ -127,3 +132,24 @@ def test_state_dict_names_are_fixed() -> None:
     assert cosine["gate.weight"].shape == (4, 6)
     assert cosine["gate.logit_scale"].shape == (1,)
     assert make().state_dict()["experts.w1"].shape == (4, 8, 12)
+
+
+def test_group_limited_routing_picks_only_in_the_best_groups() -> None:
+    """DeepSeek-V3: a group scores the sum of its two best experts; a token's k experts come from
+    its top_groups best groups, and the combine weights are scaled after normalising."""
+    from moeflow.routing import select_experts
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 16, generator=generator)
+    choice = select_experts(logits, 4, "sigmoid", True, None, expert_groups=4, top_groups=2, routed_scaling_factor=2.5)
+    scores = torch.sigmoid(logits)
+    best_groups = scores.view(64, 4, 4).topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    for token in range(64):
+        allowed = {int(g) * 4 + e for g in best_groups[token] for e in range(4)}
+        picked = set(choice.expert_idx_TK[token].tolist())
+        assert picked <= allowed
+        best_allowed = sorted(allowed, key=lambda e: -float(scores[token, e]))[:4]
+        assert picked == set(best_allowed)
+    assert torch.allclose(choice.weights_TK.sum(-1), torch.full((64,), 2.5))
+    with pytest.raises(ValueError, match="fewer than top_k=5"):
+        make(num_experts=8, expert_groups=4, top_groups=2, top_k=4)(torch.randn(3, 8), top_k=5)

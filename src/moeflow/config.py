@@ -75,6 +75,9 @@ class MoEConfig:
     z_loss_weight: float = 0.0
     num_shared_experts: int = 0
     expert_bias_update_rate: float = 0.0
+    expert_groups: int = 1  # DeepSeek-V3's n_group: pick experts only in the top_groups best groups
+    top_groups: int = 1
+    routed_scaling_factor: float = 1.0  # DeepSeek-V3: the combine weights times this (after normalising)
     cosine_projection_dim: int = 256
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
@@ -91,6 +94,7 @@ class MoEConfig:
         require_positive_int("hidden_dim", self.hidden_dim)
         require_positive_int("num_experts", self.num_experts)
         validate_top_k(self.top_k, self.num_experts)
+        validate_expert_groups(self.expert_groups, self.top_groups, self.num_experts, self.top_k)
         validate_capacity_factor(self.capacity_factor)
         require_choice("gate", self.gate, GATES)
         require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
@@ -106,6 +110,8 @@ class MoEConfig:
             raise ValueError(f"normalize_gate must be True, False or None (Tutel's rule), got {self.normalize_gate!r}")
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias must be True or False, got {self.bias!r}")
+        if not (isinstance(self.routed_scaling_factor, int | float) and 0 < self.routed_scaling_factor < math.inf):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -132,6 +138,31 @@ class MoEConfig:
                 f"unknown MoE config key(s) {unknown}; valid keys are {sorted(known)}"
             )
         return cls(**values)
+
+
+def validate_expert_groups(expert_groups: object, top_groups: object, num_experts: int, top_k: int) -> None:
+    """DeepSeek-V3's group-limited routing: E experts in ``expert_groups`` equal groups of at least
+    two (a group's score is the sum of its two best experts), a token's k experts taken from its
+    ``top_groups`` best groups, so those must hold at least k experts."""
+    require_positive_int("expert_groups", expert_groups)
+    require_positive_int("top_groups", top_groups)
+    assert isinstance(expert_groups, int) and isinstance(top_groups, int)
+    if expert_groups == 1:
+        if top_groups != 1:
+            raise ValueError(f"top_groups={top_groups} needs expert_groups > 1 (DeepSeek-V3's n_group)")
+        return
+    if num_experts % expert_groups or num_experts // expert_groups < 2:
+        raise ValueError(
+            f"num_experts={num_experts} cannot form expert_groups={expert_groups} equal groups of at least 2 "
+            "experts; use an expert_groups that divides num_experts at most num_experts / 2 times"
+        )
+    selectable = top_groups * (num_experts // expert_groups)
+    if top_groups > expert_groups or selectable < top_k:
+        raise ValueError(
+            f"top_groups={top_groups} of expert_groups={expert_groups} hold {selectable} experts, fewer than "
+            f"top_k={top_k}, or more groups than exist; use top_groups in "
+            f"[ceil(top_k * expert_groups / num_experts), expert_groups]"
+        )
 
 
 def validate_top_k(top_k: object, num_experts: int) -> int:

@@ -26,6 +26,7 @@ from moeflow.config import (
     ffn_projections,
     resolve_normalize_gate,
     validate_capacity_factor,
+    validate_expert_groups,
     validate_r,
     validate_top_k,
 )
@@ -85,7 +86,9 @@ class MoELayer(nn.Module):
     algorithm name forces it.
 
     ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
-    ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek).
+    ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek). ``expert_groups`` /
+    ``top_groups`` limit each token to the experts of its best groups and ``routed_scaling_factor``
+    scales the combine weights (DeepSeek-V3's router, with ``score_function="sigmoid"``).
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
     ``last_stats`` a :class:`~moeflow.stats.RoutingStats`.
     """
@@ -108,6 +111,9 @@ class MoELayer(nn.Module):
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         expert_bias_update_rate: float = 0.0,
+        expert_groups: int = 1,
+        top_groups: int = 1,
+        routed_scaling_factor: float = 1.0,
         cosine_projection_dim: int = 256,
         cosine_min_temperature: float = 0.01,
         check_finite: bool = False,
@@ -128,7 +134,8 @@ class MoELayer(nn.Module):
             activation=activation, normalize_gate=normalize_gate,
             batch_prioritized_routing=batch_prioritized_routing, aux_loss_weight=aux_loss_weight,
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
-            expert_bias_update_rate=expert_bias_update_rate,
+            expert_bias_update_rate=expert_bias_update_rate, expert_groups=expert_groups, top_groups=top_groups,
+            routed_scaling_factor=routed_scaling_factor,
             cosine_projection_dim=cosine_projection_dim, cosine_min_temperature=cosine_min_temperature,
             check_finite=check_finite,
             expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
@@ -224,6 +231,7 @@ class MoELayer(nn.Module):
         if r is not None:
             self._check_call_r(r)
         k = validate_top_k(config.top_k if top_k is None else top_k, config.num_experts)
+        validate_expert_groups(config.expert_groups, config.top_groups, config.num_experts, k)
         factor = validate_capacity_factor(
             config.capacity_factor if capacity_factor is None else capacity_factor
         )
@@ -235,6 +243,7 @@ class MoELayer(nn.Module):
         normalize = config.normalize_gate if config.normalize_gate is not None else k > 1
         choice = select_experts(
             logits_TE, k, config.score_function, normalize, self.gate.expert_bias if use_bias else None,
+            config.expert_groups, config.top_groups, config.routed_scaling_factor,
         )
         self.aux_loss = self._router_loss(logits_TE, choice.scores_TE, choice.expert_idx_TK)
         priority_TK = choice.scores_TK if config.batch_prioritized_routing else None

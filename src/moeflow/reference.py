@@ -57,6 +57,9 @@ class ReferenceMoE(nn.Module):
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         expert_bias_update_rate: float = 0.0,
+        expert_groups: int = 1,
+        top_groups: int = 1,
+        routed_scaling_factor: float = 1.0,
         cosine_projection_dim: int = 256,
         cosine_min_temperature: float = 0.01,
     ) -> None:
@@ -67,6 +70,8 @@ class ReferenceMoE(nn.Module):
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
         self.score_function, self.expert_bias_update_rate = score_function, expert_bias_update_rate
         self.max_logit_scale = math.log(1.0 / cosine_min_temperature)
+        self.expert_groups, self.top_groups = expert_groups, top_groups
+        self.routed_scaling_factor = routed_scaling_factor
 
         self.gate = _Params()
         if gate == "cosine":
@@ -127,10 +132,17 @@ class ReferenceMoE(nn.Module):
         chooser = scores.detach()
         if self.expert_bias_update_rate > 0:
             chooser = chooser + self.gate.expert_bias
+        if self.expert_groups > 1:  # only the experts of the top_groups groups whose best two score most
+            per_group = E // self.expert_groups
+            best_two = chooser.view(T, self.expert_groups, per_group).sort(-1, descending=True).values[..., :2]
+            groups = best_two.sum(-1).argsort(-1, descending=True)[:, : self.top_groups]
+            allowed = torch.zeros(T, self.expert_groups, dtype=torch.bool).scatter(1, groups, True)
+            chooser = chooser.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
         chosen = torch.topk(chooser, k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, chosen)
         if resolve_normalize_gate(self.normalize_gate, k):
             weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights * self.routed_scaling_factor
 
         # 2. fill capacity: all first choices, then all second choices, ...
         chosen_list = chosen.tolist()

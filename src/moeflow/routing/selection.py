@@ -28,24 +28,44 @@ def routing_scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor
     raise ValueError(f"unknown score_function {score_function!r}; choose softmax or sigmoid")
 
 
+def group_limited(selection_TE: torch.Tensor, expert_groups: int, top_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: the selection scores with every expert outside the
+    token's ``top_groups`` best of ``expert_groups`` equal groups set to -inf; a group scores the
+    sum of its two best experts (transformers' ``DeepseekV3TopkRouter``)."""
+    tokens, experts = selection_TE.shape
+    by_group = selection_TE.view(tokens, expert_groups, experts // expert_groups)
+    group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = torch.topk(group_scores, top_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return by_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(tokens, experts)
+
+
 def select_experts(
     logits_TE: torch.Tensor,
     top_k: int,
     score_function: str = "softmax",
     normalize: bool = True,
     expert_bias_E: torch.Tensor | None = None,
+    expert_groups: int = 1,
+    top_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> ExpertChoice:
     """Pick k experts per token.
 
     ``expert_bias_E`` (auxiliary-loss-free balancing) shifts only which experts are selected; the
-    combine weights always come from the unbiased scores. With ``normalize`` the k weights of a
-    token sum to one.
+    combine weights always come from the unbiased scores. With ``expert_groups`` > 1 a token picks
+    only in its ``top_groups`` best groups. With ``normalize`` the k weights of a token sum to one;
+    then they are multiplied by ``routed_scaling_factor`` (DeepSeek-V3).
     """
     scores_TE = routing_scores(logits_TE, score_function)
-    selection_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.detach()
-    expert_idx_TK = torch.topk(selection_TE.detach(), top_k, dim=-1).indices
+    selection_TE = scores_TE.detach() if expert_bias_E is None else scores_TE.detach() + expert_bias_E.detach()
+    if expert_groups > 1:
+        selection_TE = group_limited(selection_TE, expert_groups, top_groups)
+    expert_idx_TK = torch.topk(selection_TE, top_k, dim=-1).indices
     scores_TK = scores_TE.gather(1, expert_idx_TK)
     weights_TK = scores_TK
     if normalize:
         weights_TK = scores_TK / scores_TK.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights_TK = weights_TK * routed_scaling_factor
     return ExpertChoice(expert_idx_TK, weights_TK, scores_TK.detach(), scores_TE)
