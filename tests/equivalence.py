@@ -51,6 +51,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     steps: int = 1
     same_expert: bool = False
+    expert_bias_std: float = 0.0  # a fixed selection bias (DeepSeek-V3's e_score_correction_bias)
     empty_ranks: tuple[int, ...] = ()  # ranks (mod world size) that get no tokens
     ranks_per_node: int | None = None  # ranks per node of the topology for the topology-aware all-to-alls
     expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
@@ -108,6 +109,8 @@ def extra_cases() -> list[Case]:
         Case("deepseek-groups-scaled", {**base, "score_function": "sigmoid", "expert_groups": 4, "top_groups": 2,
                                         "routed_scaling_factor": 2.5, "activation": "swiglu", "bias": False,
                                         "num_shared_experts": 1}),
+        Case("deepseek-v3-router-fixed-bias", {**base, "score_function": "sigmoid", "expert_groups": 4,
+                                               "top_groups": 2, "routed_scaling_factor": 2.5}, expert_bias_std=0.3),
         Case("deepseek-groups-bias-balancing-f0", {**base, "score_function": "sigmoid", "expert_groups": 2,
                                                    "top_groups": 1, "routed_scaling_factor": 0.5,
                                                    "capacity_factor": 0.0, "expert_bias_update_rate": 0.05}, steps=3),
@@ -309,6 +312,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         for name, param in reference.named_parameters():
             if name.endswith((".b1", ".b2")):
                 param.normal_(std=0.1)
+        reference.gate.expert_bias.normal_(std=case.expert_bias_std)
         if case.same_expert:
             steer = -torch.arange(case.num_experts, dtype=case.dtype).unsqueeze(1)
             reference.gate.weight.copy_(steer.expand_as(reference.gate.weight) + 3.0 * (steer == 0))

@@ -239,10 +239,10 @@ class MoELayer(nn.Module):
 
         # route
         logits_TE = self.gate(x_TM)
-        use_bias = config.expert_bias_update_rate > 0
+        updates_bias = config.expert_bias_update_rate > 0
         normalize = config.normalize_gate if config.normalize_gate is not None else k > 1
         choice = select_experts(
-            logits_TE, k, config.score_function, normalize, self.gate.expert_bias if use_bias else None,
+            logits_TE, k, config.score_function, normalize, self.gate.expert_bias,  # zeros unless set or updated
             config.expert_groups, config.top_groups, config.routed_scaling_factor,
         )
         self.aux_loss = self._router_loss(logits_TE, choice.scores_TE, choice.expert_idx_TK)
@@ -273,7 +273,7 @@ class MoELayer(nn.Module):
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
             y_TM = y_TM + self.shared_experts(shared_input_STM).sum(dim=0)
 
-        if use_bias and self.training:
+        if updates_bias and self.training:
             with torch.no_grad():
                 self.gate.expert_bias.copy_(
                     updated_expert_bias(

@@ -129,9 +129,7 @@ class ReferenceMoE(nn.Module):
         # 1. route: scores, the k best experts (bias only shifts the choice), combine weights
         logits = self.gate_logits(tokens)
         scores = torch.softmax(logits, -1) if self.score_function == "softmax" else torch.sigmoid(logits)
-        chooser = scores.detach()
-        if self.expert_bias_update_rate > 0:
-            chooser = chooser + self.gate.expert_bias
+        chooser = scores.detach() + self.gate.expert_bias  # zeros unless loaded or updated
         if self.expert_groups > 1:  # only the experts of the top_groups groups whose best two score most
             per_group = E // self.expert_groups
             best_two = chooser.view(T, self.expert_groups, per_group).sort(-1, descending=True).values[..., :2]

@@ -1,8 +1,9 @@
 """Gates (routers): map tokens to fp32 expert logits.
 
 Logits are always computed in fp32 whatever the input dtype: routing decisions are discrete and
-low-precision logits flip them. Each gate also owns ``expert_bias``, the selection-only bias of
-auxiliary-loss-free balancing (zero and unused unless its update rate is positive).
+low-precision logits flip them. Each gate also owns ``expert_bias``, a selection-only bias: zero
+unless loaded (DeepSeek-V3's ``e_score_correction_bias``) or updated by auxiliary-loss-free
+balancing (a positive update rate).
 
 State-dict names (fixed, so weights move between implementations):
 
