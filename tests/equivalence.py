@@ -101,6 +101,8 @@ def extra_cases() -> list[Case]:
         Case("no-aux", {**base, "aux_loss_weight": 0.0}),
         Case("shared-experts", {**base, "num_shared_experts": 2}),
         Case("shared-swiglu", {**base, "num_shared_experts": 1, "activation": "swiglu"}),
+        Case("qwen2-gated-shared-expert", {**base, "num_shared_experts": 1, "shared_hidden_dim": 20,
+                                           "shared_expert_gate": True, "activation": "swiglu", "bias": False}),
         Case(
             "bias-balancing", {**base, "expert_bias_update_rate": 0.05, "score_function": "sigmoid"},
             steps=3,

@@ -33,6 +33,8 @@ def make(**overrides) -> MoELayer:
         ({"top_groups": 2}, "top_groups=2 needs expert_groups > 1"),
         ({"expert_groups": 2, "top_groups": 1, "top_k": 3}, "hold 2 experts, fewer than top_k=3"),
         ({"routed_scaling_factor": 0.0}, "routed_scaling_factor must be a finite number > 0"),
+        ({"shared_expert_gate": True}, "set num_shared_experts >= 1"),
+        ({"num_shared_experts": 1, "shared_hidden_dim": 0}, "shared_hidden_dim must be a positive integer"),
     ],
 )
 def test_bad_arguments_name_themselves(overrides: dict, message: str) -> None:

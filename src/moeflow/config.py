@@ -74,6 +74,8 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     num_shared_experts: int = 0
+    shared_hidden_dim: int | None = None  # the shared experts' hidden size; None: hidden_dim
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(x . w)
     expert_bias_update_rate: float = 0.0
     expert_groups: int = 1  # DeepSeek-V3's n_group: pick experts only in the top_groups best groups
     top_groups: int = 1
@@ -120,6 +122,10 @@ class MoEConfig:
             raise ValueError(
                 f"num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}"
             )
+        if self.shared_hidden_dim is not None:
+            require_positive_int("shared_hidden_dim", self.shared_hidden_dim)
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError("shared_expert_gate=True gates the shared experts: set num_shared_experts >= 1")
         require_positive_int("cosine_projection_dim", self.cosine_projection_dim)
         if not (0 < self.cosine_min_temperature < math.inf):
             raise ValueError(

@@ -86,7 +86,8 @@ class MoELayer(nn.Module):
     algorithm name forces it.
 
     ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
-    ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek). ``expert_groups`` /
+    ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek); shared experts may
+    have their own ``shared_hidden_dim`` and Qwen2-MoE's sigmoid ``shared_expert_gate``. ``expert_groups`` /
     ``top_groups`` limit each token to the experts of its best groups and ``routed_scaling_factor``
     scales the combine weights (DeepSeek-V3's router, with ``score_function="sigmoid"``).
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
@@ -110,6 +111,8 @@ class MoELayer(nn.Module):
         *,
         score_function: str = "softmax",
         num_shared_experts: int = 0,
+        shared_hidden_dim: int | None = None,
+        shared_expert_gate: bool = False,
         expert_bias_update_rate: float = 0.0,
         expert_groups: int = 1,
         top_groups: int = 1,
@@ -134,6 +137,7 @@ class MoELayer(nn.Module):
             activation=activation, normalize_gate=normalize_gate,
             batch_prioritized_routing=batch_prioritized_routing, aux_loss_weight=aux_loss_weight,
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
+            shared_hidden_dim=shared_hidden_dim, shared_expert_gate=shared_expert_gate,
             expert_bias_update_rate=expert_bias_update_rate, expert_groups=expert_groups, top_groups=top_groups,
             routed_scaling_factor=routed_scaling_factor,
             cosine_projection_dim=cosine_projection_dim, cosine_min_temperature=cosine_min_temperature,
@@ -152,11 +156,13 @@ class MoELayer(nn.Module):
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
         self.experts = ExpertFFN(len(local), model_dim, hidden_local, activation, expert_kernel, bias)
+        shared_hidden = hidden_dim if shared_hidden_dim is None else shared_hidden_dim
         self.shared_experts = (
-            ExpertFFN(num_shared_experts, model_dim, hidden_dim, activation, expert_kernel, bias)
+            ExpertFFN(num_shared_experts, model_dim, shared_hidden, activation, expert_kernel, bias)
             if num_shared_experts
             else None
         )
+        self.shared_expert_gate = nn.Linear(model_dim, 1, bias=False) if shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
@@ -271,7 +277,10 @@ class MoELayer(nn.Module):
 
         if self.shared_experts is not None:
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
-            y_TM = y_TM + self.shared_experts(shared_input_STM).sum(dim=0)
+            shared_TM = self.shared_experts(shared_input_STM).sum(dim=0)
+            if self.shared_expert_gate is not None:
+                shared_TM = torch.sigmoid(self.shared_expert_gate(x_TM)) * shared_TM
+            y_TM = y_TM + shared_TM
 
         if updates_bias and self.training:
             with torch.no_grad():

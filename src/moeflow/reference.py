@@ -56,6 +56,8 @@ class ReferenceMoE(nn.Module):
         bias: bool = True,
         score_function: str = "softmax",
         num_shared_experts: int = 0,
+        shared_hidden_dim: int | None = None,
+        shared_expert_gate: bool = False,
         expert_bias_update_rate: float = 0.0,
         expert_groups: int = 1,
         top_groups: int = 1,
@@ -83,9 +85,11 @@ class ReferenceMoE(nn.Module):
         self.gate.register_buffer("expert_bias", torch.zeros(num_experts))
         swiglu = activation == "swiglu"
         self.experts = _expert_params(num_experts, model_dim, hidden_dim, swiglu, bias)
+        shared_hidden = hidden_dim if shared_hidden_dim is None else shared_hidden_dim
         self.shared_experts = (
-            _expert_params(num_shared_experts, model_dim, hidden_dim, swiglu, bias) if num_shared_experts else None
+            _expert_params(num_shared_experts, model_dim, shared_hidden, swiglu, bias) if num_shared_experts else None
         )
+        self.shared_expert_gate = nn.Linear(model_dim, 1, bias=False) if shared_expert_gate else None
         self.global_load: Callable[[torch.Tensor], torch.Tensor] | None = None
         """In a multi-rank run the bias follows the load summed over ranks: set this to that sum."""
         self.aux_loss = torch.zeros(())
@@ -173,8 +177,10 @@ class ReferenceMoE(nn.Module):
             expert_out = self.ffn(self.experts, e, tokens[token_ids])
             out.index_add_(0, token_ids, expert_out * weights[token_ids, choice_ids, None].to(out.dtype))
         if self.shared_experts is not None:
-            for s in range(self.shared_experts.w1.shape[0]):
-                out = out + self.ffn(self.shared_experts, s, tokens)
+            shared = sum(self.ffn(self.shared_experts, s, tokens) for s in range(self.shared_experts.w1.shape[0]))
+            if self.shared_expert_gate is not None:  # Qwen2-MoE
+                shared = torch.sigmoid(tokens @ self.shared_expert_gate.weight.t()) * shared
+            out = out + shared
 
         # 4. losses and bookkeeping
         self.aux_loss = logits.new_zeros(())
