@@ -145,7 +145,8 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     from moeflow.parallel.parm import BaselineModel, ParmModel
     from moeflow.perf.schedules import Plan, rank_schedule_plans
 
-    models = (BaselineModel(mp_size=mp), ParmModel("parm", mp))
+    parm = ParmModel("parm", mp)
+    models = (BaselineModel(mp_size=mp), parm)
     if not all(m.can_predict(model) for m in models):
         return
     combines = [a for a in ("linear", "saa") if f"alltoall.{a}" in model.profile.fits]  # what the layer plans
@@ -156,7 +157,6 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     for (schedule, combine), (plan, p) in best.items():
         print_json({"plan": "parm", "schedule": schedule, "alltoall": combine, "degree": plan.degree,
                     "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
-    parm = ParmModel("parm", mp)
     t_s1, t_s2 = (  # t_saa falls back to the all-to-all then the all-gather without the SAA fit
         parm.predict(Plan(s, 1, a), model, region, False).forward_s for s, a in (("s1", "linear"), ("s2", "saa"))
     )

@@ -53,6 +53,12 @@ def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return stream[rank * size // world_size : (rank + 1) * size // world_size]
 
 
+def data_replica(rank: int, world_size: int, mp_size: int) -> tuple[int, int]:
+    """(this worker's data-parallel replica, the number of replicas): the ``mp_size`` workers of one
+    tensor-parallel group hold the same tokens."""
+    return rank // mp_size, world_size // mp_size
+
+
 def require_windows(tokens: int, context: int, what: str, fix: str) -> None:
     """A stream must hold one window of context+1 tokens (the inputs and the shifted targets)."""
     if tokens <= context + 1:
@@ -278,13 +284,12 @@ class _Run:
         return self.job.config
 
     @property
-    def replicas(self) -> int:
-        """Data-parallel replicas: the workers of one tensor-parallel group share their tokens."""
-        return self.world_size // self.config.mp_size
+    def replica(self) -> int:
+        return data_replica(self.rank, self.world_size, self.config.mp_size)[0]
 
     @property
-    def replica(self) -> int:
-        return self.rank // self.config.mp_size
+    def replicas(self) -> int:
+        return data_replica(self.rank, self.world_size, self.config.mp_size)[1]
 
     @property
     def tokens_per_step(self) -> int:
@@ -308,8 +313,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
-    replica, replicas = rank // config.mp_size, world_size // config.mp_size  # MP members share their data
-    train_shard = shard_of(corpus.load("train"), replica, replicas)
+    train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
                tokens_seen)
     return run, start_step
