@@ -138,6 +138,8 @@ def extra_cases() -> list[Case]:
         *adaptive_cases(base),
         *parm_cases(base),
         Case("float64", {**base, "capacity_factor": 0.5, "gate": "cosine"}, dtype=torch.float64),
+        Case("float64-mixtral-router-input-precision", {**base, "gate_precision": "input", "activation": "swiglu",
+                                                        "bias": False, "capacity_factor": 0.0}, dtype=torch.float64),
         Case("float64-swiglu-bpr", {**base, "activation": "swiglu", "batch_prioritized_routing": True},
              dtype=torch.float64),
     ]

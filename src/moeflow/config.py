@@ -15,6 +15,9 @@ GATES = ("softmax", "cosine")
 """Gate (router) kinds: ``softmax`` is a linear router, ``cosine`` Tutel's cosine router (C.3)."""
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+GATE_PRECISIONS = ("fp32", "input")
+"""Where the linear gate's logits are computed: ``fp32`` whatever the input (moeflow's default, as
+DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop")
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
@@ -67,6 +70,7 @@ class MoEConfig:
     top_k: int = 2
     capacity_factor: float = 1.0
     gate: str = "softmax"
+    gate_precision: str = "fp32"
     score_function: str = "softmax"
     activation: str = "gelu"
     normalize_gate: bool | None = None  # None: Tutel's rule, normalise only when k > 1
@@ -100,6 +104,9 @@ class MoEConfig:
         validate_capacity_factor(self.capacity_factor)
         require_choice("gate", self.gate, GATES)
         require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        require_choice("gate_precision", self.gate_precision, GATE_PRECISIONS)
+        if self.gate_precision == "input" and self.gate != "softmax":
+            raise ValueError("gate_precision='input' applies to the linear gate: use gate='softmax' or gate_precision='fp32'")
         require_choice("activation", self.activation, ACTIVATIONS)
         require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)

@@ -85,7 +85,8 @@ class MoELayer(nn.Module):
     times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
     algorithm name forces it.
 
-    ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
+    ``gate_precision="input"`` computes the linear gate's logits in x's dtype before the fp32
+    scores (Mixtral's and Qwen-MoE's routers); ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
     ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek); shared experts may
     have their own ``shared_hidden_dim`` and Qwen2-MoE's sigmoid ``shared_expert_gate``. ``expert_groups`` /
     ``top_groups`` limit each token to the experts of its best groups and ``routed_scaling_factor``
@@ -109,6 +110,7 @@ class MoELayer(nn.Module):
         z_loss_weight: float = 0.0,
         group: ParallelGroups | dist.ProcessGroup | None = None,
         *,
+        gate_precision: str = "fp32",
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         shared_hidden_dim: int | None = None,
@@ -133,7 +135,7 @@ class MoELayer(nn.Module):
         super().__init__()
         config = MoEConfig(
             model_dim=model_dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k,
-            capacity_factor=capacity_factor, gate=gate, score_function=score_function,
+            capacity_factor=capacity_factor, gate=gate, gate_precision=gate_precision, score_function=score_function,
             activation=activation, normalize_gate=normalize_gate,
             batch_prioritized_routing=batch_prioritized_routing, aux_loss_weight=aux_loss_weight,
             z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
@@ -152,7 +154,9 @@ class MoELayer(nn.Module):
         self._attach_mp_group(mp_group, parallel)
         self.world_size, self.rank = self.groups.size, self.groups.rank
         self._plan_execution(ClusterProfile.load(profile) if isinstance(profile, str) else profile)
-        self.gate = build_gate(gate, model_dim, num_experts, cosine_projection_dim, cosine_min_temperature)
+        self.gate = build_gate(
+            gate, model_dim, num_experts, cosine_projection_dim, cosine_min_temperature, gate_precision
+        )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
         self.experts = ExpertFFN(len(local), model_dim, hidden_local, activation, expert_kernel, bias)

@@ -54,6 +54,7 @@ class ReferenceMoE(nn.Module):
         z_loss_weight: float = 0.0,
         *,
         bias: bool = True,
+        gate_precision: str = "fp32",
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         shared_hidden_dim: int | None = None,
@@ -74,6 +75,7 @@ class ReferenceMoE(nn.Module):
         self.max_logit_scale = math.log(1.0 / cosine_min_temperature)
         self.expert_groups, self.top_groups = expert_groups, top_groups
         self.routed_scaling_factor = routed_scaling_factor
+        self.gate_precision = gate_precision
 
         self.gate = _Params()
         if gate == "cosine":
@@ -98,6 +100,8 @@ class ReferenceMoE(nn.Module):
         self.capacity = 0
 
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_precision == "input":  # Mixtral, Qwen-MoE: logits in x's dtype, then fp32
+            return (x @ self.gate.weight.t()).float()
         x = x.float()
         if self.gate_kind == "cosine":
             projected = F.normalize(x @ self.gate.projection.float().t(), dim=-1)

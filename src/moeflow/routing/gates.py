@@ -1,7 +1,9 @@
 """Gates (routers): map tokens to fp32 expert logits.
 
-Logits are always computed in fp32 whatever the input dtype: routing decisions are discrete and
-low-precision logits flip them. Each gate also owns ``expert_bias``, a selection-only bias: zero
+Logits come out in fp32. By default they are computed in fp32 whatever the input dtype: routing
+decisions are discrete and low-precision logits flip them. A linear gate with
+``logits_in_input_dtype`` computes them in the input's dtype first, as Mixtral's and Qwen-MoE's
+routers do, so that a converted model routes exactly as it did. Each gate also owns ``expert_bias``, a selection-only bias: zero
 unless loaded (DeepSeek-V3's ``e_score_correction_bias``) or updated by auxiliary-loss-free
 balancing (a positive update rate).
 
@@ -25,13 +27,16 @@ from torch import nn
 class LinearGate(nn.Module):
     """logits = x W^T, the router of Switch/GShard/Tutel."""
 
-    def __init__(self, model_dim: int, num_experts: int) -> None:
+    def __init__(self, model_dim: int, num_experts: int, logits_in_input_dtype: bool = False) -> None:
         super().__init__()
+        self.logits_in_input_dtype = logits_in_input_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         nn.init.normal_(self.weight, std=model_dim**-0.5)
 
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
+        if self.logits_in_input_dtype:
+            return F.linear(x_TM, self.weight.to(x_TM.dtype)).float()
         return F.linear(x_TM.float(), self.weight.float())
 
 
@@ -67,10 +72,11 @@ class CosineGate(nn.Module):
 
 
 def build_gate(
-    kind: str, model_dim: int, num_experts: int, projection_dim: int, min_temperature: float
+    kind: str, model_dim: int, num_experts: int, projection_dim: int, min_temperature: float,
+    precision: str = "fp32",
 ) -> LinearGate | CosineGate:
     if kind == "softmax":
-        return LinearGate(model_dim, num_experts)
+        return LinearGate(model_dim, num_experts, logits_in_input_dtype=precision == "input")
     if kind == "cosine":
         return CosineGate(model_dim, num_experts, projection_dim, min_temperature)
     raise ValueError(f"unknown gate {kind!r}; choose softmax or cosine")
