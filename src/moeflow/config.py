@@ -106,7 +106,9 @@ class MoEConfig:
         require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
         require_choice("gate_precision", self.gate_precision, GATE_PRECISIONS)
         if self.gate_precision == "input" and self.gate != "softmax":
-            raise ValueError("gate_precision='input' applies to the linear gate: use gate='softmax' or gate_precision='fp32'")
+            raise ValueError(
+                "gate_precision='input' applies to the linear gate: use gate='softmax' or gate_precision='fp32'"
+            )
         require_choice("activation", self.activation, ACTIVATIONS)
         require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)

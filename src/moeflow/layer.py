@@ -86,7 +86,8 @@ class MoELayer(nn.Module):
     algorithm name forces it.
 
     ``gate_precision="input"`` computes the linear gate's logits in x's dtype before the fp32
-    scores (Mixtral's and Qwen-MoE's routers); ``normalize_gate=None`` renormalises the k combine weights only when k > 1 (Tutel's rule);
+    scores (Mixtral's and Qwen-MoE's routers); ``normalize_gate=None`` renormalises the k combine
+    weights only when k > 1 (Tutel's rule);
     ``bias=False`` gives experts without biases (Mixtral, Qwen-MoE, DeepSeek); shared experts may
     have their own ``shared_hidden_dim`` and Qwen2-MoE's sigmoid ``shared_expert_gate``. ``expert_groups`` /
     ``top_groups`` limit each token to the experts of its best groups and ``routed_scaling_factor``

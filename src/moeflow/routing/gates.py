@@ -3,9 +3,9 @@
 Logits come out in fp32. By default they are computed in fp32 whatever the input dtype: routing
 decisions are discrete and low-precision logits flip them. A linear gate with
 ``logits_in_input_dtype`` computes them in the input's dtype first, as Mixtral's and Qwen-MoE's
-routers do, so that a converted model routes exactly as it did. Each gate also owns ``expert_bias``, a selection-only bias: zero
-unless loaded (DeepSeek-V3's ``e_score_correction_bias``) or updated by auxiliary-loss-free
-balancing (a positive update rate).
+routers do, so that a converted model routes exactly as it did. Each gate also owns
+``expert_bias``, a selection-only bias: zero unless loaded (DeepSeek-V3's
+``e_score_correction_bias``) or updated by auxiliary-loss-free balancing (a positive update rate).
 
 State-dict names (fixed, so weights move between implementations):
 

@@ -1,0 +1,139 @@
+"""Swap the sparse MoE blocks of a transformers model for moeflow layers, and back.
+
+``from_hf_block`` builds a :class:`HFMoEBlock`: a MoELayer holding the block's weights (copied),
+routing as the block does (:mod:`moeflow.hf.families`), dropless (capacity factor 0), called and
+returning as the block was (v4's ``(hidden, router_logits)`` or v5's hidden). With a process group
+each rank keeps only its experts and tokens move by all-to-all. A copy of the original block is kept
+on the meta device (no memory) so that ``to_hf`` can rebuild it in its own class and layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family_of, routing_settings
+from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
+from moeflow.layer import MoELayer
+
+Group = ParallelGroups | dist.ProcessGroup | None
+
+
+def _check_silu(block: nn.Module) -> None:
+    experts = block.experts
+    act = experts[0].act_fn if isinstance(experts, nn.ModuleList) else getattr(experts, "act_fn", None)
+    name = type(act).__name__.lower() if act is not None else "none"
+    if "silu" not in name and getattr(act, "__name__", "") != "silu":
+        raise ValueError(
+            f"the experts of {type(block).__name__} use {type(act).__name__}; moeflow.hf converts SwiGLU "
+            "experts with hidden_act='silu' only"
+        )
+
+
+def _returns_router_logits(block: nn.Module) -> bool:
+    """transformers v4's Mixtral and Qwen-MoE blocks returned ``(hidden, router_logits)``; its
+    per-expert layout is how a v4 block is told apart."""
+    family = family_of(block)
+    return isinstance(block.experts, nn.ModuleList) and family is not None and family.name != "DeepSeek-V3"
+
+
+class HFMoEBlock(nn.Module):
+    """A moeflow MoELayer behind the calling convention of a transformers sparse MoE block."""
+
+    def __init__(self, moe: MoELayer, family: Family, returns_router_logits: bool, template: nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+        self.family = family
+        self.returns_router_logits = returns_router_logits
+        self._template = (template,)  # a tuple: not a submodule, not in the state dict
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        y = self.moe(hidden_states)
+        if not self.returns_router_logits:
+            return y
+        # v4's router is an nn.Linear: its logits in the input's dtype
+        return y, F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), self.moe.gate.weight)
+
+    def to_hf(self) -> nn.Module:
+        """The transformers block again, with this layer's weights (all experts: a collective
+        over the expert group when the layer is spread)."""
+        state = self.moe.full_state_dict()
+        block = self._template[0].to_empty(device=self.moe.gate.weight.device)
+        block.to(self.moe.experts.w1.dtype)
+        write_hf_block(block, self.family, state)
+        block.train(self.training)
+        return block
+
+
+def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -> HFMoEBlock:
+    """A moeflow module computing what ``block`` computes, with its weights; ``layer_options``
+    go to :class:`~moeflow.MoELayer` (``pipeline``, ``alltoall``, ``aux_loss_weight``, ...)."""
+    family = family_of(block)
+    if family is None:
+        raise ValueError(f"from_hf_block cannot convert {type(block).__name__}; supported blocks: {SUPPORTED}")
+    _check_silu(block)
+    gate_IH = expert_tensors(block.experts)[0]
+    num_experts, hidden_dim, model_dim = gate_IH.shape
+    options: dict[str, Any] = {
+        **routing_settings(block, family), "capacity_factor": 0.0, "activation": "swiglu", "bias": False,
+        "aux_loss_weight": 0.0, **layer_options,
+    }
+    if family.shared is not None:
+        options["num_shared_experts"] = 1
+        options["shared_hidden_dim"] = mlp_tensors(getattr(block, family.shared))[0].shape[0]
+    options["shared_expert_gate"] = family.shared_gate is not None
+    moe = MoELayer(model_dim, hidden_dim, num_experts, group=group, **options)
+    dtype = block.gate.weight.dtype
+    moe.to(device=block.gate.weight.device, dtype=dtype)
+    moe.load_full_state_dict(moeflow_state(block, family))
+    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
+        moe.gate.expert_bias.data = hf_bias.detach().clone()
+    moe.train(block.training)
+    return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
+
+
+def _meta_copy(block: nn.Module) -> nn.Module:
+    """``block`` with its tensors on the meta device: the class and layout, no memory."""
+    memo: dict[int, Any] = {}
+    for tensor in block.parameters():
+        memo[id(tensor)] = nn.Parameter(torch.empty_like(tensor, device="meta"), tensor.requires_grad)
+    for tensor in block.buffers():
+        memo[id(tensor)] = torch.empty_like(tensor, device="meta")
+    return copy.deepcopy(block, memo)
+
+
+def replace_moe_blocks(model: nn.Module, group: Group = None, **layer_options: Any) -> nn.Module:
+    """Replace every supported sparse MoE block of ``model`` in place (and return it)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is not None:
+        family_for_model_type(model_type)  # unsupported architectures fail here, naming the supported
+    targets = [(name, module) for name, module in model.named_modules() if family_of(module) is not None]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no sparse MoE block moeflow converts; supported: {SUPPORTED}")
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, from_hf_block(module, group, **layer_options))
+    return model
+
+
+def moe_blocks(model: nn.Module) -> list[HFMoEBlock]:
+    """The moeflow blocks of a converted model, in forward (module) order."""
+    return [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+
+
+def to_hf(model: nn.Module) -> nn.Module:
+    """Put transformers blocks back in place of every :class:`HFMoEBlock` (weights gathered), so
+    that ``save_pretrained`` writes a checkpoint plain transformers loads."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, HFMoEBlock):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, module.to_hf())
+    return model

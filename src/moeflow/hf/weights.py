@@ -1,0 +1,108 @@
+"""Weights between a Hugging Face MoE block and a MoELayer's state dict (all E experts).
+
+transformers stores a projection as ``nn.Linear`` weights, (out, in). Two expert layouts exist:
+per-expert modules (v4: ``w1``/``w3``/``w2`` for Mixtral, ``gate_proj``/``up_proj``/``down_proj``
+for Qwen-MoE and DeepSeek) and fused tensors (v5: ``gate_up_proj`` (E, 2I, H) holding the gate rows
+then the up rows, ``down_proj`` (E, H, I)). moeflow's experts multiply from the right: ``w1``
+(E, M, I) the gate, ``w3`` (E, M, I) the up projection, ``w2`` (E, I, M) the down projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.hf.families import Family
+
+_PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _projection_names(module: nn.Module) -> tuple[str, str, str]:
+    for names in _PER_EXPERT_NAMES:
+        if all(hasattr(module, n) for n in names):
+            return names
+    raise ValueError(
+        f"{type(module).__name__} has neither w1/w3/w2 nor gate_proj/up_proj/down_proj projections; "
+        "moeflow.hf reads SwiGLU experts in those layouts only"
+    )
+
+
+def mlp_tensors(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate (I, H), up (I, H), down (H, I)) of one SwiGLU MLP module."""
+    gate, up, down = (getattr(mlp, n).weight for n in _projection_names(mlp))
+    return gate, up, down
+
+
+def expert_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate (E, I, H), up (E, I, H), down (E, H, I)) of either expert layout."""
+    if isinstance(experts, nn.ModuleList):
+        parts = [mlp_tensors(mlp) for mlp in experts]
+        return tuple(torch.stack([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+    if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
+        raise ValueError(
+            f"{type(experts).__name__} is neither a ModuleList of expert MLPs (transformers v4) nor fused "
+            "gate_up_proj/down_proj tensors (v5)"
+        )
+    gate, up = experts.gate_up_proj.chunk(2, dim=1)
+    return gate, up, experts.down_proj
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(source.to(target.dtype))
+
+
+def write_mlp(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    for name, value in zip(_projection_names(mlp), (gate, up, down), strict=True):
+        _copy(getattr(mlp, name).weight, value)
+
+
+def write_experts(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    if isinstance(experts, nn.ModuleList):
+        for e, mlp in enumerate(experts):
+            write_mlp(mlp, gate[e], up[e], down[e])
+        return
+    _copy(experts.gate_up_proj, torch.cat([gate, up], dim=1))
+    _copy(experts.down_proj, down)
+
+
+def _ffn_state(prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """moeflow's (E, M, I) / (E, I, M) tensors from HF's (E, I, H) / (E, H, I) ones."""
+    return {
+        f"{prefix}w1": gate.detach().transpose(1, 2).contiguous(),
+        f"{prefix}w3": up.detach().transpose(1, 2).contiguous(),
+        f"{prefix}w2": down.detach().transpose(1, 2).contiguous(),
+    }
+
+
+def _ffn_from_state(state: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, ...]:
+    return tuple(state[f"{prefix}{name}"].transpose(1, 2) for name in ("w1", "w3", "w2"))
+
+
+def moeflow_state(block: nn.Module, family: Family) -> dict[str, torch.Tensor]:
+    """The full MoELayer state dict (all E experts) holding ``block``'s weights."""
+    state = {"gate.weight": block.gate.weight.detach().clone()}
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    state["gate.expert_bias"] = (
+        bias.detach().float().clone() if bias is not None else torch.zeros(state["gate.weight"].shape[0])
+    )
+    state.update(_ffn_state("experts.", *expert_tensors(block.experts)))
+    if family.shared is not None:
+        gate, up, down = mlp_tensors(getattr(block, family.shared))
+        state.update(_ffn_state("shared_experts.", gate[None], up[None], down[None]))
+    if family.shared_gate is not None:
+        state["shared_expert_gate.weight"] = getattr(block, family.shared_gate).weight.detach().clone()
+    return state
+
+
+def write_hf_block(block: nn.Module, family: Family, state: dict[str, torch.Tensor]) -> None:
+    """Put a full MoELayer state back into an HF block of the same shapes."""
+    _copy(block.gate.weight, state["gate.weight"])
+    if getattr(block.gate, "e_score_correction_bias", None) is not None:
+        _copy(block.gate.e_score_correction_bias, state["gate.expert_bias"])
+    write_experts(block.experts, *_ffn_from_state(state, "experts."))
+    if family.shared is not None:
+        gate, up, down = (t[0] for t in _ffn_from_state(state, "shared_experts."))
+        write_mlp(getattr(block, family.shared), gate, up, down)
+    if family.shared_gate is not None:
+        _copy(getattr(block, family.shared_gate).weight, state["shared_expert_gate.weight"])

@@ -1,0 +1,107 @@
+"""Hugging Face interop: moeflow's blocks compute exactly what transformers' sparse MoE blocks do."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_checks import FAMILIES, whole_model_logits
+from hf_models import as_v4_block, tiny_model
+from moeflow.distributed import run_distributed
+from moeflow.hf import HFMoEBlock, from_hf_block, moe_blocks, replace_moe_blocks, to_hf
+from moeflow.hf.families import family_of
+
+TIGHT = {"atol": 1e-12, "rtol": 1e-10}
+
+
+def first_block(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in model.modules() if family_of(m) is not None)
+
+
+@pytest.mark.parametrize("layout", ["v5-fused", "v4-per-expert"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_equals_transformers(family: str, layout: str) -> None:
+    """Outputs (and v4's router logits) and input gradients, fp64, every family and layout."""
+    block = first_block(tiny_model(family, dtype=torch.float64))
+    if layout == "v4-per-expert":
+        block = as_v4_block(block)
+    x = torch.randn(3, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = block(x)
+    ours = from_hf_block(block, pipeline=1)
+    got = ours(x)
+    assert type(got) is type(expected)
+    if isinstance(expected, tuple):
+        torch.testing.assert_close(got[1], expected[1], **TIGHT)
+        expected, got = expected[0], got[0]
+    torch.testing.assert_close(got, expected, **TIGHT)
+    grad = torch.randn_like(expected)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    (got_grad,) = torch.autograd.grad(got, x, grad)
+    torch.testing.assert_close(got_grad, expected_grad, **TIGHT)
+    assert ours.moe.last_stats is not None and sum(ours.moe.last_stats.dropped_per_expert) == 0
+
+
+def test_from_hf_block_copies_weights_and_leaves_the_block_intact() -> None:
+    block = first_block(tiny_model("deepseek_v3"))
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    ours = from_hf_block(block)
+    after = block.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the user's block still works
+    torch.testing.assert_close(ours.moe.gate.expert_bias, block.gate.e_score_correction_bias, rtol=0, atol=0)
+    with torch.no_grad():
+        block.experts.gate_up_proj.add_(1.0)
+    assert not torch.equal(ours.moe.experts.w1, block.experts.gate_up_proj[:, :12].transpose(1, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_model_logits_and_weights_round_trip(family: str) -> None:
+    result = whole_model_logits(0, 1, family)
+    assert result["logits"] < 1e-10
+    assert result["weights"] == 0.0 and result["same_names"] == 1.0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_expert_parallel_model_equals_transformers(family: str, world_size: int) -> None:
+    """Experts spread over the workers (E / W each), every worker's own batch, logits as transformers'."""
+    for result in run_distributed(whole_model_logits, world_size, family, timeout_s=300):
+        assert result["local_experts"] == 1.0
+        assert result["logits"] < 1e-10
+        assert result["weights"] == 0.0 and result["same_names"] == 1.0
+
+
+def test_round_trip_through_save_pretrained(tmp_path) -> None:
+    """HF -> moeflow -> to_hf -> save_pretrained -> plain transformers: equal logits."""
+    import transformers
+
+    hf = tiny_model("qwen2_moe")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(ids).logits
+    ours = replace_moe_blocks(copy.deepcopy(hf))
+    assert len(moe_blocks(ours)) == hf.config.num_hidden_layers
+    to_hf(ours).save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, HFMoEBlock) for m in reloaded.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_architectures_get_a_clear_error() -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2)
+    llama = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"model_type='llama'.*Mixtral.*Qwen2-MoE.*Qwen3-MoE.*DeepSeek-V3"):
+        replace_moe_blocks(llama)
+    with pytest.raises(ValueError, match="from_hf_block cannot convert LlamaMLP"):
+        from_hf_block(llama.model.layers[0].mlp)
+    mixtral = tiny_model("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        replace_moe_blocks(mixtral)
