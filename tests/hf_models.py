@@ -140,3 +140,25 @@ def as_v4_block(v5_block: nn.Module) -> nn.Module:
     """``v5_block`` in v4's layout, under the same class name (which is how blocks are recognised)."""
     cls = type(type(v5_block).__name__, (_V4Block,), {})
     return cls(v5_block)
+
+
+def word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over the words w0..w{V-1} (w0 pads, w1 is unknown)."""
+    import tokenizers
+    import transformers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w1"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="w1", pad_token="w0")
+
+
+def greedy_reference(model, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+    """transformers' own generate, one prompt at a time (no padding), new tokens up to EOS."""
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_checks import FAMILIES, whole_model_logits
-from hf_models import as_v4_block, tiny_model
+from hf_models import as_v4_block, greedy_reference, tiny_model, word_tokenizer
+from moeflow.cli import main
 from moeflow.distributed import run_distributed
 from moeflow.hf import HFMoEBlock, from_hf_block, moe_blocks, replace_moe_blocks, to_hf
 from moeflow.hf.families import family_of
+from moeflow.hf.generate import SamplingSettings
 
 TIGHT = {"atol": 1e-12, "rtol": 1e-10}
 
@@ -105,3 +108,61 @@ def test_unsupported_architectures_get_a_clear_error() -> None:
     mixtral = tiny_model("mixtral", router_jitter_noise=0.1)
     with pytest.raises(ValueError, match="router_jitter_noise"):
         replace_moe_blocks(mixtral)
+
+
+def _saved_model(tmp_path, family: str, prompts: list[list[int]], new_tokens: int):
+    """A tiny model saved with a tokenizer, whose EOS is a token the first prompt emits early."""
+    hf = tiny_model(family)
+    eos = greedy_reference(hf, prompts[:1], new_tokens, None)[0][2]
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = eos, 0
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(hf.config.vocab_size).save_pretrained(tmp_path)
+    return hf, eos
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [1, 2])
+def test_generate_cli_matches_transformers_greedy(tmp_path, capfd, workers: int) -> None:
+    """Prompts of different lengths; worker 1 has fewer batches and one sequence ends at EOS early:
+    the tokens are exactly transformers' greedy ones."""
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (4, 9, 1, 6, 3)]
+    hf, eos = _saved_model(tmp_path / "model", "deepseek_v3", prompts, 10)
+    expected = greedy_reference(hf, prompts, 10, eos)
+    assert len(expected[0]) == 3 and expected[0][-1] == eos  # finishes early
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    code = main(["generate", "--hf", str(tmp_path / "model"), "--prompts", str(prompt_file), "--workers",
+                 str(workers), "--max-new-tokens", "10", "--batch-size", "2"])
+    out = capfd.readouterr()
+    assert code == 0, out.err
+    records = [json.loads(line) for line in out.out.splitlines()]
+    assert [r["output_ids"] for r in records] == expected
+    assert [r["input_ids"] for r in records] == prompts
+    assert f"round {3 if workers == 1 else 2}/{3 if workers == 1 else 2} done" in out.err
+    assert "Loading weights" not in out.err
+
+
+@pytest.mark.distributed
+def test_generate_cli_text_prompts_and_sampling(tmp_path, capsys) -> None:
+    prompts = [[5, 6, 7], [8, 9]]
+    _saved_model(tmp_path / "model", "qwen3_moe", prompts, 6)
+    prompt_file = tmp_path / "prompts.txt"
+    prompt_file.write_text("w5 w6 w7\nw8 w9\n")
+    argv = ["generate", "--hf", str(tmp_path / "model"), "--prompts", str(prompt_file), "--workers", "2",
+            "--max-new-tokens", "6", "--temperature", "0.9", "--top-p", "0.8", "--seed", "3"]
+    assert main(argv) == 0
+    first = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["input_ids"] for r in first] == prompts
+    assert all(r["text"] == " ".join(f"w{t}" for t in r["output_ids"]) for r in first)
+    assert main(argv) == 0  # seeded: the same samples again
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == first
+
+
+def test_generate_cli_bad_input(tmp_path, capsys) -> None:
+    assert main(["generate", "--hf", str(tmp_path), "--prompts", str(tmp_path / "p.txt")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingSettings(top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingSettings(max_new_tokens=0)

@@ -8,9 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moeflow.commands import bench, calibrate, cluster, plan, train
+from moeflow.commands import bench, calibrate, cluster, generate, plan, train
 
-COMMANDS = (train, bench, calibrate, plan, cluster)
+COMMANDS = (train, generate, bench, calibrate, plan, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

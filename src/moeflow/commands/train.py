@@ -1,4 +1,4 @@
-"""``moeflow train | report | generate``: train flags are generated from :class:`TrainConfig` (and
+"""``moeflow train | report``: train flags are generated from :class:`TrainConfig` (and
 their help from its ``FIELD_HELP``), so a flag, a config-file key and a key of the saved
 ``config.json`` are the same setting."""
 
@@ -34,14 +34,6 @@ def add_parser(commands: Any) -> None:
     report = commands.add_parser("report", help="regenerate a run's plots and summary from its metrics.jsonl")
     report.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
     report.set_defaults(func=run_report)
-    generate = commands.add_parser("generate", help="sample text from a checkpoint")
-    generate.add_argument("--checkpoint", required=True, help="a run folder or one of its checkpoints/step-* folders")
-    generate.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    generate.add_argument("--tokens", type=int, default=200, help="tokens to sample (default 200)")
-    generate.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
-    generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50)")
-    generate.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default 0)")
-    generate.set_defaults(func=run_generate)
 
 
 def _add_train(commands: Any) -> None:
@@ -110,16 +102,4 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from moeflow.training.generate import generate_text
-
-    try:
-        text = generate_text(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"moeflow generate: error: {error}", file=sys.stderr)
-        return 2
-    print(text)
-    return 0
-
-
-__all__ = ["add_parser", "run_generate", "run_report", "run_train", "train_config_from_args"]
+__all__ = ["add_parser", "run_report", "run_train", "train_config_from_args"]

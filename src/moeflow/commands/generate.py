@@ -1,0 +1,83 @@
+"""``moeflow generate``: sample from a moeflow checkpoint (one process), or ``--hf DIR``: generate
+with a local transformers MoE model on N gloo workers (data-parallel attention, expert-parallel MoE)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(commands: Any) -> None:
+    generate = commands.add_parser(
+        "generate", help="sample text from a moeflow checkpoint, or from a transformers MoE model (--hf)"
+    )
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a run folder or one of its checkpoints/step-* folders")
+    source.add_argument("--hf", metavar="DIR", help="a local transformers directory (config + safetensors)")
+    generate.add_argument("--prompt", default="def ", help="--checkpoint: text to continue (default 'def ')")
+    generate.add_argument("--tokens", type=int, default=200, help="--checkpoint: tokens to sample (default 200)")
+    generate.add_argument("--top-k", type=int, default=50, help="--checkpoint: sample among the k likeliest (50)")
+    generate.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default 0.8; --hf: 0, greedy)"
+    )
+    generate.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default 0)")
+    generate.add_argument(
+        "--prompts", metavar="FILE",
+        help="--hf: one prompt per line, or JSON lines with 'prompt' (text) or 'input_ids' (token ids)",
+    )
+    generate.add_argument("--workers", type=int, default=1, help="--hf: gloo worker processes (default 1)")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="--hf: new tokens per prompt (64)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="--hf: nucleus sampling mass (default 1)")
+    generate.add_argument("--batch-size", type=int, default=8, help="--hf: prompts per forward per worker (8)")
+    generate.add_argument("--dtype", default=None, help="--hf: float32, float64 or bfloat16 (default: as saved)")
+    generate.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        if args.hf is not None:
+            return _run_hf(args)
+        from moeflow.training.generate import generate_text
+
+        temperature = 0.8 if args.temperature is None else args.temperature
+        print(generate_text(args.checkpoint, args.prompt, args.tokens, temperature, args.top_k, args.seed))
+        return 0
+    except (FileNotFoundError, ValueError) as error:
+        print(f"moeflow generate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    """Prompts as dicts with 'prompt' and/or 'input_ids'."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {path!r} holds no prompt")
+    if path.endswith(".jsonl"):
+        prompts = [json.loads(line) for line in lines]
+        for number, prompt in enumerate(prompts, 1):
+            if not isinstance(prompt, dict) or not ({"prompt", "input_ids"} & prompt.keys()):
+                raise ValueError(f"--prompts {path!r} line {number}: a JSON object with 'prompt' or 'input_ids'")
+        return prompts
+    return [{"prompt": line} for line in lines]
+
+
+def _run_hf(args: argparse.Namespace) -> int:
+    from moeflow.hf.loading import check_model_dir
+    from moeflow.hf.serving import generate_hf
+
+    check_model_dir(args.hf)
+    if args.prompts is None:
+        raise ValueError("--hf needs --prompts FILE")
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts!r} is not a file")
+    if args.workers < 1 or args.batch_size < 1:
+        raise ValueError("--workers and --batch-size must be >= 1")
+    for record in generate_hf(
+        args.hf, read_prompts(args.prompts), args.workers, args.batch_size, args.dtype,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
+    ):
+        print(json.dumps(record), flush=True)
+    return 0
