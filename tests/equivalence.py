@@ -118,6 +118,17 @@ def extra_cases() -> list[Case]:
                                                    "capacity_factor": 0.0, "expert_bias_update_rate": 0.05}, steps=3),
         Case("loop-kernel", {**base, "expert_kernel": "loop"}),
         Case("loop-kernel-swiglu", {**base, "expert_kernel": "loop", "activation": "swiglu"}),
+        # the ragged kernel: only the filled slots are computed (torch's grouped GEMM in fp32)
+        Case("ragged-f0-swiglu-nobias", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
+                                         "activation": "swiglu", "bias": False}),
+        Case("ragged-f1-drops-gelu-bias", {**base, "expert_kernel": "ragged", "top_k": 3}),
+        Case("ragged-d2-bpr", {**base, "expert_kernel": "ragged", "pipeline": 2, "batch_prioritized_routing": True,
+                               "capacity_factor": 2.0}, tokens_per_rank=24),
+        Case("ragged-empty-rank", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0}, empty_ranks=(1,)),
+        Case("ragged-replicated", {**base, "expert_kernel": "ragged", "parallel": "replicated",
+                                   "activation": "swiglu"}),
+        Case("ragged-float64-loop", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
+                                     "activation": "silu"}, dtype=torch.float64),
         *[
             Case(
                 f"alltoall-{algorithm}-{per_node}-per-node",

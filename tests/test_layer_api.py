@@ -35,6 +35,9 @@ def make(**overrides) -> MoELayer:
         ({"routed_scaling_factor": 0.0}, "routed_scaling_factor must be a finite number > 0"),
         ({"shared_expert_gate": True}, "set num_shared_experts >= 1"),
         ({"num_shared_experts": 1, "shared_hidden_dim": 0}, "shared_hidden_dim must be a positive integer"),
+        ({"gate_precision": "fp16"}, "unknown gate_precision"),
+        ({"gate_precision": "input", "gate": "cosine"}, "gate_precision='input' applies to the linear gate"),
+        ({"expert_kernel": "ragged", "parallel": "adaptive"}, "expert_kernel='ragged' runs with parallel in"),
     ],
 )
 def test_bad_arguments_name_themselves(overrides: dict, message: str) -> None:

@@ -19,7 +19,7 @@ GATE_PRECISIONS = ("fp32", "input")
 """Where the linear gate's logits are computed: ``fp32`` whatever the input (moeflow's default, as
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
-EXPERT_KERNELS = ("bmm", "loop")
+EXPERT_KERNELS = ("bmm", "loop", "ragged")
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 SAA = "saa"
 """Parm's S2 combine with its all-to-all overlapped with the MP all-gather: an ``alltoall`` choice

@@ -117,6 +117,10 @@ class ExpertCompute(Protocol):
 
     projections: int
 
+    def chunk(self, start: int, stop: int) -> ExpertCompute:
+        """The compute of the capacity slots [start, stop) (ragged kernels skip the empty ones)."""
+        ...
+
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNSaved]: ...
@@ -141,11 +145,14 @@ class FFNCompute:
     projections: int = 2
     weight_grad_scale: float = 1.0  # < 1 where a schedule runs the same slots on several copies
 
+    def chunk(self, start: int, stop: int) -> FFNCompute:
+        return self  # the padded kernels compute every slot
+
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNSaved]:
         """y and what the backward needs; y, h, a (and up) come from ``workspace`` when given."""
-        loop = self.kernel == "loop"
+        loop = self.kernel == "loop"  # "ragged" runs here only without its filled counts: as "bmm"
         rows, hidden, model = x_LCM.shape[:2], weights.w1.shape[2], weights.w2.shape[2]
         h_LCH = batched_mm(x_LCM, weights.w1, loop, _buffer(workspace, (*rows, hidden), x_LCM))
         if weights.b1 is not None:

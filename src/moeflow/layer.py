@@ -32,12 +32,14 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.parallel.modelled import RAGGED_SCHEDULES, refuse_ragged
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
 from moeflow.planner import PipelinePlanner, PlanChoice
+from moeflow.ragged import RaggedFFNCompute
 from moeflow.routing import (
     assign_slots,
     build_gate,
@@ -193,6 +195,8 @@ class MoELayer(nn.Module):
             c.pipeline, mp_size,
         )
         self.schedule, self.schedule_reason = choice.schedule, choice.reason
+        if c.expert_kernel == "ragged" and self.schedule.name not in RAGGED_SCHEDULES:
+            refuse_ragged(True, self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
@@ -276,7 +280,8 @@ class MoELayer(nn.Module):
         self.workspace.start_step()
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
         combined_ECM = self.schedule.run(
-            chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace
+            chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace,
+            self._ragged_compute(load, capacity),
         )
         y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
 
@@ -319,6 +324,19 @@ class MoELayer(nn.Module):
         if self.config.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or inf values (check_finite=True)")
         return x.reshape(-1, model_dim)
+
+    def _ragged_compute(self, load: _GlobalLoad, capacity: int) -> RaggedFFNCompute | None:
+        """With ``expert_kernel="ragged"``: the compute that runs each local expert on its filled
+        slots only (how many of each source rank's slots hold a token, from the exchanged counts)."""
+        if self.config.expert_kernel != "ragged":
+            return None
+        filled_WE = load.counts_WE.clamp(max=capacity)
+        experts = [shard.expert for shard in self.placement.local(self.rank)]
+        if self.schedule.name == "replicated":  # every rank computes its own tokens on every expert
+            filled_LW = filled_WE[self.rank, experts].unsqueeze(1)
+        else:
+            filled_LW = filled_WE[:, experts].t()
+        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous())
 
     def _check_call_r(self, r: object) -> None:
         if self.schedule.name != "adaptive":

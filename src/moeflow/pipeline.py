@@ -197,7 +197,7 @@ class _PipelinedExperts(torch.autograd.Function):
 
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
-            y_LXM, saved[index] = compute.forward(x_LXM, weights, workspace)
+            y_LXM, saved[index] = compute.chunk(*chunks[index]).forward(x_LXM, weights, workspace)
             timing.expert_forward_s += time.perf_counter() - begin
             return y_LXM
 
@@ -225,7 +225,9 @@ class _PipelinedExperts(torch.autograd.Function):
             begin = time.perf_counter()
             chunk = saved[index]
             assert chunk is not None, "backward through the pipelined experts ran twice"
-            grad_x_LXM, weight_inputs = compute.backward_input(chunk, grad_y_LXM, weights, workspace)
+            grad_x_LXM, weight_inputs = compute.chunk(*ctx.chunks[index]).backward_input(
+                chunk, grad_y_LXM, weights, workspace
+            )
             saved[index] = None
             pending.append(weight_inputs)
             ctx.timing.expert_backward_s += time.perf_counter() - begin

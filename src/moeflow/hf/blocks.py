@@ -82,6 +82,7 @@ def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -
     num_experts, hidden_dim, model_dim = gate_IH.shape
     options: dict[str, Any] = {
         **routing_settings(block, family), "capacity_factor": 0.0, "activation": "swiglu", "bias": False,
+        "expert_kernel": "ragged",
         "aux_loss_weight": 0.0, **layer_options,
     }
     if family.shared is not None:

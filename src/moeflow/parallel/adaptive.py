@@ -31,8 +31,8 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
-from moeflow.experts import ExpertFFN, FFNWeights
-from moeflow.parallel.modelled import ModelledSchedule
+from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
+from moeflow.parallel.modelled import ModelledSchedule, refuse_ragged
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
 from moeflow.pipeline import ExpertExchange, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
@@ -133,7 +133,9 @@ class AdaptiveSchedule(ModelledSchedule):
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
+        expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
+        refuse_ragged(expert_compute, self.name)
         num_experts, world = dispatched_ECM.shape[0], groups.size
         r = validate_r(1 if plan.r is None else plan.r, num_experts, world)
         shards = world // num_experts if world > num_experts else 1

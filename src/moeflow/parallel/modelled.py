@@ -30,3 +30,16 @@ class ModelledSchedule:
     ) -> TokenShare:
         """The tokens this rank encodes and decodes: all it routed, unless the schedule splits them."""
         return ALL_TOKENS
+
+
+RAGGED_SCHEDULES = ("expert", "replicated")
+"""The schedules that run whole local experts on their received slots, where the ragged kernel applies."""
+
+
+def refuse_ragged(expert_compute: object | None, schedule: str) -> None:
+    """Schedules that shard or re-place the experts run the padded kernels only."""
+    if expert_compute is not None:
+        raise ValueError(
+            f"expert_kernel='ragged' runs with parallel in {RAGGED_SCHEDULES}, not {schedule!r}; "
+            "use expert_kernel='bmm'"
+        )

@@ -24,7 +24,7 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import PARM_SCHEDULES
-from moeflow.experts import ExpertFFN
+from moeflow.experts import ExpertCompute, ExpertFFN
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
@@ -61,6 +61,7 @@ class ParallelSchedule(Protocol):
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
+        expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -77,12 +78,13 @@ class _ModelledSchedule(ModelledSchedule):
     def run(
         self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
+        expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
-        """The pipelined experts, with this schedule's way of moving chunks."""
+        """The pipelined experts, with this schedule's way of moving chunks; ``expert_compute``
+        replaces the experts' own for this call (the ragged kernel with its filled counts)."""
         route = self.exchange(plan, experts, groups)
-        return pipelined_experts(
-            dispatched_ECM, experts.compute, experts.weights(), route, plan.degree, timing, workspace
-        )
+        compute = experts.compute if expert_compute is None else expert_compute
+        return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)
 
     def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
         raise NotImplementedError

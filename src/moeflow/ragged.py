@@ -1,0 +1,120 @@
+"""Ragged expert computation: each expert runs on exactly the slots that hold a token.
+
+The padded kernels multiply every local expert's whole capacity, C slots per source rank, however
+few of them are filled: at decode's handful of tokens that reads every expert's weights to use a
+few. Here the filled slots are gathered into one packed (N, M) matrix ordered by expert, the FFN
+runs as grouped GEMMs over per-expert row counts (experts with no row are skipped: their weights
+are never read), and the rows are scattered back into the padded layout. torch's own grouped GEMM
+(``torch._grouped_mm``) runs the fp32/bf16/fp16 case; other dtypes loop over the experts.
+
+The backward is the padded one: the saved activations are scattered into zero-filled padded
+buffers and the gradient of an empty slot is zero, so the padded GEMMs give the same gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.workspace import Workspace
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, counts: list[int], offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of expert l (``counts[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
+    if a_NK.shape[0] == 0:
+        return a_NK.new_zeros((0, b_LKJ.shape[2]))
+    if a_NK.dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm") and a_NK.device.type == "cpu":
+        return torch._grouped_mm(a_NK, b_LKJ, offs=offsets)
+    out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            torch.mm(a_NK[start:start + count], b_LKJ[expert], out=out[start:start + count])
+            start += count
+    return out
+
+
+def _activate(name: str, h: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return F.relu(h)
+    if name == "gelu":
+        return F.gelu(h)
+    return F.silu(h)
+
+
+@dataclass(frozen=True)
+class FilledRows:
+    """Which rows of an (L, W*c, M) chunk hold tokens: their flat indices, ordered by expert."""
+
+    index_N: torch.Tensor
+    counts: list[int]
+    offsets: torch.Tensor  # int32 cumulative counts, torch's grouped-GEMM convention
+
+    @staticmethod
+    def of(filled_LW: torch.Tensor, start: int, stop: int) -> FilledRows:
+        slots = stop - start
+        per_source_LW = (filled_LW - start).clamp(0, slots)
+        mask_LWc = torch.arange(slots) < per_source_LW.unsqueeze(-1)
+        counts_L = per_source_LW.sum(1)
+        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L.tolist(),
+                          counts_L.cumsum(0).to(torch.int32))
+
+
+@dataclass(frozen=True)
+class RaggedFFNCompute:
+    """An :class:`~moeflow.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
+    is how many of source rank w's slots of local expert l hold a token (over the whole capacity);
+    ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`)."""
+
+    base: FFNCompute
+    filled_LW: torch.Tensor
+    slots: tuple[int, int] | None = None
+
+    @property
+    def projections(self) -> int:
+        return self.base.projections
+
+    def chunk(self, start: int, stop: int) -> RaggedFFNCompute:
+        return dataclasses.replace(self, slots=(start, stop))
+
+    def forward(
+        self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, FFNSaved]:
+        experts, width, model = x_LCM.shape
+        sources = self.filled_LW.shape[1]
+        start, stop = self.slots if self.slots is not None else (0, width // sources)
+        rows = FilledRows.of(self.filled_LW, start, stop)
+        x_NM = x_LCM.reshape(-1, model).index_select(0, rows.index_N)
+        h_NH = ragged_mm(x_NM, weights.w1, rows.counts, rows.offsets)
+        expert_N = torch.repeat_interleave(torch.arange(experts), torch.tensor(rows.counts))
+        if weights.b1 is not None:
+            h_NH = h_NH + weights.b1[expert_N]
+        a_NH = _activate(self.base.activation, h_NH)
+        up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows.counts, rows.offsets)
+        y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows.counts, rows.offsets)
+        if weights.b2 is not None and self.base.adds_output_bias:
+            y_NM = y_NM + weights.b2[expert_N]
+
+        def padded(values_NX: torch.Tensor) -> torch.Tensor:
+            out = values_NX.new_zeros((experts, width, values_NX.shape[1]))
+            out.view(-1, values_NX.shape[1]).index_copy_(0, rows.index_N, values_NX)
+            return out
+
+        up_LCH = None if up_NH is None else padded(up_NH)
+        return padded(y_NM), FFNSaved(x_LCM, padded(h_NH), padded(a_NH), up_LCH)
+
+    def backward_input(
+        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
+        return self.base.backward_input(saved, grad_y_LCM, weights, workspace)
+
+    def weight_grads(
+        self, inputs: FFNWeightGradInputs, weights: FFNWeights, workspace: Workspace | None = None
+    ) -> list[torch.Tensor | None]:
+        return self.base.weight_grads(inputs, weights, workspace)
