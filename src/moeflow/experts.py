@@ -44,7 +44,7 @@ def batched_mm(
     return out
 
 
-def _activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if name == "relu":
         return torch.clamp(h_LCH, min=0, out=out)
     if name == "gelu":
@@ -157,7 +157,7 @@ class FFNCompute:
         h_LCH = batched_mm(x_LCM, weights.w1, loop, _buffer(workspace, (*rows, hidden), x_LCM))
         if weights.b1 is not None:
             h_LCH.add_(weights.b1.unsqueeze(1))
-        a_LCH = _activate(self.activation, h_LCH, _buffer(workspace, (*rows, hidden), x_LCM))
+        a_LCH = activate(self.activation, h_LCH, _buffer(workspace, (*rows, hidden), x_LCM))
         up_LCH = self._up(x_LCM, weights, workspace)
         hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
         y_LCM = batched_mm(hidden_LCH, weights.w2, loop, _buffer(workspace, (*rows, model), x_LCM))

@@ -32,7 +32,7 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
-from moeflow.parallel.modelled import RAGGED_SCHEDULES, refuse_ragged
+from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
@@ -195,8 +195,8 @@ class MoELayer(nn.Module):
             c.pipeline, mp_size,
         )
         self.schedule, self.schedule_reason = choice.schedule, choice.reason
-        if c.expert_kernel == "ragged" and self.schedule.name not in RAGGED_SCHEDULES:
-            refuse_ragged(True, self.schedule.name)
+        if c.expert_kernel == "ragged":
+            require_ragged_schedule(self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,

@@ -17,35 +17,11 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights, activate
 from moeflow.workspace import Workspace
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, counts: list[int], offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of expert l (``counts[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
-    if a_NK.shape[0] == 0:
-        return a_NK.new_zeros((0, b_LKJ.shape[2]))
-    if a_NK.dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm") and a_NK.device.type == "cpu":
-        return torch._grouped_mm(a_NK, b_LKJ, offs=offsets)
-    out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            torch.mm(a_NK[start:start + count], b_LKJ[expert], out=out[start:start + count])
-            start += count
-    return out
-
-
-def _activate(name: str, h: torch.Tensor) -> torch.Tensor:
-    if name == "relu":
-        return F.relu(h)
-    if name == "gelu":
-        return F.gelu(h)
-    return F.silu(h)
 
 
 @dataclass(frozen=True)
@@ -53,8 +29,12 @@ class FilledRows:
     """Which rows of an (L, W*c, M) chunk hold tokens: their flat indices, ordered by expert."""
 
     index_N: torch.Tensor
-    counts: list[int]
+    counts_L: torch.Tensor  # rows per local expert
     offsets: torch.Tensor  # int32 cumulative counts, torch's grouped-GEMM convention
+
+    def expert_of_rows(self) -> torch.Tensor:
+        """The local expert of every packed row (to add per-expert biases)."""
+        return torch.repeat_interleave(torch.arange(self.counts_L.numel()), self.counts_L)
 
     @staticmethod
     def of(filled_LW: torch.Tensor, start: int, stop: int) -> FilledRows:
@@ -62,8 +42,22 @@ class FilledRows:
         per_source_LW = (filled_LW - start).clamp(0, slots)
         mask_LWc = torch.arange(slots) < per_source_LW.unsqueeze(-1)
         counts_L = per_source_LW.sum(1)
-        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L.tolist(),
-                          counts_L.cumsum(0).to(torch.int32))
+        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L, counts_L.cumsum(0).to(torch.int32))
+
+
+def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
+    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
+    if a_NK.shape[0] == 0:
+        return a_NK.new_zeros((0, b_LKJ.shape[2]))
+    if a_NK.dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm") and a_NK.device.type == "cpu":
+        return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets)
+    out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
+    start = 0
+    for expert, count in enumerate(rows.counts_L.tolist()):
+        if count:
+            torch.mm(a_NK[start:start + count], b_LKJ[expert], out=out[start:start + count])
+            start += count
+    return out
 
 
 @dataclass(frozen=True)
@@ -91,15 +85,14 @@ class RaggedFFNCompute:
         start, stop = self.slots if self.slots is not None else (0, width // sources)
         rows = FilledRows.of(self.filled_LW, start, stop)
         x_NM = x_LCM.reshape(-1, model).index_select(0, rows.index_N)
-        h_NH = ragged_mm(x_NM, weights.w1, rows.counts, rows.offsets)
-        expert_N = torch.repeat_interleave(torch.arange(experts), torch.tensor(rows.counts))
+        h_NH = ragged_mm(x_NM, weights.w1, rows)
         if weights.b1 is not None:
-            h_NH = h_NH + weights.b1[expert_N]
-        a_NH = _activate(self.base.activation, h_NH)
-        up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows.counts, rows.offsets)
-        y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows.counts, rows.offsets)
+            h_NH = h_NH + weights.b1[rows.expert_of_rows()]
+        a_NH = activate(self.base.activation, h_NH, torch.empty_like(h_NH))
+        up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows)
+        y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows)
         if weights.b2 is not None and self.base.adds_output_bias:
-            y_NM = y_NM + weights.b2[expert_N]
+            y_NM = y_NM + weights.b2[rows.expert_of_rows()]
 
         def padded(values_NX: torch.Tensor) -> torch.Tensor:
             out = values_NX.new_zeros((experts, width, values_NX.shape[1]))

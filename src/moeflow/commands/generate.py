@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moeflow.commands import positive_int
+
 
 def add_parser(commands: Any) -> None:
     generate = commands.add_parser(
@@ -28,10 +30,10 @@ def add_parser(commands: Any) -> None:
         "--prompts", metavar="FILE",
         help="--hf: one prompt per line, or JSON lines with 'prompt' (text) or 'input_ids' (token ids)",
     )
-    generate.add_argument("--workers", type=int, default=1, help="--hf: gloo worker processes (default 1)")
-    generate.add_argument("--max-new-tokens", type=int, default=64, help="--hf: new tokens per prompt (64)")
+    generate.add_argument("--workers", type=positive_int, default=1, help="--hf: gloo worker processes (default 1)")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=64, help="--hf: new tokens per prompt (64)")
     generate.add_argument("--top-p", type=float, default=1.0, help="--hf: nucleus sampling mass (default 1)")
-    generate.add_argument("--batch-size", type=int, default=8, help="--hf: prompts per forward per worker (8)")
+    generate.add_argument("--batch-size", type=positive_int, default=8, help="--hf: prompts per forward per worker (8)")
     generate.add_argument("--dtype", default=None, help="--hf: float32, float64 or bfloat16 (default: as saved)")
     generate.set_defaults(func=run_generate)
 
@@ -73,8 +75,6 @@ def _run_hf(args: argparse.Namespace) -> int:
         raise ValueError("--hf needs --prompts FILE")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} is not a file")
-    if args.workers < 1 or args.batch_size < 1:
-        raise ValueError("--workers and --batch-size must be >= 1")
     for record in generate_hf(
         args.hf, read_prompts(args.prompts), args.workers, args.batch_size, args.dtype,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,

@@ -119,9 +119,7 @@ def replace_moe_blocks(model: nn.Module, group: Group = None, **layer_options: A
     if not targets:
         raise ValueError(f"{type(model).__name__} has no sparse MoE block moeflow converts; supported: {SUPPORTED}")
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, from_hf_block(module, group, **layer_options))
+        model.set_submodule(name, from_hf_block(module, group, **layer_options))
     return model
 
 
@@ -135,6 +133,5 @@ def to_hf(model: nn.Module) -> nn.Module:
     that ``save_pretrained`` writes a checkpoint plain transformers loads."""
     for name, module in list(model.named_modules()):
         if isinstance(module, HFMoEBlock):
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, module.to_hf())
+            model.set_submodule(name, module.to_hf())
     return model

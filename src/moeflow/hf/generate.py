@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.comm.groups import max_over_ranks
 from moeflow.hf.blocks import moe_blocks
 
 
@@ -70,10 +71,9 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.T
     length = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            ids[row, length - len(prompt):] = torch.as_tensor(prompt)
-            mask[row, length - len(prompt):] = 1
+    for row, prompt in enumerate(prompts):  # every prompt has a token (checked by generate)
+        ids[row, length - len(prompt):] = torch.as_tensor(prompt)
+        mask[row, length - len(prompt):] = 1
     return ids, mask
 
 
@@ -96,13 +96,9 @@ class ExpertParallelGenerator:
         self.generator = torch.Generator().manual_seed(settings.seed + (dist.get_rank(group) if group else 0))
         self.forwards = 0
 
-    def _any(self, flag: int) -> bool:
-        """Whether any worker has ``flag`` set (every worker must call this at the same point)."""
-        if self.group is None:
-            return bool(flag)
-        value = torch.tensor([flag], dtype=torch.int64)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item())
+    def _max_over_workers(self, value: int) -> int:
+        """The largest ``value`` of all workers (every worker must call this at the same point)."""
+        return value if self.group is None else int(max_over_ranks([value], self.group)[0])
 
     def _join_empty(self) -> None:
         """One model forward's worth of MoE calls with zero tokens: keeps the all-to-alls in step."""
@@ -112,7 +108,6 @@ class ExpertParallelGenerator:
 
     @torch.no_grad()
     def _step(self, batch: _Batch) -> None:
-        rows = torch.tensor(batch.live)
         out = self.model(
             input_ids=batch.inputs, attention_mask=batch.mask, position_ids=batch.positions,
             past_key_values=batch.cache, use_cache=True,
@@ -128,13 +123,13 @@ class ExpertParallelGenerator:
         if len(still) < len(batch.live) and still:
             batch.cache.batch_select_indices(keep)
         batch.live = [batch.live[s] for s in still]
-        batch.mask = torch.cat([batch.mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)[keep]
+        batch.mask = torch.cat([batch.mask, torch.ones((len(chosen), 1), dtype=torch.long)], dim=1)[keep]
         batch.positions = batch.positions[keep, -1:] + 1
         batch.inputs = torch.tensor([[chosen[s]] for s in still], dtype=torch.long).reshape(len(still), 1)
 
     def run_round(self, batch: _Batch | None) -> None:
         """One batch (None: this worker has none this round) until every worker's batch is done."""
-        while self._any(int(batch is not None and bool(batch.live))):
+        while self._max_over_workers(int(batch is not None and bool(batch.live))):
             if batch is not None and batch.live:
                 self._step(batch)
             else:
@@ -147,11 +142,7 @@ class ExpertParallelGenerator:
             raise ValueError("every prompt needs at least one token")
         outputs: list[list[int]] = [[] for _ in prompts]
         batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
-        rounds = len(batches)
-        if self.group is not None:
-            count = torch.tensor([rounds], dtype=torch.int64)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-            rounds = int(count.item())
+        rounds = self._max_over_workers(len(batches))
         for index in range(rounds):
             batch = _start(prompts, batches[index], self.pad_id) if index < len(batches) else None
             self.run_round(batch)

@@ -32,7 +32,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
 from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
-from moeflow.parallel.modelled import ModelledSchedule, refuse_ragged
+from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
 from moeflow.pipeline import ExpertExchange, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
@@ -135,7 +135,8 @@ class AdaptiveSchedule(ModelledSchedule):
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
-        refuse_ragged(expert_compute, self.name)
+        if expert_compute is not None:
+            require_ragged_schedule(self.name)
         num_experts, world = dispatched_ECM.shape[0], groups.size
         r = validate_r(1 if plan.r is None else plan.r, num_experts, world)
         shards = world // num_experts if world > num_experts else 1

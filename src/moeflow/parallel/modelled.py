@@ -36,9 +36,9 @@ RAGGED_SCHEDULES = ("expert", "replicated")
 """The schedules that run whole local experts on their received slots, where the ragged kernel applies."""
 
 
-def refuse_ragged(expert_compute: object | None, schedule: str) -> None:
+def require_ragged_schedule(schedule: str) -> None:
     """Schedules that shard or re-place the experts run the padded kernels only."""
-    if expert_compute is not None:
+    if schedule not in RAGGED_SCHEDULES:
         raise ValueError(
             f"expert_kernel='ragged' runs with parallel in {RAGGED_SCHEDULES}, not {schedule!r}; "
             "use expert_kernel='bmm'"

@@ -36,7 +36,7 @@ from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.experts import ExpertCompute, ExpertFFN
-from moeflow.parallel.modelled import ModelledSchedule, refuse_ragged
+from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
 from moeflow.perf import CostModel
@@ -214,7 +214,8 @@ class ParmSchedule(ModelledSchedule):
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
-        refuse_ragged(expert_compute, self.name)
+        if expert_compute is not None:
+            require_ragged_schedule(self.name)
         mp_rank = group_rank(groups.model)
         compute = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
         split = self.mp_size if plan.schedule == "s2" else 1
@@ -357,7 +358,8 @@ class BaselineSchedule(ParmSchedule):
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
-        refuse_ragged(expert_compute, self.name)
+        if expert_compute is not None:
+            require_ragged_schedule(self.name)
         mp_rank = group_rank(groups.model)
         # the N copies of every slot are one tensor under Megatron's convention: each counts 1 / N
         compute = dataclasses.replace(
