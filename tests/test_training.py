@@ -33,19 +33,6 @@ TINY: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(scope="session", autouse=True)
-def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Keep the tokenized corpora of the tests out of the user's cache (spawned workers inherit it)."""
-    cache = tmp_path_factory.mktemp("moeflow-cache")
-    previous = os.environ.get("MOEFLOW_CACHE")
-    os.environ["MOEFLOW_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        os.environ.pop("MOEFLOW_CACHE", None)
-    else:
-        os.environ["MOEFLOW_CACHE"] = previous
-
-
 def tiny(run_dir: Path, **changes: Any) -> TrainConfig:
     return TrainConfig(**{**TINY, "run_dir": str(run_dir), **changes})
 

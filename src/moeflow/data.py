@@ -27,9 +27,21 @@ import numpy as np
 from moeflow.files import write_atomic
 
 TOKENIZERS = ("bpe", "bytes")
+PRETRAINED = "pretrained"  # a given tokenizer.json (a transformers model's), not trained here
 END_OF_TEXT = "<|endoftext|>"
 _FORMAT = 1  # bump when the cached layout changes
 _SKIPPED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class PretrainedTokenizer:
+    """A model's own tokenizer (its ``tokenizer.json``) and the token that ends a document."""
+
+    path: str
+    end_of_text_id: int | None  # None: documents are joined with no separator
+
+    def digest(self) -> str:
+        return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()[:16] + f"|{self.end_of_text_id}"
 
 
 @dataclass(frozen=True)
@@ -132,18 +144,20 @@ def _corpus_key(root: Path, files: list[Path], tokenizer: str, vocab_size: int, 
 
 def prepare_corpus(
     data: str | None = None, tokenizer: str = "bpe", vocab_size: int = 4096, val_percent: float = 5.0,
-    cache_dir: str | None = None, cache_root: Path | None = None,
+    cache_dir: str | None = None, cache_root: Path | None = None, pretrained: PretrainedTokenizer | None = None,
 ) -> PreparedCorpus:
     """Tokenize the corpus (or find it in the cache) and return where it lies: ``cache_dir`` if
-    given, else a folder named by the corpus's key under ``cache_root`` (default ~/.cache/moeflow)."""
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"tokenizer={tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    if tokenizer == "bpe" and not 256 < vocab_size <= 65_535:
-        raise ValueError(f"vocab_size={vocab_size} must be in (256, 65535] for the BPE tokenizer")
+    given, else a folder named by the corpus's key under ``cache_root`` (default ~/.cache/moeflow).
+    With ``pretrained`` that tokenizer is used as it is (``tokenizer`` and ``vocab_size`` are unused)."""
+    if pretrained is None:
+        _check_tokenizer(tokenizer, vocab_size)
+    elif not Path(pretrained.path).is_file():
+        raise FileNotFoundError(f"tokenizer file {pretrained.path!r} does not exist")
     if not 0 < val_percent < 100:
         raise ValueError(f"val_percent={val_percent} must be between 0 and 100 (exclusive)")
     root, files = corpus_files(data)
-    key = _corpus_key(root, files, tokenizer, vocab_size, val_percent)
+    kind = tokenizer if pretrained is None else f"{PRETRAINED}|{pretrained.digest()}"
+    key = _corpus_key(root, files, kind, vocab_size if pretrained is None else 0, val_percent)
     root_dir = cache_root if cache_root is not None else Path.home() / ".cache" / "moeflow"
     directory = Path(cache_dir) if cache_dir is not None else root_dir / f"corpus-{key}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -152,9 +166,16 @@ def prepare_corpus(
         meta = directory / "corpus.json"
         if meta.exists():
             return PreparedCorpus(**json.loads(meta.read_text()))
-        corpus = _build(directory, root, files, data, tokenizer, vocab_size, val_percent)
+        corpus = _build(directory, root, files, data, tokenizer, vocab_size, val_percent, pretrained)
         write_atomic(meta, json.dumps(corpus.to_dict(), indent=2).encode())
         return corpus
+
+
+def _check_tokenizer(tokenizer: str, vocab_size: int) -> None:
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer={tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    if tokenizer == "bpe" and not 256 < vocab_size <= 65_535:
+        raise ValueError(f"vocab_size={vocab_size} must be in (256, 65535] for the BPE tokenizer")
 
 
 def _read_documents(root: Path, files: list[Path]) -> Iterator[tuple[str, str]]:
@@ -164,7 +185,7 @@ def _read_documents(root: Path, files: list[Path]) -> Iterator[tuple[str, str]]:
 
 def _build(
     directory: Path, root: Path, files: list[Path], data: str | None, tokenizer_kind: str, vocab_size: int,
-    val_percent: float,
+    val_percent: float, pretrained: PretrainedTokenizer | None,
 ) -> PreparedCorpus:
     documents = list(_read_documents(root, files))
     train_docs: list[str] = []
@@ -175,13 +196,19 @@ def _build(
         joined = "\n".join(text for _, text in documents)
         cut = int(len(joined) * (1 - val_percent / 100))
         train_docs, val_docs = [joined[:cut]], [joined[cut:]]
-    tokenizer = _train_tokenizer(train_docs, tokenizer_kind, vocab_size)
+    if pretrained is None:
+        tokenizer = _train_tokenizer(train_docs, tokenizer_kind, vocab_size)
+        end: list[int] = [tokenizer.token_to_id(END_OF_TEXT)]
+    else:
+        tokenizer = load_tokenizer(pretrained.path)
+        tokenizer_kind = PRETRAINED
+        end = [] if pretrained.end_of_text_id is None else [pretrained.end_of_text_id]
     tokenizer.save(str(directory / "tokenizer.json"))
-    end = tokenizer.token_to_id(END_OF_TEXT)
+    token_type = np.uint16 if tokenizer.get_vocab_size() <= 1 << 16 else np.uint32
     streams = {}
     for split, docs in (("train", train_docs), ("val", val_docs)):
-        ids = [[*encoding.ids, end] for encoding in tokenizer.encode_batch(docs)]
-        stream = np.fromiter((i for doc in ids for i in doc), dtype=np.uint16)
+        ids = [[*encoding.ids, *end] for encoding in tokenizer.encode_batch(docs, add_special_tokens=False)]
+        stream = np.fromiter((i for doc in ids for i in doc), dtype=token_type)
         np.save(directory / f"{split}.npy.tmp.npy", stream)
         os.replace(directory / f"{split}.npy.tmp.npy", directory / f"{split}.npy")
         streams[split] = stream

@@ -21,6 +21,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family_of, routing_settings
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.layer import MoELayer
+from moeflow.phases import PhaseClock
 
 Group = ParallelGroups | dist.ProcessGroup | None
 
@@ -52,9 +53,16 @@ class HFMoEBlock(nn.Module):
         self.family = family
         self.returns_router_logits = returns_router_logits
         self._template = (template,)  # a tuple: not a submodule, not in the state dict
+        self.clock: PhaseClock | None = None  # a trainer's, to time the MoE phase
+        self.eval_capacity_factor: float | None = None  # None: the layer's own capacity factor in eval too
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        y = self.moe(hidden_states)
+        factor = None if self.training else self.eval_capacity_factor
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return self.moe(x, capacity_factor=factor)
+
+        y = run(hidden_states) if self.clock is None else self.clock.around("moe", hidden_states, run)
         if not self.returns_router_logits:
             return y
         # v4's router is an nn.Linear: its logits in the input's dtype

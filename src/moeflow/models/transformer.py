@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,11 @@ from moeflow.config import (
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
-from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.placement import ExpertPlacement, expert_parallel_names
 from moeflow.phases import PhaseClock
+
+if TYPE_CHECKING:
+    from moeflow.models.interface import TrainableLM
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,10 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [block.moe for block in self.blocks if block.moe is not None]
 
+    def moe_block_indices(self) -> list[int]:
+        """The block number of each of :meth:`moe_layers`."""
+        return self.config.moe_blocks
+
     def placed_parameters(self) -> dict[str, tuple[ExpertPlacement | HeadShards, str]]:
         """Every expert parameter's placement and kind (``w1``, ``b1``, ...) and every
         tensor-parallel attention parameter's head layout and kind, by name: what the checkpoints
@@ -229,9 +236,7 @@ class MoETransformer(nn.Module):
         """Parameters whose ranks hold different parts (expert parallel): their gradients already
         sum every rank's tokens, so the trainer does not all-reduce them. Replicated experts are
         ordinary replicated parameters."""
-        placed = self.placed_parameters()
-        return {name for name, (placement, _) in placed.items()
-                if isinstance(placement, ExpertPlacement) and not placement.is_replicated}
+        return expert_parallel_names(self.placed_parameters())
 
     def tensor_parallel_parameter_names(self) -> set[str]:
         """Attention parameters split over the MP group: the trainer averages them over the
@@ -290,8 +295,7 @@ class MoETransformer(nn.Module):
             return logits_BTV, None
         lm_loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
         self.last_lm_loss = lm_loss.detach()
-        aux = sum((layer.aux_loss for layer in self.moe_layers()), start=lm_loss.new_zeros(()))
-        return logits_BTV, lm_loss + aux
+        return logits_BTV, lm_loss + total_aux_loss(self.moe_layers(), lm_loss)
 
     @torch.no_grad()
     def generate(
@@ -313,7 +317,12 @@ class MoETransformer(nn.Module):
         return idx_BT
 
 
-def phase_seconds(model: MoETransformer) -> dict[str, float]:
+def total_aux_loss(layers: list[MoELayer], like: torch.Tensor) -> torch.Tensor:
+    """The sum of the layers' weighted router losses of their last forward (in the graph)."""
+    return sum((layer.aux_loss for layer in layers), start=like.new_zeros(()))
+
+
+def phase_seconds(model: TrainableLM) -> dict[str, float]:
     """The step's time per phase from the model's clock and its MoE layers' pipeline timings:
     routing is the MoE time outside the pipelined region (gate, top-k, encode, decode), all_to_all
     the part of that region not spent in expert compute (communication the pipeline did not hide).

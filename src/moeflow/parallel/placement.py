@@ -214,3 +214,10 @@ def expert_kind(name: str, prefix: str = "experts.") -> str | None:
         return None
     kind = name.rsplit(".", 1)[-1]
     return kind if kind in HIDDEN_AXIS else None
+
+
+def expert_parallel_names(placed: Mapping[str, tuple[object, str]]) -> set[str]:
+    """The names whose ranks hold different experts (not replicated): their gradients already sum
+    every rank's tokens, so a trainer does not all-reduce them."""
+    return {name for name, (placement, _) in placed.items()
+            if isinstance(placement, ExpertPlacement) and not placement.is_replicated}

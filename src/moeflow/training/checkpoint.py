@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.files import write_atomic
-from moeflow.models import MoETransformer
+from moeflow.models import TrainableLM
 from moeflow.parallel.placement import ExpertPlacement
 
 CHECKPOINTS = "checkpoints"
@@ -42,7 +42,7 @@ def _gather_experts(
 
 
 def full_state(
-    model: MoETransformer, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None,
+    model: TrainableLM, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None,
     rank: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Model and optimizer tensors with the experts of all ranks (a collective: every rank calls it)."""
@@ -68,7 +68,7 @@ def full_state(
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model: MoETransformer, optimizer: torch.optim.Optimizer,
+    run_dir: Path, step: int, model: TrainableLM, optimizer: torch.optim.Optimizer,
     group: dist.ProcessGroup | None, rank: int, world_size: int, state: dict[str, Any],
     extra_files: list[Path], keep: int,
 ) -> Path:
@@ -119,7 +119,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    checkpoint: Path, model: MoETransformer, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
+    checkpoint: Path, model: TrainableLM, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
 ) -> dict[str, Any]:
     """Load this rank's slice of the checkpoint into ``model`` (and ``optimizer``); return its state."""
     from safetensors.torch import load_file

@@ -33,6 +33,7 @@ class TrainConfig:
 
     # data
     data: str | None = None  # None: the Python standard library's sources
+    hf: str | None = None  # a transformers model directory to fine-tune instead of moeflow's own model
     tokenizer: str = "bpe"
     vocab_size: int = 4096
     val_percent: float = 5.0
@@ -46,9 +47,9 @@ class TrainConfig:
     num_experts: int = _MOE.num_experts
     top_k: int = _MOE.top_k
     moe_every: int = 1
-    capacity_factor: float = _MOE.capacity_factor
+    capacity_factor: float | None = None  # None: MoEConfig's; with hf, dropless as the model was trained
     eval_capacity_factor: float = 0.0
-    aux_loss_weight: float = _MOE.aux_loss_weight
+    aux_loss_weight: float | None = None  # None: MoEConfig's; with hf, the model's router_aux_loss_coef
     activation: str = _MOE.activation
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
@@ -89,7 +90,11 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
-        self._check_parallel()
+        if self.hf is None:
+            self._check_parallel()
+        elif self.mp_size > 1:
+            raise ValueError("--mp-size splits moeflow's own attention; a --hf model's attention runs data "
+                             "parallel: leave --mp-size at 1")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -151,9 +156,10 @@ class TrainConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""
         from moeflow.models import TransformerConfig
 
+        settings = {name: getattr(self, name) for name in MODEL_SETTINGS}
         return TransformerConfig.build(
             vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
-            **{name: getattr(self, name) for name in MODEL_SETTINGS},
+            **{name: value for name, value in settings.items() if value is not None},  # None: MoEConfig's
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,6 +176,9 @@ class TrainConfig:
 
 FIELD_HELP: dict[str, str] = {
     "data": "a text file or a folder of text files to train on; unset: the Python standard library's sources",
+    "hf": "fine-tune this local transformers MoE model (config, safetensors, tokenizer.json) instead of moeflow's "
+    "own: its architecture and tokenizer replace --layers, --model-dim, --tokenizer, ...; a transformers "
+    "checkpoint is written to <run-dir>/hf at the end",
     "tokenizer": "bpe (byte-level BPE trained on the training documents) or bytes",
     "vocab_size": "BPE vocabulary size",
     "val_percent": "share of documents held out for validation, by a stable hash of their path",
@@ -181,9 +190,11 @@ FIELD_HELP: dict[str, str] = {
     "num_experts": "experts per MoE layer",
     "top_k": "experts each token is routed to",
     "moe_every": "an MoE FFN in every N-th block, dense FFNs elsewhere",
-    "capacity_factor": "Tutel's capacity factor in training (> 0 fixed, 0 no drops, < 0 capped no drops)",
+    "capacity_factor": f"Tutel's capacity factor in training (> 0 fixed, 0 no drops, < 0 capped no drops); unset: "
+    f"{_MOE.capacity_factor}, or 0 with --hf",
     "eval_capacity_factor": "capacity factor at evaluation (0: no token dropped)",
-    "aux_loss_weight": "weight of the load-balancing loss of every MoE layer",
+    "aux_loss_weight": f"weight of the load-balancing loss of every MoE layer; unset: {_MOE.aux_loss_weight}, or with "
+    "--hf the model's router_aux_loss_coef (0 unless its config sets output_router_logits)",
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",

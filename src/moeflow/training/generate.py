@@ -21,6 +21,11 @@ def load_model(path: str) -> tuple[MoETransformer, object, Path]:
             "its checkpoints/step-* folders"
         )
     state = read_state(checkpoint)
+    if state["config"].get("hf"):
+        raise ValueError(
+            f"{str(checkpoint)!r} is from a run that fine-tuned a transformers model (--hf); generate from the "
+            "transformers directory it wrote at the end: moeflow generate --hf <run-dir>/hf --prompts FILE"
+        )
     # one process runs every expert: no pipelining or all-to-all choice to make
     config = TrainConfig(**state["config"]).updated({"workers": 1, "pipeline": 1, "alltoall": "linear",
                                                      "profile": None})

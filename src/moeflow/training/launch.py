@@ -54,9 +54,14 @@ def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
 
 
 def _prepare_corpus(config: TrainConfig) -> PreparedCorpus:
-    """The corpus in this machine's cache (``MOEFLOW_CACHE``, read here at the entry point)."""
-    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent,
-                          cache_root=default_cache_root(os.environ))
+    """The corpus in this machine's cache (``MOEFLOW_CACHE``, read here at the entry point), with
+    the --hf model's own tokenizer when there is one."""
+    cache_root = default_cache_root(os.environ)
+    if config.hf is not None:
+        from moeflow.hf.training import prepare_hf_corpus
+
+        return prepare_hf_corpus(config, cache_root)
+    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent, cache_root=cache_root)
 
 
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:

@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.comm.topology import Topology
 from moeflow.data import PreparedCorpus
-from moeflow.models import MoETransformer
+from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 
 METRICS = "metrics.jsonl"
+HF_CHECKPOINT = "hf"  # with --hf, the transformers directory written at the end of the run
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device
 
 
 def synchronize_gradients(
-    model: MoETransformer, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
+    model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
 ) -> float:
     """Average the replicated parameters' gradients over the workers (one flat all-reduce), scale the
     experts' (each already sums every data-parallel replica's tokens) to the same mean, and average
@@ -141,7 +142,7 @@ def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: i
         offset += grad.numel()
 
 
-def clip_gradients(model: MoETransformer, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
+def clip_gradients(model: TrainableLM, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
     """Clip by the norm of the whole (global) gradient; return that norm. ``expert_sq_global`` is
     the sharded gradients' part (experts, tensor-parallel attention), summed over the workers."""
     sharded = expert_names | model.tensor_parallel_parameter_names()
@@ -165,7 +166,7 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(model: MoETransformer, config: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (biases, norms) do not (nanoGPT)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -177,7 +178,7 @@ def build_optimizer(model: MoETransformer, config: TrainConfig) -> torch.optim.A
 
 @torch.no_grad()
 def evaluate(
-    model: MoETransformer, stream: np.ndarray, config: TrainConfig, rank: int, world_size: int,
+    model: TrainableLM, stream: np.ndarray, config: TrainConfig, rank: int, world_size: int,
     group: dist.ProcessGroup | None, device: torch.device,
 ) -> float:
     """Mean validation cross-entropy over a fixed set of windows, split over the workers (every
@@ -215,9 +216,9 @@ def device_for(config: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _moe_records(model: MoETransformer) -> list[dict[str, Any]]:
+def _moe_records(model: TrainableLM) -> list[dict[str, Any]]:
     records = []
-    for index, layer in zip(model.config.moe_blocks, model.moe_layers(), strict=True):
+    for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):
         stats = layer.last_stats
         if stats is None:
             continue
@@ -268,7 +269,7 @@ class _Run:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None
-    model: MoETransformer
+    model: TrainableLM
     optimizer: torch.optim.Optimizer
     train_shard: np.ndarray
     val_stream: np.ndarray
@@ -296,6 +297,17 @@ class _Run:
         return self.config.batch_size * self.config.context * self.replicas
 
 
+def build_model(config: TrainConfig, corpus: PreparedCorpus, groups: ParallelGroups,
+                device: torch.device) -> TrainableLM:
+    """moeflow's own model, initialised from the seed, or the --hf model with its weights."""
+    if config.hf is not None:
+        from moeflow.hf.training import build_hf_model
+
+        return build_hf_model(config, groups, device)
+    return MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
+                          profile=config.profile).to(device)
+
+
 def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     """Build the model and optimizer (from the checkpoint when resuming); return the step it is at."""
     config, corpus = job.config, job.corpus
@@ -305,8 +317,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
     groups = ParallelGroups.from_group(group, topology)
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
-    model = MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
-                           profile=config.profile).to(device)
+    model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
     start_step, tokens_seen = 0, 0
     if job.resume_from is not None:
@@ -390,11 +401,13 @@ def _show_progress(progress: Any, run: _Run, record: dict[str, Any]) -> None:
 
 def _summary(run: _Run, last_step: int) -> dict[str, Any]:
     corpus = run.job.corpus
+    wrote_hf = run.config.hf is not None and last_step == run.config.steps
     return {
         "steps": last_step, "workers": run.world_size, "loss": run.last_loss, "val_loss": run.val_loss,
         "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
         "median_tokens_per_s": statistics.median(run.throughput) if run.throughput else None,
         "checkpoint": str(run.checkpoint) if run.checkpoint else None, "run_dir": str(Path(run.job.run_dir)),
+        **({"hf_checkpoint": str(Path(run.job.run_dir) / HF_CHECKPOINT)} if wrote_hf else {}),
     }
 
 
@@ -415,7 +428,17 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         progress.close()
         if run.log is not None:
             run.log.close()
+    if run.config.hf is not None and last_step == run.config.steps:
+        _save_hf(run)
     return _summary(run, last_step)
+
+
+def _save_hf(run: _Run) -> None:
+    """The fine-tuned model as a transformers directory (the run's last act: the blocks go back)."""
+    from moeflow.hf.training import HFCausalLM, save_hf_checkpoint
+
+    assert isinstance(run.model, HFCausalLM) and run.config.hf is not None
+    save_hf_checkpoint(run.model, run.config.hf, Path(run.job.run_dir) / HF_CHECKPOINT, run.rank)
 
 
 def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:

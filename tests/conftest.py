@@ -1,0 +1,22 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep the tokenized corpora of the tests out of the user's cache (spawned workers inherit it)."""
+    cache = tmp_path_factory.mktemp("moeflow-cache")
+    previous = os.environ.get("MOEFLOW_CACHE")
+    os.environ["MOEFLOW_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("MOEFLOW_CACHE", None)
+    else:
+        os.environ["MOEFLOW_CACHE"] = previous

@@ -1,0 +1,164 @@
+"""`moeflow train --hf DIR`: fine-tuning a transformers MoE model with the trainer. The first step's
+loss is transformers' own on the same batches, the transformers checkpoint written at the end holds
+the trained weights (plain transformers gives the run's validation loss), fine-tuning lowers the
+loss, a resumed run repeats an uninterrupted one, and bad input fails before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from hf_models import tiny_model, word_tokenizer
+from moeflow.cli import main
+from moeflow.data import PreparedCorpus
+from moeflow.training import TrainConfig
+from moeflow.training.launch import run_training
+from moeflow.training.trainer import (
+    iterate_records,
+    shard_of,
+    token_windows,
+    training_batch,
+    validation_windows,
+)
+
+FINE_TUNE: dict[str, Any] = dict(
+    context=16, batch_size=4, steps=24, eval_interval=12, eval_windows=8, checkpoint_interval=12, warmup_steps=2,
+    lr=1e-2, min_lr=1e-3, pipeline=1, alltoall="linear", progress=False,
+)
+
+
+def _saved(directory: Path, family: str, tokenizer: bool = True) -> Path:
+    model = tiny_model(family, seed=1)
+    model.config.eos_token_id = 2
+    model.save_pretrained(directory)
+    if tokenizer:
+        word_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Lines of words w3..w95 where each word determines the next: a pattern worth learning."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(300):
+        word, line = rng.randrange(3, 96), []
+        for _ in range(24):
+            line.append(f"w{word}")
+            word = (word * 7 + 3) % 93 + 3
+        lines.append(" ".join(line))
+    path = tmp_path_factory.mktemp("data") / "words.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _saved(tmp_path_factory.mktemp("mixtral"), "mixtral")
+
+
+def _plain(directory: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _cross_entropy(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+@torch.no_grad()
+def _first_step_loss(model: torch.nn.Module, corpus: PreparedCorpus, config: TrainConfig) -> float:
+    """The trainer's step-1 loss: the mean over the workers of each one's batch's cross-entropy."""
+    stream = corpus.load("train")
+    losses = []
+    for rank in range(config.workers):
+        inputs, targets = training_batch(shard_of(stream, rank, config.workers), 1, rank, config.seed,
+                                         config.batch_size, config.context)
+        losses.append(float(_cross_entropy(model, torch.cat([inputs, targets[:, -1:]], dim=1))))
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def _validation_loss(model: torch.nn.Module, corpus: PreparedCorpus, config: TrainConfig) -> float:
+    stream = corpus.load("val")
+    windows = token_windows(stream, validation_windows(stream, config.eval_windows, config.context), config.context)
+    return float(_cross_entropy(model, windows))
+
+
+@pytest.mark.distributed
+def test_fine_tuning_starts_from_the_model_and_writes_its_trained_weights(
+    mixtral_dir: Path, corpus_file: Path, tmp_path: Path
+) -> None:
+    config = TrainConfig(**FINE_TUNE, hf=str(mixtral_dir), data=str(corpus_file), run_dir=str(tmp_path / "run"))
+    summary = run_training(config)
+    records = list(iterate_records(tmp_path / "run"))
+    corpus = PreparedCorpus(**json.loads((tmp_path / "run" / "corpus.json").read_text()))
+    assert corpus.tokenizer == "pretrained" and corpus.vocab_size == 96
+
+    before, after = _plain(mixtral_dir), _plain(Path(summary["hf_checkpoint"]))
+    assert records[0]["loss"] == pytest.approx(_first_step_loss(before, corpus, config), rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(_validation_loss(after, corpus, config), rel=1e-5)
+    assert summary["val_loss"] < _validation_loss(before, corpus, config) - 0.5  # it learned the pattern
+    for record in records:
+        assert record["aux_loss"] == 0.0  # the model's config adds no router loss
+        assert [layer["block"] for layer in record["moe"]] == [0, 1]
+        assert all(layer["dropped"] == 0 for layer in record["moe"])  # dropless, as the model was trained
+        assert all(sum(layer["tokens_per_expert"]) == 2 * 4 * 16 * 2 for layer in record["moe"])
+    assert (tmp_path / "run" / "hf" / "tokenizer.json").is_file()
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
+@pytest.mark.distributed
+def test_fine_tuning_resumes_exactly(corpus_file: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3 (a dense first block, shared experts, a selection bias) with a router loss."""
+    directory = _saved(tmp_path / "deepseek", "deepseek_v3")
+    settings = dict(FINE_TUNE, steps=6, checkpoint_interval=3, eval_interval=3, aux_loss_weight=0.01,
+                    hf=str(directory), data=str(corpus_file))
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "whole")), report=False)
+    run_training(TrainConfig(**settings, stop_at=3, run_dir=str(tmp_path / "resumed")), report=False)
+    assert not (tmp_path / "resumed" / "hf").exists()  # written when the run ends, not when it pauses
+    assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0
+    whole, resumed = (list(iterate_records(tmp_path / name)) for name in ("whole", "resumed"))
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [(r["loss"], r["aux_loss"]) for r in resumed] == [(r["loss"], r["aux_loss"]) for r in whole]
+    assert all(r["aux_loss"] > 0 and [layer["block"] for layer in r["moe"]] == [1] for r in whole)
+    assert (tmp_path / "resumed" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "3"], "not divisible by workers=3"),
+        (["--mp-size", "2", "--workers", "2"], "leave --mp-size at 1"),
+        (["--context", "500"], "max_position_embeddings=128"),
+    ],
+)
+def test_bad_fine_tuning_input_fails_before_any_worker_starts(
+    flags: list[str], message: str, mixtral_dir: Path, corpus_file: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["train", "--hf", str(mixtral_dir), "--data", str(corpus_file), "--run-dir", str(tmp_path / "run"), *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_without_tokenizer_or_of_another_architecture_is_refused(
+    corpus_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = _saved(tmp_path / "bare", "qwen3_moe", tokenizer=False)
+    assert main(["train", "--hf", str(bare), "--data", str(corpus_file), "--run-dir", str(tmp_path / "a")]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert main(["train", "--hf", str(bare), "--data", str(corpus_file), "--run-dir", str(tmp_path / "b")]) == 2
+    assert "supported architectures: Mixtral" in capsys.readouterr().err
