@@ -336,7 +336,7 @@ class MoELayer(nn.Module):
             filled_LW = filled_WE[self.rank, experts].unsqueeze(1)
         else:
             filled_LW = filled_WE[:, experts].t()
-        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous())
+        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
 
     def _check_call_r(self, r: object) -> None:
         if self.schedule.name != "adaptive":

@@ -32,6 +32,14 @@ class FilledRows:
     counts_L: torch.Tensor  # rows per local expert
     offsets: torch.Tensor  # int32 cumulative counts, torch's grouped-GEMM convention
 
+    def counts(self) -> list[int]:
+        """The row counts of the experts that have rows, in order."""
+        return [count for count in self.counts_L.tolist() if count]
+
+    def nonempty(self) -> list[int]:
+        """The local experts that have rows, in order."""
+        return self.counts_L.nonzero().squeeze(1).tolist()
+
     def expert_of_rows(self) -> torch.Tensor:
         """The local expert of every packed row (to add per-expert biases)."""
         return torch.repeat_interleave(torch.arange(self.counts_L.numel()), self.counts_L)
@@ -46,17 +54,13 @@ class FilledRows:
 
 
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
-    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
-    if a_NK.shape[0] == 0:
-        return a_NK.new_zeros((0, b_LKJ.shape[2]))
-    if a_NK.dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm") and a_NK.device.type == "cpu":
-        return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets)
+    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J): one
+    GEMM per expert that has rows (torch's CPU grouped GEMM also visits the empty ones)."""
     out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
-    start = 0
-    for expert, count in enumerate(rows.counts_L.tolist()):
-        if count:
-            torch.mm(a_NK[start:start + count], b_LKJ[expert], out=out[start:start + count])
-            start += count
+    counts = rows.counts()
+    weights = b_LKJ.unbind(0)
+    for expert, a, y in zip(rows.nonempty(), a_NK.split(counts), out.split(counts), strict=True):
+        torch.mm(a, weights[expert], out=y)
     return out
 
 
@@ -64,11 +68,13 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torc
 class RaggedFFNCompute:
     """An :class:`~moeflow.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
     is how many of source rank w's slots of local expert l hold a token (over the whole capacity);
-    ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`)."""
+    ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`). Without
+    ``keeps_activations`` (no backward will run) the padded saved activations are not built."""
 
     base: FFNCompute
     filled_LW: torch.Tensor
     slots: tuple[int, int] | None = None
+    keeps_activations: bool = True
 
     @property
     def projections(self) -> int:
@@ -99,6 +105,8 @@ class RaggedFFNCompute:
             out.view(-1, values_NX.shape[1]).index_copy_(0, rows.index_N, values_NX)
             return out
 
+        if not self.keeps_activations:
+            return padded(y_NM), FFNSaved(x_LCM, x_LCM, x_LCM, None)  # placeholders no backward reads
         up_LCH = None if up_NH is None else padded(up_NH)
         return padded(y_NM), FFNSaved(x_LCM, padded(h_NH), padded(a_NH), up_LCH)
 
