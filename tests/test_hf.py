@@ -166,3 +166,19 @@ def test_generate_cli_bad_input(tmp_path, capsys) -> None:
         SamplingSettings(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingSettings(max_new_tokens=0)
+
+
+def test_bench_generate_compares_implementations_on_the_same_weights(capsys) -> None:
+    """A short run of the benchmark: every implementation's record, the comparison with identical
+    greedy tokens, the floor, and the summary line."""
+    argv = ["bench", "generate", "--models", "mixtral", "--batch-sizes", "2", "--repeats", "1",
+            "--prompt-tokens", "4", "--new-tokens", "3"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    records = {r.get("implementation"): r for r in lines if r.get("bench") == "generate"}
+    assert set(records) == {"eager", "grouped_mm", "moeflow"}
+    assert all(r["decode_tokens_per_s"] > 0 and r["decode_p95_ms"] >= r["decode_p50_ms"] for r in records.values())
+    (compare,) = [r for r in lines if r.get("bench") == "generate-compare"]
+    assert compare["same_tokens_as_eager"] and compare["same_tokens_as_fastest"]
+    assert 0 < compare["moe_floor_ms"] <= compare["moe_decode_ms"]  # nothing reads weights faster than the floor
+    assert lines[-1]["summary"] == "generate" and lines[-1]["all_tokens_identical"]

@@ -67,11 +67,11 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
 
 def run_on_cluster(
     module: str, name: str, grid: list[Any], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None, master_port: int, timeout_s: float,
+    profile: str | None, master_port: int, timeout_s: float, calibrate: bool = True,
 ) -> list[dict[str, Any]]:
     """Launch an emulated cluster that runs ``python -m module`` as every rank over a grid of
-    dataclass points (calibrating first unless ``profile`` is given); return rank 0's records,
-    printed as they come."""
+    dataclass points (calibrating first unless ``profile`` is given or ``calibrate`` is off);
+    return rank 0's records, printed as they come."""
     import json
     import os
     import sys
@@ -83,7 +83,12 @@ def run_on_cluster(
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", module, "--grid", json.dumps([asdict(p) for p in grid]),
                    "--repeats", str(repeats)]
-        command += ["--profile", profile] if profile else ["--save-profile", os.path.join(folder, "profile.json")]
+        if not calibrate:
+            command += ["--no-profile"]
+        elif profile:
+            command += ["--profile", profile]
+        else:
+            command += ["--save-profile", os.path.join(folder, "profile.json")]
         sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
         code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
                       timeout_s=timeout_s, sink=sink)
@@ -111,6 +116,7 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--save-profile", default=None)
+    parser.add_argument("--no-profile", action="store_true", help="measure without a cluster profile")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -119,7 +125,7 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
     def emit(record: dict[str, Any]) -> None:
         print(json.dumps(record), flush=True)
 
-    profile = cluster_profile(args.profile, args.save_profile, bench, emit)
+    profile = None if args.no_profile else cluster_profile(args.profile, args.save_profile, bench, emit)
     for values in json.loads(args.grid):
         measure(values, groups, profile, args.repeats, emit)
     dist.destroy_process_group()

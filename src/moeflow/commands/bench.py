@@ -12,7 +12,7 @@ from moeflow.commands import fail, positive_int, require_testbed
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_train):
+    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_train, _add_generate):
         add(benches)
 
 
@@ -265,3 +265,58 @@ def run_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         raise fail("bench train", error) from None
     return run(config, args.warmup)
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+
+def _add_generate(benches: Any) -> None:
+    generate = benches.add_parser(
+        "generate", help="prefill and decode of transformers MoE models: moeflow vs transformers' experts (needs "
+        "the hf extra; --workers 2 runs on an emulated cluster, needs root)",
+        description="Random-weight Mixtral-like (E=8, k=2) and Qwen3-MoE-like (E=64, k=8) models generate greedily "
+        "with a KV cache; moeflow and transformers' eager and grouped_mm experts take turns on the same weights. "
+        "--workers 2: expert parallel on the emulated 2x1 cluster, the all-to-all share of a decode step at "
+        "pipeline degrees 1 and 2.",
+    )
+    generate.add_argument("--models", nargs="+", default=["mixtral", "qwen3"], choices=("mixtral", "qwen3"))
+    generate.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8, 32],
+                          help="sequences per worker (default 1 8 32)")
+    generate.add_argument("--prompt-tokens", type=positive_int, default=32, help="prompt length (default 32)")
+    generate.add_argument("--new-tokens", type=positive_int, default=16, help="tokens generated (default 16)")
+    generate.add_argument("--repeats", type=positive_int, default=3, help="timed generations each (default 3)")
+    generate.add_argument("--workers", type=positive_int, default=1, choices=(1, 2),
+                          help="1: this process; 2: the emulated 2x1 cluster")
+    generate.add_argument("--inter-gbit", type=float, default=1.0, help="--workers 2: bandwidth between nodes")
+    generate.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import print_json
+    from moeflow.bench.generate import GeneratePoint, measure_point, read_bandwidth, run_cluster, summarize
+
+    grid = [GeneratePoint(model, batch, args.prompt_tokens, args.new_tokens)
+            for model in args.models for batch in args.batch_sizes]
+    if args.workers == 2:
+        require_testbed("bench generate")
+        from moeflow.testbed import ClusterError
+
+        try:
+            records = run_cluster(grid, 2, 1, args.inter_gbit, args.repeats)
+        except (ClusterError, RuntimeError) as error:
+            raise fail("bench generate", error) from None
+        share = [r["alltoall_share"] for r in records]
+        print_json({"summary": "generate-expert-parallel", "records": len(records),
+                    "max_alltoall_share": max(share) if share else None})
+        return 0
+    torch.set_num_threads(1)
+    bandwidth = read_bandwidth()
+    records = []
+    for point in grid:
+        for record in measure_point(point, args.repeats, bandwidth):
+            print_json(record)
+            records.append(record)
+    print_json(summarize(records))
+    return 0

@@ -1,0 +1,329 @@
+"""``moeflow bench generate``: prefill and decode of transformers MoE models, moeflow against
+transformers' own expert implementations, on the same process and weights.
+
+Two random-weight models of realistic shape scaled to a CPU (:data:`MODELS`): a Mixtral-like one
+(8 experts, top-2, wide experts) and a Qwen3-MoE-like one (64 experts, top-8, narrow experts). For
+each batch size, every implementation generates the same prompts greedily with a KV cache, taking
+turns (round-robin) over the repeats: prefill tokens/s, decode tokens/s and the p50/p95 latency of
+a decode step. moeflow's MoE blocks are timed during decode against their weight-read floor: the
+bytes of the experts a step actually selects over this machine's measured read bandwidth.
+
+With ``--workers 2`` the model runs expert parallel on the emulated cluster (one rank per node,
+data-parallel attention, experts split) and the record gives the all-to-all share of a decode step
+for pipeline degrees 1 and 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+HF_IMPLEMENTATIONS = ("eager", "grouped_mm")  # batched_mm pads every expert to all tokens: 10x slower here
+MOEFLOW = "moeflow"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A random-weight transformers MoE model."""
+
+    name: str
+    family: str  # mixtral | qwen3_moe
+    hidden: int
+    experts: int
+    top_k: int
+    expert_hidden: int
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 2048
+
+
+MODELS = {
+    "mixtral": ModelShape("mixtral-like", "mixtral", hidden=512, experts=8, top_k=2, expert_hidden=1792, kv_heads=2),
+    "qwen3": ModelShape("qwen3-moe-like", "qwen3_moe", hidden=512, experts=64, top_k=8, expert_hidden=256),
+}
+
+
+@dataclass(frozen=True)
+class GeneratePoint:
+    """One cell: a model at a batch size (per worker)."""
+
+    model: str
+    batch: int
+    prompt_tokens: int = 32
+    new_tokens: int = 16
+
+
+def hf_config(shape: ModelShape) -> Any:
+    import transformers
+
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=512,
+                  num_experts_per_tok=shape.top_k, tie_word_embeddings=False)
+    if shape.family == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=shape.expert_hidden,
+                                          num_local_experts=shape.experts)
+    return transformers.Qwen3MoeConfig(**common, head_dim=shape.hidden // shape.heads,
+                                       intermediate_size=2 * shape.hidden, moe_intermediate_size=shape.expert_hidden,
+                                       num_experts=shape.experts,
+                                       norm_topk_prob=True, decoder_sparse_step=1)
+
+
+def random_model(shape: ModelShape, implementation: str, seed: int = 0) -> nn.Module:
+    """The model with seeded weights of unit-ish scale (no denormals from uninitialised memory);
+    its own copy of the config, which transformers' ``from_config`` mutates."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(hf_config(shape)),
+                                                          experts_implementation=implementation)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            if tensor.dim() == 1:
+                tensor.fill_(1.0)  # norms
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5)
+    return model.eval()
+
+
+def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second one thread reads here (the median of summing a buffer far larger than caches)."""
+    buffer = torch.ones(megabytes * (1 << 20) // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.numel() * 4 / statistics.median(times)
+
+
+class BlockTimer:
+    """Wall time spent in a model's MoE blocks (forward hooks), reset per decode step."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        for block in blocks:
+            block.register_forward_pre_hook(self._enter)
+            block.register_forward_hook(self._leave)
+
+    def _enter(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _leave(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+
+def moe_modules(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks of a transformers model, converted or not."""
+    from moeflow.hf.blocks import HFMoEBlock
+    from moeflow.hf.families import family_of
+
+    return [m for m in model.modules() if isinstance(m, HFMoEBlock) or family_of(m) is not None]
+
+
+def selected_bytes(model: nn.Module) -> int:
+    """Bytes of the expert weights the last forward read on this rank: the experts with a token."""
+    from moeflow.hf.blocks import moe_blocks
+
+    total = 0
+    for block in moe_blocks(model):
+        experts = block.moe.experts
+        per_expert = sum(p[0].numel() * p.element_size() for p in experts.parameters())
+        local = [shard.expert for shard in block.moe.placement.local(block.moe.rank)]
+        counts = block.moe.last_stats.tokens_per_expert if block.moe.last_stats else []
+        total += per_expert * sum(1 for e in local if counts[e])
+    return total
+
+
+@dataclass
+class Generation:
+    """One greedy generation: its tokens and timings."""
+
+    tokens: list[list[int]]
+    prefill_s: float
+    step_s: list[float]
+    moe_step_s: list[float]
+    floor_bytes: list[int]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: torch.Tensor, new_tokens: int, timer: BlockTimer | None,
+             moeflow_blocks: bool) -> Generation:
+    """Greedy generation with the KV cache, every step timed."""
+    start = time.perf_counter()
+    out = model(input_ids=prompts, use_cache=True)
+    prefill_s = time.perf_counter() - start
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    tokens, steps, moe, floor = [token], [], [], []
+    for _ in range(new_tokens - 1):
+        if timer is not None:
+            timer.seconds = 0.0
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        steps.append(time.perf_counter() - start)
+        if timer is not None:
+            moe.append(timer.seconds)
+        if moeflow_blocks:
+            floor.append(selected_bytes(model))
+        tokens.append(token)
+    return Generation(torch.cat(tokens, 1).tolist(), prefill_s, steps, moe, floor)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _models(shape: ModelShape, pipeline: int | str = 1, group: Any = None) -> dict[str, nn.Module]:
+    """transformers' implementations and moeflow's (the same weights: one seed)."""
+    from moeflow.hf import replace_moe_blocks
+
+    models = {name: random_model(shape, name) for name in HF_IMPLEMENTATIONS}
+    models[MOEFLOW] = replace_moe_blocks(random_model(shape, "eager"), group, pipeline=pipeline)
+    return models
+
+
+def measure_point(point: GeneratePoint, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
+    """The records of one cell on one process: one per implementation, then the comparison."""
+    shape = MODELS[point.model]
+    models = _models(shape)
+    timers = {name: BlockTimer(moe_modules(model)) for name, model in models.items()}
+    prompts = torch.randint(0, shape.vocab, (point.batch, point.prompt_tokens),
+                            generator=torch.Generator().manual_seed(1))
+    runs: dict[str, list[Generation]] = {name: [] for name in models}
+    for round_index in range(repeats + 1):  # the first round warms up
+        for name, model in models.items():
+            run = generate(model, prompts, point.new_tokens, timers[name], name == MOEFLOW)
+            if round_index:
+                runs[name].append(run)
+    records = [_implementation_record(point, shape, name, values) for name, values in runs.items()]
+    return [*records, _comparison_record(point, shape, records, runs, bandwidth)]
+
+
+def _implementation_record(
+    point: GeneratePoint, shape: ModelShape, name: str, runs: list[Generation]
+) -> dict[str, Any]:
+    steps = [s for run in runs for s in run.step_s]
+    prefill = statistics.median(run.prefill_s for run in runs)
+    return {
+        "bench": "generate", "model": shape.name, "implementation": name, "batch": point.batch,
+        "prompt_tokens": point.prompt_tokens, "new_tokens": point.new_tokens,
+        "prefill_ms": prefill * 1e3, "prefill_tokens_per_s": point.batch * point.prompt_tokens / prefill,
+        "decode_p50_ms": statistics.median(steps) * 1e3, "decode_p95_ms": percentile(steps, 0.95) * 1e3,
+        "decode_tokens_per_s": point.batch / statistics.median(steps),
+        "moe_decode_ms": statistics.median(s for run in runs for s in run.moe_step_s) * 1e3,
+    }
+
+
+def _comparison_record(point: GeneratePoint, shape: ModelShape, records: list[dict[str, Any]],
+                       runs: dict[str, list[Generation]], bandwidth: float) -> dict[str, Any]:
+    by_name = {r["implementation"]: r for r in records}
+    fastest_decode = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["decode_tokens_per_s"])
+    fastest_prefill = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["prefill_tokens_per_s"])
+    ours = by_name[MOEFLOW]
+    floor_s = statistics.median(b for run in runs[MOEFLOW] for b in run.floor_bytes) / bandwidth
+    return {
+        "bench": "generate-compare", "model": shape.name, "batch": point.batch,
+        "fastest_hf_decode": fastest_decode, "fastest_hf_prefill": fastest_prefill,
+        "decode_speedup_vs_fastest": ours["decode_tokens_per_s"] / by_name[fastest_decode]["decode_tokens_per_s"],
+        "decode_speedup_vs_eager": ours["decode_tokens_per_s"] / by_name["eager"]["decode_tokens_per_s"],
+        "prefill_speedup_vs_fastest": ours["prefill_tokens_per_s"] / by_name[fastest_prefill]["prefill_tokens_per_s"],
+        "moe_decode_ms": ours["moe_decode_ms"], "moe_floor_ms": floor_s * 1e3,
+        "moe_over_floor": ours["moe_decode_ms"] / (floor_s * 1e3), "read_gb_per_s": bandwidth / 1e9,
+        "same_tokens_as_eager": runs[MOEFLOW][0].tokens == runs["eager"][0].tokens,
+        "same_tokens_as_fastest": runs[MOEFLOW][0].tokens == runs[fastest_decode][0].tokens,
+    }
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    compare = [r for r in records if r["bench"] == "generate-compare"]
+    target = [r for r in compare if r["model"] == MODELS["qwen3"].name and r["batch"] == 8]
+    floors = [r["moe_over_floor"] for r in compare if r["batch"] in (1, 8)]
+    cells = [min(r["decode_speedup_vs_fastest"], r["prefill_speedup_vs_fastest"]) for r in compare]
+    return {
+        "summary": "generate", "cells": len(compare),
+        "qwen3_batch8_decode_speedup_vs_fastest": target[0]["decode_speedup_vs_fastest"] if target else None,
+        "worst_cell_speedup_vs_fastest": min(cells) if cells else None,
+        "worst_moe_over_floor_batch_1_8": max(floors) if floors else None,
+        "all_tokens_identical": all(r["same_tokens_as_eager"] for r in compare),
+    }
+
+
+# -- expert parallel on the emulated cluster -------------------------------------------------------
+
+
+def measure_cluster_point(values: dict[str, Any], groups: Any, profile: Any, repeats: int, emit: Any) -> None:
+    """Every rank: decode with the experts split over the ranks, pipeline degrees 1 and 2 in turn;
+    rank 0 reports the slowest rank's step and the all-to-all share of it."""
+    import torch.distributed as dist
+
+    from moeflow.comm.groups import max_over_ranks
+    from moeflow.hf import moe_blocks, replace_moe_blocks
+
+    point = GeneratePoint(**values)
+    shape = MODELS[point.model]
+    models = {degree: replace_moe_blocks(random_model(shape, "eager"), groups, pipeline=degree) for degree in (1, 2)}
+    rank = dist.get_rank()
+    prompts = torch.randint(0, shape.vocab, (point.batch, point.prompt_tokens),
+                            generator=torch.Generator().manual_seed(1 + rank))
+    samples: dict[int, list[tuple[float, float]]] = {degree: [] for degree in models}
+    for round_index in range(repeats + 1):
+        for degree, model in models.items():
+            steps = _cluster_steps(model, moe_blocks(model), prompts, point.new_tokens)
+            if round_index:
+                samples[degree] += [tuple(max_over_ranks(list(step), dist.group.WORLD)) for step in steps]
+    if rank == 0:
+        for degree, values_ in samples.items():
+            step_s = statistics.median(s for s, _ in values_)
+            emit({"bench": "generate-expert-parallel", "model": shape.name, "batch_per_worker": point.batch,
+                  "workers": dist.get_world_size(), "pipeline": degree, "decode_p50_ms": step_s * 1e3,
+                  "decode_tokens_per_s": point.batch * dist.get_world_size() / step_s,
+                  "alltoall_ms": statistics.median(a for _, a in values_) * 1e3,
+                  "alltoall_share": statistics.median(a / s for s, a in values_)})
+
+
+@torch.no_grad()
+def _cluster_steps(
+    model: nn.Module, blocks: list[Any], prompts: torch.Tensor, new_tokens: int
+) -> list[tuple[float, float]]:
+    """(step seconds, seconds of all-to-all not hidden by expert compute) of each decode step."""
+    out = model(input_ids=prompts, use_cache=True)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    steps = []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        elapsed = time.perf_counter() - start
+        exchange = sum(b.moe.last_stats.timing.total_s - b.moe.last_stats.timing.expert_total_s for b in blocks)
+        steps.append((elapsed, exchange))
+    return steps
+
+
+def run_cluster(
+    grid: list[GeneratePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
+    master_port: int = 29780, timeout_s: float = 1800,
+) -> list[dict[str, Any]]:
+    from moeflow.bench import run_on_cluster
+
+    return run_on_cluster("moeflow.bench.generate", "generate", grid, nodes, ranks_per_node, inter_gbit, repeats,
+                          None, master_port, timeout_s, calibrate=False)
+
+
+def _rank_main(argv: list[str]) -> None:
+    from moeflow.bench import grid_rank_main
+
+    grid_rank_main(argv, "generate", measure_cluster_point)
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
