@@ -279,7 +279,8 @@ def _add_generate(benches: Any) -> None:
         "--workers 2: expert parallel on the emulated 2x1 cluster, the all-to-all share of a decode step at "
         "pipeline degrees 1 and 2.",
     )
-    generate.add_argument("--models", nargs="+", default=["mixtral", "qwen3"], choices=("mixtral", "qwen3"))
+    generate.add_argument("--models", nargs="+", default=["mixtral", "qwen3"], choices=("mixtral", "qwen3"),
+                          help="Mixtral-like (E=8, k=2) and/or Qwen3-MoE-like (E=64, k=8) (default both)")
     generate.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8, 32],
                           help="sequences per worker (default 1 8 32)")
     generate.add_argument("--prompt-tokens", type=positive_int, default=32, help="prompt length (default 32)")
