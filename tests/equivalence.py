@@ -118,7 +118,7 @@ def extra_cases() -> list[Case]:
                                                    "capacity_factor": 0.0, "expert_bias_update_rate": 0.05}, steps=3),
         Case("loop-kernel", {**base, "expert_kernel": "loop"}),
         Case("loop-kernel-swiglu", {**base, "expert_kernel": "loop", "activation": "swiglu"}),
-        # the ragged kernel: only the filled slots are computed (torch's grouped GEMM in fp32)
+        # the ragged kernel: only the filled slots are computed (one GEMM per expert that has rows)
         Case("ragged-f0-swiglu-nobias", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
                                          "activation": "swiglu", "bias": False}),
         Case("ragged-f1-drops-gelu-bias", {**base, "expert_kernel": "ragged", "top_k": 3}),

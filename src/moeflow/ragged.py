@@ -3,9 +3,9 @@
 The padded kernels multiply every local expert's whole capacity, C slots per source rank, however
 few of them are filled: at decode's handful of tokens that reads every expert's weights to use a
 few. Here the filled slots are gathered into one packed (N, M) matrix ordered by expert, the FFN
-runs as grouped GEMMs over per-expert row counts (experts with no row are skipped: their weights
-are never read), and the rows are scattered back into the padded layout. torch's own grouped GEMM
-(``torch._grouped_mm``) runs the fp32/bf16/fp16 case; other dtypes loop over the experts.
+runs as one GEMM per expert on its rows (experts with no row are skipped: their weights are never
+read), and the rows are scattered back into the padded layout. torch's CPU grouped GEMM
+(``torch._grouped_mm``) is not used: it runs a GEMM for every expert, empty ones included.
 
 The backward is the padded one: the saved activations are scattered into zero-filled padded
 buffers and the gradient of an empty slot is zero, so the padded GEMMs give the same gradients.
@@ -21,8 +21,6 @@ import torch
 from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights, activate
 from moeflow.workspace import Workspace
 
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @dataclass(frozen=True)
 class FilledRows:
@@ -30,15 +28,8 @@ class FilledRows:
 
     index_N: torch.Tensor
     counts_L: torch.Tensor  # rows per local expert
-    offsets: torch.Tensor  # int32 cumulative counts, torch's grouped-GEMM convention
-
-    def counts(self) -> list[int]:
-        """The row counts of the experts that have rows, in order."""
-        return [count for count in self.counts_L.tolist() if count]
-
-    def nonempty(self) -> list[int]:
-        """The local experts that have rows, in order."""
-        return self.counts_L.nonzero().squeeze(1).tolist()
+    experts: list[int]  # the local experts that have rows, in order
+    counts: list[int]  # their row counts
 
     def expert_of_rows(self) -> torch.Tensor:
         """The local expert of every packed row (to add per-expert biases)."""
@@ -50,16 +41,17 @@ class FilledRows:
         per_source_LW = (filled_LW - start).clamp(0, slots)
         mask_LWc = torch.arange(slots) < per_source_LW.unsqueeze(-1)
         counts_L = per_source_LW.sum(1)
-        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L, counts_L.cumsum(0).to(torch.int32))
+        filled = [(expert, count) for expert, count in enumerate(counts_L.tolist()) if count]
+        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L, [e for e, _ in filled],
+                          [c for _, c in filled])
 
 
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
     """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J): one
     GEMM per expert that has rows (torch's CPU grouped GEMM also visits the empty ones)."""
     out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
-    counts = rows.counts()
     weights = b_LKJ.unbind(0)
-    for expert, a, y in zip(rows.nonempty(), a_NK.split(counts), out.split(counts), strict=True):
+    for expert, a, y in zip(rows.experts, a_NK.split(rows.counts), out.split(rows.counts), strict=True):
         torch.mm(a, weights[expert], out=y)
     return out
 
