@@ -19,6 +19,7 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +106,7 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
 
 
 class BlockTimer:
-    """Wall time spent in a model's MoE blocks (forward hooks), reset per decode step."""
+    """Wall time spent in a model's MoE blocks (forward hooks) since the last :meth:`take`."""
 
     def __init__(self, blocks: list[nn.Module]) -> None:
         self.seconds = 0.0
@@ -119,6 +120,10 @@ class BlockTimer:
 
     def _leave(self, *_: Any) -> None:
         self.seconds += time.perf_counter() - self._started
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def moe_modules(model: nn.Module) -> list[nn.Module]:
@@ -155,27 +160,38 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompts: torch.Tensor, new_tokens: int, timer: BlockTimer | None,
-             moeflow_blocks: bool) -> Generation:
-    """Greedy generation with the KV cache, every step timed."""
-    start = time.perf_counter()
-    out = model(input_ids=prompts, use_cache=True)
-    prefill_s = time.perf_counter() - start
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    tokens, steps, moe, floor = [token], [], [], []
-    for _ in range(new_tokens - 1):
-        if timer is not None:
-            timer.seconds = 0.0
+def greedy_generation(
+    model: nn.Module, prompts: torch.Tensor, new_tokens: int, after_forward: Callable[[float], None]
+) -> list[list[int]]:
+    """Greedy tokens with the KV cache; ``after_forward(seconds)`` runs after every forward, the
+    prefill first, then each decode step."""
+    tokens = []
+    out = None
+    for _ in range(new_tokens):
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        steps.append(time.perf_counter() - start)
-        if timer is not None:
-            moe.append(timer.seconds)
-        if moeflow_blocks:
-            floor.append(selected_bytes(model))
-        tokens.append(token)
-    return Generation(torch.cat(tokens, 1).tolist(), prefill_s, steps, moe, floor)
+        if out is None:
+            out = model(input_ids=prompts, use_cache=True)
+        else:
+            out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        after_forward(time.perf_counter() - start)
+    return torch.cat(tokens, 1).tolist()
+
+
+def generate(model: nn.Module, prompts: torch.Tensor, new_tokens: int, timer: BlockTimer) -> Generation:
+    """One timed greedy generation: each forward's time, its MoE blocks' time and the bytes of
+    the experts it selected (zero for transformers' own blocks)."""
+    seconds: list[float] = []
+    moe: list[float] = []
+    floor: list[int] = []
+
+    def record(elapsed: float) -> None:
+        seconds.append(elapsed)
+        moe.append(timer.take())
+        floor.append(selected_bytes(model))
+
+    tokens = greedy_generation(model, prompts, new_tokens, record)
+    return Generation(tokens, seconds[0], seconds[1:], moe[1:], floor[1:])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -183,12 +199,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _models(shape: ModelShape, pipeline: int | str = 1, group: Any = None) -> dict[str, nn.Module]:
+def _models(shape: ModelShape) -> dict[str, nn.Module]:
     """transformers' implementations and moeflow's (the same weights: one seed)."""
     from moeflow.hf import replace_moe_blocks
 
     models = {name: random_model(shape, name) for name in HF_IMPLEMENTATIONS}
-    models[MOEFLOW] = replace_moe_blocks(random_model(shape, "eager"), group, pipeline=pipeline)
+    models[MOEFLOW] = replace_moe_blocks(random_model(shape, "eager"), None, pipeline=1)
     return models
 
 
@@ -202,7 +218,7 @@ def measure_point(point: GeneratePoint, repeats: int, bandwidth: float) -> list[
     runs: dict[str, list[Generation]] = {name: [] for name in models}
     for round_index in range(repeats + 1):  # the first round warms up
         for name, model in models.items():
-            run = generate(model, prompts, point.new_tokens, timers[name], name == MOEFLOW)
+            run = generate(model, prompts, point.new_tokens, timers[name])
             if round_index:
                 runs[name].append(run)
     records = [_implementation_record(point, shape, name, values) for name, values in runs.items()]
@@ -291,22 +307,18 @@ def measure_cluster_point(values: dict[str, Any], groups: Any, profile: Any, rep
                   "alltoall_share": statistics.median(a / s for s, a in values_)})
 
 
-@torch.no_grad()
 def _cluster_steps(
     model: nn.Module, blocks: list[Any], prompts: torch.Tensor, new_tokens: int
 ) -> list[tuple[float, float]]:
     """(step seconds, seconds of all-to-all not hidden by expert compute) of each decode step."""
-    out = model(input_ids=prompts, use_cache=True)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    steps = []
-    for _ in range(new_tokens - 1):
-        start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        elapsed = time.perf_counter() - start
-        exchange = sum(b.moe.last_stats.timing.total_s - b.moe.last_stats.timing.expert_total_s for b in blocks)
-        steps.append((elapsed, exchange))
-    return steps
+    forwards: list[tuple[float, float]] = []
+
+    def record(elapsed: float) -> None:
+        timings = [b.moe.last_stats.timing for b in blocks]
+        forwards.append((elapsed, sum(t.total_s - t.expert_total_s for t in timings)))
+
+    greedy_generation(model, prompts, new_tokens, record)
+    return forwards[1:]  # the prefill left out
 
 
 def run_cluster(
