@@ -182,3 +182,8 @@ def test_bench_generate_compares_implementations_on_the_same_weights(capsys) -> 
     assert compare["same_tokens_as_eager"] and compare["same_tokens_as_fastest"]
     assert 0 < compare["moe_floor_ms"] <= compare["moe_decode_ms"]  # nothing reads weights faster than the floor
     assert lines[-1]["summary"] == "generate" and lines[-1]["all_tokens_identical"]
+
+
+def test_bench_generate_needs_a_decode_step() -> None:
+    with pytest.raises(SystemExit, match="--new-tokens 1 leaves no decode step"):
+        main(["bench", "generate", "--new-tokens", "1"])

@@ -298,6 +298,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.bench.generate import GeneratePoint, measure_point, read_bandwidth, run_cluster, summarize
 
+    if args.new_tokens < 2:
+        raise fail("bench generate", f"--new-tokens {args.new_tokens} leaves no decode step to time; use 2 or more")
     grid = [GeneratePoint(model, batch, args.prompt_tokens, args.new_tokens)
             for model in args.models for batch in args.batch_sizes]
     if args.workers == 2:
