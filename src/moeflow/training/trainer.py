@@ -399,15 +399,14 @@ def _show_progress(progress: Any, run: _Run, record: dict[str, Any]) -> None:
     progress.update(1)
 
 
-def _summary(run: _Run, last_step: int) -> dict[str, Any]:
+def _summary(run: _Run, last_step: int, hf_checkpoint: Path | None) -> dict[str, Any]:
     corpus = run.job.corpus
-    wrote_hf = run.config.hf is not None and last_step == run.config.steps
     return {
         "steps": last_step, "workers": run.world_size, "loss": run.last_loss, "val_loss": run.val_loss,
         "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
         "median_tokens_per_s": statistics.median(run.throughput) if run.throughput else None,
         "checkpoint": str(run.checkpoint) if run.checkpoint else None, "run_dir": str(Path(run.job.run_dir)),
-        **({"hf_checkpoint": str(Path(run.job.run_dir) / HF_CHECKPOINT)} if wrote_hf else {}),
+        **({"hf_checkpoint": str(hf_checkpoint)} if hf_checkpoint is not None else {}),
     }
 
 
@@ -428,17 +427,16 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         progress.close()
         if run.log is not None:
             run.log.close()
-    if run.config.hf is not None and last_step == run.config.steps:
-        _save_hf(run)
-    return _summary(run, last_step)
+    hf_checkpoint = _save_hf(run) if run.config.hf is not None and last_step == run.config.steps else None
+    return _summary(run, last_step, hf_checkpoint)
 
 
-def _save_hf(run: _Run) -> None:
+def _save_hf(run: _Run) -> Path:
     """The fine-tuned model as a transformers directory (the run's last act: the blocks go back)."""
     from moeflow.hf.training import HFCausalLM, save_hf_checkpoint
 
     assert isinstance(run.model, HFCausalLM) and run.config.hf is not None
-    save_hf_checkpoint(run.model, run.config.hf, Path(run.job.run_dir) / HF_CHECKPOINT, run.rank)
+    return save_hf_checkpoint(run.model, run.config.hf, Path(run.job.run_dir) / HF_CHECKPOINT, run.rank)
 
 
 def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:
