@@ -50,9 +50,8 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torc
     """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J): one
     GEMM per expert that has rows (torch's CPU grouped GEMM also visits the empty ones)."""
     out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
-    weights = b_LKJ.unbind(0)
     for expert, a, y in zip(rows.experts, a_NK.split(rows.counts), out.split(rows.counts), strict=True):
-        torch.mm(a, weights[expert], out=y)
+        torch.mm(a, b_LKJ[expert], out=y)  # index only the experts with rows (unbind makes all L views)
     return out
 
 
