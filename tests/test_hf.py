@@ -181,6 +181,8 @@ def test_bench_generate_compares_implementations_on_the_same_weights(capsys) -> 
     (compare,) = [r for r in lines if r.get("bench") == "generate-compare"]
     assert compare["same_tokens_as_eager"] and compare["same_tokens_as_fastest"]
     assert 0 < compare["moe_floor_ms"] <= compare["moe_decode_ms"]  # nothing reads weights faster than the floor
+    assert compare["kernel_over_floor"] == pytest.approx(compare["read_gb_per_s"] / compare["gemm_gb_per_s"], rel=1e-3)
+    assert compare["fastest_hf_moe_over_floor"] > 0
     assert lines[-1]["summary"] == "generate" and lines[-1]["all_tokens_identical"]
 
 

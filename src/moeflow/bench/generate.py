@@ -105,6 +105,35 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
     return buffer.numel() * 4 / statistics.median(times)
 
 
+def expert_gemm_bandwidth(shape: ModelShape, rows: int, megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes of expert weights per second that torch's GEMMs read here when every expert (laid out
+    as moeflow keeps it: gate and up (M, I), down (I, M)) multiplies ``rows`` token rows, one
+    thread, weights far larger than caches: the rate the kernel itself allows at decode."""
+    per_expert = 3 * shape.hidden * shape.expert_hidden
+    experts = max(1, megabytes * (1 << 20) // (4 * per_expert))
+    gate_up = torch.randn(experts, 2, shape.hidden, shape.expert_hidden)
+    down = torch.randn(experts, shape.expert_hidden, shape.hidden)
+    x = torch.randn(rows, shape.hidden)
+    h = torch.randn(rows, shape.expert_hidden)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for pair, matrix in zip(gate_up, down, strict=True):
+            torch.mm(x, pair[0])
+            torch.mm(x, pair[1])
+            torch.mm(h, matrix)
+        times.append(time.perf_counter() - start)
+    return experts * per_expert * 4 / statistics.median(times)
+
+
+def mean_rows_per_expert(shape: ModelShape, batch: int, runs: list[Generation]) -> float:
+    """Token rows per selected expert in a decode step (batch x top-k x layers over the experts
+    with a token, counted from the bytes they hold)."""
+    expert_bytes = 3 * shape.hidden * shape.expert_hidden * 4
+    selected = statistics.median(b for run in runs for b in run.floor_bytes) / expert_bytes
+    return batch * shape.top_k * shape.layers / selected
+
+
 class BlockTimer:
     """Wall time spent in a model's MoE blocks (forward hooks) since the last :meth:`take`."""
 
@@ -222,7 +251,8 @@ def measure_point(point: GeneratePoint, repeats: int, bandwidth: float) -> list[
             if round_index:
                 runs[name].append(run)
     records = [_implementation_record(point, shape, name, values) for name, values in runs.items()]
-    return [*records, _comparison_record(point, shape, records, runs, bandwidth)]
+    kernel = expert_gemm_bandwidth(shape, round(mean_rows_per_expert(shape, point.batch, runs[MOEFLOW])))
+    return [*records, _comparison_record(point, shape, records, runs, bandwidth, kernel)]
 
 
 def _implementation_record(
@@ -241,7 +271,9 @@ def _implementation_record(
 
 
 def _comparison_record(point: GeneratePoint, shape: ModelShape, records: list[dict[str, Any]],
-                       runs: dict[str, list[Generation]], bandwidth: float) -> dict[str, Any]:
+                       runs: dict[str, list[Generation]], bandwidth: float, kernel: float) -> dict[str, Any]:
+    """moeflow against transformers' fastest; ``kernel`` is :func:`expert_gemm_bandwidth` at the
+    step's rows per expert: ``kernel_over_floor`` is where a dispatch that cost nothing would land."""
     by_name = {r["implementation"]: r for r in records}
     fastest_decode = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["decode_tokens_per_s"])
     fastest_prefill = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["prefill_tokens_per_s"])
@@ -255,6 +287,9 @@ def _comparison_record(point: GeneratePoint, shape: ModelShape, records: list[di
         "prefill_speedup_vs_fastest": ours["prefill_tokens_per_s"] / by_name[fastest_prefill]["prefill_tokens_per_s"],
         "moe_decode_ms": ours["moe_decode_ms"], "moe_floor_ms": floor_s * 1e3,
         "moe_over_floor": ours["moe_decode_ms"] / (floor_s * 1e3), "read_gb_per_s": bandwidth / 1e9,
+        "fastest_hf_moe_over_floor": by_name[fastest_decode]["moe_decode_ms"] / (floor_s * 1e3),
+        "rows_per_selected_expert": mean_rows_per_expert(shape, point.batch, runs[MOEFLOW]),
+        "gemm_gb_per_s": kernel / 1e9, "kernel_over_floor": bandwidth / kernel,
         "same_tokens_as_eager": runs[MOEFLOW][0].tokens == runs["eager"][0].tokens,
         "same_tokens_as_fastest": runs[MOEFLOW][0].tokens == runs[fastest_decode][0].tokens,
     }
