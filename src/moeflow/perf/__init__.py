@@ -1,4 +1,5 @@
-"""Performance models: alpha-beta fits, cluster profiles, cost functions, FasterMoE's roofline.
+"""Performance models: alpha-beta fits, cluster profiles, cost functions, FasterMoE's roofline and
+its shadowing decision.
 
 Plain math on numbers: nothing here imports torch.distributed, so planners and simulators can use it.
 """
@@ -7,6 +8,7 @@ from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_er
 from moeflow.perf.cost import CostModel, LayerShape
 from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile
 from moeflow.perf.roofline import Roofline, communication_latency, computation_latency, link_traffic
+from moeflow.perf.shadowing import ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
 
 __all__ = [
     "PROFILE_VERSION",
@@ -15,9 +17,13 @@ __all__ = [
     "CostModel",
     "LayerShape",
     "Roofline",
+    "ShadowDecision",
+    "ShadowPrices",
     "communication_latency",
     "computation_latency",
     "fit_alpha_beta",
     "link_traffic",
     "median_relative_error",
+    "select_shadowed_experts",
+    "shadowed_latency",
 ]

@@ -1,0 +1,123 @@
+"""FasterMoE's dynamic shadowing decision (§4.1): Eq. 7, Eq. 8 and Algorithm 1, on numbers.
+
+Every rank runs :func:`select_shadowed_experts` on the same global routing counts (``T[w][e]``:
+tokens rank w routes to expert e, which the layer already all-gathers) and so gets the same set.
+
+Generalised from the paper's one expert per worker to E experts over W ranks:
+- a rank's load ``B_w`` is the tokens its un-shadowed experts receive from every rank, plus the
+  tokens it routes itself to shadowed experts (those are computed where they are, line 6-8 of
+  Algorithm 1);
+- the token exchange of a rank is the larger of what it sends to and receives from other ranks'
+  un-shadowed experts (Eq. 2's busiest link, with one link per rank);
+- ``latency(S) = max_w (compute(B_w) + 4 exchange_w) + |S| parameter sync``: at S = {} that is
+  Eq. 7 (forward and backward, 4 all-to-alls); with S it is Eq. 8 plus the tokens of the experts
+  that still travel (Eq. 8 drops them: with one expert per worker in the paper, a shadowed hot
+  expert leaves little else to send).
+- candidates are tried hottest first (Algorithm 1's descending sort) and the search stops at the
+  first expert that does not lower the latency, as the paper's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moeflow.perf.cost import CostModel
+
+
+@dataclass(frozen=True)
+class ShadowPrices:
+    """What the decision costs things at. ``expert_seconds(rows)``: the forward and backward of the
+    expert FFN over ``rows`` tokens on one rank; ``exchange_seconds(bytes)``: one all-to-all in
+    which a rank moves ``bytes``; ``parameter_seconds``: broadcasting one expert's parameters from
+    its owner and reducing its gradients back (the two collectives of Eq. 8)."""
+
+    expert_seconds: Callable[[float], float]
+    exchange_seconds: Callable[[float], float]
+    parameter_seconds: float
+    row_bytes: int
+
+    @classmethod
+    def from_cost_model(
+        cls, cost: CostModel, model_dim: int, hidden_dim: int, projections: int, bytes_per_element: int = 4,
+        algorithm: str = "linear",
+    ) -> ShadowPrices:
+        """Prices from a calibrated profile. The broadcast + reduce pair moves what one ring
+        all-reduce of the parameters moves (a reduce-scatter and an all-gather), so it is priced
+        as that all-reduce."""
+        parameter_bytes = projections * model_dim * hidden_dim * bytes_per_element
+
+        def expert_seconds(rows: float) -> float:
+            if rows <= 0:
+                return 0.0
+            whole = max(1, round(rows))
+            return (cost.t_ffn(whole, model_dim, hidden_dim, projections)
+                    + cost.t_ffn(whole, model_dim, hidden_dim, projections, backward=True))
+
+        return cls(
+            expert_seconds=expert_seconds,
+            exchange_seconds=lambda size: cost.t_alltoall(algorithm, size) if size > 0 else 0.0,
+            parameter_seconds=cost.t_allreduce(parameter_bytes),
+            row_bytes=model_dim * bytes_per_element,
+        )
+
+
+@dataclass(frozen=True)
+class ShadowDecision:
+    """The experts to shadow this iteration and the predicted step latencies without and with."""
+
+    experts: tuple[int, ...]
+    latency_without_s: float
+    latency_with_s: float
+
+    @property
+    def predicted_gain_s(self) -> float:
+        return self.latency_without_s - self.latency_with_s
+
+
+def shadowed_latency(
+    tokens_WE: Sequence[Sequence[int]], owner_E: Sequence[int], shadowed: set[int], prices: ShadowPrices
+) -> float:
+    """Predicted forward + backward latency of the layer when ``shadowed`` experts are computed
+    where their tokens are (Eq. 7 for none, Eq. 8 generalised otherwise)."""
+    ranks = len(tokens_WE)
+    compute = [0.0] * ranks
+    sent = [0.0] * ranks
+    received = [0.0] * ranks
+    for source, row in enumerate(tokens_WE):
+        for expert, tokens in enumerate(row):
+            if not tokens:
+                continue
+            where = source if expert in shadowed else owner_E[expert]
+            compute[where] += tokens
+            if where != source:
+                sent[source] += tokens
+                received[where] += tokens
+    slowest = max(
+        prices.expert_seconds(compute[w]) + 4 * prices.exchange_seconds(max(sent[w], received[w]) * prices.row_bytes)
+        for w in range(ranks)
+    )
+    return slowest + len(shadowed) * prices.parameter_seconds
+
+
+def select_shadowed_experts(
+    tokens_WE: Sequence[Sequence[int]], owner_E: Sequence[int], prices: ShadowPrices, limit: int | None = None
+) -> ShadowDecision:
+    """Algorithm 1: add the hottest experts one by one while the predicted latency falls; stop at
+    the first that does not help (or after ``limit`` experts)."""
+    num_experts = len(owner_E)
+    if any(len(row) != num_experts for row in tokens_WE):
+        raise ValueError(f"tokens_WE must have one column per expert ({num_experts}); got rows of "
+                         f"{sorted({len(row) for row in tokens_WE})}")
+    load_E = [sum(row[e] for row in tokens_WE) for e in range(num_experts)]
+    best = baseline = shadowed_latency(tokens_WE, owner_E, set(), prices)
+    chosen: list[int] = []
+    for expert in sorted(range(num_experts), key=lambda e: (-load_E[e], e)):
+        if (limit is not None and len(chosen) >= limit) or not load_E[expert]:
+            break
+        latency = shadowed_latency(tokens_WE, owner_E, {*chosen, expert}, prices)
+        if latency >= best:
+            break
+        best = latency
+        chosen.append(expert)
+    return ShadowDecision(tuple(chosen), baseline, best)

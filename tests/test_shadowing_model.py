@@ -1,0 +1,77 @@
+"""FasterMoE's shadowing decision (Eq. 7, Eq. 8, Algorithm 1) on hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+
+# expert 0 lives on rank 0, expert 1 on rank 1; both ranks send 90 tokens to expert 0, 10 to expert 1
+SKEWED = [[90, 10], [90, 10]]
+OWNERS = [0, 1]
+
+
+def _prices(parameter_seconds: float) -> ShadowPrices:
+    """One second per token computed, 0.1 s per token moved in one all-to-all."""
+    return ShadowPrices(lambda rows: float(rows), lambda size: 0.1 * size, parameter_seconds, row_bytes=1)
+
+
+def test_latency_without_shadowing_is_eq7_on_the_busiest_rank() -> None:
+    # rank 0 computes 180 tokens and receives 90 (4 all-to-alls): 180 + 4 * 9 = 216; rank 1: 20 + 36
+    assert shadowed_latency(SKEWED, OWNERS, set(), _prices(20.0)) == pytest.approx(216.0)
+
+
+def test_latency_with_a_shadowed_expert_computes_its_tokens_where_they_are() -> None:
+    # rank 1 computes its 90 tokens of expert 0 and all 20 of expert 1, receiving 10: 110 + 4,
+    # plus one expert's parameter broadcast and gradient reduce
+    assert shadowed_latency(SKEWED, OWNERS, {0}, _prices(20.0)) == pytest.approx(114.0 + 20.0)
+    assert shadowed_latency(SKEWED, OWNERS, {0, 1}, _prices(20.0)) == pytest.approx(100.0 + 40.0)
+
+
+def test_algorithm1_shadows_the_hot_expert_and_stops_at_the_first_that_does_not_help() -> None:
+    decision = select_shadowed_experts(SKEWED, OWNERS, _prices(20.0))
+    assert decision.experts == (0,)  # adding expert 1 (140) is worse than 134: the search stops
+    assert decision.latency_without_s == pytest.approx(216.0)
+    assert decision.latency_with_s == pytest.approx(134.0)
+    assert decision.predicted_gain_s == pytest.approx(82.0)
+
+
+def test_no_shadowing_when_parameters_cost_more_than_the_imbalance() -> None:
+    decision = select_shadowed_experts(SKEWED, OWNERS, _prices(200.0))
+    assert decision.experts == () and decision.predicted_gain_s == 0.0
+
+
+def test_no_shadowing_on_a_balanced_load() -> None:
+    balanced = [[50, 50], [50, 50]]
+    assert select_shadowed_experts(balanced, OWNERS, _prices(1.0)).experts == ()
+
+
+def test_several_experts_per_rank_limit_and_parameter_price() -> None:
+    # experts 0 and 1 on rank 0 get 80 tokens each, experts 2 and 3 on rank 1 get 20
+    tokens = [[40, 40, 10, 10], [40, 40, 10, 10]]
+    owners = [0, 0, 1, 1]
+    assert shadowed_latency(tokens, owners, set(), _prices(0.0)) == pytest.approx(160 + 4 * 8.0)
+    # free parameters: every step lowers the busiest rank (136, 128, 114, 100), so all are shadowed
+    assert select_shadowed_experts(tokens, owners, _prices(0.0)).experts == (0, 1, 2, 3)
+    assert select_shadowed_experts(tokens, owners, _prices(0.0), limit=1).experts == (0,)
+    # at 10 s per expert: {0} costs 136 + 10, {0, 1} 128 + 20: the second does not help
+    decision = select_shadowed_experts(tokens, owners, _prices(10.0))
+    assert decision.experts == (0,) and decision.latency_with_s == pytest.approx(146.0)
+
+
+def test_prices_from_a_calibrated_profile() -> None:
+    fits = {"gemm": AlphaBeta(0.0, 1e-9), "alltoall.linear": AlphaBeta(1e-3, 1e-8), "allreduce": AlphaBeta(1e-3, 2e-8)}
+    cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits, interference=1.0))
+    prices = ShadowPrices.from_cost_model(cost, model_dim=64, hidden_dim=128, projections=3)
+    assert prices.parameter_seconds == pytest.approx(cost.t_allreduce(3 * 64 * 128 * 4))
+    # forward (3 GEMMs) and backward (twice that) of one expert on 10 rows
+    assert prices.expert_seconds(10) == pytest.approx(9 * cost.t_gemm(10, 64, 128))
+    assert prices.expert_seconds(0) == 0.0 and prices.exchange_seconds(0) == 0.0
+    assert prices.exchange_seconds(1000) == pytest.approx(cost.t_alltoall("linear", 1000))
+    assert prices.row_bytes == 256
+
+
+def test_counts_must_have_a_column_per_expert() -> None:
+    with pytest.raises(ValueError, match="tokens_WE must have one column per expert"):
+        select_shadowed_experts([[1, 2, 3]], OWNERS, _prices(1.0))
