@@ -39,6 +39,13 @@ PROFILE_FAVOURING_2DH = ClusterProfile(
 )
 
 
+# parameters far cheaper to move than tokens: Algorithm 1 shadows the hot expert
+PROFILE_CHEAP_SHADOWS = ClusterProfile(
+    nodes=2, ranks_per_node=2,
+    fits={"alltoall.linear": AlphaBeta(1e-4, 1e-6), "allreduce": AlphaBeta(1e-6, 1e-12), "gemm": AlphaBeta(1e-6, 1e-9)},
+)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -127,6 +134,16 @@ def extra_cases() -> list[Case]:
         Case("ragged-empty-rank", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0}, empty_ranks=(1,)),
         Case("ragged-replicated", {**base, "expert_kernel": "ragged", "parallel": "replicated",
                                    "activation": "swiglu"}),
+        # FasterMoE's shadowing: the shadowed experts run on every rank's own tokens
+        Case("shadow-hot-expert-f0", {**base, "shadowing": [0], "capacity_factor": 0.0}, same_expert=True),
+        Case("shadow-two-ragged-swiglu", {**base, "shadowing": [0, 5], "expert_kernel": "ragged",
+                                          "activation": "swiglu", "bias": False, "capacity_factor": 0.0}),
+        Case("shadow-d2-drops", {**base, "shadowing": [1], "pipeline": 2}, tokens_per_rank=24),
+        Case("shadow-empty-rank-2dh", {**base, "shadowing": [2, 3], "alltoall": "2dh"}, empty_ranks=(1,),
+             ranks_per_node=2),
+        Case("shadow-auto", {**base, "shadowing": "auto", "profile": PROFILE_CHEAP_SHADOWS, "capacity_factor": 0.0},
+             same_expert=True),
+        Case("shadow-all-experts", {**base, "shadowing": list(range(8)), "capacity_factor": 0.0}),
         Case("ragged-float64-loop", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
                                      "activation": "silu"}, dtype=torch.float64),
         *[
@@ -314,6 +331,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "profile": kwargs.pop("profile", None),
         "pipeline": kwargs.pop("pipeline", "auto"),
         "parallel": kwargs.pop("parallel", "expert"),
+        "shadowing": kwargs.pop("shadowing", "off"),
         "group": groups,
     }
     if execution["parallel"] in PARM_SCHEDULES and groups.model is None:

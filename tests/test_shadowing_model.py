@@ -73,5 +73,5 @@ def test_prices_from_a_calibrated_profile() -> None:
 
 
 def test_counts_must_have_a_column_per_expert() -> None:
-    with pytest.raises(ValueError, match="tokens_WE must have one column per expert"):
+    with pytest.raises(ValueError, match=r"tokens_WE must be \(ranks, experts\) with one column per expert"):
         select_shadowed_experts([[1, 2, 3]], OWNERS, _prices(1.0))

@@ -94,6 +94,7 @@ class MoEConfig:
     bias: bool = True
     parallel: str | int = "auto"
     tokens_per_rank_hint: int | None = None
+    shadowing: str | tuple[int, ...] = "off"  # FasterMoE: "off", "auto" or the experts to shadow
 
     def __post_init__(self) -> None:
         require_positive_int("model_dim", self.model_dim)
@@ -115,6 +116,7 @@ class MoEConfig:
         validate_pipeline(self.pipeline)
         require_positive_int("capacity_bucket", self.capacity_bucket)
         validate_parallel(self.parallel)
+        object.__setattr__(self, "shadowing", validate_shadowing(self.shadowing, self.num_experts))
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
@@ -217,6 +219,23 @@ def validate_parallel(parallel: object) -> str | int:
             f"parallel must be one of {', '.join(PARALLEL_CHOICES)} or Tutel's r (an integer >= 0), got {parallel!r}"
         )
     return parallel
+
+
+SHADOWING_POLICIES = ("off", "auto")
+
+
+def validate_shadowing(shadowing: object, num_experts: int) -> str | tuple[int, ...]:
+    """FasterMoE's dynamic shadowing: "off", "auto" (Algorithm 1 each iteration, on a calibrated
+    profile) or a fixed list of experts, returned as a sorted tuple."""
+    if isinstance(shadowing, str) and shadowing in SHADOWING_POLICIES:
+        return shadowing
+    if isinstance(shadowing, list | tuple) and all(
+        isinstance(e, int) and not isinstance(e, bool) and 0 <= e < num_experts for e in shadowing
+    ) and len(set(shadowing)) == len(shadowing):
+        return tuple(sorted(shadowing))
+    raise ValueError(
+        f"shadowing must be 'off', 'auto' or a list of distinct experts in [0, {num_experts}), got {shadowing!r}"
+    )
 
 
 def switchable_rs(num_experts: int, world_size: int) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -36,8 +37,11 @@ from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
+from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
+from moeflow.perf.schedules import Plan
+from moeflow.perf.shadowing import ShadowPrices
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.ragged import RaggedFFNCompute
 from moeflow.routing import (
@@ -132,6 +136,7 @@ class MoELayer(nn.Module):
         bias: bool = True,
         parallel: str | int = "auto",
         tokens_per_rank_hint: int | None = None,
+        shadowing: str | Sequence[int] = "off",
         profile: ClusterProfile | str | None = None,
         mp_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -150,6 +155,7 @@ class MoELayer(nn.Module):
             expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
             capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
             tokens_per_rank_hint=tokens_per_rank_hint,
+            shadowing=shadowing if isinstance(shadowing, str) else tuple(shadowing),
         )
         self.config = config
         resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
@@ -198,6 +204,7 @@ class MoELayer(nn.Module):
         if c.expert_kernel == "ragged":
             require_ragged_schedule(self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
+        check_shadowing(c.shadowing, self.schedule.name, self.cost_model)
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
             c.capacity_bucket, schedule=self.schedule.model,
@@ -279,10 +286,8 @@ class MoELayer(nn.Module):
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         self.workspace.start_step()
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
-        combined_ECM = self.schedule.run(
-            chosen.plan, dispatched_ECM, self.experts, self.groups, timing, self.workspace,
-            self._ragged_compute(load, capacity),
-        )
+        shadow, shadow_gain = self._shadows(load, capacity, chosen.plan.algorithm)
+        combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, load, capacity, shadow)
         y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
 
         if self.shared_experts is not None:
@@ -299,7 +304,10 @@ class MoELayer(nn.Module):
                         self.gate.expert_bias, load.counts_WE.sum(0), config.expert_bias_update_rate
                     )
                 )
-        self.last_stats = self._stats(load, capacity, k, factor, chosen, timing, owned.capacity)
+        self.last_stats = dataclasses.replace(
+            self._stats(load, capacity, k, factor, chosen, timing, owned.capacity),
+            shadowed_experts=shadow.experts if shadow else (), shadow_predicted_gain_s=shadow_gain,
+        )
         return y_TM.view(x.shape)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -325,17 +333,52 @@ class MoELayer(nn.Module):
             raise ValueError("x contains NaN or inf values (check_finite=True)")
         return x.reshape(-1, model_dim)
 
-    def _ragged_compute(self, load: _GlobalLoad, capacity: int) -> RaggedFFNCompute | None:
+    def _run_experts(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, load: _GlobalLoad, capacity: int,
+        shadow: ShadowPlan | None,
+    ) -> torch.Tensor:
+        """The schedule's dispatch -> experts -> combine; with shadowed experts, those run here on
+        this rank's own tokens and only the others go through the schedule."""
+        filled_WE = load.counts_WE.clamp(max=capacity)
+        if shadow is not None:
+            filled_WE = filled_WE.index_fill(1, torch.tensor(shadow.experts), 0)  # their owners skip them
+        ragged = self._ragged_compute(filled_WE)
+
+        def run_exchanged(buffer_ECM: torch.Tensor) -> torch.Tensor:
+            return self.schedule.run(plan, buffer_ECM, self.experts, self.groups, timing, self.workspace, ragged)
+
+        if shadow is None:
+            return run_exchanged(dispatched_ECM)
+        weights = shadow_weights(self.experts.weights(), self.placement, self.rank, shadow.experts, self.groups.expert)
+        own_filled = load.counts_WE.clamp(max=capacity)[self.rank, list(shadow.experts)].unsqueeze(1)
+        local = self._ragged_compute(own_filled, local=True) or self.experts.compute
+        return run_with_shadows(shadow, dispatched_ECM, weights, local, run_exchanged)
+
+    def _shadows(self, load: _GlobalLoad, capacity: int, algorithm: str) -> tuple[ShadowPlan | None, float | None]:
+        """FasterMoE's shadowed experts of this iteration (the same on every rank) and the gain the
+        cost model predicts for them."""
+        c = self.config
+        if c.shadowing == "off" or self.world_size == 1:
+            return None, None
+        prices = None if self.cost_model is None else ShadowPrices.from_cost_model(
+            self.cost_model, c.model_dim, c.hidden_dim, ffn_projections(c.activation), algorithm=algorithm,
+        )
+        return decide_shadows(c.shadowing, load.counts_WE.clamp(max=capacity), self.placement, capacity, prices)
+
+    def _ragged_compute(self, filled_WE: torch.Tensor, local: bool = False) -> RaggedFFNCompute | None:
         """With ``expert_kernel="ragged"``: the compute that runs each local expert on its filled
-        slots only (how many of each source rank's slots hold a token, from the exchanged counts)."""
+        slots only (how many of each source rank's slots hold a token, from the exchanged counts).
+        ``local``: ``filled_WE`` is already (L, 1), this rank's own slots of the experts it computes."""
         if self.config.expert_kernel != "ragged":
             return None
-        filled_WE = load.counts_WE.clamp(max=capacity)
-        experts = [shard.expert for shard in self.placement.local(self.rank)]
-        if self.schedule.name == "replicated":  # every rank computes its own tokens on every expert
-            filled_LW = filled_WE[self.rank, experts].unsqueeze(1)
+        if local:
+            filled_LW = filled_WE
         else:
-            filled_LW = filled_WE[:, experts].t()
+            experts = [shard.expert for shard in self.placement.local(self.rank)]
+            if self.schedule.name == "replicated":  # every rank computes its own tokens on every expert
+                filled_LW = filled_WE[self.rank, experts].unsqueeze(1)
+            else:
+                filled_LW = filled_WE[:, experts].t()
         return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
 
     def _check_call_r(self, r: object) -> None:

@@ -73,6 +73,8 @@ class RoutingStats:
     dropped_per_expert: list[int]
     plan: ExecutionPlan | None = None
     timing: PipelineTiming = field(default_factory=PipelineTiming)  # measured; backward fills in later
+    shadowed_experts: tuple[int, ...] = ()  # FasterMoE: computed where their tokens are this iteration
+    shadow_predicted_gain_s: float | None = None  # Algorithm 1's predicted step saving (None: no profile)
 
     @property
     def dropped(self) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from moeflow.perf.cost import CostModel
 
 
@@ -76,40 +78,42 @@ class ShadowDecision:
 
 
 def shadowed_latency(
-    tokens_WE: Sequence[Sequence[int]], owner_E: Sequence[int], shadowed: set[int], prices: ShadowPrices
+    tokens_WE: Sequence[Sequence[int]] | np.ndarray, owner_E: Sequence[int], shadowed: set[int], prices: ShadowPrices
 ) -> float:
     """Predicted forward + backward latency of the layer when ``shadowed`` experts are computed
-    where their tokens are (Eq. 7 for none, Eq. 8 generalised otherwise)."""
-    ranks = len(tokens_WE)
-    compute = [0.0] * ranks
-    sent = [0.0] * ranks
-    received = [0.0] * ranks
-    for source, row in enumerate(tokens_WE):
-        for expert, tokens in enumerate(row):
-            if not tokens:
-                continue
-            where = source if expert in shadowed else owner_E[expert]
-            compute[where] += tokens
-            if where != source:
-                sent[source] += tokens
-                received[where] += tokens
+    where their tokens are (Eq. 7 for none, Eq. 8 generalised otherwise). Vectorised over ranks
+    and experts: Algorithm 1 calls it once per candidate, every iteration."""
+    tokens = np.asarray(tokens_WE, dtype=np.float64)
+    ranks, experts = tokens.shape
+    owned_EW = np.zeros((experts, ranks))
+    owned_EW[np.arange(experts), np.asarray(owner_E)] = 1.0
+    kept_E = np.ones(experts)
+    kept_E[list(shadowed)] = 0.0
+    kept_WE = tokens * kept_E
+    own_kept_W = (kept_WE * owned_EW.T).sum(1)  # tokens a rank routes to its own kept experts
+    arriving_W = kept_WE.sum(0) @ owned_EW  # all tokens of a rank's kept experts
+    compute_W = arriving_W + (tokens - kept_WE).sum(1)
+    moved_W = np.maximum(kept_WE.sum(1) - own_kept_W, arriving_W - own_kept_W)
     slowest = max(
-        prices.expert_seconds(compute[w]) + 4 * prices.exchange_seconds(max(sent[w], received[w]) * prices.row_bytes)
-        for w in range(ranks)
+        prices.expert_seconds(float(compute)) + 4 * prices.exchange_seconds(float(moved) * prices.row_bytes)
+        for compute, moved in zip(compute_W, moved_W, strict=True)
     )
     return slowest + len(shadowed) * prices.parameter_seconds
 
 
 def select_shadowed_experts(
-    tokens_WE: Sequence[Sequence[int]], owner_E: Sequence[int], prices: ShadowPrices, limit: int | None = None
+    tokens_WE: Sequence[Sequence[int]] | np.ndarray, owner_E: Sequence[int], prices: ShadowPrices,
+    limit: int | None = None,
 ) -> ShadowDecision:
     """Algorithm 1: add the hottest experts one by one while the predicted latency falls; stop at
     the first that does not help (or after ``limit`` experts)."""
     num_experts = len(owner_E)
-    if any(len(row) != num_experts for row in tokens_WE):
-        raise ValueError(f"tokens_WE must have one column per expert ({num_experts}); got rows of "
-                         f"{sorted({len(row) for row in tokens_WE})}")
-    load_E = [sum(row[e] for row in tokens_WE) for e in range(num_experts)]
+    tokens = np.asarray(tokens_WE, dtype=np.float64)
+    if tokens.ndim != 2 or tokens.shape[1] != num_experts:
+        raise ValueError(f"tokens_WE must be (ranks, experts) with one column per expert ({num_experts}); "
+                         f"got shape {tokens.shape}")
+    tokens_WE = tokens
+    load_E = tokens.sum(0).tolist()
     best = baseline = shadowed_latency(tokens_WE, owner_E, set(), prices)
     chosen: list[int] = []
     for expert in sorted(range(num_experts), key=lambda e: (-load_E[e], e)):

@@ -1,0 +1,139 @@
+"""FasterMoE's dynamic shadowing (§4.1) on the expert-parallel schedule.
+
+A shadowed expert is, for one iteration, replicated: every rank gets its weights and computes its
+own tokens for it, which do not travel. The weights come from the owner through a differentiable
+all-reduce (the owner contributes its parameters, the others zeros), whose backward sums every
+rank's weight gradients back into the owner's parameters, which alone hold and update them: the
+broadcast and reduce of the paper, as one collective each way. The other experts run through the
+schedule as usual, over the capacity that their own tokens need (a hot shadowed expert no longer
+sizes the exchange).
+
+Which experts: a fixed list, or Algorithm 1 (:func:`moeflow.perf.shadowing.select_shadowed_experts`)
+on the global counts the layer already exchanges, so every rank picks the same set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
+
+from moeflow.experts import ExpertCompute, FFNWeights
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.perf.schedules import LOCAL
+from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+from moeflow.pipeline import ExpertExchange, pipelined_experts
+
+
+@dataclass(frozen=True)
+class ShadowPlan:
+    """The shadowed experts of one iteration and the capacity the exchanged experts need."""
+
+    experts: tuple[int, ...]
+    exchanged_slots: int  # the largest per-rank count of an expert not shadowed (<= capacity, >= 1)
+
+    @staticmethod
+    def of(experts: tuple[int, ...], counts_WE: torch.Tensor, capacity: int) -> ShadowPlan:
+        kept = counts_WE.clamp(max=capacity).index_fill(1, torch.tensor(experts, dtype=torch.long), 0)
+        # at least one slot: every expert stays in the graph (zero gradients, not None) and every
+        # rank runs the same collectives
+        return ShadowPlan(experts, max(1, int(kept.max())))
+
+
+def check_shadowing(setting: str | tuple[int, ...], schedule: str, cost_model: object | None) -> None:
+    """Shadowing runs on the expert-parallel schedule (the others already replicate or shard the
+    experts), and ``auto`` prices its choice with a calibrated profile."""
+    if setting == "off":
+        return
+    if schedule != "expert":
+        raise ValueError(
+            f"shadowing={setting!r} shadows experts of the expert-parallel schedule; this layer runs "
+            f"parallel={schedule!r}: use parallel='expert' or shadowing='off'"
+        )
+    if setting == "auto" and cost_model is None:
+        raise ValueError(
+            "shadowing='auto' decides with FasterMoE's cost model: pass profile=<a calibrated cluster profile> "
+            "(moeflow calibrate) or name the experts, shadowing=[...]"
+        )
+
+
+def decide_shadows(
+    setting: str | tuple[int, ...], filled_WE: torch.Tensor, placement: ExpertPlacement, capacity: int,
+    prices: ShadowPrices | None,
+) -> tuple[ShadowPlan | None, float | None]:
+    """This iteration's shadowed experts (None: none) and the predicted gain (None without prices).
+    ``filled_WE``: the global routing counts after capacity, identical on every rank."""
+    if setting == "off":
+        return None, None
+    counts = filled_WE.tolist()
+    owners = [placement.holders(expert)[0] for expert in range(placement.num_experts)]
+    if setting == "auto":
+        assert prices is not None, "shadowing='auto' needs a cost model (the layer checks it)"
+        decision = select_shadowed_experts(counts, owners, prices)
+        experts, gain = decision.experts, decision.predicted_gain_s
+    else:
+        experts = tuple(setting)
+        gain = None if prices is None else (
+            shadowed_latency(counts, owners, set(), prices) - shadowed_latency(counts, owners, set(experts), prices)
+        )
+    return (ShadowPlan.of(experts, filled_WE, capacity) if experts else None), gain
+
+
+def shadow_weights(
+    weights: FFNWeights, placement: ExpertPlacement, rank: int, experts: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+) -> FFNWeights:
+    """The shadowed experts' whole weights on every rank, (S, ...) each, differentiable into the
+    owner's parameters."""
+    local_index = {shard.expert: index for index, shard in enumerate(placement.local(rank))}
+
+    def gather(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        parts = [tensor[local_index[e]] if e in local_index else tensor.new_zeros(tensor.shape[1:]) for e in experts]
+        stacked = torch.stack(parts)
+        if torch.is_grad_enabled() and not stacked.requires_grad:
+            stacked.requires_grad_()  # every rank must run the backward's all-reduce, owner or not
+        return stacked if group is None else _SumOverRanks.apply(stacked, group)
+
+    return FFNWeights(gather(weights.w1), gather(weights.b1), gather(weights.w2), gather(weights.b2),
+                      gather(weights.w3))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: the owner's contribution is the
+    parameters, so its gradient is every rank's gradient summed (the paper's reduce to the owner).
+    torch.distributed.nn.functional.all_reduce does this too, but is deprecated."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        summed = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(summed, group=ctx.group)  # type: ignore[attr-defined]
+        return summed, None
+
+
+def run_with_shadows(
+    plan: ShadowPlan, dispatched_ECM: torch.Tensor, shadowed_weights: FFNWeights,
+    local_compute: ExpertCompute, run_exchanged: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The combined (E, C, M) buffer: the shadowed experts' slots computed here, the others by
+    ``run_exchanged`` (the schedule) on the first ``exchanged_slots`` slots."""
+    index = torch.tensor(plan.experts, dtype=torch.long, device=dispatched_ECM.device)
+    local_SCM = pipelined_experts(
+        dispatched_ECM.index_select(0, index), local_compute, shadowed_weights,
+        ExpertExchange(None, LOCAL, len(plan.experts)), 1,
+    )
+    exchanged = min(plan.exchanged_slots, dispatched_ECM.shape[1])
+    combined_ECM = F.pad(run_exchanged(dispatched_ECM[:, :exchanged]), (0, 0, 0, dispatched_ECM.shape[1] - exchanged))
+    return combined_ECM.index_copy(0, index, local_SCM)

@@ -1,0 +1,81 @@
+"""FasterMoE's dynamic shadowing in the layer: which experts it shadows, what it reports, and its
+errors. (That a shadowed layer equals the reference, outputs and gradients, is in the equivalence
+table: the ``shadow-*`` cases on 1, 2 and 4 processes.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow import MoELayer
+from moeflow.distributed import run_distributed
+from moeflow.parallel.shadowing import ShadowPlan
+from moeflow.perf import AlphaBeta, ClusterProfile
+
+
+def _profile(allreduce_beta: float) -> ClusterProfile:
+    fits = {"alltoall.linear": AlphaBeta(1e-4, 1e-6), "allreduce": AlphaBeta(1e-6, allreduce_beta),
+            "gemm": AlphaBeta(1e-6, 1e-9)}
+    return ClusterProfile(nodes=2, ranks_per_node=1, fits=fits)
+
+
+def _skewed_layer(shadowing: object, profile: ClusterProfile | None) -> MoELayer:
+    torch.manual_seed(3)
+    layer = MoELayer(8, 12, 4, top_k=1, capacity_factor=0.0, parallel="expert", alltoall="linear",
+                     shadowing=shadowing, profile=profile)
+    with torch.no_grad():  # expert 0 (on rank 0) wins every token with a positive input
+        layer.gate.weight.zero_()
+        layer.gate.weight[0].fill_(1.0)
+    return layer
+
+
+def _shadow_stats(rank: int, world_size: int, shadowing: object, allreduce_beta: float | None) -> dict[str, object]:
+    layer = _skewed_layer(shadowing, None if allreduce_beta is None else _profile(allreduce_beta))
+    x = torch.rand(16, 8) + 0.1  # positive, so the steered gate row wins
+    y = layer(x)
+    y.sum().backward()
+    with torch.no_grad():
+        y_inference = layer(x)
+    stats = layer.last_stats
+    assert stats is not None
+    return {
+        "shadowed": stats.shadowed_experts, "gain": stats.shadow_predicted_gain_s,
+        "inference_equal": torch.allclose(y, y_inference, rtol=1e-6, atol=1e-6),
+        "owner_grad": float(layer.experts.w1.grad.abs().sum()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_auto_shadows_the_hot_expert_when_parameters_are_cheap(world_size: int) -> None:
+    results = run_distributed(_shadow_stats, world_size, "auto", 1e-12, timeout_s=180)
+    assert all(r["shadowed"][:1] == (0,) for r in results), results  # the same choice on every rank
+    assert all(r["gain"] > 0 and r["inference_equal"] for r in results)
+    assert results[0]["owner_grad"] > 0  # every rank's gradient reached the owner of expert 0
+
+
+def test_auto_shadows_nothing_when_parameters_cost_more_than_the_imbalance() -> None:
+    results = run_distributed(_shadow_stats, 2, "auto", 1e-2, timeout_s=180)
+    assert all(r["shadowed"] == () and r["gain"] == 0.0 for r in results)
+
+
+def test_a_fixed_list_is_reported_and_priced_only_with_a_profile() -> None:
+    results = run_distributed(_shadow_stats, 2, [0, 2], None, timeout_s=180)
+    assert all(r["shadowed"] == (0, 2) and r["gain"] is None and r["inference_equal"] for r in results)
+
+
+def test_exchanged_slots_ignore_the_shadowed_experts() -> None:
+    counts_WE = torch.tensor([[9, 1, 2], [7, 3, 0]])
+    assert ShadowPlan.of((0,), counts_WE, capacity=8) == ShadowPlan((0,), 3)
+    assert ShadowPlan.of((1,), counts_WE, capacity=8) == ShadowPlan((1,), 8)  # capped at the capacity
+    assert ShadowPlan.of((0, 1, 2), counts_WE, capacity=8).exchanged_slots == 1  # experts stay in the graph
+
+
+def test_bad_shadowing_settings_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="shadowing='auto' decides with FasterMoE's cost model: pass profile="):
+        MoELayer(8, 12, 4, shadowing="auto")
+    with pytest.raises(ValueError, match="this layer runs parallel='replicated': use parallel='expert'"):
+        MoELayer(8, 12, 4, shadowing=[0], parallel="replicated")
+    with pytest.raises(ValueError, match=r"shadowing must be 'off', 'auto' or a list of distinct experts in \[0, 4\)"):
+        MoELayer(8, 12, 4, shadowing=[4])
+    with pytest.raises(ValueError, match="shadowing must be 'off', 'auto' or a list"):
+        MoELayer(8, 12, 4, shadowing="on")
