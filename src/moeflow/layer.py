@@ -286,8 +286,9 @@ class MoELayer(nn.Module):
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         self.workspace.start_step()
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
-        shadow, shadow_gain = self._shadows(load, capacity, chosen.plan.algorithm)
-        combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, load, capacity, shadow)
+        filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
+        shadow, shadow_gain = self._shadows(filled_WE, capacity, chosen.plan.algorithm)
+        combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, filled_WE, shadow)
         y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
 
         if self.shared_experts is not None:
@@ -334,15 +335,13 @@ class MoELayer(nn.Module):
         return x.reshape(-1, model_dim)
 
     def _run_experts(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, load: _GlobalLoad, capacity: int,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, filled_WE: torch.Tensor,
         shadow: ShadowPlan | None,
     ) -> torch.Tensor:
         """The schedule's dispatch -> experts -> combine; with shadowed experts, those run here on
         this rank's own tokens and only the others go through the schedule."""
-        filled_WE = load.counts_WE.clamp(max=capacity)
-        if shadow is not None:
-            filled_WE = filled_WE.index_fill(1, torch.tensor(shadow.experts), 0)  # their owners skip them
-        ragged = self._ragged_compute(filled_WE)
+        exchanged_WE = filled_WE if shadow is None else shadow.exchanged(filled_WE)  # owners skip shadows
+        ragged = self._ragged_compute(exchanged_WE)
 
         def run_exchanged(buffer_ECM: torch.Tensor) -> torch.Tensor:
             return self.schedule.run(plan, buffer_ECM, self.experts, self.groups, timing, self.workspace, ragged)
@@ -350,11 +349,12 @@ class MoELayer(nn.Module):
         if shadow is None:
             return run_exchanged(dispatched_ECM)
         weights = shadow_weights(self.experts.weights(), self.placement, self.rank, shadow.experts, self.groups.expert)
-        own_filled = load.counts_WE.clamp(max=capacity)[self.rank, list(shadow.experts)].unsqueeze(1)
-        local = self._ragged_compute(own_filled, local=True) or self.experts.compute
+        local = self._ragged_compute(filled_WE, own_tokens_of=shadow.experts) or self.experts.compute
         return run_with_shadows(shadow, dispatched_ECM, weights, local, run_exchanged)
 
-    def _shadows(self, load: _GlobalLoad, capacity: int, algorithm: str) -> tuple[ShadowPlan | None, float | None]:
+    def _shadows(
+        self, filled_WE: torch.Tensor, capacity: int, algorithm: str
+    ) -> tuple[ShadowPlan | None, float | None]:
         """FasterMoE's shadowed experts of this iteration (the same on every rank) and the gain the
         cost model predicts for them."""
         c = self.config
@@ -363,22 +363,24 @@ class MoELayer(nn.Module):
         prices = None if self.cost_model is None else ShadowPrices.from_cost_model(
             self.cost_model, c.model_dim, c.hidden_dim, ffn_projections(c.activation), algorithm=algorithm,
         )
-        return decide_shadows(c.shadowing, load.counts_WE.clamp(max=capacity), self.placement, capacity, prices)
+        return decide_shadows(c.shadowing, filled_WE, self.placement, capacity, prices)
 
-    def _ragged_compute(self, filled_WE: torch.Tensor, local: bool = False) -> RaggedFFNCompute | None:
-        """With ``expert_kernel="ragged"``: the compute that runs each local expert on its filled
-        slots only (how many of each source rank's slots hold a token, from the exchanged counts).
-        ``local``: ``filled_WE`` is already (L, 1), this rank's own slots of the experts it computes."""
+    def _ragged_compute(
+        self, filled_WE: torch.Tensor, own_tokens_of: Sequence[int] | None = None
+    ) -> RaggedFFNCompute | None:
+        """With ``expert_kernel="ragged"``: the compute that runs each expert on its filled slots
+        only (how many of each source rank's slots hold a token, from the exchanged counts): this
+        rank's local experts, or ``own_tokens_of`` these experts on this rank's own tokens (shadowed
+        ones; under the replicated schedule, every expert)."""
         if self.config.expert_kernel != "ragged":
             return None
-        if local:
-            filled_LW = filled_WE
+        local = [shard.expert for shard in self.placement.local(self.rank)]
+        if own_tokens_of is None and self.schedule.name == "replicated":
+            own_tokens_of = local
+        if own_tokens_of is not None:
+            filled_LW = filled_WE[self.rank, list(own_tokens_of)].unsqueeze(1)
         else:
-            experts = [shard.expert for shard in self.placement.local(self.rank)]
-            if self.schedule.name == "replicated":  # every rank computes its own tokens on every expert
-                filled_LW = filled_WE[self.rank, experts].unsqueeze(1)
-            else:
-                filled_LW = filled_WE[:, experts].t()
+            filled_LW = filled_WE[:, local].t()
         return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
 
     def _check_call_r(self, r: object) -> None:

@@ -38,10 +38,18 @@ class ShadowPlan:
 
     @staticmethod
     def of(experts: tuple[int, ...], counts_WE: torch.Tensor, capacity: int) -> ShadowPlan:
-        kept = counts_WE.clamp(max=capacity).index_fill(1, torch.tensor(experts, dtype=torch.long), 0)
+        kept = _without(experts, counts_WE.clamp(max=capacity))
         # at least one slot: every expert stays in the graph (zero gradients, not None) and every
         # rank runs the same collectives
         return ShadowPlan(experts, max(1, int(kept.max())))
+
+    def exchanged(self, filled_WE: torch.Tensor) -> torch.Tensor:
+        """The kept counts with the shadowed experts' columns zeroed: what travels to the owners."""
+        return _without(self.experts, filled_WE)
+
+
+def _without(experts: tuple[int, ...], counts_WE: torch.Tensor) -> torch.Tensor:
+    return counts_WE.index_fill(1, torch.tensor(experts, dtype=torch.long), 0)
 
 
 def check_shadowing(setting: str | tuple[int, ...], schedule: str, cost_model: object | None) -> None:
@@ -69,7 +77,7 @@ def decide_shadows(
     ``filled_WE``: the global routing counts after capacity, identical on every rank."""
     if setting == "off":
         return None, None
-    counts = filled_WE.tolist()
+    counts = filled_WE.numpy()
     owners = [placement.holders(expert)[0] for expert in range(placement.num_experts)]
     if setting == "auto":
         assert prices is not None, "shadowing='auto' needs a cost model (the layer checks it)"

@@ -112,14 +112,13 @@ def select_shadowed_experts(
     if tokens.ndim != 2 or tokens.shape[1] != num_experts:
         raise ValueError(f"tokens_WE must be (ranks, experts) with one column per expert ({num_experts}); "
                          f"got shape {tokens.shape}")
-    tokens_WE = tokens
     load_E = tokens.sum(0).tolist()
-    best = baseline = shadowed_latency(tokens_WE, owner_E, set(), prices)
+    best = baseline = shadowed_latency(tokens, owner_E, set(), prices)
     chosen: list[int] = []
     for expert in sorted(range(num_experts), key=lambda e: (-load_E[e], e)):
         if (limit is not None and len(chosen) >= limit) or not load_E[expert]:
             break
-        latency = shadowed_latency(tokens_WE, owner_E, {*chosen, expert}, prices)
+        latency = shadowed_latency(tokens, owner_E, {*chosen, expert}, prices)
         if latency >= best:
             break
         best = latency
