@@ -45,6 +45,11 @@ class ModelShape:
     kv_heads: int = 4
     vocab: int = 2048
 
+    @property
+    def expert_parameters(self) -> int:
+        """One expert's weights: gate and up (M, I), down (I, M); no biases."""
+        return 3 * self.hidden * self.expert_hidden
+
 
 MODELS = {
     "mixtral": ModelShape("mixtral-like", "mixtral", hidden=512, experts=8, top_k=2, expert_hidden=1792, kv_heads=2),
@@ -109,7 +114,7 @@ def expert_gemm_bandwidth(shape: ModelShape, rows: int, megabytes: int = 256, re
     """Bytes of expert weights per second that torch's GEMMs read here when every expert (laid out
     as moeflow keeps it: gate and up (M, I), down (I, M)) multiplies ``rows`` token rows, one
     thread, weights far larger than caches: the rate the kernel itself allows at decode."""
-    per_expert = 3 * shape.hidden * shape.expert_hidden
+    per_expert = shape.expert_parameters
     experts = max(1, megabytes * (1 << 20) // (4 * per_expert))
     gate_up = torch.randn(experts, 2, shape.hidden, shape.expert_hidden)
     down = torch.randn(experts, shape.expert_hidden, shape.hidden)
@@ -126,12 +131,26 @@ def expert_gemm_bandwidth(shape: ModelShape, rows: int, megabytes: int = 256, re
     return experts * per_expert * 4 / statistics.median(times)
 
 
-def mean_rows_per_expert(shape: ModelShape, batch: int, runs: list[Generation]) -> float:
-    """Token rows per selected expert in a decode step (batch x top-k x layers over the experts
-    with a token, counted from the bytes they hold)."""
-    expert_bytes = 3 * shape.hidden * shape.expert_hidden * 4
-    selected = statistics.median(b for run in runs for b in run.floor_bytes) / expert_bytes
-    return batch * shape.top_k * shape.layers / selected
+@dataclass(frozen=True)
+class DecodeFloor:
+    """What bounds moeflow's MoE decode in one cell: the median bytes of the experts a step
+    selects, this machine's read rate, and torch's GEMM rate at the step's rows per expert."""
+
+    selected_bytes: float
+    read_bytes_per_s: float
+    rows_per_expert: float
+    gemm_bytes_per_s: float
+
+    @staticmethod
+    def measure(shape: ModelShape, batch: int, runs: list[Generation], read_bytes_per_s: float) -> DecodeFloor:
+        selected = statistics.median(b for run in runs for b in run.floor_bytes)
+        # batch x top-k x layers rows over the experts with a token (counted from their bytes)
+        rows = batch * shape.top_k * shape.layers / (selected / (4 * shape.expert_parameters))
+        return DecodeFloor(selected, read_bytes_per_s, rows, expert_gemm_bandwidth(shape, round(rows)))
+
+    @property
+    def seconds(self) -> float:
+        return self.selected_bytes / self.read_bytes_per_s
 
 
 class BlockTimer:
@@ -251,8 +270,8 @@ def measure_point(point: GeneratePoint, repeats: int, bandwidth: float) -> list[
             if round_index:
                 runs[name].append(run)
     records = [_implementation_record(point, shape, name, values) for name, values in runs.items()]
-    kernel = expert_gemm_bandwidth(shape, round(mean_rows_per_expert(shape, point.batch, runs[MOEFLOW])))
-    return [*records, _comparison_record(point, shape, records, runs, bandwidth, kernel)]
+    floor = DecodeFloor.measure(shape, point.batch, runs[MOEFLOW], bandwidth)
+    return [*records, _comparison_record(point, shape, records, runs, floor)]
 
 
 def _implementation_record(
@@ -271,25 +290,26 @@ def _implementation_record(
 
 
 def _comparison_record(point: GeneratePoint, shape: ModelShape, records: list[dict[str, Any]],
-                       runs: dict[str, list[Generation]], bandwidth: float, kernel: float) -> dict[str, Any]:
-    """moeflow against transformers' fastest; ``kernel`` is :func:`expert_gemm_bandwidth` at the
-    step's rows per expert: ``kernel_over_floor`` is where a dispatch that cost nothing would land."""
+                       runs: dict[str, list[Generation]], floor: DecodeFloor) -> dict[str, Any]:
+    """moeflow against transformers' fastest; ``kernel_over_floor`` (torch's GEMM rate at the
+    step's rows per expert) is where a dispatch that cost nothing would land."""
     by_name = {r["implementation"]: r for r in records}
     fastest_decode = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["decode_tokens_per_s"])
     fastest_prefill = max(HF_IMPLEMENTATIONS, key=lambda n: by_name[n]["prefill_tokens_per_s"])
     ours = by_name[MOEFLOW]
-    floor_s = statistics.median(b for run in runs[MOEFLOW] for b in run.floor_bytes) / bandwidth
+    floor_ms = floor.seconds * 1e3
     return {
         "bench": "generate-compare", "model": shape.name, "batch": point.batch,
         "fastest_hf_decode": fastest_decode, "fastest_hf_prefill": fastest_prefill,
         "decode_speedup_vs_fastest": ours["decode_tokens_per_s"] / by_name[fastest_decode]["decode_tokens_per_s"],
         "decode_speedup_vs_eager": ours["decode_tokens_per_s"] / by_name["eager"]["decode_tokens_per_s"],
         "prefill_speedup_vs_fastest": ours["prefill_tokens_per_s"] / by_name[fastest_prefill]["prefill_tokens_per_s"],
-        "moe_decode_ms": ours["moe_decode_ms"], "moe_floor_ms": floor_s * 1e3,
-        "moe_over_floor": ours["moe_decode_ms"] / (floor_s * 1e3), "read_gb_per_s": bandwidth / 1e9,
-        "fastest_hf_moe_over_floor": by_name[fastest_decode]["moe_decode_ms"] / (floor_s * 1e3),
-        "rows_per_selected_expert": mean_rows_per_expert(shape, point.batch, runs[MOEFLOW]),
-        "gemm_gb_per_s": kernel / 1e9, "kernel_over_floor": bandwidth / kernel,
+        "moe_decode_ms": ours["moe_decode_ms"], "moe_floor_ms": floor_ms,
+        "moe_over_floor": ours["moe_decode_ms"] / floor_ms, "read_gb_per_s": floor.read_bytes_per_s / 1e9,
+        "fastest_hf_moe_over_floor": by_name[fastest_decode]["moe_decode_ms"] / floor_ms,
+        "rows_per_selected_expert": floor.rows_per_expert,
+        "gemm_gb_per_s": floor.gemm_bytes_per_s / 1e9,
+        "kernel_over_floor": floor.read_bytes_per_s / floor.gemm_bytes_per_s,
         "same_tokens_as_eager": runs[MOEFLOW][0].tokens == runs["eager"][0].tokens,
         "same_tokens_as_fastest": runs[MOEFLOW][0].tokens == runs[fastest_decode][0].tokens,
     }
