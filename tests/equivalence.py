@@ -144,6 +144,15 @@ def extra_cases() -> list[Case]:
         Case("shadow-auto", {**base, "shadowing": "auto", "profile": PROFILE_CHEAP_SHADOWS, "capacity_factor": 0.0},
              same_expert=True),
         Case("shadow-all-experts", {**base, "shadowing": list(range(8)), "capacity_factor": 0.0}),
+        # FasterMoE's topology-aware gate: the reference applies the same rule to its rank's tokens
+        Case("topology-gate-quarter-f0", {**base, "topology_gate": 0.25, "capacity_factor": 0.0}, ranks_per_node=1,
+             tokens_per_rank=16),
+        Case("topology-gate-none-leave-d2", {**base, "topology_gate": 0.0, "pipeline": 2}, ranks_per_node=1,
+             tokens_per_rank=24),
+        Case("topology-gate-2-per-node-shadow", {**base, "topology_gate": 0.1, "shadowing": [1],
+                                                 "capacity_factor": 0.0}, ranks_per_node=2, tokens_per_rank=20),
+        Case("topology-gate-k1-bpr-ragged", {**base, "topology_gate": 0.5, "top_k": 1, "expert_kernel": "ragged",
+                                             "batch_prioritized_routing": True}, ranks_per_node=1),
         Case("ragged-float64-loop", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
                                      "activation": "silu"}, dtype=torch.float64),
         *[
@@ -334,12 +343,13 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "shadowing": kwargs.pop("shadowing", "off"),
         "group": groups,
     }
+    node_limit = _reference_node_limit(case, kwargs.pop("topology_gate", "off"), rank, world_size)
     if execution["parallel"] in PARM_SCHEDULES and groups.model is None:
         execution["parallel"] = "expert"  # no MP group on this world: the case runs as plain EP
         execution["alltoall"] = "linear" if execution["alltoall"] == "saa" else execution["alltoall"]
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
         execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
-    reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs).to(case.dtype)
+    reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs, **node_limit).to(case.dtype)
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -349,12 +359,24 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         if case.same_expert:
             steer = -torch.arange(case.num_experts, dtype=case.dtype).unsqueeze(1)
             reference.gate.weight.copy_(steer.expand_as(reference.gate.weight) + 3.0 * (steer == 0))
-    layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, **execution, **kwargs)
+    layer = MoELayer(case.model_dim, case.hidden_dim, case.num_experts, **execution, **kwargs,
+                     topology_gate=case.layer.get("topology_gate", "off"))
     layer = layer.to(case.dtype)
     layer.load_full_state_dict(reference.state_dict())
     if world_size > 1:
         reference.global_load = _sum_over_ranks
     return reference, layer
+
+
+def _reference_node_limit(case: Case, share: str | float, rank: int, world_size: int) -> dict[str, Any]:
+    """The topology gate's arguments of the reference: the experts of this rank's node (experts are
+    numbered rank-major, E / W per rank) and the share."""
+    if share == "off":
+        return {}
+    per_node = case.ranks_per_node if case.ranks_per_node and world_size % case.ranks_per_node == 0 else world_size
+    per_rank = case.num_experts // world_size
+    first = rank // per_node * per_node * per_rank
+    return {"node_experts": range(first, first + per_node * per_rank), "remote_share": share}
 
 
 def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,7 @@ class MoEConfig:
     parallel: str | int = "auto"
     tokens_per_rank_hint: int | None = None
     shadowing: str | tuple[int, ...] = "off"  # FasterMoE: "off", "auto" or the experts to shadow
+    topology_gate: str | float = "off"  # FasterMoE §4.3: "off", "auto" or the share of tokens that may leave the node
 
     def __post_init__(self) -> None:
         require_positive_int("model_dim", self.model_dim)
@@ -117,6 +118,10 @@ class MoEConfig:
         require_positive_int("capacity_bucket", self.capacity_bucket)
         validate_parallel(self.parallel)
         object.__setattr__(self, "shadowing", validate_shadowing(self.shadowing, self.num_experts))
+        validate_topology_gate(self.topology_gate)
+        if self.topology_gate != "off" and self.expert_groups > 1:
+            raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
+                             "them (topology_gate='off' or expert_groups=1)")
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
@@ -235,6 +240,24 @@ def validate_shadowing(shadowing: object, num_experts: int) -> str | tuple[int, 
         return tuple(sorted(shadowing))
     raise ValueError(
         f"shadowing must be 'off', 'auto' or a list of distinct experts in [0, {num_experts}), got {shadowing!r}"
+    )
+
+
+FASTERMOE_REMOTE_SHARE = 0.14
+"""FastMoE's default share of a rank's tokens its topology-aware gate lets leave the node
+(``FMOE_TOPO_OUTGOING_FRACTION``), for when no profile gives the bandwidth ratio."""
+
+
+def validate_topology_gate(setting: object) -> None:
+    """FasterMoE's topology-aware gate: "off", "auto" (the share W_net / (M W_local) from a
+    calibrated profile) or the share itself, a number in [0, 1]."""
+    if setting in ("off", "auto"):
+        return
+    if isinstance(setting, int | float) and not isinstance(setting, bool) and 0 <= setting <= 1:
+        return
+    raise ValueError(
+        f"topology_gate must be 'off', 'auto' or the share of a rank's tokens allowed to pick an expert on another "
+        f"node, a number in [0, 1] (FastMoE uses {FASTERMOE_REMOTE_SHARE}); got {setting!r}"
     )
 
 

@@ -21,6 +21,7 @@ from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.config import (
     ALLTOALL_ALGORITHMS,
+    FASTERMOE_REMOTE_SHARE,
     PARM_SCHEDULES,
     SAA,
     MoEConfig,
@@ -45,6 +46,7 @@ from moeflow.perf.shadowing import ShadowPrices
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.ragged import RaggedFFNCompute
 from moeflow.routing import (
+    NodeLimit,
     assign_slots,
     build_gate,
     expert_capacity,
@@ -137,6 +139,7 @@ class MoELayer(nn.Module):
         parallel: str | int = "auto",
         tokens_per_rank_hint: int | None = None,
         shadowing: str | Sequence[int] = "off",
+        topology_gate: str | float = "off",
         profile: ClusterProfile | str | None = None,
         mp_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -156,6 +159,7 @@ class MoELayer(nn.Module):
             capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
             tokens_per_rank_hint=tokens_per_rank_hint,
             shadowing=shadowing if isinstance(shadowing, str) else tuple(shadowing),
+            topology_gate=topology_gate,
         )
         self.config = config
         resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
@@ -205,6 +209,7 @@ class MoELayer(nn.Module):
             require_ragged_schedule(self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
         check_shadowing(c.shadowing, self.schedule.name, self.cost_model)
+        self.node_limit = self._node_limit()
         self.planner = PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
             c.capacity_bucket, schedule=self.schedule.model,
@@ -265,7 +270,7 @@ class MoELayer(nn.Module):
         normalize = config.normalize_gate if config.normalize_gate is not None else k > 1
         choice = select_experts(
             logits_TE, k, config.score_function, normalize, self.gate.expert_bias,  # zeros unless set or updated
-            config.expert_groups, config.top_groups, config.routed_scaling_factor,
+            config.expert_groups, config.top_groups, config.routed_scaling_factor, self._checked_node_limit(k),
         )
         self.aux_loss = self._router_loss(logits_TE, choice.scores_TE, choice.expert_idx_TK)
         priority_TK = choice.scores_TK if config.batch_prioritized_routing else None
@@ -382,6 +387,42 @@ class MoELayer(nn.Module):
         else:
             filled_LW = filled_WE[:, local].t()
         return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
+
+    def _node_limit(self) -> NodeLimit | None:
+        """FasterMoE's topology-aware gate for this rank: the experts on its node and the share of
+        its tokens that may pick others (``topology_gate``, or W_net / (M W_local) from the profile)."""
+        setting = self.config.topology_gate
+        if setting == "off":
+            return None
+        if self.schedule.name != "expert":
+            raise ValueError(
+                f"topology_gate limits the tokens the expert-parallel schedule sends across nodes; this layer runs "
+                f"parallel={self.schedule.name!r}: use parallel='expert' or topology_gate='off'"
+            )
+        share = setting if setting != "auto" else (
+            self.cost_model.remote_token_share() if self.cost_model is not None else None
+        )
+        if share is None:
+            raise ValueError(
+                "topology_gate='auto' takes W_net / (M W_local) from a profile with intra- and inter-node all-to-all "
+                "fits (calibrated with 2+ ranks per node): pass such a profile or the share itself, e.g. "
+                f"topology_gate={FASTERMOE_REMOTE_SHARE}"
+            )
+        topology = self.groups.topology
+        node = topology.node_of(self.rank)
+        local_E = torch.tensor([
+            topology.node_of(self.placement.holders(expert)[0]) == node for expert in range(self.config.num_experts)
+        ])
+        return NodeLimit(local_E, float(share))
+
+    def _checked_node_limit(self, top_k: int) -> NodeLimit | None:
+        limit = self.node_limit
+        if limit is not None and int(limit.local_E.sum()) < top_k:
+            raise ValueError(
+                f"topology_gate: a node holds {int(limit.local_E.sum())} experts, fewer than top_k={top_k}, so its "
+                "tokens cannot all choose within it; use more experts per node, a smaller top_k or topology_gate='off'"
+            )
+        return limit
 
     def _check_call_r(self, r: object) -> None:
         if self.schedule.name != "adaptive":

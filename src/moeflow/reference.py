@@ -11,7 +11,7 @@ A forward handles the tokens of one rank: capacity uses this call's token count 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,8 @@ class ReferenceMoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         cosine_projection_dim: int = 256,
         cosine_min_temperature: float = 0.01,
+        node_experts: Sequence[int] | None = None,
+        remote_share: float = 1.0,
     ) -> None:
         super().__init__()
         self.model_dim, self.num_experts, self.top_k = model_dim, num_experts, top_k
@@ -76,6 +78,9 @@ class ReferenceMoE(nn.Module):
         self.expert_groups, self.top_groups = expert_groups, top_groups
         self.routed_scaling_factor = routed_scaling_factor
         self.gate_precision = gate_precision
+        # FasterMoE's topology-aware gate: the experts on this rank's node, and the share of its
+        # tokens that may pick experts elsewhere (None: no limit)
+        self.node_experts, self.remote_share = node_experts, remote_share
 
         self.gate = _Params()
         if gate == "cosine":
@@ -109,6 +114,25 @@ class ReferenceMoE(nn.Module):
             scale = torch.exp(self.gate.logit_scale.float().clamp(max=self.max_logit_scale))
             return projected @ experts.t() * scale
         return x @ self.gate.weight.float().t()
+
+    def limit_to_node(self, chooser: torch.Tensor) -> torch.Tensor:
+        """The topology-aware gate: if more than floor(share * T) tokens have their best expert off
+        this node, those with the highest best scores (that many) keep their choice; all other
+        tokens choose among the node's experts only."""
+        T = chooser.shape[0]
+        local = [e in set(self.node_experts) for e in range(self.num_experts)]
+        best = chooser.argmax(-1).tolist()
+        remote = [t for t in range(T) if not local[best[t]]]
+        allowed = int(self.remote_share * T)
+        if len(remote) <= allowed:
+            return chooser
+        remote.sort(key=lambda t: -float(chooser[t, best[t]]))
+        going = set(remote[:allowed])
+        limited = chooser.clone()
+        for t in range(T):
+            if t not in going:
+                limited[t, [e for e in range(self.num_experts) if not local[e]]] = float("-inf")
+        return limited
 
     def ffn(self, params: _Params, e: int, x: torch.Tensor) -> torch.Tensor:
         has_bias = hasattr(params, "b1")
@@ -144,6 +168,8 @@ class ReferenceMoE(nn.Module):
             groups = best_two.sum(-1).argsort(-1, descending=True)[:, : self.top_groups]
             allowed = torch.zeros(T, self.expert_groups, dtype=torch.bool).scatter(1, groups, True)
             chooser = chooser.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
+        if self.node_experts is not None:
+            chooser = self.limit_to_node(chooser)
         chosen = torch.topk(chooser, k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, chosen)
         if resolve_normalize_gate(self.normalize_gate, k):

@@ -1,5 +1,5 @@
-"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | train``: each prints one JSON object
-per measurement and a summary line."""
+"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | train | generate``: each
+prints one JSON object per measurement and a summary line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from moeflow.commands import fail, positive_int, require_testbed
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_train, _add_generate):
+    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_train,
+                _add_generate):
         add(benches)
 
 
@@ -220,6 +221,53 @@ def run_parallel(args: argparse.Namespace) -> int:
     grid = [ParallelPoint(e, h, f, args.tokens, args.model_dim, mp=args.mp)
             for e, h, f in itertools.product(args.experts, args.hidden_dims, args.capacity_factors)]
     return _run_cluster_grid("bench parallel", run, summarize, grid, args)
+
+
+def _add_skew(benches: Any) -> None:
+    skew = benches.add_parser(
+        "skew", help="FasterMoE's shadowing off / hottest expert / auto under skewed routing on an emulated "
+        "cluster (needs root)",
+        description="Routing is pinned to a distribution: uniform, Zipf(s), one expert taking every token, or the "
+        "load a training run recorded (--trace, one point per MoE block). One dropless expert-parallel layer. "
+        "Without --profile the ranks calibrate the cluster first.",
+    )
+    _add_cluster_layout(skew, ranks_per_node=1)
+    skew.add_argument("--skews", nargs="+", default=["uniform", "zipf:1.2", "one-hot"],
+                      help="uniform, zipf:<s>, one-hot (default: uniform zipf:1.2 one-hot)")
+    skew.add_argument("--trace", default=None,
+                      help="a training run's directory or metrics.jsonl: replay each block's recorded load")
+    skew.add_argument("--trace-steps", type=positive_int, default=10,
+                      help="average the load over this many last recorded steps (default 10)")
+    skew.add_argument("--experts", type=positive_int, default=4, help="experts E (default 4; a trace sets its own)")
+    skew.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
+    skew.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
+    skew.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
+    skew.add_argument("--top-k", type=positive_int, default=1, help="experts per token (default 1)")
+    skew.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    skew.set_defaults(func=run_skew)
+
+
+def run_skew(args: argparse.Namespace) -> int:
+    from moeflow.bench.skew import SkewPoint, recorded_loads, routing_probabilities, run, summarize
+
+    grid = [SkewPoint(name, args.experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k)
+            for name in args.skews]
+    if args.trace:
+        try:
+            loads = recorded_loads(args.trace, args.trace_steps)
+        except (OSError, ValueError) as error:
+            raise fail("bench skew", f"--trace {args.trace}: {error}") from None
+        grid += [SkewPoint(name, len(shares), args.hidden_dim, args.tokens, args.model_dim, args.top_k, shares)
+                 for name, shares in loads.items()]
+    try:
+        for point in grid:
+            routing_probabilities(point)
+    except ValueError as error:
+        raise fail("bench skew", f"--skews: {error}") from None
+    for point in grid:
+        if point.top_k > point.experts or point.experts % (args.nodes * args.ranks_per_node):
+            raise fail("bench skew", f"{point.name}: need --top-k <= experts and experts divisible by the ranks")
+    return _run_cluster_grid("bench skew", run, summarize, grid, args)
 
 
 def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:

@@ -90,6 +90,16 @@ class CostModel:
             return self.profile.fit("allgather.intra_node")(size_bytes * (group - 1) / (per_node - 1))
         return self.profile.fit("allgather")(size_bytes * (group - 1) / (self.world_size - 1))
 
+    def remote_token_share(self) -> float | None:
+        """FasterMoE's topology-aware gate limit L / B = W_net / (M W_local) (§4.3), from the
+        all-to-all fits inside one node and across nodes (bandwidth = 1 / beta); None when the
+        profile lacks either (one rank per node has no intra-node fit)."""
+        fits = self.profile.fits
+        if "alltoall.intra_node" not in fits or "alltoall.inter_node" not in fits:
+            return None
+        net, local = fits["alltoall.inter_node"].beta, fits["alltoall.intra_node"].beta
+        return min(1.0, local / (self.profile.ranks_per_node * net)) if net > 0 else 1.0
+
     def t_saa(self, size_bytes: float, mp_size: int) -> float:
         """Parm's SAA: an all-to-all of ``size_bytes`` per rank over the world overlapped with the
         all-gather of what it returns over an intra-node MP group of ``mp_size`` ranks (one op,

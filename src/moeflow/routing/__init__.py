@@ -3,17 +3,19 @@
 from moeflow.capacity import expert_capacity
 from moeflow.routing.gates import CosineGate, LinearGate, build_gate
 from moeflow.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
-from moeflow.routing.selection import ExpertChoice, routing_scores, select_experts
+from moeflow.routing.selection import ExpertChoice, NodeLimit, node_limited, routing_scores, select_experts
 from moeflow.routing.slots import assign_slots
 
 __all__ = [
     "CosineGate",
     "ExpertChoice",
     "LinearGate",
+    "NodeLimit",
     "assign_slots",
     "build_gate",
     "expert_capacity",
     "load_balancing_loss",
+    "node_limited",
     "router_z_loss",
     "routing_scores",
     "select_experts",

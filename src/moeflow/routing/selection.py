@@ -40,6 +40,34 @@ def group_limited(selection_TE: torch.Tensor, expert_groups: int, top_groups: in
     return by_group.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
+@dataclass(frozen=True)
+class NodeLimit:
+    """FasterMoE's topology-aware gate (§4.3) for the tokens of one rank: ``local_E`` marks the
+    experts held on this rank's node; at most ``floor(remote_share * T)`` tokens may pick experts
+    elsewhere."""
+
+    local_E: torch.Tensor  # bool (E,)
+    remote_share: float
+
+
+def node_limited(selection_TE: torch.Tensor, limit: NodeLimit) -> torch.Tensor:
+    """The selection scores under the topology-aware gate. A token whose best expert is on another
+    node is "remote". With at most L = floor(share * T) remote tokens nothing changes; with more,
+    the L remote tokens whose best score is highest keep their choice, and every other token
+    chooses among its node's experts only (the rest set to -inf)."""
+    tokens = selection_TE.shape[0]
+    allowed = int(limit.remote_share * tokens)
+    best_score_T, best_T = selection_TE.max(dim=-1)
+    remote_T = ~limit.local_E[best_T]
+    if int(remote_T.sum()) <= allowed:
+        return selection_TE
+    keeps_T = torch.zeros(tokens, dtype=torch.bool, device=selection_TE.device)
+    if allowed:
+        keeps_T[best_score_T.masked_fill(~remote_T, float("-inf")).topk(allowed).indices] = True
+    restricted_TE = ~keeps_T.unsqueeze(1) & ~limit.local_E.unsqueeze(0)
+    return selection_TE.masked_fill(restricted_TE, float("-inf"))
+
+
 def select_experts(
     logits_TE: torch.Tensor,
     top_k: int,
@@ -49,18 +77,22 @@ def select_experts(
     expert_groups: int = 1,
     top_groups: int = 1,
     routed_scaling_factor: float = 1.0,
+    node_limit: NodeLimit | None = None,
 ) -> ExpertChoice:
     """Pick k experts per token.
 
     ``expert_bias_E`` (auxiliary-loss-free balancing) shifts only which experts are selected; the
     combine weights always come from the unbiased scores. With ``expert_groups`` > 1 a token picks
     only in its ``top_groups`` best groups. With ``normalize`` the k weights of a token sum to one;
-    then they are multiplied by ``routed_scaling_factor`` (DeepSeek-V3).
+    then they are multiplied by ``routed_scaling_factor`` (DeepSeek-V3). ``node_limit`` applies
+    FasterMoE's topology-aware gate after the group limit.
     """
     scores_TE = routing_scores(logits_TE, score_function)
     selection_TE = scores_TE.detach() if expert_bias_E is None else scores_TE.detach() + expert_bias_E.detach()
     if expert_groups > 1:
         selection_TE = group_limited(selection_TE, expert_groups, top_groups)
+    if node_limit is not None:
+        selection_TE = node_limited(selection_TE, node_limit)
     expert_idx_TK = torch.topk(selection_TE, top_k, dim=-1).indices
     scores_TK = scores_TE.gather(1, expert_idx_TK)
     weights_TK = scores_TK

@@ -1,0 +1,257 @@
+"""``moeflow bench skew``: skewed expert load on an emulated cluster, FasterMoE §5.5-5.6 scaled down.
+
+Routing is set, not learned: the gate's weight is the first E coordinates (times a large scale),
+and each token's first E features put a margin on the experts drawn for it from the point's
+distribution (uniform, Zipf(s), one expert taking every token, or the load of a recorded training
+run's router). Every rank draws its own tokens. The layers run dropless (capacity factor 0) with
+the ragged expert kernel, so a hot expert costs what its tokens cost, expert parallel, pipeline
+and all-to-all planned per iteration.
+
+Modes, same weights and tokens: ``off`` (no shadowing), ``hottest`` (the most loaded expert
+shadowed every iteration) and ``auto`` (FasterMoE's Algorithm 1 on the calibrated profile). Each
+first runs until its planner has settled; then one forward + backward per mode, round-robin, the
+slowest rank, medians. Per point the record also gives the max/mean compute load over ranks
+without and with the shadowing ``auto`` chose.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STRONG_SKEW_GOAL = 1.3  # shadowing at strong skew: at least this much faster than off
+UNIFORM_TOLERANCE = 1.03  # at uniform load: no slower than this
+STEER = 8.0  # the logit margin that pins a token to its drawn expert
+
+
+@dataclass(frozen=True)
+class SkewPoint:
+    skew: str  # "uniform", "zipf:<s>", "one-hot", or a name for ``probabilities``
+    experts: int = 4
+    hidden_dim: int = 1024
+    tokens: int = 2048
+    model_dim: int = 256
+    top_k: int = 1
+    probabilities: tuple[float, ...] = field(default=())  # a recorded load (the skew names it)
+
+    @property
+    def name(self) -> str:
+        return f"{self.skew}-E{self.experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}"
+
+
+def routing_probabilities(point: SkewPoint) -> Any:
+    """The share of assignments each expert gets, hottest first (expert 0)."""
+    import numpy as np
+
+    if point.probabilities:
+        weights = np.asarray(point.probabilities, dtype=np.float64)
+    elif point.skew == "uniform":
+        weights = np.ones(point.experts)
+    elif point.skew == "one-hot":
+        weights = np.eye(point.experts)[0]
+    elif point.skew.startswith("zipf:"):
+        weights = 1.0 / np.arange(1, point.experts + 1) ** float(point.skew.removeprefix("zipf:"))
+    else:
+        raise ValueError(f"unknown skew {point.skew!r}; use uniform, zipf:<s>, one-hot or recorded probabilities")
+    if weights.shape != (point.experts,) or weights.min() < 0 or weights.sum() <= 0:
+        raise ValueError(f"skew {point.skew!r}: need {point.experts} non-negative shares, got {weights.tolist()}")
+    return weights / weights.sum()
+
+
+def routed_tokens(point: SkewPoint, seed: int) -> Any:
+    """(T, M) tokens whose first E features pick their experts: k distinct draws from the point's
+    distribution (an expert with share 0 is drawn only when fewer than k others remain)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    shares = routing_probabilities(point)
+    draw = np.maximum(shares, 1e-9 if point.top_k > 1 else 0.0)
+    draw = draw / draw.sum()
+    x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(seed))
+    x[:, : point.experts] *= 0.1
+    for token in range(point.tokens):
+        chosen = rng.choice(point.experts, size=point.top_k, replace=False, p=draw)
+        for rank_in_token, expert in enumerate(chosen):
+            x[token, expert] += STEER - rank_in_token  # the first draw gets the largest logit
+    return x
+
+
+def steer_gate(layer: Any) -> None:
+    """The gate reads the first E features: logits_e = x_e."""
+    import torch
+
+    with torch.no_grad():
+        layer.gate.weight.zero_()
+        layer.gate.weight[:, : layer.config.num_experts].copy_(torch.eye(layer.config.num_experts))
+
+
+def recorded_loads(trace: str, steps: int) -> dict[str, tuple[float, ...]]:
+    """Each MoE block's share of assignments per expert, averaged over the last ``steps`` records of
+    a training run's ``metrics.jsonl`` (a run directory or the file), keyed ``trace-b<block>``."""
+    import json
+    from pathlib import Path
+
+    path = Path(trace)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("moe")][-steps:]
+    if not records:
+        raise ValueError("no step records with MoE load (moeflow train writes them to metrics.jsonl)")
+    totals: dict[int, list[float]] = {}
+    for record in records:
+        for block in record["moe"]:
+            counts = totals.setdefault(block["block"], [0.0] * len(block["tokens_per_expert"]))
+            for expert, count in enumerate(block["tokens_per_expert"]):
+                counts[expert] += count
+    return {f"trace-b{block}": tuple(c / sum(counts) for c in counts) for block, counts in sorted(totals.items())}
+
+
+def _layer_step(layer: Any, x: Any) -> None:
+    y = layer(x)
+    (y.square().mean() + layer.aux_loss).backward()
+    layer.zero_grad(set_to_none=True)
+
+
+def _settle(layer: Any, x: Any, limit: int = 300) -> int:
+    """Run until the planner serves from its dictionary (or has nothing to plan)."""
+    for iteration in range(1, limit + 1):
+        _layer_step(layer, x)
+        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
+            return iteration
+    return limit
+
+
+def compute_load(counts_WE: Any, owners: list[int], shadowed: tuple[int, ...]) -> tuple[float, ...]:
+    """Token rows each rank computes: its experts' tokens from every rank, plus its own tokens of
+    the shadowed experts."""
+    import numpy as np
+
+    counts = np.asarray(counts_WE, dtype=np.float64)
+    kept = counts.copy()
+    kept[:, list(shadowed)] = 0
+    ranks = counts.shape[0]
+    load = np.array([kept[:, [e for e, o in enumerate(owners) if o == w]].sum() for w in range(ranks)])
+    return tuple((load + (counts - kept).sum(1)).tolist())
+
+
+def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.layer import MoELayer
+
+    rank = dist.get_rank()
+    hottest = int(routing_probabilities(point).argmax())
+    modes: dict[str, Any] = {"off": "off", "hottest": [hottest], "auto": "auto"}
+
+    def build(shadowing: Any) -> MoELayer:
+        torch.manual_seed(0)
+        layer = MoELayer(
+            point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k, capacity_factor=0.0,
+            group=groups, parallel="expert", pipeline="auto", expert_kernel="ragged", profile=profile,
+            shadowing=shadowing,
+        )
+        steer_gate(layer)
+        return layer
+
+    layers = {name: build(setting) for name, setting in modes.items()}
+    x = routed_tokens(point, seed=1000 + rank)
+    settle = {name: _settle(layer, x) for name, layer in layers.items()}
+    samples: dict[str, list[float]] = {name: [] for name in layers}
+    for round_index in range(repeats + 1):  # round 0 warms every mode up
+        for name, layer in layers.items():
+            seconds = slowest_rank_seconds(lambda layer=layer: _layer_step(layer, x))
+            if round_index:
+                samples[name].append(seconds)
+    counts = _global_counts(layers["auto"], x)
+    if rank == 0:
+        _emit_point(point, layers, samples, settle, counts, emit)
+
+
+def _emit_point(
+    point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], settle: dict[str, int],
+    counts: Any, emit: Any,
+) -> None:
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    auto = layers["auto"]
+    owners = [auto.placement.holders(e)[0] for e in range(point.experts)]
+    for name, layer in layers.items():
+        stats = layer.last_stats
+        emit({
+            "bench": "skew", "config": point.name, **{k: v for k, v in asdict(point).items() if k != "probabilities"},
+            "mode": name, "layer_ms": medians[name] * 1e3, "shadowed": list(stats.shadowed_experts),
+            "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
+            "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
+            "settle_iterations": settle[name],
+        })
+    without = compute_load(counts, owners, ())
+    with_auto = compute_load(counts, owners, tuple(auto.last_stats.shadowed_experts))
+    emit({
+        "bench": "skew-compare", "config": point.name, "skew": point.skew,
+        "tokens_per_expert": auto.last_stats.tokens_per_expert,
+        "auto_over_off_speedup": medians["off"] / medians["auto"],
+        "hottest_over_off_speedup": medians["off"] / medians["hottest"],
+        "auto_shadowed": list(auto.last_stats.shadowed_experts),
+        "max_over_mean_load_off": max(without) / statistics.mean(without),
+        "max_over_mean_load_auto": max(with_auto) / statistics.mean(with_auto),
+    })
+
+
+def _global_counts(layer: Any, x: Any) -> Any:
+    """(W, E): every rank's assignments per expert under the layer's (steered) gate."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        chosen = layer.gate(x).topk(layer.config.top_k, dim=-1).indices
+    counts = torch.bincount(chosen.flatten(), minlength=layer.config.num_experts)
+    parts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, counts)
+    return torch.stack(parts).numpy()
+
+
+def _rank_main(argv: list[str]) -> None:
+    from moeflow.bench import grid_rank_main
+
+    def measure(values: dict[str, Any], *rest: Any) -> None:
+        _measure_point(SkewPoint(**{**values, "probabilities": tuple(values.get("probabilities", ()))}), *rest)
+
+    grid_rank_main(argv, "skew", measure)
+
+
+def run(
+    grid: list[SkewPoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
+    profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600,
+) -> list[dict[str, Any]]:
+    """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
+    from moeflow.bench import run_on_cluster
+
+    return run_on_cluster("moeflow.bench.skew", "skew", grid, nodes, ranks_per_node, inter_gbit, repeats,
+                          profile, master_port, timeout_s)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Shadowing's speedup at the strongest skew and its cost at uniform load, against the goals."""
+    compare = [r for r in records if r.get("bench") == "skew-compare"]
+    if not compare:
+        return {"summary": "skew", "configs": 0}
+    strong = [r for r in compare if r["skew"] == "one-hot" or r["skew"].startswith("zipf")]
+    uniform = [r for r in compare if r["skew"] == "uniform"]
+    best_strong = max((r["auto_over_off_speedup"] for r in strong), default=None)
+    worst_uniform = min((r["auto_over_off_speedup"] for r in uniform), default=None)
+    return {
+        "summary": "skew", "configs": len(compare),
+        "auto_over_off": {r["config"]: r["auto_over_off_speedup"] for r in compare},
+        "strong_skew_best_speedup": best_strong,
+        "strong_skew_goal_met": None if best_strong is None else best_strong >= STRONG_SKEW_GOAL,
+        "uniform_slowdown": None if worst_uniform is None else 1 / worst_uniform,
+        "uniform_goal_met": None if worst_uniform is None else 1 / worst_uniform <= UNIFORM_TOLERANCE,
+    }
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])
