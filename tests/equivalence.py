@@ -144,6 +144,15 @@ def extra_cases() -> list[Case]:
         Case("shadow-auto", {**base, "shadowing": "auto", "profile": PROFILE_CHEAP_SHADOWS, "capacity_factor": 0.0},
              same_expert=True),
         Case("shadow-all-experts", {**base, "shadowing": list(range(8)), "capacity_factor": 0.0}),
+        # FasterMoE's smart schedule: pairwise steps (one per node), each step's experts overlapping the next
+        Case("smart-k2-f1", {**base, "pipeline": "smart"}, ranks_per_node=1, tokens_per_rank=16),
+        Case("smart-2-per-node-swiglu", {**base, "pipeline": "smart", "activation": "swiglu"}, ranks_per_node=2),
+        Case("smart-ragged-f0-empty-rank", {**base, "pipeline": "smart", "expert_kernel": "ragged",
+                                            "capacity_factor": 0.0}, ranks_per_node=1, empty_ranks=(1,)),
+        Case("smart-shadow-hot-expert", {**base, "pipeline": "smart", "shadowing": [0], "capacity_factor": 0.0},
+             ranks_per_node=1, same_expert=True),
+        Case("smart-3-steps-bpr", {**base, "pipeline": "smart", "batch_prioritized_routing": True, "top_k": 1},
+             ranks_per_node=1, steps=3),
         # FasterMoE's topology-aware gate: the reference applies the same rule to its rank's tokens
         Case("topology-gate-quarter-f0", {**base, "topology_gate": 0.25, "capacity_factor": 0.0}, ranks_per_node=1,
              tokens_per_rank=16),

@@ -17,7 +17,7 @@ from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
-from moeflow.perf.schedules import Plan
+from moeflow.perf.schedules import SCHEDULE_MODELS, Plan, rank_schedule_plans
 from moeflow.planner import MIN_GAIN, simplest_within
 
 PROFILE = ClusterProfile(
@@ -52,7 +52,7 @@ def _policies(rank: int, world: int) -> dict[str, Any]:
         key: {(p.degree, p.algorithm): t for p, t in m.items()} for key, m in search.planner.measured.items()
     }
     auto = MoELayer(16, 32, 8, pipeline="auto", profile=PROFILE, group=groups)
-    results["auto"] = _steps(auto, 23, 64)
+    results["auto"] = _steps(auto, 28, 64)
     model = MoELayer(16, 32, 8, pipeline="model", profile=PROFILE, group=groups)
     results["model"] = _steps(model, 2, 64)
     results["forced"] = _steps(MoELayer(16, 32, 8, pipeline=4, alltoall="pairwise", group=groups), 1, 64)
@@ -95,14 +95,16 @@ def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks:
     plans = two_ranks[0]["auto"]
     capacity = 16  # 64 tokens, k=2, 8 experts, f=1
     shape = RegionShape(8, 2, capacity, 16, 32)
-    top = [(p.degree, p.algorithm) for p in rank_plans(CostModel(PROFILE), shape, range(1, 17),
-                                                       ("linear", "pairwise"))[:3]]
-    candidates = list(dict.fromkeys(top + [(d, top[0][1]) for d in (1, 2, 4, 8)]))
-    assert 4 <= len(candidates) <= 7
+    expert = SCHEDULE_MODELS["expert"]  # capacity-chunk plans and FasterMoE's smart schedule
+    ranked = rank_schedule_plans(CostModel(PROFILE), shape, [expert], range(1, 17), ("linear", "pairwise"), True)
+    top = [plan for plan, _ in ranked[:3]]
+    anchors = expert.candidates(shape, (1, 2, 4, 8), (top[0].algorithm,))
+    candidates = [(p.schedule, p.degree, p.algorithm) for p in dict.fromkeys(top + anchors)]
+    assert 4 <= len(candidates) <= 8
     trials = 3 * len(candidates)
     assert [p["source"] for p in plans] == ["warmup"] + ["trial"] * trials + ["dictionary"] * (len(plans) - trials - 1)
-    assert [(p["requested_degree"], p["alltoall"]) for p in plans[1:trials + 1:3]] == candidates
-    assert (plans[-1]["requested_degree"], plans[-1]["alltoall"]) in candidates
+    assert [(p["schedule"], p["requested_degree"], p["alltoall"]) for p in plans[1:trials + 1:3]] == candidates
+    assert (plans[-1]["schedule"], plans[-1]["requested_degree"], plans[-1]["alltoall"]) in candidates
     assert all(p["predicted_forward_s"] > 0 and p["predicted_backward_s"] > 0 for p in plans)
 
 

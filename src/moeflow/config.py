@@ -25,7 +25,10 @@ SAA = "saa"
 """Parm's S2 combine with its all-to-all overlapped with the MP all-gather: an ``alltoall`` choice
 only for the schedules behind tensor-parallel attention."""
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, SAA, "auto")
-PIPELINE_POLICIES = ("auto", "model", "search")
+PIPELINE_POLICIES = ("auto", "model", "search", "smart")
+"""How the expert-parallel region is pipelined: planned per iteration (``auto``, ``model``,
+``search``: capacity-chunk degrees and algorithms, with FasterMoE's smart schedule among the
+candidates), or FasterMoE's smart schedule forced (``smart``); an int forces a capacity-chunk degree."""
 MAX_PIPELINE_DEGREE = 64
 PARM_SCHEDULES = ("s1", "s2", "ds-baseline")
 """Parm's schedules: they need the ``mp_group`` of the tensor-parallel attention in front."""

@@ -121,6 +121,10 @@ class ExpertCompute(Protocol):
         """The compute of the capacity slots [start, stop) (ragged kernels skip the empty ones)."""
         ...
 
+    def of_sources(self, ranks: list[int]) -> ExpertCompute:
+        """The compute of the rows that came from these source ranks (in this order)."""
+        ...
+
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNSaved]: ...
@@ -147,6 +151,9 @@ class FFNCompute:
 
     def chunk(self, start: int, stop: int) -> FFNCompute:
         return self  # the padded kernels compute every slot
+
+    def of_sources(self, ranks: list[int]) -> FFNCompute:
+        return self
 
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None

@@ -39,6 +39,7 @@ from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import expert_kind
 from moeflow.parallel.schedules import select_schedule
 from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
+from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
 from moeflow.perf.schedules import Plan
@@ -208,6 +209,7 @@ class MoELayer(nn.Module):
         if c.expert_kernel == "ragged":
             require_ragged_schedule(self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
+        check_smart_pipeline(c.pipeline, self.schedule.name, self.groups)
         check_shadowing(c.shadowing, self.schedule.name, self.cost_model)
         self.node_limit = self._node_limit()
         self.planner = PipelinePlanner(

@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import RegionShape
-from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, ScheduleModel, rank_schedule_plans
+from moeflow.perf.schedules import (
+    LOCAL,
+    SCHEDULE_MODELS,
+    SMART,
+    SMART_PLAN_ALGORITHM,
+    Plan,
+    ScheduleModel,
+    rank_schedule_plans,
+)
 from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)
@@ -135,6 +143,8 @@ class PipelinePlanner:
         if self.reduce_max is None or not self.model.sends_tokens:  # nothing is sent: nothing to plan
             local = self.model.forced_plan(degree, LOCAL) or Plan(self.schedule, degree, LOCAL, 1)
             return self._with_prediction(local, "local", None, shape, backward), timing
+        if self.pipeline == SMART:
+            return self._with_prediction(Plan(SMART, 1, SMART_PLAN_ALGORITHM), "forced", None, shape, backward), timing
         degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
         forced = self.model.forced_plan(degree, self.algorithms[0])
         if forced is not None and (forced.algorithm == LOCAL or (degrees is not None and len(self.algorithms) == 1)):

@@ -74,6 +74,9 @@ class RaggedFFNCompute:
     def chunk(self, start: int, stop: int) -> RaggedFFNCompute:
         return dataclasses.replace(self, slots=(start, stop))
 
+    def of_sources(self, ranks: list[int]) -> RaggedFFNCompute:
+        return dataclasses.replace(self, filled_LW=self.filled_LW[:, ranks].contiguous())
+
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
     ) -> tuple[torch.Tensor, FFNSaved]:

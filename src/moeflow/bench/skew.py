@@ -8,7 +8,9 @@ the ragged expert kernel, so a hot expert costs what its tokens cost, expert par
 and all-to-all planned per iteration.
 
 Modes, same weights and tokens: ``off`` (no shadowing), ``hottest`` (the most loaded expert
-shadowed every iteration) and ``auto`` (FasterMoE's Algorithm 1 on the calibrated profile). Each
+shadowed every iteration), ``auto`` (FasterMoE's Algorithm 1 on the calibrated profile), all with
+the planner's pipeline (capacity chunks or the smart schedule, per iteration); ``smart`` and
+``smart+auto``: FasterMoE's smart schedule forced, without and with ``auto`` shadowing. Each
 first runs until its planner has settled; then one forward + backward per mode, round-robin, the
 slowest rank, medians. Per point the record also gives the max/mean compute load over ranks
 without and with the shadowing ``auto`` chose.
@@ -146,19 +148,22 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
 
     rank = dist.get_rank()
     hottest = int(routing_probabilities(point).argmax())
-    modes: dict[str, Any] = {"off": "off", "hottest": [hottest], "auto": "auto"}
+    modes: dict[str, tuple[Any, str]] = {  # (shadowing, pipeline)
+        "off": ("off", "auto"), "hottest": ([hottest], "auto"), "auto": ("auto", "auto"),
+        "smart": ("off", "smart"), "smart+auto": ("auto", "smart"),
+    }
 
-    def build(shadowing: Any) -> MoELayer:
+    def build(shadowing: Any, pipeline: str) -> MoELayer:
         torch.manual_seed(0)
         layer = MoELayer(
             point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k, capacity_factor=0.0,
-            group=groups, parallel="expert", pipeline="auto", expert_kernel="ragged", profile=profile,
+            group=groups, parallel="expert", pipeline=pipeline, expert_kernel="ragged", profile=profile,
             shadowing=shadowing,
         )
         steer_gate(layer)
         return layer
 
-    layers = {name: build(setting) for name, setting in modes.items()}
+    layers = {name: build(*setting) for name, setting in modes.items()}
     x = routed_tokens(point, seed=1000 + rank)
     settle = {name: _settle(layer, x) for name, layer in layers.items()}
     samples: dict[str, list[float]] = {name: [] for name in layers}
@@ -185,7 +190,7 @@ def _emit_point(
             "bench": "skew", "config": point.name, **{k: v for k, v in asdict(point).items() if k != "probabilities"},
             "mode": name, "layer_ms": medians[name] * 1e3, "shadowed": list(stats.shadowed_experts),
             "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
-            "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
+            "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
             "settle_iterations": settle[name],
         })
     without = compute_load(counts, owners, ())
@@ -195,6 +200,9 @@ def _emit_point(
         "tokens_per_expert": auto.last_stats.tokens_per_expert,
         "auto_over_off_speedup": medians["off"] / medians["auto"],
         "hottest_over_off_speedup": medians["off"] / medians["hottest"],
+        "smart_over_off_speedup": medians["off"] / medians["smart"],
+        "smart_auto_over_off_speedup": medians["off"] / medians["smart+auto"],
+        "auto_planner_schedule": auto.last_stats.plan.schedule,
         "auto_shadowed": list(auto.last_stats.shadowed_experts),
         "max_over_mean_load_off": max(without) / statistics.mean(without),
         "max_over_mean_load_auto": max(with_auto) / statistics.mean(with_auto),
@@ -250,6 +258,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "strong_skew_goal_met": None if best_strong is None else best_strong >= STRONG_SKEW_GOAL,
         "uniform_slowdown": None if worst_uniform is None else 1 / worst_uniform,
         "uniform_goal_met": None if worst_uniform is None else 1 / worst_uniform <= UNIFORM_TOLERANCE,
+        "smart_over_off": {r["config"]: r["smart_over_off_speedup"] for r in compare},
+        "smart_auto_over_off": {r["config"]: r["smart_auto_over_off_speedup"] for r in compare},
     }
 
 

@@ -6,7 +6,8 @@ and their predicted cost, :mod:`moeflow.perf.schedules`) and ``run``. ``MoELayer
 through the layer.
 
 - :class:`ExpertParallelSchedule`: experts split over the group; tokens travel by all-to-all,
-  pipelined over capacity chunks with the planned algorithm.
+  pipelined over capacity chunks with the planned algorithm, or over FasterMoE's pairwise steps
+  (a smart plan, :mod:`moeflow.parallel.smart`).
 - :class:`ReplicatedSchedule`: every rank holds every expert and runs them on its own tokens; no
   all-to-all. Its expert gradients are those of the rank's own tokens, summed by the trainer's
   gradient all-reduce like any replicated parameter.
@@ -29,10 +30,11 @@ from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
-from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, Plan, ScheduleModel, rank_schedule_plans
+from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, SMART, Plan, ScheduleModel, rank_schedule_plans
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
@@ -99,6 +101,17 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
     def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
         return ExpertExchange(groups, plan.algorithm, experts.num_experts)  # all-to-all over the group
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None,
+        expert_compute: ExpertCompute | None = None,
+    ) -> torch.Tensor:
+        """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan."""
+        if plan.schedule != SMART:
+            return super().run(plan, dispatched_ECM, experts, groups, timing, workspace, expert_compute)
+        compute = experts.compute if expert_compute is None else expert_compute
+        return smart_experts(dispatched_ECM, compute, experts.weights(), groups, timing, workspace)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,10 @@ from moeflow.perf.pipeline import (
 )
 
 LOCAL = "none"  # the algorithm of a plan that sends nothing
+SMART = "smart"
+"""FasterMoE's smart schedule (§4.2): a plan of the expert-parallel schedule that pipelines over the
+pairwise steps (one per node) instead of capacity chunks (:mod:`moeflow.parallel.smart`)."""
+SMART_PLAN_ALGORITHM = "pairwise"
 
 
 @dataclass(frozen=True, order=True)
@@ -71,11 +75,44 @@ class ExpertParallelModel:
         return Plan(self.name, degree, algorithm)
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+        """Capacity-chunk plans of every (degree, algorithm), and FasterMoE's smart schedule where
+        the pairwise exchange it is built on is a candidate (several nodes)."""
+        algorithms = list(algorithms)
         usable = usable_degrees(degrees, shape.capacity)
-        return [Plan(self.name, d, a) for a in algorithms for d in usable]
+        smart = [Plan(SMART, 1, SMART_PLAN_ALGORITHM)] if SMART_PLAN_ALGORITHM in algorithms else []
+        return [Plan(self.name, d, a) for a in algorithms for d in usable] + smart
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
+        if plan.schedule == SMART:
+            return predict_smart(cost, shape, backward)
         return predict_plan(cost, shape, plan.degree, plan.algorithm, backward)
+
+
+def predict_smart(cost: CostModel, shape: RegionShape, backward: bool = True) -> PlanPrediction:
+    """FasterMoE's smart schedule as PipeMoE's recurrences over its n pairwise steps (one per node;
+    the communication runs every S before any R, as the recurrences assume). A step across nodes
+    costs 1 / (n - 1) of the pairwise all-to-all's inter-node steps; step 0 stays in the node: free
+    with one rank per node, else the intra-node all-to-all fit (or an equal share when absent).
+    Each step computes the local experts on the C slots of each of the node's M ranks."""
+    nodes, per_node = cost.profile.nodes, cost.profile.ranks_per_node
+    size = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
+    whole = cost.t_alltoall(SMART_PLAN_ALGORITHM, size)
+    if per_node == 1:
+        local, remote = 0.0, whole / max(1, nodes - 1)
+    elif "alltoall.intra_node" in cost.profile.fits:
+        local = cost.profile.fit("alltoall.intra_node")(size / nodes)
+        remote = max(0.0, whole - local) / max(1, nodes - 1)
+    else:
+        local = remote = whole / nodes
+    t_step = [local] + [remote] * (nodes - 1)
+    slowdown = cost.profile.interference if nodes > 1 else 1.0
+    dims = (per_node * shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)
+    t_expert = [shape.local_experts * cost.t_ffn(*dims) * slowdown] * nodes
+    t_back = [shape.local_experts * cost.t_ffn(*dims, backward=True) * slowdown] * nodes
+    forward = pipeline_makespan(t_step, t_expert, t_step)
+    back = pipeline_makespan(t_step, t_back, t_step) if backward else 0.0
+    memory = shape.local_experts * shape.expert_parameters * shape.bytes_per_element
+    return PlanPrediction(1, SMART_PLAN_ALGORITHM, forward, back, expert_memory_bytes=memory, schedule=SMART)
 
 
 @dataclass(frozen=True)
