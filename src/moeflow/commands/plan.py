@@ -84,9 +84,16 @@ def _algorithms() -> tuple[str, ...]:
 
 def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str], max_degree: int,
                                  backward: bool) -> None:
-    """One line per (algorithm, degree), and Theorem 1's choice per algorithm."""
+    """One line per (algorithm, degree), Theorem 1's choice per algorithm, and FasterMoE's smart
+    schedule (pipelined over the pairwise steps) where the pairwise all-to-all is calibrated."""
     from moeflow.bench import print_json
     from moeflow.perf.pipeline import predict_plan, theorem1_for_shape, usable_degrees
+    from moeflow.perf.schedules import SMART_PLAN_ALGORITHM, predict_smart
+
+    if model.world_size > 1 and SMART_PLAN_ALGORITHM in algorithms:
+        p = predict_smart(model, region, backward)
+        print_json({"plan": "smart", "alltoall": SMART_PLAN_ALGORITHM, "steps": model.profile.nodes,
+                    "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
 
     for algorithm in algorithms:
         for degree in usable_degrees(range(1, max_degree + 1), region.capacity):

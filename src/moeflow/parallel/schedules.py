@@ -167,4 +167,4 @@ def select_schedule(
         return ScheduleChoice(SCHEDULES["expert"], "default")
     degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
     ranked = rank_schedule_plans(cost_model, shape, tuple(SCHEDULES), degrees, algorithms, backward=True)
-    return ScheduleChoice(SCHEDULES[ranked[0][0].schedule], "model")
+    return ScheduleChoice(SCHEDULES[ranked[0][0].placement_schedule], "model")

@@ -47,6 +47,11 @@ class Plan:
     algorithm: str
     r: int | None = None
 
+    @property
+    def placement_schedule(self) -> str:
+        """The schedule whose placement this plan runs on (a smart plan is the expert schedule's)."""
+        return "expert" if self.schedule == SMART else self.schedule
+
 
 class ScheduleModel(Protocol):
     name: str
