@@ -66,3 +66,17 @@ def test_smart_needs_the_expert_schedule() -> None:
         MoELayer(8, 16, 4, parallel="replicated", pipeline="smart")
     with pytest.raises(ValueError, match="unknown pipeline 'smarter'; choose one of auto, model, search, smart"):
         MoELayer(8, 16, 4, pipeline="smarter")
+
+
+def test_parallel_auto_runs_the_expert_schedule_when_a_smart_plan_ranks_first() -> None:
+    from moeflow.parallel.schedules import select_schedule
+    from moeflow.perf.schedules import rank_schedule_plans
+
+    profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
+        **_profile().fits, "alltoall.linear": AlphaBeta(1e-3, 1e-7), "allreduce": AlphaBeta(1.0, 1e-6),
+    })
+    ranked = rank_schedule_plans(CostModel(profile), SHAPE, ("expert", "replicated", "adaptive"), (1,),
+                                 ("linear", "pairwise"), backward=True)
+    assert ranked[0][0].schedule == SMART
+    choice = select_schedule("auto", 4, 2, CostModel(profile), SHAPE, ("linear", "pairwise"))
+    assert (choice.schedule.name, choice.reason) == ("expert", "model")
