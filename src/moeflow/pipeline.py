@@ -21,9 +21,10 @@ belongs to the layer's :class:`~moeflow.comm.ParallelGroups`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, Self
 
@@ -39,8 +40,8 @@ from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
 __all__ = [
-    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "pipelined_experts",
-    "run_pipeline",
+    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "overlap_on_worker",
+    "pipelined_experts", "run_pipeline",
 ]
 
 
@@ -166,13 +167,26 @@ def run_pipeline(
         return out_ECM
 
     assert route.groups is not None
-    worker = route.groups.worker.executor()
-    dispatched: list[Future] = [worker.submit(_without_grad, send, start, stop) for start, stop in chunks]
+    overlap_on_worker(
+        route.groups.worker.executor(), [functools.partial(send, start, stop) for start, stop in chunks], compute,
+        lambda index, y_LXM: receive(y_LXM, *chunks[index]), after_compute,
+    )
+    return out_ECM
+
+
+def overlap_on_worker(
+    worker: ThreadPoolExecutor, sends: list[Callable[[], torch.Tensor]],
+    compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
+    after_compute: Callable[[], None] | None = None,
+) -> None:
+    """The overlap both pipelines share: every send on the communication worker, in order; each
+    piece's compute on the calling thread as soon as its send is done, then its receive queued
+    behind the sends; ``after_compute`` runs while the last receives are in flight."""
+    dispatched: list[Future] = [worker.submit(_without_grad, send) for send in sends]
     combined: list[Future] = []
     try:
-        for index, (start, stop) in enumerate(chunks):
-            y_LXM = compute(index, dispatched[index].result())
-            combined.append(worker.submit(_without_grad, receive, y_LXM, start, stop))
+        for index, future in enumerate(dispatched):
+            combined.append(worker.submit(_without_grad, receive, index, compute(index, future.result())))
         if after_compute is not None:
             after_compute()
         for future in combined:
@@ -181,7 +195,6 @@ def run_pipeline(
         for future in dispatched + combined:
             future.cancel()
         raise
-    return out_ECM
 
 
 class _PipelinedExperts(torch.autograd.Function):

@@ -42,12 +42,6 @@ class ParallelPoint:
         return name if self.mp == 1 else f"{name}-MP{self.mp}"
 
 
-def _layer_step(layer: Any, x: Any) -> None:
-    y = layer(x)
-    (y.square().mean() + layer.aux_loss).backward()
-    layer.zero_grad(set_to_none=True)
-
-
 def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     """The modelled region alone: the schedule on a dispatched (E, C, M) buffer, forward + backward,
     with the plan the layer last ran. S1's region is the packed slots its own tokens held plus the MP
@@ -70,20 +64,11 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
 
 
 
-def _settle(layer: Any, x: Any, limit: int = 300) -> int:
-    """Run until the planner serves from its dictionary (or has nothing to plan)."""
-    for iteration in range(1, limit + 1):
-        _layer_step(layer, x)
-        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
-            return iteration
-    return limit
-
-
 def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.bench.timing import layer_training_step, settle_planner, slowest_rank_seconds
     from moeflow.config import PARM_SCHEDULES, switchable_rs
     from moeflow.layer import MoELayer
 
@@ -108,14 +93,14 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
         layers["planner"] = build("adaptive")
     tokens = torch.Generator().manual_seed(rank // point.mp)  # the same tokens on the members of an MP group
     x = torch.randn(point.tokens, point.model_dim, generator=tokens)
-    settle = {name: _settle(layer, x) for name, layer in layers.items()}
+    settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
     capacity = next(iter(layers.values())).last_stats.capacity
     buffer = torch.randn(point.experts, capacity, point.model_dim, requires_grad=True)
     whole: dict[str, list[float]] = {name: [] for name in layers}
     region: dict[str, list[float]] = {name: [] for name in layers}
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
-            seconds = slowest_rank_seconds(lambda layer=layer: _layer_step(layer, x))
+            seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
             region_seconds = slowest_rank_seconds(lambda layer=layer: _region_step(layer, buffer, x))
             if round_index:
                 whole[name].append(seconds)

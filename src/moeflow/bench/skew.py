@@ -111,21 +111,6 @@ def recorded_loads(trace: str, steps: int) -> dict[str, tuple[float, ...]]:
     return {f"trace-b{block}": tuple(c / sum(counts) for c in counts) for block, counts in sorted(totals.items())}
 
 
-def _layer_step(layer: Any, x: Any) -> None:
-    y = layer(x)
-    (y.square().mean() + layer.aux_loss).backward()
-    layer.zero_grad(set_to_none=True)
-
-
-def _settle(layer: Any, x: Any, limit: int = 300) -> int:
-    """Run until the planner serves from its dictionary (or has nothing to plan)."""
-    for iteration in range(1, limit + 1):
-        _layer_step(layer, x)
-        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
-            return iteration
-    return limit
-
-
 def compute_load(counts_WE: Any, owners: list[int], shadowed: tuple[int, ...]) -> tuple[float, ...]:
     """Token rows each rank computes: its experts' tokens from every rank, plus its own tokens of
     the shadowed experts."""
@@ -143,7 +128,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.bench.timing import layer_training_step, settle_planner, slowest_rank_seconds
     from moeflow.layer import MoELayer
 
     rank = dist.get_rank()
@@ -165,11 +150,11 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
 
     layers = {name: build(*setting) for name, setting in modes.items()}
     x = routed_tokens(point, seed=1000 + rank)
-    settle = {name: _settle(layer, x) for name, layer in layers.items()}
+    settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
     samples: dict[str, list[float]] = {name: [] for name in layers}
     for round_index in range(repeats + 1):  # round 0 warms every mode up
         for name, layer in layers.items():
-            seconds = slowest_rank_seconds(lambda layer=layer: _layer_step(layer, x))
+            seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
             if round_index:
                 samples[name].append(seconds)
     counts = _global_counts(layers["auto"], x)

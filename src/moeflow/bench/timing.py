@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Hashable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -45,3 +45,20 @@ def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | No
     fn()
     (elapsed,) = max_over_ranks([time.perf_counter() - start], group)
     return elapsed
+
+
+def layer_training_step(layer: Any, x: Any) -> None:
+    """One forward + backward of a layer (its output's mean square plus its aux loss), grads dropped."""
+    y = layer(x)
+    (y.square().mean() + layer.aux_loss).backward()
+    layer.zero_grad(set_to_none=True)
+
+
+def settle_planner(layer: Any, x: Any, limit: int = 300) -> int:
+    """Run training steps until the layer's planner serves from its dictionary (or has nothing to
+    plan); the iterations it took."""
+    for iteration in range(1, limit + 1):
+        layer_training_step(layer, x)
+        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
+            return iteration
+    return limit

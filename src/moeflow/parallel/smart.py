@@ -22,9 +22,9 @@ The planner ranks it beside the capacity pipeline's (degree, algorithm) plans as
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.schedules import SMART
+from moeflow.pipeline import overlap_on_worker
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
 
@@ -72,11 +73,6 @@ def check_smart_pipeline(pipeline: int | str, schedule: str, groups: ParallelGro
         )
 
 
-def _without_grad(function: Callable[..., object], *args: object) -> object:
-    with torch.no_grad():  # grad mode is per thread and on by default in a new one
-        return function(*args)
-
-
 def run_steps(
     buffer_ECM: torch.Tensor, steps: SmartSteps, compute: Callable[[int, torch.Tensor], torch.Tensor],
     after_compute: Callable[[], None] | None = None,
@@ -105,20 +101,8 @@ def run_steps(
         for dest, rows_back in pairwise_step(back, steps.topology, matrix, (steps.count - step) % steps.count).items():
             out_by_dest[dest].copy_(rows_back)
 
-    worker = steps.groups.worker.executor()
-    dispatched: list[Future] = [worker.submit(_without_grad, send, step) for step in range(steps.count)]
-    combined: list[Future] = []
-    try:
-        for step in range(steps.count):
-            combined.append(worker.submit(_without_grad, receive, step, compute(step, dispatched[step].result())))
-        if after_compute is not None:
-            after_compute()
-        for future in combined:
-            future.result()
-    except BaseException:
-        for future in dispatched + combined:
-            future.cancel()
-        raise
+    sends = [functools.partial(send, step) for step in range(steps.count)]
+    overlap_on_worker(steps.groups.worker.executor(), sends, compute, receive, after_compute)
     return out_ECM
 
 
