@@ -64,6 +64,7 @@ class Case:
     expected_alltoall: str | None = None  # the algorithm the layer must report using (multi-rank)
     r_per_step: tuple[str, ...] = ()  # Tutel's r of each step's call ("r0", "r1", "rmid", "rmax")
     mp: int = 1  # tensor-parallel group size (Parm): tokens replicated over consecutive ranks
+    rebalance_to: tuple[float, ...] = ()  # redundant experts: before step 1, rebalance for this load
 
 
 def mp_size(case: Case, world_size: int) -> int:
@@ -144,6 +145,19 @@ def extra_cases() -> list[Case]:
         Case("shadow-auto", {**base, "shadowing": "auto", "profile": PROFILE_CHEAP_SHADOWS, "capacity_factor": 0.0},
              same_expert=True),
         Case("shadow-all-experts", {**base, "shadowing": list(range(8)), "capacity_factor": 0.0}),
+        # EPLB's redundant experts: 12 slots (3, 6 or 12 per rank), a rebalance between two steps
+        Case("redundant-hot-expert-f0", {**base, "redundant_experts": 4, "capacity_factor": 0.0}, same_expert=True,
+             steps=2, rebalance_to=(90.0, 1, 1, 1, 1, 1, 1, 1)),
+        Case("redundant-ragged-swiglu-empty-rank", {**base, "redundant_experts": 4, "expert_kernel": "ragged",
+                                                    "activation": "swiglu", "bias": False, "capacity_factor": 0.0},
+             empty_ranks=(1,), steps=2, rebalance_to=(5.0, 30, 1, 1, 9, 1, 1, 0)),
+        Case("redundant-d2-drops-bpr", {**base, "redundant_experts": 4, "pipeline": 2,
+                                        "batch_prioritized_routing": True}, tokens_per_rank=24, steps=2,
+             rebalance_to=(1.0, 1, 1, 1, 1, 1, 20, 20)),
+        Case("redundant-2dh-k1", {**base, "redundant_experts": 8, "alltoall": "2dh", "top_k": 1}, ranks_per_node=2,
+             same_expert=True),
+        Case("redundant-smart", {**base, "redundant_experts": 4, "pipeline": "smart"}, ranks_per_node=1,
+             same_expert=True, steps=2, rebalance_to=(50.0, 40, 1, 1, 1, 1, 1, 1)),
         # FasterMoE's smart schedule: pairwise steps (one per node), each step's experts overlapping the next
         Case("smart-k2-f1", {**base, "pipeline": "smart"}, ranks_per_node=1, tokens_per_rank=16),
         Case("smart-2-per-node-swiglu", {**base, "pipeline": "smart", "activation": "swiglu"}, ranks_per_node=2),
@@ -350,6 +364,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "pipeline": kwargs.pop("pipeline", "auto"),
         "parallel": kwargs.pop("parallel", "expert"),
         "shadowing": kwargs.pop("shadowing", "off"),
+        "redundant_experts": kwargs.pop("redundant_experts", 0),
         "group": groups,
     }
     node_limit = _reference_node_limit(case, kwargs.pop("topology_gate", "off"), rank, world_size)
@@ -414,6 +429,8 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
     reference, layer = _build(case, rank, world_size, groups)
     failures: list[str] = []
     for step in range(case.steps):
+        if step == 1 and case.rebalance_to:
+            layer.rebalance(case.rebalance_to)
         x = _tokens(case, rank, world_size)
         x_ref = x.clone().requires_grad_()
         x_layer = x.clone().requires_grad_()

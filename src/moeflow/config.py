@@ -99,6 +99,7 @@ class MoEConfig:
     tokens_per_rank_hint: int | None = None
     shadowing: str | tuple[int, ...] = "off"  # FasterMoE: "off", "auto" or the experts to shadow
     topology_gate: str | float = "off"  # FasterMoE §4.3: "off", "auto" or the share of tokens that may leave the node
+    redundant_experts: int = 0  # EPLB: extra expert slots for replicas of hot experts (E + this slots in all)
 
     def __post_init__(self) -> None:
         require_positive_int("model_dim", self.model_dim)
@@ -125,6 +126,7 @@ class MoEConfig:
         if self.topology_gate != "off" and self.expert_groups > 1:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
+        validate_redundant_experts(self.redundant_experts, self.shadowing, self.topology_gate)
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
@@ -244,6 +246,18 @@ def validate_shadowing(shadowing: object, num_experts: int) -> str | tuple[int, 
     raise ValueError(
         f"shadowing must be 'off', 'auto' or a list of distinct experts in [0, {num_experts}), got {shadowing!r}"
     )
+
+
+def validate_redundant_experts(redundant: object, shadowing: object, topology_gate: object) -> None:
+    """EPLB's extra slots: a count >= 0; they replace shadowing (both replicate hot experts) and the
+    topology gate (whose node of an expert is one rank's)."""
+    if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+        raise ValueError(f"redundant_experts must be an int >= 0 (extra expert slots), got {redundant!r}")
+    if redundant and (shadowing != "off" or topology_gate != "off"):
+        raise ValueError(
+            "redundant_experts replicates hot experts across steps; it runs without shadowing and the topology "
+            "gate: set shadowing='off' and topology_gate='off', or redundant_experts=0"
+        )
 
 
 FASTERMOE_REMOTE_SHARE = 0.14

@@ -274,6 +274,19 @@ class _ExpertFFNFunction(torch.autograd.Function):
         return grad_x_LCM, None, *ctx.compute.weight_grads(inputs, weights)
 
 
+class ExpertSlots(Protocol):
+    """What a schedule runs: the local experts' compute, their number and their weights (an
+    :class:`ExpertFFN`, or a view of one whose weights carry extra autograd, as redundant slots do)."""
+
+    @property
+    def compute(self) -> FFNCompute: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def weights(self) -> FFNWeights: ...
+
+
 class ExpertFFN(nn.Module):
     """``num_experts`` independent FFNs (or hidden shards of them) evaluated together on
     (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``)."""

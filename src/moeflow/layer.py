@@ -36,7 +36,8 @@ from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
 from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
-from moeflow.parallel.placement import expert_kind
+from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full
+from moeflow.parallel.redundant import ReplicaRoutes, ReplicaSlots, balanced_placement, move_slots, slots_per_rank
 from moeflow.parallel.schedules import select_schedule
 from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
 from moeflow.parallel.smart import check_smart_pipeline
@@ -141,6 +142,7 @@ class MoELayer(nn.Module):
         tokens_per_rank_hint: int | None = None,
         shadowing: str | Sequence[int] = "off",
         topology_gate: str | float = "off",
+        redundant_experts: int = 0,
         profile: ClusterProfile | str | None = None,
         mp_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -160,7 +162,7 @@ class MoELayer(nn.Module):
             capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
             tokens_per_rank_hint=tokens_per_rank_hint,
             shadowing=shadowing if isinstance(shadowing, str) else tuple(shadowing),
-            topology_gate=topology_gate,
+            topology_gate=topology_gate, redundant_experts=redundant_experts,
         )
         self.config = config
         resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
@@ -209,6 +211,10 @@ class MoELayer(nn.Module):
         if c.expert_kernel == "ragged":
             require_ragged_schedule(self.schedule.name)
         self.placement = self.schedule.placement(c.num_experts, self.world_size, c.hidden_dim)
+        if c.redundant_experts:  # EPLB's slots, balanced for an even load until the first rebalance
+            slots = slots_per_rank(c.redundant_experts, c.num_experts, self.world_size, self.schedule.name)
+            self.placement = balanced_placement([1.0] * c.num_experts, slots, self.groups.topology, c.hidden_dim)
+        self._replicas_equal = not c.redundant_experts  # replicas copy their primary before the first forward
         check_smart_pipeline(c.pipeline, self.schedule.name, self.groups)
         check_shadowing(c.shadowing, self.schedule.name, self.cost_model)
         self.node_limit = self._node_limit()
@@ -265,6 +271,8 @@ class MoELayer(nn.Module):
             config.capacity_factor if capacity_factor is None else capacity_factor
         )
         x_TM = self._tokens(x)
+        if not self._replicas_equal:
+            self.apply_placement(self.placement)
 
         # route
         logits_TE = self.gate(x_TM)
@@ -281,8 +289,11 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(
             factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity
         )
+        filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
+        routes = ReplicaRoutes.of(self.placement, filled_WE, capacity, self.rank) if config.redundant_experts else None
         chosen, timing = self.planner.choose(
-            self._region(capacity, x_TM.element_size(), load.max_tokens_per_rank, load.needed_capacity),
+            self._region(self._exchanged_capacity(capacity, routes), x_TM.element_size(), load.max_tokens_per_rank,
+                         load.needed_capacity),
             backward=torch.is_grad_enabled(), r=r,
         )
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
@@ -293,9 +304,11 @@ class MoELayer(nn.Module):
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         self.workspace.start_step()
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
-        filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         shadow, shadow_gain = self._shadows(filled_WE, capacity, chosen.plan.algorithm)
-        combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, filled_WE, shadow)
+        if routes is not None:
+            combined_ECM = self._run_slots(chosen.plan, dispatched_ECM, timing, routes)
+        else:
+            combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, filled_WE, shadow)
         y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
 
         if self.shared_experts is not None:
@@ -315,6 +328,7 @@ class MoELayer(nn.Module):
         self.last_stats = dataclasses.replace(
             self._stats(load, capacity, k, factor, chosen, timing, owned.capacity),
             shadowed_experts=shadow.experts if shadow else (), shadow_predicted_gain_s=shadow_gain,
+            rank_tokens=self._rank_tokens(filled_WE, shadow, routes),
         )
         return y_TM.view(x.shape)
 
@@ -358,6 +372,76 @@ class MoELayer(nn.Module):
         weights = shadow_weights(self.experts.weights(), self.placement, self.rank, shadow.experts, self.groups.expert)
         local = self._ragged_compute(filled_WE, own_tokens_of=shadow.experts) or self.experts.compute
         return run_with_shadows(shadow, dispatched_ECM, weights, local, run_exchanged)
+
+    def _run_slots(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, routes: ReplicaRoutes
+    ) -> torch.Tensor:
+        """EPLB's slots: each replica gets its share of an expert's tokens, the (P, C', M) buffer
+        runs through the expert schedule, and the outputs return to the (E, C, M) layout."""
+        slots = ReplicaSlots(self.experts, self.placement, self.rank, self.groups.expert)
+        ragged = None
+        if self.config.expert_kernel == "ragged":
+            local = slice(self.rank * slots.num_experts, (self.rank + 1) * slots.num_experts)
+            filled_LW = routes.filled_WP[:, local].t().contiguous()
+            ragged = RaggedFFNCompute(self.experts.compute, filled_LW, keeps_activations=torch.is_grad_enabled())
+        combined_PCM = self.schedule.run(plan, routes.to_slots(dispatched_ECM), slots, self.groups, timing,
+                                         self.workspace, ragged)
+        return routes.from_slots(combined_PCM, self.config.num_experts)
+
+    def _exchanged_capacity(self, capacity: int, routes: ReplicaRoutes | None) -> int:
+        """The per-expert capacity of the same bytes as the exchanged buffer (the planner's shape)."""
+        if routes is None:
+            return capacity
+        slots = routes.source_rows_PC.shape[0]
+        return -(-slots * routes.capacity // self.config.num_experts)
+
+    def _rank_tokens(
+        self, filled_WE: torch.Tensor, shadow: ShadowPlan | None, routes: ReplicaRoutes | None
+    ) -> tuple[int, ...]:
+        """The assignments each rank's experts compute: a slot's, an owner's, or, for a shadowed
+        expert, each rank its own."""
+        if routes is not None:
+            return tuple(routes.filled_WP.view(self.world_size, self.world_size, -1).sum(dim=(0, 2)).tolist())
+        if self.schedule.name != "expert":
+            return ()
+        owners = [self.placement.holders(e)[0] for e in range(self.config.num_experts)]
+        tokens = [0] * self.world_size
+        shadowed = set(shadow.experts) if shadow else set()
+        for source, row in enumerate(filled_WE.tolist()):
+            for expert, count in enumerate(row):
+                tokens[source if expert in shadowed else owners[expert]] += count
+        return tuple(tokens)
+
+    # -- redundant experts ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rebalance(self, load_E: Sequence[float], optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """EPLB: place the slots for ``load_E`` (tokens per expert, the same on every rank, e.g. the
+        recorded ``tokens_per_expert`` of the last steps) and move the weights and ``optimizer``'s
+        state once if the placement changed; return whether it did (a collective)."""
+        c = self.config
+        if not c.redundant_experts:
+            raise ValueError("rebalance() places redundant experts: build the layer with redundant_experts > 0")
+        if len(load_E) != c.num_experts:
+            raise ValueError(f"load_E has {len(load_E)} entries; it needs one per expert ({c.num_experts})")
+        new = balanced_placement(load_E, self.num_local_experts, self.groups.topology, c.hidden_dim)
+        if new == self.placement:
+            return False
+        self.apply_placement(new, optimizer)
+        return True
+
+    @torch.no_grad()
+    def apply_placement(self, placement: ExpertPlacement, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Rewrite the slots for ``placement`` (each from its expert's primary copy), with every
+        optimizer state tensor shaped like its parameter (AdamW's moments); a collective."""
+        old = self.placement
+        for kind, parameter in self.experts.named_parameters():
+            states = optimizer.state.get(parameter, {}) if optimizer is not None else {}
+            moved = [t for t in states.values() if isinstance(t, torch.Tensor) and t.shape == parameter.shape]
+            for tensor in (parameter, *moved):
+                tensor.copy_(move_slots(tensor, kind, old, placement, self.rank, self.groups.expert))
+        self.placement = placement
+        self._replicas_equal = True
 
     def _shadows(
         self, filled_WE: torch.Tensor, capacity: int, algorithm: str
@@ -550,11 +634,7 @@ class MoELayer(nn.Module):
             if kind is None:
                 full[name] = tensor.detach().clone()
                 continue
-            assembled = self.placement.empty_full(kind, tensor)
-            self.placement.write_primary(kind, tensor.detach(), self.rank, assembled)
-            if self.groups.expert is not None:
-                dist.all_reduce(assembled, group=self.groups.expert)
-            full[name] = assembled
+            full[name] = gather_full(tensor, self.placement, kind, self.rank, self.groups.expert)
         return full
 
     def extra_repr(self) -> str:

@@ -75,10 +75,18 @@ class RoutingStats:
     timing: PipelineTiming = field(default_factory=PipelineTiming)  # measured; backward fills in later
     shadowed_experts: tuple[int, ...] = ()  # FasterMoE: computed where their tokens are this iteration
     shadow_predicted_gain_s: float | None = None  # Algorithm 1's predicted step saving (None: no profile)
+    rank_tokens: tuple[int, ...] = ()  # assignments each rank's experts computed (after capacity)
 
     @property
     def dropped(self) -> int:
         return sum(self.dropped_per_expert)
+
+    @property
+    def rank_imbalance(self) -> float:
+        """Max over mean of ``rank_tokens``: how long the slowest rank's experts run against a
+        balanced load (1.0 when even or unknown)."""
+        mean = sum(self.rank_tokens) / len(self.rank_tokens) if self.rank_tokens else 0.0
+        return max(self.rank_tokens) / mean if mean else 1.0
 
     @property
     def effective_capacity_factor(self) -> float:
@@ -92,4 +100,5 @@ class RoutingStats:
         values = asdict(self)
         values["dropped"] = self.dropped
         values["effective_capacity_factor"] = self.effective_capacity_factor
+        values["rank_imbalance"] = self.rank_imbalance
         return values

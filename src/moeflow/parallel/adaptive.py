@@ -31,7 +31,7 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
-from moeflow.experts import ExpertCompute, ExpertFFN, FFNWeights
+from moeflow.experts import ExpertCompute, ExpertSlots, FFNWeights
 from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
@@ -131,7 +131,7 @@ class AdaptiveSchedule(ModelledSchedule):
         return switchable_placement(num_experts, world_size, hidden_dim)
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:

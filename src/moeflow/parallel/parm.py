@@ -35,7 +35,7 @@ import torch.distributed as dist
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
-from moeflow.experts import ExpertCompute, ExpertFFN
+from moeflow.experts import ExpertCompute, ExpertSlots
 from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
@@ -210,7 +210,7 @@ class ParmSchedule(ModelledSchedule):
         return MPTokenShare(groups.model, groups.expert, num_experts, timing)
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
@@ -354,7 +354,7 @@ class BaselineSchedule(ParmSchedule):
         return BaselineModel(self.name, mp_size=self.mp_size)
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:

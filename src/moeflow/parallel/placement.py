@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 HIDDEN_AXIS: dict[str, int | None] = {"w1": 2, "w3": 2, "b1": 1, "w2": 1, "b2": None}
 
@@ -41,11 +42,16 @@ class ExpertShard:
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """``shards[r]``: the expert shards rank r holds, in local order (its parameters' first axis)."""
+    """``shards[r]``: the expert shards rank r holds, in local order (its parameters' first axis).
+
+    ``split_tokens``: an expert held by several ranks gets each token once, split over its copies,
+    whose gradients are then summed (EPLB's redundant slots); otherwise every copy computes its own
+    rank's tokens and the trainer averages the copies' gradients like any replicated weight."""
 
     num_experts: int
     hidden_dim: int
     shards: tuple[tuple[ExpertShard, ...], ...]
+    split_tokens: bool = False
 
     def __post_init__(self) -> None:
         held = {shard.expert for rank in self.shards for shard in rank}
@@ -138,10 +144,10 @@ class ExpertPlacement:
         return self == ExpertPlacement.replicated(self.num_experts, self.world_size, self.hidden_dim)
 
     def is_primary(self, rank: int, index: int) -> bool:
-        """Whether rank's local shard ``index`` is the first copy of its slice (lowest rank): the
-        copy a full state is assembled from."""
+        """Whether rank's local shard ``index`` is the first copy of its slice (lowest rank, then
+        lowest index): the copy a full state is assembled from."""
         shard = self.shards[rank][index]
-        return not any(shard in self.shards[r] for r in range(rank))
+        return not any(shard in self.shards[r] for r in range(rank)) and shard not in self.shards[rank][:index]
 
     # -- state dicts ----------------------------------------------------------------------------
 
@@ -198,6 +204,18 @@ class ExpertPlacement:
                 f"{kind} has shape {tuple(full.shape)}; a full state needs {self.num_experts} experts"
                 + (f" of hidden size {self.hidden_dim}" if axis is not None else "")
             )
+
+
+def gather_full(
+    tensor: torch.Tensor, placement: ExpertPlacement, kind: str, rank: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The full (E, ...) tensor from every rank's part: each writes its primary shards into zeros,
+    one all-reduce (a collective: every rank calls it)."""
+    full = placement.empty_full(kind, tensor.detach())
+    placement.write_primary(kind, tensor.detach(), rank, full)
+    if group is not None and placement.world_size > 1:
+        dist.all_reduce(full, group=group)
+    return full
 
 
 def _hidden_slice(expert: torch.Tensor, axis: int | None, shard: ExpertShard) -> torch.Tensor:

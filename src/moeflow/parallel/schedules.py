@@ -25,7 +25,7 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import PARM_SCHEDULES
-from moeflow.experts import ExpertCompute, ExpertFFN
+from moeflow.experts import ExpertCompute, ExpertSlots
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
@@ -61,7 +61,7 @@ class ParallelSchedule(Protocol):
         ...
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor: ...
@@ -78,7 +78,7 @@ class _ModelledSchedule(ModelledSchedule):
         return SCHEDULE_MODELS[self.name]
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
@@ -88,7 +88,7 @@ class _ModelledSchedule(ModelledSchedule):
         compute = experts.compute if expert_compute is None else expert_compute
         return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)
 
-    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
         raise NotImplementedError
 
 
@@ -99,11 +99,11 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
-    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
         return ExpertExchange(groups, plan.algorithm, experts.num_experts)  # all-to-all over the group
 
     def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
         timing: PipelineTiming, workspace: Workspace | None = None,
         expert_compute: ExpertCompute | None = None,
     ) -> torch.Tensor:
@@ -121,7 +121,7 @@ class ReplicatedSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
 
-    def exchange(self, plan: Plan, experts: ExpertFFN, groups: ParallelGroups) -> ExpertExchange:
+    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
         return ExpertExchange(None, LOCAL, experts.num_experts)  # tokens stay: only the chunking
 
 

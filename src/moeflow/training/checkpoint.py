@@ -23,22 +23,11 @@ import torch.distributed as dist
 
 from moeflow.files import write_atomic
 from moeflow.models import TrainableLM
-from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.placement import ExpertPlacement, gather_full
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _gather_experts(
-    tensor: torch.Tensor, placement: ExpertPlacement, kind: str, rank: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """The full (E, ...) tensor: every rank writes its primary shards into zeros, one all-reduce."""
-    full = placement.empty_full(kind, tensor.detach())
-    placement.write_primary(kind, tensor.detach(), rank, full)
-    if group is not None and placement.world_size > 1:
-        dist.all_reduce(full, group=group)
-    return full.cpu()
 
 
 def full_state(
@@ -52,7 +41,7 @@ def full_state(
         if name not in placed:
             return tensor.detach().cpu().clone()
         placement, kind = placed[name]
-        return _gather_experts(tensor, placement, kind, rank, group)
+        return gather_full(tensor, placement, kind, rank, group).cpu()
 
     model_state = {name: full(name, tensor) for name, tensor in model.state_dict().items()}
     optimizer_state: dict[str, torch.Tensor] = {}

@@ -1,0 +1,243 @@
+"""Redundant experts (DeepSeek's EPLB, beyond the papers): E experts in P = E + R physical slots.
+
+The slots are spread evenly over the ranks (S = P / W each); hot experts get several slots
+(replicas), and a replicated expert's tokens are split over its replicas. Unlike FasterMoE's
+shadowing, which replicates for one iteration and moves weights every step, the replicas persist:
+their weights move once per rebalance, and each backward sums their weight gradients over the
+replicas (:class:`ReplicaGradSum`) so that every copy updates identically.
+
+Three pieces, each a plain function of the placement:
+
+- :func:`balanced_placement`: the slots from a recorded load, hierarchical: replica counts first
+  (the expert with the highest load per replica gets the next slot), then the replicas packed over
+  the nodes (equal slots per node, heaviest first onto the lightest node), then over the ranks of
+  each node the same way, a rank holding an expert at most once where it can.
+- :class:`ReplicaRoutes`: which of a rank's kept tokens of expert e go to which replica, from the
+  global counts every rank already has (the same answer everywhere): the tokens of all ranks, in
+  rank order, split into near-equal contiguous runs, one per replica in rank order, so that equal
+  senders keep their tokens on a replica of their own rank where one exists.
+- :func:`move_slots`: a parameter (or an optimizer moment) rewritten for a new placement, through
+  the full (E, ...) tensor assembled from the primary copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+
+from moeflow.comm.topology import Topology
+from moeflow.experts import ExpertFFN, FFNCompute, FFNWeights
+from moeflow.parallel.placement import ExpertPlacement, ExpertShard, gather_full
+
+
+def slots_per_rank(redundant: int, num_experts: int, world_size: int, schedule: str) -> int:
+    """S for ``redundant`` extra slots: replicas are slots of the expert-parallel exchange, which
+    needs the same number on every rank."""
+    if schedule != "expert":
+        raise ValueError(
+            f"redundant_experts={redundant} adds slots to the expert-parallel schedule; this layer runs "
+            f"parallel={schedule!r}: use parallel='expert' or redundant_experts=0"
+        )
+    slots = num_experts + redundant
+    if slots % world_size:
+        raise ValueError(
+            f"redundant_experts={redundant} gives {slots} expert slots, which do not split evenly over {world_size} "
+            f"ranks; choose redundant_experts so that num_experts + redundant_experts is a multiple of {world_size}"
+        )
+    return slots // world_size
+
+
+def replica_counts(load_E: Sequence[float], num_slots: int, max_per_expert: int) -> list[int]:
+    """How many slots each expert gets: one each, then the next slot to the expert with the highest
+    load per replica (ties: lowest id), up to ``max_per_expert`` copies while any expert is below."""
+    load = np.asarray(load_E, dtype=np.float64)
+    counts = np.ones(len(load), dtype=np.int64)
+    for _ in range(num_slots - len(load)):
+        per_replica = load / counts
+        open_ = counts < max_per_expert
+        pick = int(np.argmax(np.where(open_, per_replica, -np.inf) if open_.any() else per_replica))
+        counts[pick] += 1
+    return counts.tolist()
+
+
+def _pack(items: list[tuple[float, int]], bins: int, room: int) -> list[list[tuple[float, int]]]:
+    """Greedy longest-first packing of (load, expert) items into ``bins`` of ``room`` items each:
+    each item onto the lightest bin with room that does not hold its expert yet (else any with room)."""
+    packed: list[list[tuple[float, int]]] = [[] for _ in range(bins)]
+    totals = [0.0] * bins
+    for load, expert in sorted(items, key=lambda item: (-item[0], item[1])):
+        open_bins = [b for b in range(bins) if len(packed[b]) < room]
+        fresh = [b for b in open_bins if all(e != expert for _, e in packed[b])] or open_bins
+        target = min(fresh, key=lambda b: (totals[b], b))
+        packed[target].append((load, expert))
+        totals[target] += load
+    return packed
+
+
+def balanced_placement(
+    load_E: Sequence[float], slots_per_rank: int, topology: Topology, hidden_dim: int
+) -> ExpertPlacement:
+    """EPLB's hierarchical placement of len(load_E) experts in slots_per_rank x W slots."""
+    num_experts, world = len(load_E), topology.world_size
+    counts = replica_counts(load_E, slots_per_rank * world, max_per_expert=world)
+    items = [(float(load_E[e]) / counts[e], e) for e in range(num_experts) for _ in range(counts[e])]
+    ranks: list[tuple[ExpertShard, ...]] = []
+    for node_items in _pack(items, topology.num_nodes, slots_per_rank * topology.ranks_per_node):
+        for rank_items in _pack(node_items, topology.ranks_per_node, slots_per_rank):
+            ranks.append(tuple(ExpertShard(e, 0, hidden_dim) for e in sorted(e for _, e in rank_items)))
+    return ExpertPlacement(num_experts, hidden_dim, tuple(ranks), split_tokens=True)
+
+
+def rank_loads(placement: ExpertPlacement, load_E: Sequence[float]) -> list[float]:
+    """Each rank's share of ``load_E`` when every expert's load splits evenly over its replicas."""
+    copies = [sum(s.expert == e for rank in placement.shards for s in rank) for e in range(placement.num_experts)]
+    return [sum(float(load_E[s.expert]) / copies[s.expert] for s in shards) for shards in placement.shards]
+
+
+@dataclass(frozen=True)
+class ReplicaRoutes:
+    """For one iteration: this rank's slots of each physical slot (rank-major: slot p on rank p // S)
+    and every rank's count per physical slot (what the ragged kernel and the load stats read)."""
+
+    source_rows_PC: torch.Tensor  # (P, C') rows of this rank's flattened (E * C + 1) logical buffer
+    filled_WP: torch.Tensor  # (W, P) tokens each source rank sends to each slot
+    logical_slots: int  # E * C: row E * C is a zero row (padding)
+
+    @staticmethod
+    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> ReplicaRoutes:
+        filled = filled_WE.to("cpu", torch.long).numpy()
+        world, num_experts = filled.shape
+        slot_experts = [s.expert for shards in placement.shards for s in shards]
+        starts = np.zeros((world, len(slot_experts)), dtype=np.int64)
+        lengths = np.zeros_like(starts)
+        for expert in range(num_experts):
+            replicas = [p for p, e in enumerate(slot_experts) if e == expert]
+            _split(filled[:, expert], replicas, starts, lengths)
+        width = max(1, int(lengths.max()))
+        rows = np.full((len(slot_experts), width), num_experts * capacity, dtype=np.int64)
+        for p, expert in enumerate(slot_experts):
+            begin, length = starts[rank, p], lengths[rank, p]
+            rows[p, :length] = expert * capacity + np.arange(begin, begin + length)
+        device = filled_WE.device
+        return ReplicaRoutes(torch.from_numpy(rows).to(device), torch.from_numpy(lengths).to(device),
+                             num_experts * capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.source_rows_PC.shape[1]
+
+    def to_slots(self, dispatched_ECM: torch.Tensor) -> torch.Tensor:
+        """The (P, C', M) buffer the expert-parallel exchange sends (slot p to rank p // S)."""
+        flat = dispatched_ECM.reshape(self.logical_slots, dispatched_ECM.shape[-1])
+        padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+        return padded.index_select(0, self.source_rows_PC.reshape(-1)).view(*self.source_rows_PC.shape, -1)
+
+    def from_slots(self, combined_PCM: torch.Tensor, experts: int) -> torch.Tensor:
+        """The (E, C, M) combined buffer back from the slots (slots no token filled are zero)."""
+        model_dim = combined_PCM.shape[-1]
+        out = combined_PCM.new_zeros(self.logical_slots + 1, model_dim)
+        out = out.index_copy(0, self.source_rows_PC.reshape(-1), combined_PCM.reshape(-1, model_dim))
+        return out[: self.logical_slots].view(experts, -1, model_dim)
+
+
+def _split(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, lengths: np.ndarray) -> None:
+    """Split one expert's tokens (all ranks in rank order) into len(replicas) near-equal runs."""
+    total, copies = int(counts_W.sum()), len(replicas)
+    bounds = [j * total // copies for j in range(copies + 1)]
+    offset = 0
+    for source, count in enumerate(counts_W.tolist()):
+        for j, slot in enumerate(replicas):
+            first, last = max(offset, bounds[j]), min(offset + count, bounds[j + 1])
+            if last > first:
+                starts[source, slot], lengths[source, slot] = first - offset, last - first
+        offset += count
+
+
+@dataclass(frozen=True)
+class ReplicaSlots:
+    """A rank's slots as the schedules see experts (compute, count, weights), with the weights
+    passed through :class:`ReplicaGradSum` so that the backward sums replicas' gradients."""
+
+    experts: ExpertFFN
+    placement: ExpertPlacement
+    rank: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def compute(self) -> FFNCompute:
+        return self.experts.compute
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def weights(self) -> FFNWeights:
+        stored = self.experts.weights().as_tuple()
+        present = [w for w in stored if w is not None]
+        synced = iter(ReplicaGradSum.apply(self.placement, self.rank, self.group, *present))
+        return FFNWeights(*(None if w is None else next(synced) for w in stored))
+
+
+class ReplicaGradSum(torch.autograd.Function):
+    """Identity on the slot weights whose backward gives every replica of an expert the sum of
+    all its replicas' gradients (one all-reduce of the replicated experts' rows), so that the
+    copies, equal before the step, stay equal after it; a sole copy keeps its own gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None,
+        *weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.placement, ctx.rank, ctx.group = placement, rank, group  # type: ignore[attr-defined]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        placement: ExpertPlacement = ctx.placement  # type: ignore[attr-defined]
+        return (None, None, None, *sum_over_replicas(list(grads), placement, ctx.rank, ctx.group))  # type: ignore[attr-defined]
+
+
+def replicated_experts(placement: ExpertPlacement) -> list[int]:
+    """The experts held in more than one slot."""
+    slot_experts = [s.expert for shards in placement.shards for s in shards]
+    return sorted({e for e in slot_experts if slot_experts.count(e) > 1})
+
+
+def sum_over_replicas(
+    grads: list[torch.Tensor], placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Each (S, ...) gradient with the replicated experts' rows replaced by their sum over all slots."""
+    shared = replicated_experts(placement)
+    if not shared:
+        return grads
+    row = {expert: i for i, expert in enumerate(shared)}
+    local = [(index, row[s.expert]) for index, s in enumerate(placement.local(rank)) if s.expert in row]
+    slot_index = torch.tensor([i for i, _ in local], dtype=torch.long, device=grads[0].device)
+    shared_index = torch.tensor([r for _, r in local], dtype=torch.long, device=grads[0].device)
+    sums = [g.new_zeros(len(shared), *g.shape[1:]).index_add_(0, shared_index, g.index_select(0, slot_index))
+            for g in grads]
+    flat = torch.cat([s.reshape(-1) for s in sums])
+    if group is not None and placement.world_size > 1:
+        dist.all_reduce(flat, group=group)
+    out, offset = [], 0
+    for grad, summed in zip(grads, sums, strict=True):
+        part = flat[offset: offset + summed.numel()].view_as(summed)
+        offset += summed.numel()
+        out.append(grad.index_copy(0, slot_index, part.index_select(0, shared_index)))
+    return out
+
+
+def move_slots(
+    tensor: torch.Tensor, kind: str, old: ExpertPlacement, new: ExpertPlacement, rank: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """``tensor`` (this rank's slots under ``old``) rewritten for ``new``: the full (E, ...) tensor
+    from the primary copies (one all-reduce), sliced for this rank's new slots."""
+    full = gather_full(tensor, old, kind, rank, group)
+    return new.shard_tensor(kind, full, rank)
+
