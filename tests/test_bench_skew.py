@@ -61,10 +61,13 @@ def test_compute_load_moves_a_shadowed_experts_tokens_to_their_ranks() -> None:
 def test_the_summary_checks_both_goals() -> None:
     records = [
         {"bench": "skew-compare", "config": "u", "skew": "uniform", "auto_over_off_speedup": 0.98,
-         "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.0},
+         "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.0, "redundant_over_off_speedup": 1.0,
+         "max_over_mean_load_redundant": 1.0},
         {"bench": "skew-compare", "config": "z", "skew": "one-hot", "auto_over_off_speedup": 1.5,
-         "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.4},
+         "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.4, "redundant_over_off_speedup": 1.6,
+         "max_over_mean_load_redundant": 1.05},
     ]
     summary = summarize(records)
-    assert summary["strong_skew_goal_met"] and summary["uniform_goal_met"]
+    assert summary["strong_skew_goal_met"] and summary["uniform_goal_met"] and summary["redundant_goal_met"]
+    assert not summarize([{**records[1], "max_over_mean_load_redundant": 1.2}])["redundant_goal_met"]
     assert not summarize([{**records[0], "auto_over_off_speedup": 0.9}])["uniform_goal_met"]

@@ -10,10 +10,12 @@ and all-to-all planned per iteration.
 Modes, same weights and tokens: ``off`` (no shadowing), ``hottest`` (the most loaded expert
 shadowed every iteration), ``auto`` (FasterMoE's Algorithm 1 on the calibrated profile), all with
 the planner's pipeline (capacity chunks or the smart schedule, per iteration); ``smart`` and
-``smart+auto``: FasterMoE's smart schedule forced, without and with ``auto`` shadowing. Each
+``smart+auto``: FasterMoE's smart schedule forced, without and with ``auto`` shadowing;
+``redundant``: EPLB's redundant slots (one extra per rank unless set), rebalanced once for the load
+of a settled step (what the trainer's rebalancer computes from its recent steps). Each
 first runs until its planner has settled; then one forward + backward per mode, round-robin, the
 slowest rank, medians. Per point the record also gives the max/mean compute load over ranks
-without and with the shadowing ``auto`` chose.
+without and with the shadowing ``auto`` chose, and with the redundant slots.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 STRONG_SKEW_GOAL = 1.3  # shadowing at strong skew: at least this much faster than off
 UNIFORM_TOLERANCE = 1.03  # at uniform load: no slower than this
+REDUNDANT_BALANCE_GOAL = 1.1  # redundant experts: max/mean rank load at most this (TensorRT-LLM's EPLB figure)
 STEER = 8.0  # the logit margin that pins a token to its drawn expert
 
 
@@ -37,6 +40,7 @@ class SkewPoint:
     model_dim: int = 256
     top_k: int = 1
     probabilities: tuple[float, ...] = field(default=())  # a recorded load (the skew names it)
+    redundant_experts: int = 0  # extra slots of the redundant mode; 0: one per rank
 
     @property
     def name(self) -> str:
@@ -133,17 +137,18 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
 
     rank = dist.get_rank()
     hottest = int(routing_probabilities(point).argmax())
-    modes: dict[str, tuple[Any, str]] = {  # (shadowing, pipeline)
-        "off": ("off", "auto"), "hottest": ([hottest], "auto"), "auto": ("auto", "auto"),
-        "smart": ("off", "smart"), "smart+auto": ("auto", "smart"),
+    redundant = point.redundant_experts or dist.get_world_size()
+    modes: dict[str, tuple[Any, str, int]] = {  # (shadowing, pipeline, redundant experts)
+        "off": ("off", "auto", 0), "hottest": ([hottest], "auto", 0), "auto": ("auto", "auto", 0),
+        "smart": ("off", "smart", 0), "smart+auto": ("auto", "smart", 0), "redundant": ("off", "auto", redundant),
     }
 
-    def build(shadowing: Any, pipeline: str) -> MoELayer:
+    def build(shadowing: Any, pipeline: str, redundant_experts: int) -> MoELayer:
         torch.manual_seed(0)
         layer = MoELayer(
             point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k, capacity_factor=0.0,
             group=groups, parallel="expert", pipeline=pipeline, expert_kernel="ragged", profile=profile,
-            shadowing=shadowing,
+            shadowing=shadowing, redundant_experts=redundant_experts,
         )
         steer_gate(layer)
         return layer
@@ -151,6 +156,8 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     layers = {name: build(*setting) for name, setting in modes.items()}
     x = routed_tokens(point, seed=1000 + rank)
     settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
+    if layers["redundant"].rebalance(layers["redundant"].last_stats.tokens_per_expert):
+        settle["redundant"] += settle_planner(layers["redundant"], x)
     samples: dict[str, list[float]] = {name: [] for name in layers}
     for round_index in range(repeats + 1):  # round 0 warms every mode up
         for name, layer in layers.items():
@@ -187,10 +194,14 @@ def _emit_point(
         "hottest_over_off_speedup": medians["off"] / medians["hottest"],
         "smart_over_off_speedup": medians["off"] / medians["smart"],
         "smart_auto_over_off_speedup": medians["off"] / medians["smart+auto"],
+        "redundant_over_off_speedup": medians["off"] / medians["redundant"],
+        "redundant_over_auto_speedup": medians["auto"] / medians["redundant"],
+        "redundant_slots": [[s.expert for s in shards] for shards in layers["redundant"].placement.shards],
         "auto_planner_schedule": auto.last_stats.plan.schedule,
         "auto_shadowed": list(auto.last_stats.shadowed_experts),
         "max_over_mean_load_off": max(without) / statistics.mean(without),
         "max_over_mean_load_auto": max(with_auto) / statistics.mean(with_auto),
+        "max_over_mean_load_redundant": layers["redundant"].last_stats.rank_imbalance,
     })
 
 
@@ -245,6 +256,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "uniform_goal_met": None if worst_uniform is None else 1 / worst_uniform <= UNIFORM_TOLERANCE,
         "smart_over_off": {r["config"]: r["smart_over_off_speedup"] for r in compare},
         "smart_auto_over_off": {r["config"]: r["smart_auto_over_off_speedup"] for r in compare},
+        "redundant_over_off": {r["config"]: r["redundant_over_off_speedup"] for r in compare},
+        "redundant_max_over_mean_load": {r["config"]: r["max_over_mean_load_redundant"] for r in compare},
+        "redundant_goal_met": all(r["max_over_mean_load_redundant"] <= REDUNDANT_BALANCE_GOAL for r in compare),
     }
 
 

@@ -243,6 +243,8 @@ def _add_skew(benches: Any) -> None:
     skew.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     skew.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
     skew.add_argument("--top-k", type=positive_int, default=1, help="experts per token (default 1)")
+    skew.add_argument("--redundant-experts", type=positive_int, default=None,
+                      help="extra expert slots of the redundant mode (default: one per rank)")
     skew.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
     skew.set_defaults(func=run_skew)
 
@@ -250,23 +252,26 @@ def _add_skew(benches: Any) -> None:
 def run_skew(args: argparse.Namespace) -> int:
     from moeflow.bench.skew import SkewPoint, recorded_loads, routing_probabilities, run, summarize
 
-    grid = [SkewPoint(name, args.experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k)
-            for name in args.skews]
+    ranks = args.nodes * args.ranks_per_node
+    redundant = args.redundant_experts or ranks
+    grid = [SkewPoint(name, args.experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k,
+                      redundant_experts=redundant) for name in args.skews]
     if args.trace:
         try:
             loads = recorded_loads(args.trace, args.trace_steps)
         except (OSError, ValueError) as error:
             raise fail("bench skew", f"--trace {args.trace}: {error}") from None
-        grid += [SkewPoint(name, len(shares), args.hidden_dim, args.tokens, args.model_dim, args.top_k, shares)
-                 for name, shares in loads.items()]
+        grid += [SkewPoint(name, len(shares), args.hidden_dim, args.tokens, args.model_dim, args.top_k, shares,
+                           redundant) for name, shares in loads.items()]
     try:
         for point in grid:
             routing_probabilities(point)
     except ValueError as error:
         raise fail("bench skew", f"--skews: {error}") from None
     for point in grid:
-        if point.top_k > point.experts or point.experts % (args.nodes * args.ranks_per_node):
-            raise fail("bench skew", f"{point.name}: need --top-k <= experts and experts divisible by the ranks")
+        if point.top_k > point.experts or point.experts % ranks or (point.experts + redundant) % ranks:
+            raise fail("bench skew", f"{point.name}: need --top-k <= experts, and experts and experts + "
+                       f"--redundant-experts ({redundant}) divisible by the {ranks} ranks")
     return _run_cluster_grid("bench skew", run, summarize, grid, args)
 
 
