@@ -63,9 +63,12 @@ def test_replicas_split_each_expert_once_over_its_slots_keeping_equal_senders_lo
         assert filled_WP[:, columns].sum(1).tolist() == filled_WE[:, expert].tolist()
     zero_replica = [p for p, e in enumerate(slot_experts) if e == 0]
     assert filled_WP[0, zero_replica].tolist() == [7, 0] and filled_WP[1, zero_replica].tolist() == [0, 7]
+    assert routes[0].exchanged_WP[:, zero_replica].sum() == 0  # kept at home: nothing of expert 0 travels
+    assert routes[0].exchanged_rows_PC.shape == routes[1].exchanged_rows_PC.shape  # one exchange shape
 
     dispatched_ECM = torch.randn(4, 8, 5)
-    back = routes[1].from_slots(routes[1].to_slots(dispatched_ECM), 4)
+    back = routes[1].scatter(ReplicaRoutes.gather(dispatched_ECM, routes[1].exchanged_rows_PC),
+                             ReplicaRoutes.gather(dispatched_ECM, routes[1].local_rows_SC), 4)
     for expert, count in enumerate(filled_WE[1].tolist()):
         assert torch.equal(back[expert, :count], dispatched_ECM[expert, :count])
 

@@ -37,14 +37,22 @@ from moeflow.experts import ExpertFFN, shard_expert_state
 from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full
-from moeflow.parallel.redundant import ReplicaRoutes, ReplicaSlots, balanced_placement, move_slots, slots_per_rank
+from moeflow.parallel.redundant import (
+    ReplicaRoutes,
+    SlotExperts,
+    balanced_placement,
+    move_slots,
+    replica_weights,
+    slots_per_rank,
+)
 from moeflow.parallel.schedules import select_schedule
 from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
-from moeflow.perf.schedules import Plan
+from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.perf.shadowing import ShadowPrices
+from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.ragged import RaggedFFNCompute
 from moeflow.routing import (
@@ -376,24 +384,34 @@ class MoELayer(nn.Module):
     def _run_slots(
         self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, routes: ReplicaRoutes
     ) -> torch.Tensor:
-        """EPLB's slots: each replica gets its share of an expert's tokens, the (P, C', M) buffer
-        runs through the expert schedule, and the outputs return to the (E, C, M) layout."""
-        slots = ReplicaSlots(self.experts, self.placement, self.rank, self.groups.expert)
-        ragged = None
-        if self.config.expert_kernel == "ragged":
-            local = slice(self.rank * slots.num_experts, (self.rank + 1) * slots.num_experts)
-            filled_LW = routes.filled_WP[:, local].t().contiguous()
-            ragged = RaggedFFNCompute(self.experts.compute, filled_LW, keeps_activations=torch.is_grad_enabled())
-        combined_PCM = self.schedule.run(plan, routes.to_slots(dispatched_ECM), slots, self.groups, timing,
-                                         self.workspace, ragged)
-        return routes.from_slots(combined_PCM, self.config.num_experts)
+        """EPLB's slots: each replica gets its share of an expert's tokens; the tokens for other
+        ranks' slots run through the expert schedule as a (P, C', M) buffer, those for this rank's
+        own slots here, and both return to the (E, C, M) layout."""
+        weights = replica_weights(self.experts, self.placement, self.rank, self.groups.expert)
+        slots = SlotExperts(self.experts.compute, self.num_local_experts, weights)
+        mine = slice(self.rank * slots.num_experts, (self.rank + 1) * slots.num_experts)
+        exchanged_PCM = self.schedule.run(
+            plan, routes.gather(dispatched_ECM, routes.exchanged_rows_PC), slots, self.groups, timing,
+            self.workspace, self._ragged_slots(routes.exchanged_WP[:, mine].t()),
+        )
+        own_WS = routes.filled_WP[self.rank, mine].unsqueeze(1)
+        local_SCM = pipelined_experts(
+            routes.gather(dispatched_ECM, routes.local_rows_SC), self._ragged_slots(own_WS) or self.experts.compute,
+            weights, ExpertExchange(None, LOCAL, slots.num_experts), 1,
+        )
+        return routes.scatter(exchanged_PCM, local_SCM, self.config.num_experts)
+
+    def _ragged_slots(self, filled_LW: torch.Tensor) -> RaggedFFNCompute | None:
+        if self.config.expert_kernel != "ragged":
+            return None
+        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
 
     def _exchanged_capacity(self, capacity: int, routes: ReplicaRoutes | None) -> int:
         """The per-expert capacity of the same bytes as the exchanged buffer (the planner's shape)."""
         if routes is None:
             return capacity
-        slots = routes.source_rows_PC.shape[0]
-        return -(-slots * routes.capacity // self.config.num_experts)
+        slots, width = routes.exchanged_rows_PC.shape
+        return -(-slots * width // self.config.num_experts)
 
     def _rank_tokens(
         self, filled_WE: torch.Tensor, shadow: ShadowPlan | None, routes: ReplicaRoutes | None
@@ -472,7 +490,7 @@ class MoELayer(nn.Module):
             filled_LW = filled_WE[self.rank, list(own_tokens_of)].unsqueeze(1)
         else:
             filled_LW = filled_WE[:, local].t()
-        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
+        return self._ragged_slots(filled_LW)
 
     def _node_limit(self) -> NodeLimit | None:
         """FasterMoE's topology-aware gate for this rank: the experts on its node and the share of

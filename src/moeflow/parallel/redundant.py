@@ -101,48 +101,63 @@ def rank_loads(placement: ExpertPlacement, load_E: Sequence[float]) -> list[floa
 
 @dataclass(frozen=True)
 class ReplicaRoutes:
-    """For one iteration: this rank's slots of each physical slot (rank-major: slot p on rank p // S)
-    and every rank's count per physical slot (what the ragged kernel and the load stats read)."""
+    """For one iteration, from the global counts: which rows of this rank's (E, C) logical buffer go
+    to which physical slot (rank-major: slot p on rank p // S). A rank's tokens for its own slots
+    are computed where they are (``local_rows_SC``); only the rest is exchanged
+    (``exchanged_rows_PC``), over the capacity that the rest needs, so a replica that keeps its
+    rank's tokens at home also keeps them off the link."""
 
-    source_rows_PC: torch.Tensor  # (P, C') rows of this rank's flattened (E * C + 1) logical buffer
-    filled_WP: torch.Tensor  # (W, P) tokens each source rank sends to each slot
+    exchanged_rows_PC: torch.Tensor  # (P, C_x): row index into the flattened (E * C + 1) buffer
+    local_rows_SC: torch.Tensor  # (S, C_l): this rank's own tokens for its own slots
+    filled_WP: torch.Tensor  # (W, P) tokens each source rank routes to each slot
+    exchanged_WP: torch.Tensor  # the same without each rank's tokens for its own slots
     logical_slots: int  # E * C: row E * C is a zero row (padding)
 
     @staticmethod
     def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> ReplicaRoutes:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world, num_experts = filled.shape
-        slot_experts = [s.expert for shards in placement.shards for s in shards]
+        slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
         starts = np.zeros((world, len(slot_experts)), dtype=np.int64)
         lengths = np.zeros_like(starts)
         for expert in range(num_experts):
-            replicas = [p for p, e in enumerate(slot_experts) if e == expert]
-            _split(filled[:, expert], replicas, starts, lengths)
-        width = max(1, int(lengths.max()))
-        rows = np.full((len(slot_experts), width), num_experts * capacity, dtype=np.int64)
-        for p, expert in enumerate(slot_experts):
-            begin, length = starts[rank, p], lengths[rank, p]
-            rows[p, :length] = expert * capacity + np.arange(begin, begin + length)
+            _split(filled[:, expert], np.flatnonzero(slot_experts == expert).tolist(), starts, lengths)
+        per_rank = len(slot_experts) // world
+        own = np.arange(len(slot_experts)) // per_rank == np.arange(world)[:, None]  # (W, P): slot on the source
+        exchanged = np.where(own, 0, lengths)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        pad = num_experts * capacity
+        rows_x = _rows(slot_experts * capacity + starts[rank], exchanged[rank], int(exchanged.max()), pad)  # all ranks
+        rows_l = _rows(slot_experts[mine] * capacity + starts[rank, mine], lengths[rank, mine],
+                       int(lengths[rank, mine].max(initial=0)), pad)
         device = filled_WE.device
-        return ReplicaRoutes(torch.from_numpy(rows).to(device), torch.from_numpy(lengths).to(device),
-                             num_experts * capacity)
 
-    @property
-    def capacity(self) -> int:
-        return self.source_rows_PC.shape[1]
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
 
-    def to_slots(self, dispatched_ECM: torch.Tensor) -> torch.Tensor:
-        """The (P, C', M) buffer the expert-parallel exchange sends (slot p to rank p // S)."""
-        flat = dispatched_ECM.reshape(self.logical_slots, dispatched_ECM.shape[-1])
+        return ReplicaRoutes(tensor(rows_x), tensor(rows_l), tensor(lengths), tensor(exchanged), pad)
+
+    @staticmethod
+    def gather(dispatched_ECM: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The (slots, C', M) buffer of ``rows`` of the logical buffer (padding rows are zeros)."""
+        flat = dispatched_ECM.reshape(-1, dispatched_ECM.shape[-1])
         padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-        return padded.index_select(0, self.source_rows_PC.reshape(-1)).view(*self.source_rows_PC.shape, -1)
+        return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
 
-    def from_slots(self, combined_PCM: torch.Tensor, experts: int) -> torch.Tensor:
-        """The (E, C, M) combined buffer back from the slots (slots no token filled are zero)."""
-        model_dim = combined_PCM.shape[-1]
-        out = combined_PCM.new_zeros(self.logical_slots + 1, model_dim)
-        out = out.index_copy(0, self.source_rows_PC.reshape(-1), combined_PCM.reshape(-1, model_dim))
+    def scatter(self, exchanged_PCM: torch.Tensor, local_SCM: torch.Tensor, experts: int) -> torch.Tensor:
+        """The (E, C, M) combined buffer from both parts (slots no token filled are zero)."""
+        model_dim = exchanged_PCM.shape[-1]
+        out = exchanged_PCM.new_zeros(self.logical_slots + 1, model_dim)
+        out = out.index_copy(0, self.exchanged_rows_PC.reshape(-1), exchanged_PCM.reshape(-1, model_dim))
+        out = out.index_copy(0, self.local_rows_SC.reshape(-1), local_SCM.reshape(-1, model_dim))
         return out[: self.logical_slots].view(experts, -1, model_dim)
+
+
+def _rows(first_P: np.ndarray, length_P: np.ndarray, width: int, pad: int) -> np.ndarray:
+    """(P, width) row indices (at least one column): slot p's run first_p .. first_p + length_p,
+    then ``pad``."""
+    offsets = np.arange(max(1, width))
+    return np.where(offsets < length_P[:, None], first_P[:, None] + offsets, pad).astype(np.int64)
 
 
 def _split(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, lengths: np.ndarray) -> None:
@@ -159,28 +174,27 @@ def _split(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, length
 
 
 @dataclass(frozen=True)
-class ReplicaSlots:
-    """A rank's slots as the schedules see experts (compute, count, weights), with the weights
-    passed through :class:`ReplicaGradSum` so that the backward sums replicas' gradients."""
+class SlotExperts:
+    """A rank's slots as the schedules see experts: the compute, the count, and weights taken once
+    per forward (through :func:`replica_weights`), so that the exchanged and the local part share
+    one gradient sum over the replicas."""
 
-    experts: ExpertFFN
-    placement: ExpertPlacement
-    rank: int
-    group: dist.ProcessGroup | None
-
-    @property
-    def compute(self) -> FFNCompute:
-        return self.experts.compute
-
-    @property
-    def num_experts(self) -> int:
-        return self.experts.num_experts
+    compute: FFNCompute
+    num_experts: int
+    synced: FFNWeights
 
     def weights(self) -> FFNWeights:
-        stored = self.experts.weights().as_tuple()
-        present = [w for w in stored if w is not None]
-        synced = iter(ReplicaGradSum.apply(self.placement, self.rank, self.group, *present))
-        return FFNWeights(*(None if w is None else next(synced) for w in stored))
+        return self.synced
+
+
+def replica_weights(
+    experts: ExpertFFN, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
+) -> FFNWeights:
+    """The slot weights passed through :class:`ReplicaGradSum`."""
+    stored = experts.weights().as_tuple()
+    present = [w for w in stored if w is not None]
+    synced = iter(ReplicaGradSum.apply(placement, rank, group, *present))
+    return FFNWeights(*(None if w is None else next(synced) for w in stored))
 
 
 class ReplicaGradSum(torch.autograd.Function):
