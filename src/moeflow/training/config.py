@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moeflow.config import (
+    FASTERMOE_REMOTE_SHARE,
     PARM_SCHEDULES,
+    SHADOWING_POLICIES,
     check_switchable_layout,
     model_moe_defaults,
     require_choice,
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
 
 BACKENDS = ("gloo", "nccl")
+GATE_KINDS = ("plain", "topology")
+"""``gate``: the routers as they are, or FasterMoE's topology-aware gate on every MoE layer."""
 _MOE = model_moe_defaults()
 
 
@@ -56,6 +60,11 @@ class TrainConfig:
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     profile: str | None = None  # a calibrated cluster profile for the planner
+    shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
+    gate: str = "plain"  # plain | topology (FasterMoE's topology-aware gate on every MoE layer)
+    redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
+    rebalance_interval: int = 20  # with redundant experts: place the slots every this many steps
+    rebalance_window: int = 20  # ... for the load of this many last steps
     # optimization
     steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
@@ -82,9 +91,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "steps", "batch_size", "workers", "mp_size", "threads_per_worker", "eval_interval",
-                    "eval_windows", "checkpoint_interval", "keep_checkpoints")
+                    "eval_windows", "checkpoint_interval", "keep_checkpoints", "rebalance_interval",
+                    "rebalance_window")
         for name in positive:
             require_positive_int(name, getattr(self, name))
+        require_choice("shadowing", self.shadowing, SHADOWING_POLICIES)
+        require_choice("gate", self.gate, GATE_KINDS)
         self.model_config(self.vocab_size)  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
@@ -95,6 +107,7 @@ class TrainConfig:
         elif self.mp_size > 1:
             raise ValueError("--mp-size splits moeflow's own attention; a --hf model's attention runs data "
                              "parallel: leave --mp-size at 1")
+        self._check_fastermoe()
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -131,6 +144,45 @@ class TrainConfig:
                 "--parallel replicated"
             )
 
+    def _check_fastermoe(self) -> None:
+        """Shadowing and the topology gate act on the expert-parallel schedule (the layers would
+        refuse otherwise, but only once the workers run); ``auto`` shadowing prices with a profile."""
+        wanted = [flag for flag, on in (("--shadowing auto", self.shadowing == "auto"),
+                                        ("--gate topology", self.gate == "topology"),
+                                        ("--redundant-experts", self.redundant_experts > 0)) if on]
+        if not wanted:
+            return
+        named = " and ".join(wanted)
+        if self.hf is not None:
+            raise ValueError(f"{named}: only moeflow's own model passes these to its MoE layers, not a --hf model; "
+                             "drop --hf, or use --shadowing off and --gate plain")
+        if self.shadowing == "auto" and self.profile is None:
+            raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
+                             "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
+        expert_schedule = self.parallel == "expert" or (
+            self.parallel == "auto" and self.mp_size == 1 and self.workers <= self.num_experts
+        )
+        if not expert_schedule:
+            raise ValueError(
+                f"{named}: FasterMoE's shadowing and topology-aware gate act on the expert-parallel schedule, but "
+                f"--parallel {self.parallel} (with --mp-size {self.mp_size}, {self.workers} workers, "
+                f"{self.num_experts} experts) runs another; use --parallel expert, or auto with --mp-size 1 and "
+                "no more workers than experts"
+            )
+        if (self.num_experts + self.redundant_experts) % self.workers:
+            raise ValueError(
+                f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
+                f"expert slots must split evenly over the {self.workers} workers; choose a value that makes the sum "
+                f"a multiple of {self.workers}"
+            )
+
+    def layer_topology_gate(self) -> str | float:
+        """MoEConfig's ``topology_gate`` for ``gate``: the share from the profile's bandwidths when
+        one is given, else FastMoE's default share."""
+        if self.gate == "plain":
+            return "off"
+        return "auto" if self.profile is not None else FASTERMOE_REMOTE_SHARE
+
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
         if self.workers % self.mp_size:
@@ -159,6 +211,7 @@ class TrainConfig:
         settings = {name: getattr(self, name) for name in MODEL_SETTINGS}
         return TransformerConfig.build(
             vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
+            topology_gate=self.layer_topology_gate(),
             **{name: value for name, value in settings.items() if value is not None},  # None: MoEConfig's
         )
 
@@ -203,6 +256,15 @@ FIELD_HELP: dict[str, str] = {
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
     "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
+    "shadowing": "FasterMoE's dynamic shadowing of every MoE layer: off, or auto (each step its cost model picks "
+    "hot experts whose weights are broadcast instead of sending their tokens; needs --profile and the "
+    "expert-parallel schedule)",
+    "gate": "plain, or topology: FasterMoE's topology-aware gate on every MoE layer (limits the tokens sent to "
+    f"other nodes; the share from --profile's bandwidths, else {FASTERMOE_REMOTE_SHARE})",
+    "redundant_experts": "EPLB: this many extra expert slots per MoE layer, holding replicas of the hot experts "
+    "(the expert-parallel schedule; experts + this a multiple of --workers)",
+    "rebalance_interval": "with --redundant-experts: place the slots for the recorded load every this many steps",
+    "rebalance_window": "with --redundant-experts: the load of this many last steps decides the placement",
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",
     "batch_size": "sequences per worker and step",
@@ -231,9 +293,11 @@ FIELD_HELP: dict[str, str] = {
 MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "ffn_hidden", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
-    "pipeline", "alltoall", "parallel",  # the MoE layers' (MoEConfig's names; ffn_hidden is its hidden_dim)
+    # the MoE layers' (MoEConfig's names; ffn_hidden is its hidden_dim)
+    "pipeline", "alltoall", "parallel", "shadowing", "redundant_experts",
 )
-"""The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
+"""The settings :meth:`TrainConfig.model_config` passes to the model, by name (``gate`` goes as the
+layers' ``topology_gate``: MoEConfig's own ``gate`` is the router's kind)."""
 
 
 def field_names() -> list[str]:

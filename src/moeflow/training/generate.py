@@ -28,7 +28,8 @@ def load_model(path: str) -> tuple[MoETransformer, object, Path]:
         )
     # one process runs every expert: no pipelining or all-to-all choice to make
     config = TrainConfig(**state["config"]).updated({"workers": 1, "pipeline": 1, "alltoall": "linear",
-                                                     "profile": None})
+                                                     "profile": None, "shadowing": "off", "gate": "plain",
+                                                     "redundant_experts": 0})
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=None)
     load_checkpoint(checkpoint, model, None, rank=0, world_size=1)

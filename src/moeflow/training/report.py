@@ -2,6 +2,8 @@
 
 - ``loss.png``: training loss (raw and smoothed), validation loss, and the corpus's unigram entropy;
 - ``expert_load.png``: per MoE layer, each expert's share of the routed tokens over the steps;
+- ``shadowed_experts.png``: beside it, per MoE layer, the experts FasterMoE shadowed at each step
+  (its Fig. 11; only when some step shadowed one);
 - ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...).
 """
 
@@ -46,11 +48,12 @@ def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> d
         "time_share": {k: v / max(sum(mean_time.values()), 1e-12) for k, v in mean_time.items()},
         "moe_non_gemm_share": moe_non_gemm_share(mean_time),
         "dropped_last_step": sum(layer["dropped"] for layer in records[-1].get("moe", [])),
+        "shadowed_steps": sum(any(layer.get("shadowed") for layer in r.get("moe", [])) for r in records),
     }
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:
-    """Write the three PNGs and ``summary.json`` into ``run_dir``; return the summary."""
+    """Write the PNGs and ``summary.json`` into ``run_dir``; return the summary."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,6 +65,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     summary = summarize(records, corpus)
     _plot_loss(run_dir, records, corpus)
     _plot_expert_load(run_dir, records)
+    _plot_shadowed_experts(run_dir, records, summary["shadowed_steps"])
     _plot_time_breakdown(run_dir, records, summary["time_share"])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -98,17 +102,12 @@ def _plot_loss(run_dir: Path, records: list[dict[str, Any]], corpus: dict[str, A
 
 def _plot_expert_load(run_dir: Path, records: list[dict[str, Any]]) -> None:
     """Per MoE layer, each expert's share of the routed tokens over the steps (a heatmap)."""
-    import matplotlib.pyplot as plt
-
     layers = records[-1].get("moe", [])
     if not layers:
         return
     steps = np.array([r["step"] for r in records])
-    columns = min(2, len(layers))
-    rows = (len(layers) + columns - 1) // columns
-    figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
-    for index, layer in enumerate(layers):
-        axis = axes[index // columns][index % columns]
+    figure, axes = _layer_grid(len(layers))
+    for layer, axis in zip(layers, axes, strict=True):
         load = np.array([
             next(m["tokens_per_expert"] for m in r["moe"] if m["block"] == layer["block"]) for r in records
         ], dtype=float).T
@@ -118,9 +117,43 @@ def _plot_expert_load(run_dir: Path, records: list[dict[str, Any]]) -> None:
                             vmin=0, vmax=max(2.0 / share.shape[0], float(share.max())))
         axis.set(xlabel="step", ylabel="expert", title=f"block {layer['block']}: share of routed tokens")
         figure.colorbar(image, ax=axis)
-    for index in range(len(layers), rows * columns):
-        axes[index // columns][index % columns].axis("off")
     _save(figure, run_dir / "expert_load.png")
+
+
+def _layer_grid(count: int) -> tuple[Any, list[Any]]:
+    """A figure of one panel per MoE layer, two to a row (the load heatmap's layout, so the
+    shadowing plot's panels sit where the load panels of the same layers do); spare panels hidden."""
+    import matplotlib.pyplot as plt
+
+    columns = min(2, count)
+    rows = (count + columns - 1) // columns
+    figure, grid = plt.subplots(rows, columns, figsize=(6.5 * columns, 2.6 * rows), squeeze=False)
+    axes = [axis for row in grid for axis in row]
+    for spare in axes[count:]:
+        spare.axis("off")
+    return figure, axes[:count]
+
+
+def _plot_shadowed_experts(run_dir: Path, records: list[dict[str, Any]], shadowed_steps: int) -> None:
+    """FasterMoE's Fig. 11: per MoE layer, a mark at (step, expert) for every expert shadowed at
+    that step. No plot (and none left from an earlier report) when no step shadowed an expert."""
+    path = run_dir / "shadowed_experts.png"
+    layers = records[-1].get("moe", [])
+    if not layers or not shadowed_steps:
+        path.unlink(missing_ok=True)
+        return
+    steps = (records[0]["step"], records[-1]["step"])
+    figure, axes = _layer_grid(len(layers))
+    for layer, axis in zip(layers, axes, strict=True):
+        marks = [(r["step"], expert) for r in records for m in r.get("moe", [])
+                 if m["block"] == layer["block"] for expert in m.get("shadowed", [])]
+        if marks:
+            axis.scatter(*zip(*marks, strict=True), marker="s", s=12, color="#C44E52")
+        experts, shadowing = len(layer["tokens_per_expert"]), len({step for step, _ in marks})
+        axis.set(xlabel="step", ylabel="expert", xlim=(steps[0] - 0.5, steps[1] + 0.5), ylim=(experts - 0.5, -0.5),
+                 title=f"block {layer['block']}: shadowed experts ({shadowing} of {len(records)} steps)")
+        axis.grid(alpha=0.3)
+    _save(figure, path)
 
 
 def _plot_time_breakdown(run_dir: Path, records: list[dict[str, Any]], share: dict[str, float]) -> None:

@@ -26,8 +26,10 @@ from moeflow.comm.topology import Topology
 from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
+from moeflow.parallel.placement import ExpertPlacement
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
+from moeflow.training.rebalance import ExpertRebalancer
 
 METRICS = "metrics.jsonl"
 HF_CHECKPOINT = "hf"  # with --hf, the transformers directory written at the end of the run
@@ -112,12 +114,13 @@ def synchronize_gradients(
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
+    placed = model.placed_parameters()
     for name, parameter in model.named_parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         if name in expert_names:
             parameter.grad.div_(replicas)
-            sharded_sq += float(parameter.grad.pow(2).sum())
+            sharded_sq += _squared_norm_once(parameter.grad, placed.get(name), model.groups.rank)
         elif name in heads:
             heads_grads.append(parameter.grad)
         else:
@@ -128,6 +131,16 @@ def synchronize_gradients(
         _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
         sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
     return sharded_sq
+
+
+def _squared_norm_once(grad: torch.Tensor, placed: tuple[Any, str] | None, rank: int) -> float:
+    """The squared norm of an expert gradient, redundant slots counted once (their copies hold the
+    same summed gradient: only the primary copy counts)."""
+    placement = placed[0] if placed is not None else None
+    if not isinstance(placement, ExpertPlacement) or not placement.split_tokens:
+        return float(grad.pow(2).sum())
+    primary = [placement.is_primary(rank, index) for index in range(placement.num_local(rank))]
+    return float(grad[torch.tensor(primary, device=grad.device)].pow(2).sum())
 
 
 def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
@@ -217,6 +230,8 @@ def device_for(config: TrainConfig, local_rank: int) -> torch.device:
 
 
 def _moe_records(model: TrainableLM) -> list[dict[str, Any]]:
+    """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
+    FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile)."""
     records = []
     for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):
         stats = layer.last_stats
@@ -229,6 +244,8 @@ def _moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "plan_source": stats.plan.source if stats.plan else None,
             "schedule": stats.plan.schedule if stats.plan else None,
             "r": stats.plan.r if stats.plan else None,
+            "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
+            "rank_tokens": list(stats.rank_tokens),
         })
     return records
 
@@ -279,6 +296,7 @@ class _Run:
     val_loss: float | None = None
     last_loss: float = float("nan")
     checkpoint: Path | None = None
+    rebalancer: ExpertRebalancer | None = None
 
     @property
     def config(self) -> TrainConfig:
@@ -320,13 +338,17 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
     start_step, tokens_seen = 0, 0
+    rebalancer = (ExpertRebalancer(config.rebalance_interval, config.rebalance_window)
+                  if config.redundant_experts else None)
     if job.resume_from is not None:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        if rebalancer is not None:
+            rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen)
+               tokens_seen, rebalancer=rebalancer)
     return run, start_step
 
 
@@ -357,6 +379,10 @@ def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
     grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    rebalanced = []
+    if run.rebalancer is not None:  # EPLB: the slots follow the recorded load every few steps
+        run.rebalancer.record(model)
+        rebalanced = run.rebalancer.step(step, model, run.optimizer)
     optimizer_s = time.perf_counter() - optimizer_began
     step_s = time.perf_counter() - began
     run.tokens_seen += run.tokens_per_step
@@ -370,6 +396,7 @@ def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
         "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
         "tokens_seen": run.tokens_seen, "time_s": phases, "moe": _moe_records(model),
+        **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
     }
 
 
@@ -385,6 +412,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
     if step % config.checkpoint_interval == 0 or step == last_step:
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
                  "loss": run.last_loss, "val_loss": run.val_loss}
+        if run.rebalancer is not None:
+            state["rebalancer"] = run.rebalancer.state()
         run.checkpoint = save_checkpoint(
             Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
             [corpus.tokenizer_path], config.keep_checkpoints,  # state.json holds the config

@@ -1,0 +1,64 @@
+"""EPLB in training: every ``interval`` steps, each MoE layer with redundant slots is placed for the
+load its router gave over the last ``window`` steps, moving weights and optimizer state once per
+change. The loads are global (every rank records the same), so every rank places the same way.
+
+Its state (the recorded window and the load each layer was last placed for) goes into the
+checkpoint: a resumed run places its layers for the same load and continues exactly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moeflow.models import TrainableLM
+
+
+@dataclass
+class ExpertRebalancer:
+    interval: int
+    window: int
+    history: dict[int, deque[list[int]]] = field(default_factory=dict)  # block -> recent tokens_per_expert
+    placed_for: dict[int, list[int]] = field(default_factory=dict)  # block -> the load of its placement
+
+    def record(self, model: TrainableLM) -> None:
+        """Append this step's load of every layer with redundant slots."""
+        for block, layer in _redundant_layers(model):
+            if layer.last_stats is not None:
+                self.history.setdefault(block, deque(maxlen=self.window)).append(layer.last_stats.tokens_per_expert)
+
+    def step(self, step: int, model: TrainableLM, optimizer: torch.optim.Optimizer) -> list[int]:
+        """After ``step``'s update: on every ``interval``-th step, place each layer for its recorded
+        load; return the blocks whose placement changed (a collective on those steps)."""
+        if step % self.interval or not self.history:
+            return []
+        changed = []
+        for block, layer in _redundant_layers(model):
+            load = [sum(column) for column in zip(*self.history.get(block, ()), strict=True)]
+            if load and layer.rebalance(load, optimizer):
+                changed.append(block)
+            if load:
+                self.placed_for[block] = load
+        return changed
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "history": {str(b): list(h) for b, h in self.history.items()},
+            "placed_for": {str(b): load for b, load in self.placed_for.items()},
+        }
+
+    def restore(self, state: dict[str, Any], model: TrainableLM, optimizer: torch.optim.Optimizer) -> None:
+        """Back to a checkpoint's state: the window, and each layer placed for its saved load."""
+        self.history = {int(b): deque(h, maxlen=self.window) for b, h in state.get("history", {}).items()}
+        self.placed_for = {int(b): list(load) for b, load in state.get("placed_for", {}).items()}
+        for block, layer in _redundant_layers(model):
+            if block in self.placed_for:
+                layer.rebalance(self.placed_for[block], optimizer)
+
+
+def _redundant_layers(model: TrainableLM) -> list[tuple[int, Any]]:
+    return [(block, layer) for block, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True)
+            if layer.config.redundant_experts]
