@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +231,27 @@ def test_expert_ffn_time_comes_from_its_own_fits_or_from_the_gemm() -> None:
     calibrated = CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
     assert calibrated.t_ffn(128, 64, 256, 3) == pytest.approx(1e-3 + 1e-10 * 128 * 64 * 256 * 3)
     assert calibrated.t_ffn(128, 64, 256, 3, backward=True) == pytest.approx(2e-3 + 3e-10 * 128 * 64 * 256 * 3)
+
+
+def test_plan_cli_prices_shadowing_and_redundant_slots_at_a_skew(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moeflow.cli import main
+
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    common = ["plan", "--profile", str(path), "--tokens", "1024", "--experts", "8", "--top-k", "1"]
+
+    def skew_line(skew: str) -> dict[str, Any]:
+        assert main([*common, "--skew", skew]) == 0
+        (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if '"skew"' in x]
+        return line
+
+    one_hot, uniform = skew_line("one-hot"), skew_line("uniform")
+    assert one_hot["tokens_per_expert"] == [4096.0] + [0.0] * 7 and one_hot["max_over_mean_load"] == 4.0
+    assert one_hot["redundant_max_over_mean_load"] == pytest.approx(1.0)  # a copy of expert 0 on each rank
+    assert (one_hot["shadowed"] == [0]) == (one_hot["predicted_gain_ms"] > 0)
+    assert one_hot["shadowed_latency_ms"] == pytest.approx(one_hot["latency_ms"] - one_hot["predicted_gain_ms"])
+    assert uniform["shadowed"] == [] and uniform["predicted_gain_ms"] == 0.0  # nothing to gain at even load
+    with pytest.raises(SystemExit, match="--skew: unknown skew"):
+        main([*common, "--skew", "zipfian"])

@@ -26,6 +26,9 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--forward-only", action="store_true", help="plan for inference (no backward pass)")
     plan.add_argument("--mp", type=positive_int, default=1,
                       help="> 1: Parm's modes behind tensor-parallel attention of this many ranks (default 1)")
+    plan.add_argument("--skew", default=None,
+                      help="uniform, zipf:<s> or one-hot: FasterMoE's shadowing decision (Algorithm 1) and EPLB's "
+                      "redundant slots (one extra per rank) for routing with this skew, hottest expert first")
     plan.set_defaults(func=run)
 
 
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise fail("plan", error) from None
     model = CostModel(profile)
     world = model.world_size
+    if args.skew is not None:
+        _skew_shares(args)  # a bad --skew fails before any plan is printed
     if args.top_k > args.experts or (args.experts % world and world % args.experts):
         raise fail("plan", f"need top_k <= experts, and experts divisible by the {world} ranks or dividing them")
     if "gemm" not in profile.fits:
@@ -59,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.experts % world:  # more ranks than experts: only Tutel's sharded layout fits
         return 0
     _print_expert_parallel_plans(model, region, algorithms, args.max_degree, backward)
+    if args.skew is not None:
+        _print_skew_plans(model, args)
     best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
     replicated = _print_replicated_plan(model, region, backward)
     roofline = model.layer_times(shape, best.algorithm, backward)
@@ -104,6 +111,49 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
             choice = theorem1_for_shape(model, region, algorithm, max_degree)
             print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
                         "forward_ms": choice.predicted_s * 1e3})
+
+
+def _skew_shares(args: argparse.Namespace) -> Any:
+    from moeflow.bench.skew import SkewPoint, routing_probabilities
+
+    try:
+        return routing_probabilities(SkewPoint(args.skew, args.experts))
+    except ValueError as error:
+        raise fail("plan", f"--skew: {error}") from None
+
+
+def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
+    """What the layer would do each step at this skew (every rank routing alike): the experts
+    Algorithm 1 shadows with the latency it predicts (Eq. 7 without, Eq. 8 with), and the max/mean
+    rank load of EPLB's slots beside expert parallelism's."""
+    import numpy as np
+
+    from moeflow.bench import print_json
+    from moeflow.comm.topology import Topology
+    from moeflow.config import ffn_projections
+    from moeflow.parallel.placement import ExpertPlacement
+    from moeflow.parallel.redundant import balanced_placement, rank_loads
+    from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+
+    world = model.world_size
+    load = _skew_shares(args) * args.tokens * args.top_k
+    counts = np.tile(load, (world, 1))
+    owners = [e * world // args.experts for e in range(args.experts)]
+    prices = ShadowPrices.from_cost_model(model, args.model_dim, args.hidden_dim, ffn_projections("gelu"))
+    decision = select_shadowed_experts(counts, owners, prices)
+    slots = balanced_placement((load * world).tolist(), args.experts // world + 1, Topology(world, model.profile
+                               .ranks_per_node), args.hidden_dim)
+    plain = rank_loads(ExpertPlacement.expert_parallel(args.experts, world, args.hidden_dim), load.tolist())
+    redundant = rank_loads(slots, load.tolist())
+    print_json({
+        "plan": "skew", "skew": args.skew, "tokens_per_expert": (load * world).round().tolist(),
+        "shadowed": list(decision.experts), "latency_ms": shadowed_latency(counts, owners, set(), prices) * 1e3,
+        "shadowed_latency_ms": shadowed_latency(counts, owners, set(decision.experts), prices) * 1e3,
+        "predicted_gain_ms": decision.predicted_gain_s * 1e3,
+        "max_over_mean_load": max(plain) / np.mean(plain),
+        "redundant_max_over_mean_load": max(redundant) / np.mean(redundant),
+        "redundant_slots": [[s.expert for s in shards] for shards in slots.shards],
+    })
 
 
 def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_degree: int, backward: bool) -> None:
