@@ -12,7 +12,6 @@ import torch
 from moeflow import MoELayer
 from moeflow.bench.skew import (
     SkewPoint,
-    compute_load,
     recorded_loads,
     routed_tokens,
     routing_probabilities,
@@ -50,12 +49,6 @@ def test_recorded_loads_average_the_last_steps_of_each_block(tmp_path: Path) -> 
     (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1, "moe": []}) + "\n")
     with pytest.raises(ValueError, match="no step records with MoE load"):
         recorded_loads(str(tmp_path / "empty.jsonl"), 2)
-
-
-def test_compute_load_moves_a_shadowed_experts_tokens_to_their_ranks() -> None:
-    counts = [[6, 0, 2, 0], [6, 0, 0, 2]]  # experts 0, 1 on rank 0; 2, 3 on rank 1
-    assert compute_load(counts, [0, 0, 1, 1], ()) == (12.0, 4.0)
-    assert compute_load(counts, [0, 0, 1, 1], (0,)) == (6.0, 10.0)
 
 
 def test_the_summary_checks_both_goals() -> None:

@@ -42,6 +42,7 @@ def _shadow_stats(rank: int, world_size: int, shadowing: object, allreduce_beta:
         "shadowed": stats.shadowed_experts, "gain": stats.shadow_predicted_gain_s,
         "inference_equal": torch.allclose(y, y_inference, rtol=1e-6, atol=1e-6),
         "owner_grad": float(layer.experts.w1.grad.abs().sum()),
+        "rank_tokens": stats.rank_tokens,
     }
 
 
@@ -61,6 +62,7 @@ def test_auto_shadows_nothing_when_parameters_cost_more_than_the_imbalance() -> 
 def test_a_fixed_list_is_reported_and_priced_only_with_a_profile() -> None:
     results = run_distributed(_shadow_stats, 2, [0, 2], None, timeout_s=180)
     assert all(r["shadowed"] == (0, 2) and r["gain"] is None and r["inference_equal"] for r in results)
+    assert all(r["rank_tokens"] == (16, 16) for r in results)  # expert 0's tokens stay with their rank
 
 
 def test_exchanged_slots_ignore_the_shadowed_experts() -> None:

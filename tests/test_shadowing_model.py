@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+from moeflow.perf.shadowing import ShadowPrices, rank_compute_load, select_shadowed_experts, shadowed_latency
 
 # expert 0 lives on rank 0, expert 1 on rank 1; both ranks send 90 tokens to expert 0, 10 to expert 1
 SKEWED = [[90, 10], [90, 10]]
@@ -75,3 +75,9 @@ def test_prices_from_a_calibrated_profile() -> None:
 def test_counts_must_have_a_column_per_expert() -> None:
     with pytest.raises(ValueError, match=r"tokens_WE must be \(ranks, experts\) with one column per expert"):
         select_shadowed_experts([[1, 2, 3]], OWNERS, _prices(1.0))
+
+
+def test_rank_compute_load_moves_a_shadowed_experts_tokens_to_their_ranks() -> None:
+    counts = [[6, 0, 2, 0], [6, 0, 0, 2]]  # experts 0, 1 on rank 0; 2, 3 on rank 1
+    assert rank_compute_load(counts, [0, 0, 1, 1], set()).tolist() == [12.0, 4.0]
+    assert rank_compute_load(counts, [0, 0, 1, 1], {0}).tolist() == [6.0, 10.0]

@@ -51,7 +51,7 @@ from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, capacity_chunks
 from moeflow.perf.schedules import LOCAL, Plan
-from moeflow.perf.shadowing import ShadowPrices
+from moeflow.perf.shadowing import ShadowPrices, rank_compute_load
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.ragged import RaggedFFNCompute
@@ -423,12 +423,8 @@ class MoELayer(nn.Module):
         if self.schedule.name != "expert":
             return ()
         owners = [self.placement.holders(e)[0] for e in range(self.config.num_experts)]
-        tokens = [0] * self.world_size
-        shadowed = set(shadow.experts) if shadow else set()
-        for source, row in enumerate(filled_WE.tolist()):
-            for expert, count in enumerate(row):
-                tokens[source if expert in shadowed else owners[expert]] += count
-        return tuple(tokens)
+        load_W = rank_compute_load(filled_WE.cpu().numpy(), owners, set(shadow.experts) if shadow else set())
+        return tuple(int(tokens) for tokens in load_W)
 
     # -- redundant experts ---------------------------------------------------------------------
 

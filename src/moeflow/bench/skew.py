@@ -115,19 +115,6 @@ def recorded_loads(trace: str, steps: int) -> dict[str, tuple[float, ...]]:
     return {f"trace-b{block}": tuple(c / sum(counts) for c in counts) for block, counts in sorted(totals.items())}
 
 
-def compute_load(counts_WE: Any, owners: list[int], shadowed: tuple[int, ...]) -> tuple[float, ...]:
-    """Token rows each rank computes: its experts' tokens from every rank, plus its own tokens of
-    the shadowed experts."""
-    import numpy as np
-
-    counts = np.asarray(counts_WE, dtype=np.float64)
-    kept = counts.copy()
-    kept[:, list(shadowed)] = 0
-    ranks = counts.shape[0]
-    load = np.array([kept[:, [e for e, o in enumerate(owners) if o == w]].sum() for w in range(ranks)])
-    return tuple((load + (counts - kept).sum(1)).tolist())
-
-
 def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -164,18 +151,16 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
             seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
             if round_index:
                 samples[name].append(seconds)
-    counts = _global_counts(layers["auto"], x)
     if rank == 0:
-        _emit_point(point, layers, samples, settle, counts, emit)
+        _emit_point(point, layers, samples, settle, emit)
 
 
 def _emit_point(
     point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], settle: dict[str, int],
-    counts: Any, emit: Any,
+    emit: Any,
 ) -> None:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     auto = layers["auto"]
-    owners = [auto.placement.holders(e)[0] for e in range(point.experts)]
     for name, layer in layers.items():
         stats = layer.last_stats
         emit({
@@ -185,8 +170,6 @@ def _emit_point(
             "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
             "settle_iterations": settle[name],
         })
-    without = compute_load(counts, owners, ())
-    with_auto = compute_load(counts, owners, tuple(auto.last_stats.shadowed_experts))
     emit({
         "bench": "skew-compare", "config": point.name, "skew": point.skew,
         "tokens_per_expert": auto.last_stats.tokens_per_expert,
@@ -199,23 +182,10 @@ def _emit_point(
         "redundant_slots": [[s.expert for s in shards] for shards in layers["redundant"].placement.shards],
         "auto_planner_schedule": auto.last_stats.plan.schedule,
         "auto_shadowed": list(auto.last_stats.shadowed_experts),
-        "max_over_mean_load_off": max(without) / statistics.mean(without),
-        "max_over_mean_load_auto": max(with_auto) / statistics.mean(with_auto),
+        "max_over_mean_load_off": layers["off"].last_stats.rank_imbalance,
+        "max_over_mean_load_auto": auto.last_stats.rank_imbalance,
         "max_over_mean_load_redundant": layers["redundant"].last_stats.rank_imbalance,
     })
-
-
-def _global_counts(layer: Any, x: Any) -> Any:
-    """(W, E): every rank's assignments per expert under the layer's (steered) gate."""
-    import torch
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        chosen = layer.gate(x).topk(layer.config.top_k, dim=-1).indices
-    counts = torch.bincount(chosen.flatten(), minlength=layer.config.num_experts)
-    parts = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, counts)
-    return torch.stack(parts).numpy()
 
 
 def _rank_main(argv: list[str]) -> None:

@@ -138,12 +138,13 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
     world = model.world_size
     load = _skew_shares(args) * args.tokens * args.top_k
     counts = np.tile(load, (world, 1))
-    owners = [e * world // args.experts for e in range(args.experts)]
+    expert_parallel = ExpertPlacement.expert_parallel(args.experts, world, args.hidden_dim)
+    owners = [expert_parallel.holders(e)[0] for e in range(args.experts)]
     prices = ShadowPrices.from_cost_model(model, args.model_dim, args.hidden_dim, ffn_projections("gelu"))
     decision = select_shadowed_experts(counts, owners, prices)
     slots = balanced_placement((load * world).tolist(), args.experts // world + 1, Topology(world, model.profile
                                .ranks_per_node), args.hidden_dim)
-    plain = rank_loads(ExpertPlacement.expert_parallel(args.experts, world, args.hidden_dim), load.tolist())
+    plain = rank_loads(expert_parallel, load.tolist())
     redundant = rank_loads(slots, load.tolist())
     print_json({
         "plan": "skew", "skew": args.skew, "tokens_per_expert": (load * world).round().tolist(),

@@ -77,6 +77,28 @@ class ShadowDecision:
         return self.latency_without_s - self.latency_with_s
 
 
+def rank_compute_load(
+    tokens_WE: Sequence[Sequence[int]] | np.ndarray, owner_E: Sequence[int], shadowed: set[int]
+) -> np.ndarray:
+    """B_w per rank: the tokens of its un-shadowed experts from every rank, plus its own tokens of
+    the shadowed experts (computed where they are)."""
+    tokens = np.asarray(tokens_WE, dtype=np.float64)
+    owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
+    return kept_WE.sum(0) @ owned_EW + (tokens - kept_WE).sum(1)
+
+
+def _kept_tokens(
+    tokens: np.ndarray, owner_E: Sequence[int], shadowed: set[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (E, W) one-hot owner matrix and the (W, E) tokens of the experts not shadowed."""
+    ranks, experts = tokens.shape
+    owned_EW = np.zeros((experts, ranks))
+    owned_EW[np.arange(experts), np.asarray(owner_E)] = 1.0
+    kept_E = np.ones(experts)
+    kept_E[list(shadowed)] = 0.0
+    return owned_EW, tokens * kept_E
+
+
 def shadowed_latency(
     tokens_WE: Sequence[Sequence[int]] | np.ndarray, owner_E: Sequence[int], shadowed: set[int], prices: ShadowPrices
 ) -> float:
@@ -84,15 +106,10 @@ def shadowed_latency(
     where their tokens are (Eq. 7 for none, Eq. 8 generalised otherwise). Vectorised over ranks
     and experts: Algorithm 1 calls it once per candidate, every iteration."""
     tokens = np.asarray(tokens_WE, dtype=np.float64)
-    ranks, experts = tokens.shape
-    owned_EW = np.zeros((experts, ranks))
-    owned_EW[np.arange(experts), np.asarray(owner_E)] = 1.0
-    kept_E = np.ones(experts)
-    kept_E[list(shadowed)] = 0.0
-    kept_WE = tokens * kept_E
+    owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
     own_kept_W = (kept_WE * owned_EW.T).sum(1)  # tokens a rank routes to its own kept experts
     arriving_W = kept_WE.sum(0) @ owned_EW  # all tokens of a rank's kept experts
-    compute_W = arriving_W + (tokens - kept_WE).sum(1)
+    compute_W = rank_compute_load(tokens, owner_E, shadowed)
     moved_W = np.maximum(kept_WE.sum(1) - own_kept_W, arriving_W - own_kept_W)
     slowest = max(
         prices.expert_seconds(float(compute)) + 4 * prices.exchange_seconds(float(moved) * prices.row_bytes)

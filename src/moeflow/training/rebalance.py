@@ -37,11 +37,13 @@ class ExpertRebalancer:
             return []
         changed = []
         for block, layer in _redundant_layers(model):
-            load = [sum(column) for column in zip(*self.history.get(block, ()), strict=True)]
-            if load and layer.rebalance(load, optimizer):
+            window = self.history.get(block)
+            if not window:
+                continue
+            load = [sum(column) for column in zip(*window, strict=True)]
+            if layer.rebalance(load, optimizer):
                 changed.append(block)
-            if load:
-                self.placed_for[block] = load
+            self.placed_for[block] = load
         return changed
 
     def state(self) -> dict[str, Any]:
