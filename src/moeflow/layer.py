@@ -19,6 +19,7 @@ from torch import nn
 from moeflow.capacity import estimated_needed_capacity
 from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
+from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import (
     ALLTOALL_ALGORITHMS,
     FASTERMOE_REMOTE_SHARE,
@@ -278,7 +279,7 @@ class MoELayer(nn.Module):
         factor = validate_capacity_factor(
             config.capacity_factor if capacity_factor is None else capacity_factor
         )
-        x_TM = self._tokens(x)
+        x_TM = self._backward_window(self._tokens(x), entering=True)
         if not self._replicas_equal:
             self.apply_placement(self.placement)
 
@@ -338,7 +339,7 @@ class MoELayer(nn.Module):
             shadowed_experts=shadow.experts if shadow else (), shadow_predicted_gain_s=shadow_gain,
             rank_tokens=self._rank_tokens(filled_WE, shadow, routes),
         )
-        return y_TM.view(x.shape)
+        return self._backward_window(y_TM, entering=False).view(x.shape)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -362,6 +363,11 @@ class MoELayer(nn.Module):
         if self.config.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or inf values (check_finite=True)")
         return x.reshape(-1, model_dim)
+
+    def _backward_window(self, x: torch.Tensor, entering: bool) -> torch.Tensor:
+        """Between the backward of the output (the combine) and of the input, this layer's
+        all-to-alls are imminent: Lina's gradient scheduler holds its all-reduces meanwhile."""
+        return x if self.world_size == 1 else mark_backward_window(x, self.groups.traffic, entering)
 
     def _run_experts(
         self, plan: Plan, dispatched_ECM: torch.Tensor, timing: PipelineTiming, filled_WE: torch.Tensor,

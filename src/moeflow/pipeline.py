@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, Self
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import CommunicationWorker, ParallelGroups
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
@@ -168,14 +168,14 @@ def run_pipeline(
 
     assert route.groups is not None
     overlap_on_worker(
-        route.groups.worker.executor(), [functools.partial(send, start, stop) for start, stop in chunks], compute,
+        route.groups.worker, [functools.partial(send, start, stop) for start, stop in chunks], compute,
         lambda index, y_LXM: receive(y_LXM, *chunks[index]), after_compute,
     )
     return out_ECM
 
 
 def overlap_on_worker(
-    worker: ThreadPoolExecutor, sends: list[Callable[[], torch.Tensor]],
+    worker: CommunicationWorker, sends: list[Callable[[], torch.Tensor]],
     compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
     after_compute: Callable[[], None] | None = None,
 ) -> None:
@@ -197,6 +197,14 @@ def overlap_on_worker(
         raise
 
 
+def _record_experts(route: Route, began: float) -> float:
+    """Seconds since ``began`` of an expert chunk's compute, also drawn on the job's timeline."""
+    stopped = time.perf_counter()
+    if route.groups is not None:
+        route.groups.traffic.timeline.record("experts", began, stopped)
+    return stopped - began
+
+
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -211,7 +219,7 @@ class _PipelinedExperts(torch.autograd.Function):
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             y_LXM, saved[index] = compute.chunk(*chunks[index]).forward(x_LXM, weights, workspace)
-            timing.expert_forward_s += time.perf_counter() - begin
+            timing.expert_forward_s += _record_experts(route, begin)
             return y_LXM
 
         out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route, workspace=workspace)
@@ -243,7 +251,7 @@ class _PipelinedExperts(torch.autograd.Function):
             )
             saved[index] = None
             pending.append(weight_inputs)
-            ctx.timing.expert_backward_s += time.perf_counter() - begin
+            ctx.timing.expert_backward_s += _record_experts(ctx.route, begin)
             return grad_x_LXM
 
         def weight_gradients() -> None:

@@ -183,11 +183,12 @@ def exchange(algorithm: str, x: torch.Tensor, groups: ParallelGroups) -> torch.T
     """Equal-split all-to-all over ``groups.expert`` with the named algorithm, outside autograd.
 
     For code that writes its own backward (the pipeline): with equal splits the adjoint of an
-    exchange is the same exchange, so forward and backward both call this.
+    exchange is the same exchange, so forward and backward both call this. It runs as an
+    all-to-all of ``groups.traffic`` (what Lina's gradient scheduler yields to).
     """
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
-    with torch.no_grad():
+    with torch.no_grad(), groups.traffic.running():
         if algorithm == "linear":
             return linear_all_to_all(x, group, None, None)
         matrix = split_matrix(x, groups.size, None)

@@ -9,13 +9,15 @@ Convention for all of ``moeflow.comm``: a collective over one group takes that
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
+from moeflow.comm.traffic import AllToAllTraffic
 
 ProcessGroup = dist.ProcessGroup
 
@@ -45,11 +47,20 @@ def max_over_ranks(values: Sequence[float], group: ProcessGroup) -> list[float]:
 
 class CommunicationWorker:
     """One thread that runs collectives in issue order (the CPU counterpart of a communication
-    stream): every rank then issues its collectives in the same order. Started on first use."""
+    stream): every rank then issues its collectives in the same order. Started on first use. What
+    it runs are all-to-alls: each counts as queued in ``traffic`` from submission to its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, traffic: AllToAllTraffic | None = None) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self.traffic = traffic if traffic is not None else AllToAllTraffic()
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Future:
+        """Run ``function(*args)`` on the worker thread, after everything submitted before it."""
+        self.traffic.enqueue()
+        future = self.executor().submit(function, *args)
+        future.add_done_callback(lambda _: self.traffic.dequeue())  # also when cancelled
+        return future
 
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -88,7 +99,8 @@ class ParallelGroups:
         self.expert = expert
         self.topology = topology if expert == default_group() else Topology(size, size)
         self.model = model
-        self.worker = CommunicationWorker()
+        self.traffic = AllToAllTraffic()  # the all-to-alls of every layer given these groups
+        self.worker = CommunicationWorker(self.traffic)
         self._node_groups: NodeGroups | None = None
         self._blocks: dict[int, ProcessGroup] = {}
         self._strided: dict[int, ProcessGroup] = {}

@@ -88,7 +88,8 @@ def run_steps(
     out_by_dest = out_ECM.view(world, rows, model_dim)
 
     def send(step: int) -> torch.Tensor:
-        received = pairwise_step(by_dest, steps.topology, matrix, step)
+        with steps.groups.traffic.running():
+            received = pairwise_step(by_dest, steps.topology, matrix, step)
         parts = [received[source].view(local, capacity, model_dim) for source in steps.sources(step)]
         return torch.cat(parts, dim=1)  # (L, sources * C, M), source-major like the all-to-all layout
 
@@ -98,11 +99,13 @@ def run_steps(
         back = [by_dest[0]] * world  # only the entries of this step's sources are sent
         for index, source in enumerate(sources):
             back[source] = by_source[index].reshape(rows, model_dim)
-        for dest, rows_back in pairwise_step(back, steps.topology, matrix, (steps.count - step) % steps.count).items():
+        with steps.groups.traffic.running():
+            returned = pairwise_step(back, steps.topology, matrix, (steps.count - step) % steps.count)
+        for dest, rows_back in returned.items():
             out_by_dest[dest].copy_(rows_back)
 
     sends = [functools.partial(send, step) for step in range(steps.count)]
-    overlap_on_worker(steps.groups.worker.executor(), sends, compute, receive, after_compute)
+    overlap_on_worker(steps.groups.worker, sends, compute, receive, after_compute)
     return out_ECM
 
 

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 BACKENDS = ("gloo", "nccl")
 GATE_KINDS = ("plain", "topology")
+GRAD_SYNC_MODES = ("after", "overlap", "lina")
+"""``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
 """``gate``: the routers as they are, or FasterMoE's topology-aware gate on every MoE layer."""
 _MOE = model_moe_defaults()
 
@@ -65,6 +67,10 @@ class TrainConfig:
     redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
     rebalance_interval: int = 20  # with redundant experts: place the slots every this many steps
     rebalance_window: int = 20  # ... for the load of this many last steps
+    # gradient synchronization of the replicated parameters (moeflow.training.grad_sync)
+    grad_sync: str = "after"  # after | overlap (DDP buckets) | lina (micro-ops that yield to all-to-alls)
+    microop_mb: float = 0.25  # lina: the size of a gradient all-reduce micro-op
+    bucket_mb: float = 1.0  # overlap: the size at which a gradient bucket closes
     # optimization
     steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
@@ -97,6 +103,11 @@ class TrainConfig:
             require_positive_int(name, getattr(self, name))
         require_choice("shadowing", self.shadowing, SHADOWING_POLICIES)
         require_choice("gate", self.gate, GATE_KINDS)
+        require_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
+        for name in ("microop_mb", "bucket_mb"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number of megabytes > 0, got {value!r}")
         self.model_config(self.vocab_size)  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
@@ -265,6 +276,11 @@ FIELD_HELP: dict[str, str] = {
     "(the expert-parallel schedule; experts + this a multiple of --workers)",
     "rebalance_interval": "with --redundant-experts: place the slots for the recorded load every this many steps",
     "rebalance_window": "with --redundant-experts: the load of this many last steps decides the placement",
+    "grad_sync": "how the replicated gradients are all-reduced: after (one call after the backward), overlap "
+    "(DDP-style buckets during the backward) or lina (micro-ops during the backward that yield to the MoE "
+    "all-to-alls: Lina's scheduler)",
+    "microop_mb": "with --grad-sync lina: megabytes per all-reduce micro-op (Lina's tensor partition size)",
+    "bucket_mb": "with --grad-sync overlap: megabytes at which a gradient bucket closes (DDP's bucket_cap_mb)",
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",
     "batch_size": "sequences per worker and step",

@@ -4,7 +4,10 @@
 - ``expert_load.png``: per MoE layer, each expert's share of the routed tokens over the steps;
 - ``shadowed_experts.png``: beside it, per MoE layer, the experts FasterMoE shadowed at each step
   (its Fig. 11; only when some step shadowed one);
-- ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...).
+- ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...);
+- ``timeline.png``: one step on rank 0 from ``timeline.json`` (forward and backward, expert chunks,
+  all-to-alls, gradient all-reduces: Lina's Fig. 7/8), with the all-to-all time spent beside an
+  all-reduce over the run (``comm_s`` of ``metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.models.transformer import moe_non_gemm_share
-from moeflow.training.trainer import iterate_records
+from moeflow.training.trainer import TIMELINE, iterate_records
 
 PHASE_COLORS = {
     "attention": "#4C72B0", "routing": "#DD8452", "all_to_all": "#C44E52", "experts": "#55A868",
@@ -49,6 +52,26 @@ def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> d
         "moe_non_gemm_share": moe_non_gemm_share(mean_time),
         "dropped_last_step": sum(layer["dropped"] for layer in records[-1].get("moe", [])),
         "shadowed_steps": sum(any(layer.get("shadowed") for layer in r.get("moe", [])) for r in records),
+        **_contention(records),
+    }
+
+
+def _contention(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the run: the share of all-to-all time spent beside a gradient all-reduce, and the
+    median seconds of one all-to-all alone and beside one (Lina's slowdown, §2.2)."""
+    comm = [r["comm_s"] for r in records if "comm_s" in r]
+    if not comm:
+        return {}
+    alone, beside = sum(c["all_to_all_alone"] for c in comm), sum(c["all_to_all_with_allreduce"] for c in comm)
+
+    def per_op(seconds: str, ops: str) -> float | None:
+        values = [c[seconds] / c[ops] for c in comm if c[ops]]
+        return float(np.median(values)) if values else None
+
+    return {
+        "alltoall_share_beside_allreduce": beside / (alone + beside) if alone + beside else None,
+        "alltoall_median_s_alone": per_op("all_to_all_alone", "all_to_all_alone_ops"),
+        "alltoall_median_s_beside_allreduce": per_op("all_to_all_with_allreduce", "all_to_all_with_allreduce_ops"),
     }
 
 
@@ -67,6 +90,8 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     _plot_expert_load(run_dir, records)
     _plot_shadowed_experts(run_dir, records, summary["shadowed_steps"])
     _plot_time_breakdown(run_dir, records, summary["time_share"])
+    if (run_dir / TIMELINE).exists():
+        _plot_timeline(run_dir, json.loads((run_dir / TIMELINE).read_text()), records)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -178,3 +203,35 @@ def _plot_time_breakdown(run_dir: Path, records: list[dict[str, Any]], share: di
     right.set(xticks=[], ylabel="% of step", title="Mean share", ylim=(0, 100))
     left.legend(loc="upper right", fontsize=8, ncol=2)
     _save(figure, run_dir / "time_breakdown.png")
+
+
+TIMELINE_LANES = {  # lane, color
+    "forward": (0, "#D0D8E8"), "backward": (0, "#E8D8D0"), "experts": (0, "#55A868"),
+    "alltoall": (1, "#C44E52"), "allreduce": (2, "#4C72B0"),
+}
+
+
+def _plot_timeline(run_dir: Path, timeline: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """One step as lanes of bars: compute (forward and backward spans, expert chunks on them),
+    all-to-alls and gradient all-reduces, as Lina draws them."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    figure, axis = plt.subplots(figsize=(12, 3.2))
+    for kind, start, stop in timeline["events"]:
+        lane, color = TIMELINE_LANES[kind]
+        height = 0.8 if kind in ("forward", "backward") else 0.5
+        axis.barh(lane, (stop - start) * 1e3, left=start * 1e3, height=height, color=color,
+                  edgecolor="black" if kind != "forward" and kind != "backward" else "none", linewidth=0.3)
+    comm = next((r.get("comm_s") for r in records if r["step"] == timeline["step"]), None)
+    title = f"Step {timeline['step']} on rank 0"
+    if comm:
+        title += (f": all-to-all {comm['all_to_all_alone'] * 1e3:.1f} ms alone, "
+                  f"{comm['all_to_all_with_allreduce'] * 1e3:.1f} ms beside an all-reduce")
+    axis.set(yticks=[0, 1, 2], yticklabels=["compute", "all-to-all", "all-reduce"], xlabel="ms from the step's start",
+             title=title, ylim=(-0.6, 2.6))
+    axis.invert_yaxis()
+    axis.grid(axis="x", alpha=0.3)
+    axis.legend(handles=[Patch(color=c, label=k) for k, (_, c) in TIMELINE_LANES.items()], fontsize=7, ncol=5,
+                loc="lower right")
+    _save(figure, run_dir / "timeline.png")

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,18 @@ import torch.nn.functional as F
 
 from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.comm.topology import Topology
+from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
+from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
 from moeflow.training.rebalance import ExpertRebalancer
 
 METRICS = "metrics.jsonl"
+TIMELINE = "timeline.json"  # one step's communication and compute events (rank 0), for the report
 HF_CHECKPOINT = "hf"  # with --hf, the transformers directory written at the end of the run
 
 
@@ -103,14 +107,23 @@ def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device
     return tensor.tolist()
 
 
+def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[torch.nn.Parameter]:
+    """The parameters every worker holds whole (neither experts nor tensor-parallel heads), in
+    reverse registration order: roughly the order the backward finishes their gradients."""
+    sharded = expert_names | model.tensor_parallel_parameter_names()
+    return [p for name, p in reversed(list(model.named_parameters())) if name not in sharded]
+
+
 def synchronize_gradients(
     model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
+    scheduler: GradientScheduler | None = None,
 ) -> float:
-    """Average the replicated parameters' gradients over the workers (one flat all-reduce), scale the
-    experts' (each already sums every data-parallel replica's tokens) to the same mean, and average
-    tensor-parallel attention's over the replicas of the same heads; return this worker's share of
-    the squared norm of the sharded gradients, whose sum over the workers is theirs, for the global
-    clipping norm. With MP groups of N workers the W workers are W / N data-parallel replicas."""
+    """Average the replicated parameters' gradients over the workers (one flat all-reduce, or what
+    ``scheduler`` reduced during the backward), scale the experts' (each already sums every
+    data-parallel replica's tokens) to the same mean, and average tensor-parallel attention's over
+    the replicas of the same heads; return this worker's share of the squared norm of the sharded
+    gradients, whose sum over the workers is theirs, for the global clipping norm. With MP groups
+    of N workers the W workers are W / N data-parallel replicas."""
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
@@ -125,7 +138,9 @@ def synchronize_gradients(
             heads_grads.append(parameter.grad)
         else:
             replicated.append(parameter.grad)
-    if group is not None and world_size > 1:
+    if scheduler is not None:
+        scheduler.finish()
+    elif group is not None and world_size > 1:
         _average(replicated, group, world_size)
     if heads_grads:
         _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
@@ -250,6 +265,13 @@ def _moe_records(model: TrainableLM) -> list[dict[str, Any]]:
     return records
 
 
+def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:
+    """One step's events as [kind, start, stop] in seconds from the step's first event."""
+    origin = min((event.start_s for event in events), default=0.0)
+    rows = [[e.kind, e.start_s - origin, e.stop_s - origin] for e in sorted(events, key=lambda e: e.start_s)]
+    path.write_text(json.dumps({"step": step, "events": rows}))
+
+
 class MetricsLog:
     """``metrics.jsonl`` on rank 0; a resumed run first drops the records after its checkpoint."""
 
@@ -297,6 +319,9 @@ class _Run:
     last_loss: float = float("nan")
     checkpoint: Path | None = None
     rebalancer: ExpertRebalancer | None = None
+    grad_scheduler: GradientScheduler | None = None
+    expert_names: set[str] = field(default_factory=set)
+    last_timeline: list[TimelineEvent] = field(default_factory=list)  # the last step's events (rank 0)
 
     @property
     def config(self) -> TrainConfig:
@@ -348,13 +373,28 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen, rebalancer=rebalancer)
+               tokens_seen, rebalancer=rebalancer, expert_names=model.expert_parameter_names())
+    run.grad_scheduler = _gradient_scheduler(run)
+    model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     return run, start_step
 
 
-def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
+def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
+    """``--grad-sync overlap|lina``: the scheduler of the replicated gradients, on a process group of
+    its own (so that its all-reduces run beside the all-to-alls of the world group)."""
+    config = run.config
+    if config.grad_sync == "after" or run.group is None or run.world_size == 1:
+        return None
+    own_group = dist.new_group(list(range(run.world_size)), timeout=timedelta(seconds=config.collective_timeout_s))
+    return gradient_scheduler(
+        config.grad_sync, replicated_parameters(run.model, run.expert_names), own_group, run.world_size,
+        run.model.groups.traffic, config.microop_mb, config.bucket_mb,
+    )
+
+
+def _train_step(run: _Run, step: int) -> dict[str, Any]:
     """One optimizer step; returns its metrics record (phase times included)."""
-    config, model = run.config, run.model
+    config, model, expert_names = run.config, run.model, run.expert_names
     began = time.perf_counter()
     lr = learning_rate(config, step)
     for group_settings in run.optimizer.param_groups:
@@ -364,13 +404,20 @@ def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
     data_s = time.perf_counter() - began
 
     model.clock.reset()
+    timeline = model.groups.traffic.timeline
+    timeline.take()  # this step's events only (evaluation ran all-to-alls too)
     forward_began = time.perf_counter()
+    if run.grad_scheduler is not None:
+        run.grad_scheduler.start()
     _, loss = model(inputs, targets)
+    backward_began = time.perf_counter()
     loss.backward()
     compute_s = time.perf_counter() - forward_began
+    timeline.record("forward", forward_began, backward_began)
+    timeline.record("backward", backward_began, forward_began + compute_s)
 
     sync_began = time.perf_counter()
-    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size)
+    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
     lm_sum, total_sum, expert_sq_global = _all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
                                                           run.device)
@@ -392,10 +439,13 @@ def _train_step(run: _Run, step: int, expert_names: set[str]) -> dict[str, Any]:
     phases = phase_seconds(model)
     phases["other"] = max(0.0, compute_s - sum(phases.values()))
     phases.update(grad_sync=sync_s, optimizer=optimizer_s, data=data_s)
+    if timeline.enabled:
+        run.last_timeline = timeline.take()
     return {
         "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
-        "tokens_seen": run.tokens_seen, "time_s": phases, "moe": _moe_records(model),
+        "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
+        "moe": _moe_records(model),
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
     }
 
@@ -409,6 +459,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
         record["val_loss"] = run.val_loss
     if run.log is not None:
         run.log.write(record)
+        if "val_loss" in record:  # the timeline of a step now and then (the report draws the last)
+            write_timeline(Path(run.job.run_dir) / TIMELINE, step, run.last_timeline)
     if step % config.checkpoint_interval == 0 or step == last_step:
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
                  "loss": run.last_loss, "val_loss": run.val_loss}
@@ -442,14 +494,13 @@ def _summary(run: _Run, last_step: int, hf_checkpoint: Path | None) -> dict[str,
 def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """Train (or continue) the run; rank 0 returns the run's summary."""
     run, start_step = _start_run(rank, world_size, job)
-    expert_names = run.model.expert_parameter_names()
     run.model.train()
     run.model.clock.enabled = True
     progress = _progress(run.config, rank, start_step)
     last_step = run.config.stop_at or run.config.steps
     try:
         for step in range(start_step + 1, last_step + 1):
-            record = _train_step(run, step, expert_names)
+            record = _train_step(run, step)
             _evaluate_log_checkpoint(run, step, last_step, record)
             _show_progress(progress, run, record)
     finally:

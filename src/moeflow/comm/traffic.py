@@ -1,0 +1,156 @@
+"""Who is on the links: the MoE all-to-alls announce themselves here, so that Lina's gradient
+scheduler can hold its all-reduce micro-ops while an all-to-all is imminent, queued or running
+(Lina §4.2), and so that a step's communication can be drawn as a timeline (Lina Fig. 7/8).
+
+One :class:`AllToAllTraffic` belongs to a job's :class:`~moeflow.comm.ParallelGroups`: every MoE
+layer of the job and the trainer's gradient synchronization see the same one. The scheduling is
+local to the process (Lina §6.1): no rank asks another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import FunctionCtx
+
+EVENT_KINDS = ("alltoall", "allreduce", "experts", "forward", "backward")
+"""What a timeline event is: an all-to-all, an all-reduce (micro-op or bucket), an expert chunk's
+compute, or a step's forward and backward spans."""
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    kind: str
+    start_s: float  # time.perf_counter()
+    stop_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.stop_s - self.start_s
+
+
+class Timeline:
+    """Events recorded from any thread while ``enabled``; :meth:`take` hands them over and clears."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._events: list[TimelineEvent] = []
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, start_s: float, stop_s: float) -> None:
+        if self.enabled:
+            with self._lock:
+                self._events.append(TimelineEvent(kind, start_s, stop_s))
+
+    def take(self) -> list[TimelineEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+class AllToAllTraffic:
+    """The all-to-alls that are imminent, queued on a communication worker or running.
+
+    - :meth:`expect`: a combine's backward begins, so its layer's all-to-all is imminent (Lina stops
+      launching all-reduce micro-ops here); cleared when an all-to-all starts or the layer's
+      backward ends (:meth:`settle`);
+    - :meth:`enqueue` / :meth:`running`: an all-to-all waits on the worker / moves bytes;
+    - :meth:`wait_until_clear`: block until none is imminent, queued or running.
+    """
+
+    def __init__(self) -> None:
+        self.timeline = Timeline()
+        self._changed = threading.Condition()
+        self._busy = 0
+        self._imminent = False
+
+    @property
+    def clear(self) -> bool:
+        with self._changed:
+            return self._busy == 0 and not self._imminent
+
+    def expect(self) -> None:
+        with self._changed:
+            self._imminent = True
+
+    def settle(self) -> None:
+        with self._changed:
+            self._imminent = False
+            self._changed.notify_all()
+
+    def enqueue(self) -> None:
+        """An all-to-all waits on a communication worker (until :meth:`dequeue`)."""
+        self._enter(start=False)
+
+    def dequeue(self) -> None:
+        self._leave()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        self._enter(start=True)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timeline.record("alltoall", began, time.perf_counter())
+            self._leave()
+
+    def wait_until_clear(self, timeout_s: float | None = None) -> bool:
+        """Whether the links are free of all-to-alls (False: ``timeout_s`` passed first)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._busy == 0 and not self._imminent, timeout_s)
+
+    def _enter(self, start: bool) -> None:
+        with self._changed:
+            self._busy += 1
+            if start:
+                self._imminent = False
+
+    def _leave(self) -> None:
+        with self._changed:
+            self._busy -= 1
+            self._changed.notify_all()
+
+
+def mark_backward_window(x: torch.Tensor, traffic: AllToAllTraffic, entering: bool) -> torch.Tensor:
+    """Identity in the forward. In the backward, at a layer's output (``entering=False``) it tells
+    ``traffic`` that the layer's all-to-alls are imminent; at its input (``entering=True``), that
+    the layer's backward is over."""
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _BackwardWindow.apply(x, traffic, entering)
+
+
+class _BackwardWindow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, traffic: AllToAllTraffic, entering: bool) -> torch.Tensor:
+        ctx.traffic, ctx.entering = traffic, entering
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        (ctx.traffic.settle if ctx.entering else ctx.traffic.expect)()
+        return grad, None, None
+
+
+def contention_seconds(events: list[TimelineEvent]) -> dict[str, float]:
+    """A step's all-to-all seconds, split by whether an all-reduce ran at the same time (Lina's
+    contention, §2.2), with the counts of each and the all-reduces' own seconds."""
+    reduces = sorted((e.start_s, e.stop_s) for e in events if e.kind == "allreduce")
+    alone = contended = 0.0
+    alone_ops = contended_ops = 0
+    for event in (e for e in events if e.kind == "alltoall"):
+        if any(start < event.stop_s and event.start_s < stop for start, stop in reduces):
+            contended, contended_ops = contended + event.seconds, contended_ops + 1
+        else:
+            alone, alone_ops = alone + event.seconds, alone_ops + 1
+    return {
+        "all_to_all_alone": alone, "all_to_all_with_allreduce": contended,
+        "all_to_all_alone_ops": alone_ops, "all_to_all_with_allreduce_ops": contended_ops,
+        "allreduce": sum(stop - start for start, stop in reduces), "allreduce_ops": len(reduces),
+    }
