@@ -32,11 +32,14 @@ def _covered(pieces: list[Any], sizes: list[int]) -> list[np.ndarray]:
 
 
 def test_micro_ops_are_equal_parts_of_one_gradient_and_cover_each_element_once() -> None:
-    sizes = [1000, 7, 4096, 1]
+    sizes = [1000, 7, 100, 200, 4096, 1, 3]
     pieces = micro_ops(sizes, element_bytes=4, microop_bytes=1024)  # 256 elements per micro-op
-    assert all(len(piece.spans) == 1 for piece in pieces)
-    assert [sum(1 for p in pieces if p.parameters == (i,)) for i in range(4)] == [4, 1, 16, 1]
+    assert [sum(1 for p in pieces if p.parameters == (i,)) for i in (0, 4)] == [4, 16]
     assert {p.numel for p in pieces if p.parameters == (0,)} == {250}
+    # small gradients fused, whole, up to a micro-op's size; never beside a part of a large one
+    assert [p.parameters for p in pieces if len(p.parameters) > 1 or p.parameters[0] not in (0, 4)] == [
+        (1, 2), (3,), (5, 6)]
+    assert all(p.numel <= 256 for p in pieces)
     assert all((count == 1).all() for count in _covered(pieces, sizes))
 
 
@@ -150,3 +153,29 @@ def test_after_mode_has_no_scheduler_and_bad_modes_name_the_choices() -> None:
     assert gradient_scheduler("after", [], None, 2, traffic, 1.0, 1.0) is None  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="grad_sync='ddp'; choose one of after, overlap, lina"):
         gradient_scheduler("ddp", [], None, 2, traffic, 1.0, 1.0)  # type: ignore[arg-type]
+
+
+def _dies_during_micro_ops(rank: int, world_size: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    weights = [torch.nn.Parameter(torch.ones(1 << 16)) for _ in range(4)]
+    scheduler = gradient_scheduler("lina", weights, dist.new_group([0, 1]), world_size, AllToAllTraffic(), 0.01, 1.0)
+    assert scheduler is not None
+    scheduler.start()
+    sum(w.sum() for w in weights).backward()  # rank 0's micro-ops start at once
+    if rank == 1:
+        time.sleep(0.05)
+        os._exit(3)  # dies while its peer's micro-ops wait for it
+    scheduler.finish()
+
+
+@pytest.mark.distributed
+def test_a_worker_that_dies_during_micro_ops_fails_the_job_fast() -> None:
+    from moeflow.distributed import WorkerError
+
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 1"):
+        run_distributed(_dies_during_micro_ops, 2, timeout_s=120)
+    assert time.monotonic() - began < 30

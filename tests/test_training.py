@@ -192,6 +192,28 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
     assert resumed == uninterrupted  # bit for bit
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("grad_sync", ["overlap", "lina"])
+def test_gradient_sync_during_the_backward_trains_and_resumes_like_after(
+    two_worker_run: Path, tmp_path: Path, grad_sync: str
+) -> None:
+    # on 2 workers a sum of two gradients is the same in any order: the losses match bit for bit
+    run_dir = tmp_path / grad_sync
+    run_training(tiny(run_dir, grad_sync=grad_sync, microop_mb=0.002, bucket_mb=0.01, stop_at=5,
+                      checkpoint_interval=100), report=False)
+    from moeflow.cli import main
+
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert losses(run_dir) == losses(two_worker_run)
+    records = list(iterate_records(run_dir))
+    assert all(r["comm_s"]["allreduce_ops"] > 0 for r in records)  # rank 0's timeline saw the micro-ops
+    assert {"all_to_all_alone", "all_to_all_with_allreduce"} <= set(records[-1]["comm_s"])
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    assert timeline["step"] == 12 and {"forward", "backward", "alltoall", "allreduce"} <= {
+        kind for kind, _, _ in timeline["events"]}
+    assert (run_dir / "timeline.png").stat().st_size > 0
+
+
 def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: str | int | None = None) -> float:
     import torch.distributed as dist
 

@@ -34,6 +34,7 @@ from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.comm.topology import Topology
+from moeflow.distributed import destroy_process_groups
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
 
 
@@ -204,4 +205,4 @@ def calibrate_from_env(config: CalibrationConfig) -> dict[str, Any] | None:
     try:
         return calibrate_rank(dist.get_rank(), dist.get_world_size(), config)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()

@@ -7,6 +7,7 @@ the surviving workers are terminated.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -25,6 +26,16 @@ from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
 class WorkerError(RuntimeError):
     """A spawned worker raised, died or timed out."""
+
+
+def destroy_process_groups() -> None:
+    """Destroy the job's process groups once nothing holds them any more. A gloo group whose last
+    reference (a model's groups, kept in a reference cycle) is only dropped during interpreter
+    shutdown frees its pending work there and aborts the process ("terminate called without an
+    active exception"), so the cycles are collected first, while the interpreter is whole."""
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def free_port() -> int:
@@ -51,7 +62,7 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_groups()
 
 
 def run_distributed(

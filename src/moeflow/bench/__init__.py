@@ -110,6 +110,7 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
 
     from moeflow.comm.groups import ParallelGroups
     from moeflow.comm.topology import topology_from_environment
+    from moeflow.distributed import destroy_process_groups
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--grid", required=True, help="JSON list of grid points")
@@ -128,4 +129,4 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
     profile = None if args.no_profile else cluster_profile(args.profile, args.save_profile, bench, emit)
     for values in json.loads(args.grid):
         measure(values, groups, profile, args.repeats, emit)
-    dist.destroy_process_group()
+    destroy_process_groups()

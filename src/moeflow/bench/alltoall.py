@@ -30,6 +30,7 @@ def _rank_main(argv: list[str]) -> None:
     from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
     from moeflow.comm.groups import ParallelGroups
     from moeflow.comm.topology import topology_from_environment
+    from moeflow.distributed import destroy_process_groups
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))
@@ -57,7 +58,7 @@ def _rank_main(argv: list[str]) -> None:
                     "ms": seconds * 1e3, "send_gbit_per_s_per_rank": x.numel() * 4 * 8 / seconds / 1e9,
                     "latency_emulated": os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED") == "1",
                 }), flush=True)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def run(

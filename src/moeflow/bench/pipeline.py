@@ -161,6 +161,7 @@ def _rank_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from moeflow.bench import cluster_profile
+    from moeflow.distributed import destroy_process_groups
     from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
     parser = argparse.ArgumentParser()
@@ -179,7 +180,7 @@ def _rank_main(argv: list[str]) -> None:
     profile = cluster_profile(args.profile, args.save_profile, "pipeline", emit)
     for values in json.loads(args.grid):
         _measure_point(GridPoint(**values), profile, args.repeats, emit)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def run(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,9 +56,11 @@ class Timeline:
 class AllToAllTraffic:
     """The all-to-alls that are imminent, queued on a communication worker or running.
 
-    - :meth:`expect`: a combine's backward begins, so its layer's all-to-all is imminent (Lina stops
-      launching all-reduce micro-ops here); cleared when an all-to-all starts or the layer's
-      backward ends (:meth:`settle`);
+    - :meth:`expect`: a combine's backward begins, so its layer's all-to-alls are imminent (Lina
+      stops launching all-reduce micro-ops here) until the layer's backward ends (:meth:`settle`).
+      Lina lets a micro-op start in the expert compute between a layer's two all-to-alls; with the
+      capacity-chunk pipeline those gaps are shorter than a micro-op, which would then slow the
+      next chunk's all-to-all, so the whole of a layer's backward counts as imminent here;
     - :meth:`enqueue` / :meth:`running`: an all-to-all waits on the worker / moves bytes;
     - :meth:`wait_until_clear`: block until none is imminent, queued or running.
     """
@@ -85,14 +87,14 @@ class AllToAllTraffic:
 
     def enqueue(self) -> None:
         """An all-to-all waits on a communication worker (until :meth:`dequeue`)."""
-        self._enter(start=False)
+        self._enter()
 
     def dequeue(self) -> None:
         self._leave()
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        self._enter(start=True)
+        self._enter()
         began = time.perf_counter()
         try:
             yield
@@ -100,16 +102,20 @@ class AllToAllTraffic:
             self.timeline.record("alltoall", began, time.perf_counter())
             self._leave()
 
-    def wait_until_clear(self, timeout_s: float | None = None) -> bool:
-        """Whether the links are free of all-to-alls (False: ``timeout_s`` passed first)."""
+    def wait_until_clear(self, unless: Callable[[], bool] = lambda: False) -> None:
+        """Block until the links are free of all-to-alls, or ``unless()`` holds (checked again on
+        every change and on :meth:`wake`)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._busy == 0 and not self._imminent, timeout_s)
+            self._changed.wait_for(lambda: (self._busy == 0 and not self._imminent) or unless())
 
-    def _enter(self, start: bool) -> None:
+    def wake(self) -> None:
+        """Make waiters look at their ``unless`` again."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def _enter(self) -> None:
         with self._changed:
             self._busy += 1
-            if start:
-                self._imminent = False
 
     def _leave(self) -> None:
         with self._changed:

@@ -1,4 +1,4 @@
-"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | train | generate``: each
+"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | contention | train | generate``: each
 prints one JSON object per measurement and a summary line."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from moeflow.commands import fail, positive_int, require_testbed
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_train,
-                _add_generate):
+    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_contention,
+                _add_train, _add_generate):
         add(benches)
 
 
@@ -287,6 +287,44 @@ def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], a
         raise fail(command, error) from None
     print_json(summarize(records))
     return 0
+
+
+def _add_contention(benches: Any) -> None:
+    contention = benches.add_parser(
+        "contention", help="MoE all-to-alls against the gradient all-reduce (Lina): alone, beside it, DDP buckets, "
+        "Lina's micro-ops; training steps per --grad-sync mode (emulated cluster, needs root)",
+        description="links: the backward of --layers MoE layers with --allreduce-mb of gradients to all-reduce, the "
+        "median all-to-all per mode. step: training steps of the default and a larger model under --grad-sync after, "
+        "overlap and lina, round-robin, the slowest rank's median step time.",
+    )
+    _add_cluster_layout(contention, ranks_per_node=1)
+    contention.add_argument("--kinds", nargs="+", default=["links", "step"], choices=("links", "step"),
+                            help="which measurements (default both)")
+    contention.add_argument("--models", nargs="+", default=["default", "large"], choices=("default", "large"),
+                            help="step: the trainer's default model and/or a wider one (default both)")
+    contention.add_argument("--microop-mb", nargs="+", type=float, default=[1.0],
+                            help="Lina's micro-op sizes to measure (default 1)")
+    contention.add_argument("--bucket-mb", type=float, default=1.0, help="overlap's bucket size (default 1)")
+    contention.add_argument("--alltoall-mb", type=float, default=5.0, help="links: each all-to-all's buffer")
+    contention.add_argument("--allreduce-mb", type=float, default=8.0, help="links: gradients to all-reduce")
+    contention.add_argument("--steps", type=positive_int, default=5, help="step: timed steps per mode (default 5)")
+    contention.add_argument("--repeats", type=positive_int, default=5, help="links: timed rounds (default 5)")
+    contention.set_defaults(func=run_contention)
+
+
+def run_contention(args: argparse.Namespace) -> int:
+    from moeflow.bench.contention import ContentionPoint, run, summarize
+
+    if min(args.microop_mb) <= 0 or args.bucket_mb <= 0 or args.alltoall_mb <= 0 or args.allreduce_mb <= 0:
+        raise fail("bench contention", "--microop-mb, --bucket-mb, --alltoall-mb and --allreduce-mb must be > 0")
+    grid = []
+    if "links" in args.kinds:
+        grid += [ContentionPoint("links", alltoall_mb=args.alltoall_mb, allreduce_mb=args.allreduce_mb,
+                                 microop_mb=size, bucket_mb=args.bucket_mb) for size in args.microop_mb]
+    if "step" in args.kinds:
+        grid += [ContentionPoint("step", model=model, microop_mb=size, bucket_mb=args.bucket_mb, steps=args.steps)
+                 for model in args.models for size in args.microop_mb]
+    return _run_cluster_grid("bench contention", run, summarize, grid, args)
 
 
 # -- training -------------------------------------------------------------------------------------

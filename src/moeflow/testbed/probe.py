@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moeflow.distributed import destroy_process_groups
+
 SMALL_ROUND_TRIPS = 20
 LARGE_BYTES = 16 << 20
 
@@ -58,7 +60,7 @@ def main() -> None:
         dist.barrier()
     if rank == 0:
         print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

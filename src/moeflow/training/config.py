@@ -69,7 +69,7 @@ class TrainConfig:
     rebalance_window: int = 20  # ... for the load of this many last steps
     # gradient synchronization of the replicated parameters (moeflow.training.grad_sync)
     grad_sync: str = "after"  # after | overlap (DDP buckets) | lina (micro-ops that yield to all-to-alls)
-    microop_mb: float = 0.25  # lina: the size of a gradient all-reduce micro-op
+    microop_mb: float = 1.0  # lina: the size of a gradient all-reduce micro-op
     bucket_mb: float = 1.0  # overlap: the size at which a gradient bucket closes
     # optimization
     steps: int = 200

@@ -4,9 +4,10 @@
 - ``overlap``: DDP's way: the gradients, in buckets of whole tensors of about ``bucket_mb``, are
   all-reduced while the backward still runs, each bucket as soon as its last gradient is ready;
 - ``lina``: Lina's communication scheduler (§4.2, §6.1): each gradient is cut into equal micro-ops
-  of about ``microop_mb`` (never two gradients in one), and a micro-op is launched only while no
-  MoE all-to-all is imminent, queued or running (:class:`~moeflow.comm.traffic.AllToAllTraffic`),
-  so that the all-to-alls have the links to themselves.
+  of about ``microop_mb`` (never two large gradients in one; small ones fused), and a micro-op is launched only while no
+  MoE all-to-all is imminent, queued or running (:class:`~moeflow.comm.traffic.AllToAllTraffic`:
+  from a layer's combine backward to the end of its backward), so that the all-to-alls have the
+  links to themselves.
 
 The bucketed and micro-op all-reduces run on their own process group (so that they truly run
 beside the MoE layers' all-to-alls) from one scheduler thread per process, in a fixed order that
@@ -30,7 +31,6 @@ from moeflow.comm.traffic import AllToAllTraffic
 from moeflow.training.config import GRAD_SYNC_MODES
 
 MEGABYTE = 1 << 20
-_POLL_S = 0.0005  # how often a held micro-op looks again at the links (and at the end of the backward)
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,28 @@ class GradientPiece:
 
 
 def micro_ops(sizes: Sequence[int], element_bytes: int, microop_bytes: int) -> list[GradientPiece]:
-    """Each gradient in equal consecutive parts of at most ``microop_bytes`` (Lina's tensor
-    partitioning: equal-sized chunks, never two gradients in one micro-op)."""
-    pieces = []
+    """Lina's tensor partitioning: a gradient of ``microop_bytes`` or more in equal consecutive
+    parts of at most that, never sharing a micro-op with another gradient; runs of smaller whole
+    gradients (norms, biases, gates) fused into micro-ops of at most that size, since a micro-op
+    per small tensor would pay a collective's latency for a few bytes."""
+    pieces: list[GradientPiece] = []
     per_op = max(1, microop_bytes // element_bytes)
+    small: list[tuple[int, int, int]] = []
     for index, size in enumerate(sizes):
-        parts = max(1, -(-size // per_op))
+        if size < per_op:
+            if sum(stop for _, _, stop in small) + size > per_op:
+                pieces.append(GradientPiece(tuple(small)))
+                small = []
+            small.append((index, 0, size))
+            continue
+        if small:
+            pieces.append(GradientPiece(tuple(small)))
+            small = []
+        parts = -(-size // per_op)
         bounds = [size * part // parts for part in range(parts + 1)]
         pieces.extend(GradientPiece(((index, bounds[p], bounds[p + 1]),)) for p in range(parts))
+    if small:
+        pieces.append(GradientPiece(tuple(small)))
     return pieces
 
 
@@ -118,6 +132,7 @@ class GradientScheduler:
             self._draining = True
             self._ready = [True] * len(self.parameters)
             self._changed.notify_all()
+        self.traffic.wake()  # a micro-op held for an all-to-all goes now
         self._thread.join()
         self._thread = None
         if self._error is not None:
@@ -145,10 +160,8 @@ class GradientScheduler:
     def _hold_for_alltoall(self) -> None:
         """Lina's priority: wait while an all-to-all is imminent, queued or running (not once the
         backward is over: nothing is left to yield to)."""
-        if not self.yield_to_alltoall:
-            return
-        while not self._draining and not self.traffic.wait_until_clear(_POLL_S):
-            pass
+        if self.yield_to_alltoall:
+            self.traffic.wait_until_clear(unless=lambda: self._draining)
 
     def _all_reduce(self, piece: GradientPiece) -> None:
         grads = [self.parameters[index].grad for index in piece.parameters]

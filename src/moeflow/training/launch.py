@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from moeflow.comm.topology import topology_from_environment
 from moeflow.data import PreparedCorpus, default_cache_root, prepare_corpus
+from moeflow.distributed import destroy_process_groups
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
 from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
@@ -118,7 +119,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
             job[0] = replace(job[0], corpus=_prepare_corpus(config))
         summary = train_worker(rank, world_size, replace(job[0], ranks_per_node=ranks_per_node, local_rank=local_rank))
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
     if report and rank == 0:
         _report(Path(summary["run_dir"]))
     return summary

@@ -505,6 +505,7 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             _show_progress(progress, run, record)
     finally:
         progress.close()
+        run.model.groups.worker.shutdown()  # its thread ends before the process groups do
         if run.log is not None:
             run.log.close()
     hf_checkpoint = _save_hf(run) if run.config.hf is not None and last_step == run.config.steps else None
