@@ -65,6 +65,7 @@ class Case:
     r_per_step: tuple[str, ...] = ()  # Tutel's r of each step's call ("r0", "r1", "rmid", "rmax")
     mp: int = 1  # tensor-parallel group size (Parm): tokens replicated over consecutive ranks
     rebalance_to: tuple[float, ...] = ()  # redundant experts: before step 1, rebalance for this load
+    pack_factor: int = 0  # Lina's packing: before step 1, hold this many times E / W experts per rank
 
 
 def mp_size(case: Case, world_size: int) -> int:
@@ -158,6 +159,15 @@ def extra_cases() -> list[Case]:
              same_expert=True),
         Case("redundant-smart", {**base, "redundant_experts": 4, "pipeline": "smart"}, ranks_per_node=1,
              same_expert=True, steps=2, rebalance_to=(50.0, 40, 1, 1, 1, 1, 1, 1)),
+        # Lina's expert packing: expert parallel for step 0, then blocks of W / factor ranks holding
+        # every expert (4 ranks x2: blocks of 2; 2 ranks x2 and 4 ranks x4: every expert on every rank)
+        Case("packed-x2", {**base, "parallel": "expert"}, steps=2, pack_factor=2),
+        Case("packed-x2-d2-drops-swiglu", {**base, "parallel": "expert", "pipeline": 2, "activation": "swiglu"},
+             tokens_per_rank=24, steps=2, pack_factor=2),
+        Case("packed-x2-ragged-f0-empty-rank", {**base, "parallel": "expert", "expert_kernel": "ragged",
+                                                 "capacity_factor": 0.0}, empty_ranks=(1,), steps=2, pack_factor=2),
+        Case("packed-x4-bpr", {**base, "parallel": "expert", "batch_prioritized_routing": True}, steps=2,
+             pack_factor=4),
         # FasterMoE's smart schedule: pairwise steps (one per node), each step's experts overlapping the next
         Case("smart-k2-f1", {**base, "pipeline": "smart"}, ranks_per_node=1, tokens_per_rank=16),
         Case("smart-2-per-node-swiglu", {**base, "pipeline": "smart", "activation": "swiglu"}, ranks_per_node=2),
@@ -403,9 +413,9 @@ def _reference_node_limit(case: Case, share: str | float, rank: int, world_size:
     return {"node_experts": range(first, first + per_node * per_rank), "remote_share": share}
 
 
-def _sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+def _sum_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     tensor = tensor.clone()
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -431,6 +441,11 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
     for step in range(case.steps):
         if step == 1 and case.rebalance_to:
             layer.rebalance(case.rebalance_to)
+        if step == 1 and case.pack_factor:
+            per_rank = min(case.num_experts, case.num_experts // world_size * case.pack_factor)
+            layer.pack(per_rank)
+            if layer.experts_per_rank != per_rank or layer.schedule.name != ("expert" if world_size == 1 else "packed"):
+                failures.append(f"{case.name}: not packed to {per_rank} experts per rank")
         x = _tokens(case, rank, world_size)
         x_ref = x.clone().requires_grad_()
         x_layer = x.clone().requires_grad_()
@@ -456,12 +471,13 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
             for n, p in reference.named_parameters()
         }
         if world_size > 1 and not layer.placement.is_replicated:
-            # an expert-parallel expert's gradient collects the tokens of every rank; a replicated
-            # expert's holds this rank's tokens (the trainer sums them like any replicated weight);
-            # MP members hold the same tokens, which count once
+            # an expert-parallel expert's gradient collects the tokens of every rank (of a packed
+            # block: the block's); a replicated expert's holds this rank's tokens (the trainer sums
+            # them like any replicated weight); MP members hold the same tokens, which count once
+            block = groups.block(layer.placement.packed_group_size or world_size)
             for name, grad in reference_grads.items():
                 if name.startswith("experts."):
-                    reference_grads[name] = _sum_over_ranks(grad) / mp_size(case, world_size)
+                    reference_grads[name] = _sum_over_ranks(grad, block) / mp_size(case, world_size)
         expected_grads = shard_expert_state(reference_grads, layer.placement, rank)
         if "experts.b2" in expected_grads:  # only the shard that starts at hidden 0 adds b2
             adds = [shard.adds_output_bias for shard in layer.placement.local(rank)]

@@ -46,7 +46,7 @@ from moeflow.parallel.redundant import (
     replica_weights,
     slots_per_rank,
 )
-from moeflow.parallel.schedules import select_schedule
+from moeflow.parallel.schedules import check_packing, packed_schedule, select_schedule
 from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import ClusterProfile, CostModel
@@ -227,7 +227,12 @@ class MoELayer(nn.Module):
         check_smart_pipeline(c.pipeline, self.schedule.name, self.groups)
         check_shadowing(c.shadowing, self.schedule.name, self.cost_model)
         self.node_limit = self._node_limit()
-        self.planner = PipelinePlanner(
+        self.planner = self._planner(algorithms)
+
+    def _planner(self, algorithms: tuple[str, ...]) -> PipelinePlanner:
+        """The per-iteration planner of this layer's schedule (degree and all-to-all)."""
+        c = self.config
+        return PipelinePlanner(
             c.pipeline, algorithms, self.cost_model, self._reduce_max() if self.world_size > 1 else None,
             c.capacity_bucket, schedule=self.schedule.model,
         )
@@ -455,13 +460,54 @@ class MoELayer(nn.Module):
         """Rewrite the slots for ``placement`` (each from its expert's primary copy), with every
         optimizer state tensor shaped like its parameter (AdamW's moments); a collective."""
         old = self.placement
-        for kind, parameter in self.experts.named_parameters():
-            states = optimizer.state.get(parameter, {}) if optimizer is not None else {}
-            moved = [t for t in states.values() if isinstance(t, torch.Tensor) and t.shape == parameter.shape]
-            for tensor in (parameter, *moved):
-                tensor.copy_(move_slots(tensor, kind, old, placement, self.rank, self.groups.expert))
+        for kind, parameter in list(self.experts.named_parameters()):
+            state = optimizer.state.get(parameter, {}) if optimizer is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == parameter.shape:
+                    state[key] = move_slots(value, kind, old, placement, self.rank, self.groups.expert)
+            moved = move_slots(parameter, kind, old, placement, self.rank, self.groups.expert)
+            if moved.shape == parameter.shape:
+                parameter.copy_(moved)
+            else:  # more or fewer slots (packing): a new Parameter, in the optimizer's place of the old
+                self._replace_expert_parameter(kind, parameter, moved, optimizer)
         self.placement = placement
         self._replicas_equal = True
+
+    def _replace_expert_parameter(
+        self, kind: str, old: nn.Parameter, value: torch.Tensor, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """A reshaped expert parameter is a new Parameter (autograd keeps a leaf's shape), which takes
+        the old one's place and state in ``optimizer``."""
+        new = nn.Parameter(value, requires_grad=old.requires_grad)
+        setattr(self.experts, kind, new)
+        if optimizer is None:
+            return
+        for group in optimizer.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        if old in optimizer.state:
+            optimizer.state[new] = optimizer.state.pop(old)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.placement.num_local(self.rank)
+
+    @torch.no_grad()
+    def pack(self, experts_per_rank: int, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Lina's expert packing: hold ``experts_per_rank`` experts on every rank, in blocks of
+        E / experts_per_rank ranks that each hold all experts (their all-to-alls stay inside the
+        block), moving the weights and the optimizer state once; return whether the placement
+        changed (a collective). E / W experts per rank is expert parallelism again."""
+        c = self.config
+        check_packing(c, self.schedule.name, self.world_size, experts_per_rank)
+        group_size = c.num_experts // experts_per_rank
+        placement = ExpertPlacement.packed(c.num_experts, self.world_size, group_size, c.hidden_dim)
+        if placement == self.placement:
+            return False
+        self.apply_placement(placement, optimizer)
+        self.schedule = packed_schedule(group_size, self.world_size)
+        whole = group_size == self.world_size  # a block's all-to-all runs on a subgroup: linear
+        self.planner = self._planner(self._candidate_algorithms(False) if whole else ("linear",))
+        return True
 
     def _shadows(
         self, filled_WE: torch.Tensor, capacity: int, algorithm: str
@@ -490,8 +536,10 @@ class MoELayer(nn.Module):
             own_tokens_of = local
         if own_tokens_of is not None:
             filled_LW = filled_WE[self.rank, list(own_tokens_of)].unsqueeze(1)
-        else:
-            filled_LW = filled_WE[:, local].t()
+        else:  # the ranks this rank's experts receive from: the group, or a packed block of it
+            block = self.config.num_experts // len(local) if self.schedule.name == "packed" else self.world_size
+            first = self.rank // block * block
+            filled_LW = filled_WE[first : first + block, local].t()
         return self._ragged_slots(filled_LW)
 
     def _node_limit(self) -> NodeLimit | None:
@@ -612,7 +660,7 @@ class MoELayer(nn.Module):
             counts_WE = counts_WE[:: dist.get_world_size(self.groups.model)]
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
         plan = ExecutionPlan(
-            schedule=chosen.plan.schedule,
+            schedule=self.schedule.name if self.schedule.name == "packed" else chosen.plan.schedule,
             r=chosen.plan.r,
             alltoall=chosen.plan.algorithm,
             pipeline_degree=len(capacity_chunks(slots, chosen.plan.degree)),

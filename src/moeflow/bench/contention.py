@@ -16,6 +16,9 @@ Two kinds of point, every rank one core:
   all-to-all, so that no online planner trial lands in one mode's steps) under ``--grad-sync``
   after, overlap and lina, each its own copy of the same weights, round-robin: the slowest
   rank's step time and the all-to-all time beside an all-reduce, medians after warm-up steps.
+- ``packing``: the same steps under --grad-sync lina with Lina's expert packing off (expert
+  parallel) and at every number of experts per worker its doubling reaches (blocks of fewer
+  workers holding every expert), with the expert and all-to-all micro-op times its packer reads.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ MEGABYTE = 1 << 20
 
 @dataclass(frozen=True)
 class ContentionPoint:
-    kind: str  # "links" or "step"
+    kind: str  # "links", "step" or "packing"
     model: str = "default"  # step: a key of MODELS
     layers: int = 4  # links: MoE layers in the backward
     alltoall_mb: float = 5.0  # links: each rank's all-to-all buffer (the default model's per layer)
@@ -51,8 +54,8 @@ class ContentionPoint:
 
     @property
     def name(self) -> str:
-        if self.kind == "step":
-            return f"step-{self.model}-op{self.microop_mb:g}MB"
+        if self.kind in ("step", "packing"):
+            return f"{self.kind}-{self.model}-op{self.microop_mb:g}MB"
         return f"links-L{self.layers}-a2a{self.alltoall_mb:g}MB-ar{self.allreduce_mb:g}MB-op{self.microop_mb:g}MB"
 
 
@@ -146,55 +149,85 @@ def step_config(model: str, **changes: Any) -> Any:
     return replace(TrainConfig(), **{**MODELS[model], **FIXED_PLAN, "progress": False, **changes})
 
 
+def step_modes(point: ContentionPoint, world_size: int) -> dict[str, dict[str, Any]]:
+    """The trainer settings each mode of a point changes: ``step``, the --grad-sync modes (the first
+    is the baseline); ``packing``, expert parallelism and every packing Lina's doubling can reach,
+    all under --grad-sync lina."""
+    if point.kind == "step":
+        return {mode: {"grad_sync": mode} for mode in STEP_MODES}
+    experts = step_config(point.model).num_experts
+    modes, per_worker = {"expert": {"grad_sync": "lina"}}, 2 * experts // world_size
+    while per_worker <= experts and experts % per_worker == 0 and world_size % (experts // per_worker) == 0:
+        modes[f"packed{per_worker}"] = {"grad_sync": "lina", "expert_packing": str(per_worker)}
+        per_worker *= 2
+    return modes
+
+
 def _measure_steps(point: ContentionPoint, groups: Any, repeats: int, emit: Any) -> None:
-    """Training steps per --grad-sync mode, round-robin, each mode its own copy of the weights."""
-    import numpy as np
+    """Training steps per mode, round-robin, each mode its own copy of the same weights."""
     import torch.distributed as dist
 
     from moeflow.bench.timing import slowest_rank_seconds
     from moeflow.training.trainer import _train_step
 
-    runs = {mode: _bench_run(point, mode, groups) for mode in STEP_MODES}
-    samples: dict[str, list[float]] = {mode: [] for mode in STEP_MODES}
-    beside: dict[str, list[float]] = {mode: [] for mode in STEP_MODES}
-    alone: dict[str, list[float]] = {mode: [] for mode in STEP_MODES}
+    modes = step_modes(point, dist.get_world_size())
+    runs = {mode: _bench_run(point, groups, changes) for mode, changes in modes.items()}
+    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    records: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for step in range(1, point.steps + 2):  # step 1 warms up (and lets the planners settle)
         for mode, run in runs.items():
-            records: list[dict[str, Any]] = []
-            seconds = slowest_rank_seconds(lambda run=run, step=step, records=records: records.append(
-                _train_step(run, step)))
+            done: list[dict[str, Any]] = []
+            seconds = slowest_rank_seconds(lambda run=run, step=step, done=done: done.append(_train_step(run, step)))
             if step > 1:
                 samples[mode].append(seconds)
-                alone[mode].append(records[0]["comm_s"]["all_to_all_alone"])
-                beside[mode].append(records[0]["comm_s"]["all_to_all_with_allreduce"])
+                records[mode].append(done[0])
     if dist.get_rank() != 0:
         return
     step_s = {mode: statistics.median(values) for mode, values in samples.items()}
-    for mode in STEP_MODES:
-        emit({"bench": "contention-step", "config": point.name, "model": point.model, "mode": mode,
-              "step_ms": step_s[mode] * 1e3, "alltoall_alone_ms": float(np.median(alone[mode])) * 1e3,
-              "alltoall_beside_allreduce_ms": float(np.median(beside[mode])) * 1e3,
+    for mode in modes:
+        emit({"bench": f"contention-{point.kind}", "config": point.name, "model": point.model, "mode": mode,
+              "step_ms": step_s[mode] * 1e3, **_median_comm_ms(records[mode]),
               "replicated_mb": _replicated_mb(runs[mode])})
-    emit({"bench": "contention-step-compare", "config": point.name,
-          **{f"{mode}_speedup_over_after": step_s["after"] / step_s[mode] for mode in STEP_MODES[1:]}})
+    baseline = next(iter(modes))
+    emit({"bench": f"contention-{point.kind}-compare", "config": point.name,
+          **{f"{mode}_speedup_over_{baseline}": step_s[baseline] / step_s[mode] for mode in list(modes)[1:]}})
 
 
-def _bench_run(point: ContentionPoint, mode: str, groups: Any) -> Any:
+def _median_comm_ms(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Medians (ms) of the steps' all-to-all time alone and beside an all-reduce, and under packing
+    the micro-op times Lina's packer decides on."""
+    import numpy as np
+
+    def median_ms(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return float(np.median(present)) * 1e3 if present else None
+
+    medians = {"alltoall_alone_ms": median_ms([r["comm_s"]["all_to_all_alone"] for r in records]),
+               "alltoall_beside_allreduce_ms": median_ms([r["comm_s"]["all_to_all_with_allreduce"] for r in records]),
+               "allreduce_ms": median_ms([r["comm_s"]["allreduce"] for r in records])}
+    if "packing" in records[0]:
+        medians |= {f"{key}_ms": median_ms([r["packing"][f"{key}_s"] for r in records])
+                    for key in ("expert_op", "alltoall_op")}
+    return medians
+
+
+def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> Any:
     """The trainer's per-worker state for one mode (random tokens stand in for a corpus)."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from moeflow.models import MoETransformer
-    from moeflow.training.trainer import Job, _gradient_scheduler, _Run, build_optimizer
+    from moeflow.training.trainer import Job, _gradient_scheduler, _packer, _Run, build_optimizer
 
-    config = step_config(point.model, grad_sync=mode, microop_mb=point.microop_mb, bucket_mb=point.bucket_mb,
-                         workers=dist.get_world_size())
+    config = step_config(point.model, microop_mb=point.microop_mb, bucket_mb=point.bucket_mb,
+                         workers=dist.get_world_size(), **changes)
     model = MoETransformer(config.model_config(config.vocab_size), group=groups, seed=config.seed)
     tokens = np.random.default_rng(dist.get_rank()).integers(0, config.vocab_size, 1 << 16, dtype=np.int64)
+    optimizer = build_optimizer(model, config)
     run = _Run(Job(config, None, ""), dist.get_rank(), dist.get_world_size(), torch.device("cpu"),  # type: ignore[arg-type]
-               dist.group.WORLD, model, build_optimizer(model, config), tokens, tokens, None,
-               expert_names=model.expert_parameter_names())
+               dist.group.WORLD, model, optimizer, tokens, tokens, None, expert_names=model.expert_parameter_names(),
+               packer=_packer(config, model, optimizer, None))
     run.grad_scheduler = _gradient_scheduler(run)
     model.train()
     model.clock.enabled = True
@@ -213,7 +246,7 @@ def _rank_main(argv: list[str]) -> None:
 
     def measure(values: dict[str, Any], groups: Any, profile: Any, repeats: int, emit: Any) -> None:
         point = ContentionPoint(**values)
-        (_measure_steps if point.kind == "step" else _measure_links)(point, groups, repeats, emit)
+        (_measure_links if point.kind == "links" else _measure_steps)(point, groups, repeats, emit)
 
     grid_rank_main(argv, "contention", measure)
 
@@ -234,6 +267,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Lina's all-to-all against alone (the goal), and each mode's step-time speedup over after."""
     links = [r for r in records if r.get("bench") == "contention-links-compare"]
     steps = [r for r in records if r.get("bench") == "contention-step-compare"]
+    packing = [r for r in records if r.get("bench") == "contention-packing-compare"]
     worst = max((r["alltoall_lina_over_alone"] for r in links), default=None)
     return {
         "summary": "contention",
@@ -242,6 +276,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "lina_alltoall_goal_met": None if worst is None else worst <= LINA_ALLTOALL_GOAL,
         "step_speedup_over_after": {r["config"]: {m: r[f"{m}_speedup_over_after"] for m in STEP_MODES[1:]}
                                     for r in steps},
+        "packing_speedup_over_expert": {r["config"]: {k.removesuffix("_speedup_over_expert"): v for k, v in r.items()
+                                                       if k.endswith("_speedup_over_expert")} for r in packing},
         "lina_fastest": all(r["lina_speedup_over_after"] >= r["overlap_speedup_over_after"]
                             and r["lina_speedup_over_after"] >= 1 for r in steps) if steps else None,
     }

@@ -104,6 +104,7 @@ class ParallelGroups:
         self._node_groups: NodeGroups | None = None
         self._blocks: dict[int, ProcessGroup] = {}
         self._strided: dict[int, ProcessGroup] = {}
+        self._packed: dict[int, ParallelGroups] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParallelGroups:
         return self  # process groups are the job's, not a model's: a copied model shares them
@@ -150,6 +151,17 @@ class ParallelGroups:
             return self.expert
         first = self.rank // size * size
         return self._own_subgroup(self._blocks, size, range(first, first + size))
+
+    def packed(self, size: int) -> ParallelGroups:
+        """The groups of this rank's block of ``size`` ranks (:meth:`block`), on this job's worker
+        and traffic: where a packed placement's all-to-alls run (Lina's expert packing). Kept."""
+        if size == self.size:
+            return self
+        if size not in self._packed:
+            packed = ParallelGroups(self.block(size), Topology(size, size))
+            packed.traffic, packed.worker = self.traffic, self.worker
+            self._packed[size] = packed
+        return self._packed[size]
 
     def strided(self, stride: int) -> ProcessGroup | None:
         """This rank's group of the ranks of the expert group with its index modulo ``stride``

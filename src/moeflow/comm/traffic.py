@@ -70,6 +70,8 @@ class AllToAllTraffic:
         self._changed = threading.Condition()
         self._busy = 0
         self._imminent = False
+        self.alltoall_seconds = 0.0  # every all-to-all's, since the job began (Lina's packing reads it)
+        self.alltoall_ops = 0
 
     @property
     def clear(self) -> bool:
@@ -99,8 +101,9 @@ class AllToAllTraffic:
         try:
             yield
         finally:
-            self.timeline.record("alltoall", began, time.perf_counter())
-            self._leave()
+            stopped = time.perf_counter()
+            self.timeline.record("alltoall", began, stopped)
+            self._leave(stopped - began)
 
     def wait_until_clear(self, unless: Callable[[], bool] = lambda: False) -> None:
         """Block until the links are free of all-to-alls, or ``unless()`` holds (checked again on
@@ -117,9 +120,12 @@ class AllToAllTraffic:
         with self._changed:
             self._busy += 1
 
-    def _leave(self) -> None:
+    def _leave(self, alltoall_seconds: float | None = None) -> None:
         with self._changed:
             self._busy -= 1
+            if alltoall_seconds is not None:
+                self.alltoall_seconds += alltoall_seconds
+                self.alltoall_ops += 1
             self._changed.notify_all()
 
 

@@ -292,14 +292,15 @@ def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], a
 def _add_contention(benches: Any) -> None:
     contention = benches.add_parser(
         "contention", help="MoE all-to-alls against the gradient all-reduce (Lina): alone, beside it, DDP buckets, "
-        "Lina's micro-ops; training steps per --grad-sync mode (emulated cluster, needs root)",
+        "Lina's micro-ops; training steps per --grad-sync mode and per expert packing (emulated cluster, needs root)",
         description="links: the backward of --layers MoE layers with --allreduce-mb of gradients to all-reduce, the "
         "median all-to-all per mode. step: training steps of the default and a larger model under --grad-sync after, "
-        "overlap and lina, round-robin, the slowest rank's median step time.",
+        "overlap and lina, round-robin, the slowest rank's median step time. packing: the same steps under lina with "
+        "Lina's expert packing off and at each number of experts per worker its doubling reaches.",
     )
     _add_cluster_layout(contention, ranks_per_node=1)
-    contention.add_argument("--kinds", nargs="+", default=["links", "step"], choices=("links", "step"),
-                            help="which measurements (default both)")
+    contention.add_argument("--kinds", nargs="+", default=["links", "step", "packing"],
+                            choices=("links", "step", "packing"), help="which measurements (default all)")
     contention.add_argument("--models", nargs="+", default=["default", "large"], choices=("default", "large"),
                             help="step: the trainer's default model and/or a wider one (default both)")
     contention.add_argument("--microop-mb", nargs="+", type=float, default=[1.0],
@@ -321,9 +322,8 @@ def run_contention(args: argparse.Namespace) -> int:
     if "links" in args.kinds:
         grid += [ContentionPoint("links", alltoall_mb=args.alltoall_mb, allreduce_mb=args.allreduce_mb,
                                  microop_mb=size, bucket_mb=args.bucket_mb) for size in args.microop_mb]
-    if "step" in args.kinds:
-        grid += [ContentionPoint("step", model=model, microop_mb=size, bucket_mb=args.bucket_mb, steps=args.steps)
-                 for model in args.models for size in args.microop_mb]
+    grid += [ContentionPoint(kind, model=model, microop_mb=size, bucket_mb=args.bucket_mb, steps=args.steps)
+             for kind in ("step", "packing") if kind in args.kinds for model in args.models for size in args.microop_mb]
     return _run_cluster_grid("bench contention", run, summarize, grid, args)
 
 

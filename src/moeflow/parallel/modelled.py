@@ -32,7 +32,7 @@ class ModelledSchedule:
         return ALL_TOKENS
 
 
-RAGGED_SCHEDULES = ("expert", "replicated")
+RAGGED_SCHEDULES = ("expert", "replicated", "packed")
 """The schedules that run whole local experts on their received slots, where the ragged kernel applies."""
 
 

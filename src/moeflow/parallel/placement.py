@@ -116,6 +116,24 @@ class ExpertPlacement:
         )
         return cls(num_experts, hidden_dim, ranks)
 
+    @classmethod
+    def packed(cls, num_experts: int, world_size: int, group_size: int, hidden_dim: int) -> ExpertPlacement:
+        """Lina's expert packing (§4.2): the ranks form blocks of ``group_size`` consecutive ranks,
+        each block holds all E experts expert-parallel (rank r: experts [(r mod G) k, (r mod G + 1) k),
+        k = E / G), and the W / G blocks are data-parallel copies of each other. G = W is expert
+        parallelism, G = 1 replicates every expert."""
+        if world_size % group_size or num_experts % group_size:
+            raise ValueError(
+                f"packing {num_experts} experts into blocks of {group_size} ranks needs group_size to divide both "
+                f"the {world_size} ranks and the experts; use a power of two that divides both"
+            )
+        local = num_experts // group_size
+        ranks = tuple(
+            tuple(ExpertShard(e, 0, hidden_dim) for e in range(r % group_size * local, (r % group_size + 1) * local))
+            for r in range(world_size)
+        )
+        return cls(num_experts, hidden_dim, ranks)
+
     # -- questions ------------------------------------------------------------------------------
 
     @property
@@ -138,6 +156,18 @@ class ExpertPlacement:
         if self.num_experts % self.world_size:
             return False
         return self == ExpertPlacement.expert_parallel(self.num_experts, self.world_size, self.hidden_dim)
+
+    @property
+    def packed_group_size(self) -> int | None:
+        """G when this is :meth:`packed` with blocks of G ranks (expert parallelism: G = W), else None."""
+        per_rank = self.num_local(0)
+        if self.split_tokens or self.num_experts % per_rank:
+            return None
+        group_size = self.num_experts // per_rank
+        if self.world_size % group_size:
+            return None
+        packed = ExpertPlacement.packed(self.num_experts, self.world_size, group_size, self.hidden_dim)
+        return group_size if self == packed else None
 
     @property
     def is_replicated(self) -> bool:

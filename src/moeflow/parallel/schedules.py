@@ -11,6 +11,8 @@ through the layer.
 - :class:`ReplicatedSchedule`: every rank holds every expert and runs them on its own tokens; no
   all-to-all. Its expert gradients are those of the rank's own tokens, summed by the trainer's
   gradient all-reduce like any replicated parameter.
+- :class:`PackedSchedule`: Lina's expert packing, expert parallelism inside blocks of ranks that
+  each hold every expert (set by the trainer's packer, not chosen at build time).
 - :class:`~moeflow.parallel.adaptive.AdaptiveSchedule`: Tutel's switchable parallelism, r chosen per
   iteration on one sharded storage layout (r = 0 gathers the weights instead of moving tokens).
 """
@@ -24,7 +26,7 @@ from typing import Protocol
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import PARM_SCHEDULES
+from moeflow.config import PARM_SCHEDULES, MoEConfig
 from moeflow.experts import ExpertCompute, ExpertSlots
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.modelled import ModelledSchedule
@@ -123,6 +125,52 @@ class ReplicatedSchedule(_ModelledSchedule):
 
     def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
         return ExpertExchange(None, LOCAL, experts.num_experts)  # tokens stay: only the chunking
+
+
+@dataclass(frozen=True)
+class PackedSchedule(_ModelledSchedule):
+    """Lina's expert packing (§4.2): expert parallelism inside each block of ``group_size``
+    consecutive ranks, every block holding all experts (:meth:`ExpertPlacement.packed`). Tokens
+    travel by all-to-all within the block only; the blocks' copies of an expert average their
+    gradients like a replicated weight. The planner prices it as an expert-parallel exchange."""
+
+    name: str = "packed"
+    group_size: int = 1
+
+    @property
+    def model(self) -> ScheduleModel:
+        return SCHEDULE_MODELS["expert"]
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        return ExpertPlacement.packed(num_experts, world_size, self.group_size, hidden_dim)
+
+    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
+        return ExpertExchange(groups.packed(self.group_size), plan.algorithm, experts.num_experts)
+
+
+def packed_schedule(group_size: int, world_size: int) -> ParallelSchedule:
+    """The schedule of blocks of ``group_size`` ranks: expert parallelism itself when the block is
+    the whole group."""
+    return ExpertParallelSchedule() if group_size == world_size else PackedSchedule(group_size=group_size)
+
+
+def check_packing(config: MoEConfig, schedule: str, world_size: int, experts_per_rank: int) -> None:
+    """Packing re-places an expert-parallel layer: ``experts_per_rank`` must be a multiple of E / W
+    that divides E, and no technique that places experts its own way may run beside it."""
+    least = config.num_experts // world_size
+    if schedule not in ("expert", "packed") or world_size > config.num_experts:
+        raise ValueError(f"expert packing re-places the expert-parallel schedule with W <= E; this layer runs "
+                         f"parallel={schedule!r} on {world_size} ranks: use parallel='expert'")
+    if experts_per_rank < least or config.num_experts % experts_per_rank or world_size % (
+            config.num_experts // experts_per_rank):
+        raise ValueError(f"experts_per_rank={experts_per_rank} cannot pack {config.num_experts} experts on "
+                         f"{world_size} ranks: use a multiple of {least} that divides {config.num_experts}")
+    others = {"shadowing": config.shadowing != "off", "redundant_experts": config.redundant_experts > 0,
+              "topology_gate": config.topology_gate != "off", "pipeline='smart'": config.pipeline == SMART,
+              "alltoall": config.alltoall not in ("auto", "linear")}
+    if clash := [name for name, on in others.items() if on]:
+        raise ValueError(f"expert packing moves the experts itself and runs the linear all-to-all; turn off "
+                         f"{', '.join(clash)} (alltoall 'auto' or 'linear')")
 
 
 SCHEDULES: dict[str, ParallelSchedule] = {

@@ -67,6 +67,9 @@ class TrainConfig:
     redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
     rebalance_interval: int = 20  # with redundant experts: place the slots every this many steps
     rebalance_window: int = 20  # ... for the load of this many last steps
+    expert_packing: str = "off"  # Lina: off | auto (double experts per worker while it pays) | N experts per worker
+    packing_warmup: int = 10  # auto packing: the first decision after this many steps (Lina's)
+    packing_interval: int = 4  # ... then every this many steps
     # gradient synchronization of the replicated parameters (moeflow.training.grad_sync)
     grad_sync: str = "after"  # after | overlap (DDP buckets) | lina (micro-ops that yield to all-to-alls)
     microop_mb: float = 1.0  # lina: the size of a gradient all-reduce micro-op
@@ -98,7 +101,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("vocab_size", "steps", "batch_size", "workers", "mp_size", "threads_per_worker", "eval_interval",
                     "eval_windows", "checkpoint_interval", "keep_checkpoints", "rebalance_interval",
-                    "rebalance_window")
+                    "rebalance_window", "packing_warmup", "packing_interval")
         for name in positive:
             require_positive_int(name, getattr(self, name))
         require_choice("shadowing", self.shadowing, SHADOWING_POLICIES)
@@ -119,6 +122,7 @@ class TrainConfig:
             raise ValueError("--mp-size splits moeflow's own attention; a --hf model's attention runs data "
                              "parallel: leave --mp-size at 1")
         self._check_fastermoe()
+        self._check_packing()
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -186,6 +190,22 @@ class TrainConfig:
                 f"expert slots must split evenly over the {self.workers} workers; choose a value that makes the sum "
                 f"a multiple of {self.workers}"
             )
+
+    def _check_packing(self) -> None:
+        """Lina's packing re-places the expert-parallel layers of moeflow's own model."""
+        from moeflow.parallel.schedules import check_packing
+        from moeflow.training.packing import parse_packing
+
+        packing = parse_packing(self.expert_packing)
+        if packing == "off":
+            return
+        if self.hf is not None or self.mp_size > 1:
+            raise ValueError("--expert-packing re-places the experts of moeflow's own model under the expert-parallel "
+                             "schedule: drop --hf and --mp-size, or use --expert-packing off")
+        expert_schedule = self.parallel == "expert" or (self.parallel == "auto" and self.workers <= self.num_experts)
+        least = self.num_experts // self.workers
+        check_packing(self.model_config(self.vocab_size).moe, "expert" if expert_schedule else str(self.parallel),
+                      self.workers, packing if isinstance(packing, int) else least)
 
     def layer_topology_gate(self) -> str | float:
         """MoEConfig's ``topology_gate`` for ``gate``: the share from the profile's bandwidths when
@@ -276,6 +296,12 @@ FIELD_HELP: dict[str, str] = {
     "(the expert-parallel schedule; experts + this a multiple of --workers)",
     "rebalance_interval": "with --redundant-experts: place the slots for the recorded load every this many steps",
     "rebalance_window": "with --redundant-experts: the load of this many last steps decides the placement",
+    "expert_packing": "Lina's expert packing: off; auto (after --packing-warmup steps, and every --packing-interval "
+    "steps, double the experts each worker holds while an expert micro-op is shorter than an all-to-all micro-op); "
+    "or N experts per worker from the start. Blocks of experts/N workers then hold every expert, their "
+    "all-to-alls stay inside the block, and the copies average their gradients",
+    "packing_warmup": "with --expert-packing auto: the step of the first packing decision",
+    "packing_interval": "with --expert-packing auto: steps between packing decisions",
     "grad_sync": "how the replicated gradients are all-reduced: after (one call after the backward), overlap "
     "(DDP-style buckets during the backward) or lina (micro-ops during the backward that yield to the MoE "
     "all-to-alls: Lina's scheduler)",

@@ -32,6 +32,7 @@ from moeflow.parallel.placement import ExpertPlacement
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
+from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
 from moeflow.training.rebalance import ExpertRebalancer
 
 METRICS = "metrics.jsonl"
@@ -127,11 +128,15 @@ def synchronize_gradients(
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
+    packed: dict[int, list[torch.Tensor]] = {}  # packed experts' gradients by block size
     placed = model.placed_parameters()
     for name, parameter in model.named_parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
-        if name in expert_names:
+        block = _packed_block(placed.get(name), world_size) if name in expert_names else None
+        if block is not None:
+            packed.setdefault(block, []).append(parameter.grad)
+        elif name in expert_names:
             parameter.grad.div_(replicas)
             sharded_sq += _squared_norm_once(parameter.grad, placed.get(name), model.groups.rank)
         elif name in heads:
@@ -142,10 +147,23 @@ def synchronize_gradients(
         scheduler.finish()
     elif group is not None and world_size > 1:
         _average(replicated, group, world_size)
+    for block, grads in packed.items():  # each block's copy summed its own tokens: add the copies
+        _average(grads, model.groups.strided(block), replicas)
+        sharded_sq += sum(float(g.pow(2).sum()) for g in grads) * block / world_size  # each copy counts once
     if heads_grads:
         _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
         sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
     return sharded_sq
+
+
+def _packed_block(placed: tuple[Any, str] | None, world_size: int) -> int | None:
+    """The block size of a packed expert parameter whose copies sit in several blocks (Lina's
+    packing), else None (expert parallel, or not an expert)."""
+    placement = placed[0] if placed is not None else None
+    if not isinstance(placement, ExpertPlacement):
+        return None
+    block = placement.packed_group_size
+    return block if block is not None and block < world_size else None
 
 
 def _squared_norm_once(grad: torch.Tensor, placed: tuple[Any, str] | None, rank: int) -> float:
@@ -319,6 +337,7 @@ class _Run:
     last_loss: float = float("nan")
     checkpoint: Path | None = None
     rebalancer: ExpertRebalancer | None = None
+    packer: ExpertPacker | None = None
     grad_scheduler: GradientScheduler | None = None
     expert_names: set[str] = field(default_factory=set)
     last_timeline: list[TimelineEvent] = field(default_factory=list)  # the last step's events (rank 0)
@@ -362,7 +381,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, state = 0, 0, None
     rebalancer = (ExpertRebalancer(config.rebalance_interval, config.rebalance_window)
                   if config.redundant_experts else None)
     if job.resume_from is not None:
@@ -370,13 +389,28 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         if rebalancer is not None:
             rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
+    packer = _packer(config, model, optimizer, state)
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen, rebalancer=rebalancer, expert_names=model.expert_parameter_names())
+               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
     run.grad_scheduler = _gradient_scheduler(run)
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     return run, start_step
+
+
+def _packer(config: TrainConfig, model: TrainableLM, optimizer: torch.optim.Optimizer,
+            state: dict[str, Any] | None) -> ExpertPacker | None:
+    """Lina's expert packing (``--expert-packing``), packed as the checkpoint was, or as asked."""
+    packing = parse_packing(config.expert_packing)
+    if packing == "off":
+        return None
+    packer = ExpertPacker(packing, config.packing_warmup, config.packing_interval)
+    if state is not None and "packer" in state:
+        packer.restore(state["packer"], model, optimizer)
+    else:
+        packer.start(model, optimizer)
+    return packer
 
 
 def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
@@ -406,6 +440,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     model.clock.reset()
     timeline = model.groups.traffic.timeline
     timeline.take()  # this step's events only (evaluation ran all-to-alls too)
+    traffic_began = TrafficMark.of(model.groups.traffic)
     forward_began = time.perf_counter()
     if run.grad_scheduler is not None:
         run.grad_scheduler.start()
@@ -430,6 +465,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     if run.rebalancer is not None:  # EPLB: the slots follow the recorded load every few steps
         run.rebalancer.record(model)
         rebalanced = run.rebalancer.step(step, model, run.optimizer)
+    packing = _pack(run, step, micro_op_times(model, traffic_began)) if run.packer is not None else None
     optimizer_s = time.perf_counter() - optimizer_began
     step_s = time.perf_counter() - began
     run.tokens_seen += run.tokens_per_step
@@ -447,6 +483,18 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
         "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
         "moe": _moe_records(model),
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
+        **({"packing": packing} if packing is not None else {}),
+    }
+
+
+def _pack(run: _Run, step: int, times: MicroOpTimes | None) -> dict[str, Any]:
+    """Lina's packer after the update: this step's micro-op times, then its decision."""
+    assert run.packer is not None
+    run.packer.record(times)
+    packed = run.packer.step(step, run.model, run.optimizer)
+    return {
+        "experts_per_worker": run.model.moe_layers()[0].experts_per_rank, "packed": packed,
+        "expert_op_s": times.expert_s if times else None, "alltoall_op_s": times.alltoall_s if times else None,
     }
 
 
@@ -466,6 +514,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
                  "loss": run.last_loss, "val_loss": run.val_loss}
         if run.rebalancer is not None:
             state["rebalancer"] = run.rebalancer.state()
+        if run.packer is not None:
+            state["packer"] = run.packer.state()
         run.checkpoint = save_checkpoint(
             Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
             [corpus.tokenizer_path], config.keep_checkpoints,  # state.json holds the config

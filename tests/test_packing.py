@@ -1,0 +1,165 @@
+"""Lina's expert packing: the packed placement, the packer's decision, and training that packs.
+(That a packed layer equals the reference, outputs and gradients, before and after packing, is in
+the equivalence table: the ``packed-*`` cases on 1, 2 and 4 processes.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow import MoELayer
+from moeflow.distributed import run_distributed
+from moeflow.parallel import ExpertPlacement
+from moeflow.parallel.placement import gather_full
+from moeflow.training import TrainConfig
+from moeflow.training.launch import run_training
+from moeflow.training.packing import ExpertPacker, MicroOpTimes, parse_packing
+from moeflow.training.trainer import iterate_records
+from test_training import TINY
+
+
+def _experts_of(placement: ExpertPlacement) -> list[list[int]]:
+    return [[s.expert for s in shards] for shards in placement.shards]
+
+
+def test_blocks_of_ranks_each_hold_every_expert() -> None:
+    packed = ExpertPlacement.packed(8, 4, 2, hidden_dim=6)
+    assert _experts_of(packed) == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert packed.packed_group_size == 2 and packed.holders(5) == (1, 3)
+    assert ExpertPlacement.packed(8, 4, 4, 6) == ExpertPlacement.expert_parallel(8, 4, 6)
+    assert ExpertPlacement.packed(8, 4, 1, 6) == ExpertPlacement.replicated(8, 4, 6)
+    assert ExpertPlacement.expert_parallel(8, 4, 6).packed_group_size == 4
+    assert ExpertPlacement.hidden_sharded(2, 4, 6).packed_group_size is None
+    with pytest.raises(ValueError, match="group_size to divide both"):
+        ExpertPlacement.packed(8, 4, 3, 6)
+
+
+def _pack_and_train(rank: int, world_size: int, experts_per_rank: int) -> dict[str, Any]:
+    """Pack a layer with AdamW state, then take a step: the full weights and moments after it."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, 4, top_k=2, capacity_factor=0.0, group=dist.group.WORLD, parallel="expert")
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    for step in range(2):
+        if step == 1:
+            assert layer.pack(experts_per_rank, optimizer) == (experts_per_rank != 4 // world_size)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        ((layer(x) ** 2).sum() + layer.aux_loss).backward()
+        block = 4 // layer.experts_per_rank  # ranks that hold every expert once
+        for name, parameter in layer.named_parameters():
+            if not name.startswith("experts."):  # the gate: summed as a trainer does (it then divides)
+                dist.all_reduce(parameter.grad)
+            elif block < world_size:  # a packed expert's copies add up their blocks' tokens
+                dist.all_reduce(parameter.grad, group=layer.groups.strided(block))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    moments = {name: optimizer.state[p]["exp_avg"] for name, p in layer.experts.named_parameters()}
+    full = layer.full_state_dict()
+    return {
+        "weights": {n: t.numpy() for n, t in full.items()},
+        "moments": {n: gather_full(m, layer.placement, n, layer.rank, dist.group.WORLD).numpy()
+                    for n, m in moments.items()},
+        "schedule": layer.schedule.name, "local": layer.experts_per_rank,
+    }
+
+
+@pytest.mark.distributed
+def test_packing_moves_weights_and_moments_and_trains_as_expert_parallel() -> None:
+    plain = run_distributed(_pack_and_train, 4, 1, timeout_s=180)
+    for experts_per_rank, schedule in ((2, "packed"), (4, "packed")):
+        packed = run_distributed(_pack_and_train, 4, experts_per_rank, timeout_s=180)
+        assert {(r["schedule"], r["local"]) for r in packed} == {(schedule, experts_per_rank)}
+        for part in ("weights", "moments"):
+            for name, tensor in plain[0][part].items():
+                np.testing.assert_allclose(packed[0][part][name], tensor, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_packer_doubles_while_experts_are_shorter_than_all_to_alls() -> None:
+    class Layer:
+        def __init__(self) -> None:
+            self.config, self.world_size, self.experts_per_rank = type("C", (), {"num_experts": 8})(), 8, 1
+            self.packed: list[int] = []
+
+        def pack(self, experts_per_rank: int, optimizer: Any) -> bool:
+            self.packed.append(experts_per_rank)
+            self.experts_per_rank = experts_per_rank
+            return True
+
+    class Model:
+        groups = type("G", (), {"size": 1})()
+
+        def __init__(self) -> None:
+            self.layers = [Layer(), Layer()]
+
+        def moe_layers(self) -> list[Layer]:
+            return self.layers
+
+    model, packer = Model(), ExpertPacker("auto", warmup=3, interval=2)
+    decisions = []
+    for step, (expert, alltoall) in enumerate([(1, 5)] * 5 + [(2, 3)] * 2 + [(4, 2)] * 4, start=1):
+        packer.record(MicroOpTimes(expert * 1e-3, alltoall * 1e-3))
+        decisions.append(packer.step(step, model, None))  # type: ignore[arg-type]
+    assert [step for step, packed in enumerate(decisions, start=1) if packed] == [3, 5, 7]
+    assert model.layers[0].packed == [2, 4, 8] and packer.experts_per_rank == 8
+    assert not decisions[8] and packer.settled  # step 9: 16 experts per worker do not exist
+    packer = ExpertPacker("auto", warmup=1, interval=1)
+    packer.record(MicroOpTimes(5e-3, 1e-3))
+    assert not packer.step(1, Model(), None) and packer.settled  # type: ignore[arg-type]
+    packer.record(MicroOpTimes(1e-3, 5e-3))
+    assert not packer.step(2, Model(), None)  # type: ignore[arg-type]  # settled: it stays
+
+
+@pytest.mark.distributed
+def test_auto_packing_packs_after_the_warm_up_and_resumes_exactly(tmp_path: Path) -> None:
+    from moeflow.cli import main
+
+    # a tiny expert computes in microseconds, a gloo all-to-all takes far longer: it packs at step 2
+    settings = {**TINY, "steps": 5, "parallel": "expert", "expert_packing": "auto", "packing_warmup": 2,
+                "packing_interval": 1}
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "whole")), report=False)
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "resumed"), stop_at=3), report=False)
+    state = json.loads(next((tmp_path / "resumed" / "checkpoints").glob("step-000003/state.json")).read_text())
+    assert state["packer"]["experts_per_rank"] == 4
+    assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0
+    whole, resumed = list(iterate_records(tmp_path / "whole")), list(iterate_records(tmp_path / "resumed"))
+    assert [r["packing"]["experts_per_worker"] for r in whole] == [2, 4, 4, 4, 4]
+    assert [r["packing"]["packed"] for r in whole] == [False, True, False, False, False]
+    assert whole[0]["packing"]["expert_op_s"] < whole[0]["packing"]["alltoall_op_s"]
+    assert whole[-1]["packing"]["alltoall_op_s"] is None  # every expert on every worker: no all-to-all
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bit for bit across the packing
+    assert all(layer["schedule"] == "packed" for layer in whole[-1]["moe"])
+
+
+@pytest.mark.distributed
+def test_fixed_packing_on_four_workers_trains_like_expert_parallelism(tmp_path: Path) -> None:
+    settings = {**TINY, "steps": 4, "workers": 4, "parallel": "expert", "eval_interval": 4}
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "ep")), report=False)
+    run_training(TrainConfig(**settings, expert_packing="2", run_dir=str(tmp_path / "packed")), report=False)
+    ep, packed = list(iterate_records(tmp_path / "ep")), list(iterate_records(tmp_path / "packed"))
+    np.testing.assert_allclose([r["loss"] for r in packed], [r["loss"] for r in ep], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in packed], [r["grad_norm"] for r in ep], rtol=1e-4)
+    assert all(r["packing"]["experts_per_worker"] == 2 for r in packed)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"expert_packing": "sometimes"}, "off, auto or a number"),
+    ({"expert_packing": "3"}, "cannot pack 4 experts"),
+    ({"expert_packing": "auto", "parallel": "replicated"}, "use parallel='expert'"),
+    ({"expert_packing": "auto", "alltoall": "2dh"}, "turn off alltoall"),
+    ({"expert_packing": "auto", "redundant_experts": 2, "parallel": "expert"}, "turn off redundant_experts"),
+    ({"expert_packing": "4", "mp_size": 2, "parallel": "auto"}, "drop --hf and --mp-size"),
+])
+def test_bad_packing_settings_name_the_fix(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{**TINY, **changes})
+
+
+def test_packing_values_parse() -> None:
+    assert parse_packing("off") == "off" and parse_packing("auto") == "auto" and parse_packing("2") == 2
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_packing("0")
