@@ -115,35 +115,62 @@ def test_the_packer_doubles_while_experts_are_shorter_than_all_to_alls() -> None
 
 
 @pytest.mark.distributed
-def test_auto_packing_packs_after_the_warm_up_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("grad_sync", ["after", "lina"])
+def test_auto_packing_decides_once_after_the_warm_up_and_resumes_exactly(tmp_path: Path, grad_sync: str) -> None:
     from moeflow.cli import main
 
-    # a tiny expert computes in microseconds, a gloo all-to-all takes far longer: it packs at step 2
+    # the decision at step 2 rests on measured times: either it doubles to every expert on both workers
+    # (and can go no further), or it settles at expert parallelism; either way no later step decides
+    # (under lina the packed experts' copies add up in micro-ops during the backward)
     settings = {**TINY, "steps": 5, "parallel": "expert", "expert_packing": "auto", "packing_warmup": 2,
-                "packing_interval": 1}
+                "packing_interval": 1, "grad_sync": grad_sync, "microop_mb": 0.002, "checkpoint_interval": 3}
+    run_dir = tmp_path / "run"
+    run_training(TrainConfig(**settings, run_dir=str(run_dir)), report=False)
+    whole = list(iterate_records(run_dir))
+    packed_at_2 = whole[1]["packing"]["packed"]
+    per_worker = 4 if packed_at_2 else 2
+    assert [r["packing"]["experts_per_worker"] for r in whole] == [2] + [per_worker] * 4
+    assert [r["packing"]["packed"] for r in whole] == [False, packed_at_2, False, False, False]
+    assert all(r["packing"]["expert_op_s"] > 0 for r in whole[:2])
+    assert (whole[-1]["packing"]["alltoall_op_s"] is None) == packed_at_2  # all experts everywhere: no all-to-all
+    assert {layer["schedule"] for layer in whole[-1]["moe"]} == {"packed" if packed_at_2 else "expert"}
+    state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert state["packer"] == {"experts_per_rank": per_worker if packed_at_2 else None, "settled": not packed_at_2}
+
+    assert main(["train", "--resume", str(run_dir / "checkpoints" / "step-000003")]) == 0  # steps 4 and 5 again
+    resumed = list(iterate_records(run_dir))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bit for bit after the packing
+    assert [r["packing"]["experts_per_worker"] for r in resumed] == [r["packing"]["experts_per_worker"] for r in whole]
+
+
+@pytest.mark.distributed
+def test_fixed_packing_resumes_bit_for_bit(tmp_path: Path) -> None:
+    from moeflow.cli import main
+
+    settings = {**TINY, "steps": 4, "parallel": "expert", "expert_packing": "4", "grad_sync": "lina",
+                "microop_mb": 0.002}
     run_training(TrainConfig(**settings, run_dir=str(tmp_path / "whole")), report=False)
-    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "resumed"), stop_at=3), report=False)
-    state = json.loads(next((tmp_path / "resumed" / "checkpoints").glob("step-000003/state.json")).read_text())
-    assert state["packer"]["experts_per_rank"] == 4
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "resumed"), stop_at=2), report=False)
     assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0
     whole, resumed = list(iterate_records(tmp_path / "whole")), list(iterate_records(tmp_path / "resumed"))
-    assert [r["packing"]["experts_per_worker"] for r in whole] == [2, 4, 4, 4, 4]
-    assert [r["packing"]["packed"] for r in whole] == [False, True, False, False, False]
-    assert whole[0]["packing"]["expert_op_s"] < whole[0]["packing"]["alltoall_op_s"]
-    assert whole[-1]["packing"]["alltoall_op_s"] is None  # every expert on every worker: no all-to-all
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bit for bit across the packing
-    assert all(layer["schedule"] == "packed" for layer in whole[-1]["moe"])
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in whole]
+    assert all(r["packing"]["experts_per_worker"] == 4 and r["comm_s"]["all_to_all_alone_ops"] == 0 for r in whole)
 
 
 @pytest.mark.distributed
 def test_fixed_packing_on_four_workers_trains_like_expert_parallelism(tmp_path: Path) -> None:
     settings = {**TINY, "steps": 4, "workers": 4, "parallel": "expert", "eval_interval": 4}
     run_training(TrainConfig(**settings, run_dir=str(tmp_path / "ep")), report=False)
-    run_training(TrainConfig(**settings, expert_packing="2", run_dir=str(tmp_path / "packed")), report=False)
-    ep, packed = list(iterate_records(tmp_path / "ep")), list(iterate_records(tmp_path / "packed"))
-    np.testing.assert_allclose([r["loss"] for r in packed], [r["loss"] for r in ep], rtol=1e-5)
-    np.testing.assert_allclose([r["grad_norm"] for r in packed], [r["grad_norm"] for r in ep], rtol=1e-4)
-    assert all(r["packing"]["experts_per_worker"] == 2 for r in packed)
+    ep = list(iterate_records(tmp_path / "ep"))
+    for grad_sync in ("after", "lina"):  # lina: the copies' micro-ops run during the backward
+        run_dir = tmp_path / f"packed-{grad_sync}"
+        run_training(TrainConfig(**settings, expert_packing="2", grad_sync=grad_sync, microop_mb=0.002,
+                                 run_dir=str(run_dir)), report=False)
+        packed = list(iterate_records(run_dir))
+        np.testing.assert_allclose([r["loss"] for r in packed], [r["loss"] for r in ep], rtol=1e-5)
+        np.testing.assert_allclose([r["grad_norm"] for r in packed], [r["grad_norm"] for r in ep], rtol=1e-4)
+        assert all(r["packing"]["experts_per_worker"] == 2 for r in packed)
 
 
 @pytest.mark.parametrize(("changes", "message"), [

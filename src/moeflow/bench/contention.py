@@ -156,7 +156,9 @@ def step_modes(point: ContentionPoint, world_size: int) -> dict[str, dict[str, A
     if point.kind == "step":
         return {mode: {"grad_sync": mode} for mode in STEP_MODES}
     experts = step_config(point.model).num_experts
-    modes, per_worker = {"expert": {"grad_sync": "lina"}}, 2 * experts // world_size
+    # expert parallel, measuring the micro-ops Lina's packer would decide on, but never packing
+    modes = {"expert": {"grad_sync": "lina", "expert_packing": "auto", "packing_warmup": 1 << 30}}
+    per_worker = 2 * experts // world_size
     while per_worker <= experts and experts % per_worker == 0 and world_size % (experts // per_worker) == 0:
         modes[f"packed{per_worker}"] = {"grad_sync": "lina", "expert_packing": str(per_worker)}
         per_worker *= 2
@@ -218,7 +220,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
     import torch.distributed as dist
 
     from moeflow.models import MoETransformer
-    from moeflow.training.trainer import Job, _gradient_scheduler, _packer, _Run, build_optimizer
+    from moeflow.training.trainer import Job, _copy_scheduler, _gradient_scheduler, _packer, _Run, build_optimizer
 
     config = step_config(point.model, microop_mb=point.microop_mb, bucket_mb=point.bucket_mb,
                          workers=dist.get_world_size(), **changes)
@@ -228,7 +230,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
     run = _Run(Job(config, None, ""), dist.get_rank(), dist.get_world_size(), torch.device("cpu"),  # type: ignore[arg-type]
                dist.group.WORLD, model, optimizer, tokens, tokens, None, expert_names=model.expert_parameter_names(),
                packer=_packer(config, model, optimizer, None))
-    run.grad_scheduler = _gradient_scheduler(run)
+    run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     model.train()
     model.clock.enabled = True
     groups.traffic.timeline.enabled = True

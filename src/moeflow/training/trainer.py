@@ -117,12 +117,13 @@ def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[to
 
 def synchronize_gradients(
     model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
-    scheduler: GradientScheduler | None = None,
+    scheduler: GradientScheduler | None = None, copies: GradientScheduler | None = None,
 ) -> float:
     """Average the replicated parameters' gradients over the workers (one flat all-reduce, or what
     ``scheduler`` reduced during the backward), scale the experts' (each already sums every
-    data-parallel replica's tokens) to the same mean, and average tensor-parallel attention's over
-    the replicas of the same heads; return this worker's share of the squared norm of the sharded
+    data-parallel replica's tokens) to the same mean, add up a packed expert's copies (or take what
+    ``copies`` reduced during the backward), and average tensor-parallel attention's over the
+    replicas of the same heads; return this worker's share of the squared norm of the sharded
     gradients, whose sum over the workers is theirs, for the global clipping norm. With MP groups
     of N workers the W workers are W / N data-parallel replicas."""
     heads = model.tensor_parallel_parameter_names()
@@ -135,7 +136,7 @@ def synchronize_gradients(
             parameter.grad = torch.zeros_like(parameter)
         block = _packed_block(placed.get(name), world_size) if name in expert_names else None
         if block is not None:
-            packed.setdefault(block, []).append(parameter.grad)
+            packed.setdefault(block, []).append(parameter)
         elif name in expert_names:
             parameter.grad.div_(replicas)
             sharded_sq += _squared_norm_once(parameter.grad, placed.get(name), model.groups.rank)
@@ -147,8 +148,12 @@ def synchronize_gradients(
         scheduler.finish()
     elif group is not None and world_size > 1:
         _average(replicated, group, world_size)
-    for block, grads in packed.items():  # each block's copy summed its own tokens: add the copies
-        _average(grads, model.groups.strided(block), replicas)
+    if copies is not None:
+        copies.finish()
+    for block, parameters in packed.items():  # each block's copy summed its own tokens: add the copies
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if copies is None:
+            _average(grads, model.groups.strided(block), replicas)
         sharded_sq += sum(float(g.pow(2).sum()) for g in grads) * block / world_size  # each copy counts once
     if heads_grads:
         _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
@@ -339,6 +344,8 @@ class _Run:
     rebalancer: ExpertRebalancer | None = None
     packer: ExpertPacker | None = None
     grad_scheduler: GradientScheduler | None = None
+    copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
+    copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     expert_names: set[str] = field(default_factory=set)
     last_timeline: list[TimelineEvent] = field(default_factory=list)  # the last step's events (rank 0)
 
@@ -394,7 +401,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
-    run.grad_scheduler = _gradient_scheduler(run)
+    run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     return run, start_step
 
@@ -426,6 +433,27 @@ def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
     )
 
 
+def _copy_scheduler(run: _Run) -> GradientScheduler | None:
+    """``--grad-sync overlap|lina`` with packed experts: their copies add up during the backward
+    too (Lina schedules them with the replicated gradients), on a group of their own per block
+    size: the workers holding the same experts (a collective the first time)."""
+    config, placed = run.config, run.model.placed_parameters()
+    if config.grad_sync == "after" or run.group is None or run.packer is None:
+        return None
+    packed = {name: block for name, parameter in run.model.named_parameters() if name in run.expert_names
+              and (block := _packed_block(placed.get(name), run.world_size)) is not None}
+    if not packed:
+        return None
+    block = next(iter(packed.values()))
+    if block not in run.copy_groups:
+        run.copy_groups[block], _ = dist.new_subgroups_by_enumeration(
+            [list(range(first, run.world_size, block)) for first in range(block)],
+            timeout=timedelta(seconds=config.collective_timeout_s))
+    parameters = [parameter for name, parameter in run.model.named_parameters() if name in packed]
+    return gradient_scheduler(config.grad_sync, parameters, run.copy_groups[block], run.world_size,
+                              run.model.groups.traffic, config.microop_mb, config.bucket_mb)
+
+
 def _train_step(run: _Run, step: int) -> dict[str, Any]:
     """One optimizer step; returns its metrics record (phase times included)."""
     config, model, expert_names = run.config, run.model, run.expert_names
@@ -442,8 +470,9 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     timeline.take()  # this step's events only (evaluation ran all-to-alls too)
     traffic_began = TrafficMark.of(model.groups.traffic)
     forward_began = time.perf_counter()
-    if run.grad_scheduler is not None:
-        run.grad_scheduler.start()
+    for scheduler in (run.grad_scheduler, run.copy_scheduler):
+        if scheduler is not None:
+            scheduler.start()
     _, loss = model(inputs, targets)
     backward_began = time.perf_counter()
     loss.backward()
@@ -452,7 +481,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     timeline.record("backward", backward_began, forward_began + compute_s)
 
     sync_began = time.perf_counter()
-    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler)
+    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
+                                      run.copy_scheduler)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
     lm_sum, total_sum, expert_sq_global = _all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
                                                           run.device)
@@ -492,6 +522,8 @@ def _pack(run: _Run, step: int, times: MicroOpTimes | None) -> dict[str, Any]:
     assert run.packer is not None
     run.packer.record(times)
     packed = run.packer.step(step, run.model, run.optimizer)
+    if packed:  # the new expert Parameters' copies get a scheduler of their own
+        run.copy_scheduler = _copy_scheduler(run)
     return {
         "experts_per_worker": run.model.moe_layers()[0].experts_per_rank, "packed": packed,
         "expert_op_s": times.expert_s if times else None, "alltoall_op_s": times.alltoall_s if times else None,
