@@ -18,10 +18,11 @@ from moeflow.distributed import run_distributed
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import gather_full
 from moeflow.training import TrainConfig
+from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.launch import run_training
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, parse_packing
 from moeflow.training.trainer import iterate_records
-from test_training import TINY
+from test_training import TINY, _evaluate_checkpoint
 
 
 def _experts_of(placement: ExpertPlacement) -> list[list[int]]:
@@ -156,6 +157,23 @@ def test_fixed_packing_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in whole]
     assert all(r["packing"]["experts_per_worker"] == 4 and r["comm_s"]["all_to_all_alone_ops"] == 0 for r in whole)
+
+
+@pytest.mark.distributed
+def test_a_packed_checkpoint_evaluates_and_trains_on_other_worker_counts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "packed"
+    settings = {**TINY, "steps": 4, "workers": 4, "parallel": "expert", "eval_interval": 4, "checkpoint_interval": 4}
+    run_training(TrainConfig(**settings, expert_packing="2", run_dir=str(run_dir)), report=False)
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None and read_state(checkpoint)["packer"]["experts_per_rank"] == 2
+    recorded = list(iterate_records(run_dir))[-1]["val_loss"]
+    assert run_distributed(_evaluate_checkpoint, 2, str(checkpoint))[0] == pytest.approx(recorded, rel=1e-5)
+    # one worker cannot hold 4 experts as 2 per worker: the packer starts over from expert parallelism
+    summary = run_training(TrainConfig(**{**settings, "workers": 1, "steps": 6}, expert_packing="auto",
+                                       run_dir=str(run_dir)), checkpoint, report=False)
+    records = list(iterate_records(run_dir))
+    assert summary["workers"] == 1 and [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["packing"]["experts_per_worker"] == 4 and np.isfinite(records[-1]["loss"])
 
 
 @pytest.mark.distributed

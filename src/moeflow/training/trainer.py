@@ -408,12 +408,13 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
 
 def _packer(config: TrainConfig, model: TrainableLM, optimizer: torch.optim.Optimizer,
             state: dict[str, Any] | None) -> ExpertPacker | None:
-    """Lina's expert packing (``--expert-packing``), packed as the checkpoint was, or as asked."""
+    """Lina's expert packing (``--expert-packing``): a fixed packing as asked (also on resume: the
+    flag wins); auto as the checkpoint left it."""
     packing = parse_packing(config.expert_packing)
     if packing == "off":
         return None
     packer = ExpertPacker(packing, config.packing_warmup, config.packing_interval)
-    if state is not None and "packer" in state:
+    if packing == "auto" and state is not None and "packer" in state:
         packer.restore(state["packer"], model, optimizer)
     else:
         packer.start(model, optimizer)
