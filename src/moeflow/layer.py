@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +36,7 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.parallel.dynamic import DynamicPlacementSchedule, InferenceHook, PlacedExperts, PlacedRoutes
 from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full
@@ -46,7 +48,7 @@ from moeflow.parallel.redundant import (
     replica_weights,
     slots_per_rank,
 )
-from moeflow.parallel.schedules import check_packing, packed_schedule, select_schedule
+from moeflow.parallel.schedules import ParallelSchedule, check_packing, packed_schedule, select_schedule
 from moeflow.parallel.shadowing import ShadowPlan, check_shadowing, decide_shadows, run_with_shadows, shadow_weights
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import ClusterProfile, CostModel
@@ -76,6 +78,7 @@ class _GlobalLoad:
 
     counts_WE: torch.Tensor  # assignments each rank routes to each expert
     max_tokens_per_rank: int
+    estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
 
     @property
     def needed_capacity(self) -> int:
@@ -193,6 +196,8 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(model_dim, 1, bias=False) if shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step
+        self.inference_hook: InferenceHook | None = None  # a per-forward placement (schedule_inference)
+        self._static: tuple[ParallelSchedule, ExpertPlacement, PipelinePlanner] | None = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
 
@@ -287,6 +292,8 @@ class MoELayer(nn.Module):
         x_TM = self._backward_window(self._tokens(x), entering=True)
         if not self._replicas_equal:
             self.apply_placement(self.placement)
+        hook = self.inference_hook
+        estimate_E = hook.estimate(x_TM.shape[0]) if hook is not None else None  # before the gate: Lina's phase 1
 
         # route
         logits_TE = self.gate(x_TM)
@@ -296,15 +303,18 @@ class MoELayer(nn.Module):
             logits_TE, k, config.score_function, normalize, self.gate.expert_bias,  # zeros unless set or updated
             config.expert_groups, config.top_groups, config.routed_scaling_factor, self._checked_node_limit(k),
         )
+        if hook is not None:
+            choice = hook.routed(choice, config.num_experts, self.rank)
         self.aux_loss = self._router_loss(logits_TE, choice.scores_TE, choice.expert_idx_TK)
         priority_TK = choice.scores_TK if config.batch_prioritized_routing else None
         location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_TK)
-        load = self._exchange_load(counts_E, x_TM.shape[0])
+        load = self._exchange_load(counts_E, x_TM.shape[0], estimate_E)
         capacity = expert_capacity(
             factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity
         )
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         routes = ReplicaRoutes.of(self.placement, filled_WE, capacity, self.rank) if config.redundant_experts else None
+        placed = self._placed_experts(hook, load, filled_WE, capacity) if hook is not None else None
         chosen, timing = self.planner.choose(
             self._region(self._exchanged_capacity(capacity, routes), x_TM.element_size(), load.max_tokens_per_rank,
                          load.needed_capacity),
@@ -319,7 +329,9 @@ class MoELayer(nn.Module):
         self.workspace.start_step()
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
         shadow, shadow_gain = self._shadows(filled_WE, capacity, chosen.plan.algorithm)
-        if routes is not None:
+        if placed is not None:
+            combined_ECM = self.schedule.run(chosen.plan, dispatched_ECM, placed, self.groups, timing)
+        elif routes is not None:
             combined_ECM = self._run_slots(chosen.plan, dispatched_ECM, timing, routes)
         else:
             combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, filled_WE, shadow)
@@ -339,10 +351,11 @@ class MoELayer(nn.Module):
                         self.gate.expert_bias, load.counts_WE.sum(0), config.expert_bias_update_rate
                     )
                 )
+        rank_tokens = placed.routes.rank_tokens if placed is not None else self._rank_tokens(filled_WE, shadow, routes)
         self.last_stats = dataclasses.replace(
             self._stats(load, capacity, k, factor, chosen, timing, owned.capacity),
             shadowed_experts=shadow.experts if shadow else (), shadow_predicted_gain_s=shadow_gain,
-            rank_tokens=self._rank_tokens(filled_WE, shadow, routes),
+            rank_tokens=rank_tokens,
         )
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
@@ -487,6 +500,48 @@ class MoELayer(nn.Module):
         if old in optimizer.state:
             optimizer.state[new] = optimizer.state.pop(old)
 
+    # -- Lina's inference scheduling ------------------------------------------------------------
+
+    @torch.no_grad()
+    def schedule_inference(self, hook: InferenceHook | None) -> None:
+        """With a hook (:class:`moeflow.inference.LayerScheduling`), every rank gathers every expert's
+        weights (a collective) and each forward computes the experts of the placement the hook
+        chooses for that forward (:class:`~moeflow.parallel.dynamic.DynamicPlacementSchedule`);
+        None puts the layer's own placement back (a collective)."""
+        c = self.config
+        if hook is None:
+            if self._static is not None:
+                schedule, placement, planner = self._static
+                self.apply_placement(placement)
+                self.schedule, self.planner, self._static = schedule, planner, None
+            self.inference_hook = None
+            return
+        if self._static is None:
+            self._check_schedulable()
+            self._static = (self.schedule, self.placement, self.planner)
+            self.apply_placement(ExpertPlacement.replicated(c.num_experts, self.world_size, c.hidden_dim))
+            self.schedule = DynamicPlacementSchedule()
+            self.planner = PipelinePlanner(1, ("linear",), None, self._reduce_max() if self.world_size > 1 else None,
+                                           c.capacity_bucket, schedule=self.schedule.model)
+        self.inference_hook = hook
+
+    def _check_schedulable(self) -> None:
+        c = self.config
+        others = {"shadowing": c.shadowing != "off", "redundant_experts": c.redundant_experts > 0,
+                  "topology_gate": c.topology_gate != "off", "mp_group": self.groups.model is not None,
+                  f"parallel={self.schedule.name!r}": self.schedule.name not in ("expert", "replicated")}
+        if clash := [name for name, on in others.items() if on]:
+            raise ValueError(f"inference scheduling places the experts per batch over whole experts; this layer "
+                             f"uses {', '.join(clash)}: build it with parallel='expert' and those off")
+
+    def _placed_experts(
+        self, hook: InferenceHook, load: _GlobalLoad, filled_WE: torch.Tensor, capacity: int
+    ) -> PlacedExperts:
+        """This forward's placement from the hook, and the rows each rank computes under it."""
+        placement = hook.placement(filled_WE.sum(0), load.estimate_E, self.world_size, self.config.hidden_dim)
+        routes = PlacedRoutes.of(placement, filled_WE, capacity, self.rank)
+        return PlacedExperts(self.experts.compute, self.experts.weights(), placement, routes, self.rank)
+
     @property
     def experts_per_rank(self) -> int:
         return self.placement.num_local(self.rank)
@@ -600,16 +655,24 @@ class MoELayer(nn.Module):
             loss = loss + config.z_loss_weight * router_z_loss(logits_TE)
         return loss
 
-    def _exchange_load(self, counts_E: torch.Tensor, num_tokens: int) -> _GlobalLoad:
-        """Every rank learns every rank's routing counts: capacity must agree across ranks."""
+    def _exchange_load(self, counts_E: torch.Tensor, num_tokens: int, estimate_E: np.ndarray | None) -> _GlobalLoad:
+        """Every rank learns every rank's routing counts: capacity must agree across ranks. An
+        inference hook's estimate rides along (as float64, which holds the counts exactly)."""
         local = torch.cat([counts_E, counts_E.new_tensor([num_tokens])])
+        if estimate_E is not None:
+            estimate = torch.from_numpy(np.asarray(estimate_E, dtype=np.float64))
+            local = torch.cat([local.double(), estimate.to(local.device)])
         if self.groups.expert is None:
-            gathered = local.unsqueeze(0)
+            gathered = local.unsqueeze(0).cpu()
         else:
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(parts, local, group=self.groups.expert)
             gathered = torch.stack(parts).cpu()
-        return _GlobalLoad(counts_WE=gathered[:, :-1], max_tokens_per_rank=int(gathered[:, -1].max()))
+        experts = counts_E.shape[0]
+        return _GlobalLoad(
+            counts_WE=gathered[:, :experts].to(counts_E.dtype), max_tokens_per_rank=int(gathered[:, experts].max()),
+            estimate_E=None if estimate_E is None else gathered[:, experts + 1:].sum(0).numpy(),
+        )
 
     def _candidate_algorithms(self, behind_mp: bool) -> tuple[str, ...]:
         """The all-to-alls the planner may pick: the forced one; behind tensor-parallel attention,
@@ -660,7 +723,7 @@ class MoELayer(nn.Module):
             counts_WE = counts_WE[:: dist.get_world_size(self.groups.model)]
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0)
         plan = ExecutionPlan(
-            schedule=self.schedule.name if self.schedule.name == "packed" else chosen.plan.schedule,
+            schedule=self.schedule.name if self.schedule.name in ("packed", "dynamic") else chosen.plan.schedule,
             r=chosen.plan.r,
             alltoall=chosen.plan.algorithm,
             pipeline_degree=len(capacity_chunks(slots, chosen.plan.degree)),

@@ -121,7 +121,7 @@ class ReplicaRoutes:
         starts = np.zeros((world, len(slot_experts)), dtype=np.int64)
         lengths = np.zeros_like(starts)
         for expert in range(num_experts):
-            _split(filled[:, expert], np.flatnonzero(slot_experts == expert).tolist(), starts, lengths)
+            split_evenly(filled[:, expert], np.flatnonzero(slot_experts == expert).tolist(), starts, lengths)
         per_rank = len(slot_experts) // world
         own = np.arange(len(slot_experts)) // per_rank == np.arange(world)[:, None]  # (W, P): slot on the source
         exchanged = np.where(own, 0, lengths)
@@ -160,7 +160,7 @@ def _rows(first_P: np.ndarray, length_P: np.ndarray, width: int, pad: int) -> np
     return np.where(offsets < length_P[:, None], first_P[:, None] + offsets, pad).astype(np.int64)
 
 
-def _split(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, lengths: np.ndarray) -> None:
+def split_evenly(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, lengths: np.ndarray) -> None:
     """Split one expert's tokens (all ranks in rank order) into len(replicas) near-equal runs."""
     total, copies = int(counts_W.sum()), len(replicas)
     bounds = [j * total // copies for j in range(copies + 1)]

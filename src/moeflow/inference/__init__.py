@@ -1,0 +1,43 @@
+"""Lina's inference scheduling: token-path profiles, popularity estimates and per-batch placements.
+
+:func:`schedule_layers` attaches an :class:`InferenceScheduler` to a model's MoE layers (in
+forward order); each layer then keeps every expert's weights and computes, per forward, the
+experts of the placement its scheduler chose (:mod:`moeflow.parallel.dynamic`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from moeflow.inference.paths import PATH_LENGTH, PROFILE_FILE, RoutingProfile, routing_fingerprint
+from moeflow.inference.plan import MAX_EXPERTS_PER_RANK, first_fit_decreasing, popularity_placement, popularity_plan
+from moeflow.inference.scheduler import (
+    INFERENCE_SCHEDULES,
+    InferenceScheduler,
+    LayerRecord,
+    LayerScheduling,
+    SchedulerSettings,
+)
+
+if TYPE_CHECKING:
+    from moeflow.layer import MoELayer
+
+__all__ = [
+    "INFERENCE_SCHEDULES", "MAX_EXPERTS_PER_RANK", "PATH_LENGTH", "PROFILE_FILE", "InferenceScheduler", "LayerRecord",
+    "LayerScheduling", "RoutingProfile", "SchedulerSettings", "first_fit_decreasing", "popularity_placement",
+    "popularity_plan", "routing_fingerprint", "schedule_layers",
+]
+
+
+def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | None) -> None:
+    """Schedule ``layers`` (a model's MoE layers, in forward order) with ``scheduler``, or put their
+    own placements back with None; a collective over each layer's expert group."""
+    if scheduler is not None:
+        if scheduler.num_layers != len(layers):
+            raise ValueError(f"the scheduler was built for {scheduler.num_layers} MoE layers; the model has "
+                             f"{len(layers)}")
+        for layer in layers:
+            scheduler.check_layer(layer.config.num_experts, layer.world_size)
+    for index, layer in enumerate(layers):
+        layer.schedule_inference(None if scheduler is None else scheduler.hook(index))

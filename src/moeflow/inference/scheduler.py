@@ -1,0 +1,180 @@
+"""Lina's two-phase inference scheduler (§5.2): a placement per MoE layer per batch.
+
+One :class:`InferenceScheduler` serves a model; each MoE layer gets a :class:`LayerScheduling`
+(its hook) and calls it three times per forward: ``estimate`` before its gate (this rank's tokens'
+expected selections from their paths so far, Eq. 1), ``routed`` after it (the path grows by the
+token's first choice) and ``placement`` once every rank's counts and estimates are gathered (they
+ride on the layer's existing all-gather of routing counts, as Lina piggybacks them on its
+all-to-all). Phase 1 places the experts from the estimate; phase 2 re-places them from the gate's
+counts only when the estimate's top experts differ from the gate's.
+
+Schedules: ``lina`` (estimate, then phase 2), ``oracle`` (the gate's counts, no estimate: the
+paper's "without estimation"), ``ideal`` (a gate forced to a balanced selection, experts in place:
+the paper's lower bound; it changes the outputs and is for timing only). ``static`` is the layer's
+own placement and needs no scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
+from moeflow.inference.plan import MAX_EXPERTS_PER_RANK, check_max_experts_per_rank, popularity_placement
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.redundant import rank_loads
+from moeflow.routing.selection import ExpertChoice
+
+INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal")
+COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts are the gate's
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    schedule: str = "lina"
+    max_experts_per_rank: int = MAX_EXPERTS_PER_RANK
+    path_length: int = PATH_LENGTH
+    compare_top: int = COMPARE_TOP
+    min_path_tokens: int = MIN_PATH_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.schedule not in INFERENCE_SCHEDULES[1:]:
+            raise ValueError(f"schedule must be one of {INFERENCE_SCHEDULES[1:]} (static needs no scheduler), "
+                             f"got {self.schedule!r}")
+        for name in ("path_length", "compare_top", "min_path_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One MoE layer of one forward: the load, the estimate, the phase and the placement used."""
+
+    layer: int
+    load: list[int]  # kept selections per expert, all ranks
+    estimate: list[float] | None
+    accurate: bool | None  # the estimate's top experts are the gate's (lina only)
+    phase: int  # 1: the estimate's placement ran; 2: re-placed from the gate's counts; 0: no estimate
+    plan: list[list[int]]  # experts of each rank
+    rank_tokens: list[float]  # each rank's share of the load under the plan
+
+    @property
+    def skew(self) -> float:
+        """max / mean expert load."""
+        return _max_over_mean(self.load)
+
+    def to_dict(self) -> dict[str, object]:
+        return {**dataclasses.asdict(self), "skew": self.skew, "rank_skew": _max_over_mean(self.rank_tokens)}
+
+
+def _max_over_mean(values: list[int] | list[float]) -> float:
+    mean = float(np.mean(values)) if len(values) else 0.0
+    return float(np.max(values)) / mean if mean > 0 else 1.0
+
+
+def top_experts(load_E: np.ndarray, count: int) -> frozenset[int]:
+    """The ``count`` most loaded experts (ties: the lower id)."""
+    return frozenset(np.argsort(-np.asarray(load_E, dtype=np.float64), kind="stable")[:count].tolist())
+
+
+def balanced_choice(choice: ExpertChoice, num_experts: int, rank: int) -> ExpertChoice:
+    """The ideal gate: token t's k choices are experts (t k + j + rank k) mod E, an equal share each."""
+    tokens, top_k = choice.expert_idx_TK.shape
+    index = torch.arange(tokens * top_k, device=choice.expert_idx_TK.device).view(tokens, top_k)
+    return dataclasses.replace(choice, expert_idx_TK=(index + rank * top_k) % num_experts)
+
+
+@dataclass
+class InferenceScheduler:
+    """The scheduler of one model's MoE layers (their forward order is their index)."""
+
+    settings: SchedulerSettings
+    num_layers: int
+    profile: RoutingProfile | None = None
+    keep_routes: bool = False  # keep every token's choices (profiling): ``routes``, one (T, layers, k) per forward
+    records: list[LayerRecord] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    _layer_routes: list[np.ndarray] = field(default_factory=list)
+    _history: list[np.ndarray] = field(default_factory=list)  # first choices of this forward's tokens
+
+    def __post_init__(self) -> None:
+        if self.settings.schedule == "lina" and self.profile is None:
+            raise ValueError("schedule='lina' estimates from a routing profile: pass profile= (moeflow "
+                             "profile-routing records one)")
+
+    def hook(self, layer: int) -> LayerScheduling:
+        return LayerScheduling(self, layer)
+
+    def take_records(self) -> list[LayerRecord]:
+        """The records since the last call (one per layer per forward)."""
+        taken, self.records = self.records, []
+        return taken
+
+    def check_layer(self, num_experts: int, world_size: int) -> None:
+        if world_size > 1:
+            check_max_experts_per_rank(self.settings.max_experts_per_rank, num_experts, world_size)
+
+
+@dataclass(frozen=True)
+class LayerScheduling:
+    """One MoE layer's hook into its :class:`InferenceScheduler` (see the module docstring)."""
+
+    scheduler: InferenceScheduler
+    layer: int
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self.scheduler.settings
+
+    def estimate(self, num_tokens: int) -> np.ndarray | None:
+        """This rank's expected selections per expert (lina), before the gate runs."""
+        profile = self.scheduler.profile
+        if self.settings.schedule != "lina" or profile is None:
+            return None
+        history = self.scheduler._history[: self.layer] if self.layer else []
+        if len(history) != self.layer or any(h.shape[0] != num_tokens for h in history):
+            raise RuntimeError(f"MoE layer {self.layer} ran before the layers ahead of it in this forward "
+                               "(the scheduler needs every MoE layer called once per forward, in order)")
+        history_TI = np.stack(history, axis=1) if history else np.zeros((num_tokens, 0), dtype=np.int64)
+        return profile.estimate(self.layer, history_TI, profile.top_k, self.settings.min_path_tokens,
+                                self.settings.path_length)
+
+    def routed(self, choice: ExpertChoice, num_experts: int, rank: int) -> ExpertChoice:
+        """The gate's choice (the ideal gate's instead), the first choices appended to the path."""
+        if self.settings.schedule == "ideal":
+            choice = balanced_choice(choice, num_experts, rank)
+        scheduler, choices_TK = self.scheduler, choice.expert_idx_TK.to("cpu", torch.long).numpy()
+        if self.layer == 0:
+            scheduler._history.clear()
+            scheduler._layer_routes.clear()
+        scheduler._history.append(choices_TK[:, 0])
+        if scheduler.keep_routes:
+            scheduler._layer_routes.append(choices_TK)
+            if len(scheduler._layer_routes) == scheduler.num_layers:
+                scheduler.routes.append(np.stack(scheduler._layer_routes, axis=1))
+        return choice
+
+    def placement(self, load_E: torch.Tensor, estimate_E: np.ndarray | None, world_size: int,
+                  hidden_dim: int) -> ExpertPlacement:
+        """Phase 1 from the estimate, phase 2 from ``load_E`` (the kept selections of all ranks)."""
+        load = load_E.to("cpu", torch.long).numpy()
+        settings, accurate, phase = self.settings, None, 0
+        if settings.schedule == "ideal" and len(load) % world_size == 0:
+            placement = ExpertPlacement.expert_parallel(len(load), world_size, hidden_dim)
+        elif estimate_E is not None:
+            accurate = top_experts(estimate_E, settings.compare_top) == top_experts(load, settings.compare_top)
+            phase = 1 if accurate else 2
+            basis = estimate_E if accurate else load
+            placement = popularity_placement(basis, world_size, hidden_dim, settings.max_experts_per_rank)
+        else:
+            placement = popularity_placement(load, world_size, hidden_dim, settings.max_experts_per_rank)
+        plan = [[s.expert for s in shards] for shards in placement.shards]
+        self.scheduler.records.append(LayerRecord(
+            self.layer, load.tolist(), None if estimate_E is None else [float(v) for v in estimate_E], accurate,
+            phase, plan, rank_loads(placement, load.tolist()),
+        ))
+        return placement

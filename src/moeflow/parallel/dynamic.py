@@ -1,0 +1,165 @@
+"""A placement chosen per forward (Lina's inference scheduling, §5.2 and §6.2).
+
+Every rank keeps every expert's weights (the layer's storage placement is replicated), so any
+placement of this forward costs no weight movement: rank r computes the experts
+``placement.local(r)``, an expert held by several ranks gets its tokens split evenly over them
+(contiguous runs of all ranks' tokens in rank order, as EPLB's replicas), and the tokens travel
+by one all-to-all with unequal splits each way: each rank sends each other rank exactly the rows
+it computes, with no capacity padding.
+
+The placement comes from the layer's inference hook (:mod:`moeflow.inference.scheduler`); this
+schedule only moves rows. It runs in inference only (under ``torch.no_grad``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from moeflow.comm.alltoall import linear_all_to_all
+from moeflow.comm.groups import ParallelGroups
+from moeflow.experts import ExpertCompute, ExpertSlots, FFNCompute, FFNWeights
+from moeflow.parallel.modelled import ModelledSchedule
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.redundant import split_evenly
+from moeflow.perf.schedules import SCHEDULE_MODELS, Plan, ScheduleModel
+from moeflow.routing.selection import ExpertChoice
+from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class PlacedRoutes:
+    """One forward's rows: which rows of this rank's flattened (E * C) buffer go to which rank
+    (grouped by destination, then by the destination's local experts in order), and which of this
+    rank's local experts each received row is for."""
+
+    send_rows: torch.Tensor  # (N_send,) int64
+    send_splits: list[int]  # rows to each rank
+    recv_splits: list[int]  # rows from each rank
+    recv_local: torch.Tensor  # (N_recv,) int64: local expert index of each received row
+    rank_tokens: tuple[int, ...]  # rows each rank computes
+
+    @staticmethod
+    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> PlacedRoutes:
+        filled = filled_WE.to("cpu", torch.long).numpy()
+        world, num_experts = filled.shape
+        slot_rank = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
+        slot_expert = np.array([s.expert for shards in placement.shards for s in shards])
+        starts = np.zeros((world, len(slot_expert)), dtype=np.int64)
+        lengths = np.zeros_like(starts)
+        for expert in range(num_experts):
+            split_evenly(filled[:, expert], np.flatnonzero(slot_expert == expert).tolist(), starts, lengths)
+        rows = [np.arange(length) + slot_expert[p] * capacity + starts[rank, p]
+                for p, length in enumerate(lengths[rank].tolist())]  # slots in rank-major order
+        mine = np.flatnonzero(slot_rank == rank)
+        recv_local = [np.full(lengths[source, p], index) for source in range(world) for index, p in enumerate(mine)]
+        return PlacedRoutes(
+            send_rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+            send_splits=[int(lengths[rank, slot_rank == r].sum()) for r in range(world)],
+            recv_splits=[int(lengths[source, mine].sum()) for source in range(world)],
+            recv_local=torch.from_numpy(np.concatenate(recv_local).astype(np.int64)),
+            rank_tokens=tuple(int(lengths[:, slot_rank == r].sum()) for r in range(world)),
+        )
+
+
+@dataclass(frozen=True)
+class PlacedExperts:
+    """This forward's experts as :class:`DynamicPlacementSchedule` needs them: every expert's
+    weights, the placement and the kept tokens of every rank per expert."""
+
+    compute: FFNCompute
+    all_weights: FFNWeights  # (E, ...) tensors: every rank keeps every expert
+    placement: ExpertPlacement
+    routes: PlacedRoutes
+    rank: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_local(self.rank)
+
+    def weights(self) -> FFNWeights:
+        return _select(self.all_weights, [s.expert for s in self.placement.local(self.rank)])
+
+
+def _select(weights: FFNWeights, experts: list[int]) -> FFNWeights:
+    index = torch.tensor(experts, dtype=torch.long)
+    return FFNWeights(*(None if w is None else w.index_select(0, index) for w in weights.as_tuple()))
+
+
+def _exchange(x: torch.Tensor, groups: ParallelGroups, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    if groups.expert is None or groups.size == 1:
+        return x
+    return linear_all_to_all(x, groups.expert, out_splits, in_splits)
+
+
+def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: ParallelGroups,
+               timing: PipelineTiming) -> torch.Tensor:
+    """Send each row to the rank that computes it, run each local expert on its rows, send back."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("a per-batch expert placement is an inference schedule: run the model under torch.no_grad()")
+    start = time.perf_counter()
+    num_experts, capacity, model_dim = dispatched_ECM.shape
+    routes = experts.routes
+    flat = dispatched_ECM.reshape(-1, model_dim)
+    received = _exchange(flat.index_select(0, routes.send_rows), groups, routes.recv_splits, routes.send_splits)
+    order = torch.argsort(routes.recv_local, stable=True)
+    bounds = torch.bincount(routes.recv_local, minlength=experts.num_experts).cumsum(0).tolist()
+    computed = torch.empty_like(received)
+    expert_start = time.perf_counter()
+    local = experts.placement.local(experts.rank)
+    for shard, first, last in zip(local, [0, *bounds[:-1]], bounds, strict=True):
+        if last > first:
+            rows = order[first:last]
+            one = FFNWeights(*(None if w is None else w[shard.expert: shard.expert + 1]
+                               for w in experts.all_weights.as_tuple()))
+            computed[rows] = experts.compute.forward(received[rows].unsqueeze(0), one)[0][0]
+    timing.expert_forward_s += time.perf_counter() - expert_start
+    returned = _exchange(computed, groups, routes.send_splits, routes.recv_splits)
+    combined = flat.new_zeros(num_experts * capacity, model_dim).index_copy_(0, routes.send_rows, returned)
+    timing.forward_s = time.perf_counter() - start
+    return combined.view(num_experts, capacity, model_dim)
+
+
+@dataclass(frozen=True)
+class DynamicPlacementSchedule(ModelledSchedule):
+    """Every rank stores every expert; each forward computes the experts of that forward's
+    placement (:class:`PlacedExperts`) and moves rows by unequal all-to-alls."""
+
+    name: str = "dynamic"
+
+    @property
+    def model(self) -> ScheduleModel:
+        return SCHEDULE_MODELS["expert"]
+
+    def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
+
+    def run(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
+        timing: PipelineTiming, workspace: Workspace | None = None, expert_compute: ExpertCompute | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(experts, PlacedExperts):
+            raise TypeError("the dynamic schedule runs the experts of a per-forward placement (PlacedExperts)")
+        return run_placed(dispatched_ECM, experts, groups, timing)
+
+
+class InferenceHook(Protocol):
+    """What a layer asks of its per-forward scheduler (:class:`moeflow.inference.LayerScheduling`)."""
+
+    def estimate(self, num_tokens: int) -> np.ndarray | None:
+        """This rank's expected selections per expert, before the gate (None: no estimate)."""
+        ...
+
+    def routed(self, choice: ExpertChoice, num_experts: int, rank: int) -> ExpertChoice:
+        """The gate's choice as the layer will use it (seen by the scheduler)."""
+        ...
+
+    def placement(self, load_E: torch.Tensor, estimate_E: np.ndarray | None, world_size: int,
+                  hidden_dim: int) -> ExpertPlacement:
+        """This forward's placement from every rank's kept selections and estimates."""
+        ...

@@ -1,0 +1,247 @@
+"""Lina's inference scheduling: the packer, the estimator, the profile file and the scheduled layer
+(which must compute exactly what the static placement computes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import Topology
+from moeflow.distributed import run_distributed
+from moeflow.inference import (
+    InferenceScheduler,
+    RoutingProfile,
+    SchedulerSettings,
+    first_fit_decreasing,
+    popularity_placement,
+    popularity_plan,
+    schedule_layers,
+)
+from moeflow.inference.plan import plan_loads
+from moeflow.inference.scheduler import balanced_choice, top_experts
+from moeflow.parallel.redundant import rank_loads
+from moeflow.routing.selection import ExpertChoice
+
+# -- first-fit decreasing and the placement ---------------------------------------------------------
+
+
+def test_first_fit_decreasing_fills_the_first_bin_that_fits_largest_first() -> None:
+    items = [(0, 0.6), (1, 0.5), (2, 0.4), (3, 0.3), (4, 0.2)]
+    assert first_fit_decreasing(items, 3, 1.0, 4) == [[0, 2], [1, 3, 4]]
+
+
+def test_first_fit_decreasing_respects_the_item_limit_and_overflows_onto_the_lightest_bin() -> None:
+    assert first_fit_decreasing([(i, 0.1) for i in range(5)], 3, 1.0, 2) == [[0, 1], [2, 3], [4]]
+    assert first_fit_decreasing([(0, 0.7), (1, 0.6), (2, 0.1)], 2, 1.0, 4) == [[0, 2], [1]]
+    assert first_fit_decreasing([(0, 0.7), (1, 0.6)], 1, 1.0, 4) == [[0, 1]]
+
+
+def test_an_even_load_keeps_expert_parallelism() -> None:
+    assert popularity_plan([1] * 8, 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert popularity_plan([3] * 16, 4, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_a_popular_expert_gets_ranks_in_proportion_and_the_rest_are_packed() -> None:
+    # shares 2.5, .5, .5, .5: expert 0 rounds to 3 ranks, but the rest need 2 bins (1.5 ranks of load)
+    assert popularity_plan([5, 1, 1, 1], 4, 4) == [[0], [0], [1, 2], [3]]
+    # share 2.25: two ranks; 7 x .25 packed four to a rank
+    plan = popularity_plan([9, 1, 1, 1, 1, 1, 1, 1], 4, 4)
+    assert plan == [[0], [0], [1, 2, 3, 4], [5, 6, 7]]
+    assert rank_loads(popularity_placement([9, 1, 1, 1, 1, 1, 1, 1], 4, 6), [9, 1, 1, 1, 1, 1, 1, 1]) == [
+        4.5, 4.5, 4.0, 3.0]
+
+
+def test_unloaded_experts_fill_the_ranks_with_the_fewest_experts() -> None:
+    assert popularity_plan([10, 0, 0, 0], 4, 4) == [[0, 1], [0, 2], [0, 3], [0]]
+    # every token to expert 3: with at most 4 experts per rank no slot is left for a second copy
+    assert popularity_plan([0, 0, 0, 16, 0, 0, 0, 0], 2, 4) == [[1, 3, 4, 6], [0, 2, 5, 7]]
+    assert popularity_plan([0, 0, 0, 16, 0, 0, 0, 0], 2, 5) == [[0, 2, 3, 5, 7], [1, 3, 4, 6]]
+    assert popularity_plan([0] * 8, 2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_a_skewed_load_is_balanced_over_two_ranks() -> None:
+    load = [30, 20, 10, 5, 5, 3, 2, 1]
+    plan = popularity_plan(load, 2, 4)
+    assert sorted(e for rank in plan for e in rank) == list(range(8))
+    assert max(rank_loads(popularity_placement(load, 2, 6), load)) == 39  # static: 65 on rank 0
+
+
+def test_the_placement_checks_its_expert_limit() -> None:
+    with pytest.raises(ValueError, match="max_experts_per_rank=2 cannot hold 8 experts on 2 ranks; use at least 4"):
+        popularity_plan([1] * 8, 2, 2)
+    assert popularity_plan([1] * 8, 1, 2) == [list(range(8))]
+
+
+# -- the estimator and the profile file ---------------------------------------------------------------
+
+
+def _routes() -> np.ndarray:
+    """(tokens, 2 layers, k=1): 10 tokens 0 -> 2, 6 tokens 1 -> 3."""
+    return np.array([[[0], [2]]] * 10 + [[[1], [3]]] * 6)
+
+
+def test_the_estimate_follows_each_tokens_path() -> None:
+    profile = RoutingProfile.from_routes(_routes(), 4, "f", path_length=1)
+    assert profile.estimate(1, np.array([[0], [0], [1]]), top_k=1).tolist() == [0, 0, 2, 1]
+    # layer 0 has no path: every token gets the layer's popularity, cut to its top-1
+    np.testing.assert_allclose(profile.estimate(0, np.zeros((4, 0), dtype=np.int64), top_k=1), [2.5, 0, 0, 0])
+
+
+def test_a_rare_or_unseen_path_falls_back_to_the_layers_popularity() -> None:
+    profile = RoutingProfile.from_routes(_routes(), 4, "f", path_length=1)
+    # expert 2 was never first at layer 0; with min_tokens=7 the 6 tokens of path [1] are too few
+    np.testing.assert_allclose(profile.estimate(1, np.array([[2]]), top_k=1), [0, 0, 10 / 16, 0])
+    np.testing.assert_allclose(profile.estimate(1, np.array([[1]]), top_k=1, min_tokens=7), [0, 0, 10 / 16, 0])
+    np.testing.assert_allclose(profile.estimate(1, np.array([[1]]), top_k=2, min_tokens=7), [0, 0, 10 / 16, 6 / 16])
+
+
+def test_longer_paths_tell_apart_what_one_layer_cannot() -> None:
+    # layer 2 follows layer 0: paths (0, 1) -> 2 and (3, 1) -> 3; layer 1 alone (always 1) says 50/50
+    routes = np.array([[[0], [1], [2]]] * 8 + [[[3], [1], [3]]] * 8)
+    short, long = (RoutingProfile.from_routes(routes, 4, "f", path_length=n) for n in (1, 2))
+    history = np.array([[0, 1]] * 4)
+    np.testing.assert_allclose(short.estimate(2, history, top_k=2), [0, 0, 2, 2])
+    np.testing.assert_allclose(long.estimate(2, history, top_k=2), [0, 0, 4, 0])
+
+
+def test_the_profile_file_round_trips_and_refuses_another_model(tmp_path: Path) -> None:
+    routes = np.random.default_rng(0).integers(0, 8, size=(300, 3, 2))
+    profile = RoutingProfile.from_routes(routes, 8, "abc", path_length=2)
+    profile.save(tmp_path / "p.safetensors")
+    loaded = RoutingProfile.load(tmp_path / "p.safetensors")
+    history = routes[:50, :2, 0]
+    np.testing.assert_array_equal(loaded.estimate(2, history, 2), profile.estimate(2, history, 2))
+    assert (loaded.tokens, loaded.num_layers, loaded.top_k) == (300, 3, 2)
+    loaded.check_matches(3, 8, "abc", "p")
+    with pytest.raises(ValueError, match=r"another model \(MoE layers 3 vs the model's 4; router fingerprint"):
+        loaded.check_matches(4, 8, "xyz", "p")
+    with pytest.raises(FileNotFoundError, match="moeflow profile-routing"):
+        RoutingProfile.load(tmp_path / "missing.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a profile")
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a file that is not one
+        RoutingProfile.load(tmp_path / "bad.safetensors")
+
+
+def test_top_experts_and_the_ideal_gate() -> None:
+    assert top_experts(np.array([1, 5, 5, 0]), 2) == {1, 2}
+    choice = ExpertChoice(torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2), torch.ones(5, 2), torch.ones(5, 4))
+    balanced = balanced_choice(choice, 4, rank=1).expert_idx_TK
+    assert balanced[:, 0].tolist() == [2, 0, 2, 0, 2] and torch.bincount(balanced.reshape(-1)).tolist() == [2, 2, 3, 3]
+
+
+def test_settings_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="static needs no scheduler"):
+        SchedulerSettings(schedule="static")
+    with pytest.raises(ValueError, match="path_length must be an integer >= 1"):
+        SchedulerSettings(path_length=0)
+    with pytest.raises(ValueError, match="pass profile="):
+        InferenceScheduler(SchedulerSettings("lina"), 2)
+
+
+# -- the scheduled layer equals the static one ---------------------------------------------------------
+
+E, M, H = 8, 6, 10
+
+
+def _layers(groups: ParallelGroups | None, capacity_factor: float) -> list[MoELayer]:
+    torch.manual_seed(0)
+    layers = [MoELayer(M, H, E, top_k=2, capacity_factor=capacity_factor, group=groups, parallel="expert")
+              for _ in range(3)]
+    torch.manual_seed(1)
+    for layer in layers:
+        full = {name: torch.randn_like(t) * 0.5 for name, t in layer.full_state_dict().items()}
+        layer.load_full_state_dict(full)
+    return layers
+
+
+def _inputs(kind: str, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    if kind == "one-expert":  # every token the same: all pick the same two experts, six pick none
+        return torch.ones(12, M)
+    x = torch.randn(9 + 3 * rank, M, generator=generator)  # uneven token counts, an empty rank 3
+    return x[:0] if rank == 3 else x + (1.5 if kind == "skewed" else 0.0)
+
+
+def _forward(layers: list[MoELayer], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = x + layer(x)
+    return x
+
+
+def _scheduled(rank: int, world_size: int, schedule: str, kind: str, capacity_factor: float,
+               routes: np.ndarray | None) -> dict[str, Any]:
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 1)) if world_size > 1 else None
+    layers = _layers(groups, capacity_factor)
+    x = _inputs(kind, rank)
+    with torch.no_grad():
+        static = _forward(layers, x)
+        profile = None if routes is None else RoutingProfile.from_routes(routes, E, "f", path_length=2)
+        scheduler = InferenceScheduler(SchedulerSettings(schedule, max_experts_per_rank=4), 3, profile)
+        schedule_layers(layers, scheduler)
+        scheduled = [_forward(layers, x) for _ in range(2)]
+        records = scheduler.take_records()
+        stats = layers[-1].last_stats
+        schedule_layers(layers, None)
+        back = _forward(layers, x)
+    return {"static": static.numpy(), "scheduled": [y.numpy() for y in scheduled], "back": back.numpy(),
+            "records": [r.to_dict() for r in records],
+            "dropped": sum(stats.dropped_per_expert), "schedule": stats.plan.schedule,
+            "rank_tokens": stats.rank_tokens}
+
+
+def _profile_routes(kind: str) -> np.ndarray:
+    """Every token's choices at the 3 layers, recorded by an oracle scheduler on one process."""
+    layers = _layers(None, 0.0)
+    scheduler = InferenceScheduler(SchedulerSettings("oracle"), 3, keep_routes=True)
+    schedule_layers(layers, scheduler)
+    with torch.no_grad():
+        for rank in range(4):
+            _forward(layers, _inputs(kind, rank) if rank < 3 else _inputs(kind, 0) * 0.5)
+    return np.concatenate(scheduler.routes)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(("schedule", "kind", "capacity_factor", "profiled_on"), [
+    ("lina", "skewed", 0.0, "skewed"),  # estimates from the same kind of tokens
+    ("lina", "even", 1.0, "skewed"),  # estimates from other tokens (phase 2) and drops
+    ("lina", "one-expert", 0.0, "skewed"),
+    ("oracle", "skewed", 1.25, None),
+])
+def test_the_scheduled_layers_compute_what_the_static_placement_computes(
+    world_size: int, schedule: str, kind: str, capacity_factor: float, profiled_on: str | None
+) -> None:
+    routes = None if profiled_on is None else _profile_routes(profiled_on)
+    results = run_distributed(_scheduled, world_size, schedule, kind, capacity_factor, routes, timeout_s=120)
+    for result in results:
+        for scheduled in result["scheduled"]:
+            np.testing.assert_allclose(scheduled, result["static"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(result["back"], result["static"])
+        assert result["schedule"] == "dynamic"
+        assert len(result["records"]) == 6 and [r["layer"] for r in result["records"]] == [0, 1, 2] * 2
+    records = results[0]["records"]
+    assert all(record == other["records"] for other in results for record in [records])  # one plan everywhere
+    for record in records:  # the plan spreads its load as the record says
+        assert sum(record["rank_tokens"]) == pytest.approx(sum(record["load"]))
+        assert sorted({e for rank in record["plan"] for e in rank}) == list(range(E))
+    if schedule == "lina":
+        assert all(r["phase"] in (1, 2) and r["accurate"] == (r["phase"] == 1) for r in records)
+        phases = {r["phase"] for r in records}
+        if kind == "skewed":  # profiled on tokens like these: the estimate's top experts are right
+            assert phases == {1}
+        if kind == "even":  # profiled on other tokens: a layer re-plans from the gate's counts
+            assert 2 in phases
+    if kind == "one-expert":
+        assert sum(1 for load in records[0]["load"] if load == 0) == E - 2
+    counted = [r for r in records if r["phase"] != 1]  # planned from the gate's counts, not the estimate
+    if world_size > 1 and kind == "skewed" and counted:  # the plan evens the ranks' work where static did not
+        static = [max(plan_loads(popularity_plan([1] * E, world_size, 4), np.array(r["load"]))) for r in counted]
+        busiest = [max(r["rank_tokens"]) for r in counted]
+        assert all(b <= s for b, s in zip(busiest, static, strict=True)) and busiest != static
