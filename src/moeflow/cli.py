@@ -8,9 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moeflow.commands import bench, calibrate, cluster, generate, plan, train
+from moeflow.commands import bench, calibrate, cluster, generate, plan, profile_routing, train
 
-COMMANDS = (train, generate, bench, calibrate, plan, cluster)
+COMMANDS = (train, generate, profile_routing, bench, calibrate, plan, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,17 @@ def add_parser(commands: Any) -> None:
     generate.add_argument("--top-p", type=float, default=1.0, help="--hf: nucleus sampling mass (default 1)")
     generate.add_argument("--batch-size", type=positive_int, default=8, help="--hf: prompts per forward per worker (8)")
     generate.add_argument("--dtype", default=None, help="--hf: float32, float64 or bfloat16 (default: as saved)")
+    generate.add_argument(
+        "--schedule", choices=("static", "lina", "oracle"), default="static",
+        help="--hf: where the experts run per batch: static (the expert-parallel placement), lina (estimated from "
+        "token paths, re-planned when wrong) or oracle (from the gate's counts); default static",
+    )
+    generate.add_argument("--routing-profile", metavar="FILE",
+                          help="--schedule lina: the profile (default: routing_profile.safetensors in the model dir)")
+    generate.add_argument("--max-experts-per-rank", type=positive_int, default=4,
+                          help="--schedule lina|oracle: most experts one worker computes (default 4, as Lina)")
+    generate.add_argument("--schedule-log", metavar="FILE",
+                          help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate")
     generate.set_defaults(func=run_generate)
 
 
@@ -44,11 +55,20 @@ def run_generate(args: argparse.Namespace) -> int:
             return _run_hf(args)
         from moeflow.training.generate import generate_text
 
+        if args.schedule != "static":
+            raise ValueError("--schedule places the experts over --workers, which is --hf generation; "
+                             "--checkpoint samples in one process")
         temperature = 0.8 if args.temperature is None else args.temperature
         print(generate_text(args.checkpoint, args.prompt, args.tokens, temperature, args.top_k, args.seed))
         return 0
     except (FileNotFoundError, ValueError) as error:
         print(f"moeflow generate: error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # a worker's bad input (WorkerError): its exception's own line
+        lines = str(error).strip().splitlines()
+        if type(error).__name__ != "WorkerError" or not lines[-1].startswith(("ValueError: ", "FileNotFoundError: ")):
+            raise
+        print(f"moeflow generate: error: {lines[-1].split(': ', 1)[1]}", file=sys.stderr)
         return 2
 
 
@@ -75,9 +95,30 @@ def _run_hf(args: argparse.Namespace) -> int:
         raise ValueError("--hf needs --prompts FILE")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} is not a file")
-    for record in generate_hf(
-        args.hf, read_prompts(args.prompts), args.workers, args.batch_size, args.dtype,
+    schedule = _schedule(args)
+    records, log = generate_hf(
+        args.hf, read_prompts(args.prompts), args.workers, args.batch_size, args.dtype, schedule,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
-    ):
+    )
+    for record in records:
         print(json.dumps(record), flush=True)
+    if args.schedule_log is not None:
+        Path(args.schedule_log).write_text("".join(json.dumps(entry) + "\n" for entry in log))
     return 0
+
+
+def _schedule(args: argparse.Namespace) -> Any:
+    """The --schedule settings and profile path (None: static)."""
+    from moeflow.hf.serving import ScheduleRequest
+    from moeflow.inference import PROFILE_FILE, SchedulerSettings
+
+    if args.schedule == "static":
+        return None
+    from moeflow.inference import RoutingProfile
+
+    settings = SchedulerSettings(args.schedule, max_experts_per_rank=args.max_experts_per_rank)
+    if args.schedule != "lina":
+        return ScheduleRequest(settings)
+    profile = args.routing_profile or str(Path(args.hf) / PROFILE_FILE)
+    RoutingProfile.load(profile)  # a missing or foreign file fails here, before the workers start
+    return ScheduleRequest(settings, profile)

@@ -89,9 +89,10 @@ class ExpertParallelGenerator:
     def __init__(
         self, model: nn.Module, settings: SamplingSettings, eos_ids: Sequence[int], pad_id: int,
         group: dist.ProcessGroup | None = None, progress: Callable[[str], None] | None = None,
+        after_round: Callable[[int], None] | None = None,
     ) -> None:
         self.model, self.settings, self.eos_ids, self.pad_id = model, settings, set(eos_ids), pad_id
-        self.group, self.progress = group, progress
+        self.group, self.progress, self.after_round = group, progress, after_round
         self.blocks = moe_blocks(model)
         self.generator = torch.Generator().manual_seed(settings.seed + (dist.get_rank(group) if group else 0))
         self.forwards = 0
@@ -149,6 +150,8 @@ class ExpertParallelGenerator:
             if batch is not None:
                 for row, position in enumerate(batch.indices):
                     outputs[position] = batch.outputs[row]
+            if self.after_round is not None:
+                self.after_round(index)
             if self.progress is not None:
                 self.progress(f"round {index + 1}/{rounds} done after {self.forwards} forwards")
         return outputs

@@ -4,13 +4,46 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from moeflow.distributed import run_distributed
+from moeflow.hf.blocks import moe_blocks
 from moeflow.hf.generate import ExpertParallelGenerator, SamplingSettings
 from moeflow.hf.loading import load_hf_model, load_hf_tokenizer, special_tokens
+from moeflow.inference import (
+    InferenceScheduler,
+    RoutingProfile,
+    SchedulerSettings,
+    routing_fingerprint,
+    schedule_layers,
+)
+from moeflow.inference.scheduler import summarize_records
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """``--schedule lina|oracle``: the scheduler's settings and (lina) the routing profile's path."""
+
+    settings: SchedulerSettings
+    profile_path: str | None = None
+
+
+def attach_schedule(model: Any, request: ScheduleRequest | None) -> InferenceScheduler | None:
+    """Schedule the model's MoE blocks as asked (a collective), after checking the profile."""
+    if request is None:
+        return None
+    layers = [block.moe for block in moe_blocks(model)]
+    profile = None
+    if request.profile_path is not None:
+        profile = RoutingProfile.load(request.profile_path)
+        profile.check_matches(len(layers), layers[0].config.num_experts,
+                              routing_fingerprint([layer.gate for layer in layers]), request.profile_path)
+    scheduler = InferenceScheduler(request.settings, len(layers), profile)
+    schedule_layers(layers, scheduler)
+    return scheduler
 
 
 def shares(count: int, workers: int) -> list[range]:
@@ -28,25 +61,34 @@ def _progress(rank: int) -> Any:
 
 def generate_worker(
     rank: int, world_size: int, path: str, prompt_ids: list[list[int]], batch_size: int, dtype: str | None,
-    settings: SamplingSettings,
-) -> list[list[int]]:
-    """One worker: load the model with this rank's experts, generate for its share of the prompts."""
+    settings: SamplingSettings, schedule: ScheduleRequest | None = None,
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One worker: load the model with this rank's experts, generate for its share of the prompts;
+    with a schedule, also a summary of its plans per round of batches."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # this worker process's own setting: one progress report, from worker 0
     group = dist.group.WORLD if world_size > 1 else None
     model = load_hf_model(path, dtype, group)
     eos, pad = special_tokens(model, None)
+    scheduler = attach_schedule(model, schedule)
     mine = [prompt_ids[i] for i in shares(len(prompt_ids), world_size)[rank]]
-    generator = ExpertParallelGenerator(model, settings, eos, pad, group, _progress(rank))
-    return generator.generate(mine, batch_size)
+    log: list[dict[str, Any]] = []
+
+    def after_round(index: int) -> None:
+        if scheduler is not None:
+            log.append({"round": index, **summarize_records(scheduler.take_records())})
+
+    generator = ExpertParallelGenerator(model, settings, eos, pad, group, _progress(rank), after_round)
+    return generator.generate(mine, batch_size), log
 
 
 def generate_hf(
     path: str, prompts: Sequence[dict[str, Any]], workers: int, batch_size: int, dtype: str | None = None,
-    **sampling: Any,
-) -> list[dict[str, Any]]:
-    """A record per prompt: its ids, the new ids and (with a tokenizer) the new text."""
+    schedule: ScheduleRequest | None = None, **sampling: Any,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A record per prompt (its ids, the new ids and, with a tokenizer, the new text) and, with a
+    schedule, the per-round summary of the plans (the same on every worker: worker 0's)."""
     settings = SamplingSettings(**sampling)
     tokenizer = load_hf_tokenizer(path)
     prompt_ids = []
@@ -60,13 +102,13 @@ def generate_hf(
         if not prompt_ids[-1]:
             raise ValueError(f"prompt {number} has no token")
     results = run_distributed(
-        generate_worker, workers, path, prompt_ids, batch_size, dtype, settings, timeout_s=24 * 3600.0,
+        generate_worker, workers, path, prompt_ids, batch_size, dtype, settings, schedule, timeout_s=24 * 3600.0,
     )
-    outputs = [ids for worker_outputs in results for ids in worker_outputs]
+    outputs = [ids for worker_outputs, _ in results for ids in worker_outputs]
     records = []
     for index, (prompt, ids, new) in enumerate(zip(prompts, prompt_ids, outputs, strict=True)):
         record: dict[str, Any] = {"index": index, **prompt, "input_ids": ids, "output_ids": new}
         if tokenizer is not None:
             record["text"] = tokenizer.decode(new, skip_special_tokens=True)
         records.append(record)
-    return records
+    return records, results[0][1]

@@ -178,3 +178,30 @@ class LayerScheduling:
             phase, plan, rank_loads(placement, load.tolist()),
         ))
         return placement
+
+
+def summarize_records(records: list[LayerRecord]) -> dict[str, object]:
+    """Per layer and overall: forwards, the estimate's accuracy, the phase-2 rate, the mean skew
+    of the experts' load and of the ranks' load under the plans, and the plans used (with counts)."""
+    layers: dict[int, list[LayerRecord]] = {}
+    for record in records:
+        layers.setdefault(record.layer, []).append(record)
+
+    def stats(group: list[LayerRecord]) -> dict[str, object]:
+        judged = [r.accurate for r in group if r.accurate is not None]
+        return {
+            "forwards": len(group),
+            "accuracy": float(np.mean(judged)) if judged else None,
+            "phase2_rate": float(np.mean([r.phase == 2 for r in group])) if judged else None,
+            "skew": float(np.mean([r.skew for r in group])),
+            "rank_skew": float(np.mean([_max_over_mean(r.rank_tokens) for r in group])),
+        }
+
+    per_layer = []
+    for layer, group in sorted(layers.items()):
+        plans: dict[str, int] = {}
+        for record in group:
+            key = "|".join(",".join(map(str, rank)) for rank in record.plan)
+            plans[key] = plans.get(key, 0) + 1
+        per_layer.append({"layer": layer, **stats(group), "plans": plans})
+    return {**(stats(records) if records else {"forwards": 0}), "layers": per_layer}
