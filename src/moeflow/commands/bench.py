@@ -1,5 +1,5 @@
-"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | contention | train | generate``: each
-prints one JSON object per measurement and a summary line."""
+"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | contention | train | generate |
+lina-inference``: each prints one JSON object per measurement and a summary line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_contention,
-                _add_train, _add_generate):
+                _add_train, _add_generate, _add_lina_inference):
         add(benches)
 
 
@@ -412,5 +412,54 @@ def run_generate(args: argparse.Namespace) -> int:
         for record in measure_point(point, args.repeats, bandwidth):
             print_json(record)
             records.append(record)
+    print_json(summarize(records))
+    return 0
+
+
+# -- lina-inference -------------------------------------------------------------------------------
+
+
+def _add_lina_inference(benches: Any) -> None:
+    parser = benches.add_parser(
+        "lina-inference", help="Lina's inference scheduling: static, lina, oracle and ideal batch times (needs root)",
+        description="On the emulated cluster, every worker runs batches of sequences under the static placement, "
+        "Lina's estimate-then-fine-tune schedule, the oracle (gate counts) and the ideal (a balanced gate), the same "
+        "batches for each: median and p95 batch times over ideal's, the estimate's accuracy per layer and the "
+        "path-length ablation. Models: a moeflow train checkpoint (--checkpoint) and random Mixtral-like models "
+        "with skewed and uniform routers.",
+    )
+    parser.add_argument("--models", nargs="+", default=["trained", "skewed", "uniform"],
+                        choices=("trained", "skewed", "uniform"), help="models (trained needs --checkpoint)")
+    parser.add_argument("--checkpoint", default=None, help="a moeflow train run folder (the trained model)")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per worker per batch (default 4)")
+    parser.add_argument("--context", type=positive_int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--batches", type=positive_int, default=20, help="timed batches per schedule (default 20)")
+    parser.add_argument("--max-experts-per-rank", type=positive_int, default=8,
+                        help="Lina's packing limit (default 8: E=8 on 2 workers leaves room to balance)")
+    parser.add_argument("--plot", metavar="PNG", help="write the Fig. 16-style plot of the times over ideal's")
+    _add_cluster_layout(parser, 1)
+    parser.set_defaults(func=run_lina_inference)
+
+
+def run_lina_inference(args: argparse.Namespace) -> int:
+    from moeflow.bench import print_json
+    from moeflow.bench.lina_inference import LinaPoint, run_cluster, summarize
+
+    if "trained" in args.models and args.checkpoint is None:
+        raise fail("bench lina-inference", "the trained model needs --checkpoint RUN_DIR (a moeflow train run), or "
+                   "leave it out: --models skewed uniform")
+    require_testbed("bench lina-inference")
+    from moeflow.testbed import ClusterError
+
+    points = [LinaPoint(model, args.checkpoint or "", args.batch, args.context, args.batches,
+                        max_experts_per_rank=args.max_experts_per_rank) for model in args.models]
+    try:
+        records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit)
+    except (ClusterError, RuntimeError) as error:
+        raise fail("bench lina-inference", error) from None
+    if args.plot:
+        from moeflow.bench.lina_plot import plot_lina_inference
+
+        plot_lina_inference(records, args.plot)
     print_json(summarize(records))
     return 0

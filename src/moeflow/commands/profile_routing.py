@@ -70,14 +70,10 @@ def _checkpoint_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, in
 
 def _training_split(checkpoint: Path) -> Any:
     """The token stream the run trained on (the corpus cache of this machine, built if missing)."""
-    from moeflow.data import default_cache_root, prepare_corpus
-    from moeflow.training.checkpoint import read_state
-    from moeflow.training.config import TrainConfig
+    from moeflow.data import default_cache_root
+    from moeflow.training.generate import checkpoint_corpus
 
-    config = TrainConfig(**read_state(checkpoint)["config"])
-    corpus = prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent,
-                            cache_root=default_cache_root(os.environ))
-    return corpus.load("train")
+    return checkpoint_corpus(checkpoint, default_cache_root(os.environ)).load("train")
 
 
 def _hf_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, int, Path]:

@@ -6,14 +6,16 @@ from pathlib import Path
 
 import torch
 
-from moeflow.data import load_tokenizer
+from moeflow.comm.groups import ParallelGroups
+from moeflow.data import PreparedCorpus, load_tokenizer, prepare_corpus
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig
 
 
-def load_model(path: str) -> tuple[MoETransformer, object, Path]:
-    """The model of a checkpoint (a run folder or one of its step folders), its tokenizer and path."""
+def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETransformer, object, Path]:
+    """The model of a checkpoint (a run folder or one of its step folders), its tokenizer and path;
+    on one process, or with its experts over ``groups`` (a collective: every rank loads its part)."""
     checkpoint = latest_checkpoint(Path(path))
     if checkpoint is None:
         raise FileNotFoundError(
@@ -26,15 +28,23 @@ def load_model(path: str) -> tuple[MoETransformer, object, Path]:
             f"{str(checkpoint)!r} is from a run that fine-tuned a transformers model (--hf); generate from the "
             "transformers directory it wrote at the end: moeflow generate --hf <run-dir>/hf --prompts FILE"
         )
-    # one process runs every expert: no pipelining or all-to-all choice to make
-    config = TrainConfig(**state["config"]).updated({"workers": 1, "pipeline": 1, "alltoall": "linear",
+    # the plain expert-parallel layer: no pipelining, all-to-all choice or re-placed experts
+    workers = 1 if groups is None else groups.size
+    config = TrainConfig(**state["config"]).updated({"workers": workers, "pipeline": 1, "alltoall": "linear",
                                                      "profile": None, "shadowing": "off", "gate": "plain",
-                                                     "redundant_experts": 0})
+                                                     "redundant_experts": 0, "parallel": "expert", "mp_size": 1,
+                                                     "expert_packing": "off"})
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
-    model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=None)
-    load_checkpoint(checkpoint, model, None, rank=0, world_size=1)
+    model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=groups)
+    load_checkpoint(checkpoint, model, None, rank=0 if groups is None else groups.rank, world_size=workers)
     model.eval()
     return model, tokenizer, checkpoint
+
+
+def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
+    """The corpus a checkpoint's run trained on, from the cache under ``cache_root`` (built if missing)."""
+    config = TrainConfig(**read_state(checkpoint)["config"])
+    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent, cache_root=cache_root)
 
 
 def generate_text(
