@@ -51,9 +51,9 @@ def _rows(model: str, skew: float, times: dict[str, tuple[float, float]]) -> lis
 
 def test_the_summary_checks_the_goals(tmp_path: Path) -> None:
     records = _rows("skewed", 2.1, {"static": (200, 260), "lina": (150, 170), "oracle": (148, 160),
-                                    "ideal": (140, 160)})
+                                    "ideal": (140, 160), "unpadded": (170, 190)})
     records += _rows("uniform", 1.1, {"static": (150, 160), "lina": (156, 170), "oracle": (150, 160),
-                                      "ideal": (140, 150)})
+                                      "ideal": (140, 150), "unpadded": (150, 160)})
     summary = summarize(records)
     assert summary["skewed"]["goal_speedup"] and summary["skewed"]["goal_p95_within_ideal"]
     assert summary["skewed"]["static_p95_over_lina"] == pytest.approx(260 / 170)
@@ -81,7 +81,7 @@ def test_a_small_point_measures_every_schedule_on_two_workers() -> None:
     assert emitted[1] == []  # rank 0 reports
     records = emitted[0]
     times = [r for r in records if r["bench"] == "lina-inference"]
-    assert [r["schedule"] for r in times] == ["static", "lina", "oracle", "ideal"]
+    assert [r["schedule"] for r in times] == ["static", "lina", "oracle", "ideal", "unpadded"]
     assert all(r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] for r in times)
     (estimate,) = [r for r in records if r["bench"] == "lina-inference-estimate"]
     assert len(estimate["accuracy_per_layer"]) == 8

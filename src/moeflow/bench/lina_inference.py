@@ -5,7 +5,9 @@ under four schedules in turn, the same batch for each (the order rotates per bat
 (the layer's expert-parallel placement, padded all-to-all), ``lina`` (placement from the token-path
 estimate, re-planned after the gate when the top experts differ), ``oracle`` (placement from the
 gate's counts: the paper's "without estimation") and ``ideal`` (a gate forced to a balanced
-selection, experts in place: the paper's lower bound; its outputs differ, only its time counts).
+selection, experts in place: the paper's lower bound; its outputs differ, only its time counts),
+and, to tell the placement's gain from the unequal all-to-all's, ``unpadded`` (the static placement
+moved like the others, without capacity padding).
 A batch's time is the slowest worker's. The profile is recorded first, on other batches.
 
 Models: ``trained`` (a ``moeflow train`` checkpoint, real routing: profiled on its training split,
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-SCHEDULES = ("static", "lina", "oracle", "ideal")
+SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 HF_MODELS = {"skewed": 16.0, "uniform": 0.0}  # the routers' skew: the most over the least popular mean logit
 P95_VS_IDEAL_GOAL = 1.15
 SPEEDUP_GOAL = 1.3  # lina's p95 below static's where the skew is at least SKEW_FOR_GOAL
@@ -269,7 +271,8 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
                                         path_length=point.path_length) for name in SCHEDULES[1:]}
     schedulers = {"lina": InferenceScheduler(settings["lina"], num_layers, routing),
                   "oracle": InferenceScheduler(settings["oracle"], num_layers, keep_routes=True),
-                  "ideal": InferenceScheduler(settings["ideal"], num_layers)}
+                  "ideal": InferenceScheduler(settings["ideal"], num_layers),
+                  "unpadded": InferenceScheduler(settings["unpadded"], num_layers)}
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     skews: list[list[float]] = []
     for index, batch in enumerate(setup.batches):
@@ -323,6 +326,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "skew": rows["skew"], "lina_p95_vs_ideal": lina["p95_vs_ideal"], "static_p95_over_lina": speedup,
             "static_median_over_lina": static["median_ms"] / lina["median_ms"],
             "oracle_p95_vs_ideal": rows["oracle"]["p95_vs_ideal"],
+            "unpadded_p95_over_lina": rows["unpadded"]["p95_ms"] / lina["p95_ms"],
             "goal_p95_within_ideal": lina["p95_vs_ideal"] <= P95_VS_IDEAL_GOAL,
             "goal_speedup": speedup >= SPEEDUP_GOAL if rows["skew"] >= SKEW_FOR_GOAL else None,
             "goal_uniform": lina["median_ms"] <= UNIFORM_SLOWDOWN_GOAL * static["median_ms"]

@@ -10,8 +10,10 @@ counts only when the estimate's top experts differ from the gate's.
 
 Schedules: ``lina`` (estimate, then phase 2), ``oracle`` (the gate's counts, no estimate: the
 paper's "without estimation"), ``ideal`` (a gate forced to a balanced selection, experts in place:
-the paper's lower bound; it changes the outputs and is for timing only). ``static`` is the layer's
-own placement and needs no scheduler.
+the paper's lower bound; it changes the outputs and is for timing only) and ``unpadded`` (the
+expert-parallel placement, but moved like the others: unequal splits, no capacity padding; what the
+placement adds is lina's gain over it). ``static`` is the layer's own placement and needs no
+scheduler.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
 from moeflow.routing.selection import ExpertChoice
 
-INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal")
+INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts are the gate's
 
 
@@ -163,7 +165,7 @@ class LayerScheduling:
         """Phase 1 from the estimate, phase 2 from ``load_E`` (the kept selections of all ranks)."""
         load = load_E.to("cpu", torch.long).numpy()
         settings, accurate, phase = self.settings, None, 0
-        if settings.schedule == "ideal" and len(load) % world_size == 0:
+        if settings.schedule in ("ideal", "unpadded") and len(load) % world_size == 0:
             placement = ExpertPlacement.expert_parallel(len(load), world_size, hidden_dim)
         elif estimate_E is not None:
             accurate = top_experts(estimate_E, settings.compare_top) == top_experts(load, settings.compare_top)
