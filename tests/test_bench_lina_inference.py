@@ -19,8 +19,8 @@ from moeflow.hf import moe_blocks
 from moeflow.inference import RoutingProfile
 
 
-def _skew(skew: float) -> float:
-    model = hf_model(skew, None)
+def _skew(skew: float, colocated: bool = False) -> float:
+    model = hf_model(skew, None, colocated)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 2048, (8, 64), generator=torch.Generator().manual_seed(1)), use_cache=False)
     loads = [np.array(block.moe.last_stats.tokens_per_expert) for block in moe_blocks(model)]
@@ -28,7 +28,8 @@ def _skew(skew: float) -> float:
 
 
 def test_the_random_models_routers_set_the_skew() -> None:
-    assert _skew(HF_MODELS["uniform"]) < 1.3 < 2.0 < _skew(HF_MODELS["skewed"])
+    assert _skew(*HF_MODELS["uniform"]) < 1.3 < 2.0 < _skew(*HF_MODELS["skewed"])
+    assert _skew(*HF_MODELS["colocated"]) > 2.0
 
 
 def test_accuracy_by_length_counts_forwards_whose_top_experts_the_profile_names() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_models import tiny_model, word_tokenizer
+from hf_models import greedy_reference, tiny_model, word_tokenizer
 from moeflow.cli import main
 from moeflow.inference import PROFILE_FILE, RoutingProfile
 from moeflow.training.launch import run_training
@@ -34,6 +34,10 @@ def _model_dir(tmp_path: Path) -> Path:
     return directory
 
 
+def _prompts(tmp_path: Path) -> list[list[int]]:
+    return [json.loads(line)["input_ids"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+
+
 def _generate(tmp_path: Path, capfd: pytest.CaptureFixture[str], workers: int, *extra: str) -> list[list[int]]:
     argv = ["generate", "--hf", str(tmp_path / "model"), "--prompts", str(tmp_path / "prompts.jsonl"),
             "--workers", str(workers), "--max-new-tokens", "6", "--batch-size", "2", *extra]
@@ -53,6 +57,7 @@ def test_profiled_lina_and_oracle_generate_the_static_tokens(tmp_path: Path, cap
     profile = RoutingProfile.load(directory / PROFILE_FILE)
     assert profile.tables[1][1].tokens.sum() == 2048 and profile.tables[1][1].counts.sum() == 2048 * 2
     static = _generate(tmp_path, capfd, 2)
+    assert static == greedy_reference(tiny_model("qwen3_moe"), _prompts(tmp_path), 6, 2)  # transformers' own
     log = tmp_path / "schedule.jsonl"
     assert _generate(tmp_path, capfd, 2, "--schedule", "lina", "--schedule-log", str(log)) == static
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
@@ -86,3 +91,34 @@ def test_a_checkpoint_is_profiled_on_its_training_split(tmp_path: Path, capfd: p
     assert main(["profile-routing", "--checkpoint", str(tmp_path / "run"), "--tokens", "512"]) == 0
     summary = json.loads(capfd.readouterr().out)
     assert summary["tokens"] == 512 and summary["layers"] == 2 and Path(summary["profile"]).parent.name == "step-000002"
+
+
+def _scheduled_logits(rank: int, world_size: int, schedule: str) -> float:
+    """transformers' logits against the converted model's under a per-batch schedule (fp64)."""
+    import copy
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.hf import moe_blocks, replace_moe_blocks
+    from moeflow.inference import InferenceScheduler, SchedulerSettings, schedule_layers
+
+    hf = tiny_model("qwen3_moe", dtype=torch.float64)
+    ours = replace_moe_blocks(copy.deepcopy(hf), dist.group.WORLD if world_size > 1 else None, pipeline=1)
+    layers = [block.moe for block in moe_blocks(ours)]
+    routes = np.random.default_rng(0).integers(0, 8, size=(64, len(layers), 2))  # some estimate, right or wrong
+    profile = RoutingProfile.from_routes(routes, 8, "test", path_length=1)
+    schedule_layers(layers, InferenceScheduler(SchedulerSettings(schedule), len(layers), profile))
+    ids = torch.randint(0, hf.config.vocab_size, (2, 5 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        return (hf(ids).logits - ours(ids).logits).abs().max().item()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("schedule", ["lina", "oracle"])
+def test_scheduled_logits_equal_transformers(world_size: int, schedule: str) -> None:
+    from moeflow.distributed import run_distributed
+
+    assert max(run_distributed(_scheduled_logits, world_size, schedule, timeout_s=180)) < 1e-10

@@ -11,11 +11,14 @@ moved like the others, without capacity padding).
 A batch's time is the slowest worker's. The profile is recorded first, on other batches.
 
 Models: ``trained`` (a ``moeflow train`` checkpoint, real routing: profiled on its training split,
-measured on its validation split) and two random-weight Mixtral-like transformers models whose
-routers make the load ``skewed`` or leave it ``uniform``: each layer's router is one set of expert
-directions, scaled per expert (the popular ones longer) and permuted per layer (each layer has its
-own popular experts, as Lina's Table 2), plus noise, so that a token's path predicts its next
-expert without fixing it. Records: per schedule the median and p95 batch time and both over
+measured on its validation split) and random-weight Mixtral-like transformers models whose routers
+make the load ``skewed`` or leave it ``uniform``: each layer's router is one set of expert
+directions plus noise, permuted per layer (each layer has its own popular experts, as Lina's
+Table 2), each expert's mean logit raised by its popularity. ``colocated`` is ``skewed`` with each
+layer's popular half of the experts on one rank of two under the static placement (Lina's
+straggler case); in ``skewed`` the popular experts fall where the permutation puts them.
+
+Records: per schedule the median and p95 batch time and both over
 ideal's; the measured skew (max / mean expert load); the estimate's accuracy per layer (top-2 of
 the estimate = top-2 of the gate) and the phase-2 rate; the path-length ablation l = 1..6
 (accuracy of each l on the same batches, Lina Table 5).
@@ -33,7 +36,9 @@ import torch
 from torch import nn
 
 SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
-HF_MODELS = {"skewed": 16.0, "uniform": 0.0}  # the routers' skew: the most over the least popular mean logit
+# the routers' skew (the most over the least popular expert's mean logit) and whether the popular
+# experts are the first or the second half of the experts (so that static places them together)
+HF_MODELS = {"skewed": (16.0, False), "colocated": (16.0, True), "uniform": (0.0, False)}
 P95_VS_IDEAL_GOAL = 1.15
 SPEEDUP_GOAL = 1.3  # lina's p95 below static's where the skew is at least SKEW_FOR_GOAL
 SKEW_FOR_GOAL = 2.0
@@ -57,21 +62,27 @@ class LinaPoint:
 def hf_shape() -> Any:
     from moeflow.bench.generate import ModelShape
 
-    return ModelShape("mixtral-like-8L", "mixtral", hidden=256, experts=8, top_k=2, expert_hidden=512, layers=8,
+    return ModelShape("mixtral-like-8L", "mixtral", hidden=256, experts=8, top_k=2, expert_hidden=1024, layers=8,
                       heads=4, kv_heads=2)
 
 
-def router_layout(num_experts: int, model_dim: int, layers: int, skew: float,
+def router_layout(num_experts: int, model_dim: int, layers: int, skew: float, colocated: bool = False,
                   seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer: (E, M) expert directions (shared orthogonal ones, permuted per layer, plus noise
     of a third of their size) and the mean logit of each row, skew * (1/2 - rank / (E - 1)) for
-    the row's rank in that layer's popularity."""
+    the row's rank in that layer's popularity; ``colocated``: the popular half of the experts is
+    the first half in even layers and the second in odd ones (one rank of two holds them all)."""
     generator = torch.Generator().manual_seed(seed)
     directions = torch.linalg.qr(torch.randn(model_dim, num_experts, generator=generator)).Q.t()
     scales = skew * (0.5 - torch.arange(num_experts) / max(1, num_experts - 1))
     rows, row_scales = [], []
     for _ in range(layers):
         order = torch.randperm(num_experts, generator=generator)
+        if colocated:
+            half = num_experts // 2
+            first, second = torch.randperm(half, generator=generator), torch.randperm(half, generator=generator)
+            order = torch.cat([first, half + second])
+            order = order if len(rows) % 2 == 0 else (order + half) % num_experts
         noise = torch.randn(num_experts, model_dim, generator=generator) * model_dim ** -0.5 / 3
         rows.append((directions + noise)[order])
         row_scales.append(scales[order])
@@ -79,14 +90,15 @@ def router_layout(num_experts: int, model_dim: int, layers: int, skew: float,
 
 
 @torch.no_grad()
-def set_routers(model: nn.Module, blocks: list[Any], vocab: int, skew: float, temperature: float = 2.0) -> None:
+def set_routers(model: nn.Module, blocks: list[Any], vocab: int, skew: float, colocated: bool = False,
+                temperature: float = 2.0) -> None:
     """Each router, layer by layer: its rows without the direction its inputs share (a random
     model's residual stream has one), each scaled to a logit spread of ``temperature`` on
     calibration tokens (so that no expert is favoured by the geometry of the hidden states), then
     the shared direction added back in the measure that gives each expert its skewed mean logit."""
     ids = torch.randint(0, vocab, (8, 64), generator=torch.Generator().manual_seed(12345))
     weights = [block.moe.gate.weight for block in blocks]
-    rows, scales = router_layout(weights[0].shape[0], weights[0].shape[1], len(blocks), skew)
+    rows, scales = router_layout(weights[0].shape[0], weights[0].shape[1], len(blocks), skew, colocated)
     for block, weight, row, scale in zip(blocks, weights, rows, scales, strict=True):
         inputs = _router_inputs(model, block, ids)
         unit = inputs.mean(0) / inputs.mean(0).norm()
@@ -115,7 +127,7 @@ def _router_inputs(model: nn.Module, block: Any, ids: torch.Tensor) -> torch.Ten
     return torch.cat(seen)
 
 
-def hf_model(skew: float, groups: Any) -> nn.Module:
+def hf_model(skew: float, groups: Any, colocated: bool = False) -> nn.Module:
     """The random Mixtral-like model with skewed routers, its MoE blocks on moeflow over ``groups``
     (built the same on every rank: the routers are calibrated on the same tokens everywhere, on one
     process before the experts are spread)."""
@@ -125,9 +137,10 @@ def hf_model(skew: float, groups: Any) -> nn.Module:
     shape = hf_shape()
     model = replace_moe_blocks(quiet_attention(random_model(shape, "eager")))
     blocks = moe_blocks(model)
-    set_routers(model, blocks, shape.vocab, skew)
+    set_routers(model, blocks, shape.vocab, skew, colocated)
     routers = [block.moe.gate.weight.detach().clone() for block in blocks]
-    spread = replace_moe_blocks(quiet_attention(random_model(shape, "eager")), groups)
+    # a fixed plan, as the trained model's: no online planner trial lands in the static times
+    spread = replace_moe_blocks(quiet_attention(random_model(shape, "eager")), groups, pipeline=1, alltoall="linear")
     for block, router in zip(moe_blocks(spread), routers, strict=True):
         block.moe.gate.weight.data.copy_(router)
     return spread
@@ -185,7 +198,8 @@ def _setup(point: LinaPoint, groups: Any) -> _Setup:
         return _Setup(static, scheduled, scheduled.moe_layers(), static.moe_layers(), lambda m, b: m(b),
                       _stream_batches(corpus.load("train"), point.profile_batches, point, rank, world),
                       _stream_batches(corpus.load("val"), count, point, rank, world))
-    static, scheduled = hf_model(HF_MODELS[point.model], groups), hf_model(HF_MODELS[point.model], groups)
+    skew, colocated = HF_MODELS[point.model]
+    static, scheduled = hf_model(skew, groups, colocated), hf_model(skew, groups, colocated)
     vocab = hf_shape().vocab
     return _Setup(static, scheduled, [b.moe for b in moe_blocks(scheduled)], [b.moe for b in moe_blocks(static)],
                   lambda m, b: m(input_ids=b, use_cache=False),

@@ -426,10 +426,11 @@ def _add_lina_inference(benches: Any) -> None:
         "Lina's estimate-then-fine-tune schedule, the oracle (gate counts) and the ideal (a balanced gate), the same "
         "batches for each: median and p95 batch times over ideal's, the estimate's accuracy per layer and the "
         "path-length ablation. Models: a moeflow train checkpoint (--checkpoint) and random Mixtral-like models "
-        "with skewed and uniform routers.",
+        "with skewed (popular experts spread, or colocated on one worker) and uniform routers.",
     )
-    parser.add_argument("--models", nargs="+", default=["trained", "skewed", "uniform"],
-                        choices=("trained", "skewed", "uniform"), help="models (trained needs --checkpoint)")
+    parser.add_argument("--models", nargs="+", default=["trained", "skewed", "colocated", "uniform"],
+                        choices=("trained", "skewed", "colocated", "uniform"),
+                        help="models (trained needs --checkpoint)")
     parser.add_argument("--checkpoint", default=None, help="a moeflow train run folder (the trained model)")
     parser.add_argument("--batch", type=positive_int, default=4, help="sequences per worker per batch (default 4)")
     parser.add_argument("--context", type=positive_int, default=64, help="tokens per sequence (default 64)")
