@@ -218,19 +218,10 @@ def _gathered_routes(local: list[np.ndarray]) -> list[np.ndarray]:
 
 def _profile(setup: _Setup) -> Any:
     """Every rank records its tokens' routes on its profile batches; the profile is built from all."""
-    from moeflow.inference import InferenceScheduler, RoutingProfile, SchedulerSettings, routing_fingerprint
-    from moeflow.inference import schedule_layers as attach
+    from moeflow.inference.profiling import profile_routing
 
-    experts = setup.layers[0].config.num_experts
-    recorder = InferenceScheduler(SchedulerSettings("oracle", max_experts_per_rank=experts), len(setup.layers),
-                                  keep_routes=True)
-    attach(setup.layers, recorder)
-    with torch.no_grad():
-        for batch in setup.profile_batches:
-            setup.forward(setup.scheduled, batch)
-    routes = np.concatenate(_gathered_routes(recorder.routes))
-    fingerprint = routing_fingerprint([layer.gate for layer in setup.layers])
-    return RoutingProfile.from_routes(routes, experts, fingerprint, max(ABLATION_LENGTHS))
+    return profile_routing(setup.layers, lambda batch: setup.forward(setup.scheduled, batch), setup.profile_batches,
+                           max(ABLATION_LENGTHS), gather=_gathered_routes)
 
 
 def _timed(setup: _Setup, model: nn.Module, batch: torch.Tensor) -> float:

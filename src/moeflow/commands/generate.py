@@ -65,8 +65,10 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"moeflow generate: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # a worker's bad input (WorkerError): its exception's own line
+        from moeflow.distributed import WorkerError
+
         lines = str(error).strip().splitlines()
-        if type(error).__name__ != "WorkerError" or not lines[-1].startswith(("ValueError: ", "FileNotFoundError: ")):
+        if not isinstance(error, WorkerError) or not lines[-1].startswith(("ValueError: ", "FileNotFoundError: ")):
             raise
         print(f"moeflow generate: error: {lines[-1].split(': ', 1)[1]}", file=sys.stderr)
         return 2
@@ -109,12 +111,10 @@ def _run_hf(args: argparse.Namespace) -> int:
 
 def _schedule(args: argparse.Namespace) -> Any:
     """The --schedule settings and profile path (None: static)."""
-    from moeflow.hf.serving import ScheduleRequest
-    from moeflow.inference import PROFILE_FILE, SchedulerSettings
-
     if args.schedule == "static":
         return None
-    from moeflow.inference import RoutingProfile
+    from moeflow.hf.serving import ScheduleRequest
+    from moeflow.inference import PROFILE_FILE, RoutingProfile, SchedulerSettings
 
     settings = SchedulerSettings(args.schedule, max_experts_per_rank=args.max_experts_per_rank)
     if args.schedule != "lina":

@@ -90,12 +90,13 @@ def popularity_plan(load_E: Sequence[float], world_size: int, max_experts_per_ra
     check_max_experts_per_rank(max_experts_per_rank, len(load), world_size)
     total = float(load.sum())
     share = load * world_size / total if total > 0 else np.zeros(len(load))
-    best: list[list[int]] | None = None
+    best: list[list[int]] = []
+    best_busiest = float("inf")
     for replicas in replica_options(share, world_size, max_experts_per_rank):
         plan = _pack(replicas, share, load, world_size, max_experts_per_rank)
-        if best is None or max(plan_loads(plan, load)) < max(plan_loads(best, load)) - _SLACK:
-            best = plan
-    assert best is not None
+        busiest = max(plan_loads(plan, load))
+        if busiest < best_busiest - _SLACK:
+            best, best_busiest = plan, busiest
     return best
 
 

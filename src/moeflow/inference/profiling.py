@@ -27,13 +27,16 @@ def token_batches(ids: np.ndarray, context: int, batch_size: int, max_tokens: in
 
 def profile_routing(
     layers: Sequence[MoELayer], forward: Callable[[torch.Tensor], object], batches: Sequence[torch.Tensor],
-    path_length: int = PATH_LENGTH,
+    path_length: int = PATH_LENGTH, gather: Callable[[list[np.ndarray]], list[np.ndarray]] | None = None,
 ) -> RoutingProfile:
-    """The profile of ``layers`` (a model's MoE layers in forward order, on one process) over
-    ``batches``, each run through ``forward``."""
-    if {layer.config.num_experts for layer in layers} != {layers[0].config.num_experts}:
+    """The profile of ``layers`` (a model's MoE layers in forward order) over ``batches``, each run
+    through ``forward``. On several ranks, ``gather`` turns this rank's routes of each forward into
+    every rank's (a collective), so that every rank builds the same profile."""
+    num_experts = layers[0].config.num_experts
+    if {layer.config.num_experts for layer in layers} != {num_experts}:
         raise ValueError("every MoE layer of a profiled model needs the same number of experts")
-    scheduler = InferenceScheduler(SchedulerSettings("oracle"), len(layers), keep_routes=True)
+    recording = SchedulerSettings("oracle", max_experts_per_rank=num_experts)  # any placement records the same
+    scheduler = InferenceScheduler(recording, len(layers), keep_routes=True)
     schedule_layers(layers, scheduler)
     try:
         with torch.no_grad():
@@ -41,9 +44,8 @@ def profile_routing(
                 forward(batch)
     finally:
         schedule_layers(layers, None)
-    if not scheduler.routes:
+    routes = scheduler.routes if gather is None else gather(scheduler.routes)
+    if not routes:
         raise ValueError("no forward reached every MoE layer: nothing to profile")
-    return RoutingProfile.from_routes(
-        np.concatenate(scheduler.routes), layers[0].config.num_experts,
-        routing_fingerprint([layer.gate for layer in layers]), path_length,
-    )
+    fingerprint = routing_fingerprint([layer.gate for layer in layers])
+    return RoutingProfile.from_routes(np.concatenate(routes), num_experts, fingerprint, path_length)

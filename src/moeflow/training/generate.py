@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.data import PreparedCorpus, load_tokenizer, prepare_corpus
+from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig
@@ -43,8 +43,7 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
 
 def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
     """The corpus a checkpoint's run trained on, from the cache under ``cache_root`` (built if missing)."""
-    config = TrainConfig(**read_state(checkpoint)["config"])
-    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent, cache_root=cache_root)
+    return TrainConfig(**read_state(checkpoint)["config"]).prepared_corpus(cache_root)
 
 
 def generate_text(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.topology import topology_from_environment
-from moeflow.data import PreparedCorpus, default_cache_root, prepare_corpus
+from moeflow.data import PreparedCorpus, default_cache_root
 from moeflow.distributed import destroy_process_groups
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
@@ -57,12 +57,7 @@ def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
 def _prepare_corpus(config: TrainConfig) -> PreparedCorpus:
     """The corpus in this machine's cache (``MOEFLOW_CACHE``, read here at the entry point), with
     the --hf model's own tokenizer when there is one."""
-    cache_root = default_cache_root(os.environ)
-    if config.hf is not None:
-        from moeflow.hf.training import prepare_hf_corpus
-
-        return prepare_hf_corpus(config, cache_root)
-    return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent, cache_root=cache_root)
+    return config.prepared_corpus(default_cache_root(os.environ))
 
 
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
