@@ -8,9 +8,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moeflow.commands import bench, calibrate, cluster, generate, plan, profile_routing, train
+from moeflow.commands import bench, calibrate, cluster, generate, plan, profile_routing, simulate, train
 
-COMMANDS = (train, generate, profile_routing, bench, calibrate, plan, cluster)
+COMMANDS = (train, generate, profile_routing, bench, calibrate, plan, simulate, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

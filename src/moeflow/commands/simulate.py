@@ -1,0 +1,110 @@
+"""``moeflow simulate``: one training step (or inference batch) of an MoE transformer on a simulated
+cluster, for every requested plan (schedule x pipeline degree x all-to-all algorithm); one JSON line
+per plan and a summary naming the fastest."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from typing import Any
+
+from moeflow.commands import fail, positive_int
+
+
+def add_parser(commands: Any) -> None:
+    sim = commands.add_parser("simulate", help="simulate a training step or inference batch on a cluster profile")
+    sim.add_argument("--cluster", required=True,
+                     help="a shipped profile's name (see --list), a TOML profile, or a moeflow calibrate JSON")
+    sim.add_argument("--model", default=None, help="a shipped model's name or a TOML model file (default: moeflow's)")
+    sim.add_argument("--list", action="store_true", help="print the shipped cluster and model profiles and exit")
+    for name, kind, text in (
+        ("layers", positive_int, "MoE transformer layers"), ("experts", positive_int, "experts E"),
+        ("model-dim", positive_int, "model dimension M"), ("hidden-dim", positive_int, "expert hidden H"),
+        ("top-k", positive_int, "experts per token k"), ("tokens-per-rank", positive_int, "tokens per rank T"),
+        ("capacity-factor", float, "Tutel's capacity factor f"),
+        ("routing", str, "uniform, zipf:<s>, one-hot or a trace file (.npy, .json)"),
+    ):
+        sim.add_argument(f"--{name}", type=kind, default=None, help=f"override the model's {text}")
+    sim.add_argument("--nodes", type=positive_int, default=None, help="override the cluster's node count")
+    sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the GPUs per node")
+    sim.add_argument("--schedule", default="expert", help="comma list of expert, replicated (default expert)")
+    sim.add_argument("--degree", default="1", help="comma list of pipeline degrees (default 1)")
+    sim.add_argument("--algorithm", default="linear", help="comma list of linear, 2dh, pairwise (default linear)")
+    sim.add_argument("--allreduce", default="auto", choices=("auto", "ring", "tree"), help="gradient all-reduce")
+    sim.add_argument("--prioritize-alltoall", action="store_true",
+                     help="all-to-alls take the links before the gradient all-reduce (Lina)")
+    sim.add_argument("--inference", action="store_true", help="one forward batch instead of a training step")
+    sim.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeflow.sim import ClusterFileError, StepPlan, load_cluster, load_model, named_clusters, named_models
+
+    if args.list:
+        print(json.dumps({"clusters": named_clusters(), "models": named_models()}))
+        return 0
+    try:
+        cluster = load_cluster(args.cluster)
+        if args.nodes or args.gpus_per_node:
+            cluster = cluster.resized(args.nodes or cluster.nodes, args.gpus_per_node)
+        model = load_model(args.model).with_overrides(
+            layers=args.layers, experts=args.experts, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
+            top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, capacity_factor=args.capacity_factor,
+            routing=args.routing)
+        plans = [StepPlan(schedule, degree, algorithm, args.allreduce, args.prioritize_alltoall)
+                 for schedule, degree, algorithm in itertools.product(
+                     _words(args.schedule), [_degree(d) for d in _words(args.degree)], _words(args.algorithm))]
+    except (ClusterFileError, ValueError, FileNotFoundError) as error:
+        raise fail("simulate", error) from None
+    results = [_simulate(cluster, model, plan, not args.inference) for plan in _unique(plans)]
+    best = min(results, key=lambda r: r["step_ms"])
+    print(f"# {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} ranks, {model.name} "
+          f"{model.layers} layers; best {best['plan']} at {best['step_ms']:.4g} ms per "
+          f"{'batch' if args.inference else 'step'}")
+    return 0
+
+
+def _simulate(cluster: Any, model: Any, plan: Any, training: bool) -> dict[str, Any]:
+    from moeflow.sim import simulate_step
+
+    began = time.perf_counter()
+    try:
+        result = simulate_step(cluster, model, plan, training)
+    except ValueError as error:
+        raise fail("simulate", error) from None
+    record = {"cluster": cluster.name, "ranks": cluster.world_size, "model": model.name, "layers": model.layers,
+              "training": training, **result.to_dict(), "wall_s": round(time.perf_counter() - began, 3)}
+    print(json.dumps(_rounded(record)), flush=True)
+    return record
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.5g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
+def _words(text: str) -> list[str]:
+    return [word.strip() for word in text.split(",") if word.strip()]
+
+
+def _degree(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--degree takes integers >= 1 separated by commas, got {text!r}") from None
+
+
+def _unique(plans: list[Any]) -> list[Any]:
+    """The replicated schedule has no degree or algorithm: simulate it once."""
+    seen, out = set(), []
+    for plan in plans:
+        key = plan.label()
+        if key not in seen:
+            seen.add(key)
+            out.append(plan)
+    return out

@@ -1,0 +1,64 @@
+"""The simulated twin of a calibrated cluster: link and device rates read off the alpha-beta fits
+that ``moeflow calibrate`` measured, so that the simulator can be checked against the machine.
+
+Only the primitive fits are used (one linear all-to-all inside a node, one across nodes, the expert
+FFN, the GEMM); the fits of the composite algorithms (2DH, pairwise, all-reduce) are left for the
+validation to compare against, so agreement there is a prediction and not a copy.
+"""
+
+from __future__ import annotations
+
+from moeflow.perf.alphabeta import AlphaBeta
+from moeflow.perf.profile import ClusterProfile
+from moeflow.sim.cluster import Cluster, Device, Link
+
+ASSUMED_MEMORY_BANDWIDTH = 10e9
+"""Bytes/s of encode, decode and layout copies: calibration does not measure it; a CPU socket's
+order of magnitude, and those copies are a small share of a step."""
+
+
+def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> Cluster:
+    """A :class:`Cluster` whose links and device reproduce ``profile``'s primitive fits."""
+    per_node, nodes = profile.ranks_per_node, profile.nodes
+    intra = _link(profile.fits.get("alltoall.intra_node"), per_node)
+    inter = _link(profile.fits.get("alltoall.inter_node"), nodes)
+    if intra is None and inter is None:
+        raise ValueError("the profile has neither alltoall.intra_node nor alltoall.inter_node; "
+                         "calibrate with 2 or more ranks (moeflow calibrate --nproc 2)")
+    sources = {
+        "intra_node": "fit alltoall.intra_node: bandwidth (g - 1) / (g beta), latency alpha" if intra else
+        "one rank per node: no intra-node link (copied from inter_node, never used)",
+        "inter_node": "fit alltoall.inter_node: bandwidth (n - 1) / (n beta), latency alpha" if inter else
+        "one node: no inter-node link (copied from intra_node, never used)",
+        "device": "fits ffn.forward / ffn.backward (x = m M H projections, 2 FLOPs each) and gemm's alpha",
+        "device.memory_bandwidth": f"not calibrated: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:g} GB/s",
+    }
+    return Cluster(
+        name=name, nodes=nodes, gpus_per_node=per_node, device=_device(profile),
+        intra=intra or inter, nic=inter or intra, nics_per_node=1,
+        description=f"calibrated: {nodes} node(s) x {per_node} rank(s), {profile.machine.get('host', '')}".strip(),
+        sources=sources,
+    )
+
+
+def _link(fit: AlphaBeta | None, group: int) -> Link | None:
+    """A linear all-to-all over ``group`` ranks of x bytes each moves (group - 1) / group x over
+    every rank's link: the fit's slope is that share over the bandwidth."""
+    if fit is None or group < 2 or fit.beta <= 0:
+        return None
+    return Link(bandwidth=(group - 1) / (group * fit.beta), latency_s=fit.alpha, message_overhead_s=0.0)
+
+
+def _device(profile: ClusterProfile) -> Device:
+    fits = profile.fits
+    if "ffn.forward" in fits:
+        forward = fits["ffn.forward"]
+        backward = fits.get("ffn.backward")
+        ratio = backward.beta / forward.beta if backward is not None and forward.beta > 0 else 2.0
+        rate, overhead = 2.0 / forward.beta, forward.alpha
+    elif "gemm" in fits:
+        rate, overhead, ratio = 2.0 / fits["gemm"].beta, fits["gemm"].alpha, 2.0
+    else:
+        raise ValueError("the profile has neither ffn.forward nor gemm fits; re-run moeflow calibrate")
+    return Device(name=str(profile.machine.get("processor", "calibrated")), gemm_flops=rate,
+                  kernel_overhead_s=overhead, memory_bandwidth=ASSUMED_MEMORY_BANDWIDTH, backward_ratio=ratio)

@@ -1,0 +1,168 @@
+"""The simulated cluster: nodes x GPUs per node, their links and their compute rates.
+
+A cluster is read from TOML (named profiles ship in ``moeflow/sim/profiles``; users pass a path)
+in the units papers publish (Gbit/s, microseconds, TFLOP/s) and held in SI units. Every figure of a
+shipped profile carries a note in ``[sources]`` saying where it comes from.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+MICRO = 1e-6
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: achieved GEMM rate, fixed cost per kernel, memory bandwidth (encode, decode,
+    layout copies, optimizer), and the backward's FLOPs over the forward's."""
+
+    name: str
+    gemm_flops: float
+    kernel_overhead_s: float
+    memory_bandwidth: float
+    backward_ratio: float = 2.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class: bandwidth per direction (bytes/s), latency paid once per sequential step, and
+    the occupancy of each message on the link (LogGP's gap: what makes many small messages slow)."""
+
+    bandwidth: float
+    latency_s: float
+    message_overhead_s: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``intra`` is each GPU's link to the others of its node; ``nic`` is one NIC, of which every
+    node has ``nics_per_node`` (a node's inter-node traffic spreads over them)."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    device: Device
+    intra: Link
+    nic: Link
+    nics_per_node: int = 1
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def node_bandwidth(self) -> float:
+        return self.nic.bandwidth * self.nics_per_node
+
+    @property
+    def node_message_overhead_s(self) -> float:
+        """A node's NICs take messages in parallel: each costs the node 1 / nics of one NIC's gap."""
+        return self.nic.message_overhead_s / self.nics_per_node
+
+    def resized(self, nodes: int, gpus_per_node: int | None = None) -> Cluster:
+        """The same hardware with another node count (what the papers' scaling curves vary)."""
+        from dataclasses import replace
+
+        per_node = self.gpus_per_node if gpus_per_node is None else gpus_per_node
+        _positive("nodes", nodes, "the cluster's node count")
+        _positive("gpus_per_node", per_node, "the GPUs of one node")
+        return replace(self, nodes=nodes, gpus_per_node=per_node)
+
+
+class ClusterFileError(ValueError):
+    """A cluster profile that cannot be used; the message names the file and the field."""
+
+
+FIELDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
+    # table: (key, unit scale, required)
+    "topology": (("nodes", 1, True), ("gpus_per_node", 1, True)),
+    "device": (("gemm_tflops", 1e12, True), ("kernel_overhead_us", MICRO, True),
+               ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False)),
+    "intra_node": (("bandwidth_gbit_s", GBIT, True), ("latency_us", MICRO, True), ("message_overhead_us", MICRO, True)),
+    "inter_node": (("nic_bandwidth_gbit_s", GBIT, True), ("nics_per_node", 1, False), ("latency_us", MICRO, True),
+                   ("message_overhead_us", MICRO, True)),
+}
+
+
+def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
+    """Parse and check a profile; every missing or bad field is reported with its table and key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ClusterFileError(f"cluster profile {origin}: not valid TOML ({error})") from None
+    values = {table: _table(data, table, origin) for table in FIELDS}
+    device = values["device"]
+    intra, inter = values["intra_node"], values["inter_node"]
+    return Cluster(
+        name=str(data.get("name", Path(origin).stem)), nodes=int(values["topology"]["nodes"]),
+        gpus_per_node=int(values["topology"]["gpus_per_node"]),
+        device=Device(str(data.get("device", {}).get("name", "")), device["gemm_tflops"], device["kernel_overhead_us"],
+                      device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0)),
+        intra=Link(intra["bandwidth_gbit_s"], intra["latency_us"], intra["message_overhead_us"]),
+        nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
+        nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),
+        sources={str(k): str(v) for k, v in data.get("sources", {}).items()},
+    )
+
+
+def _table(data: dict[str, Any], table: str, origin: str) -> dict[str, float]:
+    section = data.get(table)
+    if not isinstance(section, dict):
+        raise ClusterFileError(f"cluster profile {origin}: missing table [{table}]; see moeflow/sim/profiles/*.toml")
+    out: dict[str, float] = {}
+    for key, scale, required in FIELDS[table]:
+        if key not in section:
+            if required:
+                raise ClusterFileError(f"cluster profile {origin}: missing field {table}.{key}; add it to [{table}]")
+            continue
+        value = section[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ClusterFileError(f"cluster profile {origin}: {table}.{key} must be a number, got {value!r}")
+        zero_ok = key.endswith("_us")
+        if value < 0 or (value == 0 and not zero_ok):
+            bound = ">= 0" if zero_ok else "> 0"
+            raise ClusterFileError(f"cluster profile {origin}: {table}.{key} must be {bound}, got {value!r}")
+        integral = key in ("nodes", "gpus_per_node", "nics_per_node")
+        if integral and int(value) != value:
+            raise ClusterFileError(f"cluster profile {origin}: {table}.{key} must be an integer, got {value!r}")
+        out[key] = value * scale
+    return out
+
+
+def _positive(name: str, value: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
+
+
+def named_clusters() -> list[str]:
+    """The profiles shipped with moeflow, by name."""
+    folder = resources.files("moeflow.sim") / "profiles"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A shipped profile by name, a TOML file by path, or a calibrated JSON profile's twin."""
+    path = Path(name_or_path)
+    if path.suffix == ".json":  # a calibrated profile: its simulated twin
+        from moeflow.perf.profile import ClusterProfile
+        from moeflow.sim.calibrated import cluster_from_profile
+
+        return cluster_from_profile(ClusterProfile.load(path), path.stem)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ClusterFileError(f"no cluster profile at {path}; named profiles: {', '.join(named_clusters())}")
+        return cluster_from_toml(path.read_text(), str(path))
+    if str(name_or_path) not in named_clusters():
+        raise ClusterFileError(
+            f"unknown cluster {str(name_or_path)!r}; pass a TOML path or one of: {', '.join(named_clusters())}"
+        )
+    shipped = resources.files("moeflow.sim") / "profiles" / f"{name_or_path}.toml"
+    return cluster_from_toml(shipped.read_text(), f"{name_or_path}.toml")

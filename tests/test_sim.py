@@ -1,0 +1,194 @@
+"""The simulator's pieces against closed forms: link sharing, a pipeline of d chunks, the ring
+all-reduce, 2DH's message count, profile errors, and the simulate command."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moeflow.sim import (
+    Cluster,
+    ClusterFileError,
+    Device,
+    Link,
+    ModelSpec,
+    Network,
+    StepPlan,
+    Timeline,
+    Transfer,
+    fair_rates,
+    load_cluster,
+    named_clusters,
+    simulate_step,
+)
+from moeflow.sim.cluster import cluster_from_toml
+
+GOOD_PROFILE = """
+name = "toy"
+[topology]
+nodes = 2
+gpus_per_node = 4
+[device]
+gemm_tflops = 100.0
+kernel_overhead_us = 5.0
+memory_bandwidth_gb_s = 1000.0
+[intra_node]
+bandwidth_gbit_s = 800.0
+latency_us = 2.0
+message_overhead_us = 1.0
+[inter_node]
+nic_bandwidth_gbit_s = 100.0
+nics_per_node = 1
+latency_us = 5.0
+message_overhead_us = 3.0
+"""
+
+
+def toy(nodes: int = 2, per_node: int = 4, gap: float = 0.0, latency: float = 0.0) -> Cluster:
+    return Cluster("toy", nodes, per_node, Device("d", 1e14, 0.0, 1e12),
+                   Link(100e9, latency, gap), Link(10e9, latency, gap))
+
+
+def one_resource(seconds: float) -> Transfer:
+    return Transfer(np.array([seconds, 0.0]), 0.0)
+
+
+def test_two_messages_on_one_link_halve_each_others_rate() -> None:
+    timeline = Timeline(world=1)
+    first = timeline.transfer("a", one_resource(1.0))
+    second = timeline.transfer("b", one_resource(1.0))
+    short = timeline.transfer("c", Transfer(np.array([0.0, 1.0]), 0.0))  # another link: unaffected
+    timeline.run()
+    assert timeline.finish[first] == pytest.approx(2.0) and timeline.finish[second] == pytest.approx(2.0)
+    assert timeline.finish[short] == pytest.approx(1.0)
+    # unequal: the short one ends at 2 x 0.5, then the long one has the link to itself
+    timeline = Timeline(world=1)
+    long_, small = timeline.transfer("a", one_resource(1.0)), timeline.transfer("b", one_resource(0.5))
+    timeline.run()
+    assert timeline.finish[small] == pytest.approx(1.0) and timeline.finish[long_] == pytest.approx(1.5)
+
+
+def test_priority_serves_the_alltoall_first_and_max_min_gives_leftovers() -> None:
+    rates = fair_rates([np.array([1.0, 0.0]), np.array([1.0, 0.0])], [1, 0])
+    assert rates[0] == pytest.approx(1.0) and rates[1] == pytest.approx(1e-12)
+    # transfer 0 is capped by its own second resource at rate 0.25; transfer 1 takes what is left
+    rates = fair_rates([np.array([1.0, 4.0]), np.array([1.0, 0.0])], [0, 0])
+    assert rates == pytest.approx([0.25, 0.75])
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4, 8])
+@pytest.mark.parametrize(("comm", "compute"), [(1.0, 0.5), (1.0, 3.0), (2.0, 2.0)])
+def test_pipeline_of_equal_chunks_matches_the_closed_form(degree: int, comm: float, compute: float) -> None:
+    """Dispatches D1..Dd then combines C1..Cd on one stream, chunk i's experts between its D and C:
+    T = max(2 d a, 2 a + d c, (d + 1) a + c) for per-chunk all-to-all a and compute c."""
+    a, c = comm / degree, compute / degree
+    timeline = Timeline(world=1)
+    dispatched = [timeline.transfer("alltoall", one_resource(a)) for _ in range(degree)]
+    computed = [timeline.compute("compute", c, [d]) for d in dispatched]
+    for done in computed:
+        timeline.transfer("alltoall", one_resource(a), [done])
+    timeline.run()
+    assert timeline.makespan() == pytest.approx(max(2 * degree * a, 2 * a + degree * c, (degree + 1) * a + c))
+
+
+def test_per_chunk_latency_is_the_price_of_pipelining() -> None:
+    timeline = Timeline(world=1)
+    for _ in range(4):
+        timeline.transfer("alltoall", Transfer(np.array([0.25, 0.0]), latency_s=0.1))
+    timeline.run()
+    assert timeline.makespan() == pytest.approx(4 * 0.1 + 1.0)
+
+
+def test_ring_allreduce_moves_2_w_minus_1_over_w_of_the_buffer() -> None:
+    cluster = toy(nodes=4, per_node=1, gap=1e-6, latency=2e-6)
+    (ring,) = Network(cluster).allreduce(8e6, "ring")
+    w = 4
+    steps = 2 * (w - 1)
+    expected_busy = steps * 1e-6 + steps * (8e6 / w) / 10e9
+    assert float(ring.work.max()) == pytest.approx(expected_busy)
+    assert ring.latency_s == pytest.approx(steps * 2e-6)
+    (tree,) = Network(cluster).allreduce(8e6, "tree")
+    assert float(tree.work.max()) > float(ring.work.max())  # 2 x buffer per node vs 2 (w - 1) / w
+    assert Network(cluster).allreduce(8e6, "auto")[0].alone_s == min(ring.alone_s, tree.alone_s)
+
+
+def test_2dh_sends_fewer_and_larger_messages_than_linear() -> None:
+    """With only a per-message gap (infinite bandwidth) busy time counts messages: a node's NIC
+    sends g (W - g) messages in the linear all-to-all and g (n - 1) in 2DH's inter-node phase."""
+    nodes, per_node, gap = 4, 8, 1e-6
+    cluster = Cluster("gaps", nodes, per_node, Device("d", 1e14, 0.0, 1e12),
+                      Link(1e30, 0.0, gap), Link(1e30, 0.0, gap))
+    network, w = Network(cluster), nodes * per_node
+    (linear,) = network.alltoall("linear", 1.0)
+    _, intra, _, inter = network.alltoall("2dh", 1.0)
+    nic = slice(2 * w, 2 * w + nodes)
+    assert linear.work[nic] == pytest.approx(per_node * (w - per_node) * gap)
+    assert inter.work[nic] == pytest.approx(per_node * (nodes - 1) * gap)
+    assert intra.work[:w] == pytest.approx((per_node - 1) * gap)
+    # the byte-matrix path prices a uniform matrix as the scalar path does
+    uniform = np.full((w, w), 1.0)
+    assert network.alltoall("linear", uniform)[0].work[nic] == pytest.approx(linear.work[nic])
+    assert network.alltoall("2dh", uniform)[3].work[nic] == pytest.approx(inter.work[nic])
+
+
+def test_profile_errors_name_the_field() -> None:
+    assert cluster_from_toml(GOOD_PROFILE).world_size == 8
+    with pytest.raises(ClusterFileError, match=r"missing field inter_node\.nic_bandwidth_gbit_s"):
+        cluster_from_toml(GOOD_PROFILE.replace("nic_bandwidth_gbit_s = 100.0", ""))
+    with pytest.raises(ClusterFileError, match=r"intra_node\.bandwidth_gbit_s must be > 0, got -5"):
+        cluster_from_toml(GOOD_PROFILE.replace("bandwidth_gbit_s = 800.0", "bandwidth_gbit_s = -5"))
+    with pytest.raises(ClusterFileError, match=r"missing table \[device\]"):
+        cluster_from_toml(GOOD_PROFILE.replace("[device]", "[devices]"))
+    with pytest.raises(ClusterFileError, match="unknown cluster 'nope'"):
+        load_cluster("nope")
+
+
+def test_shipped_profiles_load_and_cite_sources() -> None:
+    names = named_clusters()
+    assert "tutel-a100" in names
+    for name in names:
+        cluster = load_cluster(name)
+        assert cluster.sources, f"{name} has no [sources]"
+
+
+def test_skewed_routing_makes_a_straggler_and_padding_hides_it() -> None:
+    cluster = toy()
+    base = ModelSpec(layers=2, model_dim=256, hidden_dim=512, experts=8, tokens_per_rank=512, capacity_factor=0)
+    uniform = simulate_step(cluster, base)
+    skewed = simulate_step(cluster, base.with_overrides(routing="zipf:1.5"))
+    assert skewed.step_s > 1.2 * uniform.step_s  # dropless: the hot expert's rank computes more
+    padded = simulate_step(cluster, base.with_overrides(capacity_factor=1.0, routing="zipf:1.5"))
+    assert padded.dropped > 0 and uniform.dropped == 0
+
+
+def test_prioritized_alltoall_is_not_slowed_by_the_gradient_allreduce() -> None:
+    model = ModelSpec(layers=8, model_dim=1024, hidden_dim=1024, experts=8, tokens_per_rank=2048)
+    shared = simulate_step(toy(), model, StepPlan(degree=1))
+    first = simulate_step(toy(), model, StepPlan(degree=1, prioritize_alltoall=True))
+    assert first.step_s <= shared.step_s
+    assert first.busy_s["alltoall"] < shared.busy_s["alltoall"]
+
+
+def test_step_speed_at_2048_ranks_and_64_layers() -> None:
+    import time
+
+    model = ModelSpec(layers=64, model_dim=2048, hidden_dim=2048, experts=2048, tokens_per_rank=4096)
+    began = time.perf_counter()
+    result = simulate_step(load_cluster("tutel-a100"), model, StepPlan(degree=2, algorithm="2dh"))
+    assert time.perf_counter() - began < 30  # the 10 s goal is a benchmark figure; this bounds regressions
+    assert math.isfinite(result.step_s) and result.operations > 64 * 10
+
+
+def test_simulate_command_prints_a_line_per_plan_and_the_best() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--nodes", "4", "--layers", "2",
+         "--experts", "32", "--degree", "1,2", "--algorithm", "linear,2dh"],
+        capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == 5 and out[-1].startswith("# tutel-a100: 4 x 8 = 32 ranks")
+    bad = subprocess.run([sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--algorithm",
+                          "ring"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "all-to-all algorithm must be one of linear, 2dh, pairwise" in bad.stderr
