@@ -192,3 +192,46 @@ def test_simulate_command_prints_a_line_per_plan_and_the_best() -> None:
     bad = subprocess.run([sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--algorithm",
                           "ring"], capture_output=True, text=True)
     assert bad.returncode != 0 and "all-to-all algorithm must be one of linear, 2dh, pairwise" in bad.stderr
+
+
+MODEL = ModelSpec(layers=2, model_dim=512, hidden_dim=1024, experts=16, tokens_per_rank=1024)
+
+
+def test_adaptive_r1_on_whole_experts_is_the_expert_schedule_and_r0_sends_no_token() -> None:
+    cluster = toy()
+    expert = simulate_step(cluster, MODEL, StepPlan())
+    assert simulate_step(cluster, MODEL, StepPlan("adaptive", r=1)).step_s == pytest.approx(expert.step_s)
+    zero = simulate_step(cluster, MODEL, StepPlan("adaptive", r=0))
+    assert "alltoall" not in zero.busy_s and zero.busy_s["allgather"] > 0 and zero.busy_s["reducescatter"] > 0
+    with pytest.raises(ValueError, match="not a valid r"):
+        simulate_step(cluster, MODEL, StepPlan("adaptive", r=3))
+    with pytest.raises(ValueError, match="adaptive schedule needs an r"):
+        StepPlan("adaptive")
+
+
+def test_shadowing_the_hot_expert_removes_the_straggler() -> None:
+    skewed = MODEL.with_overrides(routing="zipf:1.5", capacity_factor=0.0)
+    plain = simulate_step(toy(), skewed, StepPlan())
+    shadowed = simulate_step(toy(), skewed, StepPlan(shadowed=2))
+    assert shadowed.step_s < 0.8 * plain.step_s and shadowed.busy_s["broadcast"] > 0
+    assert simulate_step(toy(), MODEL, StepPlan(shadowed=0)).step_s == pytest.approx(
+        simulate_step(toy(), MODEL, StepPlan()).step_s)
+
+
+def test_smart_schedule_on_one_node_is_one_intra_node_step() -> None:
+    cluster = toy(nodes=1, per_node=4)
+    smart = simulate_step(cluster, MODEL, StepPlan("smart"))
+    assert smart.step_s == pytest.approx(simulate_step(cluster, MODEL, StepPlan(algorithm="pairwise")).step_s)
+
+
+def test_joint_planner_ranks_every_mode_and_returns_the_fastest_first() -> None:
+    from moeflow.sim.planner import candidate_plans, search
+
+    cluster = toy()
+    plans = candidate_plans(cluster, MODEL)
+    labels = {plan.label() for plan in plans}
+    assert {"expert d=4 2dh", "smart pairwise", "replicated", "adaptive r=0", "expert d=1 linear shadow=2"} <= labels
+    top = search(cluster, MODEL, top=3)
+    exhaustive = min(simulate_step(cluster, MODEL, plan).step_s for plan in plans)
+    assert [r.step_s for r in top] == sorted(r.step_s for r in top)
+    assert top[0].step_s == pytest.approx(exhaustive, rel=0.05)  # the few-layer proxy finds the best

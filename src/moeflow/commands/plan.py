@@ -13,7 +13,15 @@ from moeflow.commands import fail, positive_int
 
 def add_parser(commands: Any) -> None:
     plan = commands.add_parser("plan", help="predicted times of an MoE layer from a calibrated profile")
-    plan.add_argument("--profile", required=True, help="a profile written by moeflow calibrate")
+    plan.add_argument("--profile", default=None, help="a profile written by moeflow calibrate: one layer's plans")
+    plan.add_argument("--cluster", default=None,
+                      help="the joint planner instead: a simulator cluster (shipped name, TOML, or calibrate JSON); "
+                      "ranks schedule x degree x algorithm x shadowing for a whole training step on the simulator")
+    plan.add_argument("--model", default=None, help="with --cluster: a shipped model name or TOML model file")
+    plan.add_argument("--nodes", type=positive_int, default=None, help="with --cluster: override the node count")
+    plan.add_argument("--top", type=positive_int, default=5, help="with --cluster: plans to print (default 5)")
+    plan.add_argument("--prioritize-alltoall", action="store_true",
+                      help="with --cluster: all-to-alls take the links before the gradient all-reduce (Lina)")
     plan.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank (default 4096)")
     plan.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
     plan.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
@@ -33,6 +41,37 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.profile is None) == (args.cluster is None):
+        raise fail("plan", "pass --profile (one layer, calibrated fits) or --cluster with --model (the joint planner)")
+    if args.cluster is not None:
+        return _joint_plan(args)
+    return _layer_plan(args)
+
+
+def _joint_plan(args: argparse.Namespace) -> int:
+    """The simulator's search; the layer flags (--tokens, --experts, ...) override the model's."""
+    import json
+
+    from moeflow.sim import ClusterFileError, load_cluster, load_model
+    from moeflow.sim.planner import SearchSpace, search
+
+    try:
+        cluster = load_cluster(args.cluster)
+        cluster = cluster.resized(args.nodes) if args.nodes else cluster
+        model = load_model(args.model)
+        results = search(cluster, model, training=not args.forward_only, top=args.top,
+                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall))
+    except (ClusterFileError, ValueError, FileNotFoundError) as error:
+        raise fail("plan", error) from None
+    for rank, result in enumerate(results, 1):
+        print(json.dumps({"rank": rank, **result.to_dict(), "step_ms": round(result.step_s * 1e3, 4)}), flush=True)
+    best = results[0]
+    print(f"# {cluster.name} ({cluster.world_size} ranks), {model.name}: best plan {best.plan.label()} at "
+          f"{best.step_s * 1e3:.4g} ms per {'batch' if args.forward_only else 'step'}")
+    return 0
+
+
+def _layer_plan(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.perf import ClusterProfile, CostModel, LayerShape
     from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans

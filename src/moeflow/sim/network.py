@@ -141,18 +141,11 @@ class Network:
         g, n = self.per_node, self.nodes
         matrix = None if np.isscalar(pair_bytes) else np.asarray(pair_bytes, dtype=np.float64)
         steps: list[Step] = []
+        if matrix is None:  # the n - 1 equal inter-node steps on the same links: one transfer of their sum
+            inter = [self.pairwise_inter_step(float(pair_bytes), n - 1)] if n > 1 else []
+            return [self.pairwise_intra_step(float(pair_bytes))] * (g > 1) + inter
         if g > 1:
-            local = float(pair_bytes) if matrix is None else np.where(self._blocks(matrix)[1], matrix, 0.0)
-            if matrix is None:
-                gpu = self._intra(g - 1, (g - 1) * local)
-                steps.append(Transfer(self._work(gpu, gpu), self.cluster.intra.latency_s, "pairwise.intra"))
-            else:
-                steps.append(self._linear(0.0, local))
-        if matrix is None and n > 1:  # n - 1 equal steps on the same links: one transfer of their sum
-            nic = (n - 1) * self._inter(g * g, g * g * float(pair_bytes))
-            latency = (n - 1) * self.cluster.nic.latency_s
-            steps.append(Transfer(self._work(0.0, 0.0, nic, nic), latency, "pairwise.inter"))
-            return steps
+            steps.append(self._linear(0.0, np.where(self._blocks(matrix)[1], matrix, 0.0)))
         for shift in range(1, n):
             partner = (np.arange(n) - shift) % n
             blocks = self._blocks(matrix)[0]
@@ -165,6 +158,27 @@ class Network:
             steps.append(Transfer(self._work(0.0, 0.0, self._inter(counts, sent), self._inter(received_msgs, received)),
                                   self.cluster.nic.latency_s, "pairwise.inter"))
         return steps
+
+    def pairwise_intra_step(self, pair_bytes: float) -> Transfer:
+        """Step 0 of the pairwise exchange: the node's own ranks, over the intra-node links."""
+        gpu = self._intra(self.per_node - 1, (self.per_node - 1) * pair_bytes)
+        return Transfer(self._work(gpu, gpu), self.cluster.intra.latency_s, "pairwise.intra")
+
+    def pairwise_inter_step(self, pair_bytes: float, steps: int = 1) -> Transfer:
+        """``steps`` uniform inter-node steps: every rank of a node to every rank of one other."""
+        g = self.per_node
+        nic = steps * self._inter(g * g, g * g * pair_bytes)
+        return Transfer(self._work(0.0, 0.0, nic, nic), steps * self.cluster.nic.latency_s, "pairwise.inter")
+
+    def broadcast(self, nbytes: float) -> list[Step]:
+        """``nbytes`` from one rank to all, pipelined down a chain (NCCL's ring broadcast): every
+        link carries the buffer once."""
+        if self.world == 1 or nbytes <= 0:
+            return []
+        gpu = self._intra(1, nbytes) if self.per_node > 1 else 0.0
+        nic = self._inter(1, nbytes) if self.nodes > 1 else 0.0
+        latency = self.nodes * self.cluster.nic.latency_s + self.per_node * self.cluster.intra.latency_s
+        return [Transfer(self._work(gpu, gpu, nic, nic), latency, "broadcast.ring")]
 
     def _blocks(self, matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Node-to-node sums of a (W, W) matrix, and the same-node mask of its entries."""

@@ -16,43 +16,52 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.config import ALLTOALL_ALGORITHMS
-from moeflow.perf.pipeline import capacity_chunks
+from moeflow.config import ALLTOALL_ALGORITHMS, check_switchable_layout, validate_r
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.engine import Timeline, Times
 from moeflow.sim.network import ALLREDUCE_ALGORITHMS, LocalCopy, Network, Step
+from moeflow.sim.regions import REGIONS, shadowed_experts, shadowed_rows
 from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
-SIM_SCHEDULES = ("expert", "replicated")
+SIM_SCHEDULES = ("expert", "replicated", "smart", "adaptive")
 COMPUTE, ALLTOALL, GRADIENTS = "compute", "alltoall", "gradients"
 ADAM_BYTES_PER_PARAMETER = 16  # fp32 master weight, gradient, two moments: read and written once
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The knobs of one step: parallel schedule, pipeline degree, all-to-all algorithm, the
-    gradient all-reduce's algorithm, and whether all-to-alls take the links first."""
+    """The knobs of one step: parallel schedule (with Tutel's ``r`` for ``adaptive``), pipeline
+    degree and all-to-all algorithm (``expert``), the hottest experts FasterMoE shadows per layer,
+    the gradient all-reduce's algorithm, and whether all-to-alls take the links first (Lina)."""
 
     schedule: str = "expert"
     degree: int = 1
     algorithm: str = "linear"
     allreduce: str = "auto"
     prioritize_alltoall: bool = False
+    r: int | None = None
+    shadowed: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SIM_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SIM_SCHEDULES)}, got {self.schedule!r}")
-        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or self.degree < 1:
-            raise ValueError(f"pipeline degree must be an integer >= 1, got {self.degree!r}")
+        for name in ("degree", "shadowed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "degree" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'degree' else 0}, got {value!r}")
         if self.algorithm not in ALLTOALL_ALGORITHMS:
             raise ValueError(
                 f"all-to-all algorithm must be one of {', '.join(ALLTOALL_ALGORITHMS)}, got {self.algorithm!r}")
         if self.allreduce not in (*ALLREDUCE_ALGORITHMS, "auto"):
             raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
+        if (self.schedule == "adaptive") != (self.r is not None):
+            raise ValueError("Tutel's r goes with the adaptive schedule, and the adaptive schedule needs an r")
 
     def label(self) -> str:
-        base = f"{self.schedule} d={self.degree} {self.algorithm}" if self.schedule == "expert" else self.schedule
-        return base + (" prioritized" if self.prioritize_alltoall else "")
+        base = {"expert": f"expert d={self.degree} {self.algorithm}", "adaptive": f"adaptive r={self.r}",
+                "smart": "smart pairwise"}.get(self.schedule, self.schedule)
+        return base + (f" shadow={self.shadowed}" if self.shadowed else "") + \
+            (" prioritized" if self.prioritize_alltoall else "")
 
 
 @dataclass
@@ -67,8 +76,8 @@ class StepResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.label(), "step_ms": self.step_s * 1e3,
-                "busy_ms": {k: v * 1e3 for k, v in sorted(self.busy_s.items())},
+        return {"plan": self.plan.label(), "step_ms": round(self.step_s * 1e3, 4),
+                "busy_ms": {k: round(v * 1e3, 4) for k, v in sorted(self.busy_s.items())},
                 "dropped": self.dropped, "operations": self.operations, **self.extra}
 
 
@@ -76,16 +85,12 @@ class StepBuilder:
     """Writes the operations of one step for one (cluster, model, plan)."""
 
     def __init__(self, cluster: Cluster, model: ModelSpec, plan: StepPlan, training: bool = True) -> None:
-        world = cluster.world_size
-        if plan.schedule == "expert" and model.experts % world:
-            raise ValueError(
-                f"the expert schedule needs experts ({model.experts}) divisible by the {world} ranks; "
-                "use more experts or fewer ranks"
-            )
+        _check_layout(cluster, model, plan)
         self.cluster, self.model, self.plan, self.training = cluster, model, plan, training
         self.network = Network(cluster)
-        self.timeline = Timeline(world)
+        self.timeline = Timeline(cluster.world_size)
         self.device = cluster.device
+        self.priority = 1 if plan.prioritize_alltoall else 0
         self._transfers: dict[tuple, list[Step]] = {}
 
     # -- costs ------------------------------------------------------------------------------------
@@ -97,13 +102,41 @@ class StepBuilder:
     def memory_s(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.device.kernel_overhead_s + nbytes / self.device.memory_bandwidth
 
-    def _cached(self, key: tuple, make: Any) -> list[Step]:
-        if key not in self._transfers:
-            self._transfers[key] = make()
-        return self._transfers[key]
+    def ffn_s(self, rows: Times, backward: bool, local_experts: int | None = None) -> Times:
+        m = self.model
+        local = local_experts or max(1, m.experts // self.cluster.world_size)
+        flops = 2 * rows * m.model_dim * m.hidden_dim * m.projections
+        return self.gemm_s(flops, kernels=local * (m.projections + 1), backward=backward)
+
+    def capacity(self, load: LayerLoad) -> int:
+        return load.capacity(self.model)
+
+    def pair_bytes(self, slots: int, experts: int | None = None) -> float:
+        """Bytes one rank sends another for ``slots`` capacity slots of the travelling experts."""
+        m = self.model
+        return float((experts or m.experts) * slots * m.model_dim * m.element_bytes) / self.cluster.world_size
+
+    def expert_rows(self, load: LayerLoad, capacity: int) -> Times:
+        """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
+        (dropless f = 0: only real rows run), per rank."""
+        m, world = self.model, self.cluster.world_size
+        travelling = load.counts.shape[1]
+        if m.capacity_factor != 0 or world > m.experts:
+            return float(travelling * capacity)
+        received = np.minimum(load.counts, capacity).sum(axis=0)
+        per_rank = np.bincount(load.experts * world // m.experts, weights=received, minlength=world)
+        return per_rank if np.ptp(per_rank) > 0 else float(per_rank[0])
+
+    def local_rows(self, load: LayerLoad, capacity: int) -> Times:
+        if self.model.capacity_factor != 0:
+            return float(load.counts.shape[1] * capacity)
+        own = np.minimum(load.counts, capacity).sum(axis=1)
+        return own if np.ptp(own) > 0 else float(own[0])
+
+    # -- collectives ------------------------------------------------------------------------------
 
     def collective(self, stream: str, steps: list[Step], deps: list[int], category: str, priority: int = 0) -> int:
-        """The steps of one collective in order; returns the last (or the dependency when none)."""
+        """The steps of one collective in order; returns the last (or an empty marker when none)."""
         last = deps
         for step in steps:
             if isinstance(step, LocalCopy):
@@ -111,118 +144,99 @@ class StepBuilder:
             else:
                 index = self.timeline.transfer(stream, step, last, category, priority)
             last = [index]
-        if last is deps:  # nothing sent (one rank): an empty marker keeps the order
+        if last is deps:
             return self.timeline.compute(stream, 0.0, deps, category)
         return last[0]
+
+    def alltoall(self, pair_bytes: float, deps: list[int]) -> int:
+        key = ("alltoall", self.plan.algorithm, pair_bytes)
+        if key not in self._transfers:
+            self._transfers[key] = self.network.alltoall(self.plan.algorithm, pair_bytes)
+        return self.collective(ALLTOALL, self._transfers[key], deps, "alltoall", self.priority)
+
+    def allreduce(self, nbytes: float, deps: list[int]) -> int:
+        key = ("allreduce", self.plan.allreduce, nbytes)
+        if key not in self._transfers:
+            self._transfers[key] = self.network.allreduce(nbytes, self.plan.allreduce)
+        return self.collective(GRADIENTS, self._transfers[key], deps, "allreduce")
 
     # -- the step ---------------------------------------------------------------------------------
 
     def build(self, loads: list[LayerLoad]) -> Timeline:
-        model = self.model
         tail: list[int] = []
-        layer_ends = []
         for load in loads:
-            tail = [self._forward_layer(load, tail)]
-            layer_ends.append(tail[0])
+            tail = [self._layer(load, tail, backward=False)]
         if not self.training:
             return self.timeline
         synced = []
         for load in reversed(loads):
-            tail = [self._backward_layer(load, tail)]
-            synced.append(self._gradient_sync(load, tail))
-        params = model.layers * (model.dense_parameters() + self._expert_parameters_per_rank())
+            tail = [self._layer(load, tail, backward=True)]
+            synced.append(self.allreduce(self._gradient_bytes(), tail))
+        m = self.model
+        params = m.layers * (m.dense_parameters() + self._expert_parameters_per_rank())
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")
         return self.timeline
+
+    def _layer(self, load: LayerLoad, deps: list[int], backward: bool) -> int:
+        """Attention and gate (forward order; the backward runs them after the experts)."""
+        m = self.model
+        buffer = m.experts * self.capacity(load) * m.model_dim * m.element_bytes
+        attention = self.gemm_s(self._attention_flops(), kernels=6, backward=backward)
+        gate = self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
+            self.memory_s(buffer + m.tokens_per_rank * m.model_dim * m.element_bytes, 2)
+        if not backward:
+            attended = self.timeline.compute(COMPUTE, attention, deps, "attention")
+            routed = self.timeline.compute(COMPUTE, gate, [attended], "gate+encode")
+            experts = self._expert_layer(load, [routed], backward)
+            return self.timeline.compute(COMPUTE, self.memory_s(buffer), experts, "decode")
+        decoded = self.timeline.compute(COMPUTE, self.memory_s(buffer), deps, "decode")
+        routed = self.timeline.compute(COMPUTE, gate, self._expert_layer(load, [decoded], backward), "gate+encode")
+        return self.timeline.compute(COMPUTE, attention, [routed], "attention")
+
+    def _expert_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+        """The schedule's region; with shadowing, the hottest experts run at home first (their
+        weights broadcast in the forward, their gradients all-reduced in the backward)."""
+        region = REGIONS["replicated" if self.cluster.world_size == 1 else self.plan.schedule]
+        if not self.plan.shadowed or self.cluster.world_size == 1:
+            return region(self, load, deps, backward)
+        hot = shadowed_experts(load, self.plan.shadowed)
+        nbytes = len(hot) * self.model.expert_parameters() * self.model.element_bytes
+        shadow = self.network.broadcast(nbytes) if not backward else []
+        sent = [self.collective(ALLTOALL, shadow, deps, "broadcast", self.priority)]
+        home = self.timeline.compute(COMPUTE, self.ffn_s(shadowed_rows(load, hot), backward, len(hot)), sent,
+                                     "experts")
+        done = region(self, load.without(hot), [home], backward)
+        if backward:
+            done = [self.allreduce(float(nbytes), done)]
+        return done
 
     def _attention_flops(self) -> float:
         m = self.model
         return 2 * 4 * m.tokens_per_rank * m.model_dim**2 + 2 * 2 * m.tokens_per_rank * m.sequence_length * m.model_dim
 
-    def _expert_parameters_per_rank(self) -> int:
+    def _expert_parameters_per_rank(self) -> float:
         m = self.model
-        local = m.experts if self.plan.schedule == "replicated" else m.experts // self.cluster.world_size
+        local = m.experts if self.plan.schedule == "replicated" else m.experts / self.cluster.world_size
         return local * m.expert_parameters()
 
-    def _forward_layer(self, load: LayerLoad, deps: list[int]) -> int:
-        m = self.model
-        attention = self.timeline.compute(COMPUTE, self.gemm_s(self._attention_flops(), kernels=6), deps, "attention")
-        capacity = load.capacity(m)
-        routed = self.timeline.compute(
-            COMPUTE, self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.experts)
-            + self.memory_s(self._buffer_bytes(capacity) + m.tokens_per_rank * m.model_dim * m.element_bytes, 2),
-            [attention], "gate+encode")
-        experts = self._experts(load, capacity, [routed], backward=False)
-        return self.timeline.compute(COMPUTE, self.memory_s(self._buffer_bytes(capacity), 1), experts, "decode")
-
-    def _backward_layer(self, load: LayerLoad, deps: list[int]) -> int:
-        m = self.model
-        capacity = load.capacity(m)
-        decoded = self.timeline.compute(COMPUTE, self.memory_s(self._buffer_bytes(capacity), 1), deps, "decode")
-        experts = self._experts(load, capacity, [decoded], backward=True)
-        routed = self.timeline.compute(
-            COMPUTE, self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.experts, backward=True)
-            + self.memory_s(self._buffer_bytes(capacity), 2), experts, "gate+encode")
-        return self.timeline.compute(
-            COMPUTE, self.gemm_s(self._attention_flops(), kernels=6, backward=True), [routed], "attention")
-
-    def _buffer_bytes(self, capacity: int) -> float:
-        m = self.model
-        return m.experts * capacity * m.model_dim * m.element_bytes
-
-    def _experts(self, load: LayerLoad, capacity: int, deps: list[int], backward: bool) -> list[int]:
-        """The expert region: d chunks of dispatch, experts, combine (or local experts only)."""
-        if self.plan.schedule == "replicated" or self.cluster.world_size == 1:
-            rows = self._local_rows(load, capacity)
-            return [self.timeline.compute(COMPUTE, self._ffn_s(rows, backward), deps, "experts")]
-        chunks = [stop - start for start, stop in capacity_chunks(capacity, self.plan.degree)] or [0]
-        priority = 1 if self.plan.prioritize_alltoall else 0
-        dispatched = [self._alltoall(chunk, deps, priority) for chunk in chunks]
-        rows = self._expert_rows(load, capacity)
-        computed = [self.timeline.compute(COMPUTE, self._ffn_s(rows * (chunk / max(capacity, 1)), backward), [d],
-                                          "experts") for chunk, d in zip(chunks, dispatched, strict=True)]
-        return [self._alltoall(chunk, [c], priority) for chunk, c in zip(chunks, computed, strict=True)]
-
-    def _alltoall(self, chunk: int, deps: list[int], priority: int) -> int:
-        m = self.model
-        local = m.experts // self.cluster.world_size
-        pair_bytes = float(local * chunk * m.model_dim * m.element_bytes)
-        key = ("alltoall", self.plan.algorithm, pair_bytes)
-        steps = self._cached(key, lambda: self.network.alltoall(self.plan.algorithm, pair_bytes))
-        return self.collective(ALLTOALL, steps, deps, "alltoall", priority)
-
-    def _expert_rows(self, load: LayerLoad, capacity: int) -> Times:
-        """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
-        (dropless f = 0: only real rows run), per rank."""
-        m, world = self.model, self.cluster.world_size
-        local = m.experts // world
-        if m.capacity_factor != 0:
-            return float(world * capacity * local)
-        received = load.counts.sum(axis=0).reshape(world, local).sum(axis=1)
-        return received if np.ptp(received) > 0 else float(received[0])
-
-    def _local_rows(self, load: LayerLoad, capacity: int) -> Times:
-        m = self.model
-        if m.capacity_factor != 0:
-            return float(m.experts * capacity)
-        own = np.minimum(load.counts, capacity).sum(axis=1)
-        return own if np.ptp(own) > 0 else float(own[0])
-
-    def _ffn_s(self, rows: Times, backward: bool) -> Times:
-        m = self.model
-        local = m.experts if self.plan.schedule == "replicated" else max(1, m.experts // self.cluster.world_size)
-        flops = 2 * rows * m.model_dim * m.hidden_dim * m.projections
-        return self.gemm_s(flops, kernels=local * (m.projections + 1), backward=backward)
-
-    def _gradient_sync(self, load: LayerLoad, deps: list[int]) -> int:
+    def _gradient_bytes(self) -> float:
         """The layer's gradients all-reduced over the world on the gradients stream (overlapping
-        the backward of the layers below): dense ones always, the experts' in the replicated
-        schedule."""
+        the backward of the layers below): dense ones always, the experts' when replicated."""
         m = self.model
-        params = m.dense_parameters() + (m.experts * m.expert_parameters() if self.plan.schedule == "replicated" else 0)
-        nbytes = float(params * m.element_bytes)
-        steps = self._cached(("allreduce", self.plan.allreduce, nbytes),
-                             lambda: self.network.allreduce(nbytes, self.plan.allreduce))
-        return self.collective(GRADIENTS, steps, deps, "allreduce")
+        replicated = m.experts * m.expert_parameters() if self.plan.schedule == "replicated" else 0
+        return float((m.dense_parameters() + replicated) * m.element_bytes)
+
+
+def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
+    world, experts = cluster.world_size, model.experts
+    if plan.schedule in ("expert", "smart") and experts % world:
+        raise ValueError(f"the {plan.schedule} schedule needs experts ({experts}) divisible by the {world} ranks; "
+                         "use more experts, fewer ranks, or the adaptive schedule")
+    if plan.schedule == "adaptive":
+        validate_r(plan.r, experts, world)
+        check_switchable_layout(experts, world, model.hidden_dim)
+    if plan.shadowed >= experts:
+        raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {experts} experts")
 
 
 def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = None, training: bool = True,

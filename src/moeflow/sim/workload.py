@@ -115,6 +115,16 @@ class LayerLoad:
     """One layer's routing on the cluster: ``counts[s, e]`` tokens rank s routes to expert e."""
 
     counts: np.ndarray
+    experts: np.ndarray | None = None  # the expert id of each column (None: 0..E-1)
+
+    def __post_init__(self) -> None:
+        if self.experts is None:
+            object.__setattr__(self, "experts", np.arange(self.counts.shape[1]))
+
+    def without(self, hot: np.ndarray) -> LayerLoad:
+        """The load of the experts that still travel once ``hot`` are shadowed."""
+        keep = np.setdiff1d(np.arange(self.counts.shape[1]), hot)
+        return LayerLoad(self.counts[:, keep], self.experts[keep])
 
     def capacity(self, model: ModelSpec) -> int:
         needed = math.ceil(float(self.counts.max()))

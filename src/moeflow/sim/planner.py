@@ -1,0 +1,66 @@
+"""The joint planner: every (schedule, pipeline degree, all-to-all algorithm, shadowing) the cluster
+can run, ranked by the simulator. Plans are ranked on a few-layer proxy of the model (layers add up,
+except where the gradient all-reduce overlaps the layers below) and the best are re-simulated at
+full depth, so a 2,048-rank search takes seconds."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from moeflow.config import switchable_rs
+from moeflow.sim.cluster import Cluster
+from moeflow.sim.step import StepPlan, StepResult, simulate_step
+from moeflow.sim.workload import ModelSpec, routing_loads
+
+DEGREES = (1, 2, 4, 8)
+SHADOWED = (0, 1, 2, 4)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the planner may choose from."""
+
+    degrees: tuple[int, ...] = DEGREES
+    shadowed: tuple[int, ...] = SHADOWED
+    prioritize_alltoall: bool = False
+
+
+def algorithms_for(cluster: Cluster) -> list[str]:
+    """2DH needs several nodes of several ranks and pairwise several nodes to differ from linear."""
+    out = ["linear"]
+    if cluster.nodes > 1 and cluster.gpus_per_node > 1:
+        out.append("2dh")
+    if cluster.nodes > 1:
+        out.append("pairwise")
+    return out
+
+
+def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
+    world, experts = cluster.world_size, model.experts
+    lina = space.prioritize_alltoall
+    shadows = [s for s in space.shadowed if s < experts] if world > 1 else [0]
+    plans: list[StepPlan] = []
+    if experts % world == 0:
+        for degree, algorithm, shadow in itertools.product(space.degrees, algorithms_for(cluster), shadows):
+            plans.append(StepPlan("expert", degree, algorithm, prioritize_alltoall=lina, shadowed=shadow))
+        if cluster.nodes > 1:
+            plans += [StepPlan("smart", prioritize_alltoall=lina, shadowed=s) for s in shadows]
+    plans.append(StepPlan("replicated", prioritize_alltoall=lina))
+    for r in switchable_rs(experts, world):
+        if r == 1 and world <= experts:
+            continue  # r = 1 on whole experts is the expert schedule at d = 1
+        plans.append(StepPlan("adaptive", prioritize_alltoall=lina, r=r))
+    return plans
+
+
+def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int = 5, proxy_layers: int = 2,
+           space: SearchSpace = SearchSpace()) -> list[StepResult]:
+    """The ``top`` plans, fastest first, simulated at the model's full depth."""
+    proxy = model.with_overrides(layers=min(proxy_layers, model.layers))
+    proxy_loads = routing_loads(proxy, cluster.world_size)
+    ranked = sorted(candidate_plans(cluster, model, space),
+                    key=lambda plan: simulate_step(cluster, proxy, plan, training, proxy_loads).step_s)
+    loads = routing_loads(model, cluster.world_size)
+    finalists = [simulate_step(cluster, model, plan, training, loads) for plan in ranked[:max(top, 1) * 2]]
+    return sorted(finalists, key=lambda result: result.step_s)[:top]

@@ -1,0 +1,101 @@
+"""The expert region of one layer (dispatch, experts, combine) under each parallel schedule, as
+operations on a :class:`~moeflow.sim.step.StepBuilder`'s timeline. One function per schedule, as
+moeflow's layer has one :class:`ParallelSchedule` per technique:
+
+- ``expert``: expert parallelism, the capacity buffer cut into d chunks (PipeMoE/Tutel pipelining);
+- ``replicated``: every rank runs every expert on its own tokens (no all-to-all);
+- ``smart``: FasterMoE's schedule, pipelined over the pairwise steps (one per node);
+- ``adaptive``: Tutel's switchable parallelism at its r (0: weights all-gathered, ZeRO-3; r >= 1:
+  tokens repeated r times, each hidden block's weights gathered over (W / E) / r ranks).
+
+FasterMoE's shadowing wraps any of them: the hottest experts' weights are broadcast, their tokens
+stay home, and only the rest travel (their gradients are all-reduced in the backward).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moeflow.perf.pipeline import capacity_chunks
+from moeflow.sim.engine import Times
+
+if TYPE_CHECKING:
+    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.workload import LayerLoad
+
+COMPUTE, ALLTOALL = "compute", "alltoall"
+
+
+def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+    """Dispatch D1..Dd, chunk i's experts after Di, combines C1..Cd (moeflow's executor order)."""
+    capacity = b.capacity(load)
+    chunks = [stop - start for start, stop in capacity_chunks(capacity, b.plan.degree)] or [0]
+    rows = b.expert_rows(load, capacity)
+    travelling = load.counts.shape[1]
+    dispatched = [b.alltoall(b.pair_bytes(chunk, travelling), deps) for chunk in chunks]
+    computed = [b.timeline.compute(COMPUTE, b.ffn_s(rows * (chunk / max(capacity, 1)), backward), [d], "experts")
+                for chunk, d in zip(chunks, dispatched, strict=True)]
+    return [b.alltoall(b.pair_bytes(chunk, travelling), [c]) for chunk, c in zip(chunks, computed, strict=True)]
+
+
+def replicated_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+    rows = b.local_rows(load, b.capacity(load))
+    experts = load.counts.shape[1]
+    return [b.timeline.compute(COMPUTE, b.ffn_s(rows, backward, local_experts=experts), deps, "experts")]
+
+
+def smart_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+    """S_0..S_{n-1} then R_0..R_{n-1} on the all-to-all stream, step j's experts between: step 0
+    is the node's own ranks (intra-node), step j >= 1 one other node's."""
+    network, capacity = b.network, b.capacity(load)
+    per_node, nodes = b.cluster.gpus_per_node, b.cluster.nodes
+    pair = b.pair_bytes(capacity, load.counts.shape[1])
+    steps = ([network.pairwise_intra_step(pair)] if per_node > 1 else [None]) + \
+        [network.pairwise_inter_step(pair) for _ in range(nodes - 1)]
+    rows = b.expert_rows(load, capacity)
+    share = 1.0 / nodes  # each step brings one node's tokens
+    sent = [b.collective(ALLTOALL, [s] if s is not None else [], deps, "alltoall", b.priority) for s in steps]
+    computed = [b.timeline.compute(COMPUTE, b.ffn_s(rows * share, backward), [s], "experts") for s in sent]
+    return [b.collective(ALLTOALL, [s] if s is not None else [], [c], "alltoall", b.priority)
+            for s, c in zip(steps, computed, strict=True)]
+
+
+def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+    """Tutel's r: r = 0 gathers every expert's weights and moves no token; r >= 1 sends each token
+    to r hidden blocks of its expert and gathers each block's weights over g = (W / E) / r ranks.
+    The forward gathers (the backward reuses the gathered copy) and the backward reduce-scatters
+    the weight gradients over the same group."""
+    r, world, m = b.plan.r, b.cluster.world_size, b.model
+    stored = m.experts * m.expert_parameters() * m.element_bytes / world  # weight bytes each rank stores
+    group = world if r == 0 else max(1, world // m.experts // r)
+    network = b.network
+    if not backward:
+        deps = [b.collective(ALLTOALL, network.allgather(stored, group), deps, "allgather", b.priority)]
+    if r == 0:
+        done = replicated_region(b, load, deps, backward)
+    else:
+        capacity = b.capacity(load)
+        pair = r * b.pair_bytes(capacity, load.counts.shape[1])
+        computed = b.timeline.compute(COMPUTE, b.ffn_s(b.expert_rows(load, capacity), backward),
+                                      [b.alltoall(pair, deps)], "experts")
+        done = [b.alltoall(pair, [computed])]
+    if backward and group > 1:
+        done = [b.collective(ALLTOALL, network.reducescatter(stored * group, group), done, "reducescatter")]
+    return done
+
+
+REGIONS = {"expert": expert_region, "replicated": replicated_region, "smart": smart_region,
+           "adaptive": adaptive_region}
+
+
+def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:
+    """The ``count`` experts with the most tokens (FasterMoE shadows the hottest)."""
+    return np.argsort(-load.counts.sum(axis=0), kind="stable")[:count]
+
+
+def shadowed_rows(load: LayerLoad, hot: np.ndarray) -> Times:
+    """Tokens each rank computes at home for the shadowed experts."""
+    own = load.counts[:, hot].sum(axis=1)
+    return own if np.ptp(own) > 0 else float(own[0])
