@@ -235,3 +235,22 @@ def test_joint_planner_ranks_every_mode_and_returns_the_fastest_first() -> None:
     exhaustive = min(simulate_step(cluster, MODEL, plan).step_s for plan in plans)
     assert [r.step_s for r in top] == sorted(r.step_s for r in top)
     assert top[0].step_s == pytest.approx(exhaustive, rel=0.05)  # the few-layer proxy finds the best
+
+
+def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import ClusterProfile
+    from moeflow.sim.calibrated import cluster_from_profile
+
+    fits = {"alltoall.intra_node": AlphaBeta(1e-4, 2e-10), "alltoall.inter_node": AlphaBeta(3e-4, 8e-9),
+            "ffn.forward": AlphaBeta(2e-5, 1e-11), "ffn.backward": AlphaBeta(4e-5, 2e-11)}
+    cluster = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
+    assert cluster.device.gemm_flops == pytest.approx(2e11) and cluster.device.backward_ratio == pytest.approx(2)
+    # one node's linear all-to-all of x bytes per rank, and one rank per node across nodes
+    x = 4e6
+    intra = Network(cluster.resized(1, 2)).alltoall("linear", x / 2)[0]
+    assert intra.alone_s == pytest.approx(fits["alltoall.intra_node"](x))
+    inter = Network(cluster.resized(2, 1)).alltoall("linear", x / 2)[0]
+    assert inter.alone_s == pytest.approx(fits["alltoall.inter_node"](x))
+    with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
+        cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))

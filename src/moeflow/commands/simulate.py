@@ -15,7 +15,7 @@ from moeflow.commands import fail, positive_int
 
 def add_parser(commands: Any) -> None:
     sim = commands.add_parser("simulate", help="simulate a training step or inference batch on a cluster profile")
-    sim.add_argument("--cluster", required=True,
+    sim.add_argument("--cluster", default=None,
                      help="a shipped profile's name (see --list), a TOML profile, or a moeflow calibrate JSON")
     sim.add_argument("--model", default=None, help="a shipped model's name or a TOML model file (default: moeflow's)")
     sim.add_argument("--list", action="store_true", help="print the shipped cluster and model profiles and exit")
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         print(json.dumps({"clusters": named_clusters(), "models": named_models()}))
         return 0
+    if args.cluster is None:
+        raise fail("simulate", "--cluster is required: a shipped profile (see --list), a TOML file or a calibrate JSON")
     try:
         cluster = load_cluster(args.cluster)
         if args.nodes or args.gpus_per_node:

@@ -142,10 +142,32 @@ def _positive(name: str, value: int, what: str) -> None:
         raise ValueError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
 
 
+def shipped_names(folder: str) -> list[str]:
+    """The TOML files shipped in ``moeflow/sim/<folder>``, by name."""
+    root = resources.files("moeflow.sim") / folder
+    if not root.is_dir():
+        return []
+    return sorted(p.name.removesuffix(".toml") for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def read_toml_source(name_or_path: str | Path, folder: str, what: str) -> tuple[str, str]:
+    """The text and origin of a TOML file given by path, or shipped in ``folder`` by name;
+    ``ClusterFileError`` (a ValueError) names what is missing and what exists."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ClusterFileError(f"no {what} at {path}; shipped: {', '.join(shipped_names(folder))}")
+        return path.read_text(), str(path)
+    if str(name_or_path) not in shipped_names(folder):
+        raise ClusterFileError(
+            f"unknown {what} {str(name_or_path)!r}; pass a TOML path or one of: {', '.join(shipped_names(folder))}"
+        )
+    return (resources.files("moeflow.sim") / folder / f"{name_or_path}.toml").read_text(), f"{name_or_path}.toml"
+
+
 def named_clusters() -> list[str]:
     """The profiles shipped with moeflow, by name."""
-    folder = resources.files("moeflow.sim") / "profiles"
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    return shipped_names("profiles")
 
 
 def load_cluster(name_or_path: str | Path) -> Cluster:
@@ -156,13 +178,4 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
         from moeflow.sim.calibrated import cluster_from_profile
 
         return cluster_from_profile(ClusterProfile.load(path), path.stem)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise ClusterFileError(f"no cluster profile at {path}; named profiles: {', '.join(named_clusters())}")
-        return cluster_from_toml(path.read_text(), str(path))
-    if str(name_or_path) not in named_clusters():
-        raise ClusterFileError(
-            f"unknown cluster {str(name_or_path)!r}; pass a TOML path or one of: {', '.join(named_clusters())}"
-        )
-    shipped = resources.files("moeflow.sim") / "profiles" / f"{name_or_path}.toml"
-    return cluster_from_toml(shipped.read_text(), f"{name_or_path}.toml")
+    return cluster_from_toml(*read_toml_source(name_or_path, "profiles", "cluster"))

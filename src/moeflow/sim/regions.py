@@ -14,6 +14,7 @@ stay home, and only the rest travel (their gradients are all-reduced in the back
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -86,8 +87,8 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     return done
 
 
-REGIONS = {"expert": expert_region, "replicated": replicated_region, "smart": smart_region,
-           "adaptive": adaptive_region}
+REGIONS = MappingProxyType({"expert": expert_region, "replicated": replicated_region, "smart": smart_region,
+                            "adaptive": adaptive_region})
 
 
 def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:

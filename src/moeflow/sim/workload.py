@@ -11,13 +11,13 @@ import json
 import math
 import tomllib
 from dataclasses import dataclass, fields, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moeflow.capacity import expert_capacity
+from moeflow.sim.cluster import read_toml_source, shipped_names
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -69,26 +69,14 @@ class ModelSpec:
 
 def named_models() -> list[str]:
     """The model files shipped with moeflow (the papers' models), by name."""
-    folder = resources.files("moeflow.sim") / "models"
-    if not folder.is_dir():
-        return []
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    return shipped_names("models")
 
 
 def load_model(name_or_path: str | Path | None) -> ModelSpec:
     """A shipped model by name, a TOML file by path, or (None) the defaults of :class:`ModelSpec`."""
     if name_or_path is None:
         return ModelSpec()
-    path = Path(name_or_path)
-    if path.suffix == ".toml" or path.exists():
-        if not path.is_file():
-            raise ValueError(f"no model file at {path}; shipped models: {', '.join(named_models())}")
-        return model_from_toml(path.read_text(), str(path))
-    if str(name_or_path) not in named_models():
-        raise ValueError(
-            f"unknown model {str(name_or_path)!r}; pass a TOML path or one of: {', '.join(named_models())}")
-    shipped = resources.files("moeflow.sim") / "models" / f"{name_or_path}.toml"
-    return model_from_toml(shipped.read_text(), f"{name_or_path}.toml")
+    return model_from_toml(*read_toml_source(name_or_path, "models", "model"))
 
 
 def model_from_toml(text: str, origin: str = "<string>") -> ModelSpec:
