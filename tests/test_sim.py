@@ -254,3 +254,15 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
     assert inter.alone_s == pytest.approx(fits["alltoall.inter_node"](x))
     with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
         cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))
+
+
+def test_scaling_report_walks_both_axes_and_fits_exponents() -> None:
+    from moeflow.sim.scaling import growth_exponents, scaling_runs
+
+    records = list(scaling_runs(toy(), MODEL, StepPlan(), nodes=(1, 2, 4), layers=(1, 2, 4)))
+    assert [(r["ranks"], r["layers"]) for r in records] == [(4, 4), (8, 4), (16, 4), (16, 1), (16, 2)]
+    assert all(r["operations"] > 0 for r in records)
+    fake = [{"ranks": w, "layers": 4, "wall_s": w * 0.01} for w in (4, 8, 16)] + \
+        [{"ranks": 16, "layers": n, "wall_s": 0.04 * n} for n in (1, 2)]
+    slopes = growth_exponents(fake)
+    assert slopes["ranks"] == pytest.approx(1.0) and slopes["layers"] == pytest.approx(1.0)

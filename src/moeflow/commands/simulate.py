@@ -36,6 +36,8 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--prioritize-alltoall", action="store_true",
                      help="all-to-alls take the links before the gradient all-reduce (Lina)")
     sim.add_argument("--inference", action="store_true", help="one forward batch instead of a training step")
+    sim.add_argument("--scaling", action="store_true",
+                     help="time the simulator itself at 4..256 nodes and 8..64 layers for the first plan")
     sim.set_defaults(func=run)
 
 
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
                      _words(args.schedule), [_degree(d) for d in _words(args.degree)], _words(args.algorithm))]
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("simulate", error) from None
+    if args.scaling:
+        return _scaling(cluster, model, plans[0])
     results = [_simulate(cluster, model, plan, not args.inference) for plan in _unique(plans)]
     best = min(results, key=lambda r: r["step_ms"])
     print(f"# {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} ranks, {model.name} "
@@ -80,6 +84,21 @@ def _simulate(cluster: Any, model: Any, plan: Any, training: bool) -> dict[str, 
               "training": training, **result.to_dict(), "wall_s": round(time.perf_counter() - began, 3)}
     print(json.dumps(_rounded(record)), flush=True)
     return record
+
+
+def _scaling(cluster: Any, model: Any, plan: Any) -> int:
+    from moeflow.sim.scaling import growth_exponents, scaling_runs
+
+    records = []
+    for record in scaling_runs(cluster, model, plan):
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    largest = max(records, key=lambda r: (r["ranks"], r["layers"]))
+    slopes = growth_exponents(records)
+    print(json.dumps({"summary": "sim-speed", "largest_ranks": largest["ranks"], "largest_layers": largest["layers"],
+                      "largest_wall_s": largest["wall_s"], "exponent_ranks": round(slopes["ranks"], 3),
+                      "exponent_layers": round(slopes["layers"], 3)}))
+    return 0
 
 
 def _rounded(value: Any) -> Any:
