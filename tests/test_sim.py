@@ -266,3 +266,23 @@ def test_scaling_report_walks_both_axes_and_fits_exponents() -> None:
         [{"ranks": 16, "layers": n, "wall_s": 0.04 * n} for n in (1, 2)]
     slopes = growth_exponents(fake)
     assert slopes["ranks"] == pytest.approx(1.0) and slopes["layers"] == pytest.approx(1.0)
+
+
+def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tmp_path) -> None:
+    from moeflow.bench.sim_validation import compare, summarize
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import ClusterProfile
+
+    path = tmp_path / "profile.json"
+    ClusterProfile(nodes=2, ranks_per_node=1, fits={"alltoall.inter_node": AlphaBeta(1e-3, 8e-9),
+                                                     "ffn.forward": AlphaBeta(1e-4, 5e-11)}).save(path)
+    point = {"tokens": 1024, "model_dim": 256, "hidden_dim": 512, "experts_per_rank": 2, "top_k": 2}
+    measured = [{"bench": "pipeline", "config": "c", **point, "setting": s, "layer_ms": ms}
+                for s, ms in (("d1-linear", 40.0), ("d2-linear", 30.0), ("auto", 1.0))]
+    records = compare([*measured, {"bench": "pipeline-ideal"}], path, "2x1", 1.0)
+    assert [r["setting"] for r in records] == ["d1-linear", "d2-linear"]  # the fixed settings only
+    assert all(r["simulated_ms"] > 0 and r["error"] == pytest.approx(r["simulated_ms"] / r["measured_ms"] - 1,
+                                                                      abs=1e-3) for r in records)
+    summary = summarize(records)
+    picked = min(records, key=lambda r: r["simulated_ms"])
+    assert summary["max_regret"] == pytest.approx(picked["measured_ms"] / 30.0 - 1)

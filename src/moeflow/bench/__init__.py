@@ -67,10 +67,11 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
 
 def run_on_cluster(
     module: str, name: str, grid: list[Any], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None, master_port: int, timeout_s: float, calibrate: bool = True,
+    profile: str | None, master_port: int, timeout_s: float, calibrate: bool = True, save_profile: str | None = None,
 ) -> list[dict[str, Any]]:
     """Launch an emulated cluster that runs ``python -m module`` as every rank over a grid of
-    dataclass points (calibrating first unless ``profile`` is given or ``calibrate`` is off);
+    dataclass points (calibrating first, into ``save_profile`` when given, unless ``profile`` is given
+    or ``calibrate`` is off);
     return rank 0's records, printed as they come."""
     import json
     import os
@@ -88,7 +89,7 @@ def run_on_cluster(
         elif profile:
             command += ["--profile", profile]
         else:
-            command += ["--save-profile", os.path.join(folder, "profile.json")]
+            command += ["--save-profile", save_profile or os.path.join(folder, "profile.json")]
         sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
         code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
                       timeout_s=timeout_s, sink=sink)

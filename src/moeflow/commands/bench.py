@@ -13,7 +13,7 @@ def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_contention,
-                _add_train, _add_generate, _add_lina_inference):
+                _add_train, _add_generate, _add_lina_inference, _add_simulator):
         add(benches)
 
 
@@ -462,5 +462,43 @@ def run_lina_inference(args: argparse.Namespace) -> int:
         from moeflow.bench.lina_plot import plot_lina_inference
 
         plot_lina_inference(records, args.plot)
+    print_json(summarize(records))
+    return 0
+
+
+def _add_simulator(benches: Any) -> None:
+    sim = benches.add_parser(
+        "simulator", help="the simulator's MoE layer times against measurement on emulated clusters (needs root)",
+        description="Per layout and bandwidth: calibrate, measure every fixed (degree, all-to-all) of bench "
+        "pipeline, simulate the same on the calibrated profile's twin; errors and the simulator's plan regret.",
+    )
+    sim.add_argument("--layouts", default="2x1,2x2", help="nodes x ranks per node, comma list (default 2x1,2x2)")
+    sim.add_argument("--bandwidths", default="0.5,1,2", help="inter-node Gbit/s, comma list (default 0.5,1,2)")
+    sim.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
+    sim.add_argument("--profiles", default=None, help="folder that keeps the calibrated profiles (default: temporary)")
+    sim.set_defaults(func=run_simulator)
+
+
+def run_simulator(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from moeflow.bench import print_json
+    from moeflow.bench.sim_validation import GRID, run, summarize
+    from moeflow.testbed import ClusterError
+
+    require_testbed("bench simulator")
+    try:
+        layouts = tuple(tuple(int(n) for n in word.split("x")) for word in args.layouts.split(","))
+        bandwidths = tuple(float(word) for word in args.bandwidths.split(","))
+    except ValueError:
+        raise fail("bench simulator", "--layouts takes NxG,NxG (e.g. 2x1,2x2) and --bandwidths numbers") from None
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(args.profiles or scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json)
+        except (ClusterError, RuntimeError) as error:
+            raise fail("bench simulator", error) from None
     print_json(summarize(records))
     return 0

@@ -84,9 +84,11 @@ class StepResult:
 class StepBuilder:
     """Writes the operations of one step for one (cluster, model, plan)."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, plan: StepPlan, training: bool = True) -> None:
+    def __init__(self, cluster: Cluster, model: ModelSpec, plan: StepPlan, training: bool = True,
+                 layer_only: bool = False) -> None:
         _check_layout(cluster, model, plan)
         self.cluster, self.model, self.plan, self.training = cluster, model, plan, training
+        self.layer_only = layer_only  # the MoE layers alone: no attention, gradient all-reduce or optimizer
         self.network = Network(cluster)
         self.timeline = Timeline(cluster.world_size)
         self.device = cluster.device
@@ -171,7 +173,10 @@ class StepBuilder:
         synced = []
         for load in reversed(loads):
             tail = [self._layer(load, tail, backward=True)]
-            synced.append(self.allreduce(self._gradient_bytes(), tail))
+            if not self.layer_only:
+                synced.append(self.allreduce(self._gradient_bytes(), tail))
+        if self.layer_only:
+            return self.timeline
         m = self.model
         params = m.layers * (m.dense_parameters() + self._expert_parameters_per_rank())
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")
@@ -181,7 +186,7 @@ class StepBuilder:
         """Attention and gate (forward order; the backward runs them after the experts)."""
         m = self.model
         buffer = m.experts * self.capacity(load) * m.model_dim * m.element_bytes
-        attention = self.gemm_s(self._attention_flops(), kernels=6, backward=backward)
+        attention = 0.0 if self.layer_only else self.gemm_s(self._attention_flops(), kernels=6, backward=backward)
         gate = self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
             self.memory_s(buffer + m.tokens_per_rank * m.model_dim * m.element_bytes, 2)
         if not backward:
@@ -240,11 +245,12 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
 
 
 def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = None, training: bool = True,
-                  loads: list[LayerLoad] | None = None) -> StepResult:
-    """Simulate one training step (``training``) or one inference batch; the slowest rank's time."""
+                  loads: list[LayerLoad] | None = None, layer_only: bool = False) -> StepResult:
+    """Simulate one training step (``training``) or one inference batch; the slowest rank's time.
+    ``layer_only``: the MoE layers alone (what a layer benchmark measures)."""
     plan = plan or StepPlan()
     loads = routing_loads(model, cluster.world_size) if loads is None else loads
-    builder = StepBuilder(cluster, model, plan, training)
+    builder = StepBuilder(cluster, model, plan, training, layer_only)
     timeline = builder.build(loads).run()
     dropped = sum(load.dropped(model) for load in loads)
     return StepResult(plan, timeline.makespan(), timeline.busy(), dropped, len(timeline.ops))
