@@ -286,3 +286,15 @@ def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tm
     summary = summarize(records)
     picked = min(records, key=lambda r: r["simulated_ms"])
     assert summary["max_regret"] == pytest.approx(picked["measured_ms"] / 30.0 - 1)
+
+
+def test_plan_command_runs_the_joint_planner_and_needs_one_source(capsys) -> None:
+    from moeflow.cli import main
+
+    assert main(["plan", "--cluster", "fastermoe-johnny", "--model", "fastermoe-gpt", "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[0].startswith('{"rank": 1') and "best plan" in lines[-1]
+    with pytest.raises(SystemExit, match=r"pass --profile .* or --cluster"):
+        main(["plan"])
+    with pytest.raises(SystemExit, match="unknown model 'nope'"):
+        main(["plan", "--cluster", "lina-a100", "--model", "nope"])
