@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -254,6 +255,33 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
     assert inter.alone_s == pytest.approx(fits["alltoall.inter_node"](x))
     with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
         cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))
+
+
+def test_twin_scales_each_alltoall_algorithm_to_its_own_fit_and_slows_overlapped_experts() -> None:
+    """gloo's linear exchange runs at about half the link's rate here: the twin reads each
+    algorithm's slowdown off its fit, and the calibrated interference off the profile."""
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import ClusterProfile
+    from moeflow.sim.calibrated import cluster_from_profile
+
+    link = AlphaBeta(0.0, 8e-9)
+    fits = {"alltoall.inter_node": link, "alltoall.linear": AlphaBeta(0.0, 16e-9),
+            "alltoall.pairwise": AlphaBeta(0.0, 8e-9), "ffn.forward": AlphaBeta(0.0, 1e-11)}
+    twin = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits, interference=1.25))
+    assert twin.alltoall_scale == pytest.approx({"linear": 2.0, "pairwise": 1.0})  # only fitted algorithms
+    x = 4e6
+    network = Network(twin)
+    assert network.alltoall("linear", x / 2)[0].alone_s == pytest.approx(2 * link(x))
+    assert sum(s.alone_s for s in network.alltoall("pairwise", x / 2)) == pytest.approx(link(x))
+    model = MODEL.with_overrides(layers=1)
+    plain = replace(twin, device=replace(twin.device, overlap_slowdown=1.0))
+    for degree, slowdown in ((1, 1.0), (2, 1.25)):
+        experts = [simulate_step(c, model, StepPlan(degree=degree), layer_only=True).busy_s["experts"]
+                   for c in (plain, twin)]
+        assert experts[1] == pytest.approx(slowdown * experts[0])
+    with pytest.raises(ClusterFileError, match=r"alltoall_scale\.ring is not an all-to-all algorithm"):
+        cluster_from_toml(GOOD_PROFILE + "[alltoall_scale]\nring = 2.0\n")
+    assert cluster_from_toml(GOOD_PROFILE + "[alltoall_scale]\nlinear = 2.0\n").alltoall_scale == {"linear": 2.0}
 
 
 def test_scaling_report_walks_both_axes_and_fits_exponents() -> None:

@@ -1,16 +1,26 @@
 """The simulated twin of a calibrated cluster: link and device rates read off the alpha-beta fits
 that ``moeflow calibrate`` measured, so that the simulator can be checked against the machine.
 
-Only the primitive fits are used (one linear all-to-all inside a node, one across nodes, the expert
-FFN, the GEMM); the fits of the composite algorithms (2DH, pairwise, all-reduce) are left for the
-validation to compare against, so agreement there is a prediction and not a copy.
+The links come from the primitive fits (one linear all-to-all inside a node, one across nodes), the
+device from the expert FFN's and the GEMM's. Each all-to-all algorithm's own fit then gives its
+``alltoall_scale``: how much slower than the links that implementation runs (gloo's linear exchange
+reaches about half the link's rate here, pairwise nearly all of it). The all-reduce and gather fits
+are left for the validation to compare against, and the layer's and step's times (pipelining,
+overlap, compute) are a prediction, not a copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from moeflow.config import ALLTOALL_ALGORITHMS
 from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import ClusterProfile
 from moeflow.sim.cluster import Cluster, Device, Link
+from moeflow.sim.network import LocalCopy, Network
+
+PROBE_BYTES = 1 << 20
+"""Per-rank buffer at which an algorithm's ideal slope is read (the network model is linear in bytes)."""
 
 ASSUMED_MEMORY_BANDWIDTH = 10e9
 """Bytes/s of encode, decode and layout copies: calibration does not measure it; a CPU socket's
@@ -31,14 +41,35 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
         "inter_node": "fit alltoall.inter_node: bandwidth (n - 1) / (n beta), latency alpha" if inter else
         "one node: no inter-node link (copied from intra_node, never used)",
         "device": "fits ffn.forward / ffn.backward (x = m M H projections, 2 FLOPs each) and gemm's alpha",
+        "device.overlap_slowdown": "the profile's interference: a GEMM's slowdown under an all-to-all in flight",
         "device.memory_bandwidth": f"not calibrated: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:g} GB/s",
     }
-    return Cluster(
+    twin = Cluster(
         name=name, nodes=nodes, gpus_per_node=per_node, device=_device(profile),
         intra=intra or inter, nic=inter or intra, nics_per_node=1,
         description=f"calibrated: {nodes} node(s) x {per_node} rank(s), {profile.machine.get('host', '')}".strip(),
         sources=sources,
     )
+    scale = alltoall_scales(twin, profile)
+    sources["alltoall_scale"] = "fit alltoall.<algorithm>'s slope over the twin's ideal slope: " + \
+        ", ".join(f"{k} {v:.2f}" for k, v in scale.items())
+    return replace(twin, alltoall_scale=scale)
+
+
+def alltoall_scales(twin: Cluster, profile: ClusterProfile) -> dict[str, float]:
+    """Per algorithm with a fit: its measured seconds per byte over what the twin's links give
+    (copies between phases are not scaled, so they are taken off the measured slope first)."""
+    network, out = Network(twin), {}
+    for algorithm in ALLTOALL_ALGORITHMS:
+        fit = profile.fits.get(f"alltoall.{algorithm}")
+        if fit is None or fit.beta <= 0 or twin.world_size < 2:
+            continue
+        steps = network.alltoall(algorithm, PROBE_BYTES / twin.world_size)
+        copies = sum(2 * s.bytes_per_rank / twin.device.memory_bandwidth for s in steps if isinstance(s, LocalCopy))
+        links = sum(float(s.work.max(initial=0.0)) for s in steps if not isinstance(s, LocalCopy))
+        if links > 0:
+            out[algorithm] = max(fit.beta * PROBE_BYTES - copies, 0.1 * links) / links
+    return out
 
 
 def _link(fit: AlphaBeta | None, group: int) -> Link | None:
@@ -61,4 +92,5 @@ def _device(profile: ClusterProfile) -> Device:
     else:
         raise ValueError("the profile has neither ffn.forward nor gemm fits; re-run moeflow calibrate")
     return Device(name=str(profile.machine.get("processor", "calibrated")), gemm_flops=rate,
-                  kernel_overhead_s=overhead, memory_bandwidth=ASSUMED_MEMORY_BANDWIDTH, backward_ratio=ratio)
+                  kernel_overhead_s=overhead, memory_bandwidth=ASSUMED_MEMORY_BANDWIDTH, backward_ratio=ratio,
+                  overlap_slowdown=max(profile.interference, 1.0))

@@ -20,13 +20,16 @@ MICRO = 1e-6
 @dataclass(frozen=True)
 class Device:
     """One accelerator: achieved GEMM rate, fixed cost per kernel, memory bandwidth (encode, decode,
-    layout copies, optimizer), and the backward's FLOPs over the forward's."""
+    layout copies, optimizer), the backward's FLOPs over the forward's, and how much slower expert
+    compute runs while its rank's all-to-all is in flight (communication kernels take SMs and
+    memory bandwidth on a GPU, the transport's copies take the core of a CPU rank)."""
 
     name: str
     gemm_flops: float
     kernel_overhead_s: float
     memory_bandwidth: float
     backward_ratio: float = 2.0
+    overlap_slowdown: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class Cluster:
     nics_per_node: int = 1
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
+    alltoall_scale: dict[str, float] = field(default_factory=dict)
+    """Per all-to-all algorithm, its link time over the ideal (1 when absent): an implementation
+    that reaches half the links' rate (gloo's linear exchange does here) has 2."""
 
     @property
     def world_size(self) -> int:
@@ -85,7 +91,7 @@ FIELDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     # table: (key, unit scale, required)
     "topology": (("nodes", 1, True), ("gpus_per_node", 1, True)),
     "device": (("gemm_tflops", 1e12, True), ("kernel_overhead_us", MICRO, True),
-               ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False)),
+               ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False), ("overlap_slowdown", 1, False)),
     "intra_node": (("bandwidth_gbit_s", GBIT, True), ("latency_us", MICRO, True), ("message_overhead_us", MICRO, True)),
     "inter_node": (("nic_bandwidth_gbit_s", GBIT, True), ("nics_per_node", 1, False), ("latency_us", MICRO, True),
                    ("message_overhead_us", MICRO, True)),
@@ -105,12 +111,31 @@ def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
         name=str(data.get("name", Path(origin).stem)), nodes=int(values["topology"]["nodes"]),
         gpus_per_node=int(values["topology"]["gpus_per_node"]),
         device=Device(str(data.get("device", {}).get("name", "")), device["gemm_tflops"], device["kernel_overhead_us"],
-                      device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0)),
+                      device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0),
+                      device.get("overlap_slowdown", 1.0)),
         intra=Link(intra["bandwidth_gbit_s"], intra["latency_us"], intra["message_overhead_us"]),
         nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
         nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),
         sources={str(k): str(v) for k, v in data.get("sources", {}).items()},
+        alltoall_scale=_alltoall_scale(data, origin),
     )
+
+
+def _alltoall_scale(data: dict[str, Any], origin: str) -> dict[str, float]:
+    """The optional ``[alltoall_scale]`` table: a positive number per known algorithm."""
+    from moeflow.config import ALLTOALL_ALGORITHMS
+
+    section = data.get("alltoall_scale", {})
+    if not isinstance(section, dict):
+        raise ClusterFileError(f"cluster profile {origin}: alltoall_scale must be a table")
+    for key, value in section.items():
+        if key not in ALLTOALL_ALGORITHMS:
+            raise ClusterFileError(f"cluster profile {origin}: alltoall_scale.{key} is not an all-to-all algorithm; "
+                                   f"use {', '.join(ALLTOALL_ALGORITHMS)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ClusterFileError(
+                f"cluster profile {origin}: alltoall_scale.{key} must be a number > 0, got {value!r}")
+    return {str(k): float(v) for k, v in section.items()}
 
 
 def _table(data: dict[str, Any], table: str, origin: str) -> dict[str, float]:

@@ -44,6 +44,13 @@ class LocalCopy:
 Step = Transfer | LocalCopy
 
 
+def _scaled(step: Step, scale: float) -> Step:
+    """A transfer whose link time is ``scale`` times the ideal (the cluster's ``alltoall_scale``)."""
+    if scale == 1.0 or not isinstance(step, Transfer):
+        return step
+    return Transfer(step.work * scale, step.latency_s, step.name)
+
+
 class Network:
     """Transfers of the collectives moeflow runs, on one cluster."""
 
@@ -80,6 +87,14 @@ class Network:
         matrix of a skewed one."""
         if self.world == 1:
             return []
+        return self.scaled(algorithm, self._alltoall_steps(algorithm, pair_bytes))
+
+    def scaled(self, algorithm: str, steps: list[Step]) -> list[Step]:
+        """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``alltoall_scale``)."""
+        scale = self.cluster.alltoall_scale.get(algorithm, 1.0)
+        return [_scaled(step, scale) for step in steps]
+
+    def _alltoall_steps(self, algorithm: str, pair_bytes: float | np.ndarray) -> list[Step]:
         matrix = None if np.isscalar(pair_bytes) else np.asarray(pair_bytes, dtype=np.float64)
         if algorithm == "linear" or (algorithm == "2dh" and (self.nodes == 1 or self.per_node == 1)):
             return [self._linear(pair_bytes, matrix)]

@@ -36,8 +36,9 @@ def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bo
     rows = b.expert_rows(load, capacity)
     travelling = load.counts.shape[1]
     dispatched = [b.alltoall(b.pair_bytes(chunk, travelling), deps) for chunk in chunks]
-    computed = [b.timeline.compute(COMPUTE, b.ffn_s(rows * (chunk / max(capacity, 1)), backward), [d], "experts")
-                for chunk, d in zip(chunks, dispatched, strict=True)]
+    slowdown = b.device.overlap_slowdown if len(chunks) > 1 else 1.0  # chunks overlap the next dispatch
+    computed = [b.timeline.compute(COMPUTE, slowdown * b.ffn_s(rows * (chunk / max(capacity, 1)), backward), [d],
+                                   "experts") for chunk, d in zip(chunks, dispatched, strict=True)]
     return [b.alltoall(b.pair_bytes(chunk, travelling), [c]) for chunk, c in zip(chunks, computed, strict=True)]
 
 
@@ -53,12 +54,13 @@ def smart_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: boo
     network, capacity = b.network, b.capacity(load)
     per_node, nodes = b.cluster.gpus_per_node, b.cluster.nodes
     pair = b.pair_bytes(capacity, load.counts.shape[1])
-    steps = ([network.pairwise_intra_step(pair)] if per_node > 1 else [None]) + \
-        [network.pairwise_inter_step(pair) for _ in range(nodes - 1)]
+    inter = network.scaled("pairwise", [network.pairwise_inter_step(pair)]) * (nodes - 1)
+    steps = (network.scaled("pairwise", [network.pairwise_intra_step(pair)]) if per_node > 1 else [None]) + inter
     rows = b.expert_rows(load, capacity)
     share = 1.0 / nodes  # each step brings one node's tokens
     sent = [b.collective(ALLTOALL, [s] if s is not None else [], deps, "alltoall", b.priority) for s in steps]
-    computed = [b.timeline.compute(COMPUTE, b.ffn_s(rows * share, backward), [s], "experts") for s in sent]
+    slowdown = b.device.overlap_slowdown if nodes > 1 else 1.0  # step j's experts overlap step j + 1
+    computed = [b.timeline.compute(COMPUTE, slowdown * b.ffn_s(rows * share, backward), [s], "experts") for s in sent]
     return [b.collective(ALLTOALL, [s] if s is not None else [], [c], "alltoall", b.priority)
             for s, c in zip(steps, computed, strict=True)]
 
