@@ -159,3 +159,36 @@ def test_a_pipelined_plan_must_beat_the_simpler_ones_by_the_margin() -> None:
     assert simplest_within(plans, [1.00, 0.90, 0.89], 0.05) == plans[1]  # d=2 gains; d=8 adds nothing
     assert simplest_within(plans, [1.00, 0.90, 0.80], 0.05) == plans[2]
     assert simplest_within(plans, [1.00, 0.97, 0.96], 0.0) == plans[2]  # no margin: the fastest
+
+
+def test_a_restored_planner_makes_the_choices_the_interrupted_one_would_have_made() -> None:
+    """The checkpoint holds the planner's dictionary and its searches in progress: a planner
+    restored from :meth:`state_dict` (through JSON, as the trainer writes it) continues exactly."""
+    import json
+
+    from moeflow.perf.pipeline import RegionShape
+    from moeflow.planner import PipelinePlanner
+
+    def planner() -> PipelinePlanner:
+        return PipelinePlanner("search", ("linear", "pairwise"), None, reduce_max=list)
+
+    def drive(p: PipelinePlanner, shapes: list[RegionShape]) -> list[tuple[str, int, str]]:
+        choices = []
+        for shape in shapes:
+            choice, timing = p.choose(shape, backward=True)
+            timing.forward_s = 1.0 / choice.plan.degree + (0.3 if choice.plan.algorithm == "linear" else 0.0)
+            choices.append((choice.source, choice.plan.degree, choice.plan.algorithm))
+        return choices
+
+    small, large = (RegionShape(8, 2, capacity, 16, 32) for capacity in (64, 1024))
+    shapes = [small] * 30 + [large] * 12 + [small] * 3 + [large] * 30
+    uninterrupted = drive(planner(), shapes)
+    interrupted = planner()
+    before = drive(interrupted, shapes[:42])  # the small key decided, the large key's search half done
+    assert interrupted.dictionary and interrupted._searches
+    restored = planner()
+    restored.load_state_dict(json.loads(json.dumps(interrupted.state_dict())))
+    after = drive(restored, shapes[42:])
+    assert before + after == uninterrupted
+    assert drive(planner(), shapes[42:]) != after  # without the state, the searches start over
+    assert restored.dictionary[1024 // 128].degree == 8

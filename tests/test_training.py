@@ -190,6 +190,9 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
     uninterrupted, resumed = losses(two_worker_run), losses(tmp_path / "resumed")
     assert list(resumed) == list(range(1, 13))  # no step twice in metrics.jsonl
     assert resumed == uninterrupted  # bit for bit
+    state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
+    assert len(state["planners"]) == TINY["layers"] // TINY.get("moe_every", 1) and \
+        all(set(p) == {"dictionary", "searches"} for p in state["planners"])  # the planners' state travels
 
 
 @pytest.mark.distributed

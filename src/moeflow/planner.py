@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
@@ -169,6 +170,22 @@ class PipelinePlanner:
         best = self._finish_search(key, search)
         return self._with_prediction(best, "dictionary", key, shape, backward), timing
 
+    # -- checkpointing ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the planner has decided and measured so far, as JSON: the dictionary of best plans
+        and the searches in progress (candidates, trials issued, finished trial times), so a resumed
+        run makes the choices the interrupted one would have made."""
+        return {
+            "dictionary": {str(key): asdict(plan) for key, plan in self.dictionary.items()},
+            "searches": {str(key): _search_state(search) for key, search in self._searches.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the cost-model cache rebuilds itself)."""
+        self.dictionary = {int(key): Plan(**plan) for key, plan in state.get("dictionary", {}).items()}
+        self._searches = {int(key): _restored_search(search) for key, search in state.get("searches", {}).items()}
+
     # -- internals ------------------------------------------------------------------------------
 
     def _candidates(self, shape: RegionShape, backward: bool, degrees: tuple[int, ...] | None) -> list[Plan]:
@@ -247,6 +264,22 @@ class PipelinePlanner:
             plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
             prediction.gradient_sync_s if backward else None,
         )
+
+
+def _search_state(search: _Search) -> dict[str, Any]:
+    return {"candidates": [asdict(p) for p in search.candidates], "trials": search.trials, "issued": search.issued,
+            "seconds": [[t.total_s for t in timings] for timings in search.timings],
+            "held_back": [asdict(p) for p in search.held_back], "interior_rs": list(search.interior_rs)}
+
+
+def _restored_search(state: dict[str, Any]) -> _Search:
+    """A search as saved; a finished trial's time comes back as its total (all the search reads)."""
+    search = _Search([Plan(**p) for p in state["candidates"]], int(state["trials"]))
+    search.timings = [[PipelineTiming(forward_s=float(t)) for t in times] for times in state["seconds"]]
+    search.issued = int(state["issued"])
+    search.held_back = [Plan(**p) for p in state.get("held_back", [])]
+    search.interior_rs = tuple(int(r) for r in state.get("interior_rs", []))
+    return search
 
 
 def ternary_next_r(interior: Sequence[int], measured: dict[int, float]) -> int | None:

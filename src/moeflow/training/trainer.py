@@ -397,6 +397,8 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         if rebalancer is not None:
             rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
     packer = _packer(config, model, optimizer, state)
+    for layer, planned in zip(model.moe_layers(), (state or {}).get("planners", []), strict=False):
+        layer.planner.load_state_dict(planned)  # the same plans as the interrupted run: bit-exact under auto
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
@@ -544,7 +546,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
             write_timeline(Path(run.job.run_dir) / TIMELINE, step, run.last_timeline)
     if step % config.checkpoint_interval == 0 or step == last_step:
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
-                 "loss": run.last_loss, "val_loss": run.val_loss}
+                 "loss": run.last_loss, "val_loss": run.val_loss,
+                 "planners": [layer.planner.state_dict() for layer in run.model.moe_layers()]}
         if run.rebalancer is not None:
             state["rebalancer"] = run.rebalancer.state()
         if run.packer is not None:
