@@ -326,3 +326,53 @@ def test_plan_command_runs_the_joint_planner_and_needs_one_source(capsys) -> Non
         main(["plan"])
     with pytest.raises(SystemExit, match="unknown model 'nope'"):
         main(["plan", "--cluster", "lina-a100", "--model", "nope"])
+
+
+def test_paper_trends_put_simulated_cells_beside_the_published_ones(tmp_path) -> None:
+    """Lina's contention comes out of the link model (no constant): backward all-to-alls beside the
+    gradient all-reduce are slower than served first; FasterMoE's shadowing speeds up skewed GPTs."""
+    from moeflow.bench.paper_trends import fastermoe_fig13, lina_contention, plot, summarize
+
+    lina = {r["cell"]: r for r in lina_contention()}
+    median, worst = (lina[f"{k} backward all-to-all slowdown"]["simulated"] for k in ("median", "worst"))
+    assert 1.0 <= median <= worst and worst > 1.5 and lina["step speedup, priority alone (average)"]["simulated"] > 1
+    assert 1.5 < lina["median slowdown of those"]["simulated"] <= 2.0 + 1e-6  # two flows share the NIC
+    assert 0 < lina["share of backward all-to-alls beside an all-reduce"]["simulated"] < 1
+    assert all(r["simulated_over_published"] == pytest.approx(r["simulated"] / r["published"], rel=1e-2)
+               for r in lina.values() if r["published"])
+    faster = list(fastermoe_fig13())
+    assert all(r["simulated"] > 1.0 for r in faster if "shadowing" in r["cell"])
+    assert [r["published"] for r in faster if r["published"]] == [1.95, 1.40, 2.20]
+    summary = summarize([*lina.values(), *faster])
+    assert summary["tables"]["lina section 2.2"]["cells"] == 2 and "parm-table4" in summary["not_modelled"]
+    assert [p.name for p in plot([*lina.values(), *faster], tmp_path)] == [
+        "papers-lina-section22.png", "papers-lina-section72.png", "papers-fastermoe-fig13.png"]
+
+
+def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
+    """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
+    profile without all-to-all link fits keeps the cost model's ranking."""
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+    from moeflow.perf.pipeline import RegionShape
+    from moeflow.planner import PipelinePlanner
+    from moeflow.sim.layer_ranking import region_model, step_plan
+
+    fits = {"gemm": AlphaBeta(2e-5, 1.3e-11), "ffn.forward": AlphaBeta(1e-4, 1.3e-11),
+            "ffn.backward": AlphaBeta(2e-4, 2.6e-11), "alltoall.inter_node": AlphaBeta(0.0, 8e-9),
+            "alltoall.linear": AlphaBeta(0.0, 16e-9), "alltoall.pairwise": AlphaBeta(1e-4, 8e-9)}
+    profile = ClusterProfile(nodes=2, ranks_per_node=1, fits=fits)
+    shape = RegionShape(8, 2, 512, 256, 512)
+    assert region_model(shape).tokens_per_rank * region_model(shape).top_k // 8 == 512  # the capacity
+    planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list)
+    assert planner._simulator is not None
+    ranked = planner._simulated(shape, range(1, 17), backward=True)
+    twin = planner._simulator.twin
+    seconds = [simulate_step(twin, region_model(shape), step_plan(p), layer_only=True).step_s for p, _ in ranked]
+    assert seconds == sorted(seconds) and ranked[0][0].algorithm == "pairwise"  # half the linear's link time
+    planner.choose(shape, backward=True)  # the untimed warm-up opens the search
+    (search,) = planner._searches.values()
+    assert search.candidates[:3] == [p for p, _ in ranked[:3]]
+    links_only = {k: v for k, v in fits.items() if k != "alltoall.inter_node"}
+    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(replace(profile, fits=links_only)),
+                               reduce_max=list)
+    assert fallback._simulator is None and fallback._simulated(shape, range(1, 17), True) is None

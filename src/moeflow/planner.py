@@ -11,8 +11,10 @@ Policies (``pipeline=``):
   those within ``min_gain`` (5 %) of the fastest. Trials are a few noisy medians, and a pipelined
   plan whose measured gain is inside that noise costs more than it saves (on two gloo ranks over
   loopback, trial noise picked d=2 or d=8 where d=1 ran 5-15 % faster).
-- ``"auto"`` (default): the model ranks the candidates and only its top few are timed online, as in
-  ``search``; without a usable profile it is ``search``.
+- ``"auto"`` (default): the candidates are ranked and only the top few are timed online, as in
+  ``search``. The ranking is the simulator's on the profile's twin (:mod:`moeflow.sim.layer_ranking`)
+  where the profile can make one and the schedule is simulated, else the cost model's; without a
+  usable profile ``auto`` is ``search``.
 - an integer: that degree; the algorithm is still planned when ``alltoall="auto"``.
 
 Every rank makes the same choice: decisions depend only on the capacity (agreed by all ranks) and
@@ -128,6 +130,7 @@ class PipelinePlanner:
         self.search_trials = search_trials
         self.top_candidates = top_candidates
         self.min_gain = min_gain
+        self._simulator = _simulated_ranker(self.cost_model) if pipeline == "auto" else None
         self.dictionary: dict[int, Plan] = {}
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
         self._searches: dict[int, _Search] = {}
@@ -195,7 +198,8 @@ class PipelinePlanner:
         online check still has a good plan to find."""
         model = self.model
         if self.cost_model is not None:
-            ranked = self._ranked(shape, degrees or range(1, MAX_MODEL_DEGREE + 1), backward)
+            every = degrees or range(1, MAX_MODEL_DEGREE + 1)
+            ranked = self._simulated(shape, every, backward) or self._ranked(shape, every, backward)
             top = [plan for plan, _ in ranked[: self.top_candidates]]
             sending = [plan.algorithm for plan, _ in ranked if plan.algorithm != LOCAL]
             anchors = model.candidates(shape, degrees or SEARCH_DEGREES, sending[:1] or (top[0].algorithm,))
@@ -229,6 +233,12 @@ class PipelinePlanner:
         search.add([p for p in search.held_back if p.r == r])
         search.held_back = [p for p in search.held_back if p.r != r]
         return True
+
+    def _simulated(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list | None:
+        """The candidates ranked by the simulator on the profile's twin (None: not simulated)."""
+        if self._simulator is None:
+            return None
+        return self._simulator.rank(shape, self.model.candidates(shape, degrees, self.algorithms), backward)
 
     def _ranked(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list:
         assert self.cost_model is not None
@@ -264,6 +274,15 @@ class PipelinePlanner:
             plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
             prediction.gradient_sync_s if backward else None,
         )
+
+
+def _simulated_ranker(cost_model: CostModel | None) -> Any:
+    """The simulator's ranking on the twin of the planner's profile, when one can be built."""
+    if cost_model is None:
+        return None
+    from moeflow.sim.layer_ranking import SimulatedRanker
+
+    return SimulatedRanker.from_profile(cost_model.profile)
 
 
 def _search_state(search: _Search) -> dict[str, Any]:

@@ -1,79 +1,188 @@
 """``moeflow bench simulator``: the simulator against measurement on the emulated cluster.
 
-Per (layout, bandwidth): the ranks calibrate (the profile is kept), ``bench pipeline`` measures the
-MoE layer's forward+backward at every fixed (degree, all-to-all) setting, and the calibrated
-profile's simulated twin predicts the same settings (the MoE layer alone, fp32, as measured). One
-JSON line per setting with both times and the error, and per layout the plan the simulator would
-pick and its regret: the measured time of that plan over the measured best.
+Per (layout, bandwidth): the ranks calibrate three times (the median of each fit is the profile,
+kept with the three), then three benchmarks measure on that cluster and the profile's simulated
+twin predicts the same runs:
+
+- ``bench pipeline``: the MoE layer's forward+backward at every fixed (degree, all-to-all);
+- ``bench schedules``: whole training steps of a one-block MoE transformer, expert parallelism
+  (its degree and all-to-all planned: the twin's best of them) against replicated experts;
+- ``bench parallel``: the layer under Tutel's adaptive schedule at every fixed r.
+
+One JSON line per measured setting with both times and the error, and per (layout, bandwidth,
+config) the regret of the simulator's pick: the measured time of the setting the twin ranks first
+over the measured best. Every measured record is kept in ``measured.jsonl`` beside the profiles,
+so ``--replay`` scores a recorded run again (after a change to the simulator) without root.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from moeflow.bench.parallel import ParallelPoint
 from moeflow.bench.pipeline import GridPoint
+from moeflow.bench.schedules import SchedulePoint
 
 FIXED_SETTING = re.compile(r"d(\d+)-(\w+)")
 LAYOUTS = ((2, 1), (2, 2))
 BANDWIDTHS = (0.5, 1.0, 2.0)
 GRID = (GridPoint(2048, 512, 256, 2, 2), GridPoint(2048, 512, 1024, 2, 2))
+SCHEDULE_GRID = (SchedulePoint(4, 256), SchedulePoint(8, 1024))
+PARALLEL_GRID = (ParallelPoint(1, 256, 1.0), ParallelPoint(1, 2048, 1.0), ParallelPoint(2, 256, 4.0),
+                 ParallelPoint(2, 2048, 4.0))
+MEASURED = "measured.jsonl"
+CALIBRATIONS = 3  # the twin is built from their median
+VOCABULARY = 512  # bench schedules' model (its LM head is part of a step)
 
 
-def simulated_ms(profile_path: Path, point: GridPoint, degree: int, algorithm: str) -> float:
-    """The twin's forward+backward of one MoE layer at this setting, in ms."""
-    from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulate_step
+def profile_path(folder: Path, layout: str, gbit: float) -> Path:
+    return folder / f"profile-{layout}-{gbit:g}gbit.json"
 
-    cluster = load_cluster(profile_path)
+
+def _layer_ms(cluster: Any, model: Any, plan: Any, layer_only: bool = True) -> float:
+    from moeflow.sim import simulate_step
+
+    return simulate_step(cluster, model, plan, layer_only=layer_only).step_s * 1e3
+
+
+def _pipeline(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
+    from moeflow.sim import ModelSpec, StepPlan
+
+    match = FIXED_SETTING.fullmatch(str(record.get("setting", "")))
+    if match is None:
+        return []
+    point = GridPoint(**{k: record[k] for k in asdict(GRID[0])})
     model = ModelSpec(name=point.name, layers=1, model_dim=point.model_dim, hidden_dim=point.hidden_dim,
                       experts=point.experts_per_rank * cluster.world_size, top_k=point.top_k,
                       capacity_factor=1.0, tokens_per_rank=point.tokens, dtype="fp32")
-    return simulate_step(cluster, model, StepPlan(degree=degree, algorithm=algorithm), layer_only=True).step_s * 1e3
+    plan = StepPlan(degree=int(match[1]), algorithm=match[2])
+    return [(record["setting"], record["layer_ms"], _layer_ms(cluster, model, plan))]
 
 
-def compare(measured: list[dict[str, Any]], profile_path: Path, layout: str, gbit: float) -> list[dict[str, Any]]:
-    """One record per measured fixed setting, with the simulated time beside it."""
-    out = []
+def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """A training step (forward, backward, gradient all-reduce, AdamW) of bench schedules' model."""
+    from moeflow.config import ALLTOALL_ALGORITHMS
+    from moeflow.sim import ModelSpec, StepPlan
+
+    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
+                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=2, capacity_factor=1.0,
+                      tokens_per_rank=record["batch"] * record["context"], sequence_length=record["context"],
+                      dtype="fp32", vocab_size=VOCABULARY)
+    expert = min(_layer_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
+                 for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.alltoall_scale)
+    replicated = _layer_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
+    return [("step-expert", record["expert_step_ms"], expert),
+            ("step-replicated", record["replicated_step_ms"], replicated)]
+
+
+def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """One layer's forward+backward under Tutel's adaptive schedule at a fixed r."""
+    from moeflow.config import ALLTOALL_ALGORITHMS
+    from moeflow.sim import ModelSpec, StepPlan
+
+    if not str(record.get("mode", "")).startswith("r") or record.get("r") is None:
+        return []
+    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
+                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
+                      capacity_factor=record["capacity_factor"], tokens_per_rank=record["tokens"], dtype="fp32")
+    algorithm = record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear"
+    plan = StepPlan(schedule="adaptive", r=int(record["r"]), degree=max(1, int(record["degree"] or 1)),
+                    algorithm=algorithm)
+    return [(f"adaptive-r{record['r']}", record["layer_ms"], _layer_ms(cluster, model, plan))]
+
+
+PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel}
+
+
+def compare(measured: list[dict[str, Any]], profile: Path, layout: str, gbit: float) -> list[dict[str, Any]]:
+    """One record per measured fixed setting, with the twin's time beside it."""
+    from moeflow.sim import load_cluster
+
+    cluster, out = load_cluster(profile), []
     for record in measured:
-        match = FIXED_SETTING.fullmatch(str(record.get("setting", "")))
-        if record.get("bench") != "pipeline" or match is None:
-            continue
-        point = GridPoint(**{k: record[k] for k in asdict(GRID[0])})
-        simulated = simulated_ms(profile_path, point, int(match[1]), match[2])
-        out.append({"bench": "sim-validation", "layout": layout, "inter_gbit": gbit, "config": record["config"],
-                    "setting": record["setting"], "measured_ms": round(record["layer_ms"], 3),
-                    "simulated_ms": round(simulated, 3), "error": round(simulated / record["layer_ms"] - 1, 4)})
+        predict = PREDICTORS.get(str(record.get("bench")))
+        for setting, measured_ms, simulated_ms in predict(cluster, record) if predict else []:
+            out.append({"bench": "sim-validation", "measured_by": record["bench"], "layout": layout,
+                        "inter_gbit": gbit, "config": record["config"], "setting": setting,
+                        "measured_ms": round(measured_ms, 3), "simulated_ms": round(simulated_ms, 3),
+                        "error": round(simulated_ms / measured_ms - 1, 4)})
+    return out
+
+
+def regrets(records: list[dict[str, Any]]) -> list[float]:
+    """Per (layout, bandwidth, config): the measured time of the twin's pick over the measured best."""
+    out = []
+    for key in sorted({(r["layout"], r["inter_gbit"], r["config"]) for r in records}):
+        group = [r for r in records if (r["layout"], r["inter_gbit"], r["config"]) == key]
+        picked = min(group, key=lambda r: r["simulated_ms"])
+        out.append(picked["measured_ms"] / min(r["measured_ms"] for r in group) - 1)
     return out
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median and max |error|, and the regret of the simulator's pick per (layout, bandwidth, config)."""
-    errors = [abs(r["error"]) for r in records]
-    regrets = []
-    for key in {(r["layout"], r["inter_gbit"], r["config"]) for r in records}:
-        group = [r for r in records if (r["layout"], r["inter_gbit"], r["config"]) == key]
-        picked = min(group, key=lambda r: r["simulated_ms"])
-        regrets.append(picked["measured_ms"] / min(r["measured_ms"] for r in group) - 1)
-    return {"summary": "sim-validation", "points": len(records),
-            "median_abs_error": statistics.median(errors) if errors else None,
-            "max_abs_error": max(errors, default=None),
-            "median_regret": statistics.median(regrets) if regrets else None, "max_regret": max(regrets, default=None)}
+    """Median and max |error| (all, and per layout and per benchmark), and the pick's regret."""
+    def errors(subset: list[dict[str, Any]]) -> dict[str, Any]:
+        values = [abs(r["error"]) for r in subset]
+        return {"points": len(values), "median_abs_error": statistics.median(values) if values else None,
+                "max_abs_error": max(values, default=None)}
+
+    found = regrets(records)
+    return {"summary": "sim-validation", **errors(records),
+            "median_regret": statistics.median(found) if found else None, "max_regret": max(found, default=None),
+            "by_layout": {k: errors([r for r in records if r["layout"] == k]) for k in sorted({r["layout"]
+                                                                                            for r in records})},
+            "by_bench": {k: errors([r for r in records if r.get("measured_by") == k])
+                         for k in sorted({r.get("measured_by", "pipeline") for r in records})}}
+
+
+def replay(folder: Path) -> list[dict[str, Any]]:
+    """Score a recorded run: ``folder`` holds ``measured.jsonl`` and the profiles it was measured on."""
+    lines = (folder / MEASURED).read_text().splitlines()
+    measured = [json.loads(line) for line in lines if line.strip()]
+    records = []
+    for key in sorted({(f"{r['nodes']}x{r['ranks_per_node']}", r["inter_gbit"]) for r in measured}):
+        subset = [r for r in measured if (f"{r['nodes']}x{r['ranks_per_node']}", r["inter_gbit"]) == key]
+        records += compare(subset, profile_path(folder, *key), *key)
+    return records
+
+
+def calibrated(folder: Path, layout: str, nodes: int, per_node: int, gbit: float) -> Path:
+    """The median of ``CALIBRATIONS`` calibrations of the cluster (each kept beside it)."""
+    from moeflow.bench import run_on_cluster
+    from moeflow.perf.profile import ClusterProfile, median_profile
+
+    runs = []
+    for index in range(CALIBRATIONS):
+        path = folder / f"calibration-{layout}-{gbit:g}gbit-{index}.json"
+        run_on_cluster("moeflow.bench.pipeline", "calibration", [], nodes, per_node, gbit, 1, None, 29760, 600,
+                       save_profile=str(path))
+        runs.append(ClusterProfile.load(path))
+    path = profile_path(folder, layout, gbit)
+    median_profile(runs).save(path)
+    return path
 
 
 def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], grid: list[GridPoint], repeats: int,
         folder: Path, emit: Any) -> list[dict[str, Any]]:
-    """Measure and simulate every (layout, bandwidth); the profiles are kept in ``folder``."""
+    """Measure and simulate every (layout, bandwidth); profiles and measurements are kept in ``folder``."""
     from moeflow.bench import run_on_cluster
 
     records: list[dict[str, Any]] = []
     for (nodes, per_node), gbit in ((layout, gbit) for layout in layouts for gbit in bandwidths):
-        profile = folder / f"profile-{nodes}x{per_node}-{gbit:g}gbit.json"
-        measured = run_on_cluster("moeflow.bench.pipeline", "pipeline", grid, nodes, per_node, gbit, repeats,
-                                  None, 29760, 3600, save_profile=str(profile))
-        for record in compare(measured, profile, f"{nodes}x{per_node}", gbit):
+        layout = f"{nodes}x{per_node}"
+        profile = calibrated(folder, layout, nodes, per_node, gbit)
+        measured = []
+        for module, points in (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", PARALLEL_GRID)):
+            measured += run_on_cluster(f"moeflow.bench.{module}", module, list(points), nodes, per_node, gbit,
+                                       repeats, str(profile), 29760, 3600)
+        with (folder / MEASURED).open("a") as sink:
+            sink.writelines(json.dumps(r) + "\n" for r in measured)
+        for record in compare(measured, profile, layout, gbit):
             emit(record)
             records.append(record)
     return records

@@ -13,7 +13,7 @@ def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_contention,
-                _add_train, _add_generate, _add_lina_inference, _add_simulator):
+                _add_train, _add_generate, _add_lina_inference, _add_simulator, _add_papers):
         add(benches)
 
 
@@ -475,7 +475,10 @@ def _add_simulator(benches: Any) -> None:
     sim.add_argument("--layouts", default="2x1,2x2", help="nodes x ranks per node, comma list (default 2x1,2x2)")
     sim.add_argument("--bandwidths", default="0.5,1,2", help="inter-node Gbit/s, comma list (default 0.5,1,2)")
     sim.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
-    sim.add_argument("--profiles", default=None, help="folder that keeps the calibrated profiles (default: temporary)")
+    sim.add_argument("--profiles", default=None,
+                     help="folder that keeps the calibrated profiles and measured.jsonl (default: temporary)")
+    sim.add_argument("--replay", default=None, metavar="FOLDER",
+                     help="score a recorded run again (its measured.jsonl and profiles) instead of measuring")
     sim.set_defaults(func=run_simulator)
 
 
@@ -487,6 +490,17 @@ def run_simulator(args: argparse.Namespace) -> int:
     from moeflow.bench.sim_validation import GRID, run, summarize
     from moeflow.testbed import ClusterError
 
+    if args.replay:
+        from moeflow.bench.sim_validation import MEASURED, replay
+
+        if not (Path(args.replay) / MEASURED).is_file():
+            raise fail("bench simulator", f"--replay {args.replay} has no {MEASURED}; pass the --profiles folder "
+                       "of a recorded run")
+        records = replay(Path(args.replay))
+        for record in records:
+            print_json(record)
+        print_json(summarize(records))
+        return 0
     require_testbed("bench simulator")
     try:
         layouts = tuple(tuple(int(n) for n in word.split("x")) for word in args.layouts.split(","))
@@ -501,4 +515,36 @@ def run_simulator(args: argparse.Namespace) -> int:
         except (ClusterError, RuntimeError) as error:
             raise fail("bench simulator", error) from None
     print_json(summarize(records))
+    return 0
+
+
+def _add_papers(benches: Any) -> None:
+    from moeflow.bench.paper_trends import TRENDS
+
+    papers = benches.add_parser(
+        "papers", help="the papers' trends simulated on their cluster profiles, beside the published numbers",
+        description="Tutel Table 6 and Fig. 14, PipeMoE Table VI, FasterMoE Fig. 13, Lina's all-to-all under "
+        "contention: one JSON line per cell (simulated, published, their ratio) and a summary per table.",
+    )
+    papers.add_argument("--only", nargs="+", choices=sorted(TRENDS), default=None, help="these tables only")
+    papers.add_argument("--plot", default=None, metavar="FOLDER", help="write one bar chart per table here")
+    papers.set_defaults(func=run_papers)
+
+
+def run_papers(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moeflow.bench import print_json
+    from moeflow.bench.paper_trends import TRENDS, plot, summarize
+
+    rows = []
+    for name in args.only or TRENDS:
+        for row in TRENDS[name]():
+            print_json(row)
+            rows.append(row)
+    if args.plot:
+        Path(args.plot).mkdir(parents=True, exist_ok=True)
+        for path in plot(rows, Path(args.plot)):
+            print_json({"plot": str(path)})
+    print_json(summarize(rows))
     return 0

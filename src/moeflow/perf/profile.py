@@ -70,3 +70,24 @@ class ClusterProfile:
         if not path.is_file():
             raise FileNotFoundError(f"no cluster profile at {path}; create one with: moeflow calibrate --out {path}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def median_profile(profiles: list[ClusterProfile]) -> ClusterProfile:
+    """One profile from several calibrations of the same cluster: per fit, the median alpha and the
+    median beta (over the calibrations that have it), and the median interference. On a small
+    shared machine one calibration's slope can be off by 2x; the median of three is not."""
+    import statistics
+
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    first = profiles[0]
+    if any((p.nodes, p.ranks_per_node) != (first.nodes, first.ranks_per_node) for p in profiles):
+        raise ValueError("median_profile: the profiles are of different layouts (nodes x ranks per node)")
+    fits = {}
+    for name in dict.fromkeys(n for p in profiles for n in p.fits):
+        have = [p.fits[name] for p in profiles if name in p.fits]
+        fits[name] = AlphaBeta(statistics.median(f.alpha for f in have), statistics.median(f.beta for f in have),
+                               statistics.median(f.r2 for f in have), have[0].unit)
+    return ClusterProfile(first.nodes, first.ranks_per_node, fits,
+                          statistics.median(p.interference for p in profiles), dict(first.machine),
+                          {"median_of": len(profiles)})

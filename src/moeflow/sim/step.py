@@ -41,6 +41,7 @@ class StepPlan:
     prioritize_alltoall: bool = False
     r: int | None = None
     shadowed: int = 0
+    bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
 
     def __post_init__(self) -> None:
         if self.schedule not in SIM_SCHEDULES:
@@ -52,6 +53,8 @@ class StepPlan:
         if self.algorithm not in ALLTOALL_ALGORITHMS:
             raise ValueError(
                 f"all-to-all algorithm must be one of {', '.join(ALLTOALL_ALGORITHMS)}, got {self.algorithm!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or self.bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be a number >= 0 (0: one all-reduce per layer), got {self.bucket_mb!r}")
         if self.allreduce not in (*ALLREDUCE_ALGORITHMS, "auto"):
             raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
         if (self.schedule == "adaptive") != (self.r is not None):
@@ -94,6 +97,7 @@ class StepBuilder:
         self.device = cluster.device
         self.priority = 1 if plan.prioritize_alltoall else 0
         self._transfers: dict[tuple, list[Step]] = {}
+        self.forward_ops = 0
 
     # -- costs ------------------------------------------------------------------------------------
 
@@ -168,19 +172,44 @@ class StepBuilder:
         tail: list[int] = []
         for load in loads:
             tail = [self._layer(load, tail, backward=False)]
+        tail = self._head(tail, backward=False)
+        self.forward_ops = len(self.timeline.ops)  # operations from here on are the backward's
         if not self.training:
             return self.timeline
-        synced = []
-        for load in reversed(loads):
+        tail = self._head(tail, backward=True)
+        synced, pending = [], self._head_bytes()  # the LM head's gradient is ready first (untied)
+        if pending and not self.layer_only and pending >= self.plan.bucket_mb * 1e6:
+            synced.append(self.allreduce(pending, tail))
+            pending = 0.0
+        for index, load in enumerate(reversed(loads)):
             tail = [self._layer(load, tail, backward=True)]
-            if not self.layer_only:
-                synced.append(self.allreduce(self._gradient_bytes(), tail))
+            pending += self._gradient_bytes()
+            if not self.layer_only and (pending >= self.plan.bucket_mb * 1e6 or index == len(loads) - 1):
+                synced.append(self.allreduce(pending, tail))  # a full bucket (or each layer's own)
+                pending = 0.0
         if self.layer_only:
             return self.timeline
         m = self.model
-        params = m.layers * (m.dense_parameters() + self._expert_parameters_per_rank())
+        if m.vocab_size:  # the input embedding's gradient, all-reduced once the backward is done
+            synced.append(self.allreduce(self._head_bytes(), tail))
+        params = m.layers * (m.dense_parameters() + self._expert_parameters_per_rank()) + \
+            2 * m.vocab_size * m.model_dim
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")
         return self.timeline
+
+    def _head_bytes(self) -> float:
+        """Gradient bytes of the LM head, and of the (untied) input embedding: one vocab x M matrix."""
+        m = self.model
+        return float(m.vocab_size * m.model_dim * m.element_bytes)
+
+    def _head(self, deps: list[int], backward: bool) -> list[int]:
+        """The LM head's GEMM and softmax over the vocabulary (none without a vocabulary)."""
+        m = self.model
+        if self.layer_only or not m.vocab_size:
+            return deps
+        seconds = self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.vocab_size, backward=backward) + \
+            self.memory_s(2 * m.tokens_per_rank * m.vocab_size * m.element_bytes)
+        return [self.timeline.compute(COMPUTE, seconds, deps, "head")]
 
     def _layer(self, load: LayerLoad, deps: list[int], backward: bool) -> int:
         """Attention and gate (forward order; the backward runs them after the experts)."""

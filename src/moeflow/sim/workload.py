@@ -40,6 +40,7 @@ class ModelSpec:
     projections: int = 2
     dtype: str = "fp16"
     routing: str = "uniform"
+    vocab_size: int = 0  # > 0: the embedding and LM head count too (a small model's step is not all layers)
 
     def __post_init__(self) -> None:
         for name in ("layers", "model_dim", "hidden_dim", "experts", "top_k", "tokens_per_rank",
@@ -47,6 +48,8 @@ class ModelSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model {name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            raise ValueError(f"model vocab_size must be an integer >= 0, got {self.vocab_size!r}")
         if self.top_k > self.experts:
             raise ValueError(f"model top_k ({self.top_k}) must be <= experts ({self.experts})")
         if self.dtype not in DTYPE_BYTES:

@@ -1,0 +1,75 @@
+"""The layer planner's candidates ranked by the simulator on the calibrated profile's twin.
+
+``pipeline="auto"`` times only the top few candidates online; with a profile whose twin can be
+built (the calibration's all-to-all and FFN fits), the order comes from simulating each plan's
+region (dispatch, experts, combine, and the backward's when it has one) on that twin: the same
+simulator and twin as ``moeflow plan --cluster`` and ``bench simulator``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moeflow.config import ALLTOALL_ALGORITHMS
+from moeflow.sim.calibrated import cluster_from_profile
+from moeflow.sim.cluster import Cluster
+from moeflow.sim.step import SIM_SCHEDULES, StepPlan, simulate_step
+from moeflow.sim.workload import ModelSpec
+
+if TYPE_CHECKING:
+    from moeflow.perf.pipeline import RegionShape
+    from moeflow.perf.profile import ClusterProfile
+    from moeflow.perf.schedules import Plan
+
+DTYPES = {4: "fp32", 2: "bf16"}
+
+
+def region_model(shape: RegionShape) -> ModelSpec:
+    """One layer whose uniform routing fills exactly ``shape.capacity`` slots of every expert
+    (top-1, f = 1, T = C x E tokens per rank)."""
+    return ModelSpec(name="region", layers=1, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
+                     experts=shape.experts, top_k=1, capacity_factor=1.0,
+                     tokens_per_rank=max(1, shape.capacity) * shape.experts, projections=shape.projections,
+                     dtype=DTYPES.get(shape.bytes_per_element, "fp32"))
+
+
+def step_plan(plan: Plan) -> StepPlan | None:
+    """The simulator's plan for a layer plan, or None for a schedule it does not model."""
+    if plan.schedule not in SIM_SCHEDULES:
+        return None
+    algorithm = plan.algorithm if plan.algorithm in ALLTOALL_ALGORITHMS else "linear"  # "none": nothing sent
+    if plan.schedule == "adaptive":
+        return StepPlan(schedule="adaptive", r=plan.r, degree=plan.degree, algorithm=algorithm)
+    return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm)
+
+
+class SimulatedRanker:
+    """Ranks a layer's candidate plans on one cluster's twin."""
+
+    def __init__(self, twin: Cluster) -> None:
+        self.twin = twin
+
+    @classmethod
+    def from_profile(cls, profile: ClusterProfile) -> SimulatedRanker | None:
+        """None when the profile cannot make a twin (no all-to-all or FFN fits)."""
+        try:
+            return cls(cluster_from_profile(profile))
+        except ValueError:
+            return None
+
+    def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None:
+        """Every plan with its simulated seconds, fastest first (fewer chunks on ties); None when the
+        twin's ranks are not the layer's or a plan's schedule is not simulated."""
+        if shape.world_size != self.twin.world_size or not plans:
+            return None
+        model, ranked = region_model(shape), []
+        for plan in plans:
+            simulated = step_plan(plan)
+            if simulated is None:
+                return None
+            try:
+                seconds = simulate_step(self.twin, model, simulated, training=backward, layer_only=True).step_s
+            except ValueError:  # a layout the simulated schedule rejects
+                return None
+            ranked.append((plan, seconds))
+        return sorted(ranked, key=lambda item: (item[1], item[0].degree))
