@@ -74,7 +74,7 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
                       tokens_per_rank=record["batch"] * record["context"], sequence_length=record["context"],
                       dtype="fp32", vocab_size=VOCABULARY)
     expert = min(_layer_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
-                 for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.alltoall_scale)
+                 for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.collective_scale)
     replicated = _layer_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
     return [("step-expert", record["expert_step_ms"], expert),
             ("step-replicated", record["replicated_step_ms"], replicated)]
@@ -186,3 +186,33 @@ def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], gri
             emit(record)
             records.append(record)
     return records
+
+
+def scatter(records: list[dict[str, Any]], path: Path) -> Path:
+    """Simulated against measured time, log-log, one colour per benchmark, with the y = x line and
+    the issue's +-25 % band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.0, 5.2))
+    colors = {"pipeline": "#4C72B0", "schedules": "#DD8452", "parallel": "#55A868"}
+    for bench, color in colors.items():
+        for layout, marker in (("2x1", "o"), ("2x2", "^")):
+            chosen = [r for r in records if r.get("measured_by", "pipeline") == bench and r["layout"] == layout]
+            if chosen:
+                axis.scatter([r["measured_ms"] for r in chosen], [r["simulated_ms"] for r in chosen], s=18,
+                             color=color, marker=marker, alpha=0.75, label=f"{bench} {layout}")
+    low = min(min(r["measured_ms"], r["simulated_ms"]) for r in records) * 0.8
+    high = max(max(r["measured_ms"], r["simulated_ms"]) for r in records) * 1.25
+    axis.plot([low, high], [low, high], color="black", linewidth=1)
+    axis.fill_between([low, high], [0.75 * low, 0.75 * high], [1.25 * low, 1.25 * high], color="grey", alpha=0.15,
+                      label="+-25 %")
+    axis.set(xscale="log", yscale="log", xlabel="measured (ms)", ylabel="simulated on the calibrated twin (ms)",
+             title="moeflow.sim vs the emulated cluster")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)  # the trainer's report resolution
+    plt.close(figure)
+    return path

@@ -477,6 +477,7 @@ def _add_simulator(benches: Any) -> None:
     sim.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
     sim.add_argument("--profiles", default=None,
                      help="folder that keeps the calibrated profiles and measured.jsonl (default: temporary)")
+    sim.add_argument("--plot", default=None, metavar="PNG", help="write the scatter plot of simulated vs measured")
     sim.add_argument("--replay", default=None, metavar="FOLDER",
                      help="score a recorded run again (its measured.jsonl and profiles) instead of measuring")
     sim.set_defaults(func=run_simulator)
@@ -499,6 +500,7 @@ def run_simulator(args: argparse.Namespace) -> int:
         records = replay(Path(args.replay))
         for record in records:
             print_json(record)
+        _simulator_plot(records, args.plot)
         print_json(summarize(records))
         return 0
     require_testbed("bench simulator")
@@ -514,8 +516,19 @@ def run_simulator(args: argparse.Namespace) -> int:
             records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json)
         except (ClusterError, RuntimeError) as error:
             raise fail("bench simulator", error) from None
+    _simulator_plot(records, args.plot)
     print_json(summarize(records))
     return 0
+
+
+def _simulator_plot(records: list[dict[str, Any]], plot: str | None) -> None:
+    from pathlib import Path
+
+    from moeflow.bench import print_json
+    from moeflow.bench.sim_validation import scatter
+
+    if plot and records:
+        print_json({"plot": str(scatter(records, Path(plot)))})
 
 
 def _add_papers(benches: Any) -> None:

@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+SCALED_COLLECTIVES = ("linear", "2dh", "pairwise", "allreduce", "allgather", "reducescatter")
+"""The collectives a cluster can price off their ideal: the all-to-all algorithms by name."""
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 MICRO = 1e-6
 
@@ -56,9 +58,10 @@ class Cluster:
     nics_per_node: int = 1
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
-    alltoall_scale: dict[str, float] = field(default_factory=dict)
-    """Per all-to-all algorithm, its link time over the ideal (1 when absent): an implementation
-    that reaches half the links' rate (gloo's linear exchange does here) has 2."""
+    collective_scale: dict[str, float] = field(default_factory=dict)
+    """Per collective (an all-to-all algorithm, allreduce, allgather, reducescatter), its link time
+    over the ideal (1 when absent): an implementation that reaches half the links' rate (gloo's
+    linear all-to-all does on the emulated cluster) has 2."""
 
     @property
     def world_size(self) -> int:
@@ -117,24 +120,22 @@ def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
         nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
         nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),
         sources={str(k): str(v) for k, v in data.get("sources", {}).items()},
-        alltoall_scale=_alltoall_scale(data, origin),
+        collective_scale=_collective_scale(data, origin),
     )
 
 
-def _alltoall_scale(data: dict[str, Any], origin: str) -> dict[str, float]:
-    """The optional ``[alltoall_scale]`` table: a positive number per known algorithm."""
-    from moeflow.config import ALLTOALL_ALGORITHMS
-
-    section = data.get("alltoall_scale", {})
+def _collective_scale(data: dict[str, Any], origin: str) -> dict[str, float]:
+    """The optional ``[collective_scale]`` table: a positive number per known collective."""
+    section = data.get("collective_scale", {})
     if not isinstance(section, dict):
-        raise ClusterFileError(f"cluster profile {origin}: alltoall_scale must be a table")
+        raise ClusterFileError(f"cluster profile {origin}: collective_scale must be a table")
     for key, value in section.items():
-        if key not in ALLTOALL_ALGORITHMS:
-            raise ClusterFileError(f"cluster profile {origin}: alltoall_scale.{key} is not an all-to-all algorithm; "
-                                   f"use {', '.join(ALLTOALL_ALGORITHMS)}")
+        if key not in SCALED_COLLECTIVES:
+            raise ClusterFileError(f"cluster profile {origin}: collective_scale.{key} is not a collective; "
+                                   f"use {', '.join(SCALED_COLLECTIVES)}")
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ClusterFileError(
-                f"cluster profile {origin}: alltoall_scale.{key} must be a number > 0, got {value!r}")
+                f"cluster profile {origin}: collective_scale.{key} must be a number > 0, got {value!r}")
     return {str(k): float(v) for k, v in section.items()}
 
 

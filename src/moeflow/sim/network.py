@@ -45,7 +45,7 @@ Step = Transfer | LocalCopy
 
 
 def _scaled(step: Step, scale: float) -> Step:
-    """A transfer whose link time is ``scale`` times the ideal (the cluster's ``alltoall_scale``)."""
+    """A transfer whose link time is ``scale`` times the ideal (the cluster's ``collective_scale``)."""
     if scale == 1.0 or not isinstance(step, Transfer):
         return step
     return Transfer(step.work * scale, step.latency_s, step.name)
@@ -90,8 +90,8 @@ class Network:
         return self.scaled(algorithm, self._alltoall_steps(algorithm, pair_bytes))
 
     def scaled(self, algorithm: str, steps: list[Step]) -> list[Step]:
-        """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``alltoall_scale``)."""
-        scale = self.cluster.alltoall_scale.get(algorithm, 1.0)
+        """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``collective_scale``)."""
+        scale = self.cluster.collective_scale.get(algorithm, 1.0)
         return [_scaled(step, scale) for step in steps]
 
     def _alltoall_steps(self, algorithm: str, pair_bytes: float | np.ndarray) -> list[Step]:
@@ -215,11 +215,12 @@ class Network:
         if self.world == 1 or nbytes <= 0:
             return []
         if algorithm == "auto":
-            return [min((self._ring_allreduce(nbytes), self._tree_allreduce(nbytes)), key=lambda t: t.alone_s)]
+            best = min((self._ring_allreduce(nbytes), self._tree_allreduce(nbytes)), key=lambda t: t.alone_s)
+            return self.scaled("allreduce", [best])
         if algorithm == "ring":
-            return [self._ring_allreduce(nbytes)]
+            return self.scaled("allreduce", [self._ring_allreduce(nbytes)])
         if algorithm == "tree":
-            return [self._tree_allreduce(nbytes)]
+            return self.scaled("allreduce", [self._tree_allreduce(nbytes)])
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; use ring, tree or auto")
 
     def _ring_allreduce(self, nbytes: float) -> Transfer:
@@ -261,4 +262,4 @@ class Network:
         gpu = self._intra(steps, steps * chunk) if within > 1 else 0.0
         nic = self._inter(steps * self.cluster.nics_per_node, steps * chunk) if spans_nodes else 0.0
         latency = steps * self._latency(within > 1, spans_nodes)
-        return [Transfer(self._work(gpu, gpu, nic, nic), latency, f"{name}.ring")]
+        return self.scaled(name, [Transfer(self._work(gpu, gpu, nic, nic), latency, f"{name}.ring")])
