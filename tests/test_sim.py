@@ -345,9 +345,83 @@ def test_paper_trends_put_simulated_cells_beside_the_published_ones(tmp_path) ->
     assert all(r["simulated"] > 1.0 for r in faster if "shadowing" in r["cell"])
     assert [r["published"] for r in faster if r["published"]] == [1.95, 1.40, 2.20]
     summary = summarize([*lina.values(), *faster])
-    assert summary["tables"]["lina section 2.2"]["cells"] == 2 and "parm-table4" in summary["not_modelled"]
+    assert summary["tables"]["lina section 2.2"]["cells"] == 2
     assert [p.name for p in plot([*lina.values(), *faster], tmp_path)] == [
         "papers-lina-section22.png", "papers-lina-section72.png", "papers-fastermoe-fig13.png"]
+
+
+PARM_MODEL = ModelSpec(layers=2, model_dim=512, hidden_dim=1024, experts=8, top_k=1, capacity_factor=1.0,
+                       tokens_per_rank=1024)
+
+
+@pytest.mark.parametrize("layer_only", [True, False])
+def test_parm_schedules_without_mp_or_esp_are_plain_expert_parallelism(layer_only: bool) -> None:
+    """At N_MP = N_ESP = 1 the fused all-to-all is the linear one, the baseline's EP group is the
+    world and nothing is gathered or reduced: all three price exactly as expert d=1 linear."""
+    plain = simulate_step(toy(), PARM_MODEL, StepPlan(), layer_only=layer_only).step_s
+    for schedule in ("s1", "s2", "ds-baseline"):
+        parm = simulate_step(toy(), PARM_MODEL, StepPlan(schedule=schedule), layer_only=layer_only).step_s
+        assert parm == pytest.approx(plain, rel=1e-12)
+
+
+def test_parm_removes_the_baselines_repeated_work_and_traffic() -> None:
+    """N_MP = N_ESP = 2 on 2 x 4 ranks: the baseline's expert shards run N_MP times S1's rows; S1
+    and S2 send N_ESP / N_MP = 1 buffer over every rank, the baseline N_ESP buffers over its EP
+    group (ranks equal mod 2) plus the ESP all-gather and all-reduce; MP attention halves."""
+    cluster, model = toy(), PARM_MODEL
+    runs = {s: simulate_step(cluster, model, StepPlan(schedule=s, mp=2, esp=2), layer_only=True)
+            for s in ("s1", "s2", "ds-baseline")}
+    base, s1, s2 = runs["ds-baseline"], runs["s1"], runs["s2"]
+    assert base.busy_s["experts"] == pytest.approx(2 * s1.busy_s["experts"])
+    assert s1.busy_s["experts"] == pytest.approx(s2.busy_s["experts"])
+    assert "allgather-esp" in base.busy_s and "allreduce-esp" in base.busy_s and "allgather-mp" in s1.busy_s
+    assert base.step_s > 2 * max(s1.step_s, s2.step_s)
+    network, buffer = Network(cluster), model.experts * 128 * model.model_dim * model.element_bytes  # C = 128
+    (strided,) = network.strided_alltoall(2 * buffer / 4, 2)
+    (fused,) = network.alltoall("linear", buffer / 8)
+    nic = 2 * cluster.world_size
+    assert strided.work[nic] == pytest.approx(4 * 2 * 2 * buffer / 4 / 10e9)  # 4 ranks x 2 remote peers
+    assert fused.work[nic] == pytest.approx(4 * 4 * buffer / 8 / 10e9)
+    whole = {mp: simulate_step(cluster, model, StepPlan(schedule="s1", mp=mp, esp=mp)) for mp in (1, 2)}
+    assert whole[2].busy_s["attention"] == pytest.approx(whole[1].busy_s["attention"] / 2)
+    assert "allreduce-mp" in whole[2].busy_s and "allreduce-mp" not in whole[1].busy_s
+    (reduce_scatter, all_gather) = network.allreduce(1e6, group=2)
+    assert float(reduce_scatter.work.max()) == pytest.approx(0.5e6 / 100e9)  # one ring step of half
+    assert float(all_gather.work.max()) == pytest.approx(0.5e6 / 100e9) and reduce_scatter.work[nic:].max() == 0
+
+
+def test_parm_plans_reject_layouts_they_cannot_run() -> None:
+    with pytest.raises(ValueError, match="mp and esp > 1 go with Parm's schedules"):
+        StepPlan(mp=2)
+    with pytest.raises(ValueError, match=r"esp \(3\) must divide the 4 GPUs per node"):
+        simulate_step(toy(), PARM_MODEL, StepPlan(schedule="s1", esp=3))
+    with pytest.raises(ValueError, match="experts do not divide over the 8 EP ranks"):
+        simulate_step(toy(), PARM_MODEL.with_overrides(experts=4), StepPlan(schedule="s2"))
+
+
+def test_joint_planner_behind_mp_attention_chooses_among_parms_schedules() -> None:
+    from moeflow.sim.planner import SearchSpace, candidate_plans, search
+
+    space = SearchSpace(mp=2)
+    plans = candidate_plans(toy(), PARM_MODEL, space)
+    assert {p.schedule for p in plans} == {"s1", "s2", "ds-baseline"} and all(p.mp == 2 for p in plans)
+    best = search(toy(), PARM_MODEL, top=len(plans), space=space)
+    assert best[0].plan.schedule in ("s1", "s2") and best[-1].plan.schedule == "ds-baseline"
+    with pytest.raises(ValueError, match="--mp 3 must divide the 4 GPUs per node"):
+        candidate_plans(toy(), PARM_MODEL, SearchSpace(mp=3))
+
+
+def test_parm_table4_is_reproduced_within_a_third() -> None:
+    """Every simulated average speedup over DeepSpeed-MoE lies within 0.75..1.33 of the published
+    one, and the gains grow with N_MP as in the paper."""
+    from moeflow.bench.paper_trends import parm_table4
+
+    rows = list(parm_table4())
+    assert len(rows) == 4 * 4 * 3
+    assert all(0.75 <= r["simulated_over_published"] <= 1.33 for r in rows), \
+        [(r["cell"], r["simulated_over_published"]) for r in rows]
+    s1 = {r["cell"]: r["simulated"] for r in rows if " s1 " in r["cell"]}
+    assert s1["T-B 32 GPUs s1 mp=4 esp=4"] > s1["T-B 32 GPUs s1 mp=2 esp=4"] > 2
 
 
 def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:

@@ -60,7 +60,7 @@ def _joint_plan(args: argparse.Namespace) -> int:
         cluster = cluster.resized(args.nodes) if args.nodes else cluster
         model = load_model(args.model)
         results = search(cluster, model, training=not args.forward_only, top=args.top,
-                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall))
+                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp))
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("plan", error) from None
     for rank, result in enumerate(results, 1):

@@ -29,7 +29,12 @@ def add_parser(commands: Any) -> None:
         sim.add_argument(f"--{name}", type=kind, default=None, help=f"override the model's {text}")
     sim.add_argument("--nodes", type=positive_int, default=None, help="override the cluster's node count")
     sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the GPUs per node")
-    sim.add_argument("--schedule", default="expert", help="comma list of expert, replicated (default expert)")
+    sim.add_argument("--schedule", default="expert",
+                     help="comma list of expert, replicated, smart, or Parm's s1, s2, ds-baseline (default expert)")
+    sim.add_argument("--mp", type=positive_int, default=1,
+                     help="tensor-parallel attention over this many ranks of a node (Parm's schedules; default 1)")
+    sim.add_argument("--esp", type=positive_int, default=1,
+                     help="each expert sharded over this many ranks of a node (Parm's schedules; default 1)")
     sim.add_argument("--degree", default="1", help="comma list of pipeline degrees (default 1)")
     sim.add_argument("--algorithm", default="linear", help="comma list of linear, 2dh, pairwise (default linear)")
     sim.add_argument("--allreduce", default="auto", choices=("auto", "ring", "tree"), help="gradient all-reduce")
@@ -57,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
             layers=args.layers, experts=args.experts, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
             top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, capacity_factor=args.capacity_factor,
             routing=args.routing)
-        plans = [StepPlan(schedule, degree, algorithm, args.allreduce, args.prioritize_alltoall)
+        plans = [StepPlan(schedule, degree, algorithm, args.allreduce, args.prioritize_alltoall, mp=args.mp,
+                          esp=args.esp)
                  for schedule, degree, algorithm in itertools.product(
                      _words(args.schedule), [_degree(d) for d in _words(args.degree)], _words(args.algorithm))]
     except (ClusterFileError, ValueError, FileNotFoundError) as error:

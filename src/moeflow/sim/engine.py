@@ -19,6 +19,9 @@ from moeflow.sim.network import Transfer
 
 Times = float | np.ndarray  # one time for every rank, or one per rank
 EPSILON = 1e-12  # transfers ending within a picosecond of each other end together
+# The streams of a step: GEMMs and copies; expert all-to-alls (and their weight gathers); gradient
+# all-reduces; model-parallel (tensor-parallel) collectives, which Parm's SAA runs beside the all-to-all.
+COMPUTE, ALLTOALL, GRADIENTS, MODEL_PARALLEL = "compute", "alltoall", "gradients", "model-parallel"
 
 
 @dataclass

@@ -150,6 +150,14 @@ class Network:
         copy = float(matrix.sum(1).max())
         return [LocalCopy(copy), phase1, LocalCopy(copy), phase2]
 
+    def strided_alltoall(self, pair_bytes: float, stride: int) -> list[Step]:
+        """Linear all-to-all inside each group of ranks equal modulo ``stride`` (DeepSpeed-MoE's EP
+        group when its ESP groups are ``stride`` consecutive ranks): ``pair_bytes`` to each member."""
+        ranks = np.arange(self.world)
+        matrix = np.where(ranks[:, None] % stride == ranks[None, :] % stride, float(pair_bytes), 0.0)
+        np.fill_diagonal(matrix, 0.0)
+        return self.alltoall("linear", matrix) if matrix.any() else []
+
     def pairwise_steps(self, pair_bytes: float | np.ndarray) -> list[Step]:
         """FasterMoE's grouped pairwise exchange: step 0 inside each node, then one step per other
         node (node i sends to node i - j). A skewed matrix is priced per step by its busiest node."""
@@ -208,10 +216,13 @@ class Network:
 
     # -- reductions and gathers ------------------------------------------------------------------
 
-    def allreduce(self, nbytes: float, algorithm: str = "auto") -> list[Step]:
+    def allreduce(self, nbytes: float, algorithm: str = "auto", group: int | None = None) -> list[Step]:
         """All-reduce of ``nbytes`` per rank over the world: NCCL's ring (2 (W - 1) steps of
         nbytes / W) or double binary tree (log-depth, each node sending about 2 nbytes); ``auto``
-        takes the faster alone, as NCCL's tuner does."""
+        takes the faster alone, as NCCL's tuner does. Over groups of ``group`` consecutive ranks
+        (tensor or expert-sharding parallelism): a ring reduce-scatter then all-gather."""
+        if group is not None and group < self.world:
+            return self.reducescatter(nbytes, group) + self.allgather(nbytes / group, group)
         if self.world == 1 or nbytes <= 0:
             return []
         if algorithm == "auto":

@@ -24,6 +24,7 @@ class SearchSpace:
     degrees: tuple[int, ...] = DEGREES
     shadowed: tuple[int, ...] = SHADOWED
     prioritize_alltoall: bool = False
+    mp: int = 1  # > 1: attention is tensor-parallel over this many ranks, so Parm's schedules run
 
 
 def algorithms_for(cluster: Cluster) -> list[str]:
@@ -36,8 +37,21 @@ def algorithms_for(cluster: Cluster) -> list[str]:
     return out
 
 
+def parm_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace) -> list[StepPlan]:
+    """Behind MP attention: S1 and S2 with experts whole or sharded over the MP group (moeflow's
+    layout), and the DeepSpeed-MoE baseline, where the experts divide over the EP ranks."""
+    mp, lina = space.mp, space.prioritize_alltoall
+    plans = [StepPlan(schedule, mp=mp, esp=esp, prioritize_alltoall=lina)
+             for schedule, esp in (("s1", 1), ("s2", 1), ("s1", mp), ("s2", mp), ("ds-baseline", mp))]
+    if cluster.gpus_per_node % mp:
+        raise ValueError(f"--mp {mp} must divide the {cluster.gpus_per_node} GPUs per node (MP groups stay in a node)")
+    return [p for p in plans if model.experts % (cluster.world_size // p.esp) == 0]
+
+
 def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
     world, experts = cluster.world_size, model.experts
+    if space.mp > 1:
+        return parm_plans(cluster, model, space)
     lina = space.prioritize_alltoall
     shadows = [s for s in space.shadowed if s < experts] if world > 1 else [0]
     plans: list[StepPlan] = []

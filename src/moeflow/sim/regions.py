@@ -9,7 +9,8 @@ moeflow's layer has one :class:`ParallelSchedule` per technique:
   tokens repeated r times, each hidden block's weights gathered over (W / E) / r ranks).
 
 FasterMoE's shadowing wraps any of them: the hottest experts' weights are broadcast, their tokens
-stay home, and only the rest travel (their gradients are all-reduced in the backward).
+stay home, and only the rest travel (their gradients are all-reduced in the backward). Parm's
+schedules and their DeepSpeed-MoE baseline live in :mod:`moeflow.sim.parm_regions`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.sim.engine import Times
+from moeflow.sim.engine import ALLTOALL, COMPUTE, Times
+from moeflow.sim.parm_regions import PARM_REGIONS
 
 if TYPE_CHECKING:
     from moeflow.sim.step import StepBuilder
     from moeflow.sim.workload import LayerLoad
-
-COMPUTE, ALLTOALL = "compute", "alltoall"
 
 
 def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
@@ -90,7 +90,7 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
 
 
 REGIONS = MappingProxyType({"expert": expert_region, "replicated": replicated_region, "smart": smart_region,
-                            "adaptive": adaptive_region})
+                            "adaptive": adaptive_region, **PARM_REGIONS})
 
 
 def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:

@@ -18,13 +18,13 @@ import numpy as np
 
 from moeflow.config import ALLTOALL_ALGORITHMS, check_switchable_layout, validate_r
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.engine import Timeline, Times
+from moeflow.sim.engine import ALLTOALL, COMPUTE, GRADIENTS, MODEL_PARALLEL, Timeline, Times
 from moeflow.sim.network import ALLREDUCE_ALGORITHMS, LocalCopy, Network, Step
+from moeflow.sim.parm_regions import PARM_SCHEDULES, gated_share
 from moeflow.sim.regions import REGIONS, shadowed_experts, shadowed_rows
 from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
-SIM_SCHEDULES = ("expert", "replicated", "smart", "adaptive")
-COMPUTE, ALLTOALL, GRADIENTS = "compute", "alltoall", "gradients"
+SIM_SCHEDULES = ("expert", "replicated", "smart", "adaptive", *PARM_SCHEDULES)
 ADAM_BYTES_PER_PARAMETER = 16  # fp32 master weight, gradient, two moments: read and written once
 
 
@@ -32,7 +32,8 @@ ADAM_BYTES_PER_PARAMETER = 16  # fp32 master weight, gradient, two moments: read
 class StepPlan:
     """The knobs of one step: parallel schedule (with Tutel's ``r`` for ``adaptive``), pipeline
     degree and all-to-all algorithm (``expert``), the hottest experts FasterMoE shadows per layer,
-    the gradient all-reduce's algorithm, and whether all-to-alls take the links first (Lina)."""
+    the gradient all-reduce's algorithm, whether all-to-alls take the links first (Lina), and for
+    Parm's schedules the tensor-parallel (``mp``) and expert-sharding (``esp``) group sizes."""
 
     schedule: str = "expert"
     degree: int = 1
@@ -42,14 +43,19 @@ class StepPlan:
     r: int | None = None
     shadowed: int = 0
     bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
+    mp: int = 1  # N_MP: attention split over this many consecutive ranks (Megatron), Parm's schedules only
+    esp: int = 1  # N_ESP: each expert's hidden dimension sharded over this many consecutive ranks
 
     def __post_init__(self) -> None:
         if self.schedule not in SIM_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SIM_SCHEDULES)}, got {self.schedule!r}")
-        for name in ("degree", "shadowed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "degree" else 0):
-                raise ValueError(f"{name} must be an integer >= {1 if name == 'degree' else 0}, got {value!r}")
+        for name in ("degree", "shadowed", "mp", "esp"):
+            value, least = getattr(self, name), 0 if name == "shadowed" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if (self.mp > 1 or self.esp > 1) and self.schedule not in PARM_SCHEDULES:
+            raise ValueError(f"mp and esp > 1 go with Parm's schedules ({', '.join(PARM_SCHEDULES)}), "
+                             f"not {self.schedule!r}")
         if self.algorithm not in ALLTOALL_ALGORITHMS:
             raise ValueError(
                 f"all-to-all algorithm must be one of {', '.join(ALLTOALL_ALGORITHMS)}, got {self.algorithm!r}")
@@ -63,6 +69,8 @@ class StepPlan:
     def label(self) -> str:
         base = {"expert": f"expert d={self.degree} {self.algorithm}", "adaptive": f"adaptive r={self.r}",
                 "smart": "smart pairwise"}.get(self.schedule, self.schedule)
+        if self.schedule in PARM_SCHEDULES:
+            base += f" mp={self.mp} esp={self.esp}"
         return base + (f" shadow={self.shadowed}" if self.shadowed else "") + \
             (" prioritized" if self.prioritize_alltoall else "")
 
@@ -108,10 +116,11 @@ class StepBuilder:
     def memory_s(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.device.kernel_overhead_s + nbytes / self.device.memory_bandwidth
 
-    def ffn_s(self, rows: Times, backward: bool, local_experts: int | None = None) -> Times:
+    def ffn_s(self, rows: Times, backward: bool, local_experts: int | None = None, shards: int = 1) -> Times:
+        """The experts' GEMMs on ``rows`` tokens, each expert's hidden dimension cut in ``shards``."""
         m = self.model
         local = local_experts or max(1, m.experts // self.cluster.world_size)
-        flops = 2 * rows * m.model_dim * m.hidden_dim * m.projections
+        flops = 2 * rows * m.model_dim * (m.hidden_dim / shards) * m.projections
         return self.gemm_s(flops, kernels=local * (m.projections + 1), backward=backward)
 
     def capacity(self, load: LayerLoad) -> int:
@@ -192,7 +201,7 @@ class StepBuilder:
         m = self.model
         if m.vocab_size:  # the input embedding's gradient, all-reduced once the backward is done
             synced.append(self.allreduce(self._head_bytes(), tail))
-        params = m.layers * (m.dense_parameters() + self._expert_parameters_per_rank()) + \
+        params = m.layers * (self._dense_parameters_per_rank() + self._expert_parameters_per_rank()) + \
             2 * m.vocab_size * m.model_dim
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")
         return self.timeline
@@ -213,19 +222,30 @@ class StepBuilder:
 
     def _layer(self, load: LayerLoad, deps: list[int], backward: bool) -> int:
         """Attention and gate (forward order; the backward runs them after the experts)."""
-        m = self.model
-        buffer = m.experts * self.capacity(load) * m.model_dim * m.element_bytes
-        attention = 0.0 if self.layer_only else self.gemm_s(self._attention_flops(), kernels=6, backward=backward)
-        gate = self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
-            self.memory_s(buffer + m.tokens_per_rank * m.model_dim * m.element_bytes, 2)
+        m, plan = self.model, self.plan
+        share = gated_share(plan.schedule, plan.mp, plan.esp)  # Parm: tokens this rank gates
+        buffer = share * m.experts * self.capacity(load) * m.model_dim * m.element_bytes
+        gate = self.gemm_s(2 * share * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
+            self.memory_s(buffer + share * m.tokens_per_rank * m.model_dim * m.element_bytes, 2)
         if not backward:
-            attended = self.timeline.compute(COMPUTE, attention, deps, "attention")
-            routed = self.timeline.compute(COMPUTE, gate, [attended], "gate+encode")
+            routed = self.timeline.compute(COMPUTE, gate, [self._attention(deps, backward)], "gate+encode")
             experts = self._expert_layer(load, [routed], backward)
             return self.timeline.compute(COMPUTE, self.memory_s(buffer), experts, "decode")
         decoded = self.timeline.compute(COMPUTE, self.memory_s(buffer), deps, "decode")
         routed = self.timeline.compute(COMPUTE, gate, self._expert_layer(load, [decoded], backward), "gate+encode")
-        return self.timeline.compute(COMPUTE, attention, [routed], "attention")
+        return self._attention([routed], backward)
+
+    def _attention(self, deps: list[int], backward: bool) -> int:
+        """Attention's GEMMs, split over the MP group, then Megatron's all-reduce of its output (the
+        forward's g) or of its input gradient (the backward's f) over that group."""
+        mp = self.plan.mp
+        seconds = 0.0 if self.layer_only else self.gemm_s(self._attention_flops() / mp, kernels=6, backward=backward)
+        attended = self.timeline.compute(COMPUTE, seconds, deps, "attention")
+        if self.layer_only or mp == 1:
+            return attended
+        m = self.model
+        steps = self.network.allreduce(float(m.tokens_per_rank * m.model_dim * m.element_bytes), group=mp)
+        return self.collective(MODEL_PARALLEL, steps, [attended], "allreduce-mp")
 
     def _expert_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
         """The schedule's region; with shadowing, the hottest experts run at home first (their
@@ -258,7 +278,12 @@ class StepBuilder:
         the backward of the layers below): dense ones always, the experts' when replicated."""
         m = self.model
         replicated = m.experts * m.expert_parameters() if self.plan.schedule == "replicated" else 0
-        return float((m.dense_parameters() + replicated) * m.element_bytes)
+        return float((self._dense_parameters_per_rank() + replicated) * m.element_bytes)
+
+    def _dense_parameters_per_rank(self) -> float:
+        """Attention and gate; each MP member holds 1 / mp of the attention."""
+        m = self.model
+        return m.dense_parameters() - 4 * m.model_dim**2 * (1 - 1 / self.plan.mp)
 
 
 def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
@@ -269,8 +294,23 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
     if plan.schedule == "adaptive":
         validate_r(plan.r, experts, world)
         check_switchable_layout(experts, world, model.hidden_dim)
+    if plan.schedule in PARM_SCHEDULES:
+        _check_parm_layout(cluster, model, plan)
     if plan.shadowed >= experts:
         raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {experts} experts")
+
+
+def _check_parm_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
+    """MP and ESP groups are consecutive ranks inside one node, and the EP groups share the experts."""
+    for name in ("mp", "esp"):
+        size = getattr(plan, name)
+        if cluster.gpus_per_node % size:
+            raise ValueError(f"{name} ({size}) must divide the {cluster.gpus_per_node} GPUs per node: "
+                             f"its groups are consecutive ranks inside a node")
+    peers = cluster.world_size // plan.esp
+    if model.experts % peers:
+        raise ValueError(f"{model.experts} experts do not divide over the {peers} EP ranks (world / esp); "
+                         "use a multiple of that many experts or another esp")
 
 
 def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = None, training: bool = True,
