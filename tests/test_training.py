@@ -195,6 +195,26 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
         all(set(p) == {"dictionary", "searches"} for p in state["planners"])  # the planners' state travels
 
 
+def _plan_choices(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
+    return {r["step"]: [(m["pipeline_degree"], m["plan_source"]) for m in r["moe"]] for r in iterate_records(run_dir)}
+
+
+@pytest.mark.distributed
+def test_resume_under_auto_continues_the_planners_search_bit_for_bit(tmp_path: Path) -> None:
+    """pipeline=auto walks a search over d = 1, 2, 4, 8 (the pipelined degrees change the float sums,
+    so the losses depend on the choices). Interrupted at step 5, inside d = 2's trials, the resumed
+    run continues the saved search where it stopped: the same degree every step and the same losses
+    bit for bit as the uninterrupted run (restarting the search would rerun d = 1 from step 6)."""
+    steps = dict(pipeline="auto", steps=9, checkpoint_interval=100)
+    run_training(tiny(tmp_path / "whole", **steps), report=False)
+    run_training(tiny(tmp_path / "resumed", stop_at=5, **steps), report=False)
+    run_training(tiny(tmp_path / "resumed", **steps), latest_checkpoint(tmp_path / "resumed"), report=False)
+    whole, resumed = _plan_choices(tmp_path / "whole"), _plan_choices(tmp_path / "resumed")
+    assert resumed == whole and {degree for layers in whole.values() for degree, _ in layers} == {1, 2, 4}
+    assert whole[6] == [(2, "trial")] * TINY["layers"]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("grad_sync", ["overlap", "lina"])
 def test_gradient_sync_during_the_backward_trains_and_resumes_like_after(
