@@ -253,6 +253,12 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
     assert intra.alone_s == pytest.approx(fits["alltoall.intra_node"](x))
     inter = Network(cluster.resized(2, 1)).alltoall("linear", x / 2)[0]
     assert inter.alone_s == pytest.approx(fits["alltoall.inter_node"](x))
+    # one expert FFN call on m rows costs the ffn.forward fit, alpha paid once per call (not per kernel)
+    from moeflow.sim.step import StepBuilder
+
+    m, model = 1000, ModelSpec(model_dim=64, hidden_dim=128, experts=4)
+    builder = StepBuilder(cluster, model, StepPlan(), layer_only=True)
+    assert builder.ffn_s(m, backward=False, local_experts=1) == pytest.approx(fits["ffn.forward"](m * 64 * 128 * 2))
     with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
         cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))
 

@@ -23,6 +23,10 @@ from moeflow.sim.network import LocalCopy, Network
 PROBE_BYTES = 1 << 20
 """Per-rank buffer at which an algorithm's ideal slope is read (the network model is linear in bytes)."""
 
+CALIBRATED_FFN_KERNELS = 3
+"""Kernels the simulator counts for one expert FFN of 2 projections (``projections + 1``, see
+``StepBuilder.ffn_s``): the calibrated ``ffn.forward`` alpha is one such call's, not one kernel's."""
+
 ASSUMED_MEMORY_BANDWIDTH = 10e9
 """Bytes/s of encode, decode and layout copies: calibration does not measure it; a CPU socket's
 order of magnitude, and those copies are a small share of a step."""
@@ -41,7 +45,8 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
         "one rank per node: no intra-node link (copied from inter_node, never used)",
         "inter_node": "fit alltoall.inter_node: bandwidth (n - 1) / (n beta), latency alpha" if inter else
         "one node: no inter-node link (copied from intra_node, never used)",
-        "device": "fits ffn.forward / ffn.backward (x = m M H projections, 2 FLOPs each) and gemm's alpha",
+        "device": "fits ffn.forward / ffn.backward (x = m M H projections, 2 FLOPs each; one call's alpha "
+                  f"spread over its {CALIBRATED_FFN_KERNELS} kernels) or gemm's",
         "device.overlap_slowdown": "the profile's interference: a GEMM's slowdown under an all-to-all in flight",
         "device.memory_bandwidth": f"not calibrated: assumed {ASSUMED_MEMORY_BANDWIDTH / 1e9:g} GB/s",
     }
@@ -106,7 +111,7 @@ def _device(profile: ClusterProfile) -> Device:
         forward = fits["ffn.forward"]
         backward = fits.get("ffn.backward")
         ratio = backward.beta / forward.beta if backward is not None and forward.beta > 0 else 2.0
-        rate, overhead = 2.0 / forward.beta, forward.alpha
+        rate, overhead = 2.0 / forward.beta, forward.alpha / CALIBRATED_FFN_KERNELS
     elif "gemm" in fits:
         rate, overhead, ratio = 2.0 / fits["gemm"].beta, fits["gemm"].alpha, 2.0
     else:
