@@ -321,6 +321,18 @@ def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tm
     summary = summarize(records)
     picked = min(records, key=lambda r: r["simulated_ms"])
     assert summary["max_regret"] == pytest.approx(picked["measured_ms"] / 30.0 - 1)
+    # Parm's modes on a 2x2 twin: S1, S2 with SAA and the baseline are simulated at N_ESP = N_MP;
+    # plain S2 (its combine before the all-gather) and the planner are not
+    ClusterProfile(nodes=2, ranks_per_node=2, fits={"alltoall.inter_node": AlphaBeta(1e-3, 8e-9),
+                                                     "alltoall.intra_node": AlphaBeta(1e-4, 1e-9),
+                                                     "ffn.forward": AlphaBeta(1e-4, 5e-11)}).save(path)
+    layer = {"experts": 2, "hidden_dim": 256, "model_dim": 256, "top_k": 2, "capacity_factor": 1.0, "tokens": 1024,
+             "mp": 2}
+    parm = [{"bench": "parallel", "config": "p", **layer, "mode": m, "r": None, "layer_ms": 50.0}
+            for m in ("s1", "s2", "s2-saa", "ds-baseline", "planner")]
+    scored = {r["setting"]: r["simulated_ms"] for r in compare(parm, path, "2x2", 1.0)}
+    assert set(scored) == {"s1", "s2-saa", "ds-baseline"}
+    assert scored["ds-baseline"] > max(scored["s1"], scored["s2-saa"])
 
 
 def test_plan_command_runs_the_joint_planner_and_needs_one_source(capsys) -> None:

@@ -7,7 +7,9 @@ twin predicts the same runs:
 - ``bench pipeline``: the MoE layer's forward+backward at every fixed (degree, all-to-all);
 - ``bench schedules``: whole training steps of a one-block MoE transformer, expert parallelism
   (its degree and all-to-all planned: the twin's best of them) against replicated experts;
-- ``bench parallel``: the layer under Tutel's adaptive schedule at every fixed r.
+- ``bench parallel``: the layer under Tutel's adaptive schedule at every fixed r, and where a node
+  holds an MP group (2x2), under Parm's S1, S2 with SAA and the DeepSpeed-MoE baseline behind
+  MP = 2 (N_ESP = N_MP, moeflow's layout).
 
 One JSON line per measured setting with both times and the error, and per (layout, bandwidth,
 config) the regret of the simulator's pick: the measured time of the setting the twin ranks first
@@ -35,6 +37,8 @@ GRID = (GridPoint(2048, 512, 256, 2, 2), GridPoint(2048, 512, 1024, 2, 2))
 SCHEDULE_GRID = (SchedulePoint(4, 256), SchedulePoint(8, 1024))
 PARALLEL_GRID = (ParallelPoint(1, 256, 1.0), ParallelPoint(1, 2048, 1.0), ParallelPoint(2, 256, 4.0),
                  ParallelPoint(2, 2048, 4.0))
+PARM_GRID = (ParallelPoint(2, 256, 1.0, mp=2), ParallelPoint(2, 1024, 2.0, mp=2))
+SIMULATED_PARM_MODES = {"s1": "s1", "s2-saa": "s2", "ds-baseline": "ds-baseline"}  # the sim's S2 is with SAA
 MEASURED = "measured.jsonl"
 CALIBRATIONS = 3  # the twin is built from their median
 VOCABULARY = 512  # bench schedules' model (its LM head is part of a step)
@@ -81,15 +85,20 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
 
 
 def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
-    """One layer's forward+backward under Tutel's adaptive schedule at a fixed r."""
+    """One layer's forward+backward under Tutel's adaptive schedule at a fixed r, or under one of
+    Parm's schedules behind MP attention."""
     from moeflow.config import ALLTOALL_ALGORITHMS
     from moeflow.sim import ModelSpec, StepPlan
 
-    if not str(record.get("mode", "")).startswith("r") or record.get("r") is None:
-        return []
     model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
                       hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
                       capacity_factor=record["capacity_factor"], tokens_per_rank=record["tokens"], dtype="fp32")
+    mode, mp = str(record.get("mode", "")), int(record.get("mp", 1))
+    if mp > 1 and mode in SIMULATED_PARM_MODES:
+        parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp)
+        return [(mode, record["layer_ms"], _layer_ms(cluster, model, parm))]
+    if not mode.startswith("r") or record.get("r") is None:
+        return []
     algorithm = record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear"
     plan = StepPlan(schedule="adaptive", r=int(record["r"]), degree=max(1, int(record["degree"] or 1)),
                     algorithm=algorithm)
@@ -177,7 +186,8 @@ def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], gri
         layout = f"{nodes}x{per_node}"
         profile = calibrated(folder, layout, nodes, per_node, gbit)
         measured = []
-        for module, points in (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", PARALLEL_GRID)):
+        parallel = PARALLEL_GRID + (PARM_GRID if per_node % 2 == 0 else ())  # an MP group inside a node
+        for module, points in (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", parallel)):
             measured += run_on_cluster(f"moeflow.bench.{module}", module, list(points), nodes, per_node, gbit,
                                        repeats, str(profile), 29760, 3600)
         with (folder / MEASURED).open("a") as sink:
