@@ -50,12 +50,6 @@ LINA = {"median backward all-to-all slowdown": 1.83, "worst backward all-to-all 
         "step speedup, priority alone (average)": 1.24}
 
 
-def _step_ms(cluster: Any, model: Any, plan: Any, layer_only: bool = True) -> float:
-    from moeflow.sim import simulate_step
-
-    return simulate_step(cluster, model, plan, layer_only=layer_only).step_s * 1e3
-
-
 def _row(paper: str, table: str, cell: str, simulated: float, published: float | None) -> Row:
     return {"bench": "papers", "paper": paper, "table": table, "cell": cell, "simulated": round(simulated, 4),
             "published": published,
@@ -65,7 +59,7 @@ def _row(paper: str, table: str, cell: str, simulated: float, published: float |
 def tutel_table6() -> Iterator[Row]:
     """Grid thinned from Table 6's 3^4: E_g in {1, 2} (E_g = 0.5 needs sharded experts), D and H in
     {1024, 4096}, tokens/step per GPU in {4096, 16384}, f = 1, top-2, fp16."""
-    from moeflow.sim import ModelSpec, StepPlan, load_cluster
+    from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulated_ms
 
     base = load_cluster("tutel-a100")
     statics = [(a, d) for a in ("linear", "2dh") for d in (1, 2, 4, 8)]
@@ -75,7 +69,7 @@ def tutel_table6() -> Iterator[Row]:
         for per_gpu, dim, hidden, tokens in itertools.product((1, 2), (1024, 4096), (1024, 4096), (4096, 16384)):
             model = ModelSpec(layers=1, model_dim=dim, hidden_dim=hidden, experts=per_gpu * gpus,
                               tokens_per_rank=tokens, capacity_factor=1.0)
-            times = {s: _step_ms(cluster, model, StepPlan(degree=s[1], algorithm=s[0])) for s in statics}
+            times = {s: simulated_ms(cluster, model, StepPlan(degree=s[1], algorithm=s[0])) for s in statics}
             best = min(times.values())
             for s in statics:
                 gains[s].append(times[s] / best - 1)
@@ -85,15 +79,15 @@ def tutel_table6() -> Iterator[Row]:
 
 def tutel_fig14() -> Iterator[Row]:
     """One layer (tutel-fig14: D = H = 2048, 2 experts per GPU, 16,384 tokens per GPU, f = 1)."""
-    from moeflow.sim import StepPlan, load_cluster, load_model
+    from moeflow.sim import StepPlan, load_cluster, load_model, simulated_ms
 
     base, model = load_cluster("tutel-a100"), load_model("tutel-fig14")
     for gpus in (16, 128, 2048):
         cluster = base.resized(gpus // base.gpus_per_node)
         sized = model.with_overrides(experts=2 * gpus)
-        linear = _step_ms(cluster, sized, StepPlan(algorithm="linear"))
-        two_dim = _step_ms(cluster, sized, StepPlan(algorithm="2dh"))
-        adaptive = min(_step_ms(cluster, sized, StepPlan(degree=d, algorithm=a))
+        linear = simulated_ms(cluster, sized, StepPlan(algorithm="linear"))
+        two_dim = simulated_ms(cluster, sized, StepPlan(algorithm="2dh"))
+        adaptive = min(simulated_ms(cluster, sized, StepPlan(degree=d, algorithm=a))
                        for d in (1, 2, 4, 8) for a in ("linear", "2dh"))
         yield _row("tutel", "Fig. 14", f"{gpus} GPUs 2dh over linear", linear / two_dim,
                    TUTEL_FIG14.get(("2dh over linear", gpus)))
@@ -105,7 +99,7 @@ def pipemoe_table6() -> Iterator[Row]:
     """Grid thinned from Table IV: B x L in {2048, 8192} tokens, M and H in {1024, 4096, 8192},
     E/P in {1, 2}; fp16 (the GEMM fit's rate), f = 1, top-1 (Alg. 1's n_d); adaptive is the best of
     degrees 1..16 on linear all-to-all (Tutel's, under PipeMoE)."""
-    from moeflow.sim import ModelSpec, StepPlan, load_cluster
+    from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulated_ms
 
     base = load_cluster("pipemoe-2080ti")
     for gpus, published in PIPEMOE_TABLE6.items():
@@ -115,7 +109,7 @@ def pipemoe_table6() -> Iterator[Row]:
                                                               (1, 2)):
             model = ModelSpec(layers=1, model_dim=dim, hidden_dim=hidden, experts=per_gpu * gpus, top_k=1,
                               tokens_per_rank=tokens, capacity_factor=1.0)
-            times = {d: _step_ms(cluster, model, StepPlan(degree=d)) for d in range(1, 17)}
+            times = {d: simulated_ms(cluster, model, StepPlan(degree=d)) for d in range(1, 17)}
             best = min(times.values())
             for d in gains:
                 gains[d].append(times[d] / best - 1)
@@ -127,7 +121,7 @@ def fastermoe_fig13() -> Iterator[Row]:
     """GPT-S / GPT / GPT-L (FasterMoE Table 2) on johnny, zipf 0.7 routing (its 3.2x hot expert),
     whole training steps; shadowing is the hottest expert per layer. The paper gives maxima only:
     each row's published figure is that maximum, to compare against the largest simulated one."""
-    from moeflow.sim import StepPlan, load_cluster, load_model
+    from moeflow.sim import StepPlan, load_cluster, load_model, simulated_ms
 
     cluster, base = load_cluster("fastermoe-johnny"), load_model("fastermoe-gpt")
     plans = {"shadowing": StepPlan(shadowed=1), "smart": StepPlan(schedule="smart"),
@@ -135,9 +129,9 @@ def fastermoe_fig13() -> Iterator[Row]:
     best = dict.fromkeys(plans, 0.0)
     for name, dim in (("GPT-S", 1024), ("GPT", 2048), ("GPT-L", 4096)):
         model = base.with_overrides(model_dim=dim, hidden_dim=2 * dim)
-        plain = _step_ms(cluster, model, StepPlan(), layer_only=False)
+        plain = simulated_ms(cluster, model, StepPlan(), layer_only=False)
         for label, plan in plans.items():
-            speedup = plain / _step_ms(cluster, model, plan, layer_only=False)
+            speedup = plain / simulated_ms(cluster, model, plan, layer_only=False)
             best[label] = max(best[label], speedup)
             yield _row("fastermoe", "Fig. 13", f"{name} {label}", speedup, None)
     for label, value in best.items():
@@ -185,7 +179,7 @@ def parm_table4() -> Iterator[Row]:
     neither), fp32; the MoE layer alone, forward and backward, gradient all-reduce excluded as in
     Parm. Parm's own rule picks per layer from its alpha-beta model; here "parm" is the better of
     the two simulated schedules. Configs that do not fit a GPU's memory are not removed."""
-    from moeflow.sim import ModelSpec, StepPlan, load_cluster
+    from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulated_ms
 
     for (mp, esp), published in PARM_TABLE4.items():
         for column, (testbed, profile, gpus) in enumerate(PARM_TESTBEDS):
@@ -197,7 +191,7 @@ def parm_table4() -> Iterator[Row]:
                 model = ModelSpec(layers=1, model_dim=dim * esp, hidden_dim=hidden * esp, experts=gpus // esp,
                                   top_k=1, capacity_factor=factor, tokens_per_rank=batch * length,
                                   sequence_length=length, dtype="fp32")
-                times = {name: _step_ms(cluster, model, StepPlan(schedule=name, mp=mp, esp=esp))
+                times = {name: simulated_ms(cluster, model, StepPlan(schedule=name, mp=mp, esp=esp))
                          for name in ("ds-baseline", "s1", "s2")}
                 times["parm"] = min(times["s1"], times["s2"])
                 for name, values in gains.items():

@@ -48,14 +48,8 @@ def profile_path(folder: Path, layout: str, gbit: float) -> Path:
     return folder / f"profile-{layout}-{gbit:g}gbit.json"
 
 
-def _layer_ms(cluster: Any, model: Any, plan: Any, layer_only: bool = True) -> float:
-    from moeflow.sim import simulate_step
-
-    return simulate_step(cluster, model, plan, layer_only=layer_only).step_s * 1e3
-
-
 def _pipeline(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
-    from moeflow.sim import ModelSpec, StepPlan
+    from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
     match = FIXED_SETTING.fullmatch(str(record.get("setting", "")))
     if match is None:
@@ -65,21 +59,21 @@ def _pipeline(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
                       experts=point.experts_per_rank * cluster.world_size, top_k=point.top_k,
                       capacity_factor=1.0, tokens_per_rank=point.tokens, dtype="fp32")
     plan = StepPlan(degree=int(match[1]), algorithm=match[2])
-    return [(record["setting"], record["layer_ms"], _layer_ms(cluster, model, plan))]
+    return [(record["setting"], record["layer_ms"], simulated_ms(cluster, model, plan))]
 
 
 def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
     """A training step (forward, backward, gradient all-reduce, AdamW) of bench schedules' model."""
     from moeflow.config import ALLTOALL_ALGORITHMS
-    from moeflow.sim import ModelSpec, StepPlan
+    from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
     model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
                       hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=2, capacity_factor=1.0,
                       tokens_per_rank=record["batch"] * record["context"], sequence_length=record["context"],
                       dtype="fp32", vocab_size=VOCABULARY)
-    expert = min(_layer_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
+    expert = min(simulated_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
                  for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.collective_scale)
-    replicated = _layer_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
+    replicated = simulated_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
     return [("step-expert", record["expert_step_ms"], expert),
             ("step-replicated", record["replicated_step_ms"], replicated)]
 
@@ -88,7 +82,7 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     """One layer's forward+backward under Tutel's adaptive schedule at a fixed r, or under one of
     Parm's schedules behind MP attention."""
     from moeflow.config import ALLTOALL_ALGORITHMS
-    from moeflow.sim import ModelSpec, StepPlan
+    from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
     model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
                       hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
@@ -96,13 +90,13 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     mode, mp = str(record.get("mode", "")), int(record.get("mp", 1))
     if mp > 1 and mode in SIMULATED_PARM_MODES:
         parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp)
-        return [(mode, record["layer_ms"], _layer_ms(cluster, model, parm))]
+        return [(mode, record["layer_ms"], simulated_ms(cluster, model, parm))]
     if not mode.startswith("r") or record.get("r") is None:
         return []
     algorithm = record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear"
     plan = StepPlan(schedule="adaptive", r=int(record["r"]), degree=max(1, int(record["degree"] or 1)),
                     algorithm=algorithm)
-    return [(f"adaptive-r{record['r']}", record["layer_ms"], _layer_ms(cluster, model, plan))]
+    return [(f"adaptive-r{record['r']}", record["layer_ms"], simulated_ms(cluster, model, plan))]
 
 
 PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel}
@@ -115,11 +109,11 @@ def compare(measured: list[dict[str, Any]], profile: Path, layout: str, gbit: fl
     cluster, out = load_cluster(profile), []
     for record in measured:
         predict = PREDICTORS.get(str(record.get("bench")))
-        for setting, measured_ms, simulated_ms in predict(cluster, record) if predict else []:
+        for setting, measured_ms, predicted_ms in predict(cluster, record) if predict else []:
             out.append({"bench": "sim-validation", "measured_by": record["bench"], "layout": layout,
                         "inter_gbit": gbit, "config": record["config"], "setting": setting,
-                        "measured_ms": round(measured_ms, 3), "simulated_ms": round(simulated_ms, 3),
-                        "error": round(simulated_ms / measured_ms - 1, 4)})
+                        "measured_ms": round(measured_ms, 3), "simulated_ms": round(predicted_ms, 3),
+                        "error": round(predicted_ms / measured_ms - 1, 4)})
     return out
 
 

@@ -8,7 +8,7 @@ operations for a model and plan, :mod:`workload` holds the model and its routing
 from moeflow.sim.cluster import Cluster, ClusterFileError, Device, Link, load_cluster, named_clusters
 from moeflow.sim.engine import Timeline, fair_rates
 from moeflow.sim.network import Network, Transfer
-from moeflow.sim.step import StepPlan, StepResult, simulate_step
+from moeflow.sim.step import StepPlan, StepResult, simulate_step, simulated_ms
 from moeflow.sim.workload import LayerLoad, ModelSpec, load_model, model_from_toml, named_models, routing_loads
 
 __all__ = [
@@ -31,4 +31,5 @@ __all__ = [
     "named_models",
     "routing_loads",
     "simulate_step",
+    "simulated_ms",
 ]

@@ -19,13 +19,14 @@ from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import ClusterProfile
 from moeflow.sim.cluster import Cluster, Device, Link
 from moeflow.sim.network import LocalCopy, Network
+from moeflow.sim.step import ffn_kernels
 
 PROBE_BYTES = 1 << 20
 """Per-rank buffer at which an algorithm's ideal slope is read (the network model is linear in bytes)."""
 
-CALIBRATED_FFN_KERNELS = 3
-"""Kernels the simulator counts for one expert FFN of 2 projections (``projections + 1``, see
-``StepBuilder.ffn_s``): the calibrated ``ffn.forward`` alpha is one such call's, not one kernel's."""
+CALIBRATED_FFN_KERNELS = ffn_kernels(2)
+"""Kernels the simulator counts for the expert FFN ``moeflow calibrate`` times (2 projections): the
+calibrated ``ffn.forward`` alpha is one such call's, not one kernel's."""
 
 ASSUMED_MEMORY_BANDWIDTH = 10e9
 """Bytes/s of encode, decode and layout copies: calibration does not measure it; a CPU socket's

@@ -13,7 +13,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-SCALED_COLLECTIVES = ("linear", "2dh", "pairwise", "allreduce", "allgather", "reducescatter")
+from moeflow.config import ALLTOALL_ALGORITHMS
+
+SCALED_COLLECTIVES = (*ALLTOALL_ALGORITHMS, "allreduce", "allgather", "reducescatter")
 """The collectives a cluster can price off their ideal: the all-to-all algorithms by name."""
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 MICRO = 1e-6

@@ -36,11 +36,6 @@ def gated_share(schedule: str, mp: int, esp: int) -> float:
     return {"s1": 1.0 / mp, "ds-baseline": float(esp)}.get(schedule, 1.0)
 
 
-def _buffer_bytes(b: StepBuilder, load: LayerLoad) -> float:
-    m = b.model
-    return float(m.experts * b.capacity(load) * m.model_dim * m.element_bytes)
-
-
 def _experts(b: StepBuilder, buffer: float, deps: list[int], backward: bool) -> int:
     """Each rank's expert shards (hidden / N_ESP) on the ``buffer`` bytes of slots it received."""
     m, esp = b.model, b.plan.esp
@@ -63,25 +58,26 @@ def _mp_allgather(b: StepBuilder, whole: float, deps: list[int], stream: str = A
     return b.collective(stream, steps, deps, "allgather-mp", b.priority)
 
 
-def s1_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-    mp, esp = b.plan.mp, b.plan.esp
-    sent = _buffer_bytes(b, load) * esp / mp
+def _paused_mp_exchange(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> tuple[int, int]:
+    """What S1 and S2 share: dump, the fused all-to-all of this member's N_ESP x buffer / N_MP,
+    the expert shards, the fused all-to-all back and the local sum of the shards' partials.
+    Returns the experts' and the sum's operations."""
+    esp = b.plan.esp
+    sent = b.buffer_bytes(load) * esp / b.plan.mp
     dumped = _copy(b, sent, deps, "dump") if esp > 1 else deps[0]
     computed = _experts(b, sent, [_fused_alltoall(b, sent, [dumped])], backward)
     returned = _fused_alltoall(b, sent, [computed])
-    summed = _copy(b, sent, [returned], "combine-sum") if esp > 1 else returned
-    tokens = b.model.tokens_per_rank * b.model.model_dim * b.model.element_bytes
-    return [_mp_allgather(b, float(tokens), [summed])]
+    return computed, _copy(b, sent, [returned], "combine-sum") if esp > 1 else returned
+
+
+def s1_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+    _, summed = _paused_mp_exchange(b, load, deps, backward)
+    return [_mp_allgather(b, b.token_bytes, [summed])]
 
 
 def s2_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-    mp, esp = b.plan.mp, b.plan.esp
-    buffer = _buffer_bytes(b, load)
-    sent = buffer * esp / mp
-    dumped = _copy(b, sent, deps, "dump") if esp > 1 else deps[0]
-    computed = _experts(b, sent, [_fused_alltoall(b, sent, [dumped])], backward)
-    returned = _fused_alltoall(b, sent, [computed])
-    summed = _copy(b, sent, [returned], "combine-sum") if esp > 1 else returned
+    computed, summed = _paused_mp_exchange(b, load, deps, backward)
+    buffer = b.buffer_bytes(load)
     if backward:
         return [_mp_allgather(b, buffer, [summed])]
     return [summed, _mp_allgather(b, buffer, [computed], MODEL_PARALLEL)]  # SAA: beside the combine
@@ -89,9 +85,8 @@ def s2_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) 
 
 def baseline_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
     esp, network = b.plan.esp, b.network
-    gathered = _buffer_bytes(b, load) * esp
-    tokens = float(b.model.tokens_per_rank * b.model.model_dim * b.model.element_bytes)
-    inputs = b.collective(ALLTOALL, network.allgather(tokens, esp), deps, "allgather-esp", b.priority)
+    gathered = b.buffer_bytes(load) * esp
+    inputs = b.collective(ALLTOALL, network.allgather(b.token_bytes, esp), deps, "allgather-esp", b.priority)
     peers = b.cluster.world_size // esp
     exchange = network.strided_alltoall(gathered / peers, esp)
     dispatched = b.collective(ALLTOALL, exchange, [inputs], "alltoall", b.priority)

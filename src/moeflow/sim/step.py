@@ -121,10 +121,21 @@ class StepBuilder:
         m = self.model
         local = local_experts or max(1, m.experts // self.cluster.world_size)
         flops = 2 * rows * m.model_dim * (m.hidden_dim / shards) * m.projections
-        return self.gemm_s(flops, kernels=local * (m.projections + 1), backward=backward)
+        return self.gemm_s(flops, kernels=local * ffn_kernels(m.projections), backward=backward)
 
     def capacity(self, load: LayerLoad) -> int:
         return load.capacity(self.model)
+
+    @property
+    def token_bytes(self) -> float:
+        """One rank's tokens entering an MoE layer (T x M)."""
+        m = self.model
+        return float(m.tokens_per_rank * m.model_dim * m.element_bytes)
+
+    def buffer_bytes(self, load: LayerLoad) -> float:
+        """One rank's dispatched buffer (E x C x M)."""
+        m = self.model
+        return float(m.experts * self.capacity(load) * m.model_dim * m.element_bytes)
 
     def pair_bytes(self, slots: int, experts: int | None = None) -> float:
         """Bytes one rank sends another for ``slots`` capacity slots of the travelling experts."""
@@ -224,9 +235,9 @@ class StepBuilder:
         """Attention and gate (forward order; the backward runs them after the experts)."""
         m, plan = self.model, self.plan
         share = gated_share(plan.schedule, plan.mp, plan.esp)  # Parm: tokens this rank gates
-        buffer = share * m.experts * self.capacity(load) * m.model_dim * m.element_bytes
+        buffer = share * self.buffer_bytes(load)
         gate = self.gemm_s(2 * share * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
-            self.memory_s(buffer + share * m.tokens_per_rank * m.model_dim * m.element_bytes, 2)
+            self.memory_s(buffer + share * self.token_bytes, 2)
         if not backward:
             routed = self.timeline.compute(COMPUTE, gate, [self._attention(deps, backward)], "gate+encode")
             experts = self._expert_layer(load, [routed], backward)
@@ -243,8 +254,7 @@ class StepBuilder:
         attended = self.timeline.compute(COMPUTE, seconds, deps, "attention")
         if self.layer_only or mp == 1:
             return attended
-        m = self.model
-        steps = self.network.allreduce(float(m.tokens_per_rank * m.model_dim * m.element_bytes), group=mp)
+        steps = self.network.allreduce(self.token_bytes, group=mp)
         return self.collective(MODEL_PARALLEL, steps, [attended], "allreduce-mp")
 
     def _expert_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
@@ -286,6 +296,11 @@ class StepBuilder:
         return m.dense_parameters() - 4 * m.model_dim**2 * (1 - 1 / self.plan.mp)
 
 
+def ffn_kernels(projections: int) -> int:
+    """Kernels of one expert FFN call: a GEMM per projection and the activation between."""
+    return projections + 1
+
+
 def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
     world, experts = cluster.world_size, model.experts
     if plan.schedule in ("expert", "smart") and experts % world:
@@ -323,3 +338,8 @@ def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = No
     timeline = builder.build(loads).run()
     dropped = sum(load.dropped(model) for load in loads)
     return StepResult(plan, timeline.makespan(), timeline.busy(), dropped, len(timeline.ops))
+
+
+def simulated_ms(cluster: Cluster, model: ModelSpec, plan: StepPlan, layer_only: bool = True) -> float:
+    """Milliseconds of one simulated training step (by default the MoE layers alone)."""
+    return simulate_step(cluster, model, plan, layer_only=layer_only).step_s * 1e3
