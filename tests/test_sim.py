@@ -335,6 +335,40 @@ def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tm
     assert scored["ds-baseline"] > max(scored["s1"], scored["s2-saa"])
 
 
+def test_validation_retimes_the_twin_to_the_speed_probe_and_predicts_skew_modes(tmp_path) -> None:
+    """A benchmark whose probe ran twice as slow as the fits predict is compared with a twin at half
+    the compute rate (the twin as calibrated is kept beside it); skew modes are simulated on the
+    load they recorded, shadowing and the smart schedule included, EPLB's redundant slots not."""
+    from moeflow.bench.sim_validation import compare, summarize
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import ClusterProfile
+
+    path = tmp_path / "profile.json"
+    profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={"alltoall.inter_node": AlphaBeta(1e-3, 8e-9),
+                                                               "ffn.forward": AlphaBeta(1e-4, 5e-11),
+                                                               "ffn.backward": AlphaBeta(0.0, 1e-10)})
+    profile.save(path)
+    expected_ms = profile.speed_probe_seconds() * 1e3
+    assert expected_ms == pytest.approx((1e-4 + 1.5e-10 * 1024 * 512 * 1024 * 2) * 1e3)
+    point = {"tokens": 1024, "model_dim": 256, "hidden_dim": 2048, "experts_per_rank": 2, "top_k": 2}
+    measured = [{"bench": "pipeline", "config": "c", **point, "setting": "d1-linear", "layer_ms": 40.0}]
+    plain = compare(measured, path, "2x1", 1.0)[0]
+    slow = compare([*measured, {"bench": "speed-probe", "measured_by": "pipeline", "config": "c",
+                                "probe_ms": 2 * expected_ms}], path, "2x1", 1.0)[0]
+    assert plain["speed"] is None and plain["simulated_ms"] == plain["as_calibrated_ms"]
+    assert slow["speed"] == pytest.approx(0.5) and slow["as_calibrated_ms"] == plain["simulated_ms"]
+    assert slow["simulated_ms"] > 1.3 * plain["simulated_ms"]  # compute-bound: about twice as slow
+    assert summarize([slow])["as_calibrated"]["median_abs_error"] == pytest.approx(abs(slow["as_calibrated_error"]))
+    skew = {"experts": 4, "hidden_dim": 1024, "model_dim": 256, "tokens": 2048, "top_k": 1, "degree": 1,
+            "alltoall": "linear", "tokens_per_expert": [2800, 700, 350, 246]}
+    modes = [{"bench": "skew", "config": "z", **skew, "mode": m, "layer_ms": 100.0, "schedule": s, "shadowed": h}
+             for m, s, h in (("off", "expert", []), ("auto", "expert", [0]), ("smart", "smart", []),
+                             ("redundant", "expert", []))]
+    scored = {r["setting"]: r["simulated_ms"] for r in compare(modes, path, "2x1", 1.0)}
+    assert set(scored) == {"skew-off", "skew-auto", "skew-smart"}
+    assert scored["skew-auto"] < scored["skew-off"]  # the hot expert's tokens stay home
+
+
 def test_plan_command_runs_the_joint_planner_and_needs_one_source(capsys) -> None:
     from moeflow.cli import main
 

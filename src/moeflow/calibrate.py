@@ -5,6 +5,8 @@ torchrun):
 - the expert GEMM (m x M) @ (M x H) over token counts m, x = m*M*H;
 - one whole expert FFN's forward and backward over the same m, x = m*M*H*2 (the cost model's
   ``t_ffn``: the GEMMs plus bias, activation and the weight-gradient GEMMs);
+  both on every rank at once, the slowest rank's time: a layer's ranks compute together between
+  its all-to-alls (on a shared CPU they contend for cores and memory) and wait for the slowest;
 - each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather,
   reduce-scatter, and the linear all-to-all inside the intra-node and the inter-node (same local
   rank) subgroups; x = bytes each rank contributes, time of the slowest rank;
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import interleaved_medians, slowest_rank_seconds
+from moeflow.bench.timing import interleaved_medians, slowest_rank_medians
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.groups import ParallelGroups
@@ -53,7 +55,7 @@ def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
     weight = torch.randn(config.model_dim, config.hidden_dim)
     inputs = {tokens: torch.randn(tokens, config.model_dim) for tokens in config.gemm_tokens}
     # round-robin over the sizes, like the collectives, so drift does not bend the curve
-    medians = interleaved_medians(
+    medians = slowest_rank_medians(
         {tokens: (lambda x=x: torch.mm(x, weight)) for tokens, x in inputs.items()}, config.repeats
     )
     return [(tokens * config.model_dim * config.hidden_dim, seconds) for tokens, seconds in medians.items()]
@@ -74,7 +76,7 @@ def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]
 
     operations = {("forward", m): (lambda x=x: ffn(x)) for m, x in inputs.items()}
     operations |= {("both", m): (lambda x=x: forward_backward(x)) for m, x in inputs.items()}
-    medians = interleaved_medians(operations, config.repeats)
+    medians = slowest_rank_medians(operations, config.repeats)
     work = {m: m * config.model_dim * config.hidden_dim * 2 for m in inputs}
     return {
         "ffn.forward": [(work[m], medians[("forward", m)]) for m in inputs],
@@ -90,7 +92,7 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
     topology = _topology(config, world)
     parallel = ParallelGroups(dist.group.WORLD, topology)
     points: dict[str, list[tuple[float, float]]] = {}
-    measurements: list[tuple[str, int, Callable[[], object]]] = []
+    operations_by_size: list[tuple[int, dict[str, Callable[[], object]]]] = []
     for size in config.collective_bytes:
         elements = max(world, size // 4 // world * world)
         x = torch.zeros(elements)
@@ -107,17 +109,14 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
             operations |= _intra_node_operations(x, parallel, topology.ranks_per_node)
         if topology.num_nodes > 1:
             operations["alltoall.inter_node"] = lambda x=x: all_to_all(x, parallel.node_groups().inter_node)
-        for name, operation in operations.items():
-            operation()  # warm-up: connections and buffers for this size
-            measurements.append((name, elements * 4, operation))
+        operations_by_size.append((elements * 4, operations))
     # round-robin over every (operation, size), so that slow drift of the machine spreads over all
-    # points instead of bending the curve; the median per point is kept
-    samples: list[list[float]] = [[] for _ in measurements]
-    for _ in range(config.repeats):
-        for index, (_, _, operation) in enumerate(measurements):
-            samples[index].append(slowest_rank_seconds(operation))
-    for (name, size_bytes, _), values in zip(measurements, samples, strict=True):
-        points.setdefault(name, []).append((size_bytes, statistics.median(values)))
+    # points instead of bending the curve; the median per point is kept (the warm-up round opens
+    # connections and buffers for every size)
+    measurements = {(name, size): operation for size, operations in operations_by_size
+                    for name, operation in operations.items()}
+    for (name, size_bytes), seconds in slowest_rank_medians(measurements, config.repeats).items():
+        points.setdefault(name, []).append((size_bytes, seconds))
     return points
 
 

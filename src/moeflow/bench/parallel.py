@@ -68,7 +68,7 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import layer_training_step, settle_planner, slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner, slowest_rank_seconds
     from moeflow.config import PARM_SCHEDULES, switchable_rs
     from moeflow.layer import MoELayer
 
@@ -98,6 +98,7 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     buffer = torch.randn(point.experts, capacity, point.model_dim, requires_grad=True)
     whole: dict[str, list[float]] = {name: [] for name in layers}
     region: dict[str, list[float]] = {name: [] for name in layers}
+    probe = SpeedProbe()
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
             seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
@@ -105,7 +106,9 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
             if round_index:
                 whole[name].append(seconds)
                 region[name].append(region_seconds)
+        probe.sample()
     if rank == 0:
+        emit(probe.record("parallel", point.name))
         _emit_point(point, layers, whole, region, settle, emit)
         if point.mp > 1:
             baseline = statistics.median(whole["ds-baseline"])

@@ -97,6 +97,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     import torch
     import torch.distributed as dist
 
+    from moeflow.bench.timing import SpeedProbe
     from moeflow.comm.algorithms import distinct_algorithms
     from moeflow.comm.groups import ParallelGroups, max_over_ranks
     from moeflow.comm.topology import topology_from_environment
@@ -126,6 +127,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
             break
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
     plans: dict[str, Any] = {}
+    probe = SpeedProbe()
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
             dist.barrier()
@@ -134,6 +136,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
                 region, whole = max_over_ranks([region, whole], dist.group.WORLD)
                 samples[name].append((region, whole))
             plans[name] = layer.last_stats.plan
+        probe.sample()
     ideal = _ideal(point, world, groups, repeats)
     if rank != 0:
         return
@@ -147,6 +150,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
             "predicted_ms": _predicted_ms(plan),
             **({"settle_iterations": settle_iterations} if name == "auto" else {}),
         })
+    emit(probe.record("pipeline", point.name))
     emit({"bench": "pipeline-ideal", "config": point.name, **asdict(point),
           **{key.removesuffix("_s") + "_ms": value * 1e3 for key, value in ideal.items()}})
 

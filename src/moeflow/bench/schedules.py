@@ -73,7 +73,7 @@ def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
 def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch.distributed as dist
 
-    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe, slowest_rank_seconds
 
     rank = dist.get_rank()
     auto = _model(point, "auto", groups, profile)
@@ -82,11 +82,14 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
         for step in steps.values():
             step()
     samples: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    probe = SpeedProbe()
     for _ in range(repeats):
         for name, step in steps.items():
             samples[name].append(slowest_rank_seconds(step))
+        probe.sample()
     if rank != 0:
         return
+    emit(probe.record("schedules", point.name))
     medians = {name: statistics.median(values) for name, values in samples.items()}
     faster = min(medians, key=medians.get)
     layer = auto.moe_layers()[0]

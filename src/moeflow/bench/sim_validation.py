@@ -9,7 +9,14 @@ twin predicts the same runs:
   (its degree and all-to-all planned: the twin's best of them) against replicated experts;
 - ``bench parallel``: the layer under Tutel's adaptive schedule at every fixed r, and where a node
   holds an MP group (2x2), under Parm's S1, S2 with SAA and the DeepSpeed-MoE baseline behind
-  MP = 2 (N_ESP = N_MP, moeflow's layout).
+  MP = 2 (N_ESP = N_MP, moeflow's layout);
+- ``bench skew``: the dropless layer under Zipf-skewed routing, with and without FasterMoE's
+  shadowing and smart schedule (at the degree, algorithm and shadowed experts each mode ran, on
+  the per-expert load it recorded); EPLB's redundant slots are not simulated.
+
+Each benchmark also times a speed probe (the reference FFN) in every round: the machine's rate
+then over its rate at calibration re-times the twin's device (``simulated_ms``); the prediction of
+the twin as calibrated is kept beside it (``as_calibrated_ms``).
 
 One JSON line per measured setting with both times and the error, and per (layout, bandwidth,
 config) the regret of the simulator's pick: the measured time of the setting the twin ranks first
@@ -29,6 +36,7 @@ from typing import Any
 from moeflow.bench.parallel import ParallelPoint
 from moeflow.bench.pipeline import GridPoint
 from moeflow.bench.schedules import SchedulePoint
+from moeflow.bench.skew import SkewPoint
 
 FIXED_SETTING = re.compile(r"d(\d+)-(\w+)")
 LAYOUTS = ((2, 1), (2, 2))
@@ -38,6 +46,8 @@ SCHEDULE_GRID = (SchedulePoint(4, 256), SchedulePoint(8, 1024))
 PARALLEL_GRID = (ParallelPoint(1, 256, 1.0), ParallelPoint(1, 2048, 1.0), ParallelPoint(2, 256, 4.0),
                  ParallelPoint(2, 2048, 4.0))
 PARM_GRID = (ParallelPoint(2, 256, 1.0, mp=2), ParallelPoint(2, 1024, 2.0, mp=2))
+SKEW_GRID = (SkewPoint("zipf:1.5"),)
+SIMULATED_SKEW_MODES = ("off", "hottest", "auto", "smart", "smart+auto")  # not EPLB's redundant slots
 SIMULATED_PARM_MODES = {"s1": "s1", "s2-saa": "s2", "ds-baseline": "ds-baseline"}  # the sim's S2 is with SAA
 MEASURED = "measured.jsonl"
 CALIBRATIONS = 3  # the twin is built from their median
@@ -99,21 +109,60 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     return [(f"adaptive-r{record['r']}", record["layer_ms"], simulated_ms(cluster, model, plan))]
 
 
-PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel}
+def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """The dropless layer on the load the mode recorded (every rank's share of it), at the schedule,
+    degree, algorithm and number of shadowed experts the mode ran."""
+    import numpy as np
+
+    from moeflow.config import ALLTOALL_ALGORITHMS
+    from moeflow.sim import LayerLoad, ModelSpec, StepPlan, simulate_step
+
+    if record.get("mode") not in SIMULATED_SKEW_MODES:
+        return []
+    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
+                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
+                      capacity_factor=0.0, tokens_per_rank=record["tokens"], dtype="fp32")
+    counts = np.asarray(record["tokens_per_expert"], dtype=np.float64) / cluster.world_size
+    plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert",
+                    degree=max(1, int(record["degree"] or 1)),
+                    algorithm=record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear",
+                    shadowed=len(record["shadowed"]))
+    load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.experts)))
+    seconds = simulate_step(cluster, model, plan, loads=[load], layer_only=True).step_s
+    return [(f"skew-{record['mode']}", record["layer_ms"], seconds * 1e3)]
+
+
+PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel, "skew": _skew}
 
 
 def compare(measured: list[dict[str, Any]], profile: Path, layout: str, gbit: float) -> list[dict[str, Any]]:
-    """One record per measured fixed setting, with the twin's time beside it."""
+    """One record per measured fixed setting, with the twin's time beside it: ``simulated_ms`` on
+    the twin re-timed to the speed probe its benchmark ran beside it (when it has one),
+    ``as_calibrated_ms`` on the twin as calibrated."""
+    from moeflow.perf.profile import ClusterProfile
     from moeflow.sim import load_cluster
+    from moeflow.sim.calibrated import retimed
 
     cluster, out = load_cluster(profile), []
+    expected = ClusterProfile.load(profile).speed_probe_seconds()
+    probes = {(r["measured_by"], r["config"]): r["probe_ms"] for r in measured if r.get("bench") == "speed-probe"}
     for record in measured:
         predict = PREDICTORS.get(str(record.get("bench")))
-        for setting, measured_ms, predicted_ms in predict(cluster, record) if predict else []:
+        if predict is None:
+            continue
+        probe = probes.get((record["bench"], record["config"]))
+        speed = expected * 1e3 / probe if probe and expected else None
+        twin = retimed(cluster, speed) if speed else cluster
+        raw = {setting: predicted for setting, _, predicted in predict(cluster, record)} if speed else {}
+        for setting, measured_ms, predicted_ms in predict(twin, record):
+            drifted = raw.get(setting, predicted_ms)
             out.append({"bench": "sim-validation", "measured_by": record["bench"], "layout": layout,
                         "inter_gbit": gbit, "config": record["config"], "setting": setting,
                         "measured_ms": round(measured_ms, 3), "simulated_ms": round(predicted_ms, 3),
-                        "error": round(predicted_ms / measured_ms - 1, 4)})
+                        "error": round(predicted_ms / measured_ms - 1, 4),
+                        "speed": None if speed is None else round(speed, 4),
+                        "as_calibrated_ms": round(drifted, 3),
+                        "as_calibrated_error": round(drifted / measured_ms - 1, 4)})
     return out
 
 
@@ -135,7 +184,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                 "max_abs_error": max(values, default=None)}
 
     found = regrets(records)
+    drift = [abs(r.get("as_calibrated_error", r["error"])) for r in records]
     return {"summary": "sim-validation", **errors(records),
+            "as_calibrated": {"median_abs_error": statistics.median(drift) if drift else None,
+                                    "max_abs_error": max(drift, default=None)},
             "median_regret": statistics.median(found) if found else None, "max_regret": max(found, default=None),
             "by_layout": {k: errors([r for r in records if r["layout"] == k]) for k in sorted({r["layout"]
                                                                                             for r in records})},
@@ -181,7 +233,8 @@ def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], gri
         profile = calibrated(folder, layout, nodes, per_node, gbit)
         measured = []
         parallel = PARALLEL_GRID + (PARM_GRID if per_node % 2 == 0 else ())  # an MP group inside a node
-        for module, points in (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", parallel)):
+        benches = (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", parallel), ("skew", SKEW_GRID))
+        for module, points in benches:
             measured += run_on_cluster(f"moeflow.bench.{module}", module, list(points), nodes, per_node, gbit,
                                        repeats, str(profile), 29760, 3600)
         with (folder / MEASURED).open("a") as sink:
@@ -201,7 +254,7 @@ def scatter(records: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.0, 5.2))
-    colors = {"pipeline": "#4C72B0", "schedules": "#DD8452", "parallel": "#55A868"}
+    colors = {"pipeline": "#4C72B0", "schedules": "#DD8452", "parallel": "#55A868", "skew": "#C44E52"}
     for bench, color in colors.items():
         for layout, marker in (("2x1", "o"), ("2x2", "^")):
             chosen = [r for r in records if r.get("measured_by", "pipeline") == bench and r["layout"] == layout]

@@ -119,7 +119,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import layer_training_step, settle_planner, slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner, slowest_rank_seconds
     from moeflow.layer import MoELayer
 
     rank = dist.get_rank()
@@ -146,12 +146,15 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     if layers["redundant"].rebalance(layers["redundant"].last_stats.tokens_per_expert):
         settle["redundant"] += settle_planner(layers["redundant"], x)
     samples: dict[str, list[float]] = {name: [] for name in layers}
+    probe = SpeedProbe()
     for round_index in range(repeats + 1):  # round 0 warms every mode up
         for name, layer in layers.items():
             seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
             if round_index:
                 samples[name].append(seconds)
+        probe.sample()
     if rank == 0:
+        emit(probe.record("skew", point.name))
         _emit_point(point, layers, samples, settle, emit)
 
 
@@ -168,7 +171,7 @@ def _emit_point(
             "mode": name, "layer_ms": medians[name] * 1e3, "shadowed": list(stats.shadowed_experts),
             "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
             "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
-            "settle_iterations": settle[name],
+            "settle_iterations": settle[name], "tokens_per_expert": stats.tokens_per_expert,
         })
     emit({
         "bench": "skew-compare", "config": point.name, "skew": point.skew,

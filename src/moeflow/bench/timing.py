@@ -47,6 +47,47 @@ def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | No
     return elapsed
 
 
+def slowest_rank_medians(
+    fns: dict[K, Callable[[], object]], repeats: int, warmup: int = 1, group: dist.ProcessGroup | None = None,
+) -> dict[K, float]:
+    """Median over ``repeats`` round-robin rounds of each function's :func:`slowest_rank_seconds`:
+    every rank runs it at once, as inside a layer whose ranks meet at each all-to-all (on a shared
+    CPU the ranks then contend for cores and memory, and the layer waits for the slowest)."""
+    samples: dict[K, list[float]] = {name: [] for name in fns}
+    for round_index in range(warmup + repeats):
+        for name, fn in fns.items():
+            seconds = slowest_rank_seconds(fn, group)
+            if round_index >= warmup:
+                samples[name].append(seconds)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+class SpeedProbe:
+    """The reference expert FFN of :data:`~moeflow.perf.profile.SPEED_PROBE`, timed on every rank
+    at once in each round of a benchmark: its median says how fast the machine ran during the
+    measurement, so that a calibrated twin can be re-timed to it. Every rank calls :meth:`sample`."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from moeflow.experts import ExpertFFN
+        from moeflow.perf.profile import SPEED_PROBE
+
+        self._ffn = ExpertFFN(1, SPEED_PROBE["model_dim"], SPEED_PROBE["hidden_dim"])
+        self._x = torch.randn(1, SPEED_PROBE["tokens"], SPEED_PROBE["model_dim"], requires_grad=True)
+        self.samples: list[float] = []
+
+    def _run(self) -> None:
+        self._ffn(self._x).sum().backward()  # as ``moeflow calibrate`` times the FFN
+
+    def sample(self) -> None:
+        self.samples.append(slowest_rank_seconds(self._run))
+
+    def record(self, bench: str, config: str) -> dict[str, Any]:
+        return {"bench": "speed-probe", "measured_by": bench, "config": config,
+                "probe_ms": statistics.median(self.samples) * 1e3}
+
+
 def layer_training_step(layer: Any, x: Any) -> None:
     """One forward + backward of a layer (its output's mean square plus its aux loss), grads dropped."""
     y = layer(x)

@@ -12,6 +12,10 @@ from typing import Any
 from moeflow.perf.alphabeta import AlphaBeta
 
 PROFILE_VERSION = 1
+SPEED_PROBE = {"tokens": 1024, "model_dim": 512, "hidden_dim": 1024}
+"""The reference expert FFN (one expert, forward + backward) a benchmark times beside its settings:
+its time over the one the profile's FFN fits predict is how fast the machine ran then, compared
+with when it was calibrated (a shared VM's cores drift by tens of percent over minutes)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,13 @@ class ClusterProfile:
         if name not in self.fits:
             raise KeyError(f"profile has no fit for {name!r}; calibrated: {sorted(self.fits)}")
         return self.fits[name]
+
+    def speed_probe_seconds(self) -> float | None:
+        """What the FFN fits predict for :data:`SPEED_PROBE` (None without them)."""
+        if "ffn.forward" not in self.fits or "ffn.backward" not in self.fits:
+            return None
+        work = SPEED_PROBE["tokens"] * SPEED_PROBE["model_dim"] * SPEED_PROBE["hidden_dim"] * 2
+        return self.fits["ffn.forward"](work) + self.fits["ffn.backward"](work)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -70,6 +70,17 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
     return replace(twin, collective_scale=scale)
 
 
+def retimed(cluster: Cluster, speed: float) -> Cluster:
+    """The twin with its device ``speed`` times as fast (``speed`` < 1: slower): the rate the
+    machine ran at during a measurement, read off a speed probe, over the rate at calibration."""
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed!r}")
+    device = cluster.device
+    return replace(cluster, device=replace(device, gemm_flops=device.gemm_flops * speed,
+                                           kernel_overhead_s=device.kernel_overhead_s / speed,
+                                           memory_bandwidth=device.memory_bandwidth * speed))
+
+
 def _faster(link: Link, factor: float) -> Link:
     return replace(link, bandwidth=link.bandwidth / factor)
 
