@@ -19,11 +19,13 @@ from moeflow.sim import (
     ModelSpec,
     Network,
     StepPlan,
+    StepResult,
     Timeline,
     Transfer,
     fair_rates,
     load_cluster,
     named_clusters,
+    routing_loads,
     simulate_step,
 )
 from moeflow.sim.cluster import cluster_from_toml
@@ -164,6 +166,28 @@ def test_skewed_routing_makes_a_straggler_and_padding_hides_it() -> None:
     assert skewed.step_s > 1.2 * uniform.step_s  # dropless: the hot expert's rank computes more
     padded = simulate_step(cluster, base.with_overrides(capacity_factor=1.0, routing="zipf:1.5"))
     assert padded.dropped > 0 and uniform.dropped == 0
+
+
+def test_moeflows_cpu_kernels_pad_the_dropless_backward_and_keep_shadowed_slots_in_the_exchange() -> None:
+    """``padded_backward``: the forward runs the real rows, the backward the padded buffer (more
+    rows under skew, the same forward). ``shadowed_slots_travel``: the shadowed experts' slots
+    travel cut to the others' capacity, between FasterMoE's exchange without them and none shadowed."""
+    model = ModelSpec(layers=1, model_dim=256, hidden_dim=512, experts=8, tokens_per_rank=512, capacity_factor=0,
+                      routing="zipf:1.5")
+
+    def run(**knobs: object) -> StepResult:
+        return simulate_step(toy(), model, StepPlan(**knobs), layer_only=True)
+
+    real, padded = run(), run(padded_backward=True)
+    assert padded.busy_s["experts"] > 1.2 * real.busy_s["experts"]
+    assert simulate_step(toy(), model, StepPlan(padded_backward=True), training=False, layer_only=True).step_s == \
+        pytest.approx(simulate_step(toy(), model, StepPlan(), training=False, layer_only=True).step_s)
+    load = routing_loads(model, 8)[0]
+    hot = np.array([0])
+    kept = load.with_shadowed_slots(hot)
+    assert kept.counts[0, 0] == load.counts[0, 1:].max() and (kept.counts[:, 1:] == load.counts[:, 1:]).all()
+    moved = {flag: run(shadowed=1, shadowed_slots_travel=flag).busy_s["alltoall"] for flag in (False, True)}
+    assert moved[False] < moved[True] < run().busy_s["alltoall"]
 
 
 def test_prioritized_alltoall_is_not_slowed_by_the_gradient_allreduce() -> None:
@@ -442,6 +466,33 @@ def test_parm_removes_the_baselines_repeated_work_and_traffic() -> None:
     assert float(all_gather.work.max()) == pytest.approx(0.5e6 / 100e9) and reduce_scatter.work[nic:].max() == 0
 
 
+@pytest.mark.parametrize("schedule", ["s1", "s2", "ds-baseline"])
+def test_parm_schedules_pipeline_over_capacity_chunks(schedule: str) -> None:
+    """At degree d each Parm region runs d chunks of the same rows and bytes: the experts' and the
+    all-to-alls' busy time only gain the per-kernel and per-message overheads, and the chunks'
+    overlap makes the layer faster when compute and the exchange are comparable."""
+    cluster, model = toy(), PARM_MODEL
+    runs = {d: simulate_step(cluster, model, StepPlan(schedule=schedule, degree=d, mp=2, esp=2), layer_only=True)
+            for d in (1, 4)}
+    assert runs[4].operations > runs[1].operations
+    assert runs[4].busy_s["experts"] == pytest.approx(runs[1].busy_s["experts"], rel=0.05)
+    assert runs[4].busy_s["alltoall"] >= runs[1].busy_s["alltoall"] * 0.999
+    assert runs[4].step_s < runs[1].step_s
+    assert StepPlan(schedule=schedule, degree=4, mp=2, esp=2).label().endswith("d=4 mp=2 esp=2")
+
+
+def test_packed_s1_sends_only_occupied_slots() -> None:
+    """moeflow's S1 packs its own tokens' slots: at f = 2 half the capacity is empty, so it moves
+    half of Parm's S1 bytes; at f = 1 under uniform routing every slot is filled and nothing changes."""
+    def alltoall(factor: float, packed: bool) -> float:
+        model = PARM_MODEL.with_overrides(capacity_factor=factor)
+        plan = StepPlan(schedule="s1", mp=2, esp=2, packed_s1=packed)
+        return simulate_step(toy(), model, plan, layer_only=True).busy_s["alltoall"]
+
+    assert alltoall(2.0, True) == pytest.approx(alltoall(2.0, False) / 2, rel=0.05)
+    assert alltoall(1.0, True) == pytest.approx(alltoall(1.0, False))
+
+
 def test_parm_plans_reject_layouts_they_cannot_run() -> None:
     with pytest.raises(ValueError, match="mp and esp > 1 go with Parm's schedules"):
         StepPlan(mp=2)
@@ -515,9 +566,10 @@ def test_the_simulators_picks_are_the_measured_best_of_a_recorded_validation_run
     from moeflow.bench.sim_validation import regrets, replay, summarize
 
     records = replay(Path(__file__).parent / "data" / "sim_validation")
-    assert {r["measured_by"] for r in records} == {"pipeline", "schedules", "parallel"}
+    assert {r["measured_by"] for r in records} == {"pipeline", "schedules", "parallel", "skew"}
     assert {(r["layout"], r["inter_gbit"]) for r in records} == {(f"2x{g}", b) for g in (1, 2) for b in (0.5, 1, 2)}
     found = regrets(records)
-    assert len(found) == 48 and statistics.median(found) <= 0.05
+    assert len(found) == 60 and statistics.median(found) <= 0.05
     summary = summarize(records)
-    assert summary["median_abs_error"] <= 0.20  # the issue's 10 % is not met: calibration noise on 2 cores
+    assert summary["median_abs_error"] <= 0.15  # the issue's 10 % is not met: a layer call's fixed cost is missing
+    assert summary["by_layout"]["2x1"]["median_abs_error"] <= 0.10

@@ -99,7 +99,9 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
                       capacity_factor=record["capacity_factor"], tokens_per_rank=record["tokens"], dtype="fp32")
     mode, mp = str(record.get("mode", "")), int(record.get("mp", 1))
     if mp > 1 and mode in SIMULATED_PARM_MODES:
-        parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp)
+        degree = max(1, int(record.get("degree") or 1))
+        parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp, degree=degree,
+                        packed_s1=True)  # moeflow's S1 sends no empty slot
         return [(mode, record["layer_ms"], simulated_ms(cluster, model, parm))]
     if not mode.startswith("r") or record.get("r") is None:
         return []
@@ -111,7 +113,10 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
 
 def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
     """The dropless layer on the load the mode recorded (every rank's share of it), at the schedule,
-    degree, algorithm and number of shadowed experts the mode ran."""
+    degree, algorithm and number of shadowed experts the mode ran, as moeflow runs them: the
+    ragged kernel's forward on the real rows, its backward on the padded buffer
+    (``moeflow.ragged``), and the shadowed experts' slots kept in the equal-split exchange, cut to
+    the others' capacity (``moeflow.parallel.shadowing``)."""
     import numpy as np
 
     from moeflow.config import ALLTOALL_ALGORITHMS
@@ -126,7 +131,7 @@ def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]
     plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert",
                     degree=max(1, int(record["degree"] or 1)),
                     algorithm=record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear",
-                    shadowed=len(record["shadowed"]))
+                    shadowed=len(record["shadowed"]), padded_backward=True, shadowed_slots_travel=True)
     load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.experts)))
     seconds = simulate_step(cluster, model, plan, loads=[load], layer_only=True).step_s
     return [(f"skew-{record['mode']}", record["layer_ms"], seconds * 1e3)]

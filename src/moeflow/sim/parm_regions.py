@@ -11,17 +11,24 @@ Megatron's convention each all-gather's backward is a free split and each split'
   member repeats all of it.
 - ``s1`` (PauseMP before the gate): the gate, the all-to-alls and the experts see 1 / N_MP of the
   tokens; Parm's fused EP&ESP all-to-all over all ranks (dump, then one exchange of
-  N_ESP x buffer / N_MP); the MP all-gather restores the tokens after the decode.
+  N_ESP x buffer / N_MP, or with ``plan.packed_s1`` of N_ESP x the member's occupied slots, as
+  moeflow's S1 sends no empty slot); the MP all-gather restores the tokens after the decode.
 - ``s2`` (PauseMP after the gate): every member gates all tokens, exchanges its 1 / N_MP of the
   buffer, and the combine's all-to-all runs beside the MP all-gather of the buffer (SAA) in the
   forward; the backward runs them one after the other.
+
+Each pipelines its exchange, experts and exchange back over ``plan.degree`` capacity chunks, as
+moeflow's Parm schedules do (chunk i's experts overlap chunk i + 1's dispatch).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from moeflow.perf.pipeline import capacity_chunks
 from moeflow.sim.engine import ALLTOALL, COMPUTE, MODEL_PARALLEL
 
 if TYPE_CHECKING:
@@ -36,12 +43,28 @@ def gated_share(schedule: str, mp: int, esp: int) -> float:
     return {"s1": 1.0 / mp, "ds-baseline": float(esp)}.get(schedule, 1.0)
 
 
-def _experts(b: StepBuilder, buffer: float, deps: list[int], backward: bool) -> int:
+def _experts(b: StepBuilder, buffer: float, deps: list[int], backward: bool, slowdown: float = 1.0) -> int:
     """Each rank's expert shards (hidden / N_ESP) on the ``buffer`` bytes of slots it received."""
     m, esp = b.model, b.plan.esp
     rows = buffer / (m.model_dim * m.element_bytes)
     local = max(1, m.experts * esp // b.cluster.world_size)
-    return b.timeline.compute(COMPUTE, b.ffn_s(rows, backward, local_experts=local, shards=esp), deps, "experts")
+    seconds = slowdown * b.ffn_s(rows, backward, local_experts=local, shards=esp)
+    return b.timeline.compute(COMPUTE, seconds, deps, "experts")
+
+
+def _pipelined(b: StepBuilder, slots: int, whole: float, deps: list[int], backward: bool,
+               exchange: Callable[[float, list[int]], int],
+               after_experts: Callable[[float, list[int]], int] | None = None) -> tuple[int, list[int]]:
+    """``whole`` bytes of ``slots`` capacity slots in the plan's chunks; chunk i: ``exchange`` of
+    its share, the experts on it, (``after_experts``,) ``exchange`` back; dispatches D1..Dd first,
+    as the executor issues them. Returns the last experts' operation and the returns."""
+    shares = [(stop - start) / slots for start, stop in capacity_chunks(slots, b.plan.degree)] or [1.0]
+    slowdown = b.device.overlap_slowdown if len(shares) > 1 else 1.0
+    sent = [exchange(whole * share, deps) for share in shares]
+    computed = [_experts(b, whole * share, [d], backward, slowdown) for share, d in zip(shares, sent, strict=True)]
+    done = [after_experts(whole * share, [c]) if after_experts else c
+            for share, c in zip(shares, computed, strict=True)]
+    return computed[-1], [exchange(whole * share, [d]) for share, d in zip(shares, done, strict=True)]
 
 
 def _copy(b: StepBuilder, nbytes: float, deps: list[int], category: str) -> int:
@@ -58,29 +81,39 @@ def _mp_allgather(b: StepBuilder, whole: float, deps: list[int], stream: str = A
     return b.collective(stream, steps, deps, "allgather-mp", b.priority)
 
 
-def _paused_mp_exchange(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> tuple[int, int]:
-    """What S1 and S2 share: dump, the fused all-to-all of this member's N_ESP x buffer / N_MP,
-    the expert shards, the fused all-to-all back and the local sum of the shards' partials.
-    Returns the experts' and the sum's operations."""
-    esp = b.plan.esp
-    sent = b.buffer_bytes(load) * esp / b.plan.mp
-    dumped = _copy(b, sent, deps, "dump") if esp > 1 else deps[0]
-    computed = _experts(b, sent, [_fused_alltoall(b, sent, [dumped])], backward)
-    returned = _fused_alltoall(b, sent, [computed])
-    return computed, _copy(b, sent, [returned], "combine-sum") if esp > 1 else returned
+def _member_slots(b: StepBuilder, load: LayerLoad, packed: bool) -> int:
+    """Capacity slots per expert one MP member sends: its 1 / N_MP of the padded capacity (Parm's
+    S1 and S2), or packed, its own tokens' occupied slots (moeflow's S1: no empty slot travels)."""
+    capacity, mp = b.capacity(load), b.plan.mp
+    occupied = min(capacity, math.ceil(float(load.counts.max(initial=0.0)))) if packed else capacity
+    return max(1, -(-occupied // mp))
+
+
+def _paused_mp_exchange(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool,
+                        packed: bool) -> tuple[int, list[int]]:
+    """What S1 and S2 share: dump, the fused all-to-all of this member's slots to the N_ESP shards
+    of their experts, the expert shards, the fused all-to-all back (pipelined) and the local sum
+    of the shards' partials. Returns the last experts' operation and what follows the sum."""
+    m, esp = b.model, b.plan.esp
+    slots = _member_slots(b, load, packed)
+    sent = float(m.experts * slots * m.model_dim * m.element_bytes * esp)
+    dumped = [_copy(b, sent, deps, "dump")] if esp > 1 else deps
+    computed, returned = _pipelined(b, slots, sent, dumped, backward,
+                                    lambda nbytes, d: _fused_alltoall(b, nbytes, d))
+    return computed, [_copy(b, sent, returned, "combine-sum")] if esp > 1 else returned
 
 
 def s1_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-    _, summed = _paused_mp_exchange(b, load, deps, backward)
-    return [_mp_allgather(b, b.token_bytes, [summed])]
+    _, summed = _paused_mp_exchange(b, load, deps, backward, packed=b.plan.packed_s1)
+    return [_mp_allgather(b, b.token_bytes, summed)]
 
 
 def s2_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-    computed, summed = _paused_mp_exchange(b, load, deps, backward)
+    computed, summed = _paused_mp_exchange(b, load, deps, backward, packed=False)
     buffer = b.buffer_bytes(load)
     if backward:
-        return [_mp_allgather(b, buffer, [summed])]
-    return [summed, _mp_allgather(b, buffer, [computed], MODEL_PARALLEL)]  # SAA: beside the combine
+        return [_mp_allgather(b, buffer, summed)]
+    return [*summed, _mp_allgather(b, buffer, [computed], MODEL_PARALLEL)]  # SAA: beside the combine
 
 
 def baseline_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
@@ -88,12 +121,14 @@ def baseline_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     gathered = b.buffer_bytes(load) * esp
     inputs = b.collective(ALLTOALL, network.allgather(b.token_bytes, esp), deps, "allgather-esp", b.priority)
     peers = b.cluster.world_size // esp
-    exchange = network.strided_alltoall(gathered / peers, esp)
-    dispatched = b.collective(ALLTOALL, exchange, [inputs], "alltoall", b.priority)
-    computed = _experts(b, gathered, [dispatched], backward)
-    reduced = b.collective(ALLTOALL, network.allreduce(gathered, group=esp), [computed], "allreduce-esp",
-                           b.priority)
-    return [b.collective(ALLTOALL, exchange, [reduced], "alltoall", b.priority)]
+
+    def exchange(nbytes: float, after: list[int]) -> int:
+        return b.collective(ALLTOALL, network.strided_alltoall(nbytes / peers, esp), after, "alltoall", b.priority)
+
+    def reduce(nbytes: float, after: list[int]) -> int:
+        return b.collective(ALLTOALL, network.allreduce(nbytes, group=esp), after, "allreduce-esp", b.priority)
+
+    return _pipelined(b, b.capacity(load), gathered, [inputs], backward, exchange, reduce)[1]
 
 
 PARM_REGIONS = MappingProxyType({"s1": s1_region, "s2": s2_region, "ds-baseline": baseline_region})

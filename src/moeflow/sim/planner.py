@@ -39,10 +39,12 @@ def algorithms_for(cluster: Cluster) -> list[str]:
 
 def parm_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace) -> list[StepPlan]:
     """Behind MP attention: S1 and S2 with experts whole or sharded over the MP group (moeflow's
-    layout), and the DeepSpeed-MoE baseline, where the experts divide over the EP ranks."""
+    layout), and the DeepSpeed-MoE baseline, where the experts divide over the EP ranks; each at
+    every pipeline degree."""
     mp, lina = space.mp, space.prioritize_alltoall
-    plans = [StepPlan(schedule, mp=mp, esp=esp, prioritize_alltoall=lina)
-             for schedule, esp in (("s1", 1), ("s2", 1), ("s1", mp), ("s2", mp), ("ds-baseline", mp))]
+    plans = [StepPlan(schedule, degree, mp=mp, esp=esp, prioritize_alltoall=lina)
+             for schedule, esp in (("s1", 1), ("s2", 1), ("s1", mp), ("s2", mp), ("ds-baseline", mp))
+             for degree in space.degrees]
     if cluster.gpus_per_node % mp:
         raise ValueError(f"--mp {mp} must divide the {cluster.gpus_per_node} GPUs per node (MP groups stay in a node)")
     return [p for p in plans if model.experts % (cluster.world_size // p.esp) == 0]

@@ -33,7 +33,7 @@ def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bo
     """Dispatch D1..Dd, chunk i's experts after Di, combines C1..Cd (moeflow's executor order)."""
     capacity = b.capacity(load)
     chunks = [stop - start for start, stop in capacity_chunks(capacity, b.plan.degree)] or [0]
-    rows = b.expert_rows(load, capacity)
+    rows = b.expert_rows(load, capacity, backward)
     travelling = load.counts.shape[1]
     dispatched = [b.alltoall(b.pair_bytes(chunk, travelling), deps) for chunk in chunks]
     slowdown = b.device.overlap_slowdown if len(chunks) > 1 else 1.0  # chunks overlap the next dispatch
@@ -56,7 +56,7 @@ def smart_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: boo
     pair = b.pair_bytes(capacity, load.counts.shape[1])
     inter = network.scaled("pairwise", [network.pairwise_inter_step(pair)]) * (nodes - 1)
     steps = (network.scaled("pairwise", [network.pairwise_intra_step(pair)]) if per_node > 1 else [None]) + inter
-    rows = b.expert_rows(load, capacity)
+    rows = b.expert_rows(load, capacity, backward)
     share = 1.0 / nodes  # each step brings one node's tokens
     sent = [b.collective(ALLTOALL, [s] if s is not None else [], deps, "alltoall", b.priority) for s in steps]
     slowdown = b.device.overlap_slowdown if nodes > 1 else 1.0  # step j's experts overlap step j + 1
@@ -81,7 +81,7 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     else:
         capacity = b.capacity(load)
         pair = r * b.pair_bytes(capacity, load.counts.shape[1])
-        computed = b.timeline.compute(COMPUTE, b.ffn_s(b.expert_rows(load, capacity), backward),
+        computed = b.timeline.compute(COMPUTE, b.ffn_s(b.expert_rows(load, capacity, backward), backward),
                                       [b.alltoall(pair, deps)], "experts")
         done = [b.alltoall(pair, [computed])]
     if backward and group > 1:

@@ -45,6 +45,9 @@ class StepPlan:
     bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
     mp: int = 1  # N_MP: attention split over this many consecutive ranks (Megatron), Parm's schedules only
     esp: int = 1  # N_ESP: each expert's hidden dimension sharded over this many consecutive ranks
+    padded_backward: bool = False  # dropless experts' backward on the padded buffer (moeflow's CPU ragged kernel)
+    shadowed_slots_travel: bool = False  # shadowed experts' slots stay in the exchange, cut (moeflow's shadowing)
+    packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
 
     def __post_init__(self) -> None:
         if self.schedule not in SIM_SCHEDULES:
@@ -70,7 +73,7 @@ class StepPlan:
         base = {"expert": f"expert d={self.degree} {self.algorithm}", "adaptive": f"adaptive r={self.r}",
                 "smart": "smart pairwise"}.get(self.schedule, self.schedule)
         if self.schedule in PARM_SCHEDULES:
-            base += f" mp={self.mp} esp={self.esp}"
+            base += (f" d={self.degree}" if self.degree > 1 else "") + f" mp={self.mp} esp={self.esp}"
         return base + (f" shadow={self.shadowed}" if self.shadowed else "") + \
             (" prioritized" if self.prioritize_alltoall else "")
 
@@ -142,12 +145,12 @@ class StepBuilder:
         m = self.model
         return float((experts or m.experts) * slots * m.model_dim * m.element_bytes) / self.cluster.world_size
 
-    def expert_rows(self, load: LayerLoad, capacity: int) -> Times:
+    def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
-        (dropless f = 0: only real rows run), per rank."""
+        (dropless f = 0: only real rows run, except in a ``padded_backward`` plan's backward), per rank."""
         m, world = self.model, self.cluster.world_size
         travelling = load.counts.shape[1]
-        if m.capacity_factor != 0 or world > m.experts:
+        if m.capacity_factor != 0 or world > m.experts or (backward and self.plan.padded_backward):
             return float(travelling * capacity)
         received = np.minimum(load.counts, capacity).sum(axis=0)
         per_rank = np.bincount(load.experts * world // m.experts, weights=received, minlength=world)
@@ -269,7 +272,8 @@ class StepBuilder:
         sent = [self.collective(ALLTOALL, shadow, deps, "broadcast", self.priority)]
         home = self.timeline.compute(COMPUTE, self.ffn_s(shadowed_rows(load, hot), backward, len(hot)), sent,
                                      "experts")
-        done = region(self, load.without(hot), [home], backward)
+        rest = load.with_shadowed_slots(hot) if self.plan.shadowed_slots_travel else load.without(hot)
+        done = region(self, rest, [home], backward)
         if backward:
             done = [self.allreduce(float(nbytes), done)]
         return done

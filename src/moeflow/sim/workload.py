@@ -117,6 +117,15 @@ class LayerLoad:
         keep = np.setdiff1d(np.arange(self.counts.shape[1]), hot)
         return LayerLoad(self.counts[:, keep], self.experts[keep])
 
+    def with_shadowed_slots(self, hot: np.ndarray) -> LayerLoad:
+        """What travels when the shadowed ``hot`` experts keep their slots in an equal-split
+        exchange, cut to the capacity the others need (moeflow's shadowing): every column, the hot
+        ones at most the others' largest count."""
+        keep = np.setdiff1d(np.arange(self.counts.shape[1]), hot)
+        counts = self.counts.copy()
+        counts[:, hot] = np.minimum(counts[:, hot], self.counts[:, keep].max(initial=0.0))
+        return LayerLoad(counts, self.experts)
+
     def capacity(self, model: ModelSpec) -> int:
         needed = math.ceil(float(self.counts.max()))
         return expert_capacity(model.capacity_factor, model.top_k, model.tokens_per_rank, model.experts, needed)
