@@ -88,10 +88,16 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
             ("step-replicated", record["replicated_step_ms"], replicated)]
 
 
+def _pipeline_ran(record: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline degree and all-to-all algorithm a measured setting ran, as the simulator's."""
+    from moeflow.sim.step import simulated_algorithm
+
+    return {"degree": max(1, int(record.get("degree") or 1)), "algorithm": simulated_algorithm(record.get("alltoall"))}
+
+
 def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
     """One layer's forward+backward under Tutel's adaptive schedule at a fixed r, or under one of
     Parm's schedules behind MP attention."""
-    from moeflow.config import ALLTOALL_ALGORITHMS
     from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
     model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
@@ -99,15 +105,12 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
                       capacity_factor=record["capacity_factor"], tokens_per_rank=record["tokens"], dtype="fp32")
     mode, mp = str(record.get("mode", "")), int(record.get("mp", 1))
     if mp > 1 and mode in SIMULATED_PARM_MODES:
-        degree = max(1, int(record.get("degree") or 1))
-        parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp, degree=degree,
+        parm = StepPlan(schedule=SIMULATED_PARM_MODES[mode], mp=mp, esp=mp, **_pipeline_ran(record),
                         packed_s1=True)  # moeflow's S1 sends no empty slot
         return [(mode, record["layer_ms"], simulated_ms(cluster, model, parm))]
     if not mode.startswith("r") or record.get("r") is None:
         return []
-    algorithm = record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear"
-    plan = StepPlan(schedule="adaptive", r=int(record["r"]), degree=max(1, int(record["degree"] or 1)),
-                    algorithm=algorithm)
+    plan = StepPlan(schedule="adaptive", r=int(record["r"]), **_pipeline_ran(record))
     return [(f"adaptive-r{record['r']}", record["layer_ms"], simulated_ms(cluster, model, plan))]
 
 
@@ -119,7 +122,6 @@ def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]
     the others' capacity (``moeflow.parallel.shadowing``)."""
     import numpy as np
 
-    from moeflow.config import ALLTOALL_ALGORITHMS
     from moeflow.sim import LayerLoad, ModelSpec, StepPlan, simulate_step
 
     if record.get("mode") not in SIMULATED_SKEW_MODES:
@@ -128,9 +130,7 @@ def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]
                       hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
                       capacity_factor=0.0, tokens_per_rank=record["tokens"], dtype="fp32")
     counts = np.asarray(record["tokens_per_expert"], dtype=np.float64) / cluster.world_size
-    plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert",
-                    degree=max(1, int(record["degree"] or 1)),
-                    algorithm=record["alltoall"] if record["alltoall"] in ALLTOALL_ALGORITHMS else "linear",
+    plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert", **_pipeline_ran(record),
                     shadowed=len(record["shadowed"]), padded_backward=True, shadowed_slots_travel=True)
     load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.experts)))
     seconds = simulate_step(cluster, model, plan, loads=[load], layer_only=True).step_s
@@ -192,7 +192,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     drift = [abs(r.get("as_calibrated_error", r["error"])) for r in records]
     return {"summary": "sim-validation", **errors(records),
             "as_calibrated": {"median_abs_error": statistics.median(drift) if drift else None,
-                                    "max_abs_error": max(drift, default=None)},
+                              "max_abs_error": max(drift, default=None)},
             "median_regret": statistics.median(found) if found else None, "max_regret": max(found, default=None),
             "by_layout": {k: errors([r for r in records if r["layout"] == k]) for k in sorted({r["layout"]
                                                                                             for r in records})},

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moeflow.config import ALLTOALL_ALGORITHMS
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.step import SIM_SCHEDULES, StepPlan, simulate_step
+from moeflow.sim.step import SIM_SCHEDULES, StepPlan, simulate_step, simulated_algorithm
 from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ def step_plan(plan: Plan) -> StepPlan | None:
     """The simulator's plan for a layer plan, or None for a schedule it does not model."""
     if plan.schedule not in SIM_SCHEDULES:
         return None
-    algorithm = plan.algorithm if plan.algorithm in ALLTOALL_ALGORITHMS else "linear"  # "none": nothing sent
+    algorithm = simulated_algorithm(plan.algorithm)
     if plan.schedule == "adaptive":
         return StepPlan(schedule="adaptive", r=plan.r, degree=plan.degree, algorithm=algorithm)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm)

@@ -78,6 +78,12 @@ class StepPlan:
             (" prioritized" if self.prioritize_alltoall else "")
 
 
+def simulated_algorithm(name: str | None) -> str:
+    """The all-to-all algorithm the simulator prices for a layer's: its own, or linear for the
+    names it has no model of ("none": nothing sent; Parm's fused combines)."""
+    return name if name in ALLTOALL_ALGORITHMS else "linear"
+
+
 @dataclass
 class StepResult:
     """Seconds of the step (the slowest rank), busy seconds per category, dropped assignments."""
