@@ -140,12 +140,13 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
     from moeflow.distributed import run_distributed
 
     config = CalibrationConfig(model_dim=32, hidden_dim=64, gemm_tokens=(64, 128, 256, 512),
-                               collective_bytes=(4096, 16384, 65536, 262144), repeats=1)
+                               collective_bytes=(4096, 16384, 65536, 262144), repeats=1, layer_repeats=1)
     profile_dict = run_distributed(calibrate_rank, 2, config, timeout_s=300)[0]
     profile = ClusterProfile.from_dict(profile_dict)
     assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
                                  "allgather", "reducescatter", "alltoall.intra_node",  # one node: no inter-node
-                                 "allgather.intra_node", "alltoall.saa", "ffn.forward", "ffn.backward"}
+                                 "allgather.intra_node", "alltoall.saa", "ffn.forward", "ffn.backward",
+                                 "layer.forward", "layer.backward"}
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
     assert CostModel(profile).layer_times(LayerShape(256, 32, 64, 4))["serial_s"] > 0

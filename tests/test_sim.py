@@ -287,6 +287,41 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
         cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))
 
 
+def test_twin_takes_what_the_probe_layers_calls_leave_unexplained_as_a_fixed_cost_per_call() -> None:
+    """The probe layer measured 3 ms (forward) and 5 ms (backward) over the twin's own time for it:
+    every simulated layer pays that once per call, a machine twice as fast half of it, and fits
+    below the twin's own time give no negative cost."""
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
+    from moeflow.sim.calibrated import cluster_from_profile, retimed
+
+    fits = {"alltoall.inter_node": AlphaBeta(1e-4, 8e-9), "ffn.forward": AlphaBeta(1e-4, 5e-11),
+            "ffn.backward": AlphaBeta(2e-4, 1e-10)}
+    base = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits))
+    assert (base.device.layer_call_s, base.device.layer_call_backward_s) == (0.0, 0.0)  # no layer fits
+    ahead, both = [], []
+    for tokens in LAYER_PROBE["tokens"]:
+        probe = ModelSpec(layers=1, model_dim=LAYER_PROBE["model_dim"], hidden_dim=LAYER_PROBE["hidden_dim"],
+                          experts=2, top_k=1, capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
+        ahead.append(simulate_step(base, probe, training=False, layer_only=True).step_s)
+        both.append(simulate_step(base, probe, layer_only=True).step_s)
+    backward = [b - a for a, b in zip(ahead, both, strict=True)]
+    measured = {"layer.forward": AlphaBeta(float(np.mean(ahead)) + 3e-3, 0.0),
+                "layer.backward": AlphaBeta(float(np.mean(backward)) + 5e-3, 0.0)}
+    twin = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits | measured))
+    assert (twin.device.layer_call_s, twin.device.layer_call_backward_s) == pytest.approx((3e-3, 5e-3))
+    model = MODEL.with_overrides(layers=3)
+    gate = [simulate_step(c, model, StepPlan(), layer_only=True).busy_s["gate+encode"] for c in (base, twin)]
+    assert gate[1] - gate[0] == pytest.approx(3 * 8e-3)
+    assert retimed(twin, 2.0).device.layer_call_backward_s == pytest.approx(2.5e-3)
+    below = {name: AlphaBeta(0.0, 0.0) for name in measured}
+    floor = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits | below)).device
+    assert (floor.layer_call_s, floor.layer_call_backward_s) == (0.0, 0.0)
+    toml = GOOD_PROFILE.replace("[intra_node]", "layer_call_us = 40.0\nlayer_call_backward_us = 60.0\n[intra_node]")
+    device = cluster_from_toml(toml).device
+    assert (device.layer_call_s, device.layer_call_backward_s) == pytest.approx((40e-6, 60e-6))
+
+
 def test_twin_scales_each_alltoall_algorithm_to_its_own_fit_and_slows_overlapped_experts() -> None:
     """gloo's linear exchange runs at about half the link's rate here: the twin reads each
     algorithm's slowdown off its fit, and the calibrated interference off the profile."""
@@ -345,6 +380,12 @@ def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tm
     summary = summarize(records)
     picked = min(records, key=lambda r: r["simulated_ms"])
     assert summary["max_regret"] == pytest.approx(picked["measured_ms"] / 30.0 - 1)
+    # a training step of bench schedules' model: the expert step is predicted with the plan it ran
+    step = {"bench": "schedules", "config": "s", "model_dim": 64, "hidden_dim": 128, "experts": 2, "batch": 2,
+            "context": 64, "expert_step_ms": 50.0, "replicated_step_ms": 50.0}
+    ran = {d: compare([{**step, "expert_degree": d, "expert_alltoall": "linear"}], path, "2x1", 1.0)[0]
+           for d in (1, 4)}
+    assert ran[4]["setting"] == "step-expert" and ran[4]["simulated_ms"] != ran[1]["simulated_ms"]
     # Parm's modes on a 2x2 twin: S1, S2 with SAA and the baseline are simulated at N_ESP = N_MP;
     # plain S2 (its combine before the all-gather) and the planner are not
     ClusterProfile(nodes=2, ranks_per_node=2, fits={"alltoall.inter_node": AlphaBeta(1e-3, 8e-9),

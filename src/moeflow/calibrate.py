@@ -10,7 +10,9 @@ torchrun):
 - each collective over message sizes: all-to-all per algorithm, all-reduce, all-gather,
   reduce-scatter, and the linear all-to-all inside the intra-node and the inter-node (same local
   rank) subgroups; x = bytes each rank contributes, time of the slowest rank;
-- interference: a GEMM's slowdown while an asynchronous all-to-all is in flight.
+- interference: a GEMM's slowdown while an asynchronous all-to-all is in flight;
+- one whole call of a small MoE layer (``LAYER_PROBE``) over token counts, forward and backward,
+  on every rank at once: what a layer call costs beyond its GEMMs and bytes (x = tokens per rank).
 
 Every fit is made on half of the sizes and scored on the other half (held out): the profile stores
 the fit, its R^2 and the median relative error of its predictions on the held-out sizes.
@@ -38,6 +40,7 @@ from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.comm.topology import Topology
 from moeflow.distributed import destroy_process_groups
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
+from moeflow.perf.profile import LAYER_PROBE
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class CalibrationConfig:
     gemm_tokens: tuple[int, ...] = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)
     collective_bytes: tuple[int, ...] = tuple(int(2 ** (16 + i * 7 / 11)) for i in range(12))  # 64 KiB .. 8 MiB
     repeats: int = 5
+    layer_repeats: int = 21  # a small layer's call is short and jittery: more samples, still about 2 s
     ranks_per_node: int | None = None  # the launcher's LOCAL_WORLD_SIZE; None: one node
     latency_emulated: str | None = None  # the testbed's MOEFLOW_TESTBED_LATENCY_EMULATED, recorded as is
 
@@ -81,6 +85,32 @@ def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]
     return {
         "ffn.forward": [(work[m], medians[("forward", m)]) for m in inputs],
         "ffn.backward": [(work[m], max(0.0, medians[("both", m)] - medians[("forward", m)])) for m in inputs],
+    }
+
+
+def _layer_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
+    """One call of :data:`LAYER_PROBE`'s layer (expert-parallel over the job, no pipelining, linear
+    all-to-all) per token count, forward and forward + backward, slowest rank; x = tokens per rank.
+    The backward is (forward + backward) - forward, medians."""
+    from moeflow.layer import MoELayer
+
+    probe = LAYER_PROBE
+    torch.manual_seed(0)
+    layer = MoELayer(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * world,
+                     top_k=probe["top_k"], capacity_factor=1.0, pipeline=1, alltoall="linear", parallel="expert",
+                     group=ParallelGroups(dist.group.WORLD, _topology(config, world)))
+    inputs = {tokens: torch.randn(tokens, probe["model_dim"], requires_grad=True) for tokens in probe["tokens"]}
+
+    def forward_backward(x: torch.Tensor) -> None:
+        (layer(x).square().mean() + layer.aux_loss).backward()
+        layer.zero_grad(set_to_none=True)
+
+    operations = {("forward", t): (lambda x=x: layer(x)) for t, x in inputs.items()}
+    operations |= {("both", t): (lambda x=x: forward_backward(x)) for t, x in inputs.items()}
+    medians = slowest_rank_medians(operations, config.layer_repeats)
+    return {
+        "layer.forward": [(t, medians[("forward", t)]) for t in inputs],
+        "layer.backward": [(t, max(0.0, medians[("both", t)] - medians[("forward", t)])) for t in inputs],
     }
 
 
@@ -175,6 +205,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     ffn = _ffn_points(config)
     collectives = _collective_points(config, world) if world > 1 else {}
     interference = _interference(config, world) if world > 1 else 1.0
+    layer = _layer_points(config, world)
     if rank != 0:
         return None
     fits, quality = {}, []
@@ -185,6 +216,9 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
         quality.append(report)
     for name, points in collectives.items():
         fits[name], report = _fit_with_holdout(name, points, "bytes")
+        quality.append(report)
+    for name, points in layer.items():
+        fits[name], report = _fit_with_holdout(name, points, "tokens")
         quality.append(report)
     profile = ClusterProfile(
         nodes=topology.num_nodes, ranks_per_node=topology.ranks_per_node, fits=fits, interference=interference,

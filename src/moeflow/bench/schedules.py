@@ -77,7 +77,8 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
 
     rank = dist.get_rank()
     auto = _model(point, "auto", groups, profile)
-    steps = {name: _step_function(_model(point, name, groups, profile), point, rank) for name in SCHEDULES}
+    models = {name: _model(point, name, groups, profile) for name in SCHEDULES}
+    steps = {name: _step_function(model, point, rank) for name, model in models.items()}
     for _ in range(12):  # warm up, and let the expert schedule's planner finish its online trials
         for step in steps.values():
             step()
@@ -93,8 +94,10 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
     medians = {name: statistics.median(values) for name, values in samples.items()}
     faster = min(medians, key=medians.get)
     layer = auto.moe_layers()[0]
+    ran = models["expert"].moe_layers()[0].last_stats.plan  # the expert step's planned degree and all-to-all
     emit({
         "bench": "schedules", "config": point.name, **asdict(point),
+        "expert_degree": ran.pipeline_degree, "expert_alltoall": ran.alltoall,
         **{f"{name}_step_ms": seconds * 1e3 for name, seconds in medians.items()},
         "replicated_over_expert": medians["replicated"] / medians["expert"], "faster": faster,
         "auto_picked": layer.schedule.name, "auto_reason": layer.schedule_reason,

@@ -81,8 +81,12 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
                       hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=2, capacity_factor=1.0,
                       tokens_per_rank=record["batch"] * record["context"], sequence_length=record["context"],
                       dtype="fp32", vocab_size=VOCABULARY)
-    expert = min(simulated_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
-                 for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.collective_scale)
+    if "expert_degree" in record:  # the plan the measured expert step ran
+        ran = _pipeline_ran({"degree": record["expert_degree"], "alltoall": record["expert_alltoall"]})
+        expert = simulated_ms(cluster, model, StepPlan(**ran), layer_only=False)
+    else:  # recorded before bench schedules reported it: the twin's best
+        expert = min(simulated_ms(cluster, model, StepPlan(degree=d, algorithm=a), layer_only=False)
+                     for d in (1, 2, 4, 8) for a in ALLTOALL_ALGORITHMS if a in cluster.collective_scale)
     replicated = simulated_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
     return [("step-expert", record["expert_step_ms"], expert),
             ("step-replicated", record["replicated_step_ms"], replicated)]

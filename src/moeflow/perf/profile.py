@@ -16,6 +16,11 @@ SPEED_PROBE = {"tokens": 1024, "model_dim": 512, "hidden_dim": 1024}
 """The reference expert FFN (one expert, forward + backward) a benchmark times beside its settings:
 its time over the one the profile's FFN fits predict is how fast the machine ran then, compared
 with when it was calibrated (a shared VM's cores drift by tens of percent over minutes)."""
+LAYER_PROBE = {"tokens": (64, 128, 256, 512), "model_dim": 64, "hidden_dim": 64, "experts_per_rank": 1, "top_k": 1}
+"""The small MoE layer (expert-parallel, no pipelining, linear all-to-all, capacity factor 1) whose
+whole call ``moeflow calibrate`` times over these token counts: at this size a call is mostly what
+no GEMM or byte count explains (gate, top-k, capacity bookkeeping, the load exchange, Python,
+autograd), which the simulated twin takes as a fixed cost per layer call."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,8 @@ class ClusterProfile:
     ``alltoall.intra_node``, ``alltoall.inter_node``, ``allreduce``, ``allgather``, ``reducescatter``,
     ``allgather.intra_node`` (over one node: Parm's MP group), ``alltoall.saa`` (Parm's S2 combine
     with SAA, x = its all-to-all's bytes) (x = bytes each rank contributes), ``ffn.forward`` and
-    ``ffn.backward`` (x = m*M*H*projections). ``interference`` is the
+    ``ffn.backward`` (x = m*M*H*projections), ``layer.forward`` and ``layer.backward`` (one call of
+    :data:`LAYER_PROBE`'s layer, x = its tokens per rank). ``interference`` is the
     slowdown factor of a GEMM that runs while an all-to-all is in flight (>= 1)."""
 
     nodes: int

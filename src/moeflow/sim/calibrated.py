@@ -4,7 +4,9 @@ that ``moeflow calibrate`` measured, so that the simulator can be checked agains
 The links come from the primitive fits (one linear all-to-all inside a node, one across nodes), the
 device from the expert FFN's and the GEMM's. Each collective's own fit (every all-to-all algorithm,
 all-reduce, all-gather, reduce-scatter) then gives its ``collective_scale``: how much slower than
-the links that implementation runs. When one runs faster than the linear all-to-all the links were
+the links that implementation runs. The fixed cost of a layer call is what the fits of one small
+layer's whole call (``layer.forward``, ``layer.backward``) leave over the twin's own time for that
+layer. When one runs faster than the linear all-to-all the links were
 read from, the links are that much faster (gloo's linear exchange reaches about half the rate its
 pairwise exchange and all-reduce reach here). The layer's and step's times (pipelining, overlap,
 compute, contention) are a prediction, not a copy.
@@ -12,14 +14,16 @@ compute, contention) are a prediction, not a copy.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 from moeflow.config import ALLTOALL_ALGORITHMS
 from moeflow.perf.alphabeta import AlphaBeta
-from moeflow.perf.profile import ClusterProfile
+from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
 from moeflow.sim.cluster import Cluster, Device, Link
 from moeflow.sim.network import LocalCopy, Network
-from moeflow.sim.step import ffn_kernels
+from moeflow.sim.step import ffn_kernels, simulate_step
+from moeflow.sim.workload import ModelSpec
 
 PROBE_BYTES = 1 << 20
 """Per-rank buffer at which an algorithm's ideal slope is read (the network model is linear in bytes)."""
@@ -67,7 +71,32 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
         sources["inter_node"] += f"; times {1 / fastest:.2f}: the fastest all-to-all's fit"
     sources["collective_scale"] = "each collective's fitted slope over the twin's ideal slope: " + \
         ", ".join(f"{k} {v:.2f}" for k, v in scale.items())
-    return replace(twin, collective_scale=scale)
+    twin = replace(twin, collective_scale=scale)
+    forward, backward = layer_call_costs(twin, profile)
+    if forward or backward:
+        sources["device.layer_call"] = ("fits layer.forward / layer.backward (LAYER_PROBE's layer) minus the twin's "
+                                        f"own time for that layer, mean over its token counts: {forward * 1e3:.2f} ms "
+                                        f"forward, {backward * 1e3:.2f} ms backward")
+    return replace(twin, device=replace(twin.device, layer_call_s=forward, layer_call_backward_s=backward))
+
+
+def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, float]:
+    """Seconds per layer call, forward and backward, that the twin (without them) leaves
+    unexplained of :data:`LAYER_PROBE`'s measured calls; (0, 0) for a profile without those fits."""
+    fits = profile.fits
+    if "layer.forward" not in fits or "layer.backward" not in fits:
+        return 0.0, 0.0
+    forward, backward = [], []
+    probe = LAYER_PROBE
+    for tokens in probe["tokens"]:
+        model = ModelSpec(name="layer-probe", layers=1, model_dim=probe["model_dim"], hidden_dim=probe["hidden_dim"],
+                          experts=probe["experts_per_rank"] * twin.world_size, top_k=probe["top_k"],
+                          capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
+        ahead = simulate_step(twin, model, training=False, layer_only=True).step_s
+        both = simulate_step(twin, model, layer_only=True).step_s
+        forward.append(fits["layer.forward"](tokens) - ahead)
+        backward.append(fits["layer.backward"](tokens) - (both - ahead))
+    return max(0.0, statistics.mean(forward)), max(0.0, statistics.mean(backward))
 
 
 def retimed(cluster: Cluster, speed: float) -> Cluster:
@@ -78,6 +107,8 @@ def retimed(cluster: Cluster, speed: float) -> Cluster:
     device = cluster.device
     return replace(cluster, device=replace(device, gemm_flops=device.gemm_flops * speed,
                                            kernel_overhead_s=device.kernel_overhead_s / speed,
+                                           layer_call_s=device.layer_call_s / speed,
+                                           layer_call_backward_s=device.layer_call_backward_s / speed,
                                            memory_bandwidth=device.memory_bandwidth * speed))
 
 

@@ -26,7 +26,10 @@ class Device:
     """One accelerator: achieved GEMM rate, fixed cost per kernel, memory bandwidth (encode, decode,
     layout copies, optimizer), the backward's FLOPs over the forward's, and how much slower expert
     compute runs while its rank's all-to-all is in flight (communication kernels take SMs and
-    memory bandwidth on a GPU, the transport's copies take the core of a CPU rank)."""
+    memory bandwidth on a GPU, the transport's copies take the core of a CPU rank). A layer call
+    also pays a fixed host cost beyond its kernels (routing bookkeeping, the load exchange, Python,
+    autograd), forward and backward: calibrated on a CPU cluster, 0 where the papers' GPUs hide it
+    behind asynchronous launches."""
 
     name: str
     gemm_flops: float
@@ -34,6 +37,8 @@ class Device:
     memory_bandwidth: float
     backward_ratio: float = 2.0
     overlap_slowdown: float = 1.0
+    layer_call_s: float = 0.0
+    layer_call_backward_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,8 @@ FIELDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     # table: (key, unit scale, required)
     "topology": (("nodes", 1, True), ("gpus_per_node", 1, True)),
     "device": (("gemm_tflops", 1e12, True), ("kernel_overhead_us", MICRO, True),
-               ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False), ("overlap_slowdown", 1, False)),
+               ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False), ("overlap_slowdown", 1, False),
+               ("layer_call_us", MICRO, False), ("layer_call_backward_us", MICRO, False)),
     "intra_node": (("bandwidth_gbit_s", GBIT, True), ("latency_us", MICRO, True), ("message_overhead_us", MICRO, True)),
     "inter_node": (("nic_bandwidth_gbit_s", GBIT, True), ("nics_per_node", 1, False), ("latency_us", MICRO, True),
                    ("message_overhead_us", MICRO, True)),
@@ -117,7 +123,8 @@ def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
         gpus_per_node=int(values["topology"]["gpus_per_node"]),
         device=Device(str(data.get("device", {}).get("name", "")), device["gemm_tflops"], device["kernel_overhead_us"],
                       device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0),
-                      device.get("overlap_slowdown", 1.0)),
+                      device.get("overlap_slowdown", 1.0), device.get("layer_call_us", 0.0),
+                      device.get("layer_call_backward_us", 0.0)),
         intra=Link(intra["bandwidth_gbit_s"], intra["latency_us"], intra["message_overhead_us"]),
         nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
         nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),

@@ -241,12 +241,14 @@ class StepBuilder:
         return [self.timeline.compute(COMPUTE, seconds, deps, "head")]
 
     def _layer(self, load: LayerLoad, deps: list[int], backward: bool) -> int:
-        """Attention and gate (forward order; the backward runs them after the experts)."""
+        """Attention and gate (forward order; the backward runs them after the experts); the gate's
+        operation also carries the layer call's fixed host cost."""
         m, plan = self.model, self.plan
         share = gated_share(plan.schedule, plan.mp, plan.esp)  # Parm: tokens this rank gates
         buffer = share * self.buffer_bytes(load)
+        call = self.device.layer_call_backward_s if backward else self.device.layer_call_s
         gate = self.gemm_s(2 * share * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
-            self.memory_s(buffer + share * self.token_bytes, 2)
+            self.memory_s(buffer + share * self.token_bytes, 2) + call
         if not backward:
             routed = self.timeline.compute(COMPUTE, gate, [self._attention(deps, backward)], "gate+encode")
             experts = self._expert_layer(load, [routed], backward)
