@@ -68,7 +68,7 @@ def _gemm_points(config: CalibrationConfig) -> list[tuple[float, float]]:
 def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]]]:
     """One expert FFN (gelu, M x H) on m tokens, forward and backward timed whole: what the cost
     model's ``t_ffn`` prices (the GEMMs, bias, activation, input and weight gradients);
-    x = m * M * H * 2 projections. The backward is (forward + backward) - forward, medians."""
+    x = m * M * H * 2 projections."""
     from moeflow.experts import ExpertFFN
 
     ffn = ExpertFFN(1, config.model_dim, config.hidden_dim)
@@ -78,20 +78,13 @@ def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]
     def forward_backward(x: torch.Tensor) -> None:
         ffn(x).sum().backward()
 
-    operations = {("forward", m): (lambda x=x: ffn(x)) for m, x in inputs.items()}
-    operations |= {("both", m): (lambda x=x: forward_backward(x)) for m, x in inputs.items()}
-    medians = slowest_rank_medians(operations, config.repeats)
     work = {m: m * config.model_dim * config.hidden_dim * 2 for m in inputs}
-    return {
-        "ffn.forward": [(work[m], medians[("forward", m)]) for m in inputs],
-        "ffn.backward": [(work[m], max(0.0, medians[("both", m)] - medians[("forward", m)])) for m in inputs],
-    }
+    return _forward_backward_points("ffn", ffn, forward_backward, inputs, work, config.repeats)
 
 
 def _layer_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple[float, float]]]:
     """One call of :data:`LAYER_PROBE`'s layer (expert-parallel over the job, no pipelining, linear
-    all-to-all) per token count, forward and forward + backward, slowest rank; x = tokens per rank.
-    The backward is (forward + backward) - forward, medians."""
+    all-to-all) per token count, forward and backward; x = tokens per rank."""
     from moeflow.layer import MoELayer
 
     probe = LAYER_PROBE
@@ -105,12 +98,22 @@ def _layer_points(config: CalibrationConfig, world: int) -> dict[str, list[tuple
         (layer(x).square().mean() + layer.aux_loss).backward()
         layer.zero_grad(set_to_none=True)
 
-    operations = {("forward", t): (lambda x=x: layer(x)) for t, x in inputs.items()}
-    operations |= {("both", t): (lambda x=x: forward_backward(x)) for t, x in inputs.items()}
-    medians = slowest_rank_medians(operations, config.layer_repeats)
+    return _forward_backward_points("layer", layer, forward_backward, inputs, {t: t for t in inputs},
+                                    config.layer_repeats)
+
+
+def _forward_backward_points(
+    name: str, forward: Callable[[torch.Tensor], object], forward_backward: Callable[[torch.Tensor], object],
+    inputs: dict[int, torch.Tensor], work: dict[int, float], repeats: int,
+) -> dict[str, list[tuple[float, float]]]:
+    """``<name>.forward`` and ``<name>.backward`` points (x = ``work`` of each input), round-robin on
+    every rank at once, slowest rank; the backward is (forward + backward) - forward, medians."""
+    operations = {("forward", k): (lambda x=x: forward(x)) for k, x in inputs.items()}
+    operations |= {("both", k): (lambda x=x: forward_backward(x)) for k, x in inputs.items()}
+    medians = slowest_rank_medians(operations, repeats)
     return {
-        "layer.forward": [(t, medians[("forward", t)]) for t in inputs],
-        "layer.backward": [(t, max(0.0, medians[("both", t)] - medians[("forward", t)])) for t in inputs],
+        f"{name}.forward": [(work[k], medians[("forward", k)]) for k in inputs],
+        f"{name}.backward": [(work[k], max(0.0, medians[("both", k)] - medians[("forward", k)])) for k in inputs],
     }
 
 

@@ -149,11 +149,11 @@ def compare(measured: list[dict[str, Any]], profile: Path, layout: str, gbit: fl
     the twin re-timed to the speed probe its benchmark ran beside it (when it has one),
     ``as_calibrated_ms`` on the twin as calibrated."""
     from moeflow.perf.profile import ClusterProfile
-    from moeflow.sim import load_cluster
-    from moeflow.sim.calibrated import retimed
+    from moeflow.sim.calibrated import cluster_from_profile, retimed
 
-    cluster, out = load_cluster(profile), []
-    expected = ClusterProfile.load(profile).speed_probe_seconds()
+    calibrated = ClusterProfile.load(profile)  # read once: the twin and the probe's expected time
+    cluster, out = cluster_from_profile(calibrated, profile.stem), []
+    expected = calibrated.speed_probe_seconds()
     probes = {(r["measured_by"], r["config"]): r["probe_ms"] for r in measured if r.get("bench") == "speed-probe"}
     for record in measured:
         predict = PREDICTORS.get(str(record.get("bench")))
