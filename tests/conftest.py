@@ -7,6 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's kernels run on CPU tensors only under its interpreter, which is chosen when a kernel
+    # is defined: set before any test imports them (spawned gloo workers inherit it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

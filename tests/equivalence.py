@@ -186,6 +186,20 @@ def extra_cases() -> list[Case]:
                                                  "capacity_factor": 0.0}, ranks_per_node=2, tokens_per_rank=20),
         Case("topology-gate-k1-bpr-ragged", {**base, "topology_gate": 0.5, "top_k": 1, "expert_kernel": "ragged",
                                              "batch_prioritized_routing": True}, ranks_per_node=1),
+        # the Triton kernels (under TRITON_INTERPRET=1 on CPU): fused encode/decode, ragged grouped GEMMs
+        Case("triton-k8-f1-drops", {**base, "kernel_backend": "triton", "top_k": 8}),
+        Case("triton-k8-ragged-f0-swiglu", {**base, "kernel_backend": "triton", "expert_kernel": "ragged", "top_k": 8,
+                                             "capacity_factor": 0.0, "activation": "swiglu", "bias": False}),
+        Case("triton-ragged-zero-token-experts", {**base, "kernel_backend": "triton", "expert_kernel": "ragged",
+                                                  "capacity_factor": 0.0}, same_expert=True, empty_ranks=(1,)),
+        Case("triton-ragged-d2-bias-bpr", {**base, "kernel_backend": "triton", "expert_kernel": "ragged",
+                                           "pipeline": 2, "batch_prioritized_routing": True}, tokens_per_rank=24),
+        Case("triton-ragged-smart-shadow", {**base, "kernel_backend": "triton", "expert_kernel": "ragged",
+                                            "pipeline": "smart", "shadowing": [0], "capacity_factor": 0.0},
+             ranks_per_node=1, same_expert=True),
+        Case("triton-ragged-redundant", {**base, "kernel_backend": "triton", "expert_kernel": "ragged",
+                                         "redundant_experts": 4, "capacity_factor": 0.0, "top_k": 3}, steps=2,
+             rebalance_to=(20.0, 1, 1, 1, 1, 1, 1, 9)),
         Case("ragged-float64-loop", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0,
                                      "activation": "silu"}, dtype=torch.float64),
         *[
@@ -369,6 +383,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
     kwargs = dict(case.layer)
     execution = {  # how the layer runs, not what it computes: the reference has no such knobs
         "expert_kernel": kwargs.pop("expert_kernel", "bmm"),
+        "kernel_backend": kwargs.pop("kernel_backend", "auto"),
         "alltoall": kwargs.pop("alltoall", "linear"),
         "profile": kwargs.pop("profile", None),
         "pipeline": kwargs.pop("pipeline", "auto"),

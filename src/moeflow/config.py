@@ -20,6 +20,10 @@ GATE_PRECISIONS = ("fp32", "input")
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop", "ragged")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+"""Who runs encode/decode and the ragged grouped GEMM: pure torch (the reference, everywhere),
+Triton (an optional dependency; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``), or
+``auto``: Triton for CUDA tensors when it is installed, torch otherwise."""
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 SAA = "saa"
 """Parm's S2 combine with its all-to-all overlapped with the MP all-gather: an ``alltoall`` choice
@@ -91,6 +95,7 @@ class MoEConfig:
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
     expert_kernel: str = "bmm"
+    kernel_backend: str = "auto"  # who runs encode/decode and the ragged GEMMs: torch, triton, or auto
     alltoall: str = "auto"
     pipeline: int | str = "auto"
     capacity_bucket: int = 128
@@ -117,6 +122,7 @@ class MoEConfig:
             )
         require_choice("activation", self.activation, ACTIVATIONS)
         require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
+        require_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
         require_positive_int("capacity_bucket", self.capacity_bucket)

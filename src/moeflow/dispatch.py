@@ -146,16 +146,29 @@ class _FastDecode(torch.autograd.Function):
         return grad_buffer, grad_weight, None, None
 
 
-def encode(x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None) -> torch.Tensor:
-    """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero."""
-    buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan, workspace)
+def encode(
+    x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None, backend: str = "torch"
+) -> torch.Tensor:
+    """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero.
+    ``backend="triton"`` runs the fused Triton kernels (:mod:`moeflow.kernels.triton_dispatch`)."""
+    if backend == "triton":
+        from moeflow.kernels.triton_dispatch import TritonEncode
+
+        buffer_SM = TritonEncode.apply(x_TM.contiguous(), plan)
+    else:
+        buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan, workspace)
     return buffer_SM.view(plan.num_experts, plan.capacity, x_TM.shape[1])
 
 
 def decode(
-    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None
+    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Weighted gather back to tokens: y_t = sum over kept choices of w_tj * buffer[slot_tj]."""
     weight_N = weights_TK[plan.choice_mask_TK].to(buffer_ECM.dtype)
     buffer_SM = buffer_ECM.reshape(plan.num_slots, buffer_ECM.shape[-1]).contiguous()
+    if backend == "triton":
+        from moeflow.kernels.triton_dispatch import TritonDecode
+
+        return TritonDecode.apply(buffer_SM, weight_N, plan)
     return _FastDecode.apply(buffer_SM, weight_N, plan, workspace)

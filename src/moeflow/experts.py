@@ -52,7 +52,7 @@ def activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.silu.out(h_LCH, out=out)  # silu, and the gate half of swiglu
 
 
-def _activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if name == "relu":
         return torch.mul(grad_LCH, h_LCH > 0, out=out)
     if name == "gelu":
@@ -183,7 +183,7 @@ class FFNCompute:
         if up_LCH is not None:
             grad_up_LCH = torch.mul(grad_a_LCH, a_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
             grad_a_LCH.mul_(up_LCH)
-        grad_h_LCH = _activation_grad(
+        grad_h_LCH = activation_grad(
             self.activation, grad_a_LCH, saved.h_LCH, _buffer(workspace, a_LCH.shape, a_LCH)
         )
         grad_x_LCM = batched_mm(

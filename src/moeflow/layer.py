@@ -36,6 +36,7 @@ from moeflow.config import (
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.kernels import resolve_backend
 from moeflow.parallel.dynamic import DynamicPlacementSchedule, InferenceHook, PlacedExperts, PlacedRoutes
 from moeflow.parallel.modelled import require_ragged_schedule
 from moeflow.parallel.parm import check_mp_group
@@ -146,6 +147,7 @@ class MoELayer(nn.Module):
         cosine_min_temperature: float = 0.01,
         check_finite: bool = False,
         expert_kernel: str = "bmm",
+        kernel_backend: str = "auto",
         alltoall: str = "auto",
         pipeline: int | str = "auto",
         capacity_bucket: int = 128,
@@ -170,7 +172,7 @@ class MoELayer(nn.Module):
             routed_scaling_factor=routed_scaling_factor,
             cosine_projection_dim=cosine_projection_dim, cosine_min_temperature=cosine_min_temperature,
             check_finite=check_finite,
-            expert_kernel=expert_kernel, alltoall=alltoall, pipeline=pipeline,
+            expert_kernel=expert_kernel, kernel_backend=kernel_backend, alltoall=alltoall, pipeline=pipeline,
             capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
             tokens_per_rank_hint=tokens_per_rank_hint,
             shadowing=shadowing if isinstance(shadowing, str) else tuple(shadowing),
@@ -327,7 +329,8 @@ class MoELayer(nn.Module):
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         self.workspace.start_step()
-        dispatched_ECM = encode(owned.x_TM, plan, self.workspace)
+        backend = resolve_backend(config.kernel_backend, x_TM.device)
+        dispatched_ECM = encode(owned.x_TM, plan, self.workspace, backend)
         shadow, shadow_gain = self._shadows(filled_WE, capacity, chosen.plan.algorithm)
         if placed is not None:
             combined_ECM = self.schedule.run(chosen.plan, dispatched_ECM, placed, self.groups, timing)
@@ -335,7 +338,7 @@ class MoELayer(nn.Module):
             combined_ECM = self._run_slots(chosen.plan, dispatched_ECM, timing, routes)
         else:
             combined_ECM = self._run_experts(chosen.plan, dispatched_ECM, timing, filled_WE, shadow)
-        y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace), x_TM.shape[0])
+        y_TM = share.output(decode(combined_ECM, owned.weights_TK, plan, self.workspace, backend), x_TM.shape[0])
 
         if self.shared_experts is not None:
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
@@ -428,7 +431,10 @@ class MoELayer(nn.Module):
     def _ragged_slots(self, filled_LW: torch.Tensor) -> RaggedFFNCompute | None:
         if self.config.expert_kernel != "ragged":
             return None
-        return RaggedFFNCompute(self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled())
+        return RaggedFFNCompute(
+            self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled(),
+            backend=resolve_backend(self.config.kernel_backend, self.experts.w1.device),
+        )
 
     def _exchanged_capacity(self, capacity: int, routes: ReplicaRoutes | None) -> int:
         """The per-expert capacity of the same bytes as the exchanged buffer (the planner's shape)."""

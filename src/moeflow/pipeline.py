@@ -257,7 +257,7 @@ class _PipelinedExperts(torch.autograd.Function):
         def weight_gradients() -> None:
             # deferred: full-size GEMMs, off the critical path, overlapping the last combines
             begin = time.perf_counter()
-            totals[:] = compute.weight_grads(FFNWeightGradInputs.concat(pending, workspace), weights, workspace)
+            totals[:] = compute.weight_grads(type(pending[0]).concat(pending, workspace), weights, workspace)
             pending.clear()  # the chunks' activations and their gradients are free from here
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 

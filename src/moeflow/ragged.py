@@ -3,12 +3,15 @@
 The padded kernels multiply every local expert's whole capacity, C slots per source rank, however
 few of them are filled: at decode's handful of tokens that reads every expert's weights to use a
 few. Here the filled slots are gathered into one packed (N, M) matrix ordered by expert, the FFN
-runs as one GEMM per expert on its rows (experts with no row are skipped: their weights are never
-read), and the rows are scattered back into the padded layout. torch's CPU grouped GEMM
-(``torch._grouped_mm``) is not used: it runs a GEMM for every expert, empty ones included.
+runs as a grouped GEMM over the experts' rows (experts with no row are skipped: their weights are
+never read), and the rows are scattered back into the padded layout.
 
-The backward is the padded one: the saved activations are scattered into zero-filled padded
-buffers and the gradient of an empty slot is zero, so the padded GEMMs give the same gradients.
+Two backends compute the grouped GEMMs. ``torch``: one ``mm`` per expert that has rows (torch's
+CPU grouped GEMM, ``torch._grouped_mm``, also visits the empty ones); its backward is the padded
+one, the saved activations scattered into zero-filled padded buffers (an empty slot's gradient is
+zero, so the padded GEMMs give the same gradients; the simulator models this CPU path). ``triton``
+(:mod:`moeflow.kernels.triton_gemm`): one launch per GEMM, and a backward that is ragged as well,
+so the dropless path never multiplies padding in either direction.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights, activate
+from moeflow.experts import FFNCompute, FFNSaved, FFNWeightGradInputs, FFNWeights, activate, activation_grad
 from moeflow.workspace import Workspace
 
 
@@ -33,26 +36,97 @@ class FilledRows:
 
     def expert_of_rows(self) -> torch.Tensor:
         """The local expert of every packed row (to add per-expert biases)."""
-        return torch.repeat_interleave(torch.arange(self.counts_L.numel()), self.counts_L)
+        return torch.repeat_interleave(torch.arange(self.counts_L.numel(), device=self.counts_L.device), self.counts_L)
 
     @staticmethod
     def of(filled_LW: torch.Tensor, start: int, stop: int) -> FilledRows:
         slots = stop - start
         per_source_LW = (filled_LW - start).clamp(0, slots)
-        mask_LWc = torch.arange(slots) < per_source_LW.unsqueeze(-1)
-        counts_L = per_source_LW.sum(1)
+        mask_LWc = torch.arange(slots, device=filled_LW.device) < per_source_LW.unsqueeze(-1)
+        return FilledRows.counted(mask_LWc.flatten().nonzero().squeeze(1), per_source_LW.sum(1))
+
+    @staticmethod
+    def of_experts(expert_N: torch.Tensor, num_experts: int) -> FilledRows:
+        """The rows of a packed matrix already ordered by expert (``expert_N`` non-decreasing)."""
+        index_N = torch.arange(expert_N.numel(), device=expert_N.device)
+        return FilledRows.counted(index_N, torch.bincount(expert_N, minlength=num_experts))
+
+    @staticmethod
+    def counted(index_N: torch.Tensor, counts_L: torch.Tensor) -> FilledRows:
         filled = [(expert, count) for expert, count in enumerate(counts_L.tolist()) if count]
-        return FilledRows(mask_LWc.flatten().nonzero().squeeze(1), counts_L, [e for e, _ in filled],
-                          [c for _, c in filled])
+        return FilledRows(index_N, counts_L, [e for e, _ in filled], [c for _, c in filled])
 
 
-def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
-    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J): one
-    GEMM per expert that has rows (torch's CPU grouped GEMM also visits the empty ones)."""
+def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend: str = "torch") -> torch.Tensor:
+    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
+    if backend == "triton":
+        from moeflow.kernels.triton_gemm import grouped_mm
+
+        return grouped_mm(a_NK, b_LKJ, rows.counts_L)
     out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
     for expert, a, y in zip(rows.experts, a_NK.split(rows.counts), out.split(rows.counts), strict=True):
         torch.mm(a, b_LKJ[expert], out=y)  # index only the experts with rows (unbind makes all L views)
     return out
+
+
+def ragged_weight_grad(
+    a_NK: torch.Tensor, g_NJ: torch.Tensor, rows: FilledRows, backend: str = "torch"
+) -> torch.Tensor:
+    """(L, K, J): each expert's rows of a, transposed, times its rows of g; zeros for an expert with none."""
+    if backend == "triton":
+        from moeflow.kernels.triton_gemm import grouped_weight_grad
+
+        return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
+    out = a_NK.new_zeros((rows.counts_L.numel(), a_NK.shape[1], g_NJ.shape[1]))
+    for expert, a, g in zip(rows.experts, a_NK.split(rows.counts), g_NJ.split(rows.counts), strict=True):
+        torch.mm(a.t(), g, out=out[expert])
+    return out
+
+
+def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
+    out = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[1]))
+    return out.index_add_(0, rows.expert_of_rows().to(values_NX.device), values_NX)
+
+
+@dataclass(frozen=True)
+class RaggedSaved:
+    """The packed activations of one chunk (what a ragged backward reads) and where its rows sit."""
+
+    rows: FilledRows
+    padded_shape: tuple[int, int, int]  # (L, W*c, M) of the chunk
+    x_NM: torch.Tensor
+    h_NH: torch.Tensor
+    a_NH: torch.Tensor
+    up_NH: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RaggedWeightGradInputs:
+    """What the ragged weight gradients need: packed rows with their expert, chunk after chunk."""
+
+    expert_N: torch.Tensor
+    x_NM: torch.Tensor
+    hidden_NH: torch.Tensor
+    grad_y_NM: torch.Tensor
+    grad_h_NH: torch.Tensor
+    grad_up_NH: torch.Tensor | None
+    num_experts: int
+
+    @staticmethod
+    def concat(parts: list[RaggedWeightGradInputs], workspace: Workspace | None = None) -> RaggedWeightGradInputs:
+        """All chunks' rows, regrouped by expert (a stable sort keeps each expert's row order)."""
+        first = parts[0]
+        expert_N = torch.cat([part.expert_N for part in parts])
+        order = torch.sort(expert_N, stable=True).indices
+
+        def cat(name: str) -> torch.Tensor | None:
+            tensors = [getattr(part, name) for part in parts]
+            return None if tensors[0] is None else torch.cat(tensors).index_select(0, order.to(tensors[0].device))
+
+        return RaggedWeightGradInputs(
+            expert_N[order], *(cat(name) for name in ("x_NM", "hidden_NH", "grad_y_NM", "grad_h_NH", "grad_up_NH")),
+            num_experts=first.num_experts,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,12 +134,13 @@ class RaggedFFNCompute:
     """An :class:`~moeflow.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
     is how many of source rank w's slots of local expert l hold a token (over the whole capacity);
     ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`). Without
-    ``keeps_activations`` (no backward will run) the padded saved activations are not built."""
+    ``keeps_activations`` (no backward will run) no saved activations are built."""
 
     base: FFNCompute
     filled_LW: torch.Tensor
     slots: tuple[int, int] | None = None
     keeps_activations: bool = True
+    backend: str = "torch"
 
     @property
     def projections(self) -> int:
@@ -77,39 +152,84 @@ class RaggedFFNCompute:
     def of_sources(self, ranks: list[int]) -> RaggedFFNCompute:
         return dataclasses.replace(self, filled_LW=self.filled_LW[:, ranks].contiguous())
 
+    def _rows(self, width: int) -> FilledRows:
+        start, stop = self.slots if self.slots is not None else (0, width // self.filled_LW.shape[1])
+        return FilledRows.of(self.filled_LW, start, stop)
+
     def forward(
         self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
-    ) -> tuple[torch.Tensor, FFNSaved]:
+    ) -> tuple[torch.Tensor, FFNSaved | RaggedSaved]:
         experts, width, model = x_LCM.shape
-        sources = self.filled_LW.shape[1]
-        start, stop = self.slots if self.slots is not None else (0, width // sources)
-        rows = FilledRows.of(self.filled_LW, start, stop)
-        x_NM = x_LCM.reshape(-1, model).index_select(0, rows.index_N)
-        h_NH = ragged_mm(x_NM, weights.w1, rows)
+        rows = self._rows(width)
+        index_N = rows.index_N.to(x_LCM.device)
+        x_NM = x_LCM.reshape(-1, model).index_select(0, index_N)
+        h_NH = ragged_mm(x_NM, weights.w1, rows, self.backend)
         if weights.b1 is not None:
-            h_NH = h_NH + weights.b1[rows.expert_of_rows()]
+            h_NH = h_NH + weights.b1[rows.expert_of_rows().to(x_LCM.device)]
         a_NH = activate(self.base.activation, h_NH, torch.empty_like(h_NH))
-        up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows)
-        y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows)
+        up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows, self.backend)
+        y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows, self.backend)
         if weights.b2 is not None and self.base.adds_output_bias:
-            y_NM = y_NM + weights.b2[rows.expert_of_rows()]
+            y_NM = y_NM + weights.b2[rows.expert_of_rows().to(x_LCM.device)]
 
         def padded(values_NX: torch.Tensor) -> torch.Tensor:
             out = values_NX.new_zeros((experts, width, values_NX.shape[1]))
-            out.view(-1, values_NX.shape[1]).index_copy_(0, rows.index_N, values_NX)
+            out.view(-1, values_NX.shape[1]).index_copy_(0, index_N, values_NX)
             return out
 
         if not self.keeps_activations:
             return padded(y_NM), FFNSaved(x_LCM, x_LCM, x_LCM, None)  # placeholders no backward reads
+        if self.backend == "triton":
+            return padded(y_NM), RaggedSaved(rows, (experts, width, model), x_NM, h_NH, a_NH, up_NH)
         up_LCH = None if up_NH is None else padded(up_NH)
         return padded(y_NM), FFNSaved(x_LCM, padded(h_NH), padded(a_NH), up_LCH)
 
     def backward_input(
-        self, saved: FFNSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None = None
-    ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
-        return self.base.backward_input(saved, grad_y_LCM, weights, workspace)
+        self, saved: FFNSaved | RaggedSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights,
+        workspace: Workspace | None = None,
+    ) -> tuple[torch.Tensor, FFNWeightGradInputs | RaggedWeightGradInputs]:
+        if not isinstance(saved, RaggedSaved):
+            return self.base.backward_input(saved, grad_y_LCM, weights, workspace)
+        rows = saved.rows
+        index_N = rows.index_N.to(grad_y_LCM.device)
+        grad_y_NM = grad_y_LCM.reshape(-1, grad_y_LCM.shape[-1]).index_select(0, index_N)
+        hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * saved.up_NH
+        grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, self.backend)
+        grad_up_NH = None
+        if saved.up_NH is not None:
+            grad_up_NH = grad_a_NH * saved.a_NH
+            grad_a_NH = grad_a_NH * saved.up_NH
+        grad_h_NH = activation_grad(self.base.activation, grad_a_NH, saved.h_NH, torch.empty_like(grad_a_NH))
+        grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, self.backend)
+        if grad_up_NH is not None:
+            assert weights.w3 is not None
+            grad_x_NM = grad_x_NM + ragged_mm(grad_up_NH, weights.w3.transpose(1, 2), rows, self.backend)
+        grad_x_LCM = grad_x_NM.new_zeros(saved.padded_shape)
+        grad_x_LCM.view(-1, grad_x_NM.shape[1]).index_copy_(0, index_N, grad_x_NM)
+        inputs = RaggedWeightGradInputs(rows.expert_of_rows(), saved.x_NM, hidden_NH, grad_y_NM, grad_h_NH,
+                                        grad_up_NH, rows.counts_L.numel())
+        return grad_x_LCM, inputs
 
     def weight_grads(
-        self, inputs: FFNWeightGradInputs, weights: FFNWeights, workspace: Workspace | None = None
+        self, inputs: FFNWeightGradInputs | RaggedWeightGradInputs, weights: FFNWeights,
+        workspace: Workspace | None = None,
     ) -> list[torch.Tensor | None]:
-        return self.base.weight_grads(inputs, weights, workspace)
+        if not isinstance(inputs, RaggedWeightGradInputs):
+            return self.base.weight_grads(inputs, weights, workspace)
+        rows = FilledRows.of_experts(inputs.expert_N, inputs.num_experts)
+        grad_w1 = ragged_weight_grad(inputs.x_NM, inputs.grad_h_NH, rows, self.backend)
+        grad_w2 = ragged_weight_grad(inputs.hidden_NH, inputs.grad_y_NM, rows, self.backend)
+        grad_w3 = None
+        if inputs.grad_up_NH is not None:
+            grad_w3 = ragged_weight_grad(inputs.x_NM, inputs.grad_up_NH, rows, self.backend)
+        grad_b1 = _per_expert_sum(inputs.grad_h_NH, rows) if weights.b1 is not None else None
+        grad_b2 = None
+        if weights.b2 is not None:
+            grad_b2 = _per_expert_sum(inputs.grad_y_NM, rows) if self.base.adds_output_bias else torch.zeros_like(
+                weights.b2)
+        grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+        if self.base.weight_grad_scale != 1.0:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(self.base.weight_grad_scale)
+        return grads

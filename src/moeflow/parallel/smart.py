@@ -154,7 +154,7 @@ class _SmartExperts(torch.autograd.Function):
 
         def weight_gradients() -> None:  # one GEMM per weight over every step's rows, overlapping the last R
             begin = time.perf_counter()
-            totals[:] = computes[0].weight_grads(FFNWeightGradInputs.concat(pending, ctx.workspace), weights,
+            totals[:] = computes[0].weight_grads(type(pending[0]).concat(pending, ctx.workspace), weights,
                                                  ctx.workspace)
             pending.clear()
             ctx.timing.expert_backward_s += time.perf_counter() - begin
