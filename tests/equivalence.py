@@ -30,6 +30,13 @@ FP32_TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
 # float64: same math, so differences are pure rounding of order 1e-15 (fp32 gate logits aside,
 # which both sides compute identically).
 FP64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
+# bf16 keeps 8 significant bits (eps = 2^-7). Both sides round every op's result to bf16, at
+# different points (bmm vs per-expert mm, fp32 vs bf16 accumulation, index_add order), so each
+# differs from the exact value by a few eps relative to its operands: 4 eps covers the O(1) values
+# and the short (12-24 term) sums here, and a wrong slot, weight or gradient is off by O(1).
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+BF16_TOLERANCE = {"rtol": 4 * BF16_EPS, "atol": 4 * BF16_EPS}
+TOLERANCES = {torch.float64: FP64_TOLERANCE, torch.float32: FP32_TOLERANCE, torch.bfloat16: BF16_TOLERANCE}
 
 
 PROFILE_FAVOURING_2DH = ClusterProfile(
@@ -351,8 +358,35 @@ def pipeline_cases(base: dict[str, Any]) -> list[Case]:
     ]
 
 
+def bf16_cases() -> list[Case]:
+    """The equivalence table's shapes in bf16: each activation, k, dropping and dropless, the
+    pipelined, ragged, Triton, shared-expert and topology-aware paths."""
+    base = {"top_k": 2, "capacity_factor": 1.0}
+    cases = [
+        Case(f"bf16-k{k}-f{factor}-{gate}-{activation}", {"top_k": k, "capacity_factor": factor, "gate": gate,
+                                                          "activation": activation, "cosine_projection_dim": 6},
+             dtype=torch.bfloat16)
+        for k, factor, gate, activation in (
+            (1, 1.0, "softmax", "relu"), (2, 0.0, "softmax", "gelu"), (3, 0.5, "cosine", "silu"),
+            (2, 1.0, "softmax", "swiglu"), (8, -1.5, "softmax", "gelu"),
+        )
+    ]
+    return [*cases, *(Case(f"bf16-{name}", {**base, **layer}, dtype=torch.bfloat16, **extra) for name, layer, extra in (
+        ("d2-drops-bpr", {"pipeline": 2, "batch_prioritized_routing": True}, {"tokens_per_rank": 24}),
+        ("ragged-f0-swiglu", {"expert_kernel": "ragged", "capacity_factor": 0.0, "activation": "swiglu",
+                              "bias": False}, {"empty_ranks": (1,)}),
+        ("triton-k8-ragged-f0", {"kernel_backend": "triton", "expert_kernel": "ragged", "top_k": 8,
+                                 "capacity_factor": 0.0}, {}),
+        ("shared-gated-swiglu", {"num_shared_experts": 1, "shared_expert_gate": True, "activation": "swiglu"}, {}),
+        ("smart-shadow", {"pipeline": "smart", "shadowing": [0], "capacity_factor": 0.0},
+         {"ranks_per_node": 1, "same_expert": True}),
+        ("redundant-f0", {"redundant_experts": 4, "capacity_factor": 0.0}, {"steps": 2,
+                                                                          "rebalance_to": (9.0, 1, 1, 1, 1, 1, 1, 3)}),
+    ))]
+
+
 def all_cases() -> list[Case]:
-    return grid_cases() + extra_cases()
+    return grid_cases() + extra_cases() + bf16_cases()
 
 
 def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
@@ -442,7 +476,7 @@ def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
         expected = torch.zeros_like(actual)
     if actual is None:
         actual = torch.zeros_like(expected)
-    tolerance = FP64_TOLERANCE if case.dtype == torch.float64 else FP32_TOLERANCE
+    tolerance = TOLERANCES[case.dtype]
     try:
         torch.testing.assert_close(actual, expected, **tolerance)
     except AssertionError as error:

@@ -74,6 +74,12 @@ class FFNWeights:
     def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
         return (self.w1, self.b1, self.w2, self.b2, self.w3)
 
+    def cast(self, dtype: torch.dtype) -> FFNWeights:
+        """The weights in ``dtype`` (a differentiable cast: gradients return in the original dtype)."""
+        if self.w1.dtype == dtype:
+            return self
+        return FFNWeights(*(None if w is None else w.to(dtype) for w in self.as_tuple()))
+
 
 @dataclass(frozen=True)
 class FFNSaved:
@@ -331,7 +337,9 @@ class ExpertFFN(nn.Module):
         return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
 
     def forward(self, x_LCM: torch.Tensor) -> torch.Tensor:
-        return _ExpertFFNFunction.apply(x_LCM.contiguous(), self.compute, *self.weights().as_tuple())
+        """In x's dtype: bf16/fp16 input over fp32 parameters casts the weights (mixed precision)."""
+        weights = self.weights().cast(x_LCM.dtype)
+        return _ExpertFFNFunction.apply(x_LCM.contiguous(), self.compute, *weights.as_tuple())
 
 
 def ffn_flops(num_tokens: int, model_dim: int, hidden_dim: int, activation: str, backward: bool) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from moeflow.capacity import estimated_needed_capacity
@@ -58,6 +59,7 @@ from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.perf.shadowing import ShadowPrices, rank_compute_load
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.planner import PipelinePlanner, PlanChoice
+from moeflow.precision import compute_dtype, experts_in
 from moeflow.ragged import RaggedFFNCompute
 from moeflow.routing import (
     NodeLimit,
@@ -282,7 +284,18 @@ class MoELayer(nn.Module):
         r: int | None = None,
     ) -> torch.Tensor:
         """``r`` (Tutel's ``adaptive_r``) runs this call with that r, on a layer whose ``parallel`` is
-        ``"adaptive"`` or an int: switching moves no weight. Every rank must pass the same r."""
+        ``"adaptive"`` or an int: switching moves no weight. Every rank must pass the same r. Under
+        autocast (or with bf16/fp16 x over fp32 parameters) the experts compute in that dtype and
+        the router in fp32 (:mod:`moeflow.precision`)."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        dtype = compute_dtype(x, self.experts.w1.dtype) if x.is_floating_point() else x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return self._forward(x.to(dtype), top_k, capacity_factor, r)
+
+    def _forward(
+        self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None
+    ) -> torch.Tensor:
         config = self.config
         if r is not None:
             self._check_call_r(r)
@@ -316,7 +329,7 @@ class MoELayer(nn.Module):
         )
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         routes = ReplicaRoutes.of(self.placement, filled_WE, capacity, self.rank) if config.redundant_experts else None
-        placed = self._placed_experts(hook, load, filled_WE, capacity) if hook is not None else None
+        placed = self._placed_experts(hook, load, filled_WE, capacity, x_TM.dtype) if hook is not None else None
         chosen, timing = self.planner.choose(
             self._region(self._exchanged_capacity(capacity, routes), x_TM.element_size(), load.max_tokens_per_rank,
                          load.needed_capacity),
@@ -344,7 +357,7 @@ class MoELayer(nn.Module):
             shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
             shared_TM = self.shared_experts(shared_input_STM).sum(dim=0)
             if self.shared_expert_gate is not None:
-                shared_TM = torch.sigmoid(self.shared_expert_gate(x_TM)) * shared_TM
+                shared_TM = torch.sigmoid(F.linear(x_TM, self.shared_expert_gate.weight.to(x_TM.dtype))) * shared_TM
             y_TM = y_TM + shared_TM
 
         if updates_bias and self.training:
@@ -367,20 +380,12 @@ class MoELayer(nn.Module):
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """Validate x and flatten it to (T, M)."""
         model_dim = self.config.model_dim
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != model_dim:
             raise ValueError(
                 f"x has shape {tuple(x.shape)}; its last dimension must be model_dim={model_dim}"
             )
         if not x.is_floating_point():
             raise ValueError(f"x has dtype {x.dtype}; MoELayer needs a floating-point input")
-        param_dtype = self.experts.w1.dtype
-        if x.dtype != param_dtype:
-            raise ValueError(
-                f"x has dtype {x.dtype} but the layer's parameters are {param_dtype}; "
-                f"cast one to the other (layer.to({x.dtype}) or x.to({param_dtype}))"
-            )
         if self.config.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or inf values (check_finite=True)")
         return x.reshape(-1, model_dim)
@@ -398,13 +403,14 @@ class MoELayer(nn.Module):
         this rank's own tokens and only the others go through the schedule."""
         exchanged_WE = filled_WE if shadow is None else shadow.exchanged(filled_WE)  # owners skip shadows
         ragged = self._ragged_compute(exchanged_WE)
+        experts = experts_in(self.experts, dispatched_ECM.dtype)
 
         def run_exchanged(buffer_ECM: torch.Tensor) -> torch.Tensor:
-            return self.schedule.run(plan, buffer_ECM, self.experts, self.groups, timing, self.workspace, ragged)
+            return self.schedule.run(plan, buffer_ECM, experts, self.groups, timing, self.workspace, ragged)
 
         if shadow is None:
             return run_exchanged(dispatched_ECM)
-        weights = shadow_weights(self.experts.weights(), self.placement, self.rank, shadow.experts, self.groups.expert)
+        weights = shadow_weights(experts.weights(), self.placement, self.rank, shadow.experts, self.groups.expert)
         local = self._ragged_compute(filled_WE, own_tokens_of=shadow.experts) or self.experts.compute
         return run_with_shadows(shadow, dispatched_ECM, weights, local, run_exchanged)
 
@@ -414,7 +420,8 @@ class MoELayer(nn.Module):
         """EPLB's slots: each replica gets its share of an expert's tokens; the tokens for other
         ranks' slots run through the expert schedule as a (P, C', M) buffer, those for this rank's
         own slots here, and both return to the (E, C, M) layout."""
-        weights = replica_weights(self.experts, self.placement, self.rank, self.groups.expert)
+        replicas = replica_weights(self.experts, self.placement, self.rank, self.groups.expert)
+        weights = replicas.cast(dispatched_ECM.dtype)
         slots = SlotExperts(self.experts.compute, self.num_local_experts, weights)
         mine = slice(self.rank * slots.num_experts, (self.rank + 1) * slots.num_experts)
         exchanged_PCM = self.schedule.run(
@@ -541,12 +548,12 @@ class MoELayer(nn.Module):
                              f"uses {', '.join(clash)}: build it with parallel='expert' and those off")
 
     def _placed_experts(
-        self, hook: InferenceHook, load: _GlobalLoad, filled_WE: torch.Tensor, capacity: int
+        self, hook: InferenceHook, load: _GlobalLoad, filled_WE: torch.Tensor, capacity: int, dtype: torch.dtype
     ) -> PlacedExperts:
         """This forward's placement from the hook, and the rows each rank computes under it."""
         placement = hook.placement(filled_WE.sum(0), load.estimate_E, self.world_size, self.config.hidden_dim)
         routes = PlacedRoutes.of(placement, filled_WE, capacity, self.rank)
-        return PlacedExperts(self.experts.compute, self.experts.weights(), placement, routes, self.rank)
+        return PlacedExperts(self.experts.compute, self.experts.weights().cast(dtype), placement, routes, self.rank)
 
     @property
     def experts_per_rank(self) -> int:
