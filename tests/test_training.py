@@ -5,6 +5,7 @@ report and sampling. Tiny models on a small real corpus (the standard library's 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
 from moeflow.distributed import run_distributed
@@ -461,3 +463,24 @@ def test_the_default_models_moe_layer_is_moeconfigs_default_for_it() -> None:
     config = TrainConfig()
     built = config.model_config(vocab_size=64).moe
     assert built == replace(model_moe_defaults(), tokens_per_rank_hint=config.batch_size * config.context)
+
+
+@pytest.mark.distributed
+def test_mixed_precision_trains_and_fp16_resumes_exactly(tmp_path: Path) -> None:
+    """--dtype bf16/fp16: autocast over fp32 master weights (the checkpoint holds fp32); the loss
+    falls; fp16 scales the loss and its scaler's state travels in the checkpoint (exact resume)."""
+    run_training(tiny(tmp_path / "bf16", dtype="bf16"), report=False)
+    bf16 = losses(tmp_path / "bf16")
+    assert all(math.isfinite(loss) for loss in bf16.values()) and bf16[12] < bf16[1] - 0.5
+    model_state = load_file(str(latest_checkpoint(tmp_path / "bf16") / "model.safetensors"))
+    assert {tensor.dtype for tensor in model_state.values()} == {torch.float32}
+
+    run_training(tiny(tmp_path / "fp16", dtype="fp16"), report=False)
+    run_training(tiny(tmp_path / "fp16-resumed", dtype="fp16", stop_at=5, checkpoint_interval=100), report=False)
+    state = json.loads((latest_checkpoint(tmp_path / "fp16-resumed") / "state.json").read_text())
+    assert state["grad_scaler"]["scale"] > 1
+    run_training(tiny(tmp_path / "fp16-resumed", dtype="fp16"), latest_checkpoint(tmp_path / "fp16-resumed"),
+                 report=False)
+    fp16 = losses(tmp_path / "fp16")
+    assert losses(tmp_path / "fp16-resumed") == fp16 and fp16[12] < fp16[1] - 0.5
+    assert all(r["loss_scale"] > 1 for r in iterate_records(tmp_path / "fp16"))

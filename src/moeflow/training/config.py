@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
 
 BACKENDS = ("gloo", "nccl")
+DTYPES = ("fp32", "bf16", "fp16")
+"""``dtype``: what the forward and backward compute in. bf16/fp16 run under autocast over fp32
+master weights (the MoE layers' routers stay fp32); fp16 also scales the loss (torch's GradScaler)."""
 GATE_KINDS = ("plain", "topology")
 GRAD_SYNC_MODES = ("after", "overlap", "lina")
 """``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
@@ -86,6 +89,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
+    dtype: str = "fp32"
     # run
     workers: int = 2
     backend: str = "gloo"
@@ -116,6 +120,7 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
+        require_choice("dtype", self.dtype, DTYPES)
         if self.hf is None:
             self._check_parallel()
         elif self.mp_size > 1:
@@ -327,6 +332,8 @@ FIELD_HELP: dict[str, str] = {
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm to this (0: off)",
     "seed": "seed of the weights and of the data order",
+    "dtype": "fp32; bf16 or fp16: activations and GEMMs in that dtype under autocast, fp32 master weights and "
+    "routers (fp16 also scales the loss)",
     "workers": "worker processes (one per rank)",
     "backend": "gloo (CPU) or nccl (GPUs)",
     "threads_per_worker": "intra-op threads of each worker",

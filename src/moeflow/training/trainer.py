@@ -244,7 +244,8 @@ def evaluate(
     total = count = 0.0
     for begin in range(0, per_worker, config.batch_size):
         windows = token_windows(stream, mine[begin : begin + config.batch_size], config.context).to(device)
-        logits, _ = model(windows[:, :-1])
+        with autocast(config, device):
+            logits, _ = model(windows[:, :-1])
         losses = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
         weight = torch.tensor(weights[begin : begin + config.batch_size], device=device).repeat_interleave(
             config.context
@@ -257,6 +258,27 @@ def evaluate(
 
 
 # -- the loop ------------------------------------------------------------------------------------
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(config: TrainConfig, device: torch.device) -> torch.autocast:
+    """--dtype bf16/fp16: the forward under autocast; the parameters stay fp32 (master weights)."""
+    dtype = AUTOCAST_DTYPES.get(config.dtype)
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+def unscale_gradients(run: _Run, expert_sq_global: float) -> float:
+    """fp16: the gradients divided by the loss scale; returns the experts' squared norm likewise.
+    Each rank's scaler sees only its own expert gradients, so where any rank's overflowed (the
+    global norm is not finite) every rank marks its own as overflowed too: all of them skip the
+    step and back the scale off together."""
+    assert run.scaler is not None
+    if not math.isfinite(expert_sq_global):
+        next(p.grad for p in run.model.parameters() if p.grad is not None).fill_(float("inf"))
+    run.scaler.unscale_(run.optimizer)
+    return expert_sq_global / run.scaler.get_scale() ** 2
 
 
 def device_for(config: TrainConfig, local_rank: int) -> torch.device:
@@ -346,6 +368,7 @@ class _Run:
     grad_scheduler: GradientScheduler | None = None
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
+    scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
     expert_names: set[str] = field(default_factory=set)
     last_timeline: list[TimelineEvent] = field(default_factory=list)  # the last step's events (rank 0)
 
@@ -404,6 +427,10 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
+    if config.dtype == "fp16":
+        run.scaler = torch.amp.GradScaler(device.type)
+        if state is not None and "grad_scaler" in state:
+            run.scaler.load_state_dict(state["grad_scaler"])
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     return run, start_step
 
@@ -476,9 +503,10 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     for scheduler in (run.grad_scheduler, run.copy_scheduler):
         if scheduler is not None:
             scheduler.start()
-    _, loss = model(inputs, targets)
+    with autocast(config, run.device):
+        _, loss = model(inputs, targets)
     backward_began = time.perf_counter()
-    loss.backward()
+    (loss if run.scaler is None else run.scaler.scale(loss)).backward()
     compute_s = time.perf_counter() - forward_began
     timeline.record("forward", forward_began, backward_began)
     timeline.record("backward", backward_began, forward_began + compute_s)
@@ -491,8 +519,14 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
                                                           run.device)
     sync_s = time.perf_counter() - sync_began
     optimizer_began = time.perf_counter()
+    if run.scaler is not None:
+        expert_sq_global = unscale_gradients(run, expert_sq_global)
     grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
-    run.optimizer.step()
+    if run.scaler is None:
+        run.optimizer.step()
+    else:  # skipped where the gradients overflowed
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     rebalanced = []
     if run.rebalancer is not None:  # EPLB: the slots follow the recorded load every few steps
@@ -517,6 +551,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
         "moe": _moe_records(model),
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
         **({"packing": packing} if packing is not None else {}),
+        **({"loss_scale": run.scaler.get_scale()} if run.scaler is not None else {}),
     }
 
 
@@ -547,7 +582,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
     if step % config.checkpoint_interval == 0 or step == last_step:
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
                  "loss": run.last_loss, "val_loss": run.val_loss,
-                 "planners": [layer.planner.state_dict() for layer in run.model.moe_layers()]}
+                 "planners": [layer.planner.state_dict() for layer in run.model.moe_layers()],
+                 **({"grad_scaler": run.scaler.state_dict()} if run.scaler is not None else {})}
         if run.rebalancer is not None:
             state["rebalancer"] = run.rebalancer.state()
         if run.packer is not None:
