@@ -64,7 +64,8 @@ def test_layer_over_one_rank_nccl_group() -> None:
 
 
 @cuda
-def test_train_with_nccl_under_torchrun(tmp_path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--grad-sync", "lina"]])
+def test_train_with_nccl_under_torchrun(tmp_path, extra: list[str]) -> None:
     """The trainer's GPU path: one NCCL rank started by torchrun, model and batches on cuda:0."""
     import json
     import os
@@ -78,7 +79,7 @@ def test_train_with_nccl_under_torchrun(tmp_path) -> None:
          "-m", "moeflow", "train", "--backend", "nccl", "--data", str(data), "--vocab-size", "512",
          "--context", "32", "--layers", "2", "--heads", "2", "--model-dim", "32", "--ffn-hidden", "64",
          "--num-experts", "4", "--batch-size", "4", "--steps", "4", "--eval-interval", "2",
-         "--run-dir", str(tmp_path / "run"), "--no-progress"],
+         "--run-dir", str(tmp_path / "run"), "--no-progress", *extra],
         capture_output=True, text=True, timeout=600, env={**os.environ, "MOEFLOW_CACHE": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-3000:]

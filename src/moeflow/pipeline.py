@@ -1,12 +1,13 @@
 """Overlapped, pipelined dispatch -> experts -> combine (Tutel 3.2, PipeMoE III).
 
 Only the two all-to-alls and the experts between them are partitioned: the (E, C, M) dispatch
-buffer is split along the capacity dimension into d chunks. One communication worker thread (the
-CPU counterpart of a communication stream) runs the all-to-alls in issue order: the dispatch of
-every chunk first, then each chunk's combine as soon as its experts are done, while the calling
+buffer is split along the capacity dimension into d chunks. On CPU one communication worker thread
+(the CPU counterpart of a communication stream) runs the all-to-alls in issue order: the dispatch
+of every chunk first, then each chunk's combine as soon as its experts are done, while the calling
 thread computes the experts of the next chunk. gloo moves the bytes on its own threads and torch
-ops release the GIL, so on CPU communication overlaps computation; on GPU the collectives are
-NCCL's asynchronous work on its own stream.
+ops release the GIL, so communication overlaps computation. On CUDA tensors the same order runs on
+a communication stream beside the compute stream, ordered by events (:mod:`moeflow.comm.streams`):
+a thread would only queue both kernels on one stream.
 
 The backward is the same pipeline run on the output gradient, with the expert backward as the
 compute step, over the route's ``adjoint()``: an equal-split all-to-all is its own adjoint, so for
@@ -34,13 +35,14 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import CommunicationWorker, ParallelGroups
+from moeflow.comm.streams import overlap_on_streams
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
 __all__ = [
-    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "overlap_on_worker",
+    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "overlap", "overlap_on_worker",
     "pipelined_experts", "run_pipeline",
 ]
 
@@ -167,11 +169,25 @@ def run_pipeline(
         return out_ECM
 
     assert route.groups is not None
-    overlap_on_worker(
-        route.groups.worker, [functools.partial(send, start, stop) for start, stop in chunks], compute,
+    overlap(
+        route.groups, buffer_ECM.device, [functools.partial(send, start, stop) for start, stop in chunks], compute,
         lambda index, y_LXM: receive(y_LXM, *chunks[index]), after_compute,
     )
     return out_ECM
+
+
+def overlap(
+    groups: ParallelGroups, device: torch.device, sends: list[Callable[[], torch.Tensor]],
+    compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
+    after_compute: Callable[[], None] | None = None,
+) -> None:
+    """Sends, computes and receives overlapped: on CUDA tensors on the groups' communication stream
+    (:mod:`moeflow.comm.streams`), on CPU on their communication worker thread."""
+    if device.type == "cuda":
+        overlap_on_streams(groups.streams.on(device), torch.cuda.current_stream(device), sends, compute, receive,
+                           after_compute)
+    else:
+        overlap_on_worker(groups.worker, sends, compute, receive, after_compute)
 
 
 def overlap_on_worker(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.streams import CommunicationStreams
 from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
 from moeflow.comm.traffic import AllToAllTraffic
 
@@ -101,6 +102,7 @@ class ParallelGroups:
         self.model = model
         self.traffic = AllToAllTraffic()  # the all-to-alls of every layer given these groups
         self.worker = CommunicationWorker(self.traffic)
+        self.streams = CommunicationStreams()  # on CUDA: the communication stream instead of the worker
         self._node_groups: NodeGroups | None = None
         self._blocks: dict[int, ProcessGroup] = {}
         self._strided: dict[int, ProcessGroup] = {}
@@ -159,7 +161,7 @@ class ParallelGroups:
             return self
         if size not in self._packed:
             packed = ParallelGroups(self.block(size), Topology(size, size))
-            packed.traffic, packed.worker = self.traffic, self.worker
+            packed.traffic, packed.worker, packed.streams = self.traffic, self.worker, self.streams
             self._packed[size] = packed
         return self._packed[size]
 

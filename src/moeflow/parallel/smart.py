@@ -35,7 +35,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.schedules import SMART
-from moeflow.pipeline import overlap_on_worker
+from moeflow.pipeline import overlap
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
 
@@ -105,7 +105,7 @@ def run_steps(
             out_by_dest[dest].copy_(rows_back)
 
     sends = [functools.partial(send, step) for step in range(steps.count)]
-    overlap_on_worker(steps.groups.worker, sends, compute, receive, after_compute)
+    overlap(steps.groups, buffer_ECM.device, sends, compute, receive, after_compute)
     return out_ECM
 
 

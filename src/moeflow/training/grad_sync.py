@@ -11,9 +11,12 @@
 
 The bucketed and micro-op all-reduces run on their own process group (so that they truly run
 beside the MoE layers' all-to-alls) from one scheduler thread per process, in a fixed order that
-is the same on every rank (reverse registration order, as DDP's first buckets), one at a time.
-Every piece is reduced exactly once; the averages are the same numbers as ``after``'s (the same
-sums of the same values; bitwise where the reduction order agrees, e.g. on 2 workers).
+is the same on every rank (reverse registration order, as DDP's first buckets), one at a time. On
+CUDA the scheduler issues them on a communication stream of its own, each after an event recorded
+when its gradients were ready, and the compute stream waits for that stream in ``finish()``: the
+all-reduces overlap the backward's kernels instead of queueing behind them on one stream. Every
+piece is reduced exactly once; the averages are the same numbers as ``after``'s (the same sums of
+the same values; bitwise where the reduction order agrees, e.g. on 2 workers).
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ class GradientScheduler:
         self._draining = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._ready_events: list[torch.cuda.Event | None] = [None] * len(self.parameters)
+        self._stream: torch.cuda.Stream | None = None  # CUDA gradients: the all-reduces' stream
         for index, parameter in enumerate(self.parameters):
             parameter.register_post_accumulate_grad_hook(lambda _, index=index: self._mark_ready(index))
 
@@ -116,6 +121,7 @@ class GradientScheduler:
         if self._thread is not None:
             raise RuntimeError("GradientScheduler.start() called twice without finish()")
         self.launched, self._ready = [], [False] * len(self.parameters)
+        self._ready_events = [None] * len(self.parameters)
         self._draining, self._error = False, None
         self._thread = threading.Thread(target=self._run, name="moeflow-grad-sync", daemon=True)
         self._thread.start()
@@ -137,12 +143,19 @@ class GradientScheduler:
         self._thread = None
         if self._error is not None:
             raise RuntimeError(f"a gradient all-reduce failed: {self._error}") from self._error
+        if self._stream is not None:  # the averages below (and the optimizer) follow the all-reduces
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for parameter in self.parameters:
             assert parameter.grad is not None
             parameter.grad.div_(self.world_size)
 
     def _mark_ready(self, index: int) -> None:
+        grad = self.parameters[index].grad
+        event = None
+        if grad is not None and grad.is_cuda:  # on the stream the backward accumulated it on
+            event = torch.cuda.current_stream(grad.device).record_event()
         with self._changed:
+            self._ready_events[index] = event
             self._ready[index] = True
             self._changed.notify_all()
 
@@ -166,6 +179,17 @@ class GradientScheduler:
     def _all_reduce(self, piece: GradientPiece) -> None:
         grads = [self.parameters[index].grad for index in piece.parameters]
         assert all(grad is not None for grad in grads)
+        if not grads[0].is_cuda:  # type: ignore[union-attr]
+            return self._reduce(piece, grads)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(grads[0].device)  # type: ignore[union-attr]
+        with torch.cuda.stream(self._stream):
+            for index in piece.parameters:
+                if (event := self._ready_events[index]) is not None:
+                    self._stream.wait_event(event)
+            return self._reduce(piece, grads)
+
+    def _reduce(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
         began = time.perf_counter()
         if len(piece.spans) == 1:  # a micro-op: in place on its part of the gradient
             (_, start, stop), grad = piece.spans[0], grads[0]
