@@ -12,7 +12,8 @@ import pytest
 from moeflow.cli import main
 
 FIELDS = {"moeflow_ms", "reference_ms", "speedup_vs_reference", "floor_ms", "ratio_to_floor",
-          "encode_decode_share", "matmul_gflops", "expert_kernel_ms", "experts", "hidden_dim", "tokens"}
+          "encode_decode_share", "matmul_gflops", "expert_kernel_ms", "experts", "hidden_dim", "tokens",
+          "gemm_floor_ms", "ratio_to_gemm_floor", "device", "dtype"}
 
 
 def test_bench_layer_prints_json_per_config_and_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,6 +41,7 @@ def test_bench_layer_with_workers() -> None:
     [
         (["--experts", "4", "--hidden-dim", "8", "--top-k", "5"], "--top-k 5 exceeds --experts 4"),
         (["--experts", "6", "--hidden-dim", "8", "--workers", "4"], "--experts 6 is not divisible by --workers 4"),
+        (["--device", "tpu0"], "--device 'tpu0' is not a device; use cpu or cuda"),
     ],
 )
 def test_bench_layer_argument_errors(argv: list[str], message: str) -> None:
@@ -109,3 +111,29 @@ def test_every_train_setting_has_its_help() -> None:
 
     assert set(FIELD_HELP) == {f.name for f in fields(TrainConfig)}
     assert all(len(text) > 10 for text in FIELD_HELP.values())
+
+
+def test_bench_layer_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "layer", "--tokens", "32", "--model-dim", "16", "--experts", "4", "--hidden-dim", "16",
+                 "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels"]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert first["dtype"] == "bf16" and first["ratio_to_gemm_floor"] > 0
+
+
+def test_bench_kernels_reports_rates_against_the_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kernels", "--tokens", "256", "--model-dim", "64", "--hidden-dim", "64", "--experts", "8",
+                 "--top-k", "2", "--matmul-size", "256", "--repeats", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_kernel = {(r["kernel"], r.get("backend")): r for r in lines[:-1]}
+    assert by_kernel[("matmul", None)]["tflops"] > 0 and by_kernel[("copy", None)]["gb_per_s"] > 0
+    assert by_kernel[("encode", "torch")]["share_of_bandwidth"] > 0
+    assert by_kernel[("decode", "torch")]["gb_per_s"] > 0 and by_kernel[("grouped_gemm", "torch")]["tflops"] > 0
+    summary = lines[-1]
+    assert summary["summary"] == "kernels" and summary["encode_decode_target_met"] is None  # a CPU run
+    assert set(summary["best"]) >= {"encode", "decode", "grouped_gemm"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_bench_on_cuda_without_a_gpu_names_the_fix() -> None:
+    with pytest.raises(SystemExit, match="--device cuda needs a CUDA GPU and this machine has none"):
+        main(["bench", "kernels", "--device", "cuda"])

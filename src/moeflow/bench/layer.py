@@ -24,6 +24,7 @@ import torch.distributed as dist
 from moeflow.bench.timing import interleaved_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
+from moeflow.kernels import resolve_backend
 from moeflow.layer import MoELayer
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
@@ -42,6 +43,8 @@ class LayerBenchConfig:
     repeats: int = 5
     warmup: int = 1
     measure_kernels: bool = True
+    device: str = "cpu"
+    dtype: str = "fp32"  # bf16/fp16: the layer's parameters and tokens (the router stays fp32)
 
 
 # The two shapes of the issue's targets: few large experts, many small ones.
@@ -51,7 +54,12 @@ TARGETS = {  # (experts, hidden) -> (max ratio to floor, min speedup over the re
     (64, 256): (1.6, 5.0),
 }
 MAX_ENCODE_DECODE_SHARE = 0.10
-MATMUL_SIZE = 2048  # the square fp32 matmul whose rate defines the floor
+MATMUL_SIZE = 2048  # the square matmul whose rate defines the floor
+GPU_TARGETS = {  # (experts, model, hidden, tokens, k) -> max ratio to the GEMM floor, bf16 on a GPU
+    (8, 4096, 14336, 8192, 2): 1.3,  # Mixtral-like
+    (64, 2048, 1408, 8192, 8): 1.6,  # Qwen-MoE-like
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> None:
@@ -72,14 +80,18 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     layer = MoELayer(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
                      capacity_factor=c.capacity_factor, activation=c.activation, pipeline=1, alltoall="linear")
     layer.load_full_state_dict(reference.state_dict())
+    device, dtype = torch.device(c.device), DTYPES[c.dtype]
+    reference, layer = reference.to(device, dtype), layer.to(device, dtype)
     generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(c.tokens, c.model_dim, generator=generator)
-    upstream = torch.randn(c.tokens, c.model_dim, generator=generator)
+    x = torch.randn(c.tokens, c.model_dim, generator=generator).to(device, dtype)
+    upstream = torch.randn(c.tokens, c.model_dim, generator=generator).to(device, dtype)
     distributed = world_size > 1 and dist.is_initialized()
 
     def sync() -> None:
         if distributed:
             dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     fns: dict[str, Callable[[], object]] = {
         "moeflow": lambda: _forward_backward(layer, x, upstream),
@@ -93,8 +105,11 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
         expert_tokens = world_size * stats.capacity
         for kernel in KERNELS:
             fns[f"experts_{kernel}"] = _experts_step(layer, kernel, expert_tokens)
-    square_a, square_b = torch.randn(MATMUL_SIZE, MATMUL_SIZE), torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    fns["gemm_floor"] = _gemm_floor_step(layer, world_size * stats.capacity)
+    square_a, square_b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(device, dtype) for _ in range(2))
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
+    if device.type == "cuda":  # a sample ends when the device is done
+        fns = {name: _synced(fn, device) for name, fn in fns.items()}
     medians = interleaved_medians(fns, c.repeats, c.warmup, before_each=sync)
     rate = 2 * MATMUL_SIZE**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
@@ -114,6 +129,8 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
         "ratio_to_floor": medians["moeflow"] / floor_s,
         "encode_decode_ms": medians["encode_decode"] * 1e3,
         "encode_decode_share": medians["encode_decode"] / medians["moeflow"],
+        "gemm_floor_ms": medians["gemm_floor"] * 1e3,
+        "ratio_to_gemm_floor": medians["moeflow"] / medians["gemm_floor"],
     }
     if c.measure_kernels:
         result["expert_kernel_ms"] = {
@@ -129,25 +146,56 @@ def _encode_decode_step(
     with torch.no_grad():
         choice = select_experts(layer.gate(x), c.top_k)
     location, counts = assign_slots(choice.expert_idx_TK, c.experts)
+    counts = counts.cpu()
     capacity = expert_capacity(c.capacity_factor, c.top_k, c.tokens, c.experts, int(counts.max()))
     plan = make_dispatch_plan(choice.expert_idx_TK, location, c.experts, capacity)
     weights = choice.weights_TK.detach()
 
+    backend = resolve_backend(layer.config.kernel_backend, x.device)
+
     def step() -> None:
         x_leaf = x.detach().requires_grad_()
         weights_leaf = weights.clone().requires_grad_()
-        buffer = encode(x_leaf, plan)
-        y = decode(buffer, weights_leaf, plan)
+        buffer = encode(x_leaf, plan, backend=backend)
+        y = decode(buffer, weights_leaf, plan, backend=backend)
         (y * upstream).sum().backward()
 
     return step
 
 
+def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+    return run
+
+
+def _gemm_floor_step(layer: MoELayer, tokens_per_expert: int) -> Callable[[], None]:
+    """The experts' GEMMs as plain batched matmuls (forward and backward, no routing, no kernel of
+    moeflow's): the floor the issue measures the layer against."""
+    w = layer.experts.w1
+    projections = 3 if layer.config.activation == "swiglu" else 2
+    shapes = [(w.shape[0], w.shape[1], w.shape[2])] * (projections - 1) + [(w.shape[0], w.shape[2], w.shape[1])]
+    weights = [torch.randn(shape, device=w.device, dtype=w.dtype).mul_(0.02).requires_grad_() for shape in shapes]
+    x = torch.randn(w.shape[0], tokens_per_expert, w.shape[1], device=w.device, dtype=w.dtype)
+
+    def step() -> None:
+        x_leaf = x.detach().requires_grad_()
+        hidden = torch.bmm(x_leaf, weights[0])
+        if projections == 3:
+            hidden = hidden * torch.bmm(x_leaf, weights[1])
+        torch.bmm(hidden, weights[-1]).sum().backward()
+
+    return step
+
+
 def _experts_step(layer: MoELayer, kernel: str, tokens_per_expert: int) -> Callable[[], None]:
+    w1 = layer.experts.w1
     experts = ExpertFFN(layer.num_local_experts, layer.config.model_dim, layer.config.hidden_dim,
-                        layer.config.activation, kernel)
+                        layer.config.activation, kernel).to(w1.device, w1.dtype)
     experts.load_state_dict(layer.experts.state_dict())
-    x = torch.randn(layer.num_local_experts, tokens_per_expert, layer.config.model_dim)
+    x = torch.randn(layer.num_local_experts, tokens_per_expert, layer.config.model_dim, device=w1.device,
+                    dtype=w1.dtype)
     upstream = torch.randn_like(x)
 
     def step() -> None:
@@ -168,7 +216,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     checks = []
     for r in results:
         target = TARGETS.get((r["experts"], r["hidden_dim"]))
-        if target is None or r["tokens"] != 4096 or r["model_dim"] != 512 or r["workers"] != 1:
+        if target is None or r["tokens"] != 4096 or r["model_dim"] != 512 or r["workers"] != 1 or r["dtype"] != "fp32":
             continue
         max_floor_ratio, min_speedup = target
         checks.append({
@@ -179,8 +227,17 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             "met": r["ratio_to_floor"] <= max_floor_ratio and r["speedup_vs_reference"] >= min_speedup
             and r["encode_decode_share"] <= MAX_ENCODE_DECODE_SHARE,
         })
+    gpu_checks = [
+        {"experts": r["experts"], "model_dim": r["model_dim"], "hidden_dim": r["hidden_dim"], "tokens": r["tokens"],
+         "top_k": r["top_k"], "ratio_to_gemm_floor": round(r["ratio_to_gemm_floor"], 3), "max": limit,
+         "met": r["ratio_to_gemm_floor"] <= limit}
+        for r in results
+        if r["device"].startswith("cuda") and r["dtype"] == "bf16"
+        and (limit := GPU_TARGETS.get((r["experts"], r["model_dim"], r["hidden_dim"], r["tokens"], r["top_k"])))
+    ]
     return {
         "summary": "layer",
+        "gpu_targets": gpu_checks,
         "configurations": len(results),
         "median_speedup_vs_reference": statistics.median(r["speedup_vs_reference"] for r in results),
         "median_ratio_to_floor": statistics.median(r["ratio_to_floor"] for r in results),

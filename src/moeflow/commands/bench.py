@@ -1,4 +1,4 @@
-"""``moeflow bench layer | alltoall | pipeline | schedules | parallel | skew | contention | train | generate |
+"""``moeflow bench layer | kernels | alltoall | pipeline | schedules | parallel | skew | contention | train | generate |
 lina-inference``: each prints one JSON object per measurement and a summary line."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from moeflow.commands import fail, positive_int, require_testbed
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew, _add_contention,
-                _add_train, _add_generate, _add_lina_inference, _add_simulator, _add_papers):
+    for add in (_add_layer, _add_kernels, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew,
+                _add_contention, _add_train, _add_generate, _add_lina_inference, _add_simulator, _add_papers):
         add(benches)
 
 
@@ -46,6 +46,9 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    layer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (one process; default cpu)")
+    layer.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                       help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
     layer.set_defaults(func=run_layer)
 
 
@@ -73,12 +76,16 @@ def run_layer(args: argparse.Namespace) -> int:
 
     if args.tokens < 0:
         raise fail("bench layer", f"--tokens must be >= 0, got {args.tokens}")
+    device = _device(args.device, "bench layer")
+    if device.type != "cpu" and args.workers > 1:
+        raise fail("bench layer", f"--device {args.device} runs one process: leave --workers at 1")
     results = []
     for experts, hidden in _layer_shapes(args):
         config = LayerBenchConfig(
             tokens=args.tokens, model_dim=args.model_dim, hidden_dim=hidden, experts=experts,
             top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
+            device=str(device), dtype=args.dtype,
         )
         if args.workers == 1:
             torch.set_num_threads(1)
@@ -88,6 +95,67 @@ def run_layer(args: argparse.Namespace) -> int:
         print_json(result)
         results.append(result)
     print_json(summarize(results))
+    return 0
+
+
+def _device(name: str, command: str) -> Any:
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise fail(command, f"--device {name!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise fail(command, f"--device {name} needs a CUDA GPU and this machine has none; use --device cpu")
+    return device
+
+
+# -- kernels --------------------------------------------------------------------------------------
+
+
+def _add_kernels(benches: Any) -> None:
+    kernels = benches.add_parser(
+        "kernels", help="encode/decode (GB/s) and the grouped expert GEMM (TFLOP/s) against the measured peak",
+        description="Encode and decode forward and the ragged grouped GEMM of the experts, each kernel backend "
+        "(torch; Triton on CUDA; torch._grouped_mm where it runs), beside a matmul and a copy of the same run that "
+        "give the device's compute rate and memory bandwidth.",
+    )
+    kernels.add_argument("--tokens", type=positive_int, default=16384, help="tokens (default 16384)")
+    kernels.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
+    kernels.add_argument("--hidden-dim", type=positive_int, default=1408, help="expert hidden size H (default 1408)")
+    kernels.add_argument("--experts", type=positive_int, default=64, help="experts E (default 64)")
+    kernels.add_argument("--top-k", type=positive_int, default=8, help="experts per token (default 8)")
+    kernels.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    kernels.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                         help="default: bf16 on CUDA, fp32 on CPU")
+    kernels.add_argument("--matmul-size", type=positive_int, default=None,
+                         help="side of the square peak matmul (default 8192 on CUDA, 2048 on CPU)")
+    kernels.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    kernels.set_defaults(func=run_kernels)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import print_json
+    from moeflow.bench.kernels import KernelBenchConfig, measure_kernels, summarize
+
+    device = _device(args.device, "bench kernels")
+    if args.top_k > args.experts:
+        raise fail("bench kernels", f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    on_gpu = device.type == "cuda"
+    config = KernelBenchConfig(
+        tokens=args.tokens, model_dim=args.model_dim, hidden_dim=args.hidden_dim, experts=args.experts,
+        top_k=args.top_k, device=str(device), dtype=args.dtype or ("bf16" if on_gpu else "fp32"),
+        matmul_size=args.matmul_size or (8192 if on_gpu else 2048), copy_mb=1024 if on_gpu else 256,
+        repeats=args.repeats,
+    )
+    if not on_gpu:
+        torch.set_num_threads(1)
+    records = measure_kernels(config)
+    for record in records:
+        print_json(record)
+    print_json(summarize(records))
     return 0
 
 

@@ -1,0 +1,174 @@
+"""``moeflow bench kernels``: encode/decode and the ragged grouped GEMM against the device's limits.
+
+In one run, side by side (round-robin, medians): a large matmul in the benchmark's dtype (the
+device's measured compute peak) and a large copy (its measured memory bandwidth); then for each
+kernel backend, encode and decode forward (GB/s: the rows they read and write) and the grouped
+GEMM of the local experts on ragged per-expert row counts (TFLOP/s), with torch's own grouped GEMM
+(``torch._grouped_mm``) beside them where this torch has one for the device and dtype. Each figure
+is also given as a share of the measured peak. CUDA timings synchronize before and after each
+sample. On a CPU the Triton kernels run only under the interpreter, so they are timed only on CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from moeflow.bench.timing import interleaved_medians
+from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.kernels import triton_installed
+from moeflow.ragged import FilledRows, ragged_mm
+from moeflow.routing import assign_slots, expert_capacity
+from moeflow.workspace import Workspace
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ENCODE_DECODE_TARGET = 0.70  # of the measured memory bandwidth, for large token counts (GPU)
+
+
+@dataclass(frozen=True)
+class KernelBenchConfig:
+    tokens: int = 16384
+    model_dim: int = 1024
+    hidden_dim: int = 1408
+    experts: int = 64
+    top_k: int = 8
+    device: str = "cpu"
+    dtype: str = "fp32"
+    matmul_size: int = 2048
+    copy_mb: int = 256
+    repeats: int = 5
+    warmup: int = 1
+
+
+def _timed(fns: dict[str, Callable[[], object]], config: KernelBenchConfig) -> dict[str, float]:
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return interleaved_medians(fns, config.repeats, config.warmup)
+
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize(device)
+        return run
+
+    return interleaved_medians({name: synced(fn) for name, fn in fns.items()}, config.repeats, config.warmup,
+                               before_each=lambda: torch.cuda.synchronize(device))
+
+
+def _backends(device: torch.device) -> list[str]:
+    return ["torch", "triton"] if device.type == "cuda" and triton_installed() else ["torch"]
+
+
+def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Uniform random top-k routing of every token, dropless: the dispatch plan and tokens per expert."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(config.tokens, config.experts, generator=generator)
+    expert_idx_TK = scores.topk(config.top_k, dim=1).indices
+    location_TK, counts_E = assign_slots(expert_idx_TK, config.experts)
+    capacity = expert_capacity(0.0, config.top_k, config.tokens, config.experts, int(counts_E.max()))
+    plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), config.experts, capacity)
+    return plan, counts_E
+
+
+def _grouped_mm_op(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """torch's grouped GEMM where this build has one that runs on this device and dtype."""
+    op = getattr(torch, "_grouped_mm", None)
+    if op is None:
+        return None
+    try:
+        a, b = torch.zeros(32, 16, device=device, dtype=dtype), torch.zeros(2, 16, 16, device=device, dtype=dtype)
+        op(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return op
+
+
+def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
+    """One JSON record per measurement (peak, bandwidth, each kernel and backend)."""
+    device, dtype = torch.device(config.device), DTYPES[config.dtype]
+    torch.manual_seed(0)
+    size, copy_elements = config.matmul_size, config.copy_mb * (1 << 20) // torch.finfo(dtype).bits * 8
+    square_a = torch.randn(size, size, device=device, dtype=dtype)
+    square_b = torch.randn(size, size, device=device, dtype=dtype)
+    source, target = torch.randn(copy_elements, device=device, dtype=dtype), torch.empty(copy_elements, device=device,
+                                                                                         dtype=dtype)
+    plan, counts_E = _routing(config, device)
+    x_TM = torch.randn(config.tokens, config.model_dim, device=device, dtype=dtype)
+    weights_TK = torch.rand(config.tokens, config.top_k, device=device, dtype=dtype)
+    rows = FilledRows.of_experts(torch.repeat_interleave(torch.arange(config.experts), counts_E).to(device),
+                                 config.experts)
+    packed_NM = torch.randn(int(counts_E.sum()), config.model_dim, device=device, dtype=dtype)
+    w_EMH = torch.randn(config.experts, config.model_dim, config.hidden_dim, device=device, dtype=dtype) * 0.02
+    fns: dict[str, Callable[[], object]] = {
+        "matmul": lambda: torch.mm(square_a, square_b), "copy": lambda: target.copy_(source),
+    }
+    workspace = Workspace()  # the torch path's buffers, reused as in the layer
+
+    def encode_step(backend: str) -> torch.Tensor:
+        workspace.start_step()
+        return encode(x_TM, plan, workspace, backend)
+
+    for backend in _backends(device):
+        buffer = encode(x_TM, plan, backend=backend)
+        fns[f"encode.{backend}"] = lambda backend=backend: encode_step(backend)
+        fns[f"decode.{backend}"] = lambda backend=backend, buffer=buffer: decode(buffer, weights_TK, plan,
+                                                                                 backend=backend)
+        fns[f"grouped_gemm.{backend}"] = lambda backend=backend: ragged_mm(packed_NM, w_EMH, rows, backend)
+    grouped_op = _grouped_mm_op(device, dtype)
+    if grouped_op is not None:
+        offsets = torch.cumsum(counts_E, 0).to(device=device, dtype=torch.int32)
+        fns["grouped_gemm.torch_grouped_mm"] = lambda: grouped_op(packed_NM, w_EMH, offs=offsets)
+    medians = _timed(fns, config)
+    return _records(config, medians, plan, int(counts_E.sum()), torch.finfo(dtype).bits // 8)
+
+
+def _records(config: KernelBenchConfig, medians: dict[str, float], plan: Any, assignments: int,
+             element_bytes: int) -> list[dict[str, Any]]:
+    base = {"bench": "kernels", **asdict(config)}
+    peak_flops = 2 * config.matmul_size**3 / medians["matmul"]
+    bandwidth = 2 * config.copy_mb * (1 << 20) / medians["copy"]  # read and write
+    row_bytes = config.model_dim * element_bytes
+    moved = {  # encode: read the kept rows, write every slot; decode: read the kept rows, write every token
+        "encode": (assignments + plan.num_slots) * row_bytes, "decode": (assignments + config.tokens) * row_bytes,
+    }
+    records = [{**base, "kernel": "matmul", "tflops": peak_flops / 1e12, "ms": medians["matmul"] * 1e3},
+               {**base, "kernel": "copy", "gb_per_s": bandwidth / 1e9, "ms": medians["copy"] * 1e3}]
+    gemm_flops = 2 * assignments * config.model_dim * config.hidden_dim
+    for name, seconds in medians.items():
+        kernel, _, backend = name.partition(".")
+        if kernel in moved:
+            rate = moved[kernel] / seconds
+            records.append({**base, "kernel": kernel, "backend": backend, "ms": seconds * 1e3, "gb_per_s": rate / 1e9,
+                            "share_of_bandwidth": rate / bandwidth})
+        elif kernel == "grouped_gemm":
+            rate = gemm_flops / seconds
+            records.append({**base, "kernel": kernel, "backend": backend, "ms": seconds * 1e3, "tflops": rate / 1e12,
+                            "share_of_peak": rate / peak_flops})
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best backend per kernel, and the encode/decode bandwidth target where it applies (CUDA)."""
+    best: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if "backend" not in record:
+            continue
+        share = record.get("share_of_bandwidth", record.get("share_of_peak", 0.0))
+        if record["kernel"] not in best or share > best[record["kernel"]]["share"]:
+            best[record["kernel"]] = {"backend": record["backend"], "share": round(share, 3),
+                                      "ms": round(record["ms"], 3)}
+    device = records[0]["device"] if records else "cpu"
+    shares = [best[k]["share"] for k in ("encode", "decode") if k in best]
+    return {
+        "summary": "kernels", "device": device, "best": best,
+        "peak_tflops": next(r["tflops"] for r in records if r["kernel"] == "matmul"),
+        "bandwidth_gb_per_s": next(r["gb_per_s"] for r in records if r["kernel"] == "copy"),
+        "encode_decode_target": ENCODE_DECODE_TARGET,
+        "encode_decode_target_met": min(shares) >= ENCODE_DECODE_TARGET if device.startswith("cuda") and shares
+        else None,  # the target is the GPU's; a CPU run reports the shares only
+        "median_share": statistics.median(shares) if shares else None,
+    }
