@@ -20,6 +20,8 @@ GATE_PRECISIONS = ("fp32", "input")
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop", "ragged")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+"""The compute dtypes a command line names (``--dtype``): fp32, or bf16/fp16 over fp32 master weights."""
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 """Who runs encode/decode and the ragged grouped GEMM: pure torch (the reference, everywhere),
 Triton (an optional dependency; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``), or

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.config import DTYPE_NAMES
 from moeflow.experts import ExpertFFN, FFNCompute, FFNWeights
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def compute_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:

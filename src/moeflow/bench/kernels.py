@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import interleaved_medians
+from moeflow.bench.timing import cuda_synced, interleaved_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
+from moeflow.precision import DTYPES
 from moeflow.ragged import FilledRows, ragged_mm
 from moeflow.routing import assign_slots, expert_capacity
 from moeflow.workspace import Workspace
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ENCODE_DECODE_TARGET = 0.70  # of the measured memory bandwidth, for large token counts (GPU)
 
 
@@ -46,17 +46,8 @@ class KernelBenchConfig:
 
 def _timed(fns: dict[str, Callable[[], object]], config: KernelBenchConfig) -> dict[str, float]:
     device = torch.device(config.device)
-    if device.type != "cuda":
-        return interleaved_medians(fns, config.repeats, config.warmup)
-
-    def synced(fn: Callable[[], object]) -> Callable[[], None]:
-        def run() -> None:
-            fn()
-            torch.cuda.synchronize(device)
-        return run
-
-    return interleaved_medians({name: synced(fn) for name, fn in fns.items()}, config.repeats, config.warmup,
-                               before_each=lambda: torch.cuda.synchronize(device))
+    before = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return interleaved_medians(cuda_synced(fns, device), config.repeats, config.warmup, before_each=before)
 
 
 def _backends(device: torch.device) -> list[str]:

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import interleaved_medians
+from moeflow.bench.timing import cuda_synced, interleaved_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.kernels import resolve_backend
 from moeflow.layer import MoELayer
+from moeflow.precision import DTYPES
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
@@ -59,7 +60,6 @@ GPU_TARGETS = {  # (experts, model, hidden, tokens, k) -> max ratio to the GEMM 
     (8, 4096, 14336, 8192, 2): 1.3,  # Mixtral-like
     (64, 2048, 1408, 8192, 8): 1.6,  # Qwen-MoE-like
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.Tensor) -> None:
@@ -108,9 +108,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     fns["gemm_floor"] = _gemm_floor_step(layer, world_size * stats.capacity)
     square_a, square_b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(device, dtype) for _ in range(2))
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
-    if device.type == "cuda":  # a sample ends when the device is done
-        fns = {name: _synced(fn, device) for name, fn in fns.items()}
-    medians = interleaved_medians(fns, c.repeats, c.warmup, before_each=sync)
+    medians = interleaved_medians(cuda_synced(fns, device), c.repeats, c.warmup, before_each=sync)
     rate = 2 * MATMUL_SIZE**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {
@@ -161,13 +159,6 @@ def _encode_decode_step(
         (y * upstream).sum().backward()
 
     return step
-
-
-def _synced(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    def run() -> None:
-        fn()
-        torch.cuda.synchronize(device)
-    return run
 
 
 def _gemm_floor_step(layer: MoELayer, tokens_per_expert: int) -> Callable[[], None]:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from moeflow.comm.groups import max_over_ranks
@@ -34,6 +35,20 @@ def interleaved_medians(
             if round_index >= warmup:
                 samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def cuda_synced(fns: dict[K, Callable[[], object]], device: torch.device) -> dict[K, Callable[[], object]]:
+    """On CUDA a sample must end when the device is done, not when the launches return."""
+    if device.type != "cuda":
+        return fns
+
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize(device)
+        return run
+
+    return {name: synced(fn) for name, fn in fns.items()}
 
 
 def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:

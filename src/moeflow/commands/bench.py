@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.config import DTYPE_NAMES
 
 
 def add_parser(commands: Any) -> None:
@@ -47,7 +48,7 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
     layer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (one process; default cpu)")
-    layer.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+    layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
     layer.set_defaults(func=run_layer)
 
@@ -126,7 +127,7 @@ def _add_kernels(benches: Any) -> None:
     kernels.add_argument("--experts", type=positive_int, default=64, help="experts E (default 64)")
     kernels.add_argument("--top-k", type=positive_int, default=8, help="experts per token (default 8)")
     kernels.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    kernels.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+    kernels.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
                          help="default: bf16 on CUDA, fp32 on CPU")
     kernels.add_argument("--matmul-size", type=positive_int, default=None,
                          help="side of the square peak matmul (default 8192 on CUDA, 2048 on CPU)")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moeflow.config import (
+    DTYPE_NAMES,
     FASTERMOE_REMOTE_SHARE,
     PARM_SCHEDULES,
     SHADOWING_POLICIES,
@@ -26,9 +27,6 @@ if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
 
 BACKENDS = ("gloo", "nccl")
-DTYPES = ("fp32", "bf16", "fp16")
-"""``dtype``: what the forward and backward compute in. bf16/fp16 run under autocast over fp32
-master weights (the MoE layers' routers stay fp32); fp16 also scales the loss (torch's GradScaler)."""
 GATE_KINDS = ("plain", "topology")
 GRAD_SYNC_MODES = ("after", "overlap", "lina")
 """``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
@@ -120,7 +118,7 @@ class TrainConfig:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
-        require_choice("dtype", self.dtype, DTYPES)
+        require_choice("dtype", self.dtype, DTYPE_NAMES)
         if self.hf is None:
             self._check_parallel()
         elif self.mp_size > 1:

@@ -29,6 +29,7 @@ from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.precision import DTYPES
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
@@ -260,13 +261,10 @@ def evaluate(
 # -- the loop ------------------------------------------------------------------------------------
 
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def autocast(config: TrainConfig, device: torch.device) -> torch.autocast:
     """--dtype bf16/fp16: the forward under autocast; the parameters stay fp32 (master weights)."""
-    dtype = AUTOCAST_DTYPES.get(config.dtype)
-    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+    dtype = DTYPES[config.dtype]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def unscale_gradients(run: _Run, expert_sq_global: float) -> float:
