@@ -36,6 +36,8 @@ FP64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
 # and the short (12-24 term) sums here, and a wrong slot, weight or gradient is off by O(1).
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 BF16_TOLERANCE = {"rtol": 4 * BF16_EPS, "atol": 4 * BF16_EPS}
+# fp32 on a GPU (TF32 off, torch's default for matmuls): other kernels' summation orders, as in test_gpu.py
+GPU_FP32_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 TOLERANCES = {torch.float64: FP64_TOLERANCE, torch.float32: FP32_TOLERANCE, torch.bfloat16: BF16_TOLERANCE}
 
 
@@ -476,16 +478,21 @@ def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
         expected = torch.zeros_like(actual)
     if actual is None:
         actual = torch.zeros_like(expected)
-    tolerance = TOLERANCES[case.dtype]
+    tolerance = GPU_FP32_TOLERANCE if actual.is_cuda and case.dtype == torch.float32 else TOLERANCES[case.dtype]
+    actual = actual.cpu()  # the layer may run on a GPU; the reference runs on the CPU
     try:
         torch.testing.assert_close(actual, expected, **tolerance)
     except AssertionError as error:
         failures.append(f"{case.name}: {name}: {str(error).splitlines()[-3:]}")
 
 
-def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> list[str]:
-    """Run one case on this rank; return a list of mismatch descriptions (empty when equal)."""
+def check_case(
+    case: Case, rank: int, world_size: int, groups: ParallelGroups, device: str = "cpu"
+) -> list[str]:
+    """Run one case on this rank, the layer on ``device``; return a list of mismatch descriptions
+    (empty when equal)."""
     reference, layer = _build(case, rank, world_size, groups)
+    layer = layer.to(device)
     failures: list[str] = []
     for step in range(case.steps):
         if step == 1 and case.rebalance_to:
@@ -497,7 +504,7 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
                 failures.append(f"{case.name}: not packed to {per_rank} experts per rank")
         x = _tokens(case, rank, world_size)
         x_ref = x.clone().requires_grad_()
-        x_layer = x.clone().requires_grad_()
+        x_layer = x.to(device, copy=True).requires_grad_()
         y_ref = reference(x_ref, **case.call)
         call = dict(case.call)
         if case.r_per_step:
@@ -508,7 +515,7 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
         if reference_loss.requires_grad:  # an empty batch leaves the reference without a graph
             reference_loss.backward()
         # the layer always has a graph: its backward all-to-alls must run on every rank
-        ((y_layer * upstream).sum() + layer.aux_loss).backward()
+        ((y_layer * upstream.to(device)).sum() + layer.aux_loss).backward()
 
         _compare(f"step{step} output", y_layer, y_ref, case, failures)
         _compare(f"step{step} aux_loss", layer.aux_loss.double(), reference.aux_loss.double(), case, failures)
@@ -553,11 +560,11 @@ def check_case(case: Case, rank: int, world_size: int, groups: ParallelGroups) -
     return failures
 
 
-def check_cases(rank: int, world_size: int, cases: list[Case]) -> tuple[int, list[str]]:
+def check_cases(rank: int, world_size: int, cases: list[Case], device: str = "cpu") -> tuple[int, list[str]]:
     """Worker entry point: run every case; return (cases run, all mismatches)."""
     failures: list[str] = []
     groups: dict[tuple[int, int], ParallelGroups] = {}
     for case in cases:
-        failures.extend(check_case(case, rank, world_size, _groups(case, world_size, groups)))
+        failures.extend(check_case(case, rank, world_size, _groups(case, world_size, groups), device))
     return len(cases), [f"rank {rank}: {f}" for f in failures]
 

@@ -9,6 +9,8 @@ from moeflow import MoELayer
 from moeflow.distributed import free_port
 from moeflow.reference import ReferenceMoE
 
+from equivalence import all_cases, check_cases
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 
@@ -44,6 +46,16 @@ def _check(reference: ReferenceMoE, layer: MoELayer) -> None:
 )
 def test_layer_on_cuda_matches_reference(kwargs: dict) -> None:
     _check(*_pair(**kwargs))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equivalence_table_on_cuda(dtype: torch.dtype) -> None:
+    """The equivalence table's cases in this dtype with the layer on the GPU (Triton compiled, not
+    interpreted: conftest sets TRITON_INTERPRET only without CUDA), one process."""
+    cases = [case for case in all_cases() if case.dtype == dtype]
+    count, failures = check_cases(0, 1, cases, device="cuda")
+    assert count == len(cases) > 10 and not failures, "\n".join(failures[:40])
 
 
 @cuda
