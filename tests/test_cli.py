@@ -115,7 +115,7 @@ def test_every_train_setting_has_its_help() -> None:
 
 def test_bench_layer_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "layer", "--tokens", "32", "--model-dim", "16", "--experts", "4", "--hidden-dim", "16",
-                 "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels"]) == 0
+                 "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels", "--matmul-size", "64"]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["dtype"] == "bf16" and first["ratio_to_gemm_floor"] > 0
 

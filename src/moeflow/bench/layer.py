@@ -46,6 +46,7 @@ class LayerBenchConfig:
     measure_kernels: bool = True
     device: str = "cpu"
     dtype: str = "fp32"  # bf16/fp16: the layer's parameters and tokens (the router stays fp32)
+    matmul_size: int = 2048  # the square matmul whose rate defines the floor
 
 
 # The two shapes of the targets: few large experts, many small ones.
@@ -55,7 +56,6 @@ TARGETS = {  # (experts, hidden) -> (max ratio to floor, min speedup over the re
     (64, 256): (1.6, 5.0),
 }
 MAX_ENCODE_DECODE_SHARE = 0.10
-MATMUL_SIZE = 2048  # the square matmul whose rate defines the floor
 GPU_TARGETS = {  # (experts, model, hidden, tokens, k) -> max ratio to the GEMM floor, bf16 on a GPU
     (8, 4096, 14336, 8192, 2): 1.3,  # Mixtral-like
     (64, 2048, 1408, 8192, 8): 1.6,  # Qwen-MoE-like
@@ -106,10 +106,11 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
         for kernel in KERNELS:
             fns[f"experts_{kernel}"] = _experts_step(layer, kernel, expert_tokens)
     fns["gemm_floor"] = _gemm_floor_step(layer, world_size * stats.capacity)
-    square_a, square_b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(device, dtype) for _ in range(2))
+    size = c.matmul_size
+    square_a, square_b = (torch.randn(size, size).to(device, dtype) for _ in range(2))
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
     medians = interleaved_medians(cuda_synced(fns, device), c.repeats, c.warmup, before_each=sync)
-    rate = 2 * MATMUL_SIZE**3 / medians["matmul"]
+    rate = 2 * size**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {
         "bench": "layer",

@@ -50,6 +50,8 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (one process; default cpu)")
     layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
+    layer.add_argument("--matmul-size", type=positive_int, default=2048,
+                       help="side of the square matmul that gives the FLOP floor's rate (default 2048)")
     layer.set_defaults(func=run_layer)
 
 
@@ -86,7 +88,7 @@ def run_layer(args: argparse.Namespace) -> int:
             tokens=args.tokens, model_dim=args.model_dim, hidden_dim=hidden, experts=experts,
             top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
-            device=str(device), dtype=args.dtype,
+            device=str(device), dtype=args.dtype, matmul_size=args.matmul_size,
         )
         if args.workers == 1:
             torch.set_num_threads(1)
