@@ -97,31 +97,18 @@ def test_sends_and_receives_on_the_comm_stream_experts_on_the_compute_stream_ord
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_the_pipeline_on_cuda_streams_equals_the_unpipelined_experts() -> None:
-    """A route that communicates through host copies on the communication stream (one GPU, no peer)."""
+    """A route that communicates through pinned host copies on the communication stream (one GPU, no peer)."""
+    from moeflow.bench.overlap import CopyRoute
     from moeflow.comm import ParallelGroups
     from moeflow.experts import FFNCompute, FFNWeights
     from moeflow.pipeline import pipelined_experts
-
-    @dataclass(frozen=True)
-    class HostRoundTrip:
-        groups: ParallelGroups
-        communicates: bool = True
-
-        def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-            return chunk_ECM.cpu().to(chunk_ECM.device)
-
-        def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-            return y_LXM.cpu().to(y_LXM.device)
-
-        def adjoint(self) -> HostRoundTrip:
-            return self
 
     torch.manual_seed(0)
     device = torch.device("cuda")
     weights = FFNWeights(*(torch.randn(shape, device=device, requires_grad=True) * 0.1 for shape in
                            ((4, 64, 96), (4, 96), (4, 96, 64), (4, 64))))
     buffer = torch.randn(4, 256, 64, device=device, requires_grad=True)
-    route = HostRoundTrip(ParallelGroups.single_process())
+    route = CopyRoute(ParallelGroups.single_process())
     outputs = []
     for degree in (1, 4):
         y = pipelined_experts(buffer, FFNCompute(), weights, route, degree)

@@ -484,3 +484,27 @@ def test_mixed_precision_trains_and_fp16_resumes_exactly(tmp_path: Path) -> None
     fp16 = losses(tmp_path / "fp16")
     assert losses(tmp_path / "fp16-resumed") == fp16 and fp16[12] < fp16[1] - 0.5
     assert all(r["loss_scale"] > 1 for r in iterate_records(tmp_path / "fp16"))
+
+
+@pytest.mark.parametrize("expert_sq_global", [float("inf"), 8.0])
+def test_fp16_overflow_on_another_rank_skips_the_step_on_this_one(expert_sq_global: float) -> None:
+    """Each rank's scaler sees only its own expert gradients: a non-finite global norm (another
+    rank overflowed) must make this rank skip the step and back the scale off too."""
+    from types import SimpleNamespace
+
+    from moeflow.training.trainer import unscale_gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    before = model.weight.detach().clone()
+    unscaled_sq = unscale_gradients(SimpleNamespace(model=model, optimizer=optimizer, scaler=scaler), expert_sq_global)
+    scaler.step(optimizer)
+    scaler.update()
+    if math.isfinite(expert_sq_global):
+        assert unscaled_sq == expert_sq_global / 16 and not torch.equal(model.weight, before)
+        assert scaler.get_scale() == 4.0
+    else:
+        assert torch.equal(model.weight, before) and scaler.get_scale() == 2.0

@@ -1,5 +1,5 @@
-"""``moeflow bench layer | kernels | alltoall | pipeline | schedules | parallel | skew | contention | train | generate |
-lina-inference``: each prints one JSON object per measurement and a summary line."""
+"""``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | contention |
+train | generate | lina-inference``: each prints one JSON object per measurement and a summary line."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from moeflow.config import DTYPE_NAMES
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
-    for add in (_add_layer, _add_kernels, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel, _add_skew,
-                _add_contention, _add_train, _add_generate, _add_lina_inference, _add_simulator, _add_papers):
+    for add in (_add_layer, _add_kernels, _add_overlap, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel,
+                _add_skew, _add_contention, _add_train, _add_generate, _add_lina_inference, _add_simulator,
+                _add_papers):
         add(benches)
 
 
@@ -156,6 +157,53 @@ def run_kernels(args: argparse.Namespace) -> int:
     if not on_gpu:
         torch.set_num_threads(1)
     records = measure_kernels(config)
+    for record in records:
+        print_json(record)
+    print_json(summarize(records))
+    return 0
+
+
+# -- overlap --------------------------------------------------------------------------------------
+
+
+def _add_overlap(benches: Any) -> None:
+    overlap = benches.add_parser(
+        "overlap", help="the pipeline's overlap of a simulated transfer with the expert chunks, on one device",
+        description="The pipelined experts' forward at each degree over a route that copies every chunk out and "
+        "back (on CUDA: a device-host round trip through pinned memory on the communication stream; on a CPU: a "
+        "copy on the communication thread), beside the experts alone and the copies alone: ratio_to_ideal is the "
+        "pipelined time over max(t_comp, t_copy).",
+    )
+    overlap.add_argument("--experts", type=positive_int, default=8, help="local experts (default 8)")
+    overlap.add_argument("--capacity", type=positive_int, default=1024, help="slots per expert (default 1024)")
+    overlap.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
+    overlap.add_argument("--hidden-dim", type=positive_int, default=2048, help="expert hidden size H (default 2048)")
+    overlap.add_argument("--degrees", default="1,2,4,8", help="pipeline degrees, comma-separated (default 1,2,4,8)")
+    overlap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    overlap.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="default fp32")
+    overlap.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    overlap.set_defaults(func=run_overlap)
+
+
+def run_overlap(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.bench import print_json
+    from moeflow.bench.overlap import OverlapBenchConfig, measure_overlap, summarize
+
+    device = _device(args.device, "bench overlap")
+    try:
+        degrees = tuple(int(d) for d in args.degrees.split(","))
+    except ValueError:
+        raise fail("bench overlap", f"--degrees must be comma-separated integers, got {args.degrees!r}") from None
+    if not degrees or min(degrees) < 1 or max(degrees) > args.capacity:
+        raise fail("bench overlap", f"--degrees must lie in 1..--capacity ({args.capacity}), got {args.degrees}")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the experts on one core, the copies on the communication thread
+    records = measure_overlap(OverlapBenchConfig(
+        experts=args.experts, capacity=args.capacity, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
+        degrees=degrees, device=str(device), dtype=args.dtype, repeats=args.repeats,
+    ))
     for record in records:
         print_json(record)
     print_json(summarize(records))
