@@ -15,7 +15,7 @@ what it needs and computes each gradient GEMM once.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -220,10 +220,20 @@ class FFNCompute:
         if inputs.grad_up_LCH is not None:
             assert weights.w3 is not None
             grad_w3 = grad_of(weights.w3, inputs.x_LCM, inputs.grad_up_LCH)
-        grad_b1 = inputs.grad_h_LCH.sum(dim=1) if weights.b1 is not None else None
+        return self.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_LCX: rows_LCX.sum(dim=1),
+                              inputs.grad_h_LCH, inputs.grad_y_LCM)
+
+    def all_grads(
+        self, weights: FFNWeights, grad_w1: torch.Tensor, grad_w2: torch.Tensor, grad_w3: torch.Tensor | None,
+        sum_per_expert: Callable[[torch.Tensor], torch.Tensor], grad_h: torch.Tensor, grad_y: torch.Tensor,
+    ) -> list[torch.Tensor | None]:
+        """[grad w1, b1, w2, b2, w3] from the weight gradients and the per-expert row sums of the
+        hidden and output gradients (the biases'), scaled by ``weight_grad_scale``; the padded and
+        ragged layouts differ only in how rows are summed per expert."""
+        grad_b1 = sum_per_expert(grad_h) if weights.b1 is not None else None
         grad_b2 = None
         if weights.b2 is not None:
-            grad_b2 = inputs.grad_y_LCM.sum(dim=1) if self.adds_output_bias else torch.zeros_like(weights.b2)
+            grad_b2 = sum_per_expert(grad_y) if self.adds_output_bias else torch.zeros_like(weights.b2)
         grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
         if self.weight_grad_scale != 1.0:
             for grad in grads:

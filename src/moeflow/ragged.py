@@ -163,14 +163,15 @@ class RaggedFFNCompute:
         rows = self._rows(width)
         index_N = rows.index_N.to(x_LCM.device)
         x_NM = x_LCM.reshape(-1, model).index_select(0, index_N)
+        expert_N = rows.expert_of_rows().to(x_LCM.device) if weights.b1 is not None or weights.b2 is not None else None
         h_NH = ragged_mm(x_NM, weights.w1, rows, self.backend)
         if weights.b1 is not None:
-            h_NH = h_NH + weights.b1[rows.expert_of_rows().to(x_LCM.device)]
+            h_NH = h_NH + weights.b1[expert_N]
         a_NH = activate(self.base.activation, h_NH, torch.empty_like(h_NH))
         up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows, self.backend)
         y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows, self.backend)
         if weights.b2 is not None and self.base.adds_output_bias:
-            y_NM = y_NM + weights.b2[rows.expert_of_rows().to(x_LCM.device)]
+            y_NM = y_NM + weights.b2[expert_N]
 
         def padded(values_NX: torch.Tensor) -> torch.Tensor:
             out = values_NX.new_zeros((experts, width, values_NX.shape[1]))
@@ -222,14 +223,5 @@ class RaggedFFNCompute:
         grad_w3 = None
         if inputs.grad_up_NH is not None:
             grad_w3 = ragged_weight_grad(inputs.x_NM, inputs.grad_up_NH, rows, self.backend)
-        grad_b1 = _per_expert_sum(inputs.grad_h_NH, rows) if weights.b1 is not None else None
-        grad_b2 = None
-        if weights.b2 is not None:
-            grad_b2 = _per_expert_sum(inputs.grad_y_NM, rows) if self.base.adds_output_bias else torch.zeros_like(
-                weights.b2)
-        grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
-        if self.base.weight_grad_scale != 1.0:
-            for grad in grads:
-                if grad is not None:
-                    grad.mul_(self.base.weight_grad_scale)
-        return grads
+        return self.base.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_NX: _per_expert_sum(rows_NX, rows),
+                                   inputs.grad_h_NH, inputs.grad_y_NM)
