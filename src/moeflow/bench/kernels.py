@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import cuda_synced, interleaved_medians
+from moeflow.bench.timing import device_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
 from moeflow.precision import DTYPES
@@ -42,12 +42,6 @@ class KernelBenchConfig:
     copy_mb: int = 256
     repeats: int = 5
     warmup: int = 1
-
-
-def _timed(fns: dict[str, Callable[[], object]], config: KernelBenchConfig) -> dict[str, float]:
-    device = torch.device(config.device)
-    before = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    return interleaved_medians(cuda_synced(fns, device), config.repeats, config.warmup, before_each=before)
 
 
 def _backends(device: torch.device) -> list[str]:
@@ -82,7 +76,8 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
     """One JSON record per measurement (peak, bandwidth, each kernel and backend)."""
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
     torch.manual_seed(0)
-    size, copy_elements = config.matmul_size, config.copy_mb * (1 << 20) // torch.finfo(dtype).bits * 8
+    size, element_bytes = config.matmul_size, torch.finfo(dtype).bits // 8
+    copy_elements = config.copy_mb * (1 << 20) // element_bytes
     square_a = torch.randn(size, size, device=device, dtype=dtype)
     square_b = torch.randn(size, size, device=device, dtype=dtype)
     source, target = torch.randn(copy_elements, device=device, dtype=dtype), torch.empty(copy_elements, device=device,
@@ -113,8 +108,8 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
     if grouped_op is not None:
         offsets = torch.cumsum(counts_E, 0).to(device=device, dtype=torch.int32)
         fns["grouped_gemm.torch_grouped_mm"] = lambda: grouped_op(packed_NM, w_EMH, offs=offsets)
-    medians = _timed(fns, config)
-    return _records(config, medians, plan, int(counts_E.sum()), torch.finfo(dtype).bits // 8)
+    medians = device_medians(fns, device, config.repeats, config.warmup)
+    return _records(config, medians, plan, int(counts_E.sum()), element_bytes)
 
 
 def _records(config: KernelBenchConfig, medians: dict[str, float], plan: Any, assignments: int,

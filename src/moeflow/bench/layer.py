@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import cuda_synced, interleaved_medians
+from moeflow.bench.timing import device_medians
+from moeflow.config import ffn_projections
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.kernels import resolve_backend
@@ -90,8 +91,6 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     def sync() -> None:
         if distributed:
             dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     fns: dict[str, Callable[[], object]] = {
         "moeflow": lambda: _forward_backward(layer, x, upstream),
@@ -109,7 +108,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     size = c.matmul_size
     square_a, square_b = (torch.randn(size, size).to(device, dtype) for _ in range(2))
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
-    medians = interleaved_medians(cuda_synced(fns, device), c.repeats, c.warmup, before_each=sync)
+    medians = device_medians(fns, device, c.repeats, c.warmup, before_each=sync)
     rate = 2 * size**3 / medians["matmul"]
     floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {
@@ -166,7 +165,7 @@ def _gemm_floor_step(layer: MoELayer, tokens_per_expert: int) -> Callable[[], No
     """The experts' GEMMs as plain batched matmuls (forward and backward, no routing, no kernel of
     moeflow's): the floor the issue measures the layer against."""
     w = layer.experts.w1
-    projections = 3 if layer.config.activation == "swiglu" else 2
+    projections = ffn_projections(layer.config.activation)
     shapes = [(w.shape[0], w.shape[1], w.shape[2])] * (projections - 1) + [(w.shape[0], w.shape[2], w.shape[1])]
     weights = [torch.randn(shape, device=w.device, dtype=w.dtype).mul_(0.02).requires_grad_() for shape in shapes]
     x = torch.randn(w.shape[0], tokens_per_expert, w.shape[1], device=w.device, dtype=w.dtype)

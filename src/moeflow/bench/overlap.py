@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import cuda_synced, interleaved_medians
+from moeflow.bench.timing import device_medians
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.perf.schedules import LOCAL
@@ -81,9 +81,8 @@ def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
         "copy": lambda: route.from_experts(route.to_experts(buffer), c.capacity),
         **{f"d{d}": lambda d=d: pipelined_experts(buffer, compute, weights, route, d) for d in c.degrees},
     }
-    before = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     with torch.no_grad():
-        medians = interleaved_medians(cuda_synced(fns, device), c.repeats, c.warmup, before_each=before)
+        medians = device_medians(fns, device, c.repeats, c.warmup)
     comp, copy = medians["comp"], medians["copy"]
     base = {"bench": "overlap", **asdict(c)}
     return [{**base, "degree": d, "pipelined_ms": medians[f"d{d}"] * 1e3, "comp_ms": comp * 1e3,

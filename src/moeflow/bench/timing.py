@@ -37,10 +37,14 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def cuda_synced(fns: dict[K, Callable[[], object]], device: torch.device) -> dict[K, Callable[[], object]]:
-    """On CUDA a sample must end when the device is done, not when the launches return."""
+def device_medians(
+    fns: dict[K, Callable[[], object]], device: torch.device, repeats: int, warmup: int = 1,
+    before_each: Callable[[], None] | None = None,
+) -> dict[K, float]:
+    """:func:`interleaved_medians` of work on ``device``: on CUDA each sample starts with the
+    device idle and ends when it is done, not when the launches return."""
     if device.type != "cuda":
-        return fns
+        return interleaved_medians(fns, repeats, warmup, before_each)
 
     def synced(fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
@@ -48,7 +52,12 @@ def cuda_synced(fns: dict[K, Callable[[], object]], device: torch.device) -> dic
             torch.cuda.synchronize(device)
         return run
 
-    return {name: synced(fn) for name, fn in fns.items()}
+    def before() -> None:
+        if before_each is not None:
+            before_each()
+        torch.cuda.synchronize(device)
+
+    return interleaved_medians({name: synced(fn) for name, fn in fns.items()}, repeats, warmup, before)
 
 
 def slowest_rank_seconds(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:

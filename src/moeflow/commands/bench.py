@@ -178,7 +178,8 @@ def _add_overlap(benches: Any) -> None:
     overlap.add_argument("--capacity", type=positive_int, default=1024, help="slots per expert (default 1024)")
     overlap.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
     overlap.add_argument("--hidden-dim", type=positive_int, default=2048, help="expert hidden size H (default 2048)")
-    overlap.add_argument("--degrees", default="1,2,4,8", help="pipeline degrees, comma-separated (default 1,2,4,8)")
+    overlap.add_argument("--degrees", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                         help="pipeline degrees (default 1 2 4 8)")
     overlap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     overlap.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="default fp32")
     overlap.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
@@ -192,11 +193,8 @@ def run_overlap(args: argparse.Namespace) -> int:
     from moeflow.bench.overlap import OverlapBenchConfig, measure_overlap, summarize
 
     device = _device(args.device, "bench overlap")
-    try:
-        degrees = tuple(int(d) for d in args.degrees.split(","))
-    except ValueError:
-        raise fail("bench overlap", f"--degrees must be comma-separated integers, got {args.degrees!r}") from None
-    if not degrees or min(degrees) < 1 or max(degrees) > args.capacity:
+    degrees = tuple(args.degrees)
+    if max(degrees) > args.capacity:
         raise fail("bench overlap", f"--degrees must lie in 1..--capacity ({args.capacity}), got {args.degrees}")
     if device.type == "cpu":
         torch.set_num_threads(1)  # the experts on one core, the copies on the communication thread
