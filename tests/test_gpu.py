@@ -7,6 +7,8 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.distributed import free_port
+from moeflow.experts import ExpertFFN
+from moeflow.ragged import RaggedFFNCompute
 from moeflow.reference import ReferenceMoE
 
 from equivalence import all_cases, check_cases
@@ -56,6 +58,33 @@ def test_equivalence_table_on_cuda(dtype: torch.dtype) -> None:
     cases = [case for case in all_cases() if case.dtype == dtype]
     count, failures = check_cases(0, 1, cases, device="cuda")
     assert count == len(cases) > 10 and not failures, "\n".join(failures[:40])
+
+
+@cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ragged_experts_never_stall_the_host(backend: str) -> None:
+    """A ragged chunk's forward, input gradient and weight gradients on CUDA queue their work without
+    one host sync (the row indices and the Triton grid are built on the host from the exchanged
+    counts, which live there): the pipeline's communication stream keeps the host free to issue."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    experts = ExpertFFN(4, 64, 96, "swiglu").cuda()
+    filled_LW = torch.tensor([[5, 0], [0, 0], [17, 3], [1, 8]])  # host counts, as the layer keeps them
+    compute = RaggedFFNCompute(experts.compute, filled_LW, backend=backend).chunk(0, 16)
+    x_LCM, grad_LCM = torch.randn(2, 4, 32, 64, device="cuda").unbind(0)
+    weights = experts.weights()
+    with torch.no_grad():  # as inside the experts' autograd function
+        compute.forward(x_LCM, weights)  # warm up: compile the kernels, grow the caching allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y_LCM, saved = compute.forward(x_LCM, weights)
+            grad_x_LCM, inputs = compute.backward_input(saved, grad_LCM, weights)
+            grads = compute.weight_grads(inputs, weights)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert y_LCM.shape == grad_x_LCM.shape == x_LCM.shape and grads[0].shape == weights.w1.shape
 
 
 @cuda

@@ -6,12 +6,18 @@ few. Here the filled slots are gathered into one packed (N, M) matrix ordered by
 runs as a grouped GEMM over the experts' rows (experts with no row are skipped: their weights are
 never read), and the rows are scattered back into the padded layout.
 
-Two backends compute the grouped GEMMs. ``torch``: one ``mm`` per expert that has rows (torch's
-CPU grouped GEMM, ``torch._grouped_mm``, also visits the empty ones); its backward is the padded
-one, the saved activations scattered into zero-filled padded buffers (an empty slot's gradient is
-zero, so the padded GEMMs give the same gradients; the simulator models this CPU path). ``triton``
-(:mod:`moeflow.kernels.triton_gemm`): one launch per GEMM, and a backward that is ragged as well,
-so the dropless path never multiplies padding in either direction.
+Two backends compute the grouped GEMMs. ``torch``: on CPU torch's own grouped GEMM
+(``torch._grouped_mm``: bit-identical to a loop of ``mm`` here, skips empty experts' weights as
+the loop does, and was never slower on the CPUs measured: 1.01-1.28x), elsewhere one ``mm`` per
+expert that has rows; its backward is the
+padded one, the saved activations scattered into zero-filled padded buffers (an empty slot's
+gradient is zero, so the padded GEMMs give the same gradients; the simulator models this CPU path).
+``triton`` (:mod:`moeflow.kernels.triton_gemm`): one launch per GEMM, and a backward that is ragged
+as well, so the dropless path never multiplies padding in either direction.
+
+The row indices are built on the host from the exchanged counts (host tensors) and sent to the
+device without waiting for its queue (``non_blocking``: a copy from pageable host memory is staged
+at once), so a chunk on CUDA never stalls the host.
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ class FilledRows:
         """The local expert of every packed row (to add per-expert biases)."""
         return torch.repeat_interleave(torch.arange(self.counts_L.numel(), device=self.counts_L.device), self.counts_L)
 
+    def offsets(self) -> torch.Tensor:
+        """Where each expert's rows end (``torch._grouped_mm``'s ``offs``)."""
+        return torch.cumsum(self.counts_L, 0).to(torch.int32)
+
     @staticmethod
     def of(filled_LW: torch.Tensor, start: int, stop: int) -> FilledRows:
         slots = stop - start
@@ -57,12 +67,47 @@ class FilledRows:
         return FilledRows(index_N, counts_L, [e for e, _ in filled], [c for _, c in filled])
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy is staged at once)."""
+    return host.to(device, non_blocking=True)
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
+
+
+def _grouped_mm_layout(tensor: torch.Tensor) -> bool:
+    """``torch._grouped_mm``'s layout rule: of the last two strides one is 1, the other spans a
+    multiple of 16 bytes (an fp32 model dimension of 6 does not)."""
+    rows, cols = tensor.stride()[-2:]
+    step = 16 // tensor.element_size()
+    return (cols == 1 and rows % step == 0) or (rows == 1 and cols % step == 0)
+
+
+def torch_grouped_mm_runs(*operands: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` computes this product: on CPU only (measured there; on CUDA
+    the Triton kernel is the choice), in the dtypes and layouts it takes. Like the loop's
+    ``mm(out=)`` it is not differentiated: the ragged GEMMs run inside the experts' own autograd
+    function."""
+    takes = all(
+        operand.device.type == "cpu" and operand.dtype in GROUPED_MM_DTYPES and _grouped_mm_layout(operand)
+        for operand in operands
+    )
+    return hasattr(torch, "_grouped_mm") and takes
+
+
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend: str = "torch") -> torch.Tensor:
     """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
     if backend == "triton":
         from moeflow.kernels.triton_gemm import grouped_mm
 
         return grouped_mm(a_NK, b_LKJ, rows.counts_L)
+    if torch_grouped_mm_runs(a_NK, b_LKJ):
+        return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets())
+    return looped_mm(a_NK, b_LKJ, rows)
+
+
+def looped_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
+    """:func:`ragged_mm` as one ``mm`` per expert that has rows (any device, any torch)."""
     out = a_NK.new_empty((a_NK.shape[0], b_LKJ.shape[2]))
     for expert, a, y in zip(rows.experts, a_NK.split(rows.counts), out.split(rows.counts), strict=True):
         torch.mm(a, b_LKJ[expert], out=y)  # index only the experts with rows (unbind makes all L views)
@@ -77,6 +122,8 @@ def ragged_weight_grad(
         from moeflow.kernels.triton_gemm import grouped_weight_grad
 
         return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
+    if torch_grouped_mm_runs(a_NK.t(), g_NJ):
+        return torch._grouped_mm(a_NK.t(), g_NJ, offs=rows.offsets())
     out = a_NK.new_zeros((rows.counts_L.numel(), a_NK.shape[1], g_NJ.shape[1]))
     for expert, a, g in zip(rows.experts, a_NK.split(rows.counts), g_NJ.split(rows.counts), strict=True):
         torch.mm(a.t(), g, out=out[expert])
@@ -85,7 +132,7 @@ def ragged_weight_grad(
 
 def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
     out = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[1]))
-    return out.index_add_(0, rows.expert_of_rows().to(values_NX.device), values_NX)
+    return out.index_add_(0, to_device(rows.expert_of_rows(), values_NX.device), values_NX)
 
 
 @dataclass(frozen=True)
@@ -121,7 +168,9 @@ class RaggedWeightGradInputs:
 
         def cat(name: str) -> torch.Tensor | None:
             tensors = [getattr(part, name) for part in parts]
-            return None if tensors[0] is None else torch.cat(tensors).index_select(0, order.to(tensors[0].device))
+            if tensors[0] is None:
+                return None
+            return torch.cat(tensors).index_select(0, to_device(order, tensors[0].device))
 
         return RaggedWeightGradInputs(
             expert_N[order], *(cat(name) for name in ("x_NM", "hidden_NH", "grad_y_NM", "grad_h_NH", "grad_up_NH")),
@@ -161,9 +210,10 @@ class RaggedFFNCompute:
     ) -> tuple[torch.Tensor, FFNSaved | RaggedSaved]:
         experts, width, model = x_LCM.shape
         rows = self._rows(width)
-        index_N = rows.index_N.to(x_LCM.device)
+        index_N = to_device(rows.index_N, x_LCM.device)
         x_NM = x_LCM.reshape(-1, model).index_select(0, index_N)
-        expert_N = rows.expert_of_rows().to(x_LCM.device) if weights.b1 is not None or weights.b2 is not None else None
+        has_bias = weights.b1 is not None or weights.b2 is not None
+        expert_N = to_device(rows.expert_of_rows(), x_LCM.device) if has_bias else None
         h_NH = ragged_mm(x_NM, weights.w1, rows, self.backend)
         if weights.b1 is not None:
             h_NH = h_NH + weights.b1[expert_N]
@@ -192,7 +242,7 @@ class RaggedFFNCompute:
         if not isinstance(saved, RaggedSaved):
             return self.base.backward_input(saved, grad_y_LCM, weights, workspace)
         rows = saved.rows
-        index_N = rows.index_N.to(grad_y_LCM.device)
+        index_N = to_device(rows.index_N, grad_y_LCM.device)
         grad_y_NM = grad_y_LCM.reshape(-1, grad_y_LCM.shape[-1]).index_select(0, index_N)
         hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * saved.up_NH
         grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, self.backend)

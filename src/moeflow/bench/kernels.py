@@ -3,8 +3,9 @@
 In one run, side by side (round-robin, medians): a large matmul in the benchmark's dtype (the
 device's measured compute peak) and a large copy (its measured memory bandwidth); then for each
 kernel backend, encode and decode forward (GB/s: the rows they read and write) and the grouped
-GEMM of the local experts on ragged per-expert row counts (TFLOP/s), with torch's own grouped GEMM
-(``torch._grouped_mm``) beside them where this torch has one for the device and dtype. Each figure
+GEMM of the local experts on ragged per-expert row counts (TFLOP/s), with a plain loop of ``mm``
+over the experts (``loop``) and torch's own grouped GEMM (``torch._grouped_mm``) beside them where
+this torch has one for the device and dtype: the torch backend takes the faster. Each figure
 is also given as a share of the measured peak. CUDA timings synchronize before and after each
 sample. On a CPU the Triton kernels run only under the interpreter, so they are timed only on CUDA.
 """
@@ -22,7 +23,7 @@ from moeflow.bench.timing import device_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
 from moeflow.precision import DTYPES
-from moeflow.ragged import FilledRows, ragged_mm
+from moeflow.ragged import FilledRows, looped_mm, ragged_mm
 from moeflow.routing import assign_slots, expert_capacity
 from moeflow.workspace import Workspace
 
@@ -104,6 +105,7 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
         fns[f"decode.{backend}"] = lambda backend=backend, buffer=buffer: decode(buffer, weights_TK, plan,
                                                                                  backend=backend)
         fns[f"grouped_gemm.{backend}"] = lambda backend=backend: ragged_mm(packed_NM, w_EMH, rows, backend)
+    fns["grouped_gemm.loop"] = lambda: looped_mm(packed_NM, w_EMH, rows)
     grouped_op = _grouped_mm_op(device, dtype)
     if grouped_op is not None:
         offsets = torch.cumsum(counts_E, 0).to(device=device, dtype=torch.int32)

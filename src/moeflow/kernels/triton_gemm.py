@@ -80,29 +80,39 @@ def _widen(kernel: object, dtype: torch.dtype) -> bool:
     return isinstance(kernel, InterpretedFunction) and dtype == torch.bfloat16
 
 
-def _bounds(counts_L: torch.Tensor) -> torch.Tensor:
+def _host_bounds(counts_L: torch.Tensor) -> torch.Tensor:
+    """Where each expert's rows begin and end, on the host: the grid's size is read from the counts,
+    which the layer keeps on the host (on the device, reading it would stall the host per GEMM)."""
+    counts_L = counts_L.to("cpu", torch.int64)
     return torch.cat([counts_L.new_zeros(1), torch.cumsum(counts_L, 0)])
+
+
+def _row_tiles(counts_L: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row tile's expert and first row, and each expert's end row: built on the host, sent in
+    one copy that does not wait for the device (a pageable host-to-device copy is staged at once)."""
+    bounds = _host_bounds(counts_L)
+    tiles_L = -(-bounds.diff() // ROWS_BLOCK)
+    tiles = int(tiles_L.sum())
+    tile_expert = torch.repeat_interleave(torch.arange(tiles_L.numel()), tiles_L, output_size=tiles)
+    first_tile_L = torch.cumsum(tiles_L, 0) - tiles_L
+    tile_row = bounds[tile_expert] + (torch.arange(tiles) - first_tile_L[tile_expert]) * ROWS_BLOCK
+    tables = torch.cat([tile_expert, tile_row, bounds[1:]]).to(device, non_blocking=True)
+    return tables[:tiles], tables[tiles : 2 * tiles], tables[2 * tiles :]
 
 
 def grouped_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
     """(N, J): rows of expert l times ``b_LKJ[l]`` (any strides: a transposed view is not copied)."""
     rows, inner = a_NK.shape
-    experts, _, cols = b_LKJ.shape
+    cols = b_LKJ.shape[2]
     out = a_NK.new_empty((rows, cols))
     if rows == 0 or cols == 0:
         return out
-    counts_L = counts_L.to(device=a_NK.device, dtype=torch.int64)
-    bounds = _bounds(counts_L)
-    tiles_L = -(-counts_L // ROWS_BLOCK)
-    tile_expert = torch.repeat_interleave(torch.arange(experts, device=a_NK.device), tiles_L)
-    first_tile_L = torch.cumsum(tiles_L, 0) - tiles_L
-    tile_row = bounds[tile_expert] + (torch.arange(tile_expert.numel(), device=a_NK.device)
-                                      - first_tile_L[tile_expert]) * ROWS_BLOCK
     if inner == 0:
         return out.zero_()
+    tile_expert, tile_row, expert_end = _row_tiles(counts_L, a_NK.device)
     a_NK = a_NK.contiguous()
     _grouped_mm_kernel[(tile_expert.numel(), triton.cdiv(cols, COLUMNS_BLOCK))](
-        a_NK, b_LKJ, out, tile_expert, tile_row, bounds[1:], inner, cols, a_NK.stride(0), *b_LKJ.stride(),
+        a_NK, b_LKJ, out, tile_expert, tile_row, expert_end, inner, cols, a_NK.stride(0), *b_LKJ.stride(),
         out.stride(0), PRECISION=_precision(a_NK.dtype), WIDEN=_widen(_grouped_mm_kernel, a_NK.dtype),
         BM=ROWS_BLOCK, BN=COLUMNS_BLOCK, BK=INNER_BLOCK,
     )
@@ -116,7 +126,7 @@ def grouped_weight_grad(a_NK: torch.Tensor, g_NJ: torch.Tensor, counts_L: torch.
     if out.numel() == 0:
         return out
     a_NK, g_NJ = a_NK.contiguous(), g_NJ.contiguous()
-    bounds = _bounds(counts_L.to(device=a_NK.device, dtype=torch.int64))
+    bounds = _host_bounds(counts_L).to(a_NK.device, non_blocking=True)
     _grouped_weight_grad_kernel[(experts, triton.cdiv(inner, COLUMNS_BLOCK), triton.cdiv(cols, COLUMNS_BLOCK))](
         a_NK, g_NJ, out, bounds, inner, cols, a_NK.stride(0), g_NJ.stride(0), PRECISION=_precision(a_NK.dtype),
         WIDEN=_widen(_grouped_weight_grad_kernel, a_NK.dtype), BR=INNER_BLOCK, BK=COLUMNS_BLOCK, BJ=COLUMNS_BLOCK,
