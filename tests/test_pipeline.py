@@ -27,6 +27,7 @@ from moeflow.perf.pipeline import (
     theorem1_for_shape,
 )
 from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
+from moeflow.stats import PipelineTiming, region_clock
 
 # -- chunking and the model ---------------------------------------------------------------------
 
@@ -188,6 +189,26 @@ def _pipeline_vs_degree_one(rank: int, world: int, per_node: int | None) -> list
                 except AssertionError as error:
                     failures.append(f"rank {rank} {dtype} {key} tensor {index}: {str(error).splitlines()[-1]}")
     return failures
+
+
+def test_a_planner_trial_on_cuda_waits_for_the_device_at_the_region_bounds_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A synced timing (a planner trial on CUDA) waits for its device when the pipelined region
+    starts and ends, forward and backward, and never per chunk (that would undo the overlap it
+    measures); an ordinary timing never waits. CUDA's wait is recorded, so this runs on CPU."""
+    waited: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    experts = ExpertFFN(2, 6, 10, "gelu")
+    x = torch.randn(2, 8, 6, requires_grad=True)
+    route = ExpertExchange(None, "linear", 2)
+    synced = PipelineTiming(synced_device="cuda:0")
+    pipelined_experts(x, experts.compute, experts.weights(), route, 4, synced).sum().backward()
+    assert waited == ["cuda:0"] * 4 and synced.forward_s > 0 and synced.backward_s > 0
+    plain = PipelineTiming()
+    pipelined_experts(x, experts.compute, experts.weights(), route, 4, plain).sum().backward()
+    region_clock(None)
+    assert len(waited) == 4 and plain.forward_s > 0 and plain.synced_device is None
 
 
 def test_every_degree_equals_degree_one_in_one_process() -> None:

@@ -335,6 +335,8 @@ class MoELayer(nn.Module):
                          load.needed_capacity),
             backward=torch.is_grad_enabled(), r=r,
         )
+        if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
+            timing.synced_device = str(x_TM.device)
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
         share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
         owned = share.own(x_TM, choice.weights_TK, choice.expert_idx_TK, location_TK, capacity)

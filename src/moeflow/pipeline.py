@@ -228,7 +228,7 @@ class _PipelinedExperts(torch.autograd.Function):
         timing: PipelineTiming, compute: ExpertCompute, workspace: Workspace | None, for_backward: bool,
         *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
-        start = time.perf_counter()
+        start = timing.now()
         weights = FFNWeights(*weight_tensors)
         saved: list[FFNSaved | None] = [None] * len(chunks)
 
@@ -244,13 +244,13 @@ class _PipelinedExperts(torch.autograd.Function):
         ctx.save_for_backward(*weight_tensors)
         ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks, ctx.compute = route, chunks, timing, saved, compute
         ctx.workspace = workspace
-        timing.forward_s = time.perf_counter() - start
+        timing.forward_s = timing.now() - start
         return out_ECM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
-        start = time.perf_counter()
+        start = ctx.timing.now()
         weights = FFNWeights(*ctx.saved_tensors)
         compute: ExpertCompute = ctx.compute
         workspace: Workspace | None = ctx.workspace
@@ -281,7 +281,7 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route.adjoint(),
             after_compute=weight_gradients, workspace=workspace,
         )
-        ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+        ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + ctx.timing.now() - start
         return grad_buffer_ECM, None, None, None, None, None, None, *totals
 
 

@@ -5,6 +5,7 @@ Dropped tokens are never silent: every forward fills a :class:`RoutingStats`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,13 +17,27 @@ class PipelineTiming:
     fields hold the part of each spent computing the experts on the caller's thread; the rest is
     communication the pipeline did not hide. ``gather_s`` is the collectives a schedule runs outside
     the pipeline in the forward (Tutel's weight all-gathers, Parm S1's token all-gather); their
-    backward counterparts (reduce-scatters, the split's all-gather) count in ``backward_s``."""
+    backward counterparts (reduce-scatters, the split's all-gather) count in ``backward_s``.
+
+    On CUDA the host only queues the work. A planner trial sets ``synced_device``: the region's
+    bounds (:meth:`now`) then wait for that device, so the trial compares device time, not the
+    time to queue it. The ``expert_*`` fields stay host time there (waiting per chunk would undo
+    the overlap being measured)."""
 
     forward_s: float | None = None
     backward_s: float | None = None
     expert_forward_s: float = 0.0
     expert_backward_s: float = 0.0
     gather_s: float = 0.0
+    synced_device: str | None = None
+
+    def now(self) -> float:
+        """The clock of a region's bounds (after the device's queued work, on a synced trial)."""
+        if self.synced_device is not None:
+            import torch  # only here: the planner and perf modules import this one with numpy alone
+
+            torch.cuda.synchronize(self.synced_device)
+        return time.perf_counter()
 
     @property
     def total_s(self) -> float:
@@ -31,6 +46,11 @@ class PipelineTiming:
     @property
     def expert_total_s(self) -> float:
         return self.expert_forward_s + self.expert_backward_s
+
+
+def region_clock(timing: PipelineTiming | None) -> float:
+    """``timing.now()``, or the host clock where no timing is kept."""
+    return time.perf_counter() if timing is None else timing.now()
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,12 @@ every member's rows without communicating; a short last member is padded for the
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_rank, group_size
-from moeflow.stats import PipelineTiming
+from moeflow.stats import PipelineTiming, region_clock
 
 
 def member_rows(num_rows: int, members: int, member: int) -> tuple[int, int]:
@@ -51,10 +49,10 @@ class _SplitRows(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_rows: torch.Tensor):  # type: ignore[override]
-        start = time.perf_counter()
+        start = region_clock(ctx.timing)
         grad = _all_gather_rows(grad_rows.contiguous(), ctx.num_rows, ctx.group)
         if ctx.timing is not None:  # the layer's backward includes this all-gather
-            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + region_clock(ctx.timing) - start
         return grad, None, None
 
 

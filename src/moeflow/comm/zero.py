@@ -8,14 +8,12 @@ expert parallelism gets by sending the tokens instead of the weights.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_size
-from moeflow.stats import PipelineTiming
+from moeflow.stats import PipelineTiming, region_clock
 
 
 class _GatherShards(torch.autograd.Function):
@@ -32,12 +30,12 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_full: torch.Tensor):  # type: ignore[override]
-        start = time.perf_counter()
+        start = region_clock(ctx.timing)
         world = group_size(ctx.group)
         grad_shard = grad_full.new_empty((grad_full.shape[0] // world, *grad_full.shape[1:]))
         dist.reduce_scatter_single(grad_shard, grad_full.contiguous(), group=ctx.group)
         if ctx.timing is not None:  # the layer's backward includes its gradient reduce-scatter
-            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+            ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + region_clock(ctx.timing) - start
         return grad_shard, None, None
 
 

@@ -22,7 +22,6 @@ placement's rule); under a gather, the block that holds hidden 0 takes it from i
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
 from moeflow.pipeline import ExpertExchange, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
-from moeflow.stats import PipelineTiming
+from moeflow.stats import PipelineTiming, region_clock
 from moeflow.workspace import Workspace
 
 
@@ -70,12 +69,12 @@ def gather_weights(
         model_dim, width = gathered.shape[1], gathered.shape[2]  # w1, w3 (N, M, Hs)
         return gathered.view(blocks, parts, model_dim, width).transpose(1, 2).reshape(blocks, model_dim, parts * width)
 
-    start = time.perf_counter()
+    start = region_clock(timing)
     joined = FFNWeights(
         join(weights.w1, 2), join(weights.b1, 1), join(weights.w2, 1), join(weights.b2, None), join(weights.w3, 2)
     )
     if timing is not None:
-        timing.gather_s += time.perf_counter() - start
+        timing.gather_s += region_clock(timing) - start
     return joined
 
 

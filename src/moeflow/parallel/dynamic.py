@@ -102,7 +102,7 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
     """Send each row to the rank that computes it, run each local expert on its rows, send back."""
     if torch.is_grad_enabled():
         raise RuntimeError("a per-batch expert placement is an inference schedule: run the model under torch.no_grad()")
-    start = time.perf_counter()
+    start = timing.now()
     num_experts, capacity, model_dim = dispatched_ECM.shape
     routes = experts.routes
     flat = dispatched_ECM.reshape(-1, model_dim)
@@ -121,7 +121,7 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
     timing.expert_forward_s += time.perf_counter() - expert_start
     returned = _exchange(computed, groups, routes.send_splits, routes.recv_splits)
     combined = flat.new_zeros(num_experts * capacity, model_dim).index_copy_(0, routes.send_rows, returned)
-    timing.forward_s = time.perf_counter() - start
+    timing.forward_s = timing.now() - start
     return combined.view(num_experts, capacity, model_dim)
 
 

@@ -115,7 +115,7 @@ class _SmartExperts(torch.autograd.Function):
         ctx: FunctionCtx, buffer_ECM: torch.Tensor, steps: SmartSteps, computes: list[ExpertCompute],
         timing: PipelineTiming, workspace: Workspace | None, for_backward: bool, *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
-        start = time.perf_counter()
+        start = timing.now()
         weights = FFNWeights(*weight_tensors)
         saved: list[FFNSaved | None] = [None] * steps.count
 
@@ -129,13 +129,13 @@ class _SmartExperts(torch.autograd.Function):
         ctx.save_for_backward(*weight_tensors)
         ctx.steps, ctx.computes, ctx.timing, ctx.workspace = steps, computes, timing, workspace
         ctx.saved_steps = saved if for_backward else []
-        timing.forward_s = time.perf_counter() - start
+        timing.forward_s = timing.now() - start
         return out_ECM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
-        start = time.perf_counter()
+        start = ctx.timing.now()
         weights = FFNWeights(*ctx.saved_tensors)
         computes: list[ExpertCompute] = ctx.computes
         saved: list[FFNSaved | None] = ctx.saved_steps
@@ -160,7 +160,7 @@ class _SmartExperts(torch.autograd.Function):
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
         grad_buffer_ECM = run_steps(grad_out_ECM.contiguous(), ctx.steps, expert_backward, weight_gradients)
-        ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + time.perf_counter() - start
+        ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + ctx.timing.now() - start
         return grad_buffer_ECM, None, None, None, None, None, *totals
 
 

@@ -14,7 +14,6 @@ carry about 1/N_MP of the slots each.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,7 +109,7 @@ class MPTokenShare:
         self, x_TM: torch.Tensor, weights_TK: torch.Tensor, expert_idx_TK: torch.Tensor,
         location_TK: torch.Tensor, capacity: int,
     ) -> OwnedTokens:
-        began = time.perf_counter()
+        began = self.timing.now()
         members, member = group_size(self.group), group_rank(self.group)
         start, stop = member_rows(x_TM.shape[0], members, member)
         packed_TK, own_capacity = packed_locations(
@@ -120,7 +119,7 @@ class MPTokenShare:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.expert_group)
         packed_capacity = int(agreed)
         packed_TK = packed_TK.masked_fill(packed_TK >= own_capacity, packed_capacity)  # dropped stay dropped
-        self.timing.gather_s += time.perf_counter() - began
+        self.timing.gather_s += self.timing.now() - began
         # the split's backward all-gathers the members' row gradients: x and the combine weights
         # get the whole gradient on every member, as replicated tensors must
         return OwnedTokens(
@@ -129,7 +128,7 @@ class MPTokenShare:
         )
 
     def output(self, y_TM: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        began = time.perf_counter()
+        began = self.timing.now()
         y_TM = gather_rows(y_TM, num_tokens, self.group)
-        self.timing.gather_s += time.perf_counter() - began
+        self.timing.gather_s += self.timing.now() - began
         return y_TM
