@@ -75,7 +75,9 @@ def test_ragged_experts_never_stall_the_host(backend: str) -> None:
     x_LCM, grad_LCM = torch.randn(2, 4, 32, 64, device="cuda").unbind(0)
     weights = experts.weights()
     with torch.no_grad():  # as inside the experts' autograd function
-        compute.forward(x_LCM, weights)  # warm up: compile the kernels, grow the caching allocator
+        # warm up: compile every kernel, grow the caching allocator
+        warm_saved = compute.forward(x_LCM, weights)[1]
+        compute.weight_grads(compute.backward_input(warm_saved, grad_LCM, weights)[1], weights)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -6,18 +6,18 @@ few. Here the filled slots are gathered into one packed (N, M) matrix ordered by
 runs as a grouped GEMM over the experts' rows (experts with no row are skipped: their weights are
 never read), and the rows are scattered back into the padded layout.
 
-Two backends compute the grouped GEMMs. ``torch``: on CPU torch's own grouped GEMM
-(``torch._grouped_mm``: bit-identical to a loop of ``mm`` here, skips empty experts' weights as
-the loop does, and was never slower on the CPUs measured: 1.01-1.28x), elsewhere one ``mm`` per
+Two backends compute the grouped GEMMs. ``torch``: in the forward, on CPU, torch's own grouped
+GEMM (``torch._grouped_mm``: bit-identical to a loop of ``mm`` here, skips empty experts' weights
+as the loop does, and was never slower on the CPUs measured: 1.01-1.28x), elsewhere one ``mm`` per
 expert that has rows; its backward is the
 padded one, the saved activations scattered into zero-filled padded buffers (an empty slot's
 gradient is zero, so the padded GEMMs give the same gradients; the simulator models this CPU path).
 ``triton`` (:mod:`moeflow.kernels.triton_gemm`): one launch per GEMM, and a backward that is ragged
 as well, so the dropless path never multiplies padding in either direction.
 
-The row indices are built on the host from the exchanged counts (host tensors) and sent to the
-device without waiting for its queue (``non_blocking``: a copy from pageable host memory is staged
-at once), so a chunk on CUDA never stalls the host.
+The row indices are built on the host from the exchanged counts (host tensors) and sent with
+``non_blocking``, so torch does not synchronize the stream after the copy: a chunk on CUDA issues no
+host sync of torch's (the driver stages a small pageable copy, and may wait while it does).
 """
 
 from __future__ import annotations
@@ -68,31 +68,40 @@ class FilledRows:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host sync (a pageable host-to-device copy is staged at once)."""
+    """A host tensor on ``device`` with no stream sync after the copy (safe host-to-device: the
+    driver has staged the pageable source when the call returns)."""
     return host.to(device, non_blocking=True)
 
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
 
 
+GROUPED_MM_CPU_SINCE = (2, 9)  # torch 2.8 has the op but no CPU kernel
+
+
 def _grouped_mm_layout(tensor: torch.Tensor) -> bool:
-    """``torch._grouped_mm``'s layout rule: of the last two strides one is 1, the other spans a
-    multiple of 16 bytes (an fp32 model dimension of 6 does not)."""
-    rows, cols = tensor.stride()[-2:]
+    """What ``torch._grouped_mm`` asks of an operand (a conservative reading of its checks): of the
+    last two strides one is 1, the other spans the dimension and a multiple of 16 bytes (an fp32
+    model dimension of 6 does not), and the data starts on 16 bytes."""
+    (rows, cols), (row_stride, col_stride) = tensor.shape[-2:], tensor.stride()[-2:]
     step = 16 // tensor.element_size()
-    return (cols == 1 and rows % step == 0) or (rows == 1 and cols % step == 0)
+    row_major = col_stride == 1 and row_stride % step == 0 and row_stride >= max(1, cols)
+    col_major = row_stride == 1 and col_stride % step == 0 and col_stride >= max(1, rows)
+    return (row_major or col_major) and tensor.data_ptr() % 16 == 0
 
 
-def torch_grouped_mm_runs(*operands: torch.Tensor) -> bool:
+def torch_grouped_mm_runs(a_NK: torch.Tensor, b_LKJ: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` computes this product: on CPU only (measured there; on CUDA
-    the Triton kernel is the choice), in the dtypes and layouts it takes. Like the loop's
-    ``mm(out=)`` it is not differentiated: the ragged GEMMs run inside the experts' own autograd
-    function."""
-    takes = all(
+    the Triton kernel is the choice), on a torch with its CPU kernel, in the dtypes and layouts it
+    takes, with rows of the output that span 16 bytes (so it is contiguous, like the loop's). Like
+    the loop's ``mm(out=)`` it is not differentiated: it runs inside the experts' autograd function."""
+    on_cpu = all(
         operand.device.type == "cpu" and operand.dtype in GROUPED_MM_DTYPES and _grouped_mm_layout(operand)
-        for operand in operands
+        for operand in (a_NK, b_LKJ)
     )
-    return hasattr(torch, "_grouped_mm") and takes
+    aligned_output = b_LKJ.shape[-1] % (16 // b_LKJ.element_size()) == 0
+    recent = torch.torch_version.TorchVersion(torch.__version__) >= GROUPED_MM_CPU_SINCE
+    return on_cpu and aligned_output and recent and hasattr(torch, "_grouped_mm")
 
 
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend: str = "torch") -> torch.Tensor:
@@ -122,8 +131,6 @@ def ragged_weight_grad(
         from moeflow.kernels.triton_gemm import grouped_weight_grad
 
         return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
-    if torch_grouped_mm_runs(a_NK.t(), g_NJ):
-        return torch._grouped_mm(a_NK.t(), g_NJ, offs=rows.offsets())
     out = a_NK.new_zeros((rows.counts_L.numel(), a_NK.shape[1], g_NJ.shape[1]))
     for expert, a, g in zip(rows.experts, a_NK.split(rows.counts), g_NJ.split(rows.counts), strict=True):
         torch.mm(a.t(), g, out=out[expert])

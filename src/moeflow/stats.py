@@ -19,10 +19,10 @@ class PipelineTiming:
     the pipeline in the forward (Tutel's weight all-gathers, Parm S1's token all-gather); their
     backward counterparts (reduce-scatters, the split's all-gather) count in ``backward_s``.
 
-    On CUDA the host only queues the work. A planner trial sets ``synced_device``: the region's
-    bounds (:meth:`now`) then wait for that device, so the trial compares device time, not the
-    time to queue it. The ``expert_*`` fields stay host time there (waiting per chunk would undo
-    the overlap being measured)."""
+    On CUDA the host only queues the work. For a planner trial the layer sets ``synced_device``:
+    the region's bounds (:meth:`now`) then wait for that device, so the trial compares device time,
+    not the time to queue it. The ``expert_*`` fields stay host time there (waiting per chunk would
+    undo the overlap being measured)."""
 
     forward_s: float | None = None
     backward_s: float | None = None

@@ -5,7 +5,8 @@ device's measured compute peak) and a large copy (its measured memory bandwidth)
 kernel backend, encode and decode forward (GB/s: the rows they read and write) and the grouped
 GEMM of the local experts on ragged per-expert row counts (TFLOP/s), with a plain loop of ``mm``
 over the experts (``loop``) and torch's own grouped GEMM (``torch._grouped_mm``) beside them where
-this torch has one for the device and dtype: the torch backend takes the faster. Each figure
+this torch has one for the device and dtype (the torch backend runs it on CPU, measured no slower
+there, and the loop elsewhere). Each figure
 is also given as a share of the measured peak. CUDA timings synchronize before and after each
 sample. On a CPU the Triton kernels run only under the interpreter, so they are timed only on CUDA.
 """
