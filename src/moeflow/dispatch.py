@@ -41,6 +41,10 @@ class DispatchPlan:
     def num_slots(self) -> int:
         return self.num_experts * self.capacity
 
+    def per_slot(self, weight_N: torch.Tensor) -> torch.Tensor:
+        """(S,): each slot's gate weight, 0 for an empty slot (decode's backward scales by it)."""
+        return weight_N.new_zeros(self.num_slots).index_copy_(0, self.slot_idx_N, weight_N)
+
 
 def make_dispatch_plan(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int
@@ -141,8 +145,7 @@ class _FastDecode(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weight_S = _row_dots(grad_per_slot_SM, buffer_SM)
             grad_weight = grad_weight_S.index_select(0, plan.slot_idx_N)
-        slot_weight_S = weight_N.new_zeros(plan.num_slots).index_copy_(0, plan.slot_idx_N, weight_N)
-        grad_buffer = grad_per_slot_SM.mul_(slot_weight_S.unsqueeze(1))  # empty slots: weight 0
+        grad_buffer = grad_per_slot_SM.mul_(plan.per_slot(weight_N).unsqueeze(1))  # empty slots: weight 0
         return grad_buffer, grad_weight, None, None
 
 

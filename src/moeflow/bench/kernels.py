@@ -33,16 +33,18 @@ ENCODE_DECODE_TARGET = 0.70  # of the measured memory bandwidth, for large token
 
 @dataclass(frozen=True)
 class KernelBenchConfig:
-    tokens: int = 16384
-    model_dim: int = 1024
-    hidden_dim: int = 1408
-    experts: int = 64
-    top_k: int = 8
-    device: str = "cpu"
-    dtype: str = "fp32"
-    matmul_size: int = 2048
-    copy_mb: int = 256
-    repeats: int = 5
+    """What one run measures; the defaults are the command line's (``moeflow bench kernels``)."""
+
+    tokens: int
+    model_dim: int
+    hidden_dim: int
+    experts: int
+    top_k: int
+    device: str
+    dtype: str
+    matmul_size: int
+    copy_mb: int
+    repeats: int
     warmup: int = 1
 
 

@@ -53,14 +53,16 @@ class CopyRoute:
 
 @dataclass(frozen=True)
 class OverlapBenchConfig:
-    experts: int = 8
-    capacity: int = 1024
-    model_dim: int = 1024
-    hidden_dim: int = 2048
-    degrees: tuple[int, ...] = (1, 2, 4, 8)
-    device: str = "cpu"
-    dtype: str = "fp32"
-    repeats: int = 5
+    """What one run measures; the defaults are the command line's (``moeflow bench overlap``)."""
+
+    experts: int
+    capacity: int
+    model_dim: int
+    hidden_dim: int
+    degrees: tuple[int, ...]
+    device: str
+    dtype: str
+    repeats: int
     warmup: int = 1
 
 

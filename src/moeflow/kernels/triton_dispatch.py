@@ -152,5 +152,4 @@ class TritonDecode(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = pair_dots(grad_TM, plan.token_idx_N, buffer_SM, plan.slot_idx_N)
-        slot_weight_S = weight_N.new_zeros(plan.num_slots).index_copy_(0, plan.slot_idx_N, weight_N)
-        return gather_rows(grad_TM, slot_sources(plan), slot_weight_S), grad_weight, None
+        return gather_rows(grad_TM, slot_sources(plan), plan.per_slot(weight_N)), grad_weight, None
