@@ -23,6 +23,8 @@ from moeflow.config import PARM_SCHEDULES, switchable_rs
 from moeflow.experts import shard_expert_state
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
+from moeflow.training.packing import pack_layer
+from moeflow.training.rebalance import rebalance_layer
 
 # fp32: the layer sums in a different order than the reference (bmm vs per-expert mm, index_add
 # over slots): a few ulps of the O(1) values and O(T) weight-gradient sums used here.
@@ -496,10 +498,10 @@ def check_case(
     failures: list[str] = []
     for step in range(case.steps):
         if step == 1 and case.rebalance_to:
-            layer.rebalance(case.rebalance_to)
+            rebalance_layer(layer, case.rebalance_to)
         if step == 1 and case.pack_factor:
             per_rank = min(case.num_experts, case.num_experts // world_size * case.pack_factor)
-            layer.pack(per_rank)
+            pack_layer(layer, per_rank)
             if layer.experts_per_rank != per_rank or layer.schedule.name != ("expert" if world_size == 1 else "packed"):
                 failures.append(f"{case.name}: not packed to {per_rank} experts per rank")
         x = _tokens(case, rank, world_size)

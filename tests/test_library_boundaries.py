@@ -37,3 +37,110 @@ def test_library_modules_do_not_read_the_environment() -> None:
 
 def test_the_check_sees_a_reader() -> None:
     assert _reads_environment(ast.parse("import os\nx = os.environ.get('A')\ny = os.getenv('B')")) == [2, 3]
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The moeflow modules ``module`` imports anywhere in its file (inside functions too), but not
+    under ``if TYPE_CHECKING:`` (never executed: annotations only)."""
+    tree = ast.parse(path.read_text())
+    guards = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    skipped = {id(n) for guard in guards for n in ast.walk(guard)}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "moeflow"}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (a ``from a import b`` of a submodule b
+    counts as importing a.b, of a name as importing a)."""
+    paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {module: {target for name in _imports(path, module) if (target := resolve(name)) not in (None, module)}
+            for module, path in paths.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_moeflow_has_no_import_cycle() -> None:
+    """Bottom to top, a module imports only what sits below it, lazy imports inside functions
+    included (a lazy import that closes a cycle is still a cycle)."""
+    assert import_cycles(import_graph(SOURCE)) == []
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
+    package = tmp_path / "moeflow"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from moeflow.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text("def f():\n    from moeflow import a\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moeflow import a\n")
+    graph = import_graph(package)
+    assert graph["moeflow.c"] == set()
+    assert import_cycles(graph) == [["moeflow.a", "moeflow.sub.b"]]
+
+
+def test_the_layer_is_glue() -> None:
+    """The layer assembles what the other modules decide: it stays short, its forward reads as the
+    data flow on one screen, and it never asks which schedule or placement it runs."""
+    path = SOURCE / "layer.py"
+    tree = ast.parse(path.read_text())
+    assert len(path.read_text().splitlines()) <= 400
+    (forward,) = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "_forward"]
+    assert forward.end_lineno - forward.lineno + 1 <= 45
+    name_tests = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare) and any(
+        isinstance(side, ast.Attribute) and side.attr == "name" for side in [node.left, *node.comparators])]
+    assert not name_tests, f"layer.py tests a schedule's name on lines {name_tests}"

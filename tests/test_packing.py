@@ -20,7 +20,7 @@ from moeflow.parallel.placement import gather_full
 from moeflow.training import TrainConfig
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.launch import run_training
-from moeflow.training.packing import ExpertPacker, MicroOpTimes, parse_packing
+from moeflow.training.packing import ExpertPacker, MicroOpTimes, pack_layer, parse_packing
 from moeflow.training.trainer import iterate_records
 from test_training import TINY, _evaluate_checkpoint
 
@@ -48,7 +48,7 @@ def _pack_and_train(rank: int, world_size: int, experts_per_rank: int) -> dict[s
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     for step in range(2):
         if step == 1:
-            assert layer.pack(experts_per_rank, optimizer) == (experts_per_rank != 4 // world_size)
+            assert pack_layer(layer, experts_per_rank, optimizer) == (experts_per_rank != 4 // world_size)
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
         ((layer(x) ** 2).sum() + layer.aux_loss).backward()
         block = 4 // layer.experts_per_rank  # ranks that hold every expert once
@@ -80,16 +80,18 @@ def test_packing_moves_weights_and_moments_and_trains_as_expert_parallel() -> No
                 np.testing.assert_allclose(packed[0][part][name], tensor, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_the_packer_doubles_while_experts_are_shorter_than_all_to_alls() -> None:
+def test_the_packer_doubles_while_experts_are_shorter_than_all_to_alls(monkeypatch: pytest.MonkeyPatch) -> None:
     class Layer:
         def __init__(self) -> None:
             self.config, self.world_size, self.experts_per_rank = type("C", (), {"num_experts": 8})(), 8, 1
             self.packed: list[int] = []
 
-        def pack(self, experts_per_rank: int, optimizer: Any) -> bool:
-            self.packed.append(experts_per_rank)
-            self.experts_per_rank = experts_per_rank
-            return True
+    def pack_layer(layer: Layer, experts_per_rank: int, optimizer: Any) -> bool:
+        layer.packed.append(experts_per_rank)
+        layer.experts_per_rank = experts_per_rank
+        return True
+
+    monkeypatch.setattr("moeflow.training.packing.pack_layer", pack_layer)
 
     class Model:
         groups = type("G", (), {"size": 1})()

@@ -17,6 +17,7 @@ from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.parallel.redundant import ReplicaRoutes, balanced_placement, rank_loads, replica_counts
+from moeflow.training.rebalance import rebalance_layer
 
 
 def _experts_of(placement: Any) -> list[list[int]]:
@@ -86,7 +87,7 @@ def _train(rank: int, world_size: int, redundant: int, loads: list[list[float]])
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     for step in range(3):
         if step and redundant:
-            assert layer.rebalance(loads[step - 1], optimizer)
+            assert rebalance_layer(layer, loads[step - 1], optimizer)
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank)).abs()
         ((layer(x) ** 2).sum() + layer.aux_loss).backward()
         for name, parameter in layer.named_parameters():
@@ -116,7 +117,7 @@ def _stats(rank: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]
         x = torch.ones(10, 8)
         layer(x)
         before = layer.last_stats.rank_tokens
-        moved = layer.rebalance(layer.last_stats.tokens_per_expert)
+        moved = rebalance_layer(layer, layer.last_stats.tokens_per_expert)
         layer(x)
     return before, layer.last_stats.rank_tokens, moved
 
@@ -139,9 +140,9 @@ def test_bad_settings_name_the_fix(kwargs: dict[str, Any], message: str) -> None
 
 def test_rebalance_checks_its_load_and_the_layer() -> None:
     with pytest.raises(ValueError, match="redundant_experts > 0"):
-        MoELayer(8, 12, 4, parallel="expert").rebalance([1.0] * 4)
+        rebalance_layer(MoELayer(8, 12, 4, parallel="expert"), [1.0] * 4)
     with pytest.raises(ValueError, match="one per expert"):
-        MoELayer(8, 12, 4, parallel="expert", redundant_experts=1).rebalance([1.0] * 3)
+        rebalance_layer(MoELayer(8, 12, 4, parallel="expert", redundant_experts=1), [1.0] * 3)
 
 
 def _uneven(rank: int, world_size: int) -> None:

@@ -574,7 +574,7 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.pipeline import RegionShape
     from moeflow.planner import PipelinePlanner
-    from moeflow.sim.layer_ranking import region_model, step_plan
+    from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan
 
     fits = {"gemm": AlphaBeta(2e-5, 1.3e-11), "ffn.forward": AlphaBeta(1e-4, 1.3e-11),
             "ffn.backward": AlphaBeta(2e-4, 2.6e-11), "alltoall.inter_node": AlphaBeta(0.0, 8e-9),
@@ -582,7 +582,8 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits=fits)
     shape = RegionShape(8, 2, 512, 256, 512)
     assert region_model(shape).tokens_per_rank * region_model(shape).top_k // 8 == 512  # the capacity
-    planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list)
+    planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list,
+                              ranker=SimulatedRanker.from_profile(profile))
     assert planner._simulator is not None
     ranked = planner._simulated(shape, range(1, 17), backward=True)
     twin = planner._simulator.twin
@@ -592,8 +593,9 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     (search,) = planner._searches.values()
     assert search.candidates[:3] == [p for p, _ in ranked[:3]]
     links_only = {k: v for k, v in fits.items() if k != "alltoall.inter_node"}
-    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(replace(profile, fits=links_only)),
-                               reduce_max=list)
+    links_profile = replace(profile, fits=links_only)
+    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(links_profile), reduce_max=list,
+                               ranker=SimulatedRanker.from_profile(links_profile))
     assert fallback._simulator is None and fallback._simulated(shape, range(1, 17), True) is None
 
 

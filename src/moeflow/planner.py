@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from moeflow.config import validate_pipeline
 from moeflow.perf import CostModel
@@ -85,6 +85,13 @@ class _Search:
         return index
 
 
+class PlanRanker(Protocol):
+    """Ranks candidate plans by predicted time (the simulator's twin of the profile, passed in by
+    the layer: the planner imports no simulator)."""
+
+    def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None: ...
+
+
 class PipelinePlanner:
     """One per layer: owns the dictionary of best plans and the trials in progress.
 
@@ -104,6 +111,7 @@ class PipelinePlanner:
         top_candidates: int = 3,
         schedule: str | ScheduleModel = "expert",
         min_gain: float = MIN_GAIN,
+        ranker: PlanRanker | None = None,
     ) -> None:
         validate_pipeline(pipeline)
         self.reduce_max = reduce_max
@@ -130,7 +138,8 @@ class PipelinePlanner:
         self.search_trials = search_trials
         self.top_candidates = top_candidates
         self.min_gain = min_gain
-        self._simulator = _simulated_ranker(self.cost_model) if pipeline == "auto" else None
+        # the simulator's ranking on the profile's twin orders the online trials under "auto"
+        self._simulator = ranker if pipeline == "auto" and self.cost_model is not None else None
         self.dictionary: dict[int, Plan] = {}
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
         self._searches: dict[int, _Search] = {}
@@ -274,15 +283,6 @@ class PipelinePlanner:
             plan, source, key, prediction.forward_s, prediction.backward_s if backward else None,
             prediction.gradient_sync_s if backward else None,
         )
-
-
-def _simulated_ranker(cost_model: CostModel | None) -> Any:
-    """The simulator's ranking on the twin of the planner's profile, when one can be built."""
-    if cost_model is None:
-        return None
-    from moeflow.sim.layer_ranking import SimulatedRanker
-
-    return SimulatedRanker.from_profile(cost_model.profile)
 
 
 def _search_state(search: _Search) -> dict[str, Any]:

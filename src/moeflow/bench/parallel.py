@@ -58,7 +58,11 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
         buffer = buffer[:, : ran.slots]  # the slots its own tokens held
         rows = x.detach().requires_grad_()
         extra = gather_rows(split_rows(rows, mp), rows.shape[0], mp).square().mean()
-    out = layer.schedule.run(plan, buffer, layer.experts, layer.groups, PipelineTiming(), layer.workspace)
+    import torch
+
+    filled_WE = torch.full((layer.world_size, buffer.shape[0]), buffer.shape[1])  # every slot holds a token
+    ctx = layer.run_context(buffer.dtype, PipelineTiming(), filled_WE, buffer.shape[1], "torch")
+    out = layer.schedule.run(plan, buffer, ctx).combined_ECM
     (out.square().mean() + extra).backward()
     layer.zero_grad(set_to_none=True)
 

@@ -49,21 +49,9 @@ class SkewPoint:
 
 def routing_probabilities(point: SkewPoint) -> Any:
     """The share of assignments each expert gets, hottest first (expert 0)."""
-    import numpy as np
+    from moeflow.sim.workload import skew_shares
 
-    if point.probabilities:
-        weights = np.asarray(point.probabilities, dtype=np.float64)
-    elif point.skew == "uniform":
-        weights = np.ones(point.experts)
-    elif point.skew == "one-hot":
-        weights = np.eye(point.experts)[0]
-    elif point.skew.startswith("zipf:"):
-        weights = 1.0 / np.arange(1, point.experts + 1) ** float(point.skew.removeprefix("zipf:"))
-    else:
-        raise ValueError(f"unknown skew {point.skew!r}; use uniform, zipf:<s>, one-hot or recorded probabilities")
-    if weights.shape != (point.experts,) or weights.min() < 0 or weights.sum() <= 0:
-        raise ValueError(f"skew {point.skew!r}: need {point.experts} non-negative shares, got {weights.tolist()}")
-    return weights / weights.sum()
+    return skew_shares(point.skew, point.experts, point.probabilities)
 
 
 def routed_tokens(point: SkewPoint, seed: int) -> Any:
@@ -143,7 +131,9 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     layers = {name: build(*setting) for name, setting in modes.items()}
     x = routed_tokens(point, seed=1000 + rank)
     settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
-    if layers["redundant"].rebalance(layers["redundant"].last_stats.tokens_per_expert):
+    from moeflow.training.rebalance import rebalance_layer
+
+    if rebalance_layer(layers["redundant"], layers["redundant"].last_stats.tokens_per_expert):
         settle["redundant"] += settle_planner(layers["redundant"], x)
     samples: dict[str, list[float]] = {name: [] for name in layers}
     probe = SpeedProbe()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatch import DispatchPlan
+from moeflow.dispatch_plan import DispatchPlan
 
 COLUMN_BLOCK = 256  # columns per program: a row of M <= 256 is one program
 

@@ -30,13 +30,13 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
-from moeflow.experts import ExpertCompute, ExpertSlots, FFNWeights
-from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
+from moeflow.experts import FFNWeights
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
-from moeflow.pipeline import ExpertExchange, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
+from moeflow.pipeline import ExpertExchange, Route, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
 from moeflow.stats import PipelineTiming, region_clock
-from moeflow.workspace import Workspace
 
 
 def switchable_placement(num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
@@ -118,6 +118,7 @@ class AdaptiveSchedule(ModelledSchedule):
 
     r: int | None = None
     name: str = "adaptive"
+    takes_r = True
 
     @property
     def model(self) -> AdaptiveModel:
@@ -129,28 +130,26 @@ class AdaptiveSchedule(ModelledSchedule):
             validate_r(self.r, num_experts, world_size)
         return switchable_placement(num_experts, world_size, hidden_dim)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        if expert_compute is not None:
-            require_ragged_schedule(self.name)
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        """r = 0 gathers every expert and keeps the tokens; r >= 1 moves tokens within blocks of
+        ranks that gather their hidden shards (the padded kernel: its experts are sharded)."""
+        groups, timing, workspace, experts = ctx.groups, ctx.timing, ctx.workspace, ctx.experts
         num_experts, world = dispatched_ECM.shape[0], groups.size
         r = validate_r(1 if plan.r is None else plan.r, num_experts, world)
         shards = world // num_experts if world > num_experts else 1
-        stored = experts.weights()
+        stored = ctx.weights()
         if r == 0:  # every expert, gathered from all ranks; tokens stay
             weights = gather_weights(stored, groups.expert if world > 1 else None, shards, timing)
             compute = dataclasses.replace(experts.compute, adds_output_bias=True)
-            route = ExpertExchange(None, LOCAL, num_experts)
-            return pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
-        if shards == 1:  # W <= E, r = 1: plain expert parallelism
+            route: Route = ExpertExchange(None, LOCAL, num_experts)
+        elif shards == 1:  # W <= E, r = 1: plain expert parallelism
+            weights, compute = stored, experts.compute
             route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
-            return pipelined_experts(dispatched_ECM, experts.compute, stored, route, plan.degree, timing, workspace)
-        group = shards // r
-        weights = gather_weights(stored, groups.block(group), group, timing)
-        first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
-        compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
-        route = SwitchableExchange(groups, plan.algorithm, r, group)
-        return pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
+        else:
+            group = shards // r
+            weights = gather_weights(stored, groups.block(group), group, timing)
+            first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
+            compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
+            route = SwitchableExchange(groups, plan.algorithm, r, group)
+        combined_ECM = pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
+        return ScheduleOutput(combined_ECM)

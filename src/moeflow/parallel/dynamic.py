@@ -14,22 +14,22 @@ schedule only moves rows. It runs in inference only (under ``torch.no_grad``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from moeflow.comm.alltoall import linear_all_to_all
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import ExpertCompute, ExpertSlots, FFNCompute, FFNWeights
+from moeflow.experts import FFNCompute, FFNWeights
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import split_evenly
+from moeflow.perf import CostModel
 from moeflow.perf.schedules import SCHEDULE_MODELS, Plan, ScheduleModel
-from moeflow.routing.selection import ExpertChoice
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -127,39 +127,38 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
 
 @dataclass(frozen=True)
 class DynamicPlacementSchedule(ModelledSchedule):
-    """Every rank stores every expert; each forward computes the experts of that forward's
-    placement (:class:`PlacedExperts`) and moves rows by unequal all-to-alls."""
+    """Every rank stores every expert; each forward computes the experts of the placement that
+    ``hook`` chooses for it (from the context's kept counts and estimates) and moves rows by
+    unequal all-to-alls. ``previous`` is what the layer ran before (to switch back to)."""
 
+    scheduler: InferenceHook
+    previous: object = field(default=None, compare=False)
     name: str = "dynamic"
 
     @property
     def model(self) -> ScheduleModel:
         return SCHEDULE_MODELS["expert"]
 
+    @property
+    def hook(self) -> InferenceHook:
+        return self.scheduler
+
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None, expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        if not isinstance(experts, PlacedExperts):
-            raise TypeError("the dynamic schedule runs the experts of a per-forward placement (PlacedExperts)")
-        return run_placed(dispatched_ECM, experts, groups, timing)
+    def plan_label(self, plan: Plan) -> str:
+        return self.name
 
+    def plan_space(
+        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+    ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
+        """One unpipelined linear exchange of unequal splits: nothing to plan."""
+        return 1, ("linear",), None
 
-class InferenceHook(Protocol):
-    """What a layer asks of its per-forward scheduler (:class:`moeflow.inference.LayerScheduling`)."""
-
-    def estimate(self, num_tokens: int) -> np.ndarray | None:
-        """This rank's expected selections per expert, before the gate (None: no estimate)."""
-        ...
-
-    def routed(self, choice: ExpertChoice, num_experts: int, rank: int) -> ExpertChoice:
-        """The gate's choice as the layer will use it (seen by the scheduler)."""
-        ...
-
-    def placement(self, load_E: torch.Tensor, estimate_E: np.ndarray | None, world_size: int,
-                  hidden_dim: int) -> ExpertPlacement:
-        """This forward's placement from every rank's kept selections and estimates."""
-        ...
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        placement = self.scheduler.placement(
+            ctx.filled_WE.sum(0), ctx.estimate_E, ctx.world_size, ctx.placement.hidden_dim
+        )
+        routes = PlacedRoutes.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        experts = PlacedExperts(ctx.experts.compute, ctx.weights(), placement, routes, ctx.rank)
+        return ScheduleOutput(run_placed(dispatched_ECM, experts, ctx.groups, ctx.timing), routes.rank_tokens)

@@ -1,10 +1,16 @@
-"""The model half of a run-half schedule: candidates and predictions come from its ``model``."""
+"""The parts every schedule shares: the model half (candidates and predictions from its
+``model``) and the defaults of the :class:`~moeflow.parallel.schedules.ParallelSchedule` protocol
+that most schedules keep."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from moeflow.comm.groups import ParallelGroups
+from moeflow.parallel.inference_hook import InferenceHook
+from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
@@ -15,9 +21,18 @@ from moeflow.stats import PipelineTiming
 class ModelledSchedule:
     """Mixin for a schedule with a ``model`` property (:class:`moeflow.perf.schedules.ScheduleModel`)."""
 
+    name: str
+    takes_ragged = False  # whether run() uses the ragged kernel where the layer asks for it
+    takes_r = False  # whether a call's r (Tutel's adaptive_r) means something to it
+
     @property
     def model(self) -> ScheduleModel:
         raise NotImplementedError
+
+    @property
+    def hook(self) -> InferenceHook | None:
+        """A per-forward placement's scheduler, which sees the routing (Lina's inference); None."""
+        return None
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
         return self.model.candidates(shape, degrees, algorithms)
@@ -31,15 +46,18 @@ class ModelledSchedule:
         """The tokens this rank encodes and decodes: all it routed, unless the schedule splits them."""
         return ALL_TOKENS
 
+    def plan_label(self, plan: Plan) -> str:
+        """The schedule the stats name for a run of ``plan``."""
+        return plan.schedule
 
-RAGGED_SCHEDULES = ("expert", "replicated", "packed")
-"""The schedules that run whole local experts on their received slots, where the ragged kernel applies."""
+    def plan_space(
+        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+    ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
+        """The pipeline policy, all-to-all candidates and cost model its planner searches with."""
+        return pipeline, algorithms, cost_model
 
-
-def require_ragged_schedule(schedule: str) -> None:
-    """Schedules that shard or re-place the experts run the padded kernels only."""
-    if schedule not in RAGGED_SCHEDULES:
-        raise ValueError(
-            f"expert_kernel='ragged' runs with parallel in {RAGGED_SCHEDULES}, not {schedule!r}; "
-            "use expert_kernel='bmm'"
-        )
+    def planned_capacity(
+        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
+    ) -> int:
+        """The per-expert capacity whose region the planner prices (the exchanged buffer's bytes)."""
+        return capacity

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
-from moeflow.experts import ExpertCompute, ExpertSlots
-from moeflow.parallel.modelled import ModelledSchedule, require_ragged_schedule
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
 from moeflow.perf import CostModel
@@ -44,7 +44,6 @@ from moeflow.perf.pipeline import PlanPrediction, RegionShape, capacity_chunks, 
 from moeflow.perf.schedules import Plan
 from moeflow.pipeline import SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 def check_mp_group(groups: ParallelGroups) -> int:
@@ -209,20 +208,15 @@ class ParmSchedule(ModelledSchedule):
         assert groups.model is not None and groups.expert is not None
         return MPTokenShare(groups.model, groups.expert, num_experts, timing)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        if expert_compute is not None:
-            require_ragged_schedule(self.name)
-        mp_rank = group_rank(groups.model)
-        compute = dataclasses.replace(experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        """The padded kernel: every expert is sharded over its ESP group."""
+        mp_rank = group_rank(ctx.groups.model)
+        compute = dataclasses.replace(ctx.experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
         split = self.mp_size if plan.schedule == "s2" else 1
-        route = ParmExchange(groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
-        return pipelined_experts(
-            dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace
-        )
+        route = ParmExchange(ctx.groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
+        return ScheduleOutput(pipelined_experts(
+            dispatched_ECM, compute, ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+        ))
 
 
 @dataclass(frozen=True)
@@ -353,17 +347,13 @@ class BaselineSchedule(ParmSchedule):
     def model(self) -> BaselineModel:  # type: ignore[override]
         return BaselineModel(self.name, mp_size=self.mp_size)
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        if expert_compute is not None:
-            require_ragged_schedule(self.name)
-        mp_rank = group_rank(groups.model)
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        mp_rank = group_rank(ctx.groups.model)
         # the N copies of every slot are one tensor under Megatron's convention: each counts 1 / N
         compute = dataclasses.replace(
-            experts.compute, adds_output_bias=mp_rank == 0, weight_grad_scale=1.0 / self.mp_size
+            ctx.experts.compute, adds_output_bias=mp_rank == 0, weight_grad_scale=1.0 / self.mp_size
         )
-        route = BaselineExchange(groups, self.mp_size, mp_rank)
-        return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)
+        route = BaselineExchange(ctx.groups, self.mp_size, mp_rank)
+        return ScheduleOutput(pipelined_experts(
+            dispatched_ECM, compute, ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+        ))

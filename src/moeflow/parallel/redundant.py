@@ -16,12 +16,13 @@ Three pieces, each a plain function of the placement:
   global counts every rank already has (the same answer everywhere): the tokens of all ranks, in
   rank order, split into near-equal contiguous runs, one per replica in rank order, so that equal
   senders keep their tokens on a replica of their own rank where one exists.
-- :func:`move_slots`: a parameter (or an optimizer moment) rewritten for a new placement, through
-  the full (E, ...) tensor assembled from the primary copies.
+- :class:`SlotSchedule`: the expert-parallel schedule run over the slots. Their weights move with
+  :func:`moeflow.parallel.moves.move_experts`, like any placement change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,8 +32,12 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from moeflow.comm.topology import Topology
-from moeflow.experts import ExpertFFN, FFNCompute, FFNWeights
-from moeflow.parallel.placement import ExpertPlacement, ExpertShard, gather_full
+from moeflow.experts import FFNCompute, FFNWeights
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.placement import ExpertPlacement, ExpertShard
+from moeflow.parallel.wrapped import WrappingSchedule
+from moeflow.perf.schedules import LOCAL, Plan
+from moeflow.pipeline import ExpertExchange, pipelined_experts
 
 
 def slots_per_rank(redundant: int, num_experts: int, world_size: int, schedule: str) -> int:
@@ -188,10 +193,10 @@ class SlotExperts:
 
 
 def replica_weights(
-    experts: ExpertFFN, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
+    weights: FFNWeights, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
 ) -> FFNWeights:
     """The slot weights passed through :class:`ReplicaGradSum`."""
-    stored = experts.weights().as_tuple()
+    stored = weights.as_tuple()
     present = [w for w in stored if w is not None]
     synced = iter(ReplicaGradSum.apply(placement, rank, group, *present))
     return FFNWeights(*(None if w is None else next(synced) for w in stored))
@@ -246,12 +251,34 @@ def sum_over_replicas(
     return out
 
 
-def move_slots(
-    tensor: torch.Tensor, kind: str, old: ExpertPlacement, new: ExpertPlacement, rank: int,
-    group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """``tensor`` (this rank's slots under ``old``) rewritten for ``new``: the full (E, ...) tensor
-    from the primary copies (one all-reduce), sliced for this rank's new slots."""
-    full = gather_full(tensor, old, kind, rank, group)
-    return new.shard_tensor(kind, full, rank)
+@dataclass(frozen=True)
+class SlotSchedule(WrappingSchedule):
+    """EPLB's slots around the expert-parallel schedule: each replica gets its share of an
+    expert's tokens; the tokens for other ranks' slots run through the inner schedule as a
+    (P, C', M) buffer, those for this rank's own slots here, and both return to the (E, C, M)
+    layout. Weights move only when the placement does."""
 
+    def planned_capacity(
+        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
+    ) -> int:
+        """The per-expert capacity of the same bytes as the exchanged slot buffer."""
+        slots, width = ReplicaRoutes.of(placement, filled_WE, capacity, rank).exchanged_rows_PC.shape
+        return -(-slots * width // placement.num_experts)
+
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        routes = ReplicaRoutes.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        weights = replica_weights(ctx.experts.weights(), ctx.placement, ctx.rank, ctx.groups.expert).cast(ctx.dtype)
+        slots = SlotExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
+        mine = tuple(range(ctx.rank * slots.num_experts, (ctx.rank + 1) * slots.num_experts))
+        exchanged = dataclasses.replace(ctx, experts=slots, filled_WE=routes.exchanged_WP, local=mine)
+        exchanged_PCM = self.inner.run(
+            plan, routes.gather(dispatched_ECM, routes.exchanged_rows_PC), exchanged
+        ).combined_ECM
+        own = dataclasses.replace(exchanged, filled_WE=routes.filled_WP).own_compute(mine)
+        local_SCM = pipelined_experts(
+            routes.gather(dispatched_ECM, routes.local_rows_SC), own, weights,
+            ExpertExchange(None, LOCAL, slots.num_experts), 1,
+        )
+        world = ctx.world_size
+        rank_tokens = tuple(routes.filled_WP.view(world, world, -1).sum(dim=(0, 2)).tolist())
+        return ScheduleOutput(routes.scatter(exchanged_PCM, local_SCM, ctx.placement.num_experts), rank_tokens)

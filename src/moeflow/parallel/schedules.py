@@ -27,8 +27,10 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import PARM_SCHEDULES, MoEConfig
-from moeflow.experts import ExpertCompute, ExpertSlots
+from moeflow.experts import ExpertCompute
 from moeflow.parallel.adaptive import AdaptiveSchedule
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -39,16 +41,24 @@ from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, SMART, Plan, ScheduleModel, rank_schedule_plans
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 class ParallelSchedule(Protocol):
+    """How a dispatched buffer becomes the combined one. Everything a run needs is in its
+    :class:`~moeflow.parallel.context.RunContext`; the defaults of the optional members are
+    :class:`~moeflow.parallel.modelled.ModelledSchedule`'s."""
+
     name: str
+    takes_ragged: bool  # run() uses the ragged kernel where the layer asks for it
+    takes_r: bool  # a call's r (Tutel's adaptive_r) selects its plan
 
     @property
     def model(self) -> ScheduleModel:
         """The model half: candidates and their predicted cost (what the planner ranks)."""
         ...
+
+    @property
+    def hook(self) -> InferenceHook | None: ...
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement: ...
 
@@ -62,11 +72,17 @@ class ParallelSchedule(Protocol):
         """Which routed tokens this rank encodes, sends and decodes under ``plan``."""
         ...
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor: ...
+    def plan_label(self, plan: Plan) -> str: ...
+
+    def plan_space(
+        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+    ) -> tuple[int | str, tuple[str, ...], CostModel | None]: ...
+
+    def planned_capacity(
+        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
+    ) -> int: ...
+
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput: ...
 
 
 @dataclass(frozen=True)
@@ -79,52 +95,60 @@ class _ModelledSchedule(ModelledSchedule):
     def model(self) -> ScheduleModel:
         return SCHEDULE_MODELS[self.name]
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        """The pipelined experts, with this schedule's way of moving chunks; ``expert_compute``
-        replaces the experts' own for this call (the ragged kernel with its filled counts)."""
-        route = self.exchange(plan, experts, groups)
-        compute = experts.compute if expert_compute is None else expert_compute
-        return pipelined_experts(dispatched_ECM, compute, experts.weights(), route, plan.degree, timing, workspace)
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        """The pipelined experts, with this schedule's way of moving chunks and its kernel."""
+        route = self.exchange(plan, ctx)
+        combined_ECM = pipelined_experts(
+            dispatched_ECM, self.compute(ctx), ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+        )
+        return ScheduleOutput(combined_ECM)
 
-    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
+    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
         raise NotImplementedError
+
+    def compute(self, ctx: RunContext) -> ExpertCompute:
+        """The local experts on the slots every rank of the group sends them."""
+        return ctx.received_compute(0, ctx.world_size)
 
 
 @dataclass(frozen=True)
 class ExpertParallelSchedule(_ModelledSchedule):
     name: str = "expert"
+    takes_ragged = True
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
-    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
-        return ExpertExchange(groups, plan.algorithm, experts.num_experts)  # all-to-all over the group
+    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
+        return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)  # all-to-all over the group
 
-    def run(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, experts: ExpertSlots, groups: ParallelGroups,
-        timing: PipelineTiming, workspace: Workspace | None = None,
-        expert_compute: ExpertCompute | None = None,
-    ) -> torch.Tensor:
-        """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan."""
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan; reports
+        the assignments each rank's experts compute (their owners')."""
         if plan.schedule != SMART:
-            return super().run(plan, dispatched_ECM, experts, groups, timing, workspace, expert_compute)
-        compute = experts.compute if expert_compute is None else expert_compute
-        return smart_experts(dispatched_ECM, compute, experts.weights(), groups, timing, workspace)
+            combined_ECM = super().run(plan, dispatched_ECM, ctx).combined_ECM
+        else:
+            combined_ECM = smart_experts(
+                dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace
+            )
+        # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
+        rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
+        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()))
 
 
 @dataclass(frozen=True)
 class ReplicatedSchedule(_ModelledSchedule):
     name: str = "replicated"
+    takes_ragged = True
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
 
-    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
-        return ExpertExchange(None, LOCAL, experts.num_experts)  # tokens stay: only the chunking
+    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
+        return ExpertExchange(None, LOCAL, ctx.experts.num_experts)  # tokens stay: only the chunking
+
+    def compute(self, ctx: RunContext) -> ExpertCompute:
+        return ctx.own_compute(ctx.local)  # every expert, on this rank's own tokens
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,7 @@ class PackedSchedule(_ModelledSchedule):
 
     name: str = "packed"
     group_size: int = 1
+    takes_ragged = True
 
     @property
     def model(self) -> ScheduleModel:
@@ -144,8 +169,20 @@ class PackedSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.packed(num_experts, world_size, self.group_size, hidden_dim)
 
-    def exchange(self, plan: Plan, experts: ExpertSlots, groups: ParallelGroups) -> ExpertExchange:
-        return ExpertExchange(groups.packed(self.group_size), plan.algorithm, experts.num_experts)
+    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
+        return ExpertExchange(ctx.groups.packed(self.group_size), plan.algorithm, ctx.experts.num_experts)
+
+    def compute(self, ctx: RunContext) -> ExpertCompute:
+        return ctx.received_compute(ctx.rank // self.group_size * self.group_size, self.group_size)
+
+    def plan_label(self, plan: Plan) -> str:
+        return self.name
+
+    def plan_space(
+        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+    ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
+        """A block's all-to-all runs on a subgroup: the linear one."""
+        return pipeline, ("linear",), cost_model
 
 
 def packed_schedule(group_size: int, world_size: int) -> ParallelSchedule:
@@ -176,6 +213,8 @@ def check_packing(config: MoEConfig, schedule: str, world_size: int, experts_per
 SCHEDULES: dict[str, ParallelSchedule] = {
     "expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule(), "adaptive": AdaptiveSchedule(),
 }
+RAGGED_SCHEDULES = tuple(name for name, schedule in SCHEDULES.items() if schedule.takes_ragged)
+"""The ``parallel`` choices that run whole local experts on their received slots (the ragged kernel)."""
 
 
 @dataclass(frozen=True)

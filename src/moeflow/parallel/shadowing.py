@@ -14,7 +14,8 @@ on the global counts the layer already exchanges, so every rank picks the same s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,12 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moeflow.experts import ExpertCompute, FFNWeights
+from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.perf.schedules import LOCAL
-from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+from moeflow.parallel.wrapped import WrappingSchedule
+from moeflow.perf import CostModel
+from moeflow.perf.schedules import LOCAL, Plan
+from moeflow.perf.shadowing import ShadowPrices, rank_compute_load, select_shadowed_experts, shadowed_latency
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 
 
@@ -145,3 +149,45 @@ def run_with_shadows(
     exchanged = min(plan.exchanged_slots, dispatched_ECM.shape[1])
     combined_ECM = F.pad(run_exchanged(dispatched_ECM[:, :exchanged]), (0, 0, 0, dispatched_ECM.shape[1] - exchanged))
     return combined_ECM.index_copy(0, index, local_SCM)
+
+
+@dataclass(frozen=True)
+class ShadowedSchedule(WrappingSchedule):
+    """The expert-parallel schedule with FasterMoE's shadows: each forward decides the shadowed
+    experts from the kept counts (``setting``: "auto", priced on ``cost``, or fixed experts), runs
+    them here on this rank's own tokens and only the others through the inner schedule."""
+
+    setting: str | tuple[int, ...] = "auto"
+    cost: CostModel | None = None
+    model_dim: int = 0
+    hidden_dim: int = 0
+    projections: int = 2
+
+    def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
+        if ctx.world_size == 1:
+            return self.inner.run(plan, dispatched_ECM, ctx)
+        prices = None if self.cost is None else ShadowPrices.from_cost_model(
+            self.cost, self.model_dim, self.hidden_dim, self.projections, algorithm=plan.algorithm,
+        )
+        shadow, gain = decide_shadows(self.setting, ctx.filled_WE, ctx.placement, ctx.capacity, prices)
+        if shadow is None:
+            return dataclasses.replace(self.inner.run(plan, dispatched_ECM, ctx), shadow_predicted_gain_s=gain)
+        exchanged = dataclasses.replace(ctx, filled_WE=shadow.exchanged(ctx.filled_WE))  # owners skip shadows
+
+        def run_exchanged(buffer_ECM: torch.Tensor) -> torch.Tensor:
+            return self.inner.run(plan, buffer_ECM, exchanged).combined_ECM
+
+        weights = shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups.expert)
+        combined_ECM = run_with_shadows(
+            shadow, dispatched_ECM, weights, ctx.own_compute(shadow.experts), run_exchanged
+        )
+        load = owner_load(ctx.filled_WE, ctx.placement, shadow.experts)
+        return ScheduleOutput(combined_ECM, load, shadow.experts, gain)
+
+
+def owner_load(filled_WE: torch.Tensor, placement: ExpertPlacement, shadowed: Iterable[int]) -> tuple[int, ...]:
+    """The assignments each rank's experts compute: every expert on its owner, except the
+    ``shadowed`` ones, which every rank computes for its own tokens."""
+    owners = [placement.holders(e)[0] for e in range(placement.num_experts)]
+    load_W = rank_compute_load(filled_WE.cpu().numpy(), owners, set(shadowed))
+    return tuple(int(tokens) for tokens in load_W)

@@ -5,7 +5,8 @@
 operations for a model and plan, :mod:`workload` holds the model and its routing load.
 """
 
-from moeflow.sim.cluster import Cluster, ClusterFileError, Device, Link, load_cluster, named_clusters
+from moeflow.sim.calibrated import load_cluster
+from moeflow.sim.cluster import Cluster, ClusterFileError, Device, Link, named_clusters
 from moeflow.sim.engine import Timeline, fair_rates
 from moeflow.sim.network import Network, Transfer
 from moeflow.sim.step import StepPlan, StepResult, simulate_step, simulated_ms

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from moeflow.config import ALLTOALL_ALGORITHMS
 from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
-from moeflow.sim.cluster import Cluster, Device, Link
+from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
 from moeflow.sim.network import LocalCopy, Network
 from moeflow.sim.step import ffn_kernels, simulate_step
 from moeflow.sim.workload import ModelSpec
@@ -162,3 +163,11 @@ def _device(profile: ClusterProfile) -> Device:
     return Device(name=str(profile.machine.get("processor", "calibrated")), gemm_flops=rate,
                   kernel_overhead_s=overhead, memory_bandwidth=ASSUMED_MEMORY_BANDWIDTH, backward_ratio=ratio,
                   overlap_slowdown=max(profile.interference, 1.0))
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A shipped profile by name, a TOML file by path, or a calibrated JSON profile's twin."""
+    path = Path(name_or_path)
+    if path.suffix == ".json":  # a calibrated profile: its simulated twin
+        return cluster_from_profile(ClusterProfile.load(path), path.stem)
+    return cluster_from_toml(*read_toml_source(name_or_path, "profiles", "cluster"))

@@ -203,14 +203,3 @@ def read_toml_source(name_or_path: str | Path, folder: str, what: str) -> tuple[
 def named_clusters() -> list[str]:
     """The profiles shipped with moeflow, by name."""
     return shipped_names("profiles")
-
-
-def load_cluster(name_or_path: str | Path) -> Cluster:
-    """A shipped profile by name, a TOML file by path, or a calibrated JSON profile's twin."""
-    path = Path(name_or_path)
-    if path.suffix == ".json":  # a calibrated profile: its simulated twin
-        from moeflow.perf.profile import ClusterProfile
-        from moeflow.sim.calibrated import cluster_from_profile
-
-        return cluster_from_profile(ClusterProfile.load(path), path.stem)
-    return cluster_from_toml(*read_toml_source(name_or_path, "profiles", "cluster"))

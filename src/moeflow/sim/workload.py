@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -153,12 +154,28 @@ def routing_loads(model: ModelSpec, world: int, seed: int = 0) -> list[LayerLoad
 
 
 def _named_shares(routing: str, experts: int) -> np.ndarray:
-    from moeflow.bench.skew import SkewPoint, routing_probabilities
-
     try:
-        return np.asarray(routing_probabilities(SkewPoint(routing, experts)), dtype=np.float64)
+        return skew_shares(routing, experts)
     except ValueError as error:
         raise ValueError(f"model routing: {error}") from None
+
+
+def skew_shares(skew: str, experts: int, probabilities: Sequence[float] = ()) -> np.ndarray:
+    """The share of assignments each expert gets under a named skew ("uniform", "zipf:<s>",
+    "one-hot") or recorded ``probabilities``, hottest first (expert 0)."""
+    if probabilities:
+        weights = np.asarray(probabilities, dtype=np.float64)
+    elif skew == "uniform":
+        weights = np.ones(experts)
+    elif skew == "one-hot":
+        weights = np.eye(experts)[0]
+    elif skew.startswith("zipf:"):
+        weights = 1.0 / np.arange(1, experts + 1) ** float(skew.removeprefix("zipf:"))
+    else:
+        raise ValueError(f"unknown skew {skew!r}; use uniform, zipf:<s>, one-hot or recorded probabilities")
+    if weights.shape != (experts,) or weights.min() < 0 or weights.sum() <= 0:
+        raise ValueError(f"skew {skew!r}: need {experts} non-negative shares, got {weights.tolist()}")
+    return weights / weights.sum()
 
 
 def _trace_loads(path: Path, model: ModelSpec, world: int) -> list[LayerLoad]:

@@ -21,7 +21,7 @@ from moeflow.config import (
     require_positive_int,
     validate_r,
 )
-from moeflow.data import TOKENIZERS, PreparedCorpus, prepare_corpus
+from moeflow.data import TOKENIZERS
 
 if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
@@ -237,15 +237,6 @@ class TrainConfig:
                 f"{self.ffn_hidden} over mp_size={self.mp_size} shards: use a multiple of {expert_groups} experts "
                 f"and an ffn_hidden divisible by {self.mp_size}"
             )
-
-    def prepared_corpus(self, cache_root: Path) -> PreparedCorpus:
-        """The corpus this run trains on, from the cache under ``cache_root`` (built if missing), with
-        the --hf model's own tokenizer when there is one."""
-        if self.hf is not None:
-            from moeflow.hf.training import prepare_hf_corpus
-
-            return prepare_hf_corpus(self, cache_root)
-        return prepare_corpus(self.data, self.tokenizer, self.vocab_size, self.val_percent, cache_root=cache_root)
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
         """The architecture, with the vocabulary of the prepared tokenizer."""

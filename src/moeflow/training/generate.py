@@ -11,6 +11,7 @@ from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig
+from moeflow.training.corpus import prepared_corpus
 
 
 def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETransformer, object, Path]:
@@ -43,7 +44,7 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
 
 def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
     """The corpus a checkpoint's run trained on, from the cache under ``cache_root`` (built if missing)."""
-    return TrainConfig(**read_state(checkpoint)["config"]).prepared_corpus(cache_root)
+    return prepared_corpus(TrainConfig(**read_state(checkpoint)["config"]), cache_root)
 
 
 def generate_text(

@@ -25,6 +25,7 @@ from moeflow.data import PreparedCorpus, default_cache_root
 from moeflow.distributed import destroy_process_groups
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig
+from moeflow.training.corpus import prepared_corpus
 from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
 
 
@@ -57,7 +58,7 @@ def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
 def _prepare_corpus(config: TrainConfig) -> PreparedCorpus:
     """The corpus in this machine's cache (``MOEFLOW_CACHE``, read here at the entry point), with
     the --hf model's own tokenizer when there is one."""
-    return config.prepared_corpus(default_cache_root(os.environ))
+    return prepared_corpus(config, default_cache_root(os.environ))
 
 
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:

@@ -20,7 +20,10 @@ import torch
 
 from moeflow.comm.groups import max_over_ranks
 from moeflow.comm.traffic import AllToAllTraffic
+from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.schedules import check_packing, packed_schedule
 
 PACKING_MODES = ("off", "auto")
 """--expert-packing: off, auto (Lina's doubling), or an int (experts per worker, fixed)."""
@@ -124,7 +127,7 @@ class ExpertPacker:
 
     def _pack(self, model: TrainableLM, optimizer: torch.optim.Optimizer, experts_per_rank: int) -> None:
         for layer in model.moe_layers():
-            layer.pack(experts_per_rank, optimizer)
+            pack_layer(layer, experts_per_rank, optimizer)
         self.experts_per_rank = experts_per_rank
 
 
@@ -148,3 +151,18 @@ def parse_packing(value: str | int) -> str | int:
     if value not in PACKING_MODES:
         raise ValueError(f"expert_packing must be off, auto or a number of experts per worker, got {value!r}")
     return value
+
+
+def pack_layer(layer: MoELayer, experts_per_rank: int, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """Lina's expert packing of one layer: hold ``experts_per_rank`` experts on every rank, in
+    blocks of E / experts_per_rank ranks that each hold all experts (their all-to-alls stay inside
+    the block), moving the weights and the optimizer state once; return whether the placement
+    changed (a collective). E / W experts per rank is expert parallelism again."""
+    config = layer.config
+    check_packing(config, layer.schedule.name, layer.world_size, experts_per_rank)
+    group_size = config.num_experts // experts_per_rank
+    placement = ExpertPlacement.packed(config.num_experts, layer.world_size, group_size, config.hidden_dim)
+    if placement == layer.placement:
+        return False
+    layer.switch(packed_schedule(group_size, layer.world_size), placement, optimizer)
+    return True

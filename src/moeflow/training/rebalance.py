@@ -9,12 +9,15 @@ checkpoint: a resumed run places its layers for the same load and continues exac
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
+from moeflow.parallel.redundant import balanced_placement
 
 
 @dataclass
@@ -41,7 +44,7 @@ class ExpertRebalancer:
             if not window:
                 continue
             load = [sum(column) for column in zip(*window, strict=True)]
-            if layer.rebalance(load, optimizer):
+            if rebalance_layer(layer, load, optimizer):
                 changed.append(block)
             self.placed_for[block] = load
         return changed
@@ -58,9 +61,25 @@ class ExpertRebalancer:
         self.placed_for = {int(b): list(load) for b, load in state.get("placed_for", {}).items()}
         for block, layer in _redundant_layers(model):
             if block in self.placed_for:
-                layer.rebalance(self.placed_for[block], optimizer)
+                rebalance_layer(layer, self.placed_for[block], optimizer)
 
 
 def _redundant_layers(model: TrainableLM) -> list[tuple[int, Any]]:
     return [(block, layer) for block, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True)
             if layer.config.redundant_experts]
+
+
+def rebalance_layer(layer: MoELayer, load_E: Sequence[float], optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """EPLB: place a layer's slots for ``load_E`` (tokens per expert, the same on every rank, e.g.
+    the recorded ``tokens_per_expert`` of the last steps) and move the weights and ``optimizer``'s
+    state once if the placement changed; return whether it did (a collective)."""
+    config = layer.config
+    if not config.redundant_experts:
+        raise ValueError("rebalancing places redundant experts: build the layer with redundant_experts > 0")
+    if len(load_E) != config.num_experts:
+        raise ValueError(f"load_E has {len(load_E)} entries; it needs one per expert ({config.num_experts})")
+    new = balanced_placement(load_E, layer.num_local_experts, layer.groups.topology, config.hidden_dim)
+    if new == layer.placement:
+        return False
+    layer.switch(layer.schedule, new, optimizer)
+    return True

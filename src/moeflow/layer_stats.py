@@ -1,0 +1,54 @@
+"""The :class:`~moeflow.stats.RoutingStats` a layer call reports: the global load after capacity,
+the plan that ran and what the schedule said about its run."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.config import MoEConfig
+from moeflow.parallel.context import ScheduleOutput
+from moeflow.perf.pipeline import capacity_chunks
+from moeflow.planner import PlanChoice
+from moeflow.routing.load import GlobalLoad
+from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
+
+
+def routing_stats(
+    config: MoEConfig, groups: ParallelGroups, load: GlobalLoad, capacity: int, top_k: int, factor: float,
+    chosen: PlanChoice, timing: PipelineTiming, label: str, slots: int, ran: ScheduleOutput,
+) -> RoutingStats:
+    """``label``: the schedule's name for the plan that ran; ``slots``: the capacity of the
+    buffer this rank encoded (Parm's S1: its MP member's share)."""
+    counts_WE = load.counts_WE
+    if groups.model is not None:  # MP members hold the same tokens: count them once
+        counts_WE = counts_WE[:: dist.get_world_size(groups.model)]
+    plan = ExecutionPlan(
+        schedule=label,
+        r=chosen.plan.r,
+        alltoall=chosen.plan.algorithm,
+        pipeline_degree=len(capacity_chunks(slots, chosen.plan.degree)),
+        requested_degree=chosen.plan.degree,
+        policy=config.pipeline,
+        source=chosen.source,
+        world_size=groups.size,
+        expert_kernel=config.expert_kernel,
+        capacity_key=chosen.key,
+        predicted_forward_s=chosen.predicted_forward_s,
+        predicted_backward_s=chosen.predicted_backward_s,
+        predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
+        slots=slots,
+    )
+    return RoutingStats(
+        num_tokens=int(counts_WE.sum()) // top_k,
+        top_k=top_k,
+        capacity=capacity,
+        capacity_factor=factor,
+        tokens_per_expert=counts_WE.sum(0).tolist(),
+        dropped_per_expert=(counts_WE - capacity).clamp(min=0).sum(0).tolist(),
+        plan=plan,
+        timing=timing,
+        shadowed_experts=ran.shadowed_experts,
+        shadow_predicted_gain_s=ran.shadow_predicted_gain_s,
+        rank_tokens=ran.rank_tokens,
+    )

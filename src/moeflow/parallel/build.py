@@ -1,0 +1,177 @@
+"""The execution a layer's settings describe, decided once when it is built: its schedule (with
+the techniques that wrap it), where the weights live, the all-to-alls its planner may pick and
+FasterMoE's topology-aware gate. Every check of which settings combine on a given group runs here,
+so the layer only assembles what this module returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeflow.capacity import estimated_needed_capacity
+from moeflow.comm.algorithms import distinct_algorithms
+from moeflow.comm.groups import ParallelGroups
+from moeflow.config import (
+    ALLTOALL_ALGORITHMS,
+    FASTERMOE_REMOTE_SHARE,
+    PARM_SCHEDULES,
+    SAA,
+    MoEConfig,
+    ffn_projections,
+)
+from moeflow.parallel.parm import check_mp_group
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
+from moeflow.parallel.schedules import RAGGED_SCHEDULES, ParallelSchedule, select_schedule
+from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
+from moeflow.parallel.smart import check_smart_pipeline
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import RegionShape
+from moeflow.routing import NodeLimit, expert_capacity
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What :func:`build_execution` decides for a layer."""
+
+    schedule: ParallelSchedule
+    reason: str  # why select_schedule chose it ("forced", "default", "layout", "model", "mp_group")
+    placement: ExpertPlacement
+    algorithms: tuple[str, ...]  # the all-to-alls the planner may pick
+    node_limit: NodeLimit | None  # the topology-aware gate of this rank, or None
+
+
+def region_shape(
+    config: MoEConfig, world_size: int, capacity: int, bytes_per_element: int, tokens: int = 0, needed: int = 0
+) -> RegionShape:
+    """The planner's shape of one layer call at ``capacity`` slots per expert."""
+    return RegionShape(
+        config.num_experts, world_size, capacity, config.model_dim, config.hidden_dim, bytes_per_element,
+        ffn_projections(config.activation), config.bias, tokens, needed,
+    )
+
+
+def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None) -> Execution:
+    """The schedule, its placement and the planner's algorithms for ``config`` on ``groups``."""
+    _check_alltoall(config, groups)
+    mp_size = check_mp_group(groups) if groups.model is not None else 1
+    algorithms = candidate_algorithms(config, groups, cost_model, mp_size > 1)
+    choice = select_schedule(
+        config.parallel, config.num_experts, groups.size, cost_model,
+        _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline, mp_size,
+    )
+    schedule = choice.schedule
+    if config.expert_kernel == "ragged" and not schedule.takes_ragged:
+        raise ValueError(
+            f"expert_kernel='ragged' runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their "
+            f"received slots), not {schedule.name!r}; use expert_kernel='bmm'"
+        )
+    placement = schedule.placement(config.num_experts, groups.size, config.hidden_dim)
+    if config.redundant_experts:  # EPLB's slots, balanced for an even load until the first rebalance
+        slots = slots_per_rank(config.redundant_experts, config.num_experts, groups.size, schedule.name)
+        placement = balanced_placement([1.0] * config.num_experts, slots, groups.topology, config.hidden_dim)
+        schedule = SlotSchedule(schedule)
+    check_smart_pipeline(config.pipeline, schedule.name, groups)
+    check_shadowing(config.shadowing, schedule.name, cost_model)
+    if config.shadowing != "off":
+        schedule = ShadowedSchedule(
+            schedule, config.shadowing, cost_model, config.model_dim, config.hidden_dim,
+            ffn_projections(config.activation),
+        )
+    node_limit = topology_node_limit(config, schedule.name, placement, groups, cost_model)
+    return Execution(schedule, choice.reason, placement, algorithms, node_limit)
+
+
+def attach_mp_group(groups: ParallelGroups, mp_group: dist.ProcessGroup | None, parallel: str | int) -> None:
+    """Parm's schedules run behind tensor-parallel attention over ``mp_group`` (``auto`` then
+    chooses between S1 and S2); the others have no use for one."""
+    if mp_group is None:
+        if parallel in PARM_SCHEDULES and groups.model is None:
+            raise ValueError(f"parallel={parallel!r} needs mp_group=<the tensor-parallel group of the attention>")
+        if groups.model is not None and parallel not in (*PARM_SCHEDULES, "auto"):
+            raise ValueError(
+                f"the ParallelGroups passed as group have a model (tensor-parallel) group, which only Parm's "
+                f"schedules use; got parallel={parallel!r}: use 'auto' or one of {PARM_SCHEDULES}"
+            )
+        return
+    if parallel not in (*PARM_SCHEDULES, "auto"):
+        raise ValueError(
+            f"mp_group is used by Parm's schedules (parallel='auto' or "
+            f"{' or '.join(map(repr, PARM_SCHEDULES))}); got parallel={parallel!r}"
+        )
+    if groups.model is not None and groups.model != mp_group:
+        raise ValueError("mp_group differs from the model group of the ParallelGroups passed as group")
+    groups.model = mp_group
+
+
+def _check_alltoall(config: MoEConfig, groups: ParallelGroups) -> None:
+    if config.alltoall == SAA and (groups.model is None or config.parallel in ("s1", "ds-baseline")):
+        raise ValueError(
+            "alltoall='saa' overlaps Parm's S2 combine with the MP all-gather: it needs parallel='s2' or "
+            "'auto' with mp_group=<the tensor-parallel group>; use alltoall='linear' or 'auto'"
+        )
+    if config.alltoall not in ("linear", SAA, "auto") and groups.size > 1 and not groups.is_world:
+        raise ValueError(
+            f"alltoall={config.alltoall!r} runs on the default (world) process group, where ranks are "
+            "numbered node-major; use alltoall='linear' with a custom group"
+        )
+
+
+def candidate_algorithms(
+    config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None, behind_mp: bool
+) -> tuple[str, ...]:
+    """The all-to-alls the planner may pick: the forced one; behind tensor-parallel attention,
+    Parm's plain and overlapped (SAA) combines; linear on a custom group; those a profile
+    measured; otherwise those that differ from linear on this topology."""
+    if config.alltoall != "auto":
+        return (config.alltoall,)
+    if behind_mp:
+        return ("linear", SAA)
+    if not groups.is_world:
+        return ("linear",)
+    if cost_model is not None and config.pipeline != "search":
+        return ALLTOALL_ALGORITHMS
+    return distinct_algorithms(groups.topology)
+
+
+def _hint_shape(
+    config: MoEConfig, world_size: int, cost: CostModel | None, algorithms: tuple[str, ...]
+) -> RegionShape | None:
+    """The region at ``tokens_per_rank_hint`` tokens (balanced load), for ``parallel='auto'``;
+    None when the profile cannot predict the expert schedule."""
+    fits = cost.profile.fits if cost is not None else {}
+    hint = config.tokens_per_rank_hint
+    if hint is None or "gemm" not in fits or not any(f"alltoall.{a}" in fits for a in algorithms):
+        return None
+    needed = estimated_needed_capacity(config.top_k, hint, config.num_experts)
+    capacity = expert_capacity(config.capacity_factor, config.top_k, hint, config.num_experts, needed)
+    return region_shape(config, world_size, capacity, 4)
+
+
+def topology_node_limit(
+    config: MoEConfig, schedule: str, placement: ExpertPlacement, groups: ParallelGroups, cost: CostModel | None
+) -> NodeLimit | None:
+    """FasterMoE's topology-aware gate for this rank: the experts on its node and the share of
+    its tokens that may pick others (``topology_gate``, or W_net / (M W_local) from the profile)."""
+    setting = config.topology_gate
+    if setting == "off":
+        return None
+    if schedule != "expert":
+        raise ValueError(
+            f"topology_gate limits the tokens the expert-parallel schedule sends across nodes; this layer runs "
+            f"parallel={schedule!r}: use parallel='expert' or topology_gate='off'"
+        )
+    share = setting if setting != "auto" else (cost.remote_token_share() if cost is not None else None)
+    if share is None:
+        raise ValueError(
+            "topology_gate='auto' takes W_net / (M W_local) from a profile with intra- and inter-node all-to-all "
+            "fits (calibrated with 2+ ranks per node): pass such a profile or the share itself, e.g. "
+            f"topology_gate={FASTERMOE_REMOTE_SHARE}"
+        )
+    node = groups.topology.node_of(groups.rank)
+    local_E = torch.tensor([
+        groups.topology.node_of(placement.holders(expert)[0]) == node for expert in range(config.num_experts)
+    ])
+    return NodeLimit(local_E, float(share))

@@ -1,0 +1,88 @@
+"""What one ``ParallelSchedule.run`` receives besides the plan and the dispatched buffer, and what
+it gives back.
+
+The layer builds a :class:`RunContext` once per forward, after the load is agreed and the plan
+chosen; every schedule reads what it needs from it and nothing else (no schedule is handed extra
+arguments by name). A schedule that wraps another (FasterMoE's shadowing, EPLB's slots) hands its
+inner schedule a context of its own with :func:`dataclasses.replace`: other experts, other counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.experts import ExpertCompute, ExpertSlots, FFNWeights
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.ragged import RaggedFFNCompute
+from moeflow.stats import PipelineTiming
+from moeflow.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One forward's inputs to a schedule, frozen: nothing is kept between two runs.
+
+    ``filled_WE``: every rank's kept tokens (after capacity) per column of the exchanged buffer,
+    the same on every rank; ``local`` names the columns this rank's experts compute, in local
+    order (for the layer's own experts, the placement's; for EPLB's slots, the rank's slots)."""
+
+    experts: ExpertSlots  # this rank's experts as stored (their weights in the parameters' dtype)
+    dtype: torch.dtype  # the dtype the experts compute in (autocast's or x's)
+    groups: ParallelGroups
+    placement: ExpertPlacement
+    timing: PipelineTiming
+    workspace: Workspace
+    filled_WE: torch.Tensor
+    local: tuple[int, ...]
+    capacity: int
+    kernel: str  # the layer's expert_kernel: "bmm", "loop" or "ragged"
+    backend: str  # the resolved kernel backend of the ragged kernel
+    estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.groups.size
+
+    def weights(self) -> FFNWeights:
+        """The local experts' weights in the compute dtype, cast in the graph."""
+        return self.experts.weights().cast(self.dtype)
+
+    def received_compute(self, first: int, block: int) -> ExpertCompute:
+        """The compute of the local experts on the slots they receive from ranks ``first`` to
+        ``first + block``: the ragged kernel on the filled ones, or the padded experts."""
+        return self.compute_on(self.filled_WE[first: first + block, list(self.local)].t())
+
+    def own_compute(self, columns: Sequence[int]) -> ExpertCompute:
+        """The compute of ``columns`` run here on this rank's own tokens only."""
+        return self.compute_on(self.filled_WE[self.rank, list(columns)].unsqueeze(1))
+
+    def compute_on(self, filled_LW: torch.Tensor) -> ExpertCompute:
+        """The ragged kernel over the filled slots ``filled_LW`` (local expert x source rank) when the
+        layer runs it, else the padded experts' own compute."""
+        if self.kernel != "ragged":
+            return self.experts.compute
+        return RaggedFFNCompute(
+            self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled(),
+            backend=self.backend,
+        )
+
+
+@dataclass(frozen=True)
+class ScheduleOutput:
+    """The combined (E, C, M) buffer and what the schedule reports about its run: the assignments
+    each rank's experts computed (empty when a schedule does not count them) and FasterMoE's
+    shadowed experts with the gain its cost model predicted for them."""
+
+    combined_ECM: torch.Tensor
+    rank_tokens: tuple[int, ...] = ()
+    shadowed_experts: tuple[int, ...] = ()
+    shadow_predicted_gain_s: float | None = None
