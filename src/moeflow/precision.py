@@ -1,4 +1,5 @@
-"""Mixed precision: the dtype a layer computes in, and its expert weights in that dtype.
+"""Mixed precision: the dtype a layer computes in (its schedules cast the expert weights to it in
+the graph, :meth:`moeflow.parallel.context.RunContext.weights`).
 
 bf16 or fp16 activations and expert GEMMs over fp32 parameters (the master weights the optimizer
 updates, as in every mixed-precision trainer): the layer computes in autocast's dtype when autocast
@@ -10,12 +11,9 @@ parameters in fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from moeflow.config import DTYPE_NAMES
-from moeflow.experts import ExpertFFN, FFNCompute, FFNWeights
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
@@ -32,27 +30,3 @@ def compute_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:
         f"x has dtype {dtype} but the layer's parameters are {param_dtype}; cast one to the other "
         f"(layer.to({dtype}) or x.to({param_dtype})); bf16/fp16 inputs may run over fp32 parameters"
     )
-
-
-@dataclass(frozen=True)
-class CastExperts:
-    """An :class:`~moeflow.experts.ExpertSlots` whose weights are the experts' cast to ``dtype``."""
-
-    experts: ExpertFFN
-    dtype: torch.dtype
-
-    @property
-    def compute(self) -> FFNCompute:
-        return self.experts.compute
-
-    @property
-    def num_experts(self) -> int:
-        return self.experts.num_experts
-
-    def weights(self) -> FFNWeights:
-        return self.experts.weights().cast(self.dtype)
-
-
-def experts_in(experts: ExpertFFN, dtype: torch.dtype) -> ExpertFFN | CastExperts:
-    """The experts as a schedule should run them in ``dtype``: themselves, or a casting view."""
-    return experts if experts.w1.dtype == dtype else CastExperts(experts, dtype)
