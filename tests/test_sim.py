@@ -583,7 +583,7 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     shape = RegionShape(8, 2, 512, 256, 512)
     assert region_model(shape).tokens_per_rank * region_model(shape).top_k // 8 == 512  # the capacity
     planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list,
-                              ranker=SimulatedRanker.from_profile(profile))
+                              ranker=SimulatedRanker.from_profile)
     assert planner._simulator is not None
     ranked = planner._simulated(shape, range(1, 17), backward=True)
     twin = planner._simulator.twin
@@ -593,9 +593,8 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     (search,) = planner._searches.values()
     assert search.candidates[:3] == [p for p, _ in ranked[:3]]
     links_only = {k: v for k, v in fits.items() if k != "alltoall.inter_node"}
-    links_profile = replace(profile, fits=links_only)
-    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(links_profile), reduce_max=list,
-                               ranker=SimulatedRanker.from_profile(links_profile))
+    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(replace(profile, fits=links_only)),
+                               reduce_max=list, ranker=SimulatedRanker.from_profile)
     assert fallback._simulator is None and fallback._simulated(shape, range(1, 17), True) is None
 
 

@@ -173,11 +173,9 @@ class MoELayer(nn.Module):
         """The per-iteration planner of ``schedule`` (degree and all-to-all) in the space it allows."""
         pipeline, algorithms, cost_model = schedule.plan_space(self.config.pipeline, self.algorithms, self.cost_model)
         reduce_max = self._reduce_max() if self.world_size > 1 else None
-        simulated = cost_model is not None and pipeline == "auto"  # the twin orders the online trials
-        ranker = SimulatedRanker.from_profile(cost_model.profile) if simulated else None
         return PipelinePlanner(
             pipeline, algorithms, cost_model, reduce_max, self.config.capacity_bucket, schedule=schedule.model,
-            ranker=ranker,
+            ranker=SimulatedRanker.from_profile,
         )
 
     @torch.no_grad()

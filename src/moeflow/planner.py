@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from moeflow.config import validate_pipeline
-from moeflow.perf import CostModel
+from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import (
     LOCAL,
@@ -86,8 +86,8 @@ class _Search:
 
 
 class PlanRanker(Protocol):
-    """Ranks candidate plans by predicted time (the simulator's twin of the profile, passed in by
-    the layer: the planner imports no simulator)."""
+    """Ranks candidate plans by predicted time (the simulator's twin of the profile, built by the
+    factory the layer passes in: the planner imports no simulator)."""
 
     def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None: ...
 
@@ -111,7 +111,7 @@ class PipelinePlanner:
         top_candidates: int = 3,
         schedule: str | ScheduleModel = "expert",
         min_gain: float = MIN_GAIN,
-        ranker: PlanRanker | None = None,
+        ranker: Callable[[ClusterProfile], PlanRanker | None] | None = None,
     ) -> None:
         validate_pipeline(pipeline)
         self.reduce_max = reduce_max
@@ -138,8 +138,10 @@ class PipelinePlanner:
         self.search_trials = search_trials
         self.top_candidates = top_candidates
         self.min_gain = min_gain
-        # the simulator's ranking on the profile's twin orders the online trials under "auto"
-        self._simulator = ranker if pipeline == "auto" and self.cost_model is not None else None
+        # under "auto", the simulator's ranking on the profile's twin (``ranker`` builds it) orders the trials
+        self._simulator = None
+        if ranker is not None and pipeline == "auto" and self.cost_model is not None:
+            self._simulator = ranker(self.cost_model.profile)
         self.dictionary: dict[int, Plan] = {}
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
         self._searches: dict[int, _Search] = {}
