@@ -15,7 +15,7 @@ on the global counts the layer already exchanges, so every rank picks the same s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf import CostModel
 from moeflow.perf.schedules import LOCAL, Plan
-from moeflow.perf.shadowing import ShadowPrices, rank_compute_load, select_shadowed_experts, shadowed_latency
+from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 
 
@@ -173,21 +173,17 @@ class ShadowedSchedule(WrappingSchedule):
         if shadow is None:
             return dataclasses.replace(self.inner.run(plan, dispatched_ECM, ctx), shadow_predicted_gain_s=gain)
         exchanged = dataclasses.replace(ctx, filled_WE=shadow.exchanged(ctx.filled_WE))  # owners skip shadows
+        ran: list[ScheduleOutput] = []
 
         def run_exchanged(buffer_ECM: torch.Tensor) -> torch.Tensor:
-            return self.inner.run(plan, buffer_ECM, exchanged).combined_ECM
+            ran.append(self.inner.run(plan, buffer_ECM, exchanged))
+            return ran[-1].combined_ECM
 
         weights = shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups.expert)
         combined_ECM = run_with_shadows(
             shadow, dispatched_ECM, weights, ctx.own_compute(shadow.experts), run_exchanged
         )
-        load = owner_load(ctx.filled_WE, ctx.placement, shadow.experts)
+        # each rank computes what its owned experts receive (the inner report) and its own shadowed tokens
+        own_W = ctx.filled_WE[:, list(shadow.experts)].sum(1).tolist()
+        load = tuple(received + own for received, own in zip(ran[-1].rank_tokens, own_W, strict=True))
         return ScheduleOutput(combined_ECM, load, shadow.experts, gain)
-
-
-def owner_load(filled_WE: torch.Tensor, placement: ExpertPlacement, shadowed: Iterable[int]) -> tuple[int, ...]:
-    """The assignments each rank's experts compute: every expert on its owner, except the
-    ``shadowed`` ones, which every rank computes for its own tokens."""
-    owners = [placement.holders(e)[0] for e in range(placement.num_experts)]
-    load_W = rank_compute_load(filled_WE.cpu().numpy(), owners, set(shadowed))
-    return tuple(int(tokens) for tokens in load_W)
