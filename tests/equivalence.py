@@ -19,8 +19,9 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.config import PARM_SCHEDULES, switchable_rs
+from moeflow.config import switchable_rs
 from moeflow.experts import shard_expert_state
+from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE
 from moeflow.training.packing import pack_layer
@@ -431,7 +432,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "group": groups,
     }
     node_limit = _reference_node_limit(case, kwargs.pop("topology_gate", "off"), rank, world_size)
-    if execution["parallel"] in PARM_SCHEDULES and groups.model is None:
+    if execution["parallel"] in MODEL_PARALLEL_SCHEDULES and groups.model is None:
         execution["parallel"] = "expert"  # no MP group on this world: the case runs as plain EP
         execution["alltoall"] = "linear" if execution["alltoall"] == "saa" else execution["alltoall"]
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):

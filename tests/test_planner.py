@@ -17,7 +17,7 @@ from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
-from moeflow.perf.schedules import SCHEDULE_MODELS, Plan, rank_schedule_plans
+from moeflow.perf.schedules import ExpertParallelModel, Plan, rank_schedule_plans
 from moeflow.planner import MIN_GAIN, simplest_within
 
 PROFILE = ClusterProfile(
@@ -95,7 +95,7 @@ def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks:
     plans = two_ranks[0]["auto"]
     capacity = 16  # 64 tokens, k=2, 8 experts, f=1
     shape = RegionShape(8, 2, capacity, 16, 32)
-    expert = SCHEDULE_MODELS["expert"]  # capacity-chunk plans and FasterMoE's smart schedule
+    expert = ExpertParallelModel()  # capacity-chunk plans and FasterMoE's smart schedule
     ranked = rank_schedule_plans(CostModel(PROFILE), shape, [expert], range(1, 17), ("linear", "pairwise"), True)
     top = [plan for plan, _ in ranked[:3]]
     anchors = expert.candidates(shape, (1, 2, 4, 8), (top[0].algorithm,))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.parallel.schedules import select_schedule
+from moeflow.parallel.registry import select_schedule
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
-from moeflow.perf.schedules import SCHEDULE_MODELS, Plan
+from moeflow.perf.schedules import ExpertParallelModel, Plan, ReplicatedModel
 
 
 def _cost(alltoall_beta: float, allreduce_beta: float) -> CostModel:
@@ -28,8 +28,8 @@ def test_auto_weighs_the_alltoalls_against_the_gradient_allreduce(shape: RegionS
     cost = _cost(8e-9, 8e-9)  # ~1 Gbit/s both
     choice = select_schedule("auto", shape.experts, 2, cost, shape, ("linear",))
     assert (choice.schedule.name, choice.reason) == (expected, "model")
-    replicated = SCHEDULE_MODELS["replicated"].predict(Plan("replicated", 1, "none"), cost, shape, backward=True)
-    expert = SCHEDULE_MODELS["expert"].predict(Plan("expert", 1, "linear"), cost, shape, backward=True)
+    replicated = ReplicatedModel().predict(Plan("replicated", 1, "none"), cost, shape, backward=True)
+    expert = ExpertParallelModel().predict(Plan("expert", 1, "linear"), cost, shape, backward=True)
     assert (replicated.total_s < expert.total_s) == (expected == "replicated")
     assert replicated.expert_memory_bytes == 2 * expert.expert_memory_bytes  # E vs E / 2 experts per rank
 

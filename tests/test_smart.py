@@ -15,7 +15,7 @@ from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, pipeline_makespan, predict_plan
-from moeflow.perf.schedules import SCHEDULE_MODELS, SMART, Plan, predict_smart
+from moeflow.perf.schedules import SMART, ExpertParallelModel, Plan, predict_smart
 
 SHAPE = RegionShape(experts=4, world_size=2, capacity=256, model_dim=64, hidden_dim=128)
 
@@ -28,7 +28,7 @@ def _profile(nodes: int = 2, per_node: int = 1) -> ClusterProfile:
 
 
 def test_the_expert_schedule_offers_the_smart_plan_where_pairwise_is_a_candidate() -> None:
-    model = SCHEDULE_MODELS["expert"]
+    model = ExpertParallelModel()
     assert Plan(SMART, 1, "pairwise") in model.candidates(SHAPE, [1, 2], ["linear", "pairwise"])
     assert all(plan.schedule == "expert" for plan in model.candidates(SHAPE, [1, 2], ["linear"]))
 
@@ -41,7 +41,7 @@ def test_with_one_rank_per_node_the_first_step_is_free_and_overlaps_the_remote_o
     assert smart.forward_s == pytest.approx(pipeline_makespan([0.0, whole], [step, step], [0.0, whole]))
     unpipelined = predict_plan(cost, SHAPE, 1, "pairwise", backward=False)
     assert smart.forward_s < unpipelined.forward_s  # C_0 runs while S_1 is in flight
-    assert SCHEDULE_MODELS["expert"].predict(Plan(SMART, 1, "pairwise"), cost, SHAPE, False) == smart
+    assert ExpertParallelModel().predict(Plan(SMART, 1, "pairwise"), cost, SHAPE, False) == smart
 
 
 def _smart_stats(rank: int, world_size: int) -> dict[str, Any]:
@@ -69,14 +69,14 @@ def test_smart_needs_the_expert_schedule() -> None:
 
 
 def test_parallel_auto_runs_the_expert_schedule_when_a_smart_plan_ranks_first() -> None:
-    from moeflow.parallel.schedules import select_schedule
-    from moeflow.perf.schedules import rank_schedule_plans
+    from moeflow.parallel.registry import select_schedule
+    from moeflow.perf.schedules import AdaptiveModel, ReplicatedModel, rank_schedule_plans
 
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
         **_profile().fits, "alltoall.linear": AlphaBeta(1e-3, 1e-7), "allreduce": AlphaBeta(1.0, 1e-6),
     })
-    ranked = rank_schedule_plans(CostModel(profile), SHAPE, ("expert", "replicated", "adaptive"), (1,),
-                                 ("linear", "pairwise"), backward=True)
+    models = (ExpertParallelModel(), ReplicatedModel(), AdaptiveModel())
+    ranked = rank_schedule_plans(CostModel(profile), SHAPE, models, (1,), ("linear", "pairwise"), backward=True)
     assert ranked[0][0].schedule == SMART
     choice = select_schedule("auto", 4, 2, CostModel(profile), SHAPE, ("linear", "pairwise"))
     assert (choice.schedule.name, choice.reason) == ("expert", "model")

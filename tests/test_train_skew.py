@@ -49,12 +49,13 @@ def _profile(path: Path) -> str:
         ({"shadowing": "always"}, "unknown shadowing 'always'; choose one of off, auto"),
         ({"gate": "topo"}, "unknown gate 'topo'; choose one of plain, topology"),
         ({"shadowing": "auto", "profile": "p.json", "parallel": "replicated"},
-         "--shadowing auto: FasterMoE's shadowing and topology-aware gate act on the expert-parallel schedule, "
-         "but --parallel replicated"),
-        ({"gate": "topology", "parallel": 0}, "--gate topology: FasterMoE's shadowing"),
-        ({"gate": "topology", "parallel": "adaptive"}, "--parallel adaptive (with --mp-size 1, 2 workers, 4 experts) "
-                                                       "runs another"),
-        ({"gate": "topology", "workers": 4, "mp_size": 2, "parallel": "s1"}, "use --parallel expert"),
+         "shadowing replicates hot experts of the expert-parallel schedule; this layer runs "
+         "parallel='replicated': use parallel='expert' or shadowing='off'"),
+        ({"gate": "topology", "parallel": 0}, "this layer runs parallel='adaptive'"),
+        ({"gate": "topology", "parallel": "adaptive"}, "runs parallel='adaptive': use parallel='expert' or "
+                                                       "topology_gate='off'"),
+        ({"gate": "topology", "workers": 4, "mp_size": 2, "parallel": "s1"},
+         "runs parallel='s1': use parallel='expert'"),
         ({"gate": "topology", "shadowing": "auto", "profile": "p.json", "hf": "some/model"},
          "--shadowing auto and --gate topology: only moeflow's own model passes these"),
     ],

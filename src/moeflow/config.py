@@ -36,11 +36,6 @@ PIPELINE_POLICIES = ("auto", "model", "search", "smart")
 ``search``: capacity-chunk degrees and algorithms, with FasterMoE's smart schedule among the
 candidates), or FasterMoE's smart schedule forced (``smart``); an int forces a capacity-chunk degree."""
 MAX_PIPELINE_DEGREE = 64
-PARM_SCHEDULES = ("s1", "s2", "ds-baseline")
-"""Parm's schedules: they need the ``mp_group`` of the tensor-parallel attention in front."""
-PARALLEL_SCHEDULES = ("expert", "replicated", "adaptive", *PARM_SCHEDULES)
-PARALLEL_CHOICES = ("auto", *PARALLEL_SCHEDULES)
-"""``parallel`` is one of these names or Tutel's r, an int (see :func:`switchable_rs`)."""
 
 
 def ffn_projections(activation: str) -> int:
@@ -134,7 +129,7 @@ class MoEConfig:
         if self.topology_gate != "off" and self.expert_groups > 1:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
-        validate_redundant_experts(self.redundant_experts, self.shadowing, self.topology_gate)
+        validate_redundant_experts(self.redundant_experts)
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):
@@ -228,13 +223,14 @@ def validate_pipeline(pipeline: object) -> int | str:
 
 
 def validate_parallel(parallel: object) -> str | int:
-    """A schedule name, or Tutel's r as an int >= 0 (checked against E and W by the layer)."""
+    """A schedule's name (the registry, :mod:`moeflow.parallel.registry`, checks which) or Tutel's
+    r as an int >= 0 (checked against E and W by the layer)."""
     if isinstance(parallel, str):
-        require_choice("parallel", parallel, PARALLEL_CHOICES)
         return parallel
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 0:
         raise ValueError(
-            f"parallel must be one of {', '.join(PARALLEL_CHOICES)} or Tutel's r (an integer >= 0), got {parallel!r}"
+            f"parallel must be one of the schedules' names (moeflow.parallel.registry.PARALLEL_CHOICES) or Tutel's r "
+            f"(an integer >= 0), got {parallel!r}"
         )
     return parallel
 
@@ -256,16 +252,10 @@ def validate_shadowing(shadowing: object, num_experts: int) -> str | tuple[int, 
     )
 
 
-def validate_redundant_experts(redundant: object, shadowing: object, topology_gate: object) -> None:
-    """EPLB's extra slots: a count >= 0; they replace shadowing (both replicate hot experts) and the
-    topology gate (whose node of an expert is one rank's)."""
+def validate_redundant_experts(redundant: object) -> None:
+    """EPLB's extra slots: a count >= 0 (what they run beside is the registry's rule)."""
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
         raise ValueError(f"redundant_experts must be an int >= 0 (extra expert slots), got {redundant!r}")
-    if redundant and (shadowing != "off" or topology_gate != "off"):
-        raise ValueError(
-            "redundant_experts replicates hot experts across steps; it runs without shadowing and the topology "
-            "gate: set shadowing='off' and topology_gate='off', or redundant_experts=0"
-        )
 
 
 FASTERMOE_REMOTE_SHARE = 0.14

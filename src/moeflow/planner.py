@@ -34,10 +34,11 @@ from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import (
     LOCAL,
-    SCHEDULE_MODELS,
     SMART,
     SMART_PLAN_ALGORITHM,
+    ExpertParallelModel,
     Plan,
+    ReplicatedModel,
     ScheduleModel,
     rank_schedule_plans,
 )
@@ -109,13 +110,13 @@ class PipelinePlanner:
         capacity_bucket: int = 128,
         search_trials: int = 3,
         top_candidates: int = 3,
-        schedule: str | ScheduleModel = "expert",
+        schedule: ScheduleModel | None = None,
         min_gain: float = MIN_GAIN,
         ranker: Callable[[ClusterProfile], PlanRanker | None] | None = None,
     ) -> None:
         validate_pipeline(pipeline)
         self.reduce_max = reduce_max
-        self.model = SCHEDULE_MODELS[schedule] if isinstance(schedule, str) else schedule
+        self.model = schedule if schedule is not None else ExpertParallelModel()
         self.schedule = self.model.name
         if not self.model.sends_tokens:
             algorithms = (LOCAL,)
@@ -333,5 +334,5 @@ def _modelled_algorithms(cost_model: CostModel | None, algorithms: tuple[str, ..
     """The algorithms the profile can predict (none without the GEMM fit)."""
     if cost_model is None or "gemm" not in cost_model.profile.fits:
         return ()
-    local = SCHEDULE_MODELS["replicated"].can_predict(cost_model)
+    local = ReplicatedModel().can_predict(cost_model)
     return tuple(a for a in algorithms if (a == LOCAL and local) or f"alltoall.{a}" in cost_model.profile.fits)

@@ -73,8 +73,9 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     import torch.distributed as dist
 
     from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner, slowest_rank_seconds
-    from moeflow.config import PARM_SCHEDULES, switchable_rs
+    from moeflow.config import switchable_rs
     from moeflow.layer import MoELayer
+    from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if point.mp > 1 and groups.model is None:
@@ -89,7 +90,7 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
         )
 
     if point.mp > 1:
-        layers = {name: build(name) for name in PARM_SCHEDULES}
+        layers = {name: build(name) for name in MODEL_PARALLEL_SCHEDULES}
         layers["s2-saa"] = build("s2", alltoall="saa")
         layers["planner"] = build("auto")
     else:

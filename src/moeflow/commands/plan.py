@@ -204,7 +204,7 @@ def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_de
 
     if not AdaptiveModel().can_predict(model):
         return
-    ranked = rank_schedule_plans(model, region, ("adaptive",), range(1, max_degree + 1), algorithms, backward)
+    ranked = rank_schedule_plans(model, region, (AdaptiveModel(),), range(1, max_degree + 1), algorithms, backward)
     best: dict[int, Any] = {}
     for plan, prediction in ranked:  # fastest first
         best.setdefault(plan.r, (plan, prediction))
@@ -221,9 +221,9 @@ def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
     """The replicated schedule's line (with the gradient all-reduce it adds to training), or None
     when the profile cannot price it."""
     from moeflow.bench import print_json
-    from moeflow.perf.schedules import SCHEDULE_MODELS
+    from moeflow.perf.schedules import ReplicatedModel
 
-    schedule = SCHEDULE_MODELS["replicated"]
+    schedule = ReplicatedModel()
     if not schedule.can_predict(model):
         return None
     (plan,) = schedule.candidates(region, (), ())

@@ -30,7 +30,7 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--nodes", type=positive_int, default=None, help="override the cluster's node count")
     sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the GPUs per node")
     sim.add_argument("--schedule", default="expert",
-                     help="comma list of expert, replicated, smart, or Parm's s1, s2, ds-baseline (default expert)")
+                     help="comma list of simulated schedules (the registry's; default expert)")
     sim.add_argument("--mp", type=positive_int, default=1,
                      help="tensor-parallel attention over this many ranks of a node (Parm's schedules; default 1)")
     sim.add_argument("--esp", type=positive_int, default=1,

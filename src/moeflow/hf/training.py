@@ -27,7 +27,7 @@ from moeflow.hf.loading import check_model_dir, load_hf_model
 from moeflow.layer import MoELayer
 from moeflow.models.transformer import total_aux_loss
 from moeflow.parallel.placement import expert_parallel_names
-from moeflow.parallel.schedules import RAGGED_SCHEDULES
+from moeflow.parallel.registry import RAGGED_SCHEDULES
 from moeflow.phases import PhaseClock
 from moeflow.training.config import TrainConfig
 

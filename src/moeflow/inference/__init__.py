@@ -22,6 +22,7 @@ from moeflow.layer import MoELayer
 from moeflow.parallel.dynamic import DynamicPlacementSchedule
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.registry import check_techniques
 
 __all__ = [
     "INFERENCE_SCHEDULES", "MAX_EXPERTS_PER_RANK", "PATH_LENGTH", "PROFILE_FILE", "InferenceScheduler", "LayerRecord",
@@ -57,17 +58,7 @@ def schedule_layer(layer: MoELayer, hook: InferenceHook | None) -> None:
     if isinstance(current, DynamicPlacementSchedule):
         layer.switch(DynamicPlacementSchedule(hook, current.previous), layer.placement, planner=layer.planner)
         return
-    _check_schedulable(layer)
+    check_techniques(layer.config, layer.schedule.name, applied=("inference scheduling",))
     config = layer.config
     replicated = ExpertPlacement.replicated(config.num_experts, layer.world_size, config.hidden_dim)
     layer.switch(DynamicPlacementSchedule(hook, (current, layer.placement, layer.planner)), replicated)
-
-
-def _check_schedulable(layer: MoELayer) -> None:
-    config = layer.config
-    others = {"shadowing": config.shadowing != "off", "redundant_experts": config.redundant_experts > 0,
-              "topology_gate": config.topology_gate != "off", "mp_group": layer.groups.model is not None,
-              f"parallel={layer.schedule.name!r}": layer.schedule.name not in ("expert", "replicated")}
-    if clash := [name for name, on in others.items() if on]:
-        raise ValueError(f"inference scheduling places the experts per batch over whole experts; this layer "
-                         f"uses {', '.join(clash)}: build it with parallel='expert' and those off")

@@ -1,7 +1,8 @@
 """The execution a layer's settings describe, decided once when it is built: its schedule (with
 the techniques that wrap it), where the weights live, the all-to-alls its planner may pick and
-FasterMoE's topology-aware gate. Every check of which settings combine on a given group runs here,
-so the layer only assembles what this module returns."""
+FasterMoE's topology-aware gate. Which techniques combine is the registry's rule
+(:func:`moeflow.parallel.registry.check_techniques`); the checks that depend on the group run
+here, so the layer only assembles what this module returns."""
 
 from __future__ import annotations
 
@@ -13,18 +14,12 @@ import torch.distributed as dist
 from moeflow.capacity import estimated_needed_capacity
 from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import (
-    ALLTOALL_ALGORITHMS,
-    FASTERMOE_REMOTE_SHARE,
-    PARM_SCHEDULES,
-    SAA,
-    MoEConfig,
-    ffn_projections,
-)
+from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
-from moeflow.parallel.schedules import RAGGED_SCHEDULES, ParallelSchedule, select_schedule
+from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, check_parallel, check_techniques, select_schedule
+from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import CostModel
@@ -56,6 +51,7 @@ def region_shape(
 def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None) -> Execution:
     """The schedule, its placement and the planner's algorithms for ``config`` on ``groups``."""
     _check_alltoall(config, groups)
+    check_parallel(config.parallel)
     mp_size = check_mp_group(groups) if groups.model is not None else 1
     algorithms = candidate_algorithms(config, groups, cost_model, mp_size > 1)
     choice = select_schedule(
@@ -63,24 +59,20 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
         _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline, mp_size,
     )
     schedule = choice.schedule
-    if config.expert_kernel == "ragged" and not schedule.takes_ragged:
-        raise ValueError(
-            f"expert_kernel='ragged' runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their "
-            f"received slots), not {schedule.name!r}; use expert_kernel='bmm'"
-        )
+    check_techniques(config, schedule.name)
     placement = schedule.placement(config.num_experts, groups.size, config.hidden_dim)
     if config.redundant_experts:  # EPLB's slots, balanced for an even load until the first rebalance
-        slots = slots_per_rank(config.redundant_experts, config.num_experts, groups.size, schedule.name)
+        slots = slots_per_rank(config.redundant_experts, config.num_experts, groups.size)
         placement = balanced_placement([1.0] * config.num_experts, slots, groups.topology, config.hidden_dim)
         schedule = SlotSchedule(schedule)
-    check_smart_pipeline(config.pipeline, schedule.name, groups)
-    check_shadowing(config.shadowing, schedule.name, cost_model)
+    check_smart_pipeline(config.pipeline, groups)
+    check_shadowing(config.shadowing, cost_model)
     if config.shadowing != "off":
         schedule = ShadowedSchedule(
             schedule, config.shadowing, cost_model, config.model_dim, config.hidden_dim,
             ffn_projections(config.activation),
         )
-    node_limit = topology_node_limit(config, schedule.name, placement, groups, cost_model)
+    node_limit = topology_node_limit(config, placement, groups, cost_model)
     return Execution(schedule, choice.reason, placement, algorithms, node_limit)
 
 
@@ -88,18 +80,18 @@ def attach_mp_group(groups: ParallelGroups, mp_group: dist.ProcessGroup | None, 
     """Parm's schedules run behind tensor-parallel attention over ``mp_group`` (``auto`` then
     chooses between S1 and S2); the others have no use for one."""
     if mp_group is None:
-        if parallel in PARM_SCHEDULES and groups.model is None:
+        if parallel in MODEL_PARALLEL_SCHEDULES and groups.model is None:
             raise ValueError(f"parallel={parallel!r} needs mp_group=<the tensor-parallel group of the attention>")
-        if groups.model is not None and parallel not in (*PARM_SCHEDULES, "auto"):
+        if groups.model is not None and parallel not in (*MODEL_PARALLEL_SCHEDULES, AUTO):
             raise ValueError(
                 f"the ParallelGroups passed as group have a model (tensor-parallel) group, which only Parm's "
-                f"schedules use; got parallel={parallel!r}: use 'auto' or one of {PARM_SCHEDULES}"
+                f"schedules use; got parallel={parallel!r}: use 'auto' or one of {MODEL_PARALLEL_SCHEDULES}"
             )
         return
-    if parallel not in (*PARM_SCHEDULES, "auto"):
+    if parallel not in (*MODEL_PARALLEL_SCHEDULES, AUTO):
         raise ValueError(
             f"mp_group is used by Parm's schedules (parallel='auto' or "
-            f"{' or '.join(map(repr, PARM_SCHEDULES))}); got parallel={parallel!r}"
+            f"{' or '.join(map(repr, MODEL_PARALLEL_SCHEDULES))}); got parallel={parallel!r}"
         )
     if groups.model is not None and groups.model != mp_group:
         raise ValueError("mp_group differs from the model group of the ParallelGroups passed as group")
@@ -107,7 +99,7 @@ def attach_mp_group(groups: ParallelGroups, mp_group: dist.ProcessGroup | None, 
 
 
 def _check_alltoall(config: MoEConfig, groups: ParallelGroups) -> None:
-    if config.alltoall == SAA and (groups.model is None or config.parallel in ("s1", "ds-baseline")):
+    if config.alltoall == SAA and groups.model is None:
         raise ValueError(
             "alltoall='saa' overlaps Parm's S2 combine with the MP all-gather: it needs parallel='s2' or "
             "'auto' with mp_group=<the tensor-parallel group>; use alltoall='linear' or 'auto'"
@@ -151,18 +143,13 @@ def _hint_shape(
 
 
 def topology_node_limit(
-    config: MoEConfig, schedule: str, placement: ExpertPlacement, groups: ParallelGroups, cost: CostModel | None
+    config: MoEConfig, placement: ExpertPlacement, groups: ParallelGroups, cost: CostModel | None
 ) -> NodeLimit | None:
     """FasterMoE's topology-aware gate for this rank: the experts on its node and the share of
     its tokens that may pick others (``topology_gate``, or W_net / (M W_local) from the profile)."""
     setting = config.topology_gate
     if setting == "off":
         return None
-    if schedule != "expert":
-        raise ValueError(
-            f"topology_gate limits the tokens the expert-parallel schedule sends across nodes; this layer runs "
-            f"parallel={schedule!r}: use parallel='expert' or topology_gate='off'"
-        )
     share = setting if setting != "auto" else (cost.remote_token_share() if cost is not None else None)
     if share is None:
         raise ValueError(

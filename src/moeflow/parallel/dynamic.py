@@ -28,7 +28,7 @@ from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import split_evenly
 from moeflow.perf import CostModel
-from moeflow.perf.schedules import SCHEDULE_MODELS, Plan, ScheduleModel
+from moeflow.perf.schedules import ExpertParallelModel, Plan, ScheduleModel
 from moeflow.stats import PipelineTiming
 
 
@@ -137,7 +137,7 @@ class DynamicPlacementSchedule(ModelledSchedule):
 
     @property
     def model(self) -> ScheduleModel:
-        return SCHEDULE_MODELS["expert"]
+        return ExpertParallelModel()
 
     @property
     def hook(self) -> InferenceHook:

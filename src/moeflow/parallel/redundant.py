@@ -40,14 +40,9 @@ from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 
 
-def slots_per_rank(redundant: int, num_experts: int, world_size: int, schedule: str) -> int:
+def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:
     """S for ``redundant`` extra slots: replicas are slots of the expert-parallel exchange, which
     needs the same number on every rank."""
-    if schedule != "expert":
-        raise ValueError(
-            f"redundant_experts={redundant} adds slots to the expert-parallel schedule; this layer runs "
-            f"parallel={schedule!r}: use parallel='expert' or redundant_experts=0"
-        )
     slots = num_experts + redundant
     if slots % world_size:
         raise ValueError(

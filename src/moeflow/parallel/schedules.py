@@ -26,19 +26,16 @@ from typing import Protocol
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import PARM_SCHEDULES, MoEConfig
 from moeflow.experts import ExpertCompute
-from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
-from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
-from moeflow.perf.schedules import LOCAL, SCHEDULE_MODELS, SMART, Plan, ScheduleModel, rank_schedule_plans
+from moeflow.perf.schedules import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
 
@@ -87,13 +84,9 @@ class ParallelSchedule(Protocol):
 
 @dataclass(frozen=True)
 class _ModelledSchedule(ModelledSchedule):
-    """Candidates and predictions come from the schedule's numpy model of the same name."""
+    """A schedule run by the capacity-chunk pipeline over its own exchange."""
 
     name: str
-
-    @property
-    def model(self) -> ScheduleModel:
-        return SCHEDULE_MODELS[self.name]
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The pipelined experts, with this schedule's way of moving chunks and its kernel."""
@@ -115,6 +108,10 @@ class _ModelledSchedule(ModelledSchedule):
 class ExpertParallelSchedule(_ModelledSchedule):
     name: str = "expert"
     takes_ragged = True
+
+    @property
+    def model(self) -> ScheduleModel:
+        return ExpertParallelModel()
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
@@ -141,6 +138,10 @@ class ReplicatedSchedule(_ModelledSchedule):
     name: str = "replicated"
     takes_ragged = True
 
+    @property
+    def model(self) -> ScheduleModel:
+        return ReplicatedModel()
+
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
 
@@ -164,7 +165,7 @@ class PackedSchedule(_ModelledSchedule):
 
     @property
     def model(self) -> ScheduleModel:
-        return SCHEDULE_MODELS["expert"]
+        return ExpertParallelModel()  # priced as an expert-parallel exchange
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.packed(num_experts, world_size, self.group_size, hidden_dim)
@@ -189,69 +190,3 @@ def packed_schedule(group_size: int, world_size: int) -> ParallelSchedule:
     """The schedule of blocks of ``group_size`` ranks: expert parallelism itself when the block is
     the whole group."""
     return ExpertParallelSchedule() if group_size == world_size else PackedSchedule(group_size=group_size)
-
-
-def check_packing(config: MoEConfig, schedule: str, world_size: int, experts_per_rank: int) -> None:
-    """Packing re-places an expert-parallel layer: ``experts_per_rank`` must be a multiple of E / W
-    that divides E, and no technique that places experts its own way may run beside it."""
-    least = config.num_experts // world_size
-    if schedule not in ("expert", "packed") or world_size > config.num_experts:
-        raise ValueError(f"expert packing re-places the expert-parallel schedule with W <= E; this layer runs "
-                         f"parallel={schedule!r} on {world_size} ranks: use parallel='expert'")
-    if experts_per_rank < least or config.num_experts % experts_per_rank or world_size % (
-            config.num_experts // experts_per_rank):
-        raise ValueError(f"experts_per_rank={experts_per_rank} cannot pack {config.num_experts} experts on "
-                         f"{world_size} ranks: use a multiple of {least} that divides {config.num_experts}")
-    others = {"shadowing": config.shadowing != "off", "redundant_experts": config.redundant_experts > 0,
-              "topology_gate": config.topology_gate != "off", "pipeline='smart'": config.pipeline == SMART,
-              "alltoall": config.alltoall not in ("auto", "linear")}
-    if clash := [name for name, on in others.items() if on]:
-        raise ValueError(f"expert packing moves the experts itself and runs the linear all-to-all; turn off "
-                         f"{', '.join(clash)} (alltoall 'auto' or 'linear')")
-
-
-SCHEDULES: dict[str, ParallelSchedule] = {
-    "expert": ExpertParallelSchedule(), "replicated": ReplicatedSchedule(), "adaptive": AdaptiveSchedule(),
-}
-RAGGED_SCHEDULES = tuple(name for name, schedule in SCHEDULES.items() if schedule.takes_ragged)
-"""The ``parallel`` choices that run whole local experts on their received slots (the ragged kernel)."""
-
-
-@dataclass(frozen=True)
-class ScheduleChoice:
-    schedule: ParallelSchedule
-    reason: str  # "forced", "default" (no profile or token hint), "layout" (W > E) or "model"
-
-
-def select_schedule(
-    parallel: str | int, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
-    algorithms: tuple[str, ...], pipeline: int | str = "auto", mp_size: int = 1,
-) -> ScheduleChoice:
-    """The layer's schedule, fixed when it is built because it decides where the weights live.
-
-    ``auto`` ranks the schedules for a training step (forward, backward and the gradient sync each
-    choice costs) at the expected shape. Expert parallelism is priced unpipelined (or at a forced
-    degree): the overlap the model promises is what it gets wrong on the 2-core testbed (it put
-    d=10-16 first where d=2 ran fastest), and the online planner can still pipeline afterwards.
-    Without a profile or a token hint it keeps expert parallelism, which holds the fewest weights
-    per rank (and whose placement explains what to do when E is not divisible by the group size).
-    With more ranks than experts (a multiple of them) only Tutel's switchable layout fits: ``auto``
-    is ``adaptive`` there. An int is Tutel's r, fixed. Parm's schedules run behind tensor-parallel
-    attention of ``mp_size`` ranks; behind it ``auto`` is Parm: S1 or S2 chosen per iteration."""
-    if isinstance(parallel, int):
-        return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
-    if parallel == "ds-baseline":
-        return ScheduleChoice(BaselineSchedule(mp_size), "forced")
-    if parallel in PARM_SCHEDULES:
-        return ScheduleChoice(ParmSchedule(mp_size, parallel), "forced")
-    if parallel == "auto" and mp_size > 1:
-        return ScheduleChoice(ParmSchedule(mp_size, "parm"), "mp_group")
-    if parallel != "auto":
-        return ScheduleChoice(SCHEDULES[parallel], "forced")
-    if world_size > num_experts and world_size % num_experts == 0:
-        return ScheduleChoice(SCHEDULES["adaptive"], "layout")
-    if world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
-        return ScheduleChoice(SCHEDULES["expert"], "default")
-    degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
-    ranked = rank_schedule_plans(cost_model, shape, tuple(SCHEDULES), degrees, algorithms, backward=True)
-    return ScheduleChoice(SCHEDULES[ranked[0][0].placement_schedule], "model")

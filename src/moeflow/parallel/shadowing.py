@@ -56,16 +56,9 @@ def _without(experts: tuple[int, ...], counts_WE: torch.Tensor) -> torch.Tensor:
     return counts_WE.index_fill(1, torch.tensor(experts, dtype=torch.long), 0)
 
 
-def check_shadowing(setting: str | tuple[int, ...], schedule: str, cost_model: object | None) -> None:
-    """Shadowing runs on the expert-parallel schedule (the others already replicate or shard the
-    experts), and ``auto`` prices its choice with a calibrated profile."""
-    if setting == "off":
-        return
-    if schedule != "expert":
-        raise ValueError(
-            f"shadowing={setting!r} shadows experts of the expert-parallel schedule; this layer runs "
-            f"parallel={schedule!r}: use parallel='expert' or shadowing='off'"
-        )
+def check_shadowing(setting: str | tuple[int, ...], cost_model: object | None) -> None:
+    """``auto`` prices its choice with a calibrated profile (which schedules shadowing runs on is
+    the registry's rule)."""
     if setting == "auto" and cost_model is None:
         raise ValueError(
             "shadowing='auto' decides with FasterMoE's cost model: pass profile=<a calibrated cluster profile> "

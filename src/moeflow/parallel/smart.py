@@ -59,17 +59,13 @@ class SmartSteps:
         return pairwise_peers(self.topology, self.groups.rank, step)[1]
 
 
-def check_smart_pipeline(pipeline: int | str, schedule: str, groups: ParallelGroups) -> None:
-    """``pipeline="smart"`` needs the expert-parallel schedule, and the world group (the pairwise
-    steps address ranks by their global number)."""
-    if pipeline != SMART:
-        return
-    if schedule != "expert" or (groups.size > 1 and not groups.is_world):
-        where = f"parallel={schedule!r}" + ("" if groups.is_world else " on a custom group")
+def check_smart_pipeline(pipeline: int | str, groups: ParallelGroups) -> None:
+    """``pipeline="smart"`` needs the world group: the pairwise steps address ranks by their
+    global number (that it runs on the expert-parallel schedule is the registry's rule)."""
+    if pipeline == SMART and groups.size > 1 and not groups.is_world:
         raise ValueError(
             "pipeline='smart' runs FasterMoE's pairwise steps of the expert-parallel schedule over the default "
-            f"(world) process group; this layer runs {where}: use parallel='expert' on the world group or "
-            "pipeline='auto'"
+            "(world) process group; this layer runs on a custom group: use the world group or pipeline='auto'"
         )
 
 

@@ -204,23 +204,16 @@ class AdaptiveModel:
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, block, self.name)
 
 
-SCHEDULE_MODELS: dict[str, ScheduleModel] = {
-    "expert": ExpertParallelModel(), "replicated": ReplicatedModel(), "adaptive": AdaptiveModel(),
-}
-
-
 def rank_schedule_plans(
-    cost: CostModel, shape: RegionShape, schedules: Iterable[str | ScheduleModel], degrees: Iterable[int],
+    cost: CostModel, shape: RegionShape, schedules: Iterable[ScheduleModel], degrees: Iterable[int],
     algorithms: Iterable[str], backward: bool,
 ) -> list[tuple[Plan, PlanPrediction]]:
-    """Every candidate of every schedule (a model, or the name of one) the profile can predict,
-    fastest first."""
+    """Every candidate of every schedule model the profile can predict, fastest first."""
     degrees = list(degrees)
     ranked = []
     for schedule in schedules:
-        model = SCHEDULE_MODELS[schedule] if isinstance(schedule, str) else schedule
-        if not model.can_predict(cost):
+        if not schedule.can_predict(cost):
             continue
-        for plan in model.candidates(shape, degrees, algorithms):
-            ranked.append((plan, model.predict(plan, cost, shape, backward)))
+        for plan in schedule.candidates(shape, degrees, algorithms):
+            ranked.append((plan, schedule.predict(plan, cost, shape, backward)))
     return sorted(ranked, key=lambda item: (item[1].total_s, item[0].degree))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moeflow.parallel.registry import SIMULATED_REGIONS
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.step import SIM_SCHEDULES, StepPlan, simulate_step, simulated_algorithm
+from moeflow.sim.step import StepPlan, simulate_step, simulated_algorithm
 from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def region_model(shape: RegionShape) -> ModelSpec:
 
 def step_plan(plan: Plan) -> StepPlan | None:
     """The simulator's plan for a layer plan, or None for a schedule it does not model."""
-    if plan.schedule not in SIM_SCHEDULES:
+    if plan.schedule not in SIMULATED_REGIONS:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
     if plan.schedule == "adaptive":

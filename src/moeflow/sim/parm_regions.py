@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from moeflow.perf.pipeline import capacity_chunks
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from moeflow.sim.step import StepBuilder
     from moeflow.sim.workload import LayerLoad
 
-PARM_SCHEDULES = ("s1", "s2", "ds-baseline")
 
 
 def gated_share(schedule: str, mp: int, esp: int) -> float:
@@ -130,5 +128,3 @@ def baseline_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
 
     return _pipelined(b, b.capacity(load), gathered, [inputs], backward, exchange, reduce)[1]
 
-
-PARM_REGIONS = MappingProxyType({"s1": s1_region, "s2": s2_region, "ds-baseline": baseline_region})

@@ -8,6 +8,9 @@ moeflow's layer has one :class:`ParallelSchedule` per technique:
 - ``adaptive``: Tutel's switchable parallelism at its r (0: weights all-gathered, ZeRO-3; r >= 1:
   tokens repeated r times, each hidden block's weights gathered over (W / E) / r ranks).
 
+Each is registered with its technique in :mod:`moeflow.parallel.registry`, which the simulator's
+modes come from.
+
 FasterMoE's shadowing wraps any of them: the hottest experts' weights are broadcast, their tokens
 stay home, and only the rest travel (their gradients are all-reduced in the backward). Parm's
 schedules and their DeepSpeed-MoE baseline live in :mod:`moeflow.sim.parm_regions`.
@@ -15,14 +18,12 @@ schedules and their DeepSpeed-MoE baseline live in :mod:`moeflow.sim.parm_region
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.sim.engine import ALLTOALL, COMPUTE, Times
-from moeflow.sim.parm_regions import PARM_REGIONS
 
 if TYPE_CHECKING:
     from moeflow.sim.step import StepBuilder
@@ -87,10 +88,6 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     if backward and group > 1:
         done = [b.collective(ALLTOALL, network.reducescatter(stored * group, group), done, "reducescatter")]
     return done
-
-
-REGIONS = MappingProxyType({"expert": expert_region, "replicated": replicated_region, "smart": smart_region,
-                            "adaptive": adaptive_region, **PARM_REGIONS})
 
 
 def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:

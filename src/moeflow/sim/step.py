@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 
 from moeflow.config import ALLTOALL_ALGORITHMS, check_switchable_layout, validate_r
+from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES, SIMULATED_REGIONS
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.engine import ALLTOALL, COMPUTE, GRADIENTS, MODEL_PARALLEL, Timeline, Times
 from moeflow.sim.network import ALLREDUCE_ALGORITHMS, LocalCopy, Network, Step
-from moeflow.sim.parm_regions import PARM_SCHEDULES, gated_share
-from moeflow.sim.regions import REGIONS, shadowed_experts, shadowed_rows
+from moeflow.sim.parm_regions import gated_share
+from moeflow.sim.regions import shadowed_experts, shadowed_rows
 from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
-SIM_SCHEDULES = ("expert", "replicated", "smart", "adaptive", *PARM_SCHEDULES)
 ADAM_BYTES_PER_PARAMETER = 16  # fp32 master weight, gradient, two moments: read and written once
 
 
@@ -50,14 +50,14 @@ class StepPlan:
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SIM_SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SIM_SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in SIMULATED_REGIONS:
+            raise ValueError(f"schedule must be one of {', '.join(SIMULATED_REGIONS)}, got {self.schedule!r}")
         for name in ("degree", "shadowed", "mp", "esp"):
             value, least = getattr(self, name), 0 if name == "shadowed" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if (self.mp > 1 or self.esp > 1) and self.schedule not in PARM_SCHEDULES:
-            raise ValueError(f"mp and esp > 1 go with Parm's schedules ({', '.join(PARM_SCHEDULES)}), "
+        if (self.mp > 1 or self.esp > 1) and self.schedule not in MODEL_PARALLEL_SCHEDULES:
+            raise ValueError(f"mp and esp > 1 go with Parm's schedules ({', '.join(MODEL_PARALLEL_SCHEDULES)}), "
                              f"not {self.schedule!r}")
         if self.algorithm not in ALLTOALL_ALGORITHMS:
             raise ValueError(
@@ -72,7 +72,7 @@ class StepPlan:
     def label(self) -> str:
         base = {"expert": f"expert d={self.degree} {self.algorithm}", "adaptive": f"adaptive r={self.r}",
                 "smart": "smart pairwise"}.get(self.schedule, self.schedule)
-        if self.schedule in PARM_SCHEDULES:
+        if self.schedule in MODEL_PARALLEL_SCHEDULES:
             base += (f" d={self.degree}" if self.degree > 1 else "") + f" mp={self.mp} esp={self.esp}"
         return base + (f" shadow={self.shadowed}" if self.shadowed else "") + \
             (" prioritized" if self.prioritize_alltoall else "")
@@ -271,7 +271,7 @@ class StepBuilder:
     def _expert_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
         """The schedule's region; with shadowing, the hottest experts run at home first (their
         weights broadcast in the forward, their gradients all-reduced in the backward)."""
-        region = REGIONS["replicated" if self.cluster.world_size == 1 else self.plan.schedule]
+        region = SIMULATED_REGIONS["replicated" if self.cluster.world_size == 1 else self.plan.schedule]
         if not self.plan.shadowed or self.cluster.world_size == 1:
             return region(self, load, deps, backward)
         hot = shadowed_experts(load, self.plan.shadowed)
@@ -321,7 +321,7 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
     if plan.schedule == "adaptive":
         validate_r(plan.r, experts, world)
         check_switchable_layout(experts, world, model.hidden_dim)
-    if plan.schedule in PARM_SCHEDULES:
+    if plan.schedule in MODEL_PARALLEL_SCHEDULES:
         _check_parm_layout(cluster, model, plan)
     if plan.shadowed >= experts:
         raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {experts} experts")

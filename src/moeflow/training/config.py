@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from moeflow.config import (
     DTYPE_NAMES,
     FASTERMOE_REMOTE_SHARE,
-    PARM_SCHEDULES,
     SHADOWING_POLICIES,
     check_switchable_layout,
     model_moe_defaults,
@@ -142,10 +141,13 @@ class TrainConfig:
 
     def _check_parallel(self) -> None:
         """The MoE layers' schedule fits the workers (and the tensor-parallel attention, if any)."""
+        from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES, check_parallel
+
+        check_parallel(self.parallel)
         if self.mp_size > 1:
-            self._check_tensor_parallel()
+            self._check_tensor_parallel(MODEL_PARALLEL_SCHEDULES)
             return
-        if self.parallel in PARM_SCHEDULES:
+        if self.parallel in MODEL_PARALLEL_SCHEDULES:
             raise ValueError(
                 f"--parallel {self.parallel} runs behind tensor-parallel attention: add --mp-size N (N > 1 "
                 "workers per attention group), or use expert, replicated, adaptive, auto or an int r"
@@ -163,30 +165,21 @@ class TrainConfig:
             )
 
     def _check_fastermoe(self) -> None:
-        """Shadowing and the topology gate act on the expert-parallel schedule (the layers would
-        refuse otherwise, but only once the workers run); ``auto`` shadowing prices with a profile."""
+        """The registry's combination rules for the layers' settings, checked here because the
+        layers would refuse only once the workers run; ``auto`` shadowing prices with a profile."""
+        from moeflow.parallel.registry import check_techniques
+
         wanted = [flag for flag, on in (("--shadowing auto", self.shadowing == "auto"),
                                         ("--gate topology", self.gate == "topology"),
                                         ("--redundant-experts", self.redundant_experts > 0)) if on]
-        if not wanted:
-            return
-        named = " and ".join(wanted)
-        if self.hf is not None:
-            raise ValueError(f"{named}: only moeflow's own model passes these to its MoE layers, not a --hf model; "
-                             "drop --hf, or use --shadowing off and --gate plain")
+        if wanted and self.hf is not None:
+            raise ValueError(f"{' and '.join(wanted)}: only moeflow's own model passes these to its MoE layers, not a "
+                             "--hf model; drop --hf, or use --shadowing off and --gate plain")
         if self.shadowing == "auto" and self.profile is None:
             raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
-        expert_schedule = self.parallel == "expert" or (
-            self.parallel == "auto" and self.mp_size == 1 and self.workers <= self.num_experts
-        )
-        if not expert_schedule:
-            raise ValueError(
-                f"{named}: FasterMoE's shadowing and topology-aware gate act on the expert-parallel schedule, but "
-                f"--parallel {self.parallel} (with --mp-size {self.mp_size}, {self.workers} workers, "
-                f"{self.num_experts} experts) runs another; use --parallel expert, or auto with --mp-size 1 and "
-                "no more workers than experts"
-            )
+        if self.hf is None:
+            check_techniques(self.model_config(self.vocab_size).moe, self.layer_schedule())
         if (self.num_experts + self.redundant_experts) % self.workers:
             raise ValueError(
                 f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
@@ -196,8 +189,7 @@ class TrainConfig:
 
     def _check_packing(self) -> None:
         """Lina's packing re-places the expert-parallel layers of moeflow's own model."""
-        from moeflow.parallel.schedules import check_packing
-        from moeflow.training.packing import parse_packing
+        from moeflow.training.packing import check_packing, parse_packing
 
         packing = parse_packing(self.expert_packing)
         if packing == "off":
@@ -205,10 +197,15 @@ class TrainConfig:
         if self.hf is not None or self.mp_size > 1:
             raise ValueError("--expert-packing re-places the experts of moeflow's own model under the expert-parallel "
                              "schedule: drop --hf and --mp-size, or use --expert-packing off")
-        expert_schedule = self.parallel == "expert" or (self.parallel == "auto" and self.workers <= self.num_experts)
         least = self.num_experts // self.workers
-        check_packing(self.model_config(self.vocab_size).moe, "expert" if expert_schedule else str(self.parallel),
-                      self.workers, packing if isinstance(packing, int) else least)
+        check_packing(self.model_config(self.vocab_size).moe, self.layer_schedule(), self.workers,
+                      packing if isinstance(packing, int) else least)
+
+    def layer_schedule(self) -> str:
+        """The schedule the MoE layers build (before a profile's choice for ``auto``)."""
+        from moeflow.parallel.registry import expected_schedule
+
+        return expected_schedule(self.parallel, self.num_experts, self.workers, self.mp_size)
 
     def layer_topology_gate(self) -> str | float:
         """MoEConfig's ``topology_gate`` for ``gate``: the share from the profile's bandwidths when
@@ -217,7 +214,7 @@ class TrainConfig:
             return "off"
         return "auto" if self.profile is not None else FASTERMOE_REMOTE_SHARE
 
-    def _check_tensor_parallel(self) -> None:
+    def _check_tensor_parallel(self, parm_schedules: tuple[str, ...]) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
         if self.workers % self.mp_size:
             raise ValueError(f"workers={self.workers} is not a multiple of mp_size={self.mp_size}; "
@@ -225,10 +222,10 @@ class TrainConfig:
         if self.heads % self.mp_size:
             raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
                              "that divides the heads")
-        if self.parallel not in ("auto", *PARM_SCHEDULES):
+        if self.parallel not in ("auto", *parm_schedules):
             raise ValueError(
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
-                f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(PARM_SCHEDULES)}"
+                f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(parm_schedules)}"
             )
         expert_groups = self.workers // self.mp_size
         if self.num_experts % expert_groups or self.ffn_hidden % self.mp_size:

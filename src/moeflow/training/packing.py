@@ -20,10 +20,12 @@ import torch
 
 from moeflow.comm.groups import max_over_ranks
 from moeflow.comm.traffic import AllToAllTraffic
+from moeflow.config import MoEConfig
 from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.schedules import check_packing, packed_schedule
+from moeflow.parallel.registry import check_techniques
+from moeflow.parallel.schedules import packed_schedule
 
 PACKING_MODES = ("off", "auto")
 """--expert-packing: off, auto (Lina's doubling), or an int (experts per worker, fixed)."""
@@ -151,6 +153,20 @@ def parse_packing(value: str | int) -> str | int:
     if value not in PACKING_MODES:
         raise ValueError(f"expert_packing must be off, auto or a number of experts per worker, got {value!r}")
     return value
+
+
+def check_packing(config: MoEConfig, schedule: str, world_size: int, experts_per_rank: int) -> None:
+    """Packing re-places an expert-parallel layer: ``experts_per_rank`` must be a multiple of E / W
+    that divides E, and the registry's combination rules must allow it beside the layer's features."""
+    least = config.num_experts // world_size
+    check_techniques(config, schedule, applied=("expert packing",))
+    if world_size > config.num_experts:
+        raise ValueError(f"expert packing re-places the expert-parallel schedule with W <= E; this layer has "
+                         f"{config.num_experts} experts on {world_size} ranks: use parallel='expert' with W <= E")
+    if experts_per_rank < least or config.num_experts % experts_per_rank or world_size % (
+            config.num_experts // experts_per_rank):
+        raise ValueError(f"experts_per_rank={experts_per_rank} cannot pack {config.num_experts} experts on "
+                         f"{world_size} ranks: use a multiple of {least} that divides {config.num_experts}")
 
 
 def pack_layer(layer: MoELayer, experts_per_rank: int, optimizer: torch.optim.Optimizer | None = None) -> bool:

@@ -1,0 +1,214 @@
+"""The one registry of moeflow's parallel techniques.
+
+Every technique declares one record here, and everything that lists or checks techniques derives
+from these records: the ``parallel`` choices, the CLI's, the schedules ``parallel='auto'`` ranks,
+the ragged kernel's schedules, the simulator's modes and regions, and :func:`check_techniques`,
+the one check of which techniques combine (the layer, the trainer before it spawns workers,
+packing and inference scheduling all call it).
+
+Two kinds of record:
+
+- a :class:`ScheduleSpec` is chosen by the layer's ``parallel`` setting and decides where the
+  expert weights live: its run class (which carries its cost model, ``schedule.model``), its
+  simulated expert region, and whether it runs behind tensor-parallel attention;
+- a :class:`FeatureSpec` is turned on beside a schedule (a wrapping schedule, a gate, a placement
+  change, a kernel): the schedules it runs on and the features it cannot run beside.
+
+Adding a technique is its module plus one record below (the docs' recipe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from moeflow.config import SAA, MoEConfig
+from moeflow.parallel.adaptive import AdaptiveSchedule
+from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
+from moeflow.parallel.schedules import ExpertParallelSchedule, ParallelSchedule, ReplicatedSchedule
+from moeflow.perf import CostModel
+from moeflow.perf.pipeline import RegionShape
+from moeflow.perf.schedules import SMART, rank_schedule_plans
+from moeflow.sim.parm_regions import baseline_region, s1_region, s2_region
+from moeflow.sim.regions import adaptive_region, expert_region, replicated_region, smart_region
+
+if TYPE_CHECKING:
+    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.workload import LayerLoad
+
+    Region = Callable[[StepBuilder, LayerLoad, list[int], bool], list[int]]
+
+AUTO = "auto"
+PARM_AUTO = "parm"  # the schedule 'auto' runs behind tensor-parallel attention: S1 or S2 per iteration
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A technique the layer's ``parallel`` setting names."""
+
+    name: str
+    paper: str
+    make: Callable[[int], ParallelSchedule]  # its run class, for a tensor-parallel group of mp_size ranks
+    region: Region  # its expert region in the simulator (moeflow.sim)
+    behind_model_parallel: bool = False  # runs behind tensor-parallel attention (needs an mp_group)
+    ranked_by_auto: bool = False  # parallel='auto' ranks it with the cost model
+
+    @property
+    def takes_ragged(self) -> bool:
+        return self.make(1).takes_ragged
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """A technique turned on beside the schedule. ``enabled`` reads it from a layer's config;
+    None for one a function applies to a built layer (packing, inference scheduling)."""
+
+    name: str  # how messages name it: the setting, e.g. "shadowing"
+    paper: str
+    does: str  # what it does, completing "<name> ..."
+    off: str  # the setting that turns it off
+    runs_on: tuple[str, ...]  # the schedules it works with (their run class's name)
+    enabled: Callable[[MoEConfig], bool] | None = None
+    excludes: tuple[str, ...] = ()  # features it cannot run beside (either side may declare it)
+    region: Region | None = None  # a simulator mode of its own
+
+
+SCHEDULES: tuple[ScheduleSpec, ...] = (
+    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", lambda mp: ExpertParallelSchedule(),
+                 expert_region, ranked_by_auto=True),
+    ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda mp: ReplicatedSchedule(),
+                 replicated_region, ranked_by_auto=True),
+    ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda mp: AdaptiveSchedule(),
+                 adaptive_region, ranked_by_auto=True),
+    ScheduleSpec("s1", "Parm §IV: schedule S1", lambda mp: ParmSchedule(mp, "s1"), s1_region,
+                 behind_model_parallel=True),
+    ScheduleSpec("s2", "Parm §IV: schedule S2", lambda mp: ParmSchedule(mp, "s2"), s2_region,
+                 behind_model_parallel=True),
+    ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP", BaselineSchedule, baseline_region,
+                 behind_model_parallel=True),
+)
+SCHEDULE_SPECS = MappingProxyType({spec.name: spec for spec in SCHEDULES})
+PARALLEL_SCHEDULES = tuple(SCHEDULE_SPECS)
+PARALLEL_CHOICES = (AUTO, *PARALLEL_SCHEDULES)
+MODEL_PARALLEL_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.behind_model_parallel)
+RAGGED_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.takes_ragged)
+"""The ``parallel`` choices that run whole local experts on their received slots (the ragged kernel)."""
+
+_EXPERT = ("expert",)
+FEATURES: tuple[FeatureSpec, ...] = (
+    FeatureSpec("shadowing", "FasterMoE §4.1: dynamic shadowing",
+                "replicates hot experts of the expert-parallel schedule", "shadowing='off'", _EXPERT,
+                lambda c: c.shadowing != "off"),
+    FeatureSpec("topology_gate", "FasterMoE §4.3: topology-aware gate",
+                "limits the tokens the expert-parallel schedule sends across nodes", "topology_gate='off'", _EXPERT,
+                lambda c: c.topology_gate != "off"),
+    FeatureSpec("pipeline='smart'", "FasterMoE §4.2: smart fine-grained schedule",
+                "runs FasterMoE's pairwise steps of the expert-parallel schedule", "pipeline='auto'", _EXPERT,
+                lambda c: c.pipeline == SMART, region=smart_region),
+    FeatureSpec("redundant_experts", "EPLB: redundant expert slots", "adds slots to the expert-parallel schedule",
+                "redundant_experts=0", _EXPERT, lambda c: c.redundant_experts > 0,
+                excludes=("shadowing", "topology_gate")),
+    FeatureSpec("expert_kernel='ragged'", "moeflow: dropless ragged expert kernel",
+                f"runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their received slots)",
+                "expert_kernel='bmm'", (*RAGGED_SCHEDULES, "packed"), lambda c: c.expert_kernel == "ragged"),
+    FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",
+                "fixes the all-to-all algorithm", "alltoall='auto' or 'linear'", (*PARALLEL_SCHEDULES, PARM_AUTO),
+                lambda c: c.alltoall not in (AUTO, "linear", SAA)),
+    FeatureSpec("alltoall='saa'", "Parm §IV-C: S2's combine overlapped with the MP all-gather",
+                "overlaps Parm's S2 combine with the MP all-gather", "alltoall='linear'", ("s2", PARM_AUTO),
+                lambda c: c.alltoall == SAA),
+    FeatureSpec("expert packing", "Lina §4.2: expert packing",
+                "moves the experts itself and runs the linear all-to-all", "expert packing off", ("expert", "packed"),
+                excludes=("shadowing", "redundant_experts", "topology_gate", "pipeline='smart'", "alltoall")),
+    FeatureSpec("inference scheduling", "Lina §5: inference scheduling",
+                "places the experts per batch over whole experts", "no inference scheduling", ("expert", "replicated"),
+                excludes=("shadowing", "redundant_experts", "topology_gate")),
+)
+FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})
+SIMULATED_REGIONS = MappingProxyType({
+    **{spec.name: spec.region for spec in SCHEDULES},
+    **{SMART: FEATURE_SPECS["pipeline='smart'"].region},
+})
+"""The simulator's modes: every schedule, and FasterMoE's smart schedule."""
+
+
+def check_parallel(parallel: str | int) -> None:
+    """``parallel`` names a registered schedule or ``auto``, or is Tutel's r (an int >= 0)."""
+    if isinstance(parallel, str) and parallel in PARALLEL_CHOICES:
+        return
+    if isinstance(parallel, int) and not isinstance(parallel, bool) and parallel >= 0:
+        return
+    raise ValueError(
+        f"parallel must be one of {', '.join(PARALLEL_CHOICES)} or Tutel's r (an integer >= 0), got {parallel!r}"
+    )
+
+
+def check_techniques(config: MoEConfig, schedule: str, applied: tuple[str, ...] = ()) -> None:
+    """Every feature ``config`` turns on, and those in ``applied``, runs on ``schedule`` (a run
+    class's name) and beside the others; else a ValueError naming the setting to change."""
+    active = [FEATURE_SPECS[name] for name in applied]  # the one being applied speaks first
+    active += [f for f in FEATURES if f.name not in applied and f.enabled is not None and f.enabled(config)]
+    for feature in active:
+        if schedule not in feature.runs_on:
+            raise ValueError(f"{feature.name} {feature.does}; this layer runs parallel={schedule!r}: use "
+                             f"parallel={feature.runs_on[0]!r} or {feature.off}")
+    for feature in active:
+        clash = [other for other in active if other.name in feature.excludes or feature.name in other.excludes]
+        if clash:
+            names = ", ".join(other.name for other in clash)
+            offs = ", ".join(other.off for other in clash)
+            raise ValueError(f"{feature.name} {feature.does} and runs without {names}: turn off {names} ({offs}), "
+                             f"or {feature.off}")
+
+
+def expected_schedule(parallel: str | int, num_experts: int, world_size: int, mp_size: int = 1) -> str:
+    """The run class's name the layer builds for ``parallel`` without a cost model (what a
+    launcher checks its settings against before the workers exist)."""
+    if isinstance(parallel, int):
+        return "adaptive"
+    if parallel != AUTO:
+        return parallel
+    if mp_size > 1:
+        return PARM_AUTO
+    return "adaptive" if world_size > num_experts and world_size % num_experts == 0 else "expert"
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    schedule: ParallelSchedule
+    reason: str  # "forced", "default" (no profile or token hint), "layout" (W > E), "model" or "mp_group"
+
+
+def select_schedule(
+    parallel: str | int, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
+    algorithms: tuple[str, ...], pipeline: int | str = AUTO, mp_size: int = 1,
+) -> ScheduleChoice:
+    """The layer's schedule, fixed when it is built because it decides where the weights live.
+
+    ``auto`` ranks the schedules registered as ``ranked_by_auto`` for a training step (forward,
+    backward and the gradient sync each choice costs) at the expected shape. Expert parallelism is
+    priced unpipelined (or at a forced degree): the overlap the model promises is what it gets
+    wrong on the 2-core testbed (it put d=10-16 first where d=2 ran fastest), and the online
+    planner can still pipeline afterwards. Without a profile or a token hint it keeps expert
+    parallelism, which holds the fewest weights per rank (and whose placement explains what to do
+    when E is not divisible by the group size). With more ranks than experts (a multiple of them)
+    only Tutel's switchable layout fits: ``auto`` is ``adaptive`` there. An int is Tutel's r,
+    fixed. Parm's schedules run behind tensor-parallel attention of ``mp_size`` ranks; behind it
+    ``auto`` is Parm: S1 or S2 chosen per iteration."""
+    check_parallel(parallel)
+    if isinstance(parallel, int):
+        return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
+    if parallel != AUTO:
+        return ScheduleChoice(SCHEDULE_SPECS[parallel].make(mp_size), "forced")
+    if mp_size > 1:
+        return ScheduleChoice(ParmSchedule(mp_size, PARM_AUTO), "mp_group")
+    default = expected_schedule(parallel, num_experts, world_size)
+    if default != "expert" or world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
+        return ScheduleChoice(SCHEDULE_SPECS[default].make(mp_size), "layout" if default != "expert" else "default")
+    degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
+    ranked_specs = {spec.name: spec for spec in SCHEDULES if spec.ranked_by_auto}
+    models = tuple(spec.make(mp_size).model for spec in ranked_specs.values())
+    ranked = rank_schedule_plans(cost_model, shape, models, degrees, algorithms, backward=True)
+    return ScheduleChoice(ranked_specs[ranked[0][0].placement_schedule].make(mp_size), "model")
