@@ -20,7 +20,7 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import switchable_rs
-from moeflow.experts import shard_expert_state
+from moeflow.parallel.placement import shard_expert_state
 from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.reference import ReferenceMoE

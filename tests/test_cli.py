@@ -50,7 +50,7 @@ def test_bench_layer_argument_errors(argv: list[str], message: str) -> None:
 
 
 def test_interleaved_medians_time_round_robin_and_skip_warmup() -> None:
-    from moeflow.bench.timing import interleaved_medians
+    from moeflow.measure import interleaved_medians
 
     calls: list[str] = []
     medians = interleaved_medians(

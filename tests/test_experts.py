@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeflow.experts import ExpertFFN, ffn_flops, shard_expert_state
+from moeflow.experts import ExpertFFN, ffn_flops
 from moeflow.parallel import ExpertPlacement
+from moeflow.parallel.placement import shard_expert_state
 from moeflow.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad, torch_grouped_mm_runs
 
 

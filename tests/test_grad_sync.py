@@ -15,7 +15,7 @@ from moeflow.comm.traffic import AllToAllTraffic, TimelineEvent, contention_seco
 from moeflow.distributed import run_distributed
 from moeflow.models import MoETransformer, TransformerConfig
 from moeflow.training.grad_sync import buckets, gradient_scheduler, micro_ops
-from moeflow.training.trainer import replicated_parameters, synchronize_gradients
+from moeflow.training.gradients import replicated_parameters, synchronize_gradients
 
 MODES = ("after", "overlap", "lina")
 DEGREES = (1, 2, 4)

@@ -20,14 +20,9 @@ from hf_models import tiny_model, word_tokenizer
 from moeflow.cli import main
 from moeflow.data import PreparedCorpus
 from moeflow.training import TrainConfig
+from moeflow.training.batches import shard_of, token_windows, training_batch, validation_windows
 from moeflow.training.launch import run_training
-from moeflow.training.trainer import (
-    iterate_records,
-    shard_of,
-    token_windows,
-    training_batch,
-    validation_windows,
-)
+from moeflow.training.metrics import iterate_records
 
 FINE_TUNE: dict[str, Any] = dict(
     context=16, batch_size=4, steps=24, eval_interval=12, eval_windows=8, checkpoint_interval=12, warmup_steps=2,

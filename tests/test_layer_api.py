@@ -158,3 +158,29 @@ def test_group_limited_routing_picks_only_in_the_best_groups() -> None:
     assert torch.allclose(choice.weights_TK.sum(-1), torch.full((64,), 2.5))
     with pytest.raises(ValueError, match="fewer than top_k=5"):
         make(num_experts=8, expert_groups=4, top_groups=2, top_k=4)(torch.randn(3, 8), top_k=5)
+
+
+def test_tutel_arguments_only_forward_to_the_config() -> None:
+    import inspect
+
+    from moeflow.config import MoEConfig
+
+    parameters = inspect.signature(MoELayer.__init__).parameters
+    assert list(parameters) == ["self", "config", "args", "group", "profile", "mp_group", "settings"]  # no setting
+    assert MoELayer(8, 16, 4).config == MoEConfig(8, 16, 4)  # MoEConfig's defaults are the only ones
+    tutel_order = MoELayer(8, 16, 4, 1, 1.5, "cosine", "relu", False, True, 0.1, 0.2, None).config
+    assert tutel_order == MoEConfig(
+        model_dim=8, hidden_dim=16, num_experts=4, top_k=1, capacity_factor=1.5, gate="cosine", activation="relu",
+        normalize_gate=False, batch_prioritized_routing=True, aux_loss_weight=0.1, z_loss_weight=0.2,
+    )
+    settings = dict(parallel="replicated", shadowing="off", bias=False, activation="swiglu", num_shared_experts=1)
+    config = MoEConfig(8, 16, 4, **settings)
+    by_keyword, by_config = MoELayer(8, 16, 4, **settings), MoELayer(config)
+    assert by_keyword.config == config == by_config.config
+    assert list(by_keyword.state_dict()) == list(by_config.state_dict())
+    with pytest.raises(TypeError, match="unexpected setting 'paralel'; did you mean 'parallel'"):
+        MoELayer(8, 16, 4, paralel="expert")
+    with pytest.raises(TypeError, match="not both"):
+        MoELayer(config, top_k=1)
+    with pytest.raises(TypeError, match="top_k both by position and by keyword"):
+        MoELayer(8, 16, 4, 2, top_k=1)

@@ -120,6 +120,49 @@ def test_moeflow_has_no_import_cycle() -> None:
     assert import_cycles(import_graph(SOURCE)) == []
 
 
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
+    ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
+    ("comm", "kernels", "dispatch", "dispatch_plan", "experts", "ragged", "pipeline", "routing", "workspace",
+     "precision", "phases", "reference", "measure", "distributed"),
+    ("parallel", "planner"),  # the schedules; the planner gets its simulated ranker passed in
+    ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
+    ("layer", "layer_stats"),
+    ("models", "hf", "inference", "data"),
+    ("training", "hf.training", "calibrate"),
+    ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
+)
+"""moeflow's layers, bottom to top: a module imports only from its own layer and those below."""
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module``: its longest matching prefix in :data:`LAYERS`."""
+    relative = module.removeprefix("moeflow").removeprefix(".")
+    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if relative == prefix or relative.startswith(prefix + ".") or (not prefix and not relative)]
+    if not matches:
+        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_library_boundaries.py")
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} -> {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
+            if layer_of(target) > layer_of(module)]
+
+
+def test_modules_import_only_from_their_layer_and_below() -> None:
+    assert upward_imports(import_graph(SOURCE)) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    package = tmp_path / "moeflow"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "config.py").write_text("def f():\n    from moeflow.layer import MoELayer\n")
+    (package / "layer.py").write_text("from moeflow.config import f\n")
+    assert upward_imports(import_graph(package)) == ["moeflow.config -> moeflow.layer"]
+
+
 def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
     package = tmp_path / "moeflow"
     (package / "sub").mkdir(parents=True)

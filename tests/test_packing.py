@@ -20,8 +20,8 @@ from moeflow.parallel.placement import gather_full
 from moeflow.training import TrainConfig
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.launch import run_training
+from moeflow.training.metrics import iterate_records
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, pack_layer, parse_packing
-from moeflow.training.trainer import iterate_records
 from test_training import TINY, _evaluate_checkpoint
 
 

@@ -95,7 +95,7 @@ def test_the_layer_and_the_trainer_refuse_a_combination_with_the_same_message() 
     with pytest.raises(ValueError) as layer_error:
         MoELayer(8, 16, 4, parallel="replicated", topology_gate=0.14)
     with pytest.raises(ValueError) as trainer_error:
-        TrainConfig(**TINY_RUN, workers=2, parallel="replicated", gate="topology")  # before any worker starts
+        TrainConfig(**TINY_RUN, workers=2, parallel="replicated", topology_gate=0.14)  # before any worker starts
     assert str(layer_error.value) == str(trainer_error.value)
     assert "use parallel='expert' or topology_gate='off'" in str(layer_error.value)
 

@@ -18,8 +18,9 @@ from moeflow.data import PreparedCorpus, stdlib_directory
 from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.training import TrainConfig
 from moeflow.training.launch import run_training
+from moeflow.training.metrics import iterate_records
 from moeflow.training.report import write_report
-from moeflow.training.trainer import build_model, iterate_records
+from moeflow.training.trainer import build_model
 
 TINY: dict[str, Any] = dict(
     data=str(stdlib_directory() / "json"), vocab_size=512, context=32, layers=2, heads=2, model_dim=32,
@@ -47,17 +48,18 @@ def _profile(path: Path) -> str:
         ({"shadowing": "auto"}, "--shadowing auto decides which experts to shadow with FasterMoE's cost model: "
                                 "pass --profile"),
         ({"shadowing": "always"}, "unknown shadowing 'always'; choose one of off, auto"),
-        ({"gate": "topo"}, "unknown gate 'topo'; choose one of plain, topology"),
+        ({"topology_gate": "topo"}, "topology_gate must be 'off', 'auto' or the share"),
+        ({"topology_gate": "auto"}, "--topology-gate auto takes the share of tokens that may leave a node"),
         ({"shadowing": "auto", "profile": "p.json", "parallel": "replicated"},
          "shadowing replicates hot experts of the expert-parallel schedule; this layer runs "
          "parallel='replicated': use parallel='expert' or shadowing='off'"),
-        ({"gate": "topology", "parallel": 0}, "this layer runs parallel='adaptive'"),
-        ({"gate": "topology", "parallel": "adaptive"}, "runs parallel='adaptive': use parallel='expert' or "
+        ({"topology_gate": 0.14, "parallel": 0}, "this layer runs parallel='adaptive'"),
+        ({"topology_gate": 0.14, "parallel": "adaptive"}, "runs parallel='adaptive': use parallel='expert' or "
                                                        "topology_gate='off'"),
-        ({"gate": "topology", "workers": 4, "mp_size": 2, "parallel": "s1"},
+        ({"topology_gate": 0.14, "workers": 4, "mp_size": 2, "parallel": "s1"},
          "runs parallel='s1': use parallel='expert'"),
-        ({"gate": "topology", "shadowing": "auto", "profile": "p.json", "hf": "some/model"},
-         "--shadowing auto and --gate topology: only moeflow's own model passes these"),
+        ({"topology_gate": "auto", "shadowing": "auto", "profile": "p.json", "hf": "some/model"},
+         "--shadowing auto and --topology-gate: only moeflow's own model passes these"),
     ],
 )
 def test_bad_fastermoe_settings_name_the_flag_and_the_fix(changes: dict[str, Any], message: str) -> None:
@@ -71,12 +73,31 @@ def test_the_flags_reach_the_config_and_fail_before_any_worker_starts(
     from moeflow.cli import build_parser, main
     from moeflow.commands.train import train_config_from_args
 
-    args = build_parser().parse_args(["train", "--shadowing", "auto", "--profile", "p.json", "--gate", "topology"])
+    args = build_parser().parse_args(["train", "--shadowing", "auto", "--profile", "p.json", "--topology-gate", "auto"])
     config, _ = train_config_from_args(args)
-    assert (config.shadowing, config.gate, config.layer_topology_gate()) == ("auto", "topology", "auto")
+    assert (config.shadowing, config.topology_gate) == ("auto", "auto")
+    share = build_parser().parse_args(["train", "--topology-gate", "0.2"])
+    assert train_config_from_args(share)[0].topology_gate == 0.2
     assert main(["train", "--run-dir", str(tmp_path / "run"), "--shadowing", "auto"]) == 2
     assert "pass --profile" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_old_gate_setting_still_reads_with_a_warning(tmp_path: Path) -> None:
+    from moeflow.cli import build_parser
+    from moeflow.commands.train import train_config_from_args
+    from moeflow.training.config import checked_keys
+
+    with pytest.warns(FutureWarning, match="renamed topology_gate"):
+        config, _ = train_config_from_args(build_parser().parse_args(["train", "--gate", "topology"]))
+    assert config.topology_gate == FASTERMOE_REMOTE_SHARE  # no profile: FastMoE's share, as --gate topology did
+    with pytest.warns(FutureWarning):
+        saved = checked_keys({"gate": "topology", "profile": "p.json"}, "checkpoint")  # a saved run's config
+    assert saved == {"topology_gate": "auto", "profile": "p.json"}
+    with pytest.warns(FutureWarning):
+        assert checked_keys({"gate": "plain"}) == {}
+    with pytest.raises(ValueError, match="unknown gate 'topo'"):
+        checked_keys({"gate": "topo"})
 
 
 def _corpus() -> PreparedCorpus:
@@ -87,11 +108,11 @@ def _corpus() -> PreparedCorpus:
 def test_every_moe_layer_of_the_trainers_model_gets_the_settings(tmp_path: Path, with_profile: bool) -> None:
     profile = _profile(tmp_path / "profile.json") if with_profile else None
     changes = {"shadowing": "auto"} if with_profile else {}
-    config = TrainConfig(**{**TINY, "moe_every": 1, "gate": "topology", "profile": profile, **changes})
+    share = "auto" if with_profile else FASTERMOE_REMOTE_SHARE
+    config = TrainConfig(**{**TINY, "moe_every": 1, "topology_gate": share, "profile": profile, **changes})
     model = build_model(config, _corpus(), ParallelGroups.from_group(None), torch.device("cpu"))
     layers = model.moe_layers()
     assert len(layers) == 2
-    share = "auto" if with_profile else FASTERMOE_REMOTE_SHARE
     assert all(layer.config.topology_gate == share and layer.node_limit is not None for layer in layers)
     assert all(layer.config.shadowing == ("auto" if with_profile else "off") for layer in layers)
     plain = build_model(TrainConfig(**TINY), _corpus(), ParallelGroups.from_group(None), torch.device("cpu"))
@@ -143,7 +164,7 @@ def test_report_without_shadowing_writes_no_shadow_plot(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_two_workers_train_with_shadowing_and_the_topology_gate_and_report_them(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    config = {**TINY, "run_dir": str(run_dir), "gate": "topology", "shadowing": "auto", "parallel": "expert",
+    config = {**TINY, "run_dir": str(run_dir), "topology_gate": "auto", "shadowing": "auto", "parallel": "expert",
               "profile": _profile(tmp_path / "profile.json")}
     run_training(TrainConfig(**config))
     records = list(iterate_records(run_dir))
@@ -154,7 +175,7 @@ def test_two_workers_train_with_shadowing_and_the_topology_gate_and_report_them(
     shadowing_steps = sum(any(layer["shadowed"] for layer in r["moe"]) for r in records)
     assert shadowing_steps >= 1  # broadcasting parameters is nearly free on this profile
     saved = json.loads((run_dir / "config.json").read_text())
-    assert (saved["shadowing"], saved["gate"]) == ("auto", "topology")
+    assert (saved["shadowing"], saved["topology_gate"]) == ("auto", "auto")
     assert json.loads((run_dir / "summary.json").read_text())["shadowed_steps"] == shadowing_steps
     assert (run_dir / "shadowed_experts.png").exists()
 

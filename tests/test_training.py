@@ -24,8 +24,10 @@ from moeflow.models import MoETransformer, TransformerConfig
 from moeflow.phases import PhaseClock
 from moeflow.training import TrainConfig
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
+from moeflow.training.evaluation import evaluate
+from moeflow.training.gradients import synchronize_gradients
 from moeflow.training.launch import run_training
-from moeflow.training.trainer import evaluate, iterate_records, synchronize_gradients
+from moeflow.training.metrics import iterate_records
 
 DATA = str(stdlib_directory() / "json")
 TINY: dict[str, Any] = dict(

@@ -32,13 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import interleaved_medians, slowest_rank_medians
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.comm.topology import Topology
 from moeflow.distributed import destroy_process_groups
+from moeflow.measure import interleaved_medians, slowest_rank_medians
 from moeflow.perf import ClusterProfile, fit_alpha_beta, median_relative_error
 from moeflow.perf.profile import LAYER_PROBE
 

@@ -6,6 +6,7 @@ saved, compared and printed.
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -20,7 +21,10 @@ GATE_PRECISIONS = ("fp32", "input")
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 EXPERT_KERNELS = ("bmm", "loop", "ragged")
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""The one dtype table: moeflow's names and their bytes per element (torch's dtypes:
+:data:`moeflow.precision.DTYPES`)."""
+DTYPE_NAMES = tuple(DTYPE_BYTES)
 """The compute dtypes a command line names (``--dtype``): fp32, or bf16/fp16 over fp32 master weights."""
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 """Who runs encode/decode and the ragged grouped GEMM: pure torch (the reference, everywhere),
@@ -168,6 +172,31 @@ class MoEConfig:
                 f"unknown MoE config key(s) {unknown}; valid keys are {sorted(known)}"
             )
         return cls(**values)
+
+
+TUTEL_POSITIONAL = (
+    "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "gate", "activation", "normalize_gate",
+    "batch_prioritized_routing", "aux_loss_weight", "z_loss_weight",
+)
+"""The settings Tutel's ``MOELayer`` takes by position, in its order (then ``group``)."""
+
+
+def config_from_arguments(args: tuple[Any, ...], settings: dict[str, Any]) -> MoEConfig:
+    """The :class:`MoEConfig` of Tutel-style layer arguments: positional in Tutel's order, then
+    keywords. It declares no default: every omitted setting takes MoEConfig's."""
+    if len(args) > len(TUTEL_POSITIONAL):
+        raise TypeError(f"MoELayer takes at most {len(TUTEL_POSITIONAL)} settings by position "
+                        f"({', '.join(TUTEL_POSITIONAL)}), then group; got {len(args)}: pass the rest by keyword")
+    named = dict(zip(TUTEL_POSITIONAL, args, strict=False))
+    if twice := sorted(named.keys() & settings.keys()):
+        raise TypeError(f"MoELayer got {', '.join(twice)} both by position and by keyword: pass each once")
+    known = [f.name for f in fields(MoEConfig)]
+    for name in settings:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the settings are MoEConfig's: {', '.join(known)}"
+            raise TypeError(f"MoELayer got an unexpected setting {name!r}; {hint}")
+    return MoEConfig(**named, **settings)
 
 
 def validate_expert_groups(expert_groups: object, top_groups: object, num_experts: int, top_k: int) -> None:

@@ -15,7 +15,7 @@ what it needs and computes each gradient GEMM once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,6 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
-from moeflow.parallel.placement import ExpertPlacement, expert_kind
 from moeflow.workspace import Workspace
 from moeflow.workspace import buffer as _buffer
 
@@ -357,11 +356,3 @@ def ffn_flops(num_tokens: int, model_dim: int, hidden_dim: int, activation: str,
     compute term); backward costs twice the forward (grad of input and of weight)."""
     forward = 2 * num_tokens * model_dim * hidden_dim * ffn_projections(activation)
     return forward * (3 if backward else 1)
-
-
-def shard_expert_state(
-    full_state: Mapping[str, torch.Tensor], placement: ExpertPlacement, rank: int, prefix: str = "experts."
-) -> dict[str, torch.Tensor]:
-    """Slice a state dict holding all E experts (names under ``prefix``) down to ``rank``'s part of
-    ``placement``; other entries are copied."""
-    return placement.shard_state(full_state, rank, lambda name: expert_kind(name, prefix))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +21,9 @@ from torch import nn
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import (
+    TUTEL_POSITIONAL,
     MoEConfig,
+    config_from_arguments,
     resolve_normalize_gate,
     validate_capacity_factor,
     validate_expert_groups,
@@ -29,13 +31,13 @@ from moeflow.config import (
     validate_top_k,
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
-from moeflow.experts import ExpertFFN, shard_expert_state
+from moeflow.experts import ExpertFFN
 from moeflow.kernels import resolve_backend
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
 from moeflow.parallel.context import RunContext
 from moeflow.parallel.moves import move_experts
-from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full
+from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.planner import PipelinePlanner
@@ -82,68 +84,25 @@ class MoELayer(nn.Module):
     """
 
     def __init__(
-        self,
-        model_dim: int,
-        hidden_dim: int,
-        num_experts: int,
-        top_k: int = 2,
-        capacity_factor: float = 1.0,
-        gate: str = "softmax",
-        activation: str = "gelu",
-        normalize_gate: bool | None = None,
-        batch_prioritized_routing: bool = False,
-        aux_loss_weight: float = 0.01,
-        z_loss_weight: float = 0.0,
-        group: ParallelGroups | dist.ProcessGroup | None = None,
-        *,
-        gate_precision: str = "fp32",
-        score_function: str = "softmax",
-        num_shared_experts: int = 0,
-        shared_hidden_dim: int | None = None,
-        shared_expert_gate: bool = False,
-        expert_bias_update_rate: float = 0.0,
-        expert_groups: int = 1,
-        top_groups: int = 1,
-        routed_scaling_factor: float = 1.0,
-        cosine_projection_dim: int = 256,
-        cosine_min_temperature: float = 0.01,
-        check_finite: bool = False,
-        expert_kernel: str = "bmm",
-        kernel_backend: str = "auto",
-        alltoall: str = "auto",
-        pipeline: int | str = "auto",
-        capacity_bucket: int = 128,
-        bias: bool = True,
-        parallel: str | int = "auto",
-        tokens_per_rank_hint: int | None = None,
-        shadowing: str | Sequence[int] = "off",
-        topology_gate: str | float = "off",
-        redundant_experts: int = 0,
-        profile: ClusterProfile | str | None = None,
-        mp_group: dist.ProcessGroup | None = None,
+        self, config: MoEConfig | int | None = None, *args: Any,
+        group: ParallelGroups | dist.ProcessGroup | None = None, profile: ClusterProfile | str | None = None,
+        mp_group: dist.ProcessGroup | None = None, **settings: Any,
     ) -> None:
+        """``MoELayer(config, group=..., profile=...)``, or Tutel's arguments, which only forward to
+        :class:`MoEConfig` (:func:`~moeflow.config.config_from_arguments`; its defaults are the only
+        ones): ``MoELayer(model_dim, hidden_dim, num_experts, top_k, ..., group, parallel=...)``."""
         super().__init__()
-        config = MoEConfig(
-            model_dim=model_dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k,
-            capacity_factor=capacity_factor, gate=gate, gate_precision=gate_precision, score_function=score_function,
-            activation=activation, normalize_gate=normalize_gate,
-            batch_prioritized_routing=batch_prioritized_routing, aux_loss_weight=aux_loss_weight,
-            z_loss_weight=z_loss_weight, num_shared_experts=num_shared_experts,
-            shared_hidden_dim=shared_hidden_dim, shared_expert_gate=shared_expert_gate,
-            expert_bias_update_rate=expert_bias_update_rate, expert_groups=expert_groups, top_groups=top_groups,
-            routed_scaling_factor=routed_scaling_factor,
-            cosine_projection_dim=cosine_projection_dim, cosine_min_temperature=cosine_min_temperature,
-            check_finite=check_finite,
-            expert_kernel=expert_kernel, kernel_backend=kernel_backend, alltoall=alltoall, pipeline=pipeline,
-            capacity_bucket=capacity_bucket, bias=bias, parallel=parallel,
-            tokens_per_rank_hint=tokens_per_rank_hint,
-            shadowing=shadowing if isinstance(shadowing, str) else tuple(shadowing),
-            topology_gate=topology_gate, redundant_experts=redundant_experts,
-        )
+        if not isinstance(config, MoEConfig):
+            if len(args) == len(TUTEL_POSITIONAL):  # Tutel's group, the 12th positional argument
+                *args, group = args
+            config = config_from_arguments(args if config is None else (config, *args), settings)
+        elif args or settings:
+            raise TypeError("MoELayer takes a MoEConfig or its settings, not both: pass "
+                            "dataclasses.replace(config, ...)")
         self.config = config
-        resolve_normalize_gate(normalize_gate, top_k)  # warns now about an explicit True at k = 1
+        resolve_normalize_gate(config.normalize_gate, config.top_k)  # warns now about an explicit True at k = 1
         self.groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
-        attach_mp_group(self.groups, mp_group, parallel)
+        attach_mp_group(self.groups, mp_group, config.parallel)
         self.world_size, self.rank = self.groups.size, self.groups.rank
         profile = ClusterProfile.load(profile) if isinstance(profile, str) else profile
         self.cost_model = CostModel(profile) if profile is not None else None
@@ -152,19 +111,20 @@ class MoELayer(nn.Module):
         self.algorithms, self.node_limit = execution.algorithms, execution.node_limit
         self._replicas_equal = not self.placement.split_tokens  # replicas copy their primary before a forward
         self.planner = self._planner(self.schedule)
+        c = config
         self.gate = build_gate(
-            gate, model_dim, num_experts, cosine_projection_dim, cosine_min_temperature, gate_precision
+            c.gate, c.model_dim, c.num_experts, c.cosine_projection_dim, c.cosine_min_temperature, c.gate_precision
         )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
-        self.experts = ExpertFFN(len(local), model_dim, hidden_local, activation, expert_kernel, bias)
-        shared_hidden = hidden_dim if shared_hidden_dim is None else shared_hidden_dim
+        self.experts = ExpertFFN(len(local), c.model_dim, hidden_local, c.activation, c.expert_kernel, c.bias)
+        shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
         self.shared_experts = (
-            ExpertFFN(num_shared_experts, model_dim, shared_hidden, activation, expert_kernel, bias)
-            if num_shared_experts
+            ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias)
+            if c.num_shared_experts
             else None
         )
-        self.shared_expert_gate = nn.Linear(model_dim, 1, bias=False) if shared_expert_gate else None
+        self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
@@ -200,7 +160,7 @@ class MoELayer(nn.Module):
         profile: ClusterProfile | str | None = None,
     ) -> MoELayer:
         """The layer a :class:`MoEConfig` describes (what a model's config embeds)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(MoEConfig)}, group=group, profile=profile)
+        return cls(config, group=group, profile=profile)
 
     @property
     def num_local_experts(self) -> int:
@@ -239,8 +199,8 @@ class MoELayer(nn.Module):
         load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
         capacity = expert_capacity(factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity)
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
-        planned = self.schedule.planned_capacity(capacity, filled_WE, self.placement, self.rank)
-        region = region_shape(config, self.world_size, planned, x_TM.element_size(), load.max_tokens_per_rank,
+        prepared = self.schedule.prepare(capacity, filled_WE, self.placement, self.rank)
+        region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
                               load.needed_capacity)
         chosen, timing = self.planner.choose(region, backward=torch.is_grad_enabled(), r=r)
         if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
@@ -254,7 +214,7 @@ class MoELayer(nn.Module):
         self.workspace.start_step()
         backend = resolve_backend(config.kernel_backend, x_TM.device)
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace, backend)
-        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E)
+        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E, prepared.state)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
         y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, self.workspace, backend), x_TM.shape[0])
         y_TM = self._with_shared_experts(x_TM, y_TM)
@@ -279,13 +239,13 @@ class MoELayer(nn.Module):
 
     def run_context(
         self, dtype: torch.dtype, timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str,
-        estimate_E: np.ndarray | None = None,
+        estimate_E: np.ndarray | None = None, prepared: object | None = None,
     ) -> RunContext:
         """What this layer's schedule runs with: its experts over its placement, the kept counts."""
         local = tuple(shard.expert for shard in self.placement.local(self.rank))
         return RunContext(
             self.experts, dtype, self.groups, self.placement, timing, self.workspace, filled_WE, local, capacity,
-            self.config.expert_kernel, backend, estimate_E,
+            self.config.expert_kernel, backend, estimate_E, prepared,
         )
 
     def _call_settings(self, top_k: int | None, capacity_factor: float | None, r: int | None) -> tuple[int, float]:

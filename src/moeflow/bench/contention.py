@@ -87,7 +87,7 @@ def _measure_links(point: ContentionPoint, groups: Any, repeats: int, emit: Any)
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.measure import slowest_rank_seconds
     from moeflow.training.grad_sync import gradient_scheduler
 
     world = dist.get_world_size()
@@ -169,7 +169,7 @@ def _measure_steps(point: ContentionPoint, groups: Any, repeats: int, emit: Any)
     """Training steps per mode, round-robin, each mode its own copy of the same weights."""
     import torch.distributed as dist
 
-    from moeflow.bench.timing import slowest_rank_seconds
+    from moeflow.measure import slowest_rank_seconds
     from moeflow.training.trainer import _train_step
 
     modes = step_modes(point, dist.get_world_size())
@@ -220,7 +220,8 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
     import torch.distributed as dist
 
     from moeflow.models import MoETransformer
-    from moeflow.training.trainer import Job, _copy_scheduler, _gradient_scheduler, _packer, _Run, build_optimizer
+    from moeflow.training.optimizer import build_optimizer
+    from moeflow.training.trainer import Job, _copy_scheduler, _gradient_scheduler, _packer, _Run
 
     config = step_config(point.model, microop_mb=point.microop_mb, bucket_mb=point.bucket_mb,
                          workers=dist.get_world_size(), **changes)
@@ -238,7 +239,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
 
 
 def _replicated_mb(run: Any) -> float:
-    from moeflow.training.trainer import replicated_parameters
+    from moeflow.training.gradients import replicated_parameters
 
     return sum(p.numel() * p.element_size() for p in replicated_parameters(run.model, run.expert_names)) / MEGABYTE
 

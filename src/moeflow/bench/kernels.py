@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import device_medians
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
+from moeflow.measure import device_medians
 from moeflow.precision import DTYPES
 from moeflow.ragged import FilledRows, looped_mm, ragged_mm
 from moeflow.routing import assign_slots, expert_capacity

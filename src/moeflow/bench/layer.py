@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.timing import device_medians
 from moeflow.config import ffn_projections
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.kernels import resolve_backend
 from moeflow.layer import MoELayer
+from moeflow.measure import device_medians
 from moeflow.precision import DTYPES
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts

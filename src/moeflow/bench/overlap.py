@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import device_medians
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import FFNCompute, FFNWeights
+from moeflow.measure import device_medians
 from moeflow.perf.schedules import LOCAL
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.precision import DTYPES

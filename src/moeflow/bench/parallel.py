@@ -72,9 +72,10 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner, slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
     from moeflow.config import switchable_rs
     from moeflow.layer import MoELayer
+    from moeflow.measure import slowest_rank_seconds
     from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 
     world, rank = dist.get_world_size(), dist.get_rank()

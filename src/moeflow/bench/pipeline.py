@@ -61,9 +61,9 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
     of one iteration alone (fastest algorithm); all ranks at once, slowest rank, medians."""
     import torch
 
-    from moeflow.bench.timing import slowest_rank_seconds
     from moeflow.comm.algorithms import distinct_algorithms, exchange
     from moeflow.experts import ExpertFFN
+    from moeflow.measure import slowest_rank_seconds
     from moeflow.perf import LayerShape
 
     experts = point.experts_per_rank * world

@@ -53,7 +53,7 @@ def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from moeflow.training.trainer import synchronize_gradients
+    from moeflow.training.gradients import synchronize_gradients
 
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, 512, (point.batch, point.context + 1), generator=generator)
@@ -73,7 +73,8 @@ def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
 def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe, slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe
+    from moeflow.measure import slowest_rank_seconds
 
     rank = dist.get_rank()
     auto = _model(point, "auto", groups, profile)

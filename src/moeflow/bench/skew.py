@@ -107,8 +107,9 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner, slowest_rank_seconds
+    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
     from moeflow.layer import MoELayer
+    from moeflow.measure import slowest_rank_seconds
 
     rank = dist.get_rank()
     hottest = int(routing_probabilities(point).argmax())

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from moeflow.bench import print_json
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.config import TrainConfig
-from moeflow.training.trainer import Job, iterate_records, train_worker
+from moeflow.training.metrics import iterate_records
+from moeflow.training.trainer import Job, train_worker
 
 MFU_TARGET = 0.40
 NON_GEMM_TARGET = 0.25

@@ -34,7 +34,7 @@ def add_parser(commands: Any) -> None:
     generate.add_argument("--max-new-tokens", type=positive_int, default=64, help="--hf: new tokens per prompt (64)")
     generate.add_argument("--top-p", type=float, default=1.0, help="--hf: nucleus sampling mass (default 1)")
     generate.add_argument("--batch-size", type=positive_int, default=8, help="--hf: prompts per forward per worker (8)")
-    generate.add_argument("--dtype", default=None, help="--hf: float32, float64 or bfloat16 (default: as saved)")
+    generate.add_argument("--dtype", default=None, help="--hf: fp32, bf16, fp16, or torch's names (default: as saved)")
     generate.add_argument(
         "--schedule", choices=("static", "lina", "oracle"), default="static",
         help="--hf: where the experts run per batch: static (the expert-parallel placement), lina (estimated from "

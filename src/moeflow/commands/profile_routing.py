@@ -28,7 +28,7 @@ def add_parser(commands: Any) -> None:
                         help="tokens per sequence (default: the checkpoint's context; --hf: 256)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward (default 8)")
     parser.add_argument("--output", metavar="FILE", help="where to write (default: beside the model)")
-    parser.add_argument("--dtype", default=None, help="--hf: float32, float64 or bfloat16 (default: as saved)")
+    parser.add_argument("--dtype", default=None, help="--hf: fp32, bf16, fp16, or torch's names (default: as saved)")
     parser.set_defaults(func=run_profile_routing)
 
 

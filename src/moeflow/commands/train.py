@@ -12,16 +12,25 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from moeflow.training.config import FIELD_HELP, TrainConfig, load_config_file
+from moeflow.training.config import FIELD_HELP, LEGACY_GATES, TrainConfig, checked_keys, load_config_file
 
 
 def _int_or_name(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
+def _number_or_name(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _flag_type(annotation: str) -> Any:
     if annotation.startswith("int | str"):
         return _int_or_name
+    if annotation.startswith("str | float"):
+        return _number_or_name
     if annotation.startswith("int"):
         return int
     if annotation.startswith("float"):
@@ -55,6 +64,8 @@ def _add_train(commands: Any) -> None:
         else:
             train.add_argument(flag, dest=field.name, type=_flag_type(annotation), metavar=field.name.upper(),
                                help=help_text)
+    train.add_argument("--gate", dest="gate", choices=LEGACY_GATES, help="renamed --topology-gate: plain is off, "
+                       "topology is auto with --profile, else FastMoE's share")
     train.set_defaults(func=run_train)
 
 
@@ -62,8 +73,8 @@ def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path 
     """Defaults < config file < flags; with --resume, the resumed run's config < flags."""
     from moeflow.training.launch import resume_config
 
-    names = {f.name for f in fields(TrainConfig)}
-    flags = {name: value for name, value in vars(args).items() if name in names}
+    names = {f.name for f in fields(TrainConfig)} | {"gate"}  # gate: the old name of topology_gate
+    flags = checked_keys({name: value for name, value in vars(args).items() if name in names}, source="flag")
     if getattr(args, "resume", None):
         if getattr(args, "config_file", None):
             raise ValueError("--config and --resume do not combine: a resumed run keeps its saved config (flags win)")

@@ -10,8 +10,7 @@ from torch import nn
 
 from moeflow.hf.blocks import Group, replace_moe_blocks
 from moeflow.hf.families import family_for_model_type
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from moeflow.precision import DTYPES
 
 
 def _require_transformers() -> Any:
@@ -38,12 +37,20 @@ def load_hf_model(path: str | Path, dtype: str | None = None, group: Group = Non
     directory = check_model_dir(path)
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     family_for_model_type(config.model_type)  # an unsupported architecture fails before loading weights
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, local_files_only=True, dtype=DTYPES[dtype] if dtype else "auto",
+        directory, local_files_only=True, dtype=load_dtype(dtype) if dtype else "auto",
     )
     return replace_moe_blocks(model.eval(), group, **layer_options)
+
+
+def load_dtype(name: str) -> torch.dtype:
+    """The dtype named ``name``: moeflow's (fp32, bf16, fp16) or torch's own (float32, float64,
+    bfloat16, float16), the spelling transformers checkpoints use."""
+    dtype = DTYPES.get(name, getattr(torch, name, None))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or torch's float32, float64, bfloat16, float16; "
+                         f"got {name!r}")
+    return dtype
 
 
 def load_hf_tokenizer(path: str | Path) -> Any | None:

@@ -26,7 +26,7 @@ from moeflow.hf.families import family_for_model_type
 from moeflow.hf.loading import check_model_dir, load_hf_model
 from moeflow.layer import MoELayer
 from moeflow.models.transformer import total_aux_loss
-from moeflow.parallel.placement import expert_parallel_names
+from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.parallel.registry import RAGGED_SCHEDULES
 from moeflow.phases import PhaseClock
 from moeflow.training.config import TrainConfig
@@ -137,8 +137,8 @@ class HFCausalLM(nn.Module):
         """The decoder layer of each MoE block (the number in its module path)."""
         return [next(int(part) for part in name.split(".") if part.isdigit()) for name, _ in self._named_blocks()]
 
-    def placed_parameters(self) -> dict[str, tuple[Any, str]]:
-        return {f"{name}.moe.experts.{kind}": (block.moe.placement, kind)
+    def placed_parameters(self) -> dict[str, PlacedParameter]:
+        return {f"{name}.moe.experts.{kind}": PlacedParameter(block.moe.placement, kind)
                 for name, block in self._named_blocks() for kind, _ in block.moe.experts.named_parameters()}
 
     def expert_parameter_names(self) -> set[str]:

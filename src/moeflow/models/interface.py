@@ -12,6 +12,7 @@ from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.layer import MoELayer
+from moeflow.parallel.placement import PlacedParameter
 from moeflow.phases import PhaseClock
 
 
@@ -30,7 +31,7 @@ class TrainableLM(Protocol):
 
     def moe_block_indices(self) -> list[int]: ...
 
-    def placed_parameters(self) -> dict[str, tuple[Any, str]]: ...
+    def placed_parameters(self) -> dict[str, PlacedParameter]: ...
 
     def expert_parameter_names(self) -> set[str]: ...
 

@@ -55,6 +55,12 @@ class HeadShards:
         block = self._block(kind, full, rank)
         return block.reshape(-1, *block.shape[2:]) if kind != "proj.weight" else block.contiguous()
 
+    def copies_block(self) -> int | None:
+        return None  # the replicas of the same heads average their gradients (the trainer's own rule)
+
+    def counted_slots(self, rank: int) -> torch.Tensor | None:
+        return None
+
     def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
         """Write this rank's block into ``full`` if it holds the primary copy (a sum over all
         ranks then assembles the tensor)."""

@@ -33,7 +33,7 @@ from moeflow.config import (
 from moeflow.experts import ExpertFFN
 from moeflow.layer import MoELayer
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
-from moeflow.parallel.placement import ExpertPlacement, expert_parallel_names
+from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.phases import PhaseClock
 
 if TYPE_CHECKING:
@@ -213,23 +213,23 @@ class MoETransformer(nn.Module):
         """The block number of each of :meth:`moe_layers`."""
         return self.config.moe_blocks
 
-    def placed_parameters(self) -> dict[str, tuple[ExpertPlacement | HeadShards, str]]:
+    def placed_parameters(self) -> dict[str, PlacedParameter]:
         """Every expert parameter's placement and kind (``w1``, ``b1``, ...) and every
         tensor-parallel attention parameter's head layout and kind, by name: what the checkpoints
         slice and assemble full tensors with."""
-        placed: dict[str, tuple[ExpertPlacement | HeadShards, str]] = {
-            f"blocks.{i}.ffn.experts.{name}": (block.moe.placement, name)
+        placed: dict[str, PlacedParameter] = {
+            f"blocks.{i}.ffn.experts.{name}": PlacedParameter(block.moe.placement, name)
             for i, block in enumerate(self.blocks) if block.moe is not None
             for name, _ in block.moe.experts.named_parameters()
         }
         return placed | self._head_shards()
 
-    def _head_shards(self) -> dict[str, tuple[ExpertPlacement | HeadShards, str]]:
+    def _head_shards(self) -> dict[str, PlacedParameter]:
         members = group_size(self.groups.model)
         if members == 1:
             return {}
         shards = HeadShards(self.groups.size, members, self.config.model_dim)
-        return {f"blocks.{i}.attention.{kind}": (shards, kind) for i in range(self.config.layers)
+        return {f"blocks.{i}.attention.{kind}": PlacedParameter(shards, kind) for i in range(self.config.layers)
                 for kind in TENSOR_PARALLEL_KINDS}
 
     def expert_parameter_names(self) -> set[str]:

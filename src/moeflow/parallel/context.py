@@ -24,6 +24,17 @@ from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """What a schedule derives once per forward from the agreed load, before the plan is chosen:
+    the per-expert capacity whose region the planner prices (the exchanged buffer's bytes), and
+    whatever its run needs of the same derivation (EPLB's replica routes), handed back to it in
+    :attr:`RunContext.prepared` so that nothing is derived twice."""
+
+    capacity: int
+    state: object | None = None
+
+
+@dataclass(frozen=True)
 class RunContext:
     """One forward's inputs to a schedule, frozen: nothing is kept between two runs.
 
@@ -43,6 +54,7 @@ class RunContext:
     kernel: str  # the layer's expert_kernel: "bmm", "loop" or "ragged"
     backend: str  # the resolved kernel backend of the ragged kernel
     estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
+    prepared: object | None = None  # the schedule's own Prepared.state of this forward
 
     @property
     def rank(self) -> int:

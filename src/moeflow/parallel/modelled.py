@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.parallel.context import Prepared
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
@@ -56,8 +57,6 @@ class ModelledSchedule:
         """The pipeline policy, all-to-all candidates and cost model its planner searches with."""
         return pipeline, algorithms, cost_model
 
-    def planned_capacity(
-        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
-    ) -> int:
-        """The per-expert capacity whose region the planner prices (the exchanged buffer's bytes)."""
-        return capacity
+    def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
+        """This forward's :class:`~moeflow.parallel.context.Prepared`: the capacity as routed."""
+        return Prepared(capacity)

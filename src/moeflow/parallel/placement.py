@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -173,6 +174,19 @@ class ExpertPlacement:
     def is_replicated(self) -> bool:
         return self == ExpertPlacement.replicated(self.num_experts, self.world_size, self.hidden_dim)
 
+    def copies_block(self) -> int | None:
+        """B when blocks of B ranks each hold every expert, fewer than all ranks (Lina's packing):
+        the copies' gradients then add up over the ranks B apart. None otherwise."""
+        block = self.packed_group_size
+        return block if block is not None and block < self.world_size else None
+
+    def counted_slots(self, rank: int) -> torch.Tensor | None:
+        """Which of ``rank``'s local slots count in a gradient norm when copies of an expert split
+        its tokens (EPLB's slots hold the same summed gradient: the primary copy counts); None: all."""
+        if not self.split_tokens:
+            return None
+        return torch.tensor([self.is_primary(rank, index) for index in range(self.num_local(rank))])
+
     def is_primary(self, rank: int, index: int) -> bool:
         """Whether rank's local shard ``index`` is the first copy of its slice (lowest rank, then
         lowest index): the copy a full state is assembled from."""
@@ -236,8 +250,36 @@ class ExpertPlacement:
             )
 
 
+class Sharding(Protocol):
+    """A parameter split over ranks: an :class:`ExpertPlacement`, or tensor-parallel attention's
+    heads (:class:`moeflow.models.tensor_parallel.HeadShards`). What checkpoints and gradient
+    synchronisation ask of it."""
+
+    world_size: int
+
+    @property
+    def is_replicated(self) -> bool: ...
+
+    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor: ...
+
+    def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor: ...
+
+    def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None: ...
+
+    def copies_block(self) -> int | None: ...
+
+    def counted_slots(self, rank: int) -> torch.Tensor | None: ...
+
+
+class PlacedParameter(NamedTuple):
+    """How one parameter is split over the ranks, and its kind (``w1``, ``qkv.weight``, ...)."""
+
+    sharding: Sharding
+    kind: str
+
+
 def gather_full(
-    tensor: torch.Tensor, placement: ExpertPlacement, kind: str, rank: int, group: dist.ProcessGroup | None
+    tensor: torch.Tensor, placement: Sharding, kind: str, rank: int, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """The full (E, ...) tensor from every rank's part: each writes its primary shards into zeros,
     one all-reduce (a collective: every rank calls it)."""
@@ -264,8 +306,16 @@ def expert_kind(name: str, prefix: str = "experts.") -> str | None:
     return kind if kind in HIDDEN_AXIS else None
 
 
-def expert_parallel_names(placed: Mapping[str, tuple[object, str]]) -> set[str]:
+def shard_expert_state(
+    full_state: Mapping[str, torch.Tensor], placement: ExpertPlacement, rank: int, prefix: str = "experts."
+) -> dict[str, torch.Tensor]:
+    """Slice a state dict holding all E experts (names under ``prefix``) down to ``rank``'s part of
+    ``placement``; other entries are copied."""
+    return placement.shard_state(full_state, rank, lambda name: expert_kind(name, prefix))
+
+
+def expert_parallel_names(placed: Mapping[str, PlacedParameter]) -> set[str]:
     """The names whose ranks hold different experts (not replicated): their gradients already sum
     every rank's tokens, so a trainer does not all-reduce them."""
-    return {name for name, (placement, _) in placed.items()
-            if isinstance(placement, ExpertPlacement) and not placement.is_replicated}
+    return {name for name, (sharding, _) in placed.items()
+            if isinstance(sharding, ExpertPlacement) and not sharding.is_replicated}

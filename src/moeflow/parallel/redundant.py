@@ -33,7 +33,7 @@ from torch.autograd.function import FunctionCtx
 
 from moeflow.comm.topology import Topology
 from moeflow.experts import FFNCompute, FFNWeights
-from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf.schedules import LOCAL, Plan
@@ -253,15 +253,17 @@ class SlotSchedule(WrappingSchedule):
     (P, C', M) buffer, those for this rank's own slots here, and both return to the (E, C, M)
     layout. Weights move only when the placement does."""
 
-    def planned_capacity(
-        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
-    ) -> int:
-        """The per-expert capacity of the same bytes as the exchanged slot buffer."""
-        slots, width = ReplicaRoutes.of(placement, filled_WE, capacity, rank).exchanged_rows_PC.shape
-        return -(-slots * width // placement.num_experts)
+    def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
+        """The replica routes of this forward, and the per-expert capacity of the same bytes as the
+        exchanged slot buffer (what the planner prices)."""
+        routes = ReplicaRoutes.of(placement, filled_WE, capacity, rank)
+        slots, width = routes.exchanged_rows_PC.shape
+        return Prepared(-(-slots * width // placement.num_experts), routes)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
-        routes = ReplicaRoutes.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        routes = ctx.prepared
+        if not isinstance(routes, ReplicaRoutes):  # run without prepare (a direct call)
+            routes = ReplicaRoutes.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
         weights = replica_weights(ctx.experts.weights(), ctx.placement, ctx.rank, ctx.groups.expert).cast(ctx.dtype)
         slots = SlotExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
         mine = tuple(range(ctx.rank * slots.num_experts, (ctx.rank + 1) * slots.num_experts))

@@ -27,7 +27,7 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertCompute
-from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -75,9 +75,10 @@ class ParallelSchedule(Protocol):
         self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]: ...
 
-    def planned_capacity(
-        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
-    ) -> int: ...
+    def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
+        """Once per forward, before the plan: the capacity the planner prices, and what ``run``
+        needs again of the same derivation (handed back in ``ctx.prepared``)."""
+        ...
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput: ...
 

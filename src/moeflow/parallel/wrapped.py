@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule
@@ -67,10 +67,8 @@ class WrappingSchedule:
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
         return self.inner.plan_space(pipeline, algorithms, cost_model)
 
-    def planned_capacity(
-        self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int
-    ) -> int:
-        return self.inner.planned_capacity(capacity, filled_WE, placement, rank)
+    def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
+        return self.inner.prepare(capacity, filled_WE, placement, rank)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         return self.inner.run(plan, dispatched_ECM, ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from moeflow.config import DTYPE_BYTES
 from moeflow.parallel.registry import SIMULATED_REGIONS
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from moeflow.perf.profile import ClusterProfile
     from moeflow.perf.schedules import Plan
 
-DTYPES = {4: "fp32", 2: "bf16"}
+DTYPE_OF_BYTES = {size: name for name, size in reversed(DTYPE_BYTES.items())}  # 2 bytes: bf16
 
 
 def region_model(shape: RegionShape) -> ModelSpec:
@@ -30,7 +31,7 @@ def region_model(shape: RegionShape) -> ModelSpec:
     return ModelSpec(name="region", layers=1, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
                      experts=shape.experts, top_k=1, capacity_factor=1.0,
                      tokens_per_rank=max(1, shape.capacity) * shape.experts, projections=shape.projections,
-                     dtype=DTYPES.get(shape.bytes_per_element, "fp32"))
+                     dtype=DTYPE_OF_BYTES.get(shape.bytes_per_element, "fp32"))
 
 
 def step_plan(plan: Plan) -> StepPlan | None:

@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from moeflow.capacity import expert_capacity
+from moeflow.config import DTYPE_BYTES
 from moeflow.sim.cluster import read_toml_source, shipped_names
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moeflow.files import write_atomic
 from moeflow.models import TrainableLM
-from moeflow.parallel.placement import ExpertPlacement, gather_full
+from moeflow.parallel.placement import PlacedParameter, gather_full
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -132,7 +132,7 @@ def load_checkpoint(
 
 
 def _shard(
-    state: dict[str, torch.Tensor], placed: dict[str, tuple[ExpertPlacement, str]], rank: int, world_size: int
+    state: dict[str, torch.Tensor], placed: dict[str, PlacedParameter], rank: int, world_size: int
 ) -> dict[str, torch.Tensor]:
     """Slice the expert entries for ``rank``'s part of each one's placement."""
     sliced = dict(state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from moeflow.config import (
     require_choice,
     require_positive_int,
     validate_r,
+    validate_topology_gate,
 )
 from moeflow.data import TOKENIZERS
 
@@ -26,10 +28,10 @@ if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
 
 BACKENDS = ("gloo", "nccl")
-GATE_KINDS = ("plain", "topology")
+LEGACY_GATES = ("plain", "topology")
+"""The values of ``gate``, the old name of ``topology_gate`` (MoEConfig's ``gate`` is the router's kind)."""
 GRAD_SYNC_MODES = ("after", "overlap", "lina")
 """``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
-"""``gate``: the routers as they are, or FasterMoE's topology-aware gate on every MoE layer."""
 _MOE = model_moe_defaults()
 
 
@@ -63,7 +65,7 @@ class TrainConfig:
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     profile: str | None = None  # a calibrated cluster profile for the planner
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
-    gate: str = "plain"  # plain | topology (FasterMoE's topology-aware gate on every MoE layer)
+    topology_gate: str | float = "off"  # FasterMoE's topology-aware gate: off | auto (--profile's share) | a share
     redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
     rebalance_interval: int = 20  # with redundant experts: place the slots every this many steps
     rebalance_window: int = 20  # ... for the load of this many last steps
@@ -106,7 +108,11 @@ class TrainConfig:
         for name in positive:
             require_positive_int(name, getattr(self, name))
         require_choice("shadowing", self.shadowing, SHADOWING_POLICIES)
-        require_choice("gate", self.gate, GATE_KINDS)
+        validate_topology_gate(self.topology_gate)
+        if self.topology_gate == "auto" and self.profile is None:
+            raise ValueError("--topology-gate auto takes the share of tokens that may leave a node from --profile's "
+                             "bandwidths: pass --profile, or the share itself, e.g. --topology-gate "
+                             f"{FASTERMOE_REMOTE_SHARE} (FastMoE's default)")
         require_choice("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
         for name in ("microop_mb", "bucket_mb"):
             value = getattr(self, name)
@@ -170,17 +176,17 @@ class TrainConfig:
         from moeflow.parallel.registry import check_techniques
 
         wanted = [flag for flag, on in (("--shadowing auto", self.shadowing == "auto"),
-                                        ("--gate topology", self.gate == "topology"),
+                                        ("--topology-gate", self.topology_gate != "off"),
                                         ("--redundant-experts", self.redundant_experts > 0)) if on]
         if wanted and self.hf is not None:
             raise ValueError(f"{' and '.join(wanted)}: only moeflow's own model passes these to its MoE layers, not a "
-                             "--hf model; drop --hf, or use --shadowing off and --gate plain")
+                             "--hf model; drop --hf, or use --shadowing off and --topology-gate off")
         if self.shadowing == "auto" and self.profile is None:
             raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
         if self.hf is None:
             check_techniques(self.model_config(self.vocab_size).moe, self.layer_schedule())
-        if (self.num_experts + self.redundant_experts) % self.workers:
+        if self.redundant_experts and (self.num_experts + self.redundant_experts) % self.workers:
             raise ValueError(
                 f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
                 f"expert slots must split evenly over the {self.workers} workers; choose a value that makes the sum "
@@ -206,13 +212,6 @@ class TrainConfig:
         from moeflow.parallel.registry import expected_schedule
 
         return expected_schedule(self.parallel, self.num_experts, self.workers, self.mp_size)
-
-    def layer_topology_gate(self) -> str | float:
-        """MoEConfig's ``topology_gate`` for ``gate``: the share from the profile's bandwidths when
-        one is given, else FastMoE's default share."""
-        if self.gate == "plain":
-            return "off"
-        return "auto" if self.profile is not None else FASTERMOE_REMOTE_SHARE
 
     def _check_tensor_parallel(self, parm_schedules: tuple[str, ...]) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
@@ -242,7 +241,6 @@ class TrainConfig:
         settings = {name: getattr(self, name) for name in MODEL_SETTINGS}
         return TransformerConfig.build(
             vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
-            topology_gate=self.layer_topology_gate(),
             **{name: value for name, value in settings.items() if value is not None},  # None: MoEConfig's
         )
 
@@ -290,8 +288,9 @@ FIELD_HELP: dict[str, str] = {
     "shadowing": "FasterMoE's dynamic shadowing of every MoE layer: off, or auto (each step its cost model picks "
     "hot experts whose weights are broadcast instead of sending their tokens; needs --profile and the "
     "expert-parallel schedule)",
-    "gate": "plain, or topology: FasterMoE's topology-aware gate on every MoE layer (limits the tokens sent to "
-    f"other nodes; the share from --profile's bandwidths, else {FASTERMOE_REMOTE_SHARE})",
+    "topology_gate": "FasterMoE's topology-aware gate on every MoE layer, which limits the tokens sent to other "
+    "nodes: off; auto (the share from --profile's bandwidths); or the share itself in [0, 1] (FastMoE: "
+    f"{FASTERMOE_REMOTE_SHARE}). Was --gate plain|topology",
     "redundant_experts": "EPLB: this many extra expert slots per MoE layer, holding replicas of the hot experts "
     "(the expert-parallel schedule; experts + this a multiple of --workers)",
     "rebalance_interval": "with --redundant-experts: place the slots for the recorded load every this many steps",
@@ -338,10 +337,9 @@ MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "ffn_hidden", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names; ffn_hidden is its hidden_dim)
-    "pipeline", "alltoall", "parallel", "shadowing", "redundant_experts",
+    "pipeline", "alltoall", "parallel", "shadowing", "topology_gate", "redundant_experts",
 )
-"""The settings :meth:`TrainConfig.model_config` passes to the model, by name (``gate`` goes as the
-layers' ``topology_gate``: MoEConfig's own ``gate`` is the router's kind)."""
+"""The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 
 
 def field_names() -> list[str]:
@@ -349,7 +347,9 @@ def field_names() -> list[str]:
 
 
 def checked_keys(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
-    """``values`` if every key is a TrainConfig field; else an error naming the key and the closest."""
+    """``values`` if every key is a TrainConfig field (an old name, ``gate``, is renamed with a
+    warning); else an error naming the key and the closest."""
+    values = _renamed(dict(values), source)
     names = field_names()
     for key in values:
         if key not in names:
@@ -357,6 +357,20 @@ def checked_keys(values: dict[str, Any], source: str = "config") -> dict[str, An
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
             raise ValueError(f"unknown {source} key {key!r}{hint}")
     return dict(values)
+
+
+def _renamed(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """``gate`` (plain | topology) is ``topology_gate`` now: ``gate`` meant the router's kind in
+    MoEConfig and this in the trainer. Old configs, checkpoints and flags keep working."""
+    if "gate" not in values:
+        return values
+    old = values.pop("gate")
+    require_choice("gate", old, LEGACY_GATES)
+    warnings.warn(f"the {source} key 'gate' (--gate) is renamed topology_gate (--topology-gate off|auto|<share>); "
+                  f"gate={old!r} reads as the same setting", FutureWarning, stacklevel=3)
+    if old == "topology" and "topology_gate" not in values:
+        values["topology_gate"] = "auto" if values.get("profile") is not None else FASTERMOE_REMOTE_SHARE
+    return values
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
-from moeflow.training.config import TrainConfig
+from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
 
 
@@ -31,10 +31,10 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
         )
     # the plain expert-parallel layer: no pipelining, all-to-all choice or re-placed experts
     workers = 1 if groups is None else groups.size
-    config = TrainConfig(**state["config"]).updated({"workers": workers, "pipeline": 1, "alltoall": "linear",
-                                                     "profile": None, "shadowing": "off", "gate": "plain",
-                                                     "redundant_experts": 0, "parallel": "expert", "mp_size": 1,
-                                                     "expert_packing": "off"})
+    plain = {"workers": workers, "pipeline": 1, "alltoall": "linear", "profile": None, "shadowing": "off",
+             "topology_gate": "off", "redundant_experts": 0, "parallel": "expert", "mp_size": 1,
+             "expert_packing": "off"}
+    config = TrainConfig(**checked_keys(state["config"], "checkpoint")).updated(plain)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=groups)
     load_checkpoint(checkpoint, model, None, rank=0 if groups is None else groups.rank, world_size=workers)
@@ -44,7 +44,7 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
 
 def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
     """The corpus a checkpoint's run trained on, from the cache under ``cache_root`` (built if missing)."""
-    return prepared_corpus(TrainConfig(**read_state(checkpoint)["config"]), cache_root)
+    return prepared_corpus(TrainConfig(**checked_keys(read_state(checkpoint)["config"], "checkpoint")), cache_root)
 
 
 def generate_text(

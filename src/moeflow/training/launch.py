@@ -23,10 +23,12 @@ import torch.distributed as dist
 from moeflow.comm.topology import topology_from_environment
 from moeflow.data import PreparedCorpus, default_cache_root
 from moeflow.distributed import destroy_process_groups
+from moeflow.training.batches import require_windows
 from moeflow.training.checkpoint import latest_checkpoint, read_state
-from moeflow.training.config import TrainConfig
+from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
-from moeflow.training.trainer import METRICS, Job, device_for, require_windows, train_worker
+from moeflow.training.metrics import METRICS
+from moeflow.training.trainer import Job, device_for, train_worker
 
 
 def launched_by_torchrun() -> bool:
@@ -42,7 +44,7 @@ def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, 
             "checkpoints/step-* folders) written by moeflow train"
         )
     saved = read_state(checkpoint)["config"]
-    config = TrainConfig(**{**saved, "stop_at": None}).updated(overrides)
+    config = TrainConfig(**checked_keys({**saved, "stop_at": None}, "checkpoint")).updated(overrides)
     return config, checkpoint
 
 

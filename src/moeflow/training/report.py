@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.models.transformer import moe_non_gemm_share
-from moeflow.training.trainer import TIMELINE, iterate_records
+from moeflow.training.metrics import TIMELINE, iterate_records
 
 PHASE_COLORS = {
     "attention": "#4C72B0", "routing": "#DD8452", "all_to_all": "#C44E52", "experts": "#55A868",

@@ -7,11 +7,9 @@ run repeats the losses of an uninterrupted one. Rank 0 writes the metrics and th
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -20,24 +18,30 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from moeflow.comm.groups import ParallelGroups, group_size
+from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
-from moeflow.parallel.placement import ExpertPlacement
-from moeflow.precision import DTYPES
+from moeflow.training.batches import data_replica, shard_of, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
+from moeflow.training.evaluation import autocast, evaluate
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
+from moeflow.training.gradients import (
+    all_reduce_sum,
+    clip_gradients,
+    packed_block,
+    replicated_parameters,
+    synchronize_gradients,
+)
+from moeflow.training.metrics import METRICS, TIMELINE, MetricsLog, moe_records, write_timeline
+from moeflow.training.optimizer import build_optimizer, learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
 from moeflow.training.rebalance import ExpertRebalancer
 
-METRICS = "metrics.jsonl"
-TIMELINE = "timeline.json"  # one step's communication and compute events (rank 0), for the report
 HF_CHECKPOINT = "hf"  # with --hf, the transformers directory written at the end of the run
 
 
@@ -53,218 +57,7 @@ class Job:
     local_rank: int | None = None  # the launcher's LOCAL_RANK; None: the rank (spawned workers)
 
 
-# -- data ----------------------------------------------------------------------------------------
-
-
-def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """This worker's contiguous part of the training stream."""
-    size = stream.shape[0]
-    return stream[rank * size // world_size : (rank + 1) * size // world_size]
-
-
-def data_replica(rank: int, world_size: int, mp_size: int) -> tuple[int, int]:
-    """(this worker's data-parallel replica, the number of replicas): the ``mp_size`` workers of one
-    tensor-parallel group hold the same tokens."""
-    return rank // mp_size, world_size // mp_size
-
-
-def require_windows(tokens: int, context: int, what: str, fix: str) -> None:
-    """A stream must hold one window of context+1 tokens (the inputs and the shifted targets)."""
-    if tokens <= context + 1:
-        raise ValueError(f"{what} has {tokens} tokens, fewer than context+1={context + 1}; {fix}")
-
-
-def token_windows(stream: np.ndarray, starts: list[int], context: int) -> torch.Tensor:
-    """(len(starts), context+1) int64 tokens: the windows of ``stream`` that begin at ``starts``."""
-    return torch.from_numpy(np.stack([np.asarray(stream[s : s + context + 1], dtype=np.int64) for s in starts]))
-
-
-def training_batch(
-    shard: np.ndarray, step: int, rank: int, seed: int, batch_size: int, context: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random windows of the shard; a pure function of (seed, step, rank)."""
-    require_windows(shard.shape[0], context, "a worker's share of the training data",
-                    "use more data, a shorter context or fewer workers")
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
-    starts = torch.randint(0, shard.shape[0] - context - 1, (batch_size,), generator=generator).tolist()
-    tokens = token_windows(shard, starts, context)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def validation_windows(stream: np.ndarray, count: int, context: int) -> list[int]:
-    """Evenly spaced window starts over the validation stream: the same for any number of workers."""
-    require_windows(stream.shape[0], context, "the validation split",
-                    "use more data, a larger val_percent or a shorter context")
-    span = stream.shape[0] - context - 1
-    return [i * span // count for i in range(count)]
-
-
-# -- distributed helpers -------------------------------------------------------------------------
-
-
-def _all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if group is not None:
-        dist.all_reduce(tensor, group=group)
-    return tensor.tolist()
-
-
-def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[torch.nn.Parameter]:
-    """The parameters every worker holds whole (neither experts nor tensor-parallel heads), in
-    reverse registration order: roughly the order the backward finishes their gradients."""
-    sharded = expert_names | model.tensor_parallel_parameter_names()
-    return [p for name, p in reversed(list(model.named_parameters())) if name not in sharded]
-
-
-def synchronize_gradients(
-    model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
-    scheduler: GradientScheduler | None = None, copies: GradientScheduler | None = None,
-) -> float:
-    """Average the replicated parameters' gradients over the workers (one flat all-reduce, or what
-    ``scheduler`` reduced during the backward), scale the experts' (each already sums every
-    data-parallel replica's tokens) to the same mean, add up a packed expert's copies (or take what
-    ``copies`` reduced during the backward), and average tensor-parallel attention's over the
-    replicas of the same heads; return this worker's share of the squared norm of the sharded
-    gradients, whose sum over the workers is theirs, for the global clipping norm. With MP groups
-    of N workers the W workers are W / N data-parallel replicas."""
-    heads = model.tensor_parallel_parameter_names()
-    replicas = world_size // group_size(model.groups.model)
-    replicated, heads_grads, sharded_sq = [], [], 0.0
-    packed: dict[int, list[torch.Tensor]] = {}  # packed experts' gradients by block size
-    placed = model.placed_parameters()
-    for name, parameter in model.named_parameters():
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        block = _packed_block(placed.get(name), world_size) if name in expert_names else None
-        if block is not None:
-            packed.setdefault(block, []).append(parameter)
-        elif name in expert_names:
-            parameter.grad.div_(replicas)
-            sharded_sq += _squared_norm_once(parameter.grad, placed.get(name), model.groups.rank)
-        elif name in heads:
-            heads_grads.append(parameter.grad)
-        else:
-            replicated.append(parameter.grad)
-    if scheduler is not None:
-        scheduler.finish()
-    elif group is not None and world_size > 1:
-        _average(replicated, group, world_size)
-    if copies is not None:
-        copies.finish()
-    for block, parameters in packed.items():  # each block's copy summed its own tokens: add the copies
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if copies is None:
-            _average(grads, model.groups.strided(block), replicas)
-        sharded_sq += sum(float(g.pow(2).sum()) for g in grads) * block / world_size  # each copy counts once
-    if heads_grads:
-        _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
-        sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
-    return sharded_sq
-
-
-def _packed_block(placed: tuple[Any, str] | None, world_size: int) -> int | None:
-    """The block size of a packed expert parameter whose copies sit in several blocks (Lina's
-    packing), else None (expert parallel, or not an expert)."""
-    placement = placed[0] if placed is not None else None
-    if not isinstance(placement, ExpertPlacement):
-        return None
-    block = placement.packed_group_size
-    return block if block is not None and block < world_size else None
-
-
-def _squared_norm_once(grad: torch.Tensor, placed: tuple[Any, str] | None, rank: int) -> float:
-    """The squared norm of an expert gradient, redundant slots counted once (their copies hold the
-    same summed gradient: only the primary copy counts)."""
-    placement = placed[0] if placed is not None else None
-    if not isinstance(placement, ExpertPlacement) or not placement.split_tokens:
-        return float(grad.pow(2).sum())
-    primary = [placement.is_primary(rank, index) for index in range(placement.num_local(rank))]
-    return float(grad[torch.tensor(primary, device=grad.device)].pow(2).sum())
-
-
-def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
-    """The mean of each gradient over ``group`` (one flat all-reduce)."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None and size > 1:
-        dist.all_reduce(flat, group=group)
-    flat.div_(size)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
-
-
-def clip_gradients(model: TrainableLM, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
-    """Clip by the norm of the whole (global) gradient; return that norm. ``expert_sq_global`` is
-    the sharded gradients' part (experts, tensor-parallel attention), summed over the workers."""
-    sharded = expert_names | model.tensor_parallel_parameter_names()
-    replicated_sq = sum(
-        float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if n not in sharded and p.grad is not None
-    )
-    norm = math.sqrt(replicated_sq + expert_sq_global)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for parameter in model.parameters():
-            if parameter.grad is not None:
-                parameter.grad.mul_(scale)
-    return norm
-
-
-def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine decay from lr to min_lr at the last step."""
-    if config.warmup_steps and step <= config.warmup_steps:
-        return config.lr * step / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (biases, norms) do not (nanoGPT)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(config.beta1, config.beta2), foreach=False,
-    )
-
-
-@torch.no_grad()
-def evaluate(
-    model: TrainableLM, stream: np.ndarray, config: TrainConfig, rank: int, world_size: int,
-    group: dist.ProcessGroup | None, device: torch.device,
-) -> float:
-    """Mean validation cross-entropy over a fixed set of windows, split over the workers (every
-    worker runs the same number of forwards; padding windows carry zero weight)."""
-    starts = validation_windows(stream, config.eval_windows, config.context)
-    mine = starts[rank::world_size]
-    per_worker = math.ceil(len(starts) / world_size)
-    weights = [1.0] * len(mine) + [0.0] * (per_worker - len(mine))
-    mine = mine + [starts[0]] * (per_worker - len(mine))
-    was_training = model.training
-    model.eval()
-    total = count = 0.0
-    for begin in range(0, per_worker, config.batch_size):
-        windows = token_windows(stream, mine[begin : begin + config.batch_size], config.context).to(device)
-        with autocast(config, device):
-            logits, _ = model(windows[:, :-1])
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
-        weight = torch.tensor(weights[begin : begin + config.batch_size], device=device).repeat_interleave(
-            config.context
-        )
-        total += float((losses * weight).sum())
-        count += float(weight.sum())
-    model.train(was_training)
-    total, count = _all_reduce_sum([total, count], group, device)
-    return total / count
-
-
 # -- the loop ------------------------------------------------------------------------------------
-
-
-def autocast(config: TrainConfig, device: torch.device) -> torch.autocast:
-    """--dtype bf16/fp16: the forward under autocast; the parameters stay fp32 (master weights)."""
-    dtype = DTYPES[config.dtype]
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def unscale_gradients(run: _Run, expert_sq_global: float) -> float:
@@ -285,52 +78,6 @@ def device_for(config: TrainConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def _moe_records(model: TrainableLM) -> list[dict[str, Any]]:
-    """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
-    FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile)."""
-    records = []
-    for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):
-        stats = layer.last_stats
-        if stats is None:
-            continue
-        records.append({
-            "block": index, "tokens_per_expert": stats.tokens_per_expert, "dropped": stats.dropped,
-            "capacity": stats.capacity, "alltoall": stats.plan.alltoall if stats.plan else None,
-            "pipeline_degree": stats.plan.pipeline_degree if stats.plan else None,
-            "plan_source": stats.plan.source if stats.plan else None,
-            "schedule": stats.plan.schedule if stats.plan else None,
-            "r": stats.plan.r if stats.plan else None,
-            "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
-            "rank_tokens": list(stats.rank_tokens),
-        })
-    return records
-
-
-def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:
-    """One step's events as [kind, start, stop] in seconds from the step's first event."""
-    origin = min((event.start_s for event in events), default=0.0)
-    rows = [[e.kind, e.start_s - origin, e.stop_s - origin] for e in sorted(events, key=lambda e: e.start_s)]
-    path.write_text(json.dumps({"step": step, "events": rows}))
-
-
-class MetricsLog:
-    """``metrics.jsonl`` on rank 0; a resumed run first drops the records after its checkpoint."""
-
-    def __init__(self, path: Path, resume_step: int | None) -> None:
-        self.path = path
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._handle = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
 
 
 def _progress(config: TrainConfig, rank: int, start: int) -> Any:
@@ -469,7 +216,7 @@ def _copy_scheduler(run: _Run) -> GradientScheduler | None:
     if config.grad_sync == "after" or run.group is None or run.packer is None:
         return None
     packed = {name: block for name, parameter in run.model.named_parameters() if name in run.expert_names
-              and (block := _packed_block(placed.get(name), run.world_size)) is not None}
+              and (block := packed_block(placed.get(name))) is not None}
     if not packed:
         return None
     block = next(iter(packed.values()))
@@ -513,7 +260,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
                                       run.copy_scheduler)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
-    lm_sum, total_sum, expert_sq_global = _all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
+    lm_sum, total_sum, expert_sq_global = all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
                                                           run.device)
     sync_s = time.perf_counter() - sync_began
     optimizer_began = time.perf_counter()
@@ -546,7 +293,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
         "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
         "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
-        "moe": _moe_records(model),
+        "moe": moe_records(model),
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
         **({"packing": packing} if packing is not None else {}),
         **({"loss_scale": run.scaler.get_scale()} if run.scaler is not None else {}),
@@ -640,10 +387,3 @@ def _save_hf(run: _Run) -> Path:
     return save_hf_checkpoint(run.model, run.config.hf, Path(run.job.run_dir) / HF_CHECKPOINT, run.rank)
 
 
-def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:
-    path = run_dir / METRICS
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a moeflow run folder?")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            yield json.loads(line)

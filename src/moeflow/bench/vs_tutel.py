@@ -1,8 +1,8 @@
 """moeflow's MoELayer against Tutel's (its CPU build) on the same weights and tokens.
 
-    PYTHONPATH=<tutel> python benchmarks/vs_tutel.py                  # one process
-    PYTHONPATH=<tutel> python benchmarks/vs_tutel.py --workers 2      # two gloo processes, loopback
-    moeflow launch --nodes 2 --ranks-per-node 1 --inter-gbit 1 -- python benchmarks/vs_tutel.py
+    PYTHONPATH=<tutel> python -m moeflow.bench.vs_tutel                  # one process
+    PYTHONPATH=<tutel> python -m moeflow.bench.vs_tutel --workers 2      # two gloo processes, loopback
+    moeflow launch --nodes 2 --ranks-per-node 1 --inter-gbit 1 -- python -m moeflow.bench.vs_tutel
 
 Dropless (capacity factor 0), top-2, gelu experts with biases, fp32, one intra-op thread per rank,
 forward+backward of sum(y * upstream). moeflow runs its defaults (the planner picks the pipeline
@@ -105,7 +105,7 @@ def _slowest(fn: Any) -> float:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        from moeflow.bench.timing import slowest_rank_seconds
+        from moeflow.measure import slowest_rank_seconds
 
         return slowest_rank_seconds(fn)
     start = time.perf_counter()

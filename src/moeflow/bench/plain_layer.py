@@ -1,7 +1,7 @@
 """MoELayer in a plain user script: no moeflow entry point, so no allocator tuning unless --tuned.
 
-    python benchmarks/plain_layer.py            # the stock glibc allocator, as a user's script has it
-    python benchmarks/plain_layer.py --tuned    # after moeflow.runtime.tune_cpu_allocator()
+    python -m moeflow.bench.plain_layer            # the stock glibc allocator, as a user's script has it
+    python -m moeflow.bench.plain_layer --tuned    # after moeflow.runtime.tune_cpu_allocator()
 
 One thread, fp32, T=4096, M=512, k=2, capacity factor 1, forward+backward, at (E=8, H=2048) and
 (E=64, H=256). moeflow, the Mixtral-style reference loop and a 2048^2 matmul (the machine's rate,

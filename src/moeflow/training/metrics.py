@@ -1,0 +1,76 @@
+"""What a run writes as it goes: ``metrics.jsonl`` (one record per step, per-layer routing and
+plans), one step's communication timeline, and reading them back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from moeflow.comm.traffic import TimelineEvent
+from moeflow.models import TrainableLM
+
+METRICS = "metrics.jsonl"
+
+
+TIMELINE = "timeline.json"  # one step's communication and compute events (rank 0), for the report
+
+
+
+def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
+    """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
+    FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile)."""
+    records = []
+    for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):
+        stats = layer.last_stats
+        if stats is None:
+            continue
+        records.append({
+            "block": index, "tokens_per_expert": stats.tokens_per_expert, "dropped": stats.dropped,
+            "capacity": stats.capacity, "alltoall": stats.plan.alltoall if stats.plan else None,
+            "pipeline_degree": stats.plan.pipeline_degree if stats.plan else None,
+            "plan_source": stats.plan.source if stats.plan else None,
+            "schedule": stats.plan.schedule if stats.plan else None,
+            "r": stats.plan.r if stats.plan else None,
+            "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
+            "rank_tokens": list(stats.rank_tokens),
+        })
+    return records
+
+
+
+def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:
+    """One step's events as [kind, start, stop] in seconds from the step's first event."""
+    origin = min((event.start_s for event in events), default=0.0)
+    rows = [[e.kind, e.start_s - origin, e.stop_s - origin] for e in sorted(events, key=lambda e: e.start_s)]
+    path.write_text(json.dumps({"step": step, "events": rows}))
+
+
+
+class MetricsLog:
+    """``metrics.jsonl`` on rank 0; a resumed run first drops the records after its checkpoint."""
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._handle = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+
+def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:
+    path = run_dir / METRICS
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; is {run_dir} a moeflow run folder?")
+    for line in path.read_text().splitlines():
+        if line.strip():
+            yield json.loads(line)
