@@ -18,7 +18,7 @@ from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoE
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
-from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, check_parallel, check_techniques, select_schedule
+from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, check_techniques, select_schedule
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
@@ -51,7 +51,6 @@ def region_shape(
 def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None) -> Execution:
     """The schedule, its placement and the planner's algorithms for ``config`` on ``groups``."""
     _check_alltoall(config, groups)
-    check_parallel(config.parallel)
     mp_size = check_mp_group(groups) if groups.model is not None else 1
     algorithms = candidate_algorithms(config, groups, cost_model, mp_size > 1)
     choice = select_schedule(

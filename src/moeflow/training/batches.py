@@ -13,12 +13,10 @@ def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return stream[rank * size // world_size : (rank + 1) * size // world_size]
 
 
-
 def data_replica(rank: int, world_size: int, mp_size: int) -> tuple[int, int]:
     """(this worker's data-parallel replica, the number of replicas): the ``mp_size`` workers of one
     tensor-parallel group hold the same tokens."""
     return rank // mp_size, world_size // mp_size
-
 
 
 def require_windows(tokens: int, context: int, what: str, fix: str) -> None:
@@ -27,11 +25,9 @@ def require_windows(tokens: int, context: int, what: str, fix: str) -> None:
         raise ValueError(f"{what} has {tokens} tokens, fewer than context+1={context + 1}; {fix}")
 
 
-
 def token_windows(stream: np.ndarray, starts: list[int], context: int) -> torch.Tensor:
     """(len(starts), context+1) int64 tokens: the windows of ``stream`` that begin at ``starts``."""
     return torch.from_numpy(np.stack([np.asarray(stream[s : s + context + 1], dtype=np.int64) for s in starts]))
-
 
 
 def training_batch(
@@ -44,7 +40,6 @@ def training_batch(
     starts = torch.randint(0, shard.shape[0] - context - 1, (batch_size,), generator=generator).tolist()
     tokens = token_windows(shard, starts, context)
     return tokens[:, :-1], tokens[:, 1:]
-
 
 
 def validation_windows(stream: np.ndarray, count: int, context: int) -> list[int]:

@@ -15,6 +15,7 @@ from moeflow.config import (
     DTYPE_NAMES,
     FASTERMOE_REMOTE_SHARE,
     SHADOWING_POLICIES,
+    MoEConfig,
     check_switchable_layout,
     model_moe_defaults,
     require_choice,
@@ -118,7 +119,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a number of megabytes > 0, got {value!r}")
-        self.model_config(self.vocab_size)  # the architecture's own checks
+        moe = self.model_config(self.vocab_size).moe  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
@@ -129,8 +130,8 @@ class TrainConfig:
         elif self.mp_size > 1:
             raise ValueError("--mp-size splits moeflow's own attention; a --hf model's attention runs data "
                              "parallel: leave --mp-size at 1")
-        self._check_fastermoe()
-        self._check_packing()
+        self._check_fastermoe(moe)
+        self._check_packing(moe)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -151,7 +152,7 @@ class TrainConfig:
 
         check_parallel(self.parallel)
         if self.mp_size > 1:
-            self._check_tensor_parallel(MODEL_PARALLEL_SCHEDULES)
+            self._check_tensor_parallel()
             return
         if self.parallel in MODEL_PARALLEL_SCHEDULES:
             raise ValueError(
@@ -170,7 +171,7 @@ class TrainConfig:
                 "--parallel replicated"
             )
 
-    def _check_fastermoe(self) -> None:
+    def _check_fastermoe(self, moe: MoEConfig) -> None:
         """The registry's combination rules for the layers' settings, checked here because the
         layers would refuse only once the workers run; ``auto`` shadowing prices with a profile."""
         from moeflow.parallel.registry import check_techniques
@@ -185,7 +186,7 @@ class TrainConfig:
             raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
         if self.hf is None:
-            check_techniques(self.model_config(self.vocab_size).moe, self.layer_schedule())
+            check_techniques(moe, self.layer_schedule())
         if self.redundant_experts and (self.num_experts + self.redundant_experts) % self.workers:
             raise ValueError(
                 f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
@@ -193,7 +194,7 @@ class TrainConfig:
                 f"a multiple of {self.workers}"
             )
 
-    def _check_packing(self) -> None:
+    def _check_packing(self, moe: MoEConfig) -> None:
         """Lina's packing re-places the expert-parallel layers of moeflow's own model."""
         from moeflow.training.packing import check_packing, parse_packing
 
@@ -204,7 +205,7 @@ class TrainConfig:
             raise ValueError("--expert-packing re-places the experts of moeflow's own model under the expert-parallel "
                              "schedule: drop --hf and --mp-size, or use --expert-packing off")
         least = self.num_experts // self.workers
-        check_packing(self.model_config(self.vocab_size).moe, self.layer_schedule(), self.workers,
+        check_packing(moe, self.layer_schedule(), self.workers,
                       packing if isinstance(packing, int) else least)
 
     def layer_schedule(self) -> str:
@@ -213,18 +214,20 @@ class TrainConfig:
 
         return expected_schedule(self.parallel, self.num_experts, self.workers, self.mp_size)
 
-    def _check_tensor_parallel(self, parm_schedules: tuple[str, ...]) -> None:
+    def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
+        from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
+
         if self.workers % self.mp_size:
             raise ValueError(f"workers={self.workers} is not a multiple of mp_size={self.mp_size}; "
                              "tensor-parallel groups are mp_size consecutive workers")
         if self.heads % self.mp_size:
             raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
                              "that divides the heads")
-        if self.parallel not in ("auto", *parm_schedules):
+        if self.parallel not in ("auto", *MODEL_PARALLEL_SCHEDULES):
             raise ValueError(
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
-                f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(parm_schedules)}"
+                f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
         expert_groups = self.workers // self.mp_size
         if self.num_experts % expert_groups or self.ffn_hidden % self.mp_size:

@@ -22,7 +22,6 @@ def autocast(config: TrainConfig, device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-
 @torch.no_grad()
 def evaluate(
     model: TrainableLM, stream: np.ndarray, config: TrainConfig, rank: int, world_size: int,

@@ -22,13 +22,11 @@ def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device:
     return tensor.tolist()
 
 
-
 def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[torch.nn.Parameter]:
     """The parameters every worker holds whole (neither experts nor tensor-parallel heads), in
     reverse registration order: roughly the order the backward finishes their gradients."""
     sharded = expert_names | model.tensor_parallel_parameter_names()
     return [p for name, p in reversed(list(model.named_parameters())) if name not in sharded]
-
 
 
 def synchronize_gradients(
@@ -77,12 +75,10 @@ def synchronize_gradients(
     return sharded_sq
 
 
-
 def packed_block(placed: PlacedParameter | None) -> int | None:
     """The block size of a packed expert parameter whose copies sit in several blocks (Lina's
     packing), else None (expert parallel, or not an expert)."""
     return placed.sharding.copies_block() if placed is not None else None
-
 
 
 def _squared_norm_once(grad: torch.Tensor, placed: PlacedParameter | None, rank: int) -> float:
@@ -90,7 +86,6 @@ def _squared_norm_once(grad: torch.Tensor, placed: PlacedParameter | None, rank:
     same summed gradient: only the primary copy counts)."""
     counted = placed.sharding.counted_slots(rank) if placed is not None else None
     return float((grad if counted is None else grad[counted.to(grad.device)]).pow(2).sum())
-
 
 
 def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
@@ -103,7 +98,6 @@ def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: i
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
 
 
 def clip_gradients(model: TrainableLM, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:

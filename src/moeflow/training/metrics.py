@@ -17,7 +17,6 @@ METRICS = "metrics.jsonl"
 TIMELINE = "timeline.json"  # one step's communication and compute events (rank 0), for the report
 
 
-
 def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
     """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
     FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile)."""
@@ -39,13 +38,11 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
     return records
 
 
-
 def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:
     """One step's events as [kind, start, stop] in seconds from the step's first event."""
     origin = min((event.start_s for event in events), default=0.0)
     rows = [[e.kind, e.start_s - origin, e.stop_s - origin] for e in sorted(events, key=lambda e: e.start_s)]
     path.write_text(json.dumps({"step": step, "events": rows}))
-
 
 
 class MetricsLog:
@@ -64,7 +61,6 @@ class MetricsLog:
 
     def close(self) -> None:
         self._handle.close()
-
 
 
 def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:

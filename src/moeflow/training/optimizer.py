@@ -18,7 +18,6 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-
 def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (biases, norms) do not (nanoGPT)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
