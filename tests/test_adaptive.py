@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.config import check_switchable_layout, switchable_rs
+from moeflow.config import LayerDims, check_switchable_layout, switchable_rs
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
@@ -111,11 +111,11 @@ def test_cost_of_r_trades_alltoall_volume_for_weight_gathers() -> None:
     model, cost = AdaptiveModel(), _cost()
 
     def seconds(r: int, capacity: int) -> float:
-        shape = RegionShape(2, 8, capacity, 256, 1024)
+        shape = RegionShape(LayerDims(256, 1024, 2), 8, capacity)
         plan = Plan("adaptive", 1, LOCAL if r == 0 else "linear", r)
         return model.predict(plan, cost, shape, backward=True).total_s
 
-    assert [p.r for p in model.candidates(RegionShape(2, 8, 64, 256, 1024), (1, 2), ("linear",))] == [
+    assert [p.r for p in model.candidates(RegionShape(LayerDims(256, 1024, 2), 8, 64), (1, 2), ("linear",))] == [
         0, 1, 1, 2, 2, 4, 4,
     ]
     small, large = 8, 16384
@@ -126,7 +126,7 @@ def test_cost_of_r_trades_alltoall_volume_for_weight_gathers() -> None:
 
 def test_planner_searches_r_with_the_degree_and_keeps_the_fastest() -> None:
     planner = PipelinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
-    shape = RegionShape(2, 4, 64, 8, 16)
+    shape = RegionShape(LayerDims(8, 16, 2), 4, 64)
     seen = set()
     for _ in range(60):
         choice, timing = planner.choose(shape, backward=True)
@@ -150,7 +150,7 @@ def test_planner_runs_tutels_ternary_search_over_r_when_s_has_many_divisors() ->
     """W = 12, E = 1: S = 12, r in {0, 1, 2, 3, 4, 6, 12}; the time is convex in r with its minimum
     at r = 3: the search times r = 0, r = 12 and only part of the interior, and keeps r = 3."""
     planner = PipelinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
-    shape = RegionShape(1, 12, 64, 8, 48)
+    shape = RegionShape(LayerDims(8, 48, 1, top_k=1), 12, 64)
     seen = set()
     for _ in range(400):
         choice, timing = planner.choose(shape, backward=True)

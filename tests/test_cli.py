@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_bench_layer_prints_json_per_config_and_a_summary(capsys: pytest.Capture
 def test_bench_layer_with_workers() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "layer", "--workers", "2", "--tokens", "32",
-         "--model-dim", "16", "--experts", "4", "--hidden-dim", "16", "--repeats", "1", "--no-kernels"],
+         "--model-dim", "16", "--num-experts", "4", "--hidden-dim", "16", "--repeats", "1", "--no-kernels"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout.splitlines()
     first = json.loads(out[0])
@@ -39,14 +40,50 @@ def test_bench_layer_with_workers() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--experts", "4", "--hidden-dim", "8", "--top-k", "5"], "--top-k 5 exceeds --experts 4"),
-        (["--experts", "6", "--hidden-dim", "8", "--workers", "4"], "--experts 6 is not divisible by --workers 4"),
+        (["--num-experts", "4", "--hidden-dim", "8", "--top-k", "5"], "--top-k 5 exceeds --num-experts 4"),
+        (["--num-experts", "6", "--hidden-dim", "8", "--workers", "4"],
+         "--num-experts 6 is not divisible by --workers 4"),
         (["--device", "tpu0"], "--device 'tpu0' is not a device; use cpu or cuda"),
     ],
 )
 def test_bench_layer_argument_errors(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit, match=message):
         main(["bench", "layer", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "layer", "--experts", "4"], 4),
+        (["bench", "kernels", "--experts", "16"], 16),
+        (["bench", "overlap", "--experts", "2"], 2),
+        (["bench", "skew", "--experts", "8"], 8),
+        (["bench", "schedules", "--experts", "2", "4"], [2, 4]),
+        (["bench", "parallel", "--experts", "1", "2"], [1, 2]),
+    ],
+)
+def test_the_old_experts_flag_reads_as_num_experts_with_a_warning(argv: list[str], expected: object) -> None:
+    from moeflow.cli import build_parser
+
+    with pytest.warns(FutureWarning, match="--experts is renamed --num-experts"):
+        args = build_parser().parse_args(argv)
+    assert args.num_experts == expected and "experts" not in vars(args)
+    new = [("--num-experts" if word == "--experts" else word) for word in argv]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns of nothing
+        assert build_parser().parse_args(new).num_experts == expected
+
+
+def test_bench_layer_config_keeps_its_record_keys() -> None:
+    from moeflow.bench.layer import LayerBenchConfig
+    from moeflow.config import LayerDims
+
+    config = LayerBenchConfig(dims=LayerDims(16, 32, 4, top_k=2, projections=3), activation="swiglu")
+    fields = config.record_fields()
+    assert (fields["model_dim"], fields["hidden_dim"], fields["experts"], fields["top_k"]) == (16, 32, 4, 2)
+    assert "dims" not in fields and "num_experts" not in fields
+    with pytest.raises(ValueError, match="projections"):
+        LayerBenchConfig(dims=LayerDims(16, 32, 4), activation="swiglu")
 
 
 def test_interleaved_medians_time_round_robin_and_skip_warmup() -> None:
@@ -114,15 +151,15 @@ def test_every_train_setting_has_its_help() -> None:
 
 
 def test_bench_layer_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "layer", "--tokens", "32", "--model-dim", "16", "--experts", "4", "--hidden-dim", "16",
+    assert main(["bench", "layer", "--tokens", "32", "--model-dim", "16", "--num-experts", "4", "--hidden-dim", "16",
                  "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels", "--matmul-size", "64"]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["dtype"] == "bf16" and first["ratio_to_gemm_floor"] > 0
 
 
 def test_bench_kernels_reports_rates_against_the_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "kernels", "--tokens", "256", "--model-dim", "64", "--hidden-dim", "64", "--experts", "8",
-                 "--top-k", "2", "--matmul-size", "256", "--repeats", "1"]) == 0
+    assert main(["bench", "kernels", "--tokens", "256", "--model-dim", "64", "--hidden-dim", "64",
+                 "--num-experts", "8", "--top-k", "2", "--matmul-size", "256", "--repeats", "1"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     by_kernel = {(r["kernel"], r.get("backend")): r for r in lines[:-1]}
     assert by_kernel[("matmul", None)]["tflops"] > 0 and by_kernel[("copy", None)]["gb_per_s"] > 0
@@ -140,8 +177,8 @@ def test_bench_on_cuda_without_a_gpu_names_the_fix() -> None:
 
 
 def test_bench_overlap_reports_each_degree_against_the_ideal(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "overlap", "--experts", "2", "--capacity", "64", "--model-dim", "32", "--hidden-dim", "64",
-                 "--degrees", "1", "4", "--repeats", "1"]) == 0
+    assert main(["bench", "overlap", "--num-experts", "2", "--capacity", "64", "--model-dim", "32",
+                 "--hidden-dim", "64", "--degrees", "1", "4", "--repeats", "1"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["degree"] for line in lines[:-1]] == [1, 4]
     assert all(line["ideal_ms"] == max(line["comp_ms"], line["copy_ms"]) > 0 for line in lines[:-1])

@@ -120,7 +120,7 @@ def test_train_with_nccl_under_torchrun(tmp_path, extra: list[str]) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
          "-m", "moeflow", "train", "--backend", "nccl", "--data", str(data), "--vocab-size", "512",
-         "--context", "32", "--layers", "2", "--heads", "2", "--model-dim", "32", "--ffn-hidden", "64",
+         "--context", "32", "--layers", "2", "--heads", "2", "--model-dim", "32", "--hidden-dim", "64",
          "--num-experts", "4", "--batch-size", "4", "--steps", "4", "--eval-interval", "2",
          "--run-dir", str(tmp_path / "run"), "--no-progress", *extra],
         capture_output=True, text=True, timeout=600, env={**os.environ, "MOEFLOW_CACHE": str(tmp_path / "cache")},

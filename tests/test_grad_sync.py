@@ -60,7 +60,7 @@ def test_contention_splits_alltoall_time_by_a_concurrent_allreduce() -> None:
 
 
 def _config(degree: int) -> TransformerConfig:
-    return TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+    return TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, hidden_dim=32,
                                    num_experts=4, capacity_factor=0.0, pipeline=degree, alltoall="linear",
                                    parallel="expert")
 

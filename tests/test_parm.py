@@ -14,6 +14,7 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.mp import member_rows
 from moeflow.comm.topology import Topology
+from moeflow.config import LayerDims
 from moeflow.distributed import run_distributed
 from moeflow.parallel.parm import BaselineModel, ParmModel
 from moeflow.parallel.token_share import packed_locations
@@ -105,12 +106,12 @@ def test_parm_chooses_s2_for_few_slots_and_s1_for_many_as_algorithm_1() -> None:
     cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
 
     def best(capacity: int) -> Plan:
-        shape = RegionShape(4, 4, capacity, 256, 1024, tokens=512)
+        shape = RegionShape(LayerDims(256, 1024, 4), 4, capacity, tokens=512)
         plans = model.candidates(shape, (1,), ("linear", "saa"))
         return min(plans, key=lambda plan: model.predict(plan, cost, shape, backward=False).forward_s)
 
-    assert {plan.schedule for plan in model.candidates(RegionShape(4, 4, 64, 256, 1024), (1, 2), ("linear", "saa"))} \
-        == {"s1", "s2"}
+    plans = model.candidates(RegionShape(LayerDims(256, 1024, 4), 4, 64), (1, 2), ("linear", "saa"))
+    assert {plan.schedule for plan in plans} == {"s1", "s2"}
     assert best(8).schedule == "s2" and best(8).algorithm == "saa"
     assert best(2048).schedule == "s1"
 
@@ -136,7 +137,7 @@ def test_s2_costs_less_than_the_baseline_as_parm_eq10_says() -> None:
     }
     cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
     for capacity in (16, 256, 4096):
-        shape = RegionShape(2, 4, capacity, 256, 1024)
+        shape = RegionShape(LayerDims(256, 1024, 2), 4, capacity)
         s2 = ParmModel("s2", mp_size=2).predict(Plan("s2", 1, "linear"), cost, shape, backward=True)
         baseline = BaselineModel(mp_size=2).predict(Plan("ds-baseline", 1, "linear"), cost, shape, backward=True)
         assert s2.total_s < baseline.total_s

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from moeflow.capacity import expert_capacity
+from moeflow.config import LayerDims
 from moeflow.perf import (
     AlphaBeta,
     ClusterProfile,
     CostModel,
-    LayerShape,
     Roofline,
     communication_latency,
     computation_latency,
@@ -24,6 +24,7 @@ from moeflow.perf import (
     link_traffic,
     median_relative_error,
 )
+from moeflow.perf.pipeline import RegionShape
 
 
 def test_fit_recovers_an_exact_line_and_scores_noise_lower() -> None:
@@ -68,8 +69,8 @@ def _profile() -> ClusterProfile:
 
 def test_cost_model_composes_the_fits() -> None:
     model = CostModel(_profile())
-    shape = LayerShape(tokens=1024, model_dim=64, hidden_dim=128, experts=8, top_k=2)
-    assert shape.capacity() == 256
+    shape = RegionShape.for_tokens(LayerDims(model_dim=64, hidden_dim=128, num_experts=8, top_k=2), tokens=1024)
+    assert shape.capacity == 256
     # 2 local experts x 2 GEMMs of (4 ranks * 256 rows) x 64 x 128
     assert model.t_expert(shape) == pytest.approx(2 * 2 * 1e-9 * (4 * 256) * 64 * 128)
     assert model.t_expert(shape, backward=True, overlapped=True) == pytest.approx(3 * 1.2 * model.t_expert(shape))
@@ -106,18 +107,20 @@ def test_perf_and_the_planner_import_numpy_only() -> None:
 
 @pytest.mark.parametrize("factor", [-2.0, -1.5, -0.5, 0.0, 0.5, 1.0, 1.1, 1.25, 2.0])
 def test_perf_plans_with_the_capacity_the_layer_runs(factor: float) -> None:
-    """perf.LayerShape and the layer's rule agree on capacity over a grid of (f, k, T, E) (the
+    """RegionShape.for_tokens and the layer's rule agree on capacity over a grid of (f, k, T, E) (the
     layer's own value is what its stats report after a forward with the same load)."""
     for top_k, tokens, experts in itertools.product((1, 2, 3), (0, 1, 15, 64, 1000), (3, 4, 8)):
         if top_k > experts:
             continue
         needed = -(-top_k * tokens // experts) + (3 if tokens else 0)  # a load above the balanced one
-        shape = LayerShape(tokens, 8, 16, experts, top_k, factor, needed=needed)
-        assert shape.capacity() == expert_capacity(factor, top_k, tokens, experts, needed)
+        shape = RegionShape.for_tokens(LayerDims(8, 16, experts, top_k), tokens, factor, needed=needed)
+        assert shape.capacity == expert_capacity(factor, top_k, tokens, experts, needed)
+        assert (shape.tokens, shape.needed) == (tokens, needed)
     # the example of the issue: k=1, f=1.1, T=15, E=4 is 5 slots (ceil(16.5 / 4)), not 4
-    assert LayerShape(15, 8, 16, 4, top_k=1, capacity_factor=1.1).capacity() == 5
-    # at f = 0 without a measured load, the planner assumes the balanced one, not 1
-    assert LayerShape(1024, 8, 16, 8, top_k=2, capacity_factor=0.0).capacity() == 256
+    assert RegionShape.for_tokens(LayerDims(8, 16, 4, top_k=1), 15, capacity_factor=1.1).capacity == 5
+    # at f = 0 without a measured load, the planner assumes the balanced one, not 1 (and records none)
+    balanced = RegionShape.for_tokens(LayerDims(8, 16, 8, top_k=2), 1024, capacity_factor=0.0)
+    assert (balanced.capacity, balanced.needed) == (256, 0)
 
 
 def test_layer_capacity_matches_perf_after_a_forward() -> None:
@@ -131,7 +134,7 @@ def test_layer_capacity_matches_perf_after_a_forward() -> None:
         stats = layer.last_stats
         assert stats is not None
         needed = max(stats.tokens_per_expert)
-        assert stats.capacity == LayerShape(15, 8, 16, 4, 1, factor, needed=needed).capacity()
+        assert stats.capacity == RegionShape.for_tokens(LayerDims(8, 16, 4, 1), 15, factor, needed=needed).capacity
 
 
 @pytest.mark.distributed
@@ -149,7 +152,7 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
                                  "layer.forward", "layer.backward"}
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
-    assert CostModel(profile).layer_times(LayerShape(256, 32, 64, 4))["serial_s"] > 0
+    assert CostModel(profile).layer_times(RegionShape.for_tokens(LayerDims(32, 64, 4), 256))["serial_s"] > 0
 
 
 def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,7 +160,7 @@ def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     path = tmp_path / "profile.json"
     _profile().save(path)
-    assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "8"]) == 0
+    assert main(["plan", "--profile", str(path), "--tokens", "1024", "--num-experts", "8"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {line["alltoall"] for line in lines[:-1] if "alltoall" in line} == {"linear", "2dh"}  # no pairwise fit
     per_degree = [line for line in lines if line.get("plan") == "pipeline"]
@@ -189,7 +192,8 @@ def test_plan_cli_prints_every_tutel_r_with_more_ranks_than_experts(
     fits = {**profile.fits, "reducescatter": AlphaBeta(1e-3, 1e-8)}
     path = tmp_path / "profile.json"
     ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2).save(path)
-    assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "2", "--top-k", "1"]) == 0
+    with pytest.warns(FutureWarning, match="--experts is renamed --num-experts"):  # the old spelling still reads
+        assert main(["plan", "--profile", str(path), "--tokens", "1024", "--experts", "2", "--top-k", "1"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     adaptive = [line for line in lines if line.get("plan") == "adaptive"]
     assert [line["r"] for line in adaptive] == [0, 1, 2]  # W / E = 2 hidden shards per expert
@@ -207,7 +211,7 @@ def test_plan_cli_prints_parms_modes_behind_mp(tmp_path: Path, capsys: pytest.Ca
             "alltoall.saa": AlphaBeta(1e-3, 1.5e-8)}
     path = tmp_path / "profile.json"
     ClusterProfile(nodes=2, ranks_per_node=2, fits=fits, interference=1.2).save(path)
-    argv = ["plan", "--profile", str(path), "--tokens", "1024", "--experts", "4", "--top-k", "1", "--mp", "2"]
+    argv = ["plan", "--profile", str(path), "--tokens", "1024", "--num-experts", "4", "--top-k", "1", "--mp", "2"]
     assert main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     modes = {(line["schedule"], line["alltoall"]): line for line in lines if line.get("plan") == "parm"}
@@ -241,7 +245,7 @@ def test_plan_cli_prices_shadowing_and_redundant_slots_at_a_skew(
 
     path = tmp_path / "profile.json"
     _profile().save(path)
-    common = ["plan", "--profile", str(path), "--tokens", "1024", "--experts", "8", "--top-k", "1"]
+    common = ["plan", "--profile", str(path), "--tokens", "1024", "--num-experts", "8", "--top-k", "1"]
 
     def skew_line(skew: str) -> dict[str, Any]:
         assert main([*common, "--skew", skew]) == 0
@@ -256,3 +260,20 @@ def test_plan_cli_prices_shadowing_and_redundant_slots_at_a_skew(
     assert uniform["shadowed"] == [] and uniform["predicted_gain_ms"] == 0.0  # nothing to gain at even load
     with pytest.raises(SystemExit, match="--skew: unknown skew"):
         main([*common, "--skew", "zipfian"])
+
+
+@pytest.mark.parametrize(("activation", "bias"), [("gelu", True), ("swiglu", False), ("swiglu", True)])
+def test_a_layers_dims_count_its_own_expert_parameters(activation: str, bias: bool) -> None:
+    """LayerDims, the one shape type the cost models and the simulator read, counts one expert's
+    parameters as the layer holds them (the planner's memory figures and the simulator's gradient
+    bytes rest on it)."""
+    from moeflow import MoELayer
+    from moeflow.config import MoEConfig
+
+    config = MoEConfig(model_dim=8, hidden_dim=16, num_experts=4, top_k=2, activation=activation, bias=bias)
+    layer = MoELayer(config)
+    held = sum(p.numel() for name, p in layer.named_parameters() if name.startswith("experts."))
+    assert config.dims == LayerDims(8, 16, 4, 2, 3 if activation == "swiglu" else 2, bias)
+    assert config.dims.expert_parameters * config.num_experts == held
+    with pytest.raises(ValueError, match="top_k=5 is larger than num_experts=4"):
+        LayerDims(8, 16, 4, top_k=5)

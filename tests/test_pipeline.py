@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.config import LayerDims
 from moeflow.distributed import run_distributed
 from moeflow.experts import ExpertFFN
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
@@ -83,7 +84,7 @@ def _profile(a2a_alpha: float, a2a_beta: float, interference: float = 1.0) -> Cl
 
 
 def test_model_pipelines_balanced_layers_and_not_startup_bound_ones() -> None:
-    shape = RegionShape(experts=8, world_size=4, capacity=512, model_dim=512, hidden_dim=1024)
+    shape = RegionShape(LayerDims(model_dim=512, hidden_dim=1024, num_experts=8), world_size=4, capacity=512)
     balanced = CostModel(_profile(5e-4, 8e-9))
     ranked = rank_plans(balanced, shape, range(1, 17), ("linear", "2dh", "pairwise"))
     assert ranked[0].degree > 1 and ranked[0].algorithm == "linear"
@@ -102,7 +103,7 @@ def test_model_pipelines_balanced_layers_and_not_startup_bound_ones() -> None:
 
 
 def test_interference_makes_overlapped_compute_slower_in_the_model() -> None:
-    shape = RegionShape(experts=8, world_size=4, capacity=512, model_dim=512, hidden_dim=1024)
+    shape = RegionShape(LayerDims(model_dim=512, hidden_dim=1024, num_experts=8), world_size=4, capacity=512)
     calm = predict_plan(CostModel(_profile(5e-4, 8e-9)), shape, 4, "linear")
     noisy = predict_plan(CostModel(_profile(5e-4, 8e-9, interference=1.5)), shape, 4, "linear")
     assert noisy.total_s > calm.total_s

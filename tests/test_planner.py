@@ -14,6 +14,7 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.config import LayerDims
 from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
@@ -94,7 +95,7 @@ def test_every_rank_makes_the_same_choices(two_ranks: list[dict[str, Any]]) -> N
 def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks: list[dict[str, Any]]) -> None:
     plans = two_ranks[0]["auto"]
     capacity = 16  # 64 tokens, k=2, 8 experts, f=1
-    shape = RegionShape(8, 2, capacity, 16, 32)
+    shape = RegionShape(LayerDims(16, 32, 8), 2, capacity)
     expert = ExpertParallelModel()  # capacity-chunk plans and FasterMoE's smart schedule
     ranked = rank_schedule_plans(CostModel(PROFILE), shape, [expert], range(1, 17), ("linear", "pairwise"), True)
     top = [plan for plan, _ in ranked[:3]]
@@ -110,7 +111,7 @@ def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks:
 
 @pytest.mark.distributed
 def test_model_and_forced_plans(two_ranks: list[dict[str, Any]]) -> None:
-    shape = RegionShape(8, 2, 16, 16, 32)
+    shape = RegionShape(LayerDims(16, 32, 8), 2, 16)
     best = rank_plans(CostModel(PROFILE), shape, range(1, 17), ("linear", "pairwise"))[0]
     for plan in two_ranks[0]["model"]:
         assert (plan["source"], plan["requested_degree"], plan["alltoall"]) == ("model", best.degree, best.algorithm)
@@ -180,7 +181,7 @@ def test_a_restored_planner_makes_the_choices_the_interrupted_one_would_have_mad
             choices.append((choice.source, choice.plan.degree, choice.plan.algorithm))
         return choices
 
-    small, large = (RegionShape(8, 2, capacity, 16, 32) for capacity in (64, 1024))
+    small, large = (RegionShape(LayerDims(16, 32, 8), 2, capacity) for capacity in (64, 1024))
     shapes = [small] * 30 + [large] * 12 + [small] * 3 + [large] * 30
     uninterrupted = drive(planner(), shapes)
     interrupted = planner()

@@ -25,7 +25,7 @@ from moeflow.training.config import TrainConfig
 
 TINY_RUN: dict[str, Any] = dict(
     data=str(stdlib_directory() / "json"), vocab_size=512, context=32, layers=2, heads=2, model_dim=32,
-    ffn_hidden=64, num_experts=4, top_k=2, batch_size=4, steps=2, progress=False, alltoall="linear",
+    hidden_dim=64, num_experts=4, top_k=2, batch_size=4, steps=2, progress=False, alltoall="linear",
 )
 TURNED_ON: dict[str, dict[str, Any]] = {
     "shadowing": {"shadowing": (0,)},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from moeflow.config import LayerDims
 from moeflow.parallel.registry import select_schedule
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
@@ -19,14 +20,14 @@ def _cost(alltoall_beta: float, allreduce_beta: float) -> CostModel:
     }))
 
 
-SMALL_EXPERTS = RegionShape(experts=2, world_size=2, capacity=1024, model_dim=256, hidden_dim=64)
-LARGE_EXPERTS = RegionShape(experts=8, world_size=2, capacity=256, model_dim=256, hidden_dim=4096)
+SMALL_EXPERTS = RegionShape(LayerDims(model_dim=256, hidden_dim=64, num_experts=2), world_size=2, capacity=1024)
+LARGE_EXPERTS = RegionShape(LayerDims(model_dim=256, hidden_dim=4096, num_experts=8), world_size=2, capacity=256)
 
 
 @pytest.mark.parametrize(("shape", "expected"), [(SMALL_EXPERTS, "replicated"), (LARGE_EXPERTS, "expert")])
 def test_auto_weighs_the_alltoalls_against_the_gradient_allreduce(shape: RegionShape, expected: str) -> None:
     cost = _cost(8e-9, 8e-9)  # ~1 Gbit/s both
-    choice = select_schedule("auto", shape.experts, 2, cost, shape, ("linear",))
+    choice = select_schedule("auto", shape.dims.num_experts, 2, cost, shape, ("linear",))
     assert (choice.schedule.name, choice.reason) == (expected, "model")
     replicated = ReplicatedModel().predict(Plan("replicated", 1, "none"), cost, shape, backward=True)
     expert = ExpertParallelModel().predict(Plan("expert", 1, "linear"), cost, shape, backward=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from moeflow.config import LayerDims
 from moeflow.sim import (
     Cluster,
     ClusterFileError,
@@ -29,6 +31,7 @@ from moeflow.sim import (
     simulate_step,
 )
 from moeflow.sim.cluster import cluster_from_toml
+from moeflow.sim.workload import model_from_toml
 
 GOOD_PROFILE = """
 name = "toy"
@@ -49,6 +52,11 @@ nics_per_node = 1
 latency_us = 5.0
 message_overhead_us = 3.0
 """
+
+
+def dims(model_dim: int, hidden_dim: int, num_experts: int, top_k: int = 2) -> LayerDims:
+    """A simulated layer's dims: no biases, as the simulator's models count an expert's weights."""
+    return LayerDims(model_dim, hidden_dim, num_experts, top_k=top_k, bias=False)
 
 
 def toy(nodes: int = 2, per_node: int = 4, gap: float = 0.0, latency: float = 0.0) -> Cluster:
@@ -160,7 +168,7 @@ def test_shipped_profiles_load_and_cite_sources() -> None:
 
 def test_skewed_routing_makes_a_straggler_and_padding_hides_it() -> None:
     cluster = toy()
-    base = ModelSpec(layers=2, model_dim=256, hidden_dim=512, experts=8, tokens_per_rank=512, capacity_factor=0)
+    base = ModelSpec(layers=2, dims=dims(256, 512, 8), tokens_per_rank=512, capacity_factor=0)
     uniform = simulate_step(cluster, base)
     skewed = simulate_step(cluster, base.with_overrides(routing="zipf:1.5"))
     assert skewed.step_s > 1.2 * uniform.step_s  # dropless: the hot expert's rank computes more
@@ -172,8 +180,7 @@ def test_moeflows_cpu_kernels_pad_the_dropless_backward_and_keep_shadowed_slots_
     """``padded_backward``: the forward runs the real rows, the backward the padded buffer (more
     rows under skew, the same forward). ``shadowed_slots_travel``: the shadowed experts' slots
     travel cut to the others' capacity, between FasterMoE's exchange without them and none shadowed."""
-    model = ModelSpec(layers=1, model_dim=256, hidden_dim=512, experts=8, tokens_per_rank=512, capacity_factor=0,
-                      routing="zipf:1.5")
+    model = ModelSpec(layers=1, dims=dims(256, 512, 8), tokens_per_rank=512, capacity_factor=0, routing="zipf:1.5")
 
     def run(**knobs: object) -> StepResult:
         return simulate_step(toy(), model, StepPlan(**knobs), layer_only=True)
@@ -191,7 +198,7 @@ def test_moeflows_cpu_kernels_pad_the_dropless_backward_and_keep_shadowed_slots_
 
 
 def test_prioritized_alltoall_is_not_slowed_by_the_gradient_allreduce() -> None:
-    model = ModelSpec(layers=8, model_dim=1024, hidden_dim=1024, experts=8, tokens_per_rank=2048)
+    model = ModelSpec(layers=8, dims=dims(1024, 1024, 8), tokens_per_rank=2048)
     shared = simulate_step(toy(), model, StepPlan(degree=1))
     first = simulate_step(toy(), model, StepPlan(degree=1, prioritize_alltoall=True))
     assert first.step_s <= shared.step_s
@@ -201,7 +208,7 @@ def test_prioritized_alltoall_is_not_slowed_by_the_gradient_allreduce() -> None:
 def test_step_speed_at_2048_ranks_and_64_layers() -> None:
     import time
 
-    model = ModelSpec(layers=64, model_dim=2048, hidden_dim=2048, experts=2048, tokens_per_rank=4096)
+    model = ModelSpec(layers=64, dims=dims(2048, 2048, 2048), tokens_per_rank=4096)
     began = time.perf_counter()
     result = simulate_step(load_cluster("tutel-a100"), model, StepPlan(degree=2, algorithm="2dh"))
     assert time.perf_counter() - began < 30  # the 10 s goal is a benchmark figure; this bounds regressions
@@ -211,7 +218,7 @@ def test_step_speed_at_2048_ranks_and_64_layers() -> None:
 def test_simulate_command_prints_a_line_per_plan_and_the_best() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--nodes", "4", "--layers", "2",
-         "--experts", "32", "--degree", "1,2", "--algorithm", "linear,2dh"],
+         "--num-experts", "32", "--degree", "1,2", "--algorithm", "linear,2dh"],
         capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(out) == 5 and out[-1].startswith("# tutel-a100: 4 x 8 = 32 ranks")
     bad = subprocess.run([sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--algorithm",
@@ -219,7 +226,51 @@ def test_simulate_command_prints_a_line_per_plan_and_the_best() -> None:
     assert bad.returncode != 0 and "all-to-all algorithm must be one of linear, 2dh, pairwise" in bad.stderr
 
 
-MODEL = ModelSpec(layers=2, model_dim=512, hidden_dim=1024, experts=16, tokens_per_rank=1024)
+def test_model_files_read_the_old_experts_key_with_a_warning_and_refuse_both() -> None:
+    """``experts`` is ``num_experts``'s old name: a file written before the rename reads as the same
+    model (with a FutureWarning naming the new key); a file giving both is refused, naming both."""
+    shape = "layers = 2\nmodel_dim = 256\nhidden_dim = 512\ntop_k = 1\n"
+    new = model_from_toml(shape + "num_experts = 8\n", "m.toml")
+    assert new == ModelSpec(name="m", layers=2, dims=dims(256, 512, 8, top_k=1))
+    with pytest.warns(FutureWarning, match="'experts' is renamed 'num_experts'"):
+        old = model_from_toml(shape + "experts = 8\n", "m.toml")
+    assert old == new
+    with pytest.raises(ValueError, match="both 'experts' and 'num_experts'"):
+        model_from_toml(shape + "experts = 8\nnum_experts = 8\n", "m.toml")
+    with pytest.raises(ValueError, match=r"model file m\.toml: model num_experts must be a positive integer"):
+        model_from_toml("num_experts = 0\n", "m.toml")
+    with pytest.raises(ValueError, match="model tokens_per_rank must be an integer >= 1"):
+        model_from_toml("tokens_per_rank = 0\n", "m.toml")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) dims"):
+        model_from_toml("[dims]\nmodel_dim = 8\n", "m.toml")
+
+
+def test_model_overrides_take_the_flat_names_and_shipped_files_use_the_new_key() -> None:
+    from moeflow.sim import load_model, named_models
+
+    base = ModelSpec(layers=2, dims=dims(256, 512, 8))
+    changed = base.with_overrides(num_experts=16, hidden_dim=None, layers=3, projections=3)
+    assert changed.dims == replace(base.dims, num_experts=16, projections=3) and changed.layers == 3
+    with pytest.raises(TypeError, match=r"unknown model setting\(s\) experts"):
+        base.with_overrides(experts=16)
+    with pytest.raises(ValueError, match="top_k=2 is larger than num_experts=1"):
+        base.with_overrides(num_experts=1)
+    assert ModelSpec().dims.expert_parameters == 2 * 1024 * 4096  # no biases: the simulator's figures
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the shipped files use the new key
+        for name in named_models():
+            load_model(name)
+
+
+def test_simulate_command_still_reads_the_old_experts_flag(capsys) -> None:
+    from moeflow.cli import main
+
+    with pytest.warns(FutureWarning, match="--experts is renamed --num-experts"):
+        assert main(["simulate", "--cluster", "tutel-a100", "--nodes", "2", "--layers", "1", "--experts", "16"]) == 0
+    assert '"ranks": 16' in capsys.readouterr().out
+
+
+MODEL = ModelSpec(layers=2, dims=dims(512, 1024, 16), tokens_per_rank=1024)
 
 
 def test_adaptive_r1_on_whole_experts_is_the_expert_schedule_and_r0_sends_no_token() -> None:
@@ -280,7 +331,7 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
     # one expert FFN call on m rows costs the ffn.forward fit, alpha paid once per call (not per kernel)
     from moeflow.sim.step import StepBuilder
 
-    m, model = 1000, ModelSpec(model_dim=64, hidden_dim=128, experts=4)
+    m, model = 1000, ModelSpec(dims=dims(64, 128, 4))
     builder = StepBuilder(cluster, model, StepPlan(), layer_only=True)
     assert builder.ffn_s(m, backward=False, local_experts=1) == pytest.approx(fits["ffn.forward"](m * 64 * 128 * 2))
     with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
@@ -301,8 +352,8 @@ def test_twin_takes_what_the_probe_layers_calls_leave_unexplained_as_a_fixed_cos
     assert (base.device.layer_call_s, base.device.layer_call_backward_s) == (0.0, 0.0)  # no layer fits
     ahead, both = [], []
     for tokens in LAYER_PROBE["tokens"]:
-        probe = ModelSpec(layers=1, model_dim=LAYER_PROBE["model_dim"], hidden_dim=LAYER_PROBE["hidden_dim"],
-                          experts=2, top_k=1, capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
+        probe = ModelSpec(layers=1, dims=dims(LAYER_PROBE["model_dim"], LAYER_PROBE["hidden_dim"], 2, top_k=1),
+                          capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
         ahead.append(simulate_step(base, probe, training=False, layer_only=True).step_s)
         both.append(simulate_step(base, probe, layer_only=True).step_s)
     backward = [b - a for a, b in zip(ahead, both, strict=True)]
@@ -467,8 +518,7 @@ def test_paper_trends_put_simulated_cells_beside_the_published_ones(tmp_path) ->
         "papers-lina-section22.png", "papers-lina-section72.png", "papers-fastermoe-fig13.png"]
 
 
-PARM_MODEL = ModelSpec(layers=2, model_dim=512, hidden_dim=1024, experts=8, top_k=1, capacity_factor=1.0,
-                       tokens_per_rank=1024)
+PARM_MODEL = ModelSpec(layers=2, dims=dims(512, 1024, 8, top_k=1), capacity_factor=1.0, tokens_per_rank=1024)
 
 
 @pytest.mark.parametrize("layer_only", [True, False])
@@ -493,7 +543,8 @@ def test_parm_removes_the_baselines_repeated_work_and_traffic() -> None:
     assert s1.busy_s["experts"] == pytest.approx(s2.busy_s["experts"])
     assert "allgather-esp" in base.busy_s and "allreduce-esp" in base.busy_s and "allgather-mp" in s1.busy_s
     assert base.step_s > 2 * max(s1.step_s, s2.step_s)
-    network, buffer = Network(cluster), model.experts * 128 * model.model_dim * model.element_bytes  # C = 128
+    slots = 128  # C
+    network, buffer = Network(cluster), model.dims.num_experts * slots * model.dims.model_dim * model.element_bytes
     (strided,) = network.strided_alltoall(2 * buffer / 4, 2)
     (fused,) = network.alltoall("linear", buffer / 8)
     nic = 2 * cluster.world_size
@@ -540,7 +591,7 @@ def test_parm_plans_reject_layouts_they_cannot_run() -> None:
     with pytest.raises(ValueError, match=r"esp \(3\) must divide the 4 GPUs per node"):
         simulate_step(toy(), PARM_MODEL, StepPlan(schedule="s1", esp=3))
     with pytest.raises(ValueError, match="experts do not divide over the 8 EP ranks"):
-        simulate_step(toy(), PARM_MODEL.with_overrides(experts=4), StepPlan(schedule="s2"))
+        simulate_step(toy(), PARM_MODEL.with_overrides(num_experts=4), StepPlan(schedule="s2"))
 
 
 def test_joint_planner_behind_mp_attention_chooses_among_parms_schedules() -> None:
@@ -580,8 +631,8 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
             "ffn.backward": AlphaBeta(2e-4, 2.6e-11), "alltoall.inter_node": AlphaBeta(0.0, 8e-9),
             "alltoall.linear": AlphaBeta(0.0, 16e-9), "alltoall.pairwise": AlphaBeta(1e-4, 8e-9)}
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits=fits)
-    shape = RegionShape(8, 2, 512, 256, 512)
-    assert region_model(shape).tokens_per_rank * region_model(shape).top_k // 8 == 512  # the capacity
+    shape = RegionShape(LayerDims(256, 512, 8), world_size=2, capacity=512)
+    assert region_model(shape).tokens_per_rank * region_model(shape).dims.top_k // 8 == 512  # the capacity
     planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list,
                               ranker=SimulatedRanker.from_profile)
     assert planner._simulator is not None

@@ -193,14 +193,14 @@ def _bench_parallel(*flags: str) -> list[dict]:
 
 @needs_testbed
 def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
-    records = _bench_parallel("--experts", "1")
+    records = _bench_parallel("--num-experts", "1")
     modes = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
     assert set(modes) == {"r0", "r1", "r2", "planner"} and modes["r2"]["r"] == 2
     assert all(r["layer_ms"] > 0 and r["predicted_region_ms"] > 0 for r in modes.values())
     (choice,) = [r for r in records if r.get("bench") == "parallel-choice"]
     assert choice["best_fixed"] in ("r0", "r1", "r2") and choice["planner_r"] in (0, 1, 2)
     assert records[-1]["summary"] == "parallel" and 0 <= records[-1]["planner_within_10pct_share"] <= 1
-    records = _bench_parallel("--experts", "2", "--mp", "2")
+    records = _bench_parallel("--num-experts", "2", "--mp", "2")
     parm = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
     assert set(parm) == {"s1", "s2", "s2-saa", "ds-baseline", "planner"}
     assert parm["s2-saa"]["alltoall"] == "saa" and parm["planner"]["schedule"] in ("s1", "s2")
@@ -212,7 +212,7 @@ def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
 @needs_testbed
 def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "moeflow", "bench", "schedules", "--experts", "2", "--hidden-dims", "32",
+        [sys.executable, "-m", "moeflow", "bench", "schedules", "--num-experts", "2", "--hidden-dims", "32",
          "--model-dim", "32", "--batch", "2", "--context", "16", "--repeats", "1"],
         capture_output=True, text=True, timeout=600,
     )
@@ -259,7 +259,7 @@ def test_train_runs_inside_the_emulated_cluster(tmp_path: Path) -> None:
     """`moeflow train` started by `moeflow launch` on 2 emulated nodes: each rank in its namespace."""
     json_package = Path(json.__file__).parent
     flags = ["--data", str(json_package), "--vocab-size", "512", "--context", "32", "--layers", "2", "--heads", "2",
-             "--model-dim", "32", "--ffn-hidden", "64", "--num-experts", "4", "--batch-size", "4", "--steps", "4",
+             "--model-dim", "32", "--hidden-dim", "64", "--num-experts", "4", "--batch-size", "4", "--steps", "4",
              "--eval-interval", "2", "--run-dir", str(tmp_path / "run"), "--no-progress"]
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "launch", "--nodes", "2", "--ranks-per-node", "1", "--master-port", "29619",

@@ -31,7 +31,7 @@ from moeflow.training.metrics import iterate_records
 
 DATA = str(stdlib_directory() / "json")
 TINY: dict[str, Any] = dict(
-    data=DATA, vocab_size=512, context=32, layers=2, heads=2, model_dim=32, ffn_hidden=64, num_experts=4,
+    data=DATA, vocab_size=512, context=32, layers=2, heads=2, model_dim=32, hidden_dim=64, num_experts=4,
     top_k=2, batch_size=4, steps=12, eval_interval=6, eval_windows=8, checkpoint_interval=6, warmup_steps=2,
     lr=1e-2, min_lr=1e-3, pipeline=1, alltoall="linear", progress=False,
 )
@@ -57,7 +57,7 @@ def two_worker_run(tmp_path_factory: pytest.TempPathFactory, corpus_cache: Path)
 
 
 def test_model_counts_active_parameters_and_rejects_bad_shapes() -> None:
-    config = TransformerConfig.build(vocab_size=100, context=16, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+    config = TransformerConfig.build(vocab_size=100, context=16, layers=2, heads=2, model_dim=16, hidden_dim=32,
                                num_experts=4, top_k=1, moe_every=2, pipeline=1)
     model = MoETransformer(config)
     total = sum(p.numel() for p in model.parameters()) - model.position_embedding.weight.numel()
@@ -148,7 +148,7 @@ def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> 
 def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str | int) -> None:
     # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss;
     # replicated experts are summed by the trainer's all-reduce, expert-parallel ones by the all-to-all
-    config = TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, ffn_hidden=32,
+    config = TransformerConfig.build(vocab_size=64, context=8, layers=2, heads=2, model_dim=16, hidden_dim=32,
                                num_experts=4, capacity_factor=0.0, aux_loss_weight=0.0, pipeline=1, alltoall="linear",
                                parallel=parallel)
     one = run_distributed(_synced_gradients, 1, config)[0]
@@ -435,6 +435,27 @@ def test_config_files_unknown_keys_and_flag_precedence(tmp_path: Path, capsys: p
     assert "unknown config file" in (err := capsys.readouterr().err) and "did you mean 'layers'" in err
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
+
+
+def test_the_old_ffn_hidden_setting_still_reads_with_a_warning(tmp_path: Path) -> None:
+    from moeflow.cli import build_parser
+    from moeflow.commands.train import train_config_from_args
+    from moeflow.training.config import checked_keys
+
+    parse = build_parser().parse_args
+    with pytest.warns(FutureWarning, match="--ffn-hidden is renamed --hidden-dim"):
+        args = parse(["train", "--ffn-hidden", "64"])
+    config, _ = train_config_from_args(args)
+    assert config.hidden_dim == 64 and config.model_config(512).moe.hidden_dim == 64
+    with pytest.warns(FutureWarning, match="'ffn_hidden' is renamed 'hidden_dim'") as caught:
+        saved = checked_keys({"ffn_hidden": 32, "layers": 2}, "checkpoint")  # a saved run's config
+    assert saved == {"hidden_dim": 32, "layers": 2} and len(caught) == 1
+    with pytest.raises(ValueError, match="both 'ffn_hidden' and 'hidden_dim' are given"):
+        checked_keys({"ffn_hidden": 32, "hidden_dim": 64})
+    (tmp_path / "old.toml").write_text("[train]\nffn_hidden = 48\n")
+    with pytest.warns(FutureWarning, match="ffn_hidden"):
+        config, _ = train_config_from_args(parse(["train", "--config", str(tmp_path / "old.toml")]))
+    assert config.hidden_dim == 48
 
 
 def _tiny_flags(run_dir: Path, **changes: Any) -> list[str]:

@@ -64,6 +64,34 @@ def resolve_normalize_gate(normalize_gate: bool | None, top_k: int) -> bool:
 
 
 @dataclass(frozen=True)
+class LayerDims:
+    """The dimensions of one MoE layer: model dim M, expert hidden size H, E experts, top-k, the
+    GEMMs of one expert (2, SwiGLU 3) and whether they carry biases. The one shape type: the cost
+    models (``RegionShape``), the simulator (``ModelSpec``), the benchmarks and the model read a
+    layer's dimensions from here, so every formula over them has one set of names."""
+
+    model_dim: int
+    hidden_dim: int
+    num_experts: int
+    top_k: int = 2
+    projections: int = 2
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("model_dim", "hidden_dim", "num_experts", "projections"):
+            require_positive_int(name, getattr(self, name))
+        validate_top_k(self.top_k, self.num_experts)
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"bias must be True or False, got {self.bias!r}")
+
+    @property
+    def expert_parameters(self) -> int:
+        """Parameters of one expert: its projections' weights, and their biases when it has them."""
+        weights = self.projections * self.model_dim * self.hidden_dim
+        return weights + (self.hidden_dim + self.model_dim if self.bias else 0)
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Everything that defines the function an MoE layer computes (and a few execution knobs).
 
@@ -159,6 +187,12 @@ class MoEConfig:
             raise ValueError(
                 f"cosine_min_temperature must be > 0, got {self.cosine_min_temperature!r}"
             )
+
+    @property
+    def dims(self) -> LayerDims:
+        """This layer's dimensions, in the shape type the cost models and the simulator read."""
+        return LayerDims(self.model_dim, self.hidden_dim, self.num_experts, self.top_k,
+                         ffn_projections(self.activation), self.bias)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -355,6 +389,23 @@ def validate_capacity_factor(capacity_factor: object) -> float:
             "use 0 for 'never drop a token'"
         )
     return float(capacity_factor)
+
+
+def renamed_settings(values: dict[str, Any], renames: dict[str, str], source: str) -> dict[str, Any]:
+    """``values`` with each old key of ``renames`` (old -> new) under its new name and one
+    FutureWarning per old key, so files and checkpoints written before a rename keep loading; both
+    spellings at once are refused (they could disagree)."""
+    values = dict(values)
+    for old, new in renames.items():
+        if old not in values:
+            continue
+        if new in values:
+            raise ValueError(f"{source}: both {old!r} and {new!r} are given; {old!r} is the old name of {new!r}, "
+                             f"keep only {new!r}")
+        warnings.warn(f"{source}: the key {old!r} is renamed {new!r}; {old}={values[old]!r} reads as the same "
+                      "setting", FutureWarning, stacklevel=3)
+        values[new] = values.pop(old)
+    return values
 
 
 def require_positive_int(name: str, value: object) -> None:

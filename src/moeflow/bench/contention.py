@@ -34,7 +34,7 @@ LINK_MODES = ("alone", "beside", "overlap", "lina")
 STEP_MODES = ("after", "overlap", "lina")
 MODELS: dict[str, dict[str, Any]] = {
     "default": {},
-    "large": {"model_dim": 512, "ffn_hidden": 1024, "heads": 8, "vocab_size": 8192, "batch_size": 8},
+    "large": {"model_dim": 512, "hidden_dim": 1024, "heads": 8, "vocab_size": 8192, "batch_size": 8},
 }
 FIXED_PLAN = {"pipeline": 2, "alltoall": "linear"}  # the planner's online trials would time differently per mode
 MEGABYTE = 1 << 20
@@ -155,11 +155,12 @@ def step_modes(point: ContentionPoint, world_size: int) -> dict[str, dict[str, A
     all under --grad-sync lina."""
     if point.kind == "step":
         return {mode: {"grad_sync": mode} for mode in STEP_MODES}
-    experts = step_config(point.model).num_experts
+    num_experts = step_config(point.model).num_experts
     # expert parallel, measuring the micro-ops Lina's packer would decide on, but never packing
     modes = {"expert": {"grad_sync": "lina", "expert_packing": "auto", "packing_warmup": 1 << 30}}
-    per_worker = 2 * experts // world_size
-    while per_worker <= experts and experts % per_worker == 0 and world_size % (experts // per_worker) == 0:
+    per_worker = 2 * num_experts // world_size
+    while (per_worker <= num_experts and num_experts % per_worker == 0
+           and world_size % (num_experts // per_worker) == 0):
         modes[f"packed{per_worker}"] = {"grad_sync": "lina", "expert_packing": str(per_worker)}
         per_worker *= 2
     return modes

@@ -26,34 +26,39 @@ from typing import Any
 import torch
 from torch import nn
 
+from moeflow.config import LayerDims
+
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm")  # batched_mm pads every expert to all tokens: 10x slower here
 MOEFLOW = "moeflow"
 
 
+def swiglu_dims(model_dim: int, hidden_dim: int, num_experts: int, top_k: int) -> LayerDims:
+    """The MoE layer of both families: SwiGLU experts (gate, up (M, H), down (H, M)), no biases."""
+    return LayerDims(model_dim, hidden_dim, num_experts, top_k, projections=3, bias=False)
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """A random-weight transformers MoE model."""
+    """A random-weight transformers MoE model: ``dims`` is each MoE layer's (its model dim is the
+    model's hidden size)."""
 
     name: str
     family: str  # mixtral | qwen3_moe
-    hidden: int
-    experts: int
-    top_k: int
-    expert_hidden: int
+    dims: LayerDims
     layers: int = 2
     heads: int = 8
     kv_heads: int = 4
     vocab: int = 2048
 
-    @property
-    def expert_parameters(self) -> int:
-        """One expert's weights: gate and up (M, I), down (I, M); no biases."""
-        return 3 * self.hidden * self.expert_hidden
+    def __post_init__(self) -> None:
+        if (self.dims.projections, self.dims.bias) != (3, False):
+            raise ValueError(f"{self.family} experts are SwiGLU without biases: dims need projections=3, "
+                             f"bias=False, got {self.dims}")
 
 
 MODELS = {
-    "mixtral": ModelShape("mixtral-like", "mixtral", hidden=512, experts=8, top_k=2, expert_hidden=1792, kv_heads=2),
-    "qwen3": ModelShape("qwen3-moe-like", "qwen3_moe", hidden=512, experts=64, top_k=8, expert_hidden=256),
+    "mixtral": ModelShape("mixtral-like", "mixtral", swiglu_dims(512, 1792, 8, top_k=2), kv_heads=2),
+    "qwen3": ModelShape("qwen3-moe-like", "qwen3_moe", swiglu_dims(512, 256, 64, top_k=8)),
 }
 
 
@@ -70,16 +75,16 @@ class GeneratePoint:
 def hf_config(shape: ModelShape) -> Any:
     import transformers
 
-    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+    dims = shape.dims
+    common = dict(vocab_size=shape.vocab, hidden_size=dims.model_dim, num_hidden_layers=shape.layers,
                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, max_position_embeddings=512,
-                  num_experts_per_tok=shape.top_k, tie_word_embeddings=False)
+                  num_experts_per_tok=dims.top_k, tie_word_embeddings=False)
     if shape.family == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=shape.expert_hidden,
-                                          num_local_experts=shape.experts)
-    return transformers.Qwen3MoeConfig(**common, head_dim=shape.hidden // shape.heads,
-                                       intermediate_size=2 * shape.hidden, moe_intermediate_size=shape.expert_hidden,
-                                       num_experts=shape.experts,
-                                       norm_topk_prob=True, decoder_sparse_step=1)
+        return transformers.MixtralConfig(**common, intermediate_size=dims.hidden_dim,
+                                          num_local_experts=dims.num_experts)
+    return transformers.Qwen3MoeConfig(**common, head_dim=dims.model_dim // shape.heads,
+                                       intermediate_size=2 * dims.model_dim, moe_intermediate_size=dims.hidden_dim,
+                                       num_experts=dims.num_experts, norm_topk_prob=True, decoder_sparse_step=1)
 
 
 def random_model(shape: ModelShape, implementation: str, seed: int = 0) -> nn.Module:
@@ -114,21 +119,21 @@ def expert_gemm_bandwidth(shape: ModelShape, rows: int, megabytes: int = 256, re
     """Bytes of expert weights per second that torch's GEMMs read here when every expert (laid out
     as moeflow keeps it: gate and up (M, I), down (I, M)) multiplies ``rows`` token rows, one
     thread, weights far larger than caches: the rate the kernel itself allows at decode."""
-    per_expert = shape.expert_parameters
-    experts = max(1, megabytes * (1 << 20) // (4 * per_expert))
-    gate_up = torch.randn(experts, 2, shape.hidden, shape.expert_hidden)
-    down = torch.randn(experts, shape.expert_hidden, shape.hidden)
-    x = torch.randn(rows, shape.hidden)
-    h = torch.randn(rows, shape.expert_hidden)
+    m, h, per_expert = shape.dims.model_dim, shape.dims.hidden_dim, shape.dims.expert_parameters
+    num_experts = max(1, megabytes * (1 << 20) // (4 * per_expert))
+    gate_up = torch.randn(num_experts, 2, m, h)
+    down = torch.randn(num_experts, h, m)
+    x = torch.randn(rows, m)
+    hidden = torch.randn(rows, h)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for pair, matrix in zip(gate_up, down, strict=True):
             torch.mm(x, pair[0])
             torch.mm(x, pair[1])
-            torch.mm(h, matrix)
+            torch.mm(hidden, matrix)
         times.append(time.perf_counter() - start)
-    return experts * per_expert * 4 / statistics.median(times)
+    return num_experts * per_expert * 4 / statistics.median(times)
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class DecodeFloor:
     def measure(shape: ModelShape, batch: int, runs: list[Generation], read_bytes_per_s: float) -> DecodeFloor:
         selected = statistics.median(b for run in runs for b in run.floor_bytes)
         # batch x top-k x layers rows over the experts with a token (counted from their bytes)
-        rows = batch * shape.top_k * shape.layers / (selected / (4 * shape.expert_parameters))
+        rows = batch * shape.dims.top_k * shape.layers / (selected / (4 * shape.dims.expert_parameters))
         return DecodeFloor(selected, read_bytes_per_s, rows, expert_gemm_bandwidth(shape, round(rows)))
 
     @property

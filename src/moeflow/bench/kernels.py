@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from moeflow.bench.timing import record_fields
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
 from moeflow.measure import device_medians
@@ -38,7 +39,7 @@ class KernelBenchConfig:
     tokens: int
     model_dim: int
     hidden_dim: int
-    experts: int
+    num_experts: int
     top_k: int
     device: str
     dtype: str
@@ -55,11 +56,11 @@ def _backends(device: torch.device) -> list[str]:
 def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torch.Tensor]:
     """Uniform random top-k routing of every token, dropless: the dispatch plan and tokens per expert."""
     generator = torch.Generator().manual_seed(0)
-    scores = torch.rand(config.tokens, config.experts, generator=generator)
+    scores = torch.rand(config.tokens, config.num_experts, generator=generator)
     expert_idx_TK = scores.topk(config.top_k, dim=1).indices
-    location_TK, counts_E = assign_slots(expert_idx_TK, config.experts)
-    capacity = expert_capacity(0.0, config.top_k, config.tokens, config.experts, int(counts_E.max()))
-    plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), config.experts, capacity)
+    location_TK, counts_E = assign_slots(expert_idx_TK, config.num_experts)
+    capacity = expert_capacity(0.0, config.top_k, config.tokens, config.num_experts, int(counts_E.max()))
+    plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), config.num_experts, capacity)
     return plan, counts_E
 
 
@@ -89,10 +90,10 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
     plan, counts_E = _routing(config, device)
     x_TM = torch.randn(config.tokens, config.model_dim, device=device, dtype=dtype)
     weights_TK = torch.rand(config.tokens, config.top_k, device=device, dtype=dtype)
-    rows = FilledRows.of_experts(torch.repeat_interleave(torch.arange(config.experts), counts_E).to(device),
-                                 config.experts)
+    rows = FilledRows.of_experts(torch.repeat_interleave(torch.arange(config.num_experts), counts_E).to(device),
+                                 config.num_experts)
     packed_NM = torch.randn(int(counts_E.sum()), config.model_dim, device=device, dtype=dtype)
-    w_EMH = torch.randn(config.experts, config.model_dim, config.hidden_dim, device=device, dtype=dtype) * 0.02
+    w_EMH = torch.randn(config.num_experts, config.model_dim, config.hidden_dim, device=device, dtype=dtype) * 0.02
     fns: dict[str, Callable[[], object]] = {
         "matmul": lambda: torch.mm(square_a, square_b), "copy": lambda: target.copy_(source),
     }
@@ -119,7 +120,7 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
 
 def _records(config: KernelBenchConfig, medians: dict[str, float], plan: Any, assignments: int,
              element_bytes: int) -> list[dict[str, Any]]:
-    base = {"bench": "kernels", **asdict(config)}
+    base = {"bench": "kernels", **record_fields(config)}
     peak_flops = 2 * config.matmul_size**3 / medians["matmul"]
     bandwidth = 2 * config.copy_mb * (1 << 20) / medians["copy"]  # read and write
     row_bytes = config.model_dim * element_bytes

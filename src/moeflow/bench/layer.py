@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moeflow.config import ffn_projections
+from moeflow.config import LayerDims, ffn_projections
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.kernels import resolve_backend
@@ -32,14 +32,16 @@ from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
+DEFAULT_DIMS = LayerDims(512, 2048, 8, top_k=2)  # E=8, H=2048: the first target shape
+
 
 @dataclass(frozen=True)
 class LayerBenchConfig:
+    """One measured configuration: the layer's shape (its projections follow ``activation``) and how
+    it is timed."""
+
+    dims: LayerDims = DEFAULT_DIMS
     tokens: int = 4096
-    model_dim: int = 512
-    hidden_dim: int = 2048
-    experts: int = 8
-    top_k: int = 2
     capacity_factor: float = 1.0
     activation: str = "gelu"
     repeats: int = 5
@@ -49,15 +51,29 @@ class LayerBenchConfig:
     dtype: str = "fp32"  # bf16/fp16: the layer's parameters and tokens (the router stays fp32)
     matmul_size: int = 2048  # the square matmul whose rate defines the floor
 
+    def __post_init__(self) -> None:
+        if self.dims.projections != ffn_projections(self.activation):
+            raise ValueError(f"dims.projections={self.dims.projections} but activation={self.activation!r} has "
+                             f"{ffn_projections(self.activation)} projections: build the dims with that many")
+
+    def record_fields(self) -> dict[str, Any]:
+        """This configuration under the keys of the benchmark's records (flat; ``experts`` is E), which
+        dated records compare against."""
+        d = self.dims
+        return {"tokens": self.tokens, "model_dim": d.model_dim, "hidden_dim": d.hidden_dim, "experts": d.num_experts,
+                "top_k": d.top_k, "capacity_factor": self.capacity_factor, "activation": self.activation,
+                "repeats": self.repeats, "warmup": self.warmup, "device": self.device, "dtype": self.dtype,
+                "matmul_size": self.matmul_size}
+
 
 # The two shapes of the issue's targets: few large experts, many small ones.
-DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((8, 2048), (64, 256))
-TARGETS = {  # (experts, hidden) -> (max ratio to floor, min speedup over the reference)
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((8, 2048), (64, 256))  # (num_experts, hidden_dim)
+TARGETS = {  # (num_experts, hidden_dim) -> (max ratio to floor, min speedup over the reference)
     (8, 2048): (1.2, 1.0),
     (64, 256): (1.6, 5.0),
 }
 MAX_ENCODE_DECODE_SHARE = 0.10
-GPU_TARGETS = {  # (experts, model, hidden, tokens, k) -> max ratio to the GEMM floor, bf16 on a GPU
+GPU_TARGETS = {  # (num_experts, model_dim, hidden_dim, tokens, k) -> max ratio to the GEMM floor, bf16 on a GPU
     (8, 4096, 14336, 8192, 2): 1.3,  # Mixtral-like
     (64, 2048, 1408, 8192, 8): 1.6,  # Qwen-MoE-like
 }
@@ -73,19 +89,19 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.
 def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[str, Any]:
     """Measure one configuration on this rank (works with and without a process group)."""
     torch.manual_seed(0)
-    c = config
-    reference = ReferenceMoE(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
-                             capacity_factor=c.capacity_factor, activation=c.activation)
+    c, d = config, config.dims
+    reference = ReferenceMoE(d.model_dim, d.hidden_dim, d.num_experts, top_k=d.top_k,
+                             capacity_factor=c.capacity_factor, activation=c.activation, bias=d.bias)
     # one chunk and the linear all-to-all: this benchmark measures the layer's kernels, not the
     # planner (moeflow bench pipeline does), so its trials must not mix into the medians
-    layer = MoELayer(c.model_dim, c.hidden_dim, c.experts, top_k=c.top_k,
-                     capacity_factor=c.capacity_factor, activation=c.activation, pipeline=1, alltoall="linear")
+    layer = MoELayer(d.model_dim, d.hidden_dim, d.num_experts, top_k=d.top_k, capacity_factor=c.capacity_factor,
+                     activation=c.activation, bias=d.bias, pipeline=1, alltoall="linear")
     layer.load_full_state_dict(reference.state_dict())
     device, dtype = torch.device(c.device), DTYPES[c.dtype]
     reference, layer = reference.to(device, dtype), layer.to(device, dtype)
     generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(c.tokens, c.model_dim, generator=generator).to(device, dtype)
-    upstream = torch.randn(c.tokens, c.model_dim, generator=generator).to(device, dtype)
+    x = torch.randn(c.tokens, d.model_dim, generator=generator).to(device, dtype)
+    upstream = torch.randn(c.tokens, d.model_dim, generator=generator).to(device, dtype)
     distributed = world_size > 1 and dist.is_initialized()
 
     def sync() -> None:
@@ -110,10 +126,10 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     fns["matmul"] = lambda: torch.mm(square_a, square_b)  # the rate, under the same noise as the rest
     medians = device_medians(fns, device, c.repeats, c.warmup, before_each=sync)
     rate = 2 * size**3 / medians["matmul"]
-    floor_s = ffn_flops(c.top_k * c.tokens, c.model_dim, c.hidden_dim, c.activation, backward=True) / rate
+    floor_s = ffn_flops(d.top_k * c.tokens, d.model_dim, d.hidden_dim, c.activation, backward=True) / rate
     result: dict[str, Any] = {
         "bench": "layer",
-        **{k: v for k, v in asdict(c).items() if k not in ("measure_kernels",)},
+        **c.record_fields(),
         "workers": world_size,
         "threads_per_worker": torch.get_num_threads(),
         "malloc_tuned": tune_cpu_allocator(tuning_requested(os.environ)),  # the entry point's setting
@@ -141,12 +157,13 @@ def _encode_decode_step(
     layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, c: LayerBenchConfig
 ) -> Callable[[], None]:
     """Encode and decode alone, forward and backward, with the routing these tokens get."""
+    d = c.dims
     with torch.no_grad():
-        choice = select_experts(layer.gate(x), c.top_k)
-    location, counts = assign_slots(choice.expert_idx_TK, c.experts)
+        choice = select_experts(layer.gate(x), d.top_k)
+    location, counts = assign_slots(choice.expert_idx_TK, d.num_experts)
     counts = counts.cpu()
-    capacity = expert_capacity(c.capacity_factor, c.top_k, c.tokens, c.experts, int(counts.max()))
-    plan = make_dispatch_plan(choice.expert_idx_TK, location, c.experts, capacity)
+    capacity = expert_capacity(c.capacity_factor, d.top_k, c.tokens, d.num_experts, int(counts.max()))
+    plan = make_dispatch_plan(choice.expert_idx_TK, location, d.num_experts, capacity)
     weights = choice.weights_TK.detach()
 
     backend = resolve_backend(layer.config.kernel_backend, x.device)

@@ -60,10 +60,9 @@ class LinaPoint:
 
 
 def hf_shape() -> Any:
-    from moeflow.bench.generate import ModelShape
+    from moeflow.bench.generate import ModelShape, swiglu_dims
 
-    return ModelShape("mixtral-like-8L", "mixtral", hidden=256, experts=8, top_k=2, expert_hidden=1024, layers=8,
-                      heads=4, kv_heads=2)
+    return ModelShape("mixtral-like-8L", "mixtral", swiglu_dims(256, 1024, 8, top_k=2), layers=8, heads=4, kv_heads=2)
 
 
 def router_layout(num_experts: int, model_dim: int, layers: int, skew: float, colocated: bool = False,

@@ -10,11 +10,12 @@ of the pipelined experts at each degree, the experts alone (t_comp) and the tran
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from moeflow.bench.timing import record_fields
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.measure import device_medians
@@ -55,7 +56,7 @@ class CopyRoute:
 class OverlapBenchConfig:
     """What one run measures; the defaults are the command line's (``moeflow bench overlap``)."""
 
-    experts: int
+    num_experts: int  # all local: no peer
     capacity: int
     model_dim: int
     hidden_dim: int
@@ -68,16 +69,15 @@ class OverlapBenchConfig:
 
 def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
     """One record per degree: the pipelined forward against t_comp, t_copy and their max and sum."""
-    c = config
+    c, e = config, config.num_experts
     device, dtype = torch.device(c.device), DTYPES[c.dtype]
     torch.manual_seed(0)
     weights = FFNWeights(*(torch.randn(shape, device=device, dtype=dtype) * 0.02 for shape in (
-        (c.experts, c.model_dim, c.hidden_dim), (c.experts, c.hidden_dim), (c.experts, c.hidden_dim, c.model_dim),
-        (c.experts, c.model_dim))))
-    buffer = torch.randn(c.experts, c.capacity, c.model_dim, device=device, dtype=dtype)
+        (e, c.model_dim, c.hidden_dim), (e, c.hidden_dim), (e, c.hidden_dim, c.model_dim), (e, c.model_dim))))
+    buffer = torch.randn(e, c.capacity, c.model_dim, device=device, dtype=dtype)
     groups = ParallelGroups.single_process()
     route, compute = CopyRoute(groups), FFNCompute()
-    local = ExpertExchange(None, LOCAL, c.experts)
+    local = ExpertExchange(None, LOCAL, e)
     fns = {
         "comp": lambda: pipelined_experts(buffer, compute, weights, local, 1),
         "copy": lambda: route.from_experts(route.to_experts(buffer), c.capacity),
@@ -86,7 +86,7 @@ def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
     with torch.no_grad():
         medians = device_medians(fns, device, c.repeats, c.warmup)
     comp, copy = medians["comp"], medians["copy"]
-    base = {"bench": "overlap", **asdict(c)}
+    base = {"bench": "overlap", **record_fields(c)}
     return [{**base, "degree": d, "pipelined_ms": medians[f"d{d}"] * 1e3, "comp_ms": comp * 1e3,
              "copy_ms": copy * 1e3, "ideal_ms": max(comp, copy) * 1e3, "serial_ms": (comp + copy) * 1e3,
              "ratio_to_ideal": medians[f"d{d}"] / max(comp, copy),

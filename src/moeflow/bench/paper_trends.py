@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from moeflow.config import LayerDims
+
 Row = dict[str, Any]
 DDP_BUCKET_MB = 25.0  # PyTorch DDP's default bucket_cap_mb
 
@@ -67,7 +69,7 @@ def tutel_table6() -> Iterator[Row]:
         cluster = base.resized(gpus // base.gpus_per_node)
         gains: dict[tuple[str, int], list[float]] = {s: [] for s in statics}
         for per_gpu, dim, hidden, tokens in itertools.product((1, 2), (1024, 4096), (1024, 4096), (4096, 16384)):
-            model = ModelSpec(layers=1, model_dim=dim, hidden_dim=hidden, experts=per_gpu * gpus,
+            model = ModelSpec(layers=1, dims=LayerDims(dim, hidden, per_gpu * gpus, bias=False),
                               tokens_per_rank=tokens, capacity_factor=1.0)
             times = {s: simulated_ms(cluster, model, StepPlan(degree=s[1], algorithm=s[0])) for s in statics}
             best = min(times.values())
@@ -84,7 +86,7 @@ def tutel_fig14() -> Iterator[Row]:
     base, model = load_cluster("tutel-a100"), load_model("tutel-fig14")
     for gpus in (16, 128, 2048):
         cluster = base.resized(gpus // base.gpus_per_node)
-        sized = model.with_overrides(experts=2 * gpus)
+        sized = model.with_overrides(num_experts=2 * gpus)
         linear = simulated_ms(cluster, sized, StepPlan(algorithm="linear"))
         two_dim = simulated_ms(cluster, sized, StepPlan(algorithm="2dh"))
         adaptive = min(simulated_ms(cluster, sized, StepPlan(degree=d, algorithm=a))
@@ -107,7 +109,7 @@ def pipemoe_table6() -> Iterator[Row]:
         gains: dict[int, list[float]] = {d: [] for d in published}
         for tokens, dim, hidden, per_gpu in itertools.product((2048, 8192), (1024, 4096, 8192), (1024, 4096, 8192),
                                                               (1, 2)):
-            model = ModelSpec(layers=1, model_dim=dim, hidden_dim=hidden, experts=per_gpu * gpus, top_k=1,
+            model = ModelSpec(layers=1, dims=LayerDims(dim, hidden, per_gpu * gpus, top_k=1, bias=False),
                               tokens_per_rank=tokens, capacity_factor=1.0)
             times = {d: simulated_ms(cluster, model, StepPlan(degree=d)) for d in range(1, 17)}
             best = min(times.values())
@@ -149,7 +151,7 @@ def lina_contention() -> Iterator[Row]:
     from moeflow.sim.step import StepBuilder
 
     cluster = load_cluster("lina-a100")
-    model = ModelSpec(layers=12, model_dim=768, hidden_dim=3072, experts=16, tokens_per_rank=2048,
+    model = ModelSpec(layers=12, dims=LayerDims(768, 3072, 16, bias=False), tokens_per_rank=2048,
                       sequence_length=1024, vocab_size=50257)
     loads = routing_loads(model, cluster.world_size)
     runs = {}
@@ -188,8 +190,8 @@ def parm_table4() -> Iterator[Row]:
             gains: dict[str, list[float]] = {name: [] for name in published}
             for batch, length, hidden, dim, factor in itertools.product((2, 8), (512, 2048), (1024, 4096),
                                                                         (1024, 4096), (1.2, 2.4)):
-                model = ModelSpec(layers=1, model_dim=dim * esp, hidden_dim=hidden * esp, experts=gpus // esp,
-                                  top_k=1, capacity_factor=factor, tokens_per_rank=batch * length,
+                dims = LayerDims(dim * esp, hidden * esp, gpus // esp, top_k=1, bias=False)
+                model = ModelSpec(layers=1, dims=dims, capacity_factor=factor, tokens_per_rank=batch * length,
                                   sequence_length=length, dtype="fp32")
                 times = {name: simulated_ms(cluster, model, StepPlan(schedule=name, mp=mp, esp=esp))
                          for name in ("ds-baseline", "s1", "s2")}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 WITHIN = 1.10  # the planner's goal: within 10 % of the best fixed r
@@ -28,7 +28,7 @@ WITHIN = 1.10  # the planner's goal: within 10 % of the best fixed r
 
 @dataclass(frozen=True)
 class ParallelPoint:
-    experts: int
+    num_experts: int
     hidden_dim: int
     capacity_factor: float
     tokens: int = 1024
@@ -38,7 +38,7 @@ class ParallelPoint:
 
     @property
     def name(self) -> str:
-        name = f"E{self.experts}-H{self.hidden_dim}-f{self.capacity_factor:g}-T{self.tokens}-M{self.model_dim}"
+        name = f"E{self.num_experts}-H{self.hidden_dim}-f{self.capacity_factor:g}-T{self.tokens}-M{self.model_dim}"
         return name if self.mp == 1 else f"{name}-MP{self.mp}"
 
 
@@ -85,7 +85,7 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     def build(parallel: Any, alltoall: str = "auto") -> MoELayer:
         torch.manual_seed(0)
         return MoELayer(
-            point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k,
+            point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k,
             capacity_factor=point.capacity_factor, group=groups, parallel=parallel, pipeline="auto",
             profile=profile, mp_group=groups.model if point.mp > 1 else None, alltoall=alltoall,
         )
@@ -95,13 +95,13 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
         layers["s2-saa"] = build("s2", alltoall="saa")
         layers["planner"] = build("auto")
     else:
-        layers = {f"r{r}": build(r) for r in switchable_rs(point.experts, world)}
+        layers = {f"r{r}": build(r) for r in switchable_rs(point.num_experts, world)}
         layers["planner"] = build("adaptive")
     tokens = torch.Generator().manual_seed(rank // point.mp)  # the same tokens on the members of an MP group
     x = torch.randn(point.tokens, point.model_dim, generator=tokens)
     settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
     capacity = next(iter(layers.values())).last_stats.capacity
-    buffer = torch.randn(point.experts, capacity, point.model_dim, requires_grad=True)
+    buffer = torch.randn(point.num_experts, capacity, point.model_dim, requires_grad=True)
     whole: dict[str, list[float]] = {name: [] for name in layers}
     region: dict[str, list[float]] = {name: [] for name in layers}
     probe = SpeedProbe()
@@ -130,6 +130,8 @@ def _emit_point(
     point: ParallelPoint, layers: dict[str, Any], whole: dict[str, list[float]], region: dict[str, list[float]],
     settle: dict[str, int], emit: Any,
 ) -> None:
+    from moeflow.bench.timing import record_fields
+
     medians = {name: statistics.median(values) for name, values in whole.items()}
     fixed = {name: seconds for name, seconds in medians.items() if name != "planner"}
     best = min(fixed, key=fixed.get)
@@ -138,7 +140,7 @@ def _emit_point(
         predicted = (plan.predicted_forward_s or 0.0) + (plan.predicted_backward_s or 0.0)
         measured_region = statistics.median(region[name])
         emit({
-            "bench": "parallel", "config": point.name, **asdict(point), "mode": name, "r": plan.r,
+            "bench": "parallel", "config": point.name, **record_fields(point), "mode": name, "r": plan.r,
             "schedule": plan.schedule,
             "degree": plan.requested_degree, "alltoall": plan.alltoall, "capacity": layer.last_stats.capacity,
             "layer_ms": medians[name] * 1e3, "region_ms": measured_region * 1e3,

@@ -62,15 +62,17 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
     import torch
 
     from moeflow.comm.algorithms import distinct_algorithms, exchange
+    from moeflow.config import LayerDims
     from moeflow.experts import ExpertFFN
     from moeflow.measure import slowest_rank_seconds
-    from moeflow.perf import LayerShape
+    from moeflow.perf.pipeline import RegionShape
 
-    experts = point.experts_per_rank * world
-    capacity = LayerShape(point.tokens, point.model_dim, point.hidden_dim, experts, point.top_k).capacity()
+    num_experts = point.experts_per_rank * world
+    dims = LayerDims(point.model_dim, point.hidden_dim, num_experts, point.top_k)
+    capacity = RegionShape.for_tokens(dims, point.tokens).capacity
     ffn = ExpertFFN(point.experts_per_rank, point.model_dim, point.hidden_dim)
     rows = torch.randn(point.experts_per_rank, world * capacity, point.model_dim, requires_grad=True)
-    buffer = torch.randn(experts, capacity, point.model_dim)
+    buffer = torch.randn(num_experts, capacity, point.model_dim)
 
     def compute() -> None:
         ffn(rows).square().mean().backward()
@@ -105,11 +107,11 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
 
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, world))
-    experts = point.experts_per_rank * world
+    num_experts = point.experts_per_rank * world
 
     def build(**settings: Any) -> MoELayer:
         torch.manual_seed(0)
-        return MoELayer(point.model_dim, point.hidden_dim, experts, top_k=point.top_k, group=groups, **settings)
+        return MoELayer(point.model_dim, point.hidden_dim, num_experts, top_k=point.top_k, group=groups, **settings)
 
     layers: dict[str, MoELayer] = {}
     for algorithm in distinct_algorithms(groups.topology):

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-SHAPES = ((8, 2048), (64, 256))
+SHAPES = ((8, 2048), (64, 256))  # (num_experts, hidden_dim)
 MATMUL = 2048
 
 
@@ -35,14 +35,14 @@ def _cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
-def measure(experts: int, hidden: int, tokens: int, model_dim: int, repeats: int) -> dict[str, object]:
+def measure(num_experts: int, hidden_dim: int, tokens: int, model_dim: int, repeats: int) -> dict[str, object]:
     from moeflow import MoELayer
     from moeflow.experts import ffn_flops
     from moeflow.reference import ReferenceMoE
 
     torch.manual_seed(0)
-    reference = ReferenceMoE(model_dim, hidden, experts, top_k=2, capacity_factor=1.0)
-    layer = MoELayer(model_dim, hidden, experts, top_k=2, capacity_factor=1.0, pipeline=1)
+    reference = ReferenceMoE(model_dim, hidden_dim, num_experts, top_k=2, capacity_factor=1.0)
+    layer = MoELayer(model_dim, hidden_dim, num_experts, top_k=2, capacity_factor=1.0, pipeline=1)
     layer.load_state_dict(reference.state_dict())  # one process: the full state (also on older commits)
     x = torch.randn(tokens, model_dim)
     upstream = torch.randn(tokens, model_dim)
@@ -65,9 +65,9 @@ def measure(experts: int, hidden: int, tokens: int, model_dim: int, repeats: int
                     cpu["system"] += (system1 - system0) / repeats
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rate = 2 * MATMUL**3 / medians["matmul"]
-    floor = ffn_flops(2 * tokens, model_dim, hidden, "gelu", backward=True) / rate
+    floor = ffn_flops(2 * tokens, model_dim, hidden_dim, "gelu", backward=True) / rate
     return {
-        "bench": "plain_layer", "experts": experts, "hidden_dim": hidden, "tokens": tokens,
+        "bench": "plain_layer", "experts": num_experts, "hidden_dim": hidden_dim, "tokens": tokens,
         "model_dim": model_dim, "moeflow_ms": medians["moeflow"] * 1e3, "reference_ms": medians["reference"] * 1e3,
         "floor_ms": floor * 1e3, "ratio_to_floor": medians["moeflow"] / floor,
         "speedup_vs_reference": medians["reference"] / medians["moeflow"],
@@ -89,8 +89,8 @@ def main() -> None:
 
         tuned = tune_cpu_allocator()
     results = []
-    for experts, hidden in SHAPES:
-        result = {**measure(experts, hidden, args.tokens, args.model_dim, args.repeats), "malloc_tuned": tuned}
+    for num_experts, hidden_dim in SHAPES:
+        result = {**measure(num_experts, hidden_dim, args.tokens, args.model_dim, args.repeats), "malloc_tuned": tuned}
         results.append(result)
         print(json.dumps(result), flush=True)
     print(json.dumps({

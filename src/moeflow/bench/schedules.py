@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 SCHEDULES = ("expert", "replicated")
@@ -23,7 +23,7 @@ SCHEDULES = ("expert", "replicated")
 
 @dataclass(frozen=True)
 class SchedulePoint:
-    experts: int
+    num_experts: int
     hidden_dim: int
     model_dim: int = 256
     batch: int = 8
@@ -31,7 +31,7 @@ class SchedulePoint:
 
     @property
     def name(self) -> str:
-        return f"E{self.experts}-H{self.hidden_dim}-M{self.model_dim}-T{self.batch * self.context}"
+        return f"E{self.num_experts}-H{self.hidden_dim}-M{self.model_dim}-T{self.batch * self.context}"
 
 
 def _model(point: SchedulePoint, parallel: str, groups: Any, profile: Any) -> Any:
@@ -41,7 +41,7 @@ def _model(point: SchedulePoint, parallel: str, groups: Any, profile: Any) -> An
 
     config = TransformerConfig.build(
         vocab_size=512, context=point.context, layers=1, heads=4, model_dim=point.model_dim,
-        ffn_hidden=point.hidden_dim, num_experts=point.experts, capacity_factor=1.0, parallel=parallel,
+        hidden_dim=point.hidden_dim, num_experts=point.num_experts, capacity_factor=1.0, parallel=parallel,
         tokens_per_rank_hint=point.batch * point.context,
     )
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
 def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe
+    from moeflow.bench.timing import SpeedProbe, record_fields
     from moeflow.measure import slowest_rank_seconds
 
     rank = dist.get_rank()
@@ -97,7 +97,7 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
     layer = auto.moe_layers()[0]
     ran = models["expert"].moe_layers()[0].last_stats.plan  # the expert step's planned degree and all-to-all
     emit({
-        "bench": "schedules", "config": point.name, **asdict(point),
+        "bench": "schedules", "config": point.name, **record_fields(point),
         "expert_degree": ran.pipeline_degree, "expert_alltoall": ran.alltoall,
         **{f"{name}_step_ms": seconds * 1e3 for name, seconds in medians.items()},
         "replicated_over_expert": medians["replicated"] / medians["expert"], "faster": faster,

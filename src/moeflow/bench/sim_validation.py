@@ -37,6 +37,7 @@ from moeflow.bench.parallel import ParallelPoint
 from moeflow.bench.pipeline import GridPoint
 from moeflow.bench.schedules import SchedulePoint
 from moeflow.bench.skew import SkewPoint
+from moeflow.config import LayerDims
 
 FIXED_SETTING = re.compile(r"d(\d+)-(\w+)")
 LAYOUTS = ((2, 1), (2, 2))
@@ -65,9 +66,10 @@ def _pipeline(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     if match is None:
         return []
     point = GridPoint(**{k: record[k] for k in asdict(GRID[0])})
-    model = ModelSpec(name=point.name, layers=1, model_dim=point.model_dim, hidden_dim=point.hidden_dim,
-                      experts=point.experts_per_rank * cluster.world_size, top_k=point.top_k,
-                      capacity_factor=1.0, tokens_per_rank=point.tokens, dtype="fp32")
+    dims = LayerDims(point.model_dim, point.hidden_dim, point.experts_per_rank * cluster.world_size,
+                     top_k=point.top_k, bias=False)
+    model = ModelSpec(name=point.name, layers=1, dims=dims, capacity_factor=1.0, tokens_per_rank=point.tokens,
+                      dtype="fp32")
     plan = StepPlan(degree=int(match[1]), algorithm=match[2])
     return [(record["setting"], record["layer_ms"], simulated_ms(cluster, model, plan))]
 
@@ -77,8 +79,7 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
     from moeflow.config import ALLTOALL_ALGORITHMS
     from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
-    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
-                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=2, capacity_factor=1.0,
+    model = ModelSpec(name=record["config"], layers=1, dims=_recorded_dims(record, top_k=2), capacity_factor=1.0,
                       tokens_per_rank=record["batch"] * record["context"], sequence_length=record["context"],
                       dtype="fp32", vocab_size=VOCABULARY)
     if "expert_degree" in record:  # the plan the measured expert step ran
@@ -90,6 +91,13 @@ def _schedules(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, f
     replicated = simulated_ms(cluster, model, StepPlan(schedule="replicated"), layer_only=False)
     return [("step-expert", record["expert_step_ms"], expert),
             ("step-replicated", record["replicated_step_ms"], replicated)]
+
+
+def _recorded_dims(record: dict[str, Any], top_k: int | None = None) -> LayerDims:
+    """A measured record's layer dims (its JSON keeps the benchmarks' keys, ``experts`` among them),
+    without biases as the simulator counts them."""
+    return LayerDims(record["model_dim"], record["hidden_dim"], record["experts"],
+                     top_k=record["top_k"] if top_k is None else top_k, bias=False)
 
 
 def _pipeline_ran(record: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +112,7 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     Parm's schedules behind MP attention."""
     from moeflow.sim import ModelSpec, StepPlan, simulated_ms
 
-    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
-                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
+    model = ModelSpec(name=record["config"], layers=1, dims=_recorded_dims(record),
                       capacity_factor=record["capacity_factor"], tokens_per_rank=record["tokens"], dtype="fp32")
     mode, mp = str(record.get("mode", "")), int(record.get("mp", 1))
     if mp > 1 and mode in SIMULATED_PARM_MODES:
@@ -130,13 +137,12 @@ def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]
 
     if record.get("mode") not in SIMULATED_SKEW_MODES:
         return []
-    model = ModelSpec(name=record["config"], layers=1, model_dim=record["model_dim"],
-                      hidden_dim=record["hidden_dim"], experts=record["experts"], top_k=record["top_k"],
-                      capacity_factor=0.0, tokens_per_rank=record["tokens"], dtype="fp32")
+    model = ModelSpec(name=record["config"], layers=1, dims=_recorded_dims(record), capacity_factor=0.0,
+                      tokens_per_rank=record["tokens"], dtype="fp32")
     counts = np.asarray(record["tokens_per_expert"], dtype=np.float64) / cluster.world_size
     plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert", **_pipeline_ran(record),
                     shadowed=len(record["shadowed"]), padded_backward=True, shadowed_slots_travel=True)
-    load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.experts)))
+    load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.dims.num_experts)))
     seconds = simulate_step(cluster, model, plan, loads=[load], layer_only=True).step_s
     return [(f"skew-{record['mode']}", record["layer_ms"], seconds * 1e3)]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 STRONG_SKEW_GOAL = 1.3  # shadowing at strong skew: at least this much faster than off
@@ -34,7 +34,7 @@ STEER = 8.0  # the logit margin that pins a token to its drawn expert
 @dataclass(frozen=True)
 class SkewPoint:
     skew: str  # "uniform", "zipf:<s>", "one-hot", or a name for ``probabilities``
-    experts: int = 4
+    num_experts: int = 4
     hidden_dim: int = 1024
     tokens: int = 2048
     model_dim: int = 256
@@ -44,14 +44,14 @@ class SkewPoint:
 
     @property
     def name(self) -> str:
-        return f"{self.skew}-E{self.experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}"
+        return f"{self.skew}-E{self.num_experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}"
 
 
 def routing_probabilities(point: SkewPoint) -> Any:
     """The share of assignments each expert gets, hottest first (expert 0)."""
     from moeflow.sim.workload import skew_shares
 
-    return skew_shares(point.skew, point.experts, point.probabilities)
+    return skew_shares(point.skew, point.num_experts, point.probabilities)
 
 
 def routed_tokens(point: SkewPoint, seed: int) -> Any:
@@ -65,9 +65,9 @@ def routed_tokens(point: SkewPoint, seed: int) -> Any:
     draw = np.maximum(shares, 1e-9 if point.top_k > 1 else 0.0)
     draw = draw / draw.sum()
     x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(seed))
-    x[:, : point.experts] *= 0.1
+    x[:, : point.num_experts] *= 0.1
     for token in range(point.tokens):
-        chosen = rng.choice(point.experts, size=point.top_k, replace=False, p=draw)
+        chosen = rng.choice(point.num_experts, size=point.top_k, replace=False, p=draw)
         for rank_in_token, expert in enumerate(chosen):
             x[token, expert] += STEER - rank_in_token  # the first draw gets the largest logit
     return x
@@ -122,7 +122,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     def build(shadowing: Any, pipeline: str, redundant_experts: int) -> MoELayer:
         torch.manual_seed(0)
         layer = MoELayer(
-            point.model_dim, point.hidden_dim, point.experts, top_k=point.top_k, capacity_factor=0.0,
+            point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k, capacity_factor=0.0,
             group=groups, parallel="expert", pipeline=pipeline, expert_kernel="ragged", profile=profile,
             shadowing=shadowing, redundant_experts=redundant_experts,
         )
@@ -153,12 +153,15 @@ def _emit_point(
     point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], settle: dict[str, int],
     emit: Any,
 ) -> None:
+    from moeflow.bench.timing import record_fields
+
     medians = {name: statistics.median(values) for name, values in samples.items()}
     auto = layers["auto"]
+    fields = {k: v for k, v in record_fields(point).items() if k != "probabilities"}
     for name, layer in layers.items():
         stats = layer.last_stats
         emit({
-            "bench": "skew", "config": point.name, **{k: v for k, v in asdict(point).items() if k != "probabilities"},
+            "bench": "skew", "config": point.name, **fields,
             "mode": name, "layer_ms": medians[name] * 1e3, "shadowed": list(stats.shadowed_experts),
             "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
             "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,

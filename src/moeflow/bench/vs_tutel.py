@@ -27,18 +27,18 @@ SHAPES = ((4096, 512, 2048, 2), (4096, 512, 512, 4), (2048, 1024, 1024, 2), (102
 """(tokens per rank T, model dim M, hidden H, experts per rank L)."""
 
 
-def _full_weights(experts: int, model_dim: int, hidden: int) -> dict[str, torch.Tensor]:
+def _full_weights(num_experts: int, model_dim: int, hidden_dim: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
 
     def draw(*shape: int, scale: float) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * scale
 
     return {
-        "gate.weight": draw(experts, model_dim, scale=model_dim**-0.5),
-        "experts.w1": draw(experts, model_dim, hidden, scale=model_dim**-0.5),
-        "experts.b1": draw(experts, hidden, scale=0.1),
-        "experts.w2": draw(experts, hidden, model_dim, scale=hidden**-0.5),
-        "experts.b2": draw(experts, model_dim, scale=0.1),
+        "gate.weight": draw(num_experts, model_dim, scale=model_dim**-0.5),
+        "experts.w1": draw(num_experts, model_dim, hidden_dim, scale=model_dim**-0.5),
+        "experts.b1": draw(num_experts, hidden_dim, scale=0.1),
+        "experts.w2": draw(num_experts, hidden_dim, model_dim, scale=hidden_dim**-0.5),
+        "experts.b2": draw(num_experts, model_dim, scale=0.1),
     }
 
 
@@ -48,11 +48,11 @@ def _layers(shape: tuple[int, int, int, int], rank: int, world: int, pipeline: i
 
     from moeflow import MoELayer
 
-    _, model_dim, hidden, local = shape
-    experts = local * world
-    full = _full_weights(experts, model_dim, hidden)
-    ours = MoELayer(model_dim, hidden, experts, top_k=2, capacity_factor=0.0, activation="gelu", aux_loss_weight=0.0,
-                    pipeline=pipeline, **_groups(world))
+    _, model_dim, hidden_dim, local = shape
+    num_experts = local * world
+    full = _full_weights(num_experts, model_dim, hidden_dim)
+    ours = MoELayer(model_dim, hidden_dim, num_experts, top_k=2, capacity_factor=0.0, activation="gelu",
+                    aux_loss_weight=0.0, pipeline=pipeline, **_groups(world))
     if hasattr(ours, "load_full_state_dict"):
         ours.load_full_state_dict({**ours.state_dict(), **full})
     else:  # moeflow before the placement seam (for side-by-side runs of older commits)
@@ -62,7 +62,7 @@ def _layers(shape: tuple[int, int, int, int], rank: int, world: int, pipeline: i
     group = dist.group.WORLD if dist.is_initialized() else None
     tutel = tutel_moe.moe_layer(
         gate_type={"type": "top", "k": 2, "capacity_factor": 0.0, "fp32_gate": True}, model_dim=model_dim,
-        experts={"type": "ffn", "count_per_node": local, "hidden_size_per_expert": hidden,
+        experts={"type": "ffn", "count_per_node": local, "hidden_size_per_expert": hidden_dim,
                  "activation_fn": lambda x: F.gelu(x)},
         group=group,
     )

@@ -5,6 +5,9 @@ and sets ``func`` to the function that runs it. Heavy imports happen inside the 
 from __future__ import annotations
 
 import argparse
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -12,6 +15,28 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+class RenamedFlag(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's destination and says the new name
+    (a FutureWarning), so scripts written for the old name keep working."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, renamed_to: str = "", **kwargs: Any) -> None:
+        self.renamed_to = renamed_to
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warnings.warn(f"{option_string} is renamed {self.renamed_to}; the old spelling reads as the same setting",
+                      FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    """Accept ``old`` as a deprecated spelling of the flag ``new`` (same type and nargs as ``new``'s)."""
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(old, dest=dest, action=RenamedFlag, renamed_to=new, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, **kwargs)
 
 
 def fail(command: str, error: object) -> SystemExit:

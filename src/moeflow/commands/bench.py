@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_renamed_flag, fail, positive_int, require_testbed
 from moeflow.config import DTYPE_NAMES
 
 
@@ -33,12 +33,14 @@ def _add_cluster_layout(parser: argparse.ArgumentParser, ranks_per_node: int) ->
 def _add_layer(benches: Any) -> None:
     layer = benches.add_parser(
         "layer", help="MoELayer vs the plain reference and the FLOP floor, forward+backward",
-        description="Without --experts/--hidden-dim it measures the two target shapes (E=8, H=2048) and (E=64, H=256).",
+        description="Without --num-experts/--hidden-dim it measures the two target shapes (E=8, H=2048) and "
+        "(E=64, H=256).",
     )
     layer.add_argument("--tokens", type=int, default=4096, help="tokens per worker (default 4096)")
     layer.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
     layer.add_argument("--hidden-dim", type=positive_int, default=None, help="expert hidden size H")
-    layer.add_argument("--experts", type=positive_int, default=None, help="number of experts E")
+    layer.add_argument("--num-experts", type=positive_int, default=None, help="number of experts E")
+    add_renamed_flag(layer, "--experts", "--num-experts", type=positive_int)
     layer.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2)")
     layer.add_argument("--capacity-factor", type=float, default=1.0, help="Tutel's capacity factor (default 1)")
     layer.add_argument("--activation", default="gelu", choices=("relu", "gelu", "silu", "swiglu"),
@@ -59,15 +61,15 @@ def _add_layer(benches: Any) -> None:
 def _layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
     from moeflow.bench.layer import DEFAULT_SHAPES
 
-    if (args.experts is None) != (args.hidden_dim is None):
-        shapes = [(args.experts or 8, args.hidden_dim or 2048)]
+    if (args.num_experts is None) != (args.hidden_dim is None):
+        shapes = [(args.num_experts or 8, args.hidden_dim or 2048)]
     else:
-        shapes = list(DEFAULT_SHAPES) if args.experts is None else [(args.experts, args.hidden_dim)]
-    for experts, _ in shapes:
-        if args.top_k > experts:
-            raise fail("bench layer", f"--top-k {args.top_k} exceeds --experts {experts}")
-        if experts % args.workers:
-            raise fail("bench layer", f"--experts {experts} is not divisible by --workers {args.workers}")
+        shapes = list(DEFAULT_SHAPES) if args.num_experts is None else [(args.num_experts, args.hidden_dim)]
+    for num_experts, _ in shapes:
+        if args.top_k > num_experts:
+            raise fail("bench layer", f"--top-k {args.top_k} exceeds --num-experts {num_experts}")
+        if num_experts % args.workers:
+            raise fail("bench layer", f"--num-experts {num_experts} is not divisible by --workers {args.workers}")
     return shapes
 
 
@@ -76,6 +78,7 @@ def run_layer(args: argparse.Namespace) -> int:
 
     from moeflow.bench import print_json
     from moeflow.bench.layer import LayerBenchConfig, measure_layer, slowest_worker, summarize
+    from moeflow.config import LayerDims, ffn_projections
     from moeflow.distributed import run_distributed
 
     if args.tokens < 0:
@@ -84,10 +87,10 @@ def run_layer(args: argparse.Namespace) -> int:
     if device.type != "cpu" and args.workers > 1:
         raise fail("bench layer", f"--device {args.device} runs one process: leave --workers at 1")
     results = []
-    for experts, hidden in _layer_shapes(args):
+    for num_experts, hidden_dim in _layer_shapes(args):
+        dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation))
         config = LayerBenchConfig(
-            tokens=args.tokens, model_dim=args.model_dim, hidden_dim=hidden, experts=experts,
-            top_k=args.top_k, capacity_factor=args.capacity_factor, activation=args.activation,
+            dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
             device=str(device), dtype=args.dtype, matmul_size=args.matmul_size,
         )
@@ -127,7 +130,8 @@ def _add_kernels(benches: Any) -> None:
     kernels.add_argument("--tokens", type=positive_int, default=16384, help="tokens (default 16384)")
     kernels.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
     kernels.add_argument("--hidden-dim", type=positive_int, default=1408, help="expert hidden size H (default 1408)")
-    kernels.add_argument("--experts", type=positive_int, default=64, help="experts E (default 64)")
+    kernels.add_argument("--num-experts", type=positive_int, default=64, help="experts E (default 64)")
+    add_renamed_flag(kernels, "--experts", "--num-experts", type=positive_int)
     kernels.add_argument("--top-k", type=positive_int, default=8, help="experts per token (default 8)")
     kernels.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     kernels.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
@@ -145,11 +149,11 @@ def run_kernels(args: argparse.Namespace) -> int:
     from moeflow.bench.kernels import KernelBenchConfig, measure_kernels, summarize
 
     device = _device(args.device, "bench kernels")
-    if args.top_k > args.experts:
-        raise fail("bench kernels", f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.top_k > args.num_experts:
+        raise fail("bench kernels", f"--top-k {args.top_k} exceeds --num-experts {args.num_experts}")
     on_gpu = device.type == "cuda"
     config = KernelBenchConfig(
-        tokens=args.tokens, model_dim=args.model_dim, hidden_dim=args.hidden_dim, experts=args.experts,
+        tokens=args.tokens, model_dim=args.model_dim, hidden_dim=args.hidden_dim, num_experts=args.num_experts,
         top_k=args.top_k, device=str(device), dtype=args.dtype or ("bf16" if on_gpu else "fp32"),
         matmul_size=args.matmul_size or (8192 if on_gpu else 2048), copy_mb=1024 if on_gpu else 256,
         repeats=args.repeats,
@@ -174,7 +178,8 @@ def _add_overlap(benches: Any) -> None:
         "copy on the communication thread), beside the experts alone and the copies alone: ratio_to_ideal is the "
         "pipelined time over max(t_comp, t_copy).",
     )
-    overlap.add_argument("--experts", type=positive_int, default=8, help="local experts (default 8)")
+    overlap.add_argument("--num-experts", type=positive_int, default=8, help="local experts (default 8)")
+    add_renamed_flag(overlap, "--experts", "--num-experts", type=positive_int)
     overlap.add_argument("--capacity", type=positive_int, default=1024, help="slots per expert (default 1024)")
     overlap.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
     overlap.add_argument("--hidden-dim", type=positive_int, default=2048, help="expert hidden size H (default 2048)")
@@ -199,7 +204,7 @@ def run_overlap(args: argparse.Namespace) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the experts on one core, the copies on the communication thread
     records = measure_overlap(OverlapBenchConfig(
-        experts=args.experts, capacity=args.capacity, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
+        num_experts=args.num_experts, capacity=args.capacity, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
         degrees=degrees, device=str(device), dtype=args.dtype, repeats=args.repeats,
     ))
     for record in records:
@@ -282,12 +287,13 @@ def _add_schedules(benches: Any) -> None:
     schedules = benches.add_parser(
         "schedules", help="replicated experts vs expert parallelism as whole training steps on an emulated cluster, "
         "and what parallel='auto' picks (needs root)",
-        description="Grid: --experts x --hidden-dims at --batch x --context tokens per rank (a one-block MoE "
+        description="Grid: --num-experts x --hidden-dims at --batch x --context tokens per rank (a one-block MoE "
         "transformer). Without --profile the ranks calibrate the cluster first.",
     )
     _add_cluster_layout(schedules, ranks_per_node=1)
-    schedules.add_argument("--experts", type=positive_int, nargs="+", default=[2, 4, 8],
+    schedules.add_argument("--num-experts", type=positive_int, nargs="+", default=[2, 4, 8],
                            help="numbers of experts E to try")
+    add_renamed_flag(schedules, "--experts", "--num-experts", type=positive_int, nargs="+")
     schedules.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[64, 256, 1024],
                            help="expert hidden sizes H to try")
     schedules.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
@@ -303,7 +309,7 @@ def run_schedules(args: argparse.Namespace) -> int:
     from moeflow.bench.schedules import SchedulePoint, run, summarize
 
     grid = [SchedulePoint(e, h, args.model_dim, args.batch, args.context)
-            for e, h in itertools.product(args.experts, args.hidden_dims)]
+            for e, h in itertools.product(args.num_experts, args.hidden_dims)]
     return _run_cluster_grid("bench schedules", run, summarize, grid, args)
 
 
@@ -311,12 +317,13 @@ def _add_parallel(benches: Any) -> None:
     parallel = benches.add_parser(
         "parallel", help="every fixed Tutel r vs the planner's per-iteration choice on an emulated cluster "
         "(needs root)",
-        description="Grid: --experts x --hidden-dims x --capacity-factors at --tokens tokens per rank (one MoE "
+        description="Grid: --num-experts x --hidden-dims x --capacity-factors at --tokens tokens per rank (one MoE "
         "layer). Without --profile the ranks calibrate the cluster first.",
     )
     _add_cluster_layout(parallel, ranks_per_node=1)
-    parallel.add_argument("--experts", type=positive_int, nargs="+", default=[1, 2],
+    parallel.add_argument("--num-experts", type=positive_int, nargs="+", default=[1, 2],
                           help="numbers of experts E (W > E shards each expert's hidden dimension)")
+    add_renamed_flag(parallel, "--experts", "--num-experts", type=positive_int, nargs="+")
     parallel.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[256, 2048],
                           help="expert hidden sizes H (two expert sizes, as Tutel Fig. 12)")
     parallel.add_argument("--capacity-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0],
@@ -336,7 +343,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     from moeflow.bench.parallel import ParallelPoint, run, summarize
 
     grid = [ParallelPoint(e, h, f, args.tokens, args.model_dim, mp=args.mp)
-            for e, h, f in itertools.product(args.experts, args.hidden_dims, args.capacity_factors)]
+            for e, h, f in itertools.product(args.num_experts, args.hidden_dims, args.capacity_factors)]
     return _run_cluster_grid("bench parallel", run, summarize, grid, args)
 
 
@@ -355,7 +362,9 @@ def _add_skew(benches: Any) -> None:
                       help="a training run's directory or metrics.jsonl: replay each block's recorded load")
     skew.add_argument("--trace-steps", type=positive_int, default=10,
                       help="average the load over this many last recorded steps (default 10)")
-    skew.add_argument("--experts", type=positive_int, default=4, help="experts E (default 4; a trace sets its own)")
+    skew.add_argument("--num-experts", type=positive_int, default=4,
+                      help="experts E (default 4; a trace sets its own)")
+    add_renamed_flag(skew, "--experts", "--num-experts", type=positive_int)
     skew.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
     skew.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     skew.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
@@ -371,7 +380,7 @@ def run_skew(args: argparse.Namespace) -> int:
 
     ranks = args.nodes * args.ranks_per_node
     redundant = args.redundant_experts or ranks
-    grid = [SkewPoint(name, args.experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k,
+    grid = [SkewPoint(name, args.num_experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k,
                       redundant_experts=redundant) for name in args.skews]
     if args.trace:
         try:
@@ -386,9 +395,10 @@ def run_skew(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise fail("bench skew", f"--skews: {error}") from None
     for point in grid:
-        if point.top_k > point.experts or point.experts % ranks or (point.experts + redundant) % ranks:
-            raise fail("bench skew", f"{point.name}: need --top-k <= experts, and experts and experts + "
-                       f"--redundant-experts ({redundant}) divisible by the {ranks} ranks")
+        e = point.num_experts
+        if point.top_k > e or e % ranks or (e + redundant) % ranks:
+            raise fail("bench skew", f"{point.name}: need --top-k <= --num-experts, and --num-experts and "
+                       f"--num-experts + --redundant-experts ({redundant}) divisible by the {ranks} ranks")
     return _run_cluster_grid("bench skew", run, summarize, grid, args)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_renamed_flag, fail, positive_int
 
 
 def add_parser(commands: Any) -> None:
@@ -25,7 +25,8 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank (default 4096)")
     plan.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
     plan.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
-    plan.add_argument("--experts", type=positive_int, default=8, help="number of experts E (default 8)")
+    plan.add_argument("--num-experts", type=positive_int, default=8, help="number of experts E (default 8)")
+    add_renamed_flag(plan, "--experts", "--num-experts", type=positive_int)
     plan.add_argument("--top-k", type=positive_int, default=2, help="experts per token k (default 2)")
     plan.add_argument("--capacity-factor", type=float, default=1.0,
                       help="Tutel's capacity factor f; f <= 0 assumes the balanced load (default 1.0)")
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _joint_plan(args: argparse.Namespace) -> int:
-    """The simulator's search; the layer flags (--tokens, --experts, ...) override the model's."""
+    """The simulator's search over the model file's shape (--model); the layer flags (--tokens,
+    --num-experts, ...) describe --profile's one layer and do not apply here."""
     import json
 
     from moeflow.sim import ClusterFileError, load_cluster, load_model
@@ -73,7 +75,8 @@ def _joint_plan(args: argparse.Namespace) -> int:
 
 def _layer_plan(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
-    from moeflow.perf import ClusterProfile, CostModel, LayerShape
+    from moeflow.config import LayerDims
+    from moeflow.perf import ClusterProfile, CostModel
     from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans
 
     try:
@@ -84,30 +87,29 @@ def _layer_plan(args: argparse.Namespace) -> int:
     world = model.world_size
     if args.skew is not None:
         _skew_shares(args)  # a bad --skew fails before any plan is printed
-    if args.top_k > args.experts or (args.experts % world and world % args.experts):
+    if args.top_k > args.num_experts or (args.num_experts % world and world % args.num_experts):
         raise fail("plan", f"need top_k <= experts, and experts divisible by the {world} ranks or dividing them")
     if "gemm" not in profile.fits:
         raise fail("plan", "the profile has no gemm fit; re-run moeflow calibrate")
-    shape = LayerShape(args.tokens, args.model_dim, args.hidden_dim, args.experts, args.top_k, args.capacity_factor)
-    region = RegionShape(args.experts, model.world_size, shape.capacity(), args.model_dim, args.hidden_dim,
-                         tokens=args.tokens)
+    dims = LayerDims(args.model_dim, args.hidden_dim, args.num_experts, args.top_k)
+    region = RegionShape.for_tokens(dims, args.tokens, args.capacity_factor, model.world_size)
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
     if args.mp > 1:
-        if world % args.mp or args.experts % (world // args.mp) or args.hidden_dim % args.mp:
+        if world % args.mp or args.num_experts % (world // args.mp) or args.hidden_dim % args.mp:
             raise fail("plan", f"--mp {args.mp} must divide the {world} ranks, the hidden size, and leave "
                        "expert-parallel groups that divide the experts")
         _print_parm_plans(model, region, args.mp, args.max_degree, backward)
         return 0
     _print_adaptive_plans(model, region, algorithms, args.max_degree, backward)
-    if args.experts % world:  # more ranks than experts: only Tutel's sharded layout fits
+    if args.num_experts % world:  # more ranks than experts: only Tutel's sharded layout fits
         return 0
     _print_expert_parallel_plans(model, region, algorithms, args.max_degree, backward)
     if args.skew is not None:
         _print_skew_plans(model, args)
     best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
     replicated = _print_replicated_plan(model, region, backward)
-    roofline = model.layer_times(shape, best.algorithm, backward)
+    roofline = model.layer_times(region, best.algorithm, backward)
     unpipelined = predict_plan(model, region, 1, best.algorithm, backward)
     print_json({
         "summary": "plan", "alltoall": best.algorithm, "degree": best.degree,
@@ -156,7 +158,7 @@ def _skew_shares(args: argparse.Namespace) -> Any:
     from moeflow.bench.skew import SkewPoint, routing_probabilities
 
     try:
-        return routing_probabilities(SkewPoint(args.skew, args.experts))
+        return routing_probabilities(SkewPoint(args.skew, args.num_experts))
     except ValueError as error:
         raise fail("plan", f"--skew: {error}") from None
 
@@ -177,11 +179,11 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
     world = model.world_size
     load = _skew_shares(args) * args.tokens * args.top_k
     counts = np.tile(load, (world, 1))
-    expert_parallel = ExpertPlacement.expert_parallel(args.experts, world, args.hidden_dim)
-    owners = [expert_parallel.holders(e)[0] for e in range(args.experts)]
+    expert_parallel = ExpertPlacement.expert_parallel(args.num_experts, world, args.hidden_dim)
+    owners = [expert_parallel.holders(e)[0] for e in range(args.num_experts)]
     prices = ShadowPrices.from_cost_model(model, args.model_dim, args.hidden_dim, ffn_projections("gelu"))
     decision = select_shadowed_experts(counts, owners, prices)
-    slots = balanced_placement((load * world).tolist(), args.experts // world + 1, Topology(world, model.profile
+    slots = balanced_placement((load * world).tolist(), args.num_experts // world + 1, Topology(world, model.profile
                                .ranks_per_node), args.hidden_dim)
     plain = rank_loads(expert_parallel, load.tolist())
     redundant = rank_loads(slots, load.tolist())

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_renamed_flag, fail, positive_int
 
 
 def add_parser(commands: Any) -> None:
@@ -20,13 +20,14 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--model", default=None, help="a shipped model's name or a TOML model file (default: moeflow's)")
     sim.add_argument("--list", action="store_true", help="print the shipped cluster and model profiles and exit")
     for name, kind, text in (
-        ("layers", positive_int, "MoE transformer layers"), ("experts", positive_int, "experts E"),
+        ("layers", positive_int, "MoE transformer layers"), ("num-experts", positive_int, "experts E"),
         ("model-dim", positive_int, "model dimension M"), ("hidden-dim", positive_int, "expert hidden H"),
         ("top-k", positive_int, "experts per token k"), ("tokens-per-rank", positive_int, "tokens per rank T"),
         ("capacity-factor", float, "Tutel's capacity factor f"),
         ("routing", str, "uniform, zipf:<s>, one-hot or a trace file (.npy, .json)"),
     ):
         sim.add_argument(f"--{name}", type=kind, default=None, help=f"override the model's {text}")
+    add_renamed_flag(sim, "--experts", "--num-experts", type=positive_int)
     sim.add_argument("--nodes", type=positive_int, default=None, help="override the cluster's node count")
     sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the GPUs per node")
     sim.add_argument("--schedule", default="expert",
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nodes or args.gpus_per_node:
             cluster = cluster.resized(args.nodes or cluster.nodes, args.gpus_per_node)
         model = load_model(args.model).with_overrides(
-            layers=args.layers, experts=args.experts, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
+            layers=args.layers, num_experts=args.num_experts, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
             top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, capacity_factor=args.capacity_factor,
             routing=args.routing)
         plans = [StepPlan(schedule, degree, algorithm, args.allreduce, args.prioritize_alltoall, mp=args.mp,

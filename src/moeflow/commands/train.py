@@ -12,7 +12,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from moeflow.training.config import FIELD_HELP, LEGACY_GATES, TrainConfig, checked_keys, load_config_file
+from moeflow.commands import add_renamed_flag
+from moeflow.training.config import (
+    FIELD_HELP,
+    LEGACY_GATES,
+    RENAMED_KEYS,
+    TrainConfig,
+    checked_keys,
+    load_config_file,
+)
 
 
 def _int_or_name(text: str) -> int | str:
@@ -38,6 +46,10 @@ def _flag_type(annotation: str) -> Any:
     return str
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def add_parser(commands: Any) -> None:
     _add_train(commands)
     report = commands.add_parser("report", help="regenerate a run's plots and summary from its metrics.jsonl")
@@ -55,15 +67,18 @@ def _add_train(commands: Any) -> None:
     )
     train.add_argument("--config", dest="config_file", help="a TOML, YAML or JSON file of settings (flags win)")
     train.add_argument("--resume", help="continue the run in this folder from its newest checkpoint")
+    annotations = {field.name: str(field.type) for field in fields(TrainConfig)}
     for field in fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        annotation = str(field.type)
+        annotation = annotations[field.name]
         help_text = f"{FIELD_HELP[field.name]} (default {field.default})"
         if annotation == "bool":
-            train.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            train.add_argument(flag, dest=field.name, type=_flag_type(annotation), metavar=field.name.upper(),
+            train.add_argument(_flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction,
                                help=help_text)
+        else:
+            train.add_argument(_flag(field.name), dest=field.name, type=_flag_type(annotation),
+                               metavar=field.name.upper(), help=help_text)
+    for old, new in RENAMED_KEYS.items():  # the old spellings of renamed settings, deprecated
+        add_renamed_flag(train, _flag(old), _flag(new), type=_flag_type(annotations[new]))
     train.add_argument("--gate", dest="gate", choices=LEGACY_GATES, help="renamed --topology-gate: plain is off, "
                        "topology is auto with --profile, else FastMoE's share")
     train.set_defaults(func=run_train)

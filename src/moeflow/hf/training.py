@@ -55,13 +55,13 @@ def read_hf_info(path: str | Path) -> HFModelInfo:
     directory = check_model_dir(path)
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     family_for_model_type(config.model_type)
-    experts = next((getattr(config, key) for key in EXPERT_COUNT_KEYS if getattr(config, key, None)), None)
-    if experts is None:
+    num_experts = next((getattr(config, key) for key in EXPERT_COUNT_KEYS if getattr(config, key, None)), None)
+    if num_experts is None:
         raise ValueError(f"the config of {str(path)!r} names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
     eos = config.eos_token_id
     adds_router_loss = bool(getattr(config, "output_router_logits", False))
     return HFModelInfo(
-        directory=str(directory), model_type=config.model_type, num_experts=int(experts),
+        directory=str(directory), model_type=config.model_type, num_experts=int(num_experts),
         vocab_size=int(config.vocab_size), max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0)) if adds_router_loss else 0.0,

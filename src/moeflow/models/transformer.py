@@ -26,7 +26,6 @@ from moeflow.comm.mp import copy_to_region, reduce_from_region
 from moeflow.config import (
     MODEL_MOE_DEFAULTS,
     MoEConfig,
-    ffn_projections,
     require_positive_int,
     validate_capacity_factor,
 )
@@ -67,11 +66,10 @@ class TransformerConfig:
 
     @classmethod
     def build(cls, **values: Any) -> TransformerConfig:
-        """From flat settings: the architecture's own names, MoEConfig's names, and ``ffn_hidden``
-        for the layer's ``hidden_dim``; MoE settings not given take ``moeflow.config.MODEL_MOE_DEFAULTS``."""
+        """From flat settings: the architecture's own names and MoEConfig's names; MoE settings not
+        given take ``moeflow.config.MODEL_MOE_DEFAULTS``."""
         own = {f.name for f in fields(cls)} - {"moe"}
         moe_names = {f.name for f in fields(MoEConfig)}
-        values = {("hidden_dim" if k == "ffn_hidden" else k): v for k, v in values.items()}
         unknown = sorted(set(values) - own - moe_names)
         if unknown:
             raise ValueError(f"unknown model setting(s) {unknown}")
@@ -81,10 +79,6 @@ class TransformerConfig:
     @property
     def model_dim(self) -> int:
         return self.moe.model_dim
-
-    @property
-    def ffn_hidden(self) -> int:
-        return self.moe.hidden_dim
 
     def is_moe_block(self, index: int) -> bool:
         return index % self.moe_every == self.moe_every - 1
@@ -96,8 +90,8 @@ class TransformerConfig:
     def active_parameters(self) -> int:
         """Parameters one token passes through: attention, dense FFNs, the router and k experts of
         each MoE layer, and the (tied) output head; position embeddings are a lookup, not counted."""
-        m, h, moe = self.model_dim, self.ffn_hidden, self.moe
-        ffn = ffn_projections(moe.activation) * m * h + ((h + m) if moe.bias else 0)
+        moe, m = self.moe, self.model_dim
+        ffn = moe.dims.expert_parameters  # every FFN, dense ones included, has the experts' shape
         attention = 4 * m * m + 4 * m
         norms = 4 * m
         moe_blocks = len(self.moe_blocks)
@@ -150,7 +144,7 @@ class DenseFFN(ExpertFFN):
     so every activation, swiglu included, means the same in dense and MoE blocks)."""
 
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__(1, config.model_dim, config.ffn_hidden, config.moe.activation, bias=config.moe.bias)
+        super().__init__(1, config.model_dim, config.moe.hidden_dim, config.moe.activation, bias=config.moe.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.reshape(1, -1, x.shape[-1])).view(x.shape)

@@ -42,10 +42,7 @@ def region_shape(
     config: MoEConfig, world_size: int, capacity: int, bytes_per_element: int, tokens: int = 0, needed: int = 0
 ) -> RegionShape:
     """The planner's shape of one layer call at ``capacity`` slots per expert."""
-    return RegionShape(
-        config.num_experts, world_size, capacity, config.model_dim, config.hidden_dim, bytes_per_element,
-        ffn_projections(config.activation), config.bias, tokens, needed,
-    )
+    return RegionShape(config.dims, world_size, capacity, bytes_per_element, tokens, needed)
 
 
 def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None) -> Execution:

@@ -161,14 +161,14 @@ class ParmModel:
         return max(1, -(-shape.occupied // self.mp_size))
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        mp, element = self.mp_size, shape.bytes_per_element
-        row = shape.experts * shape.model_dim * element  # one slot of every expert, in bytes
+        mp, element, model_dim = self.mp_size, shape.bytes_per_element, shape.dims.model_dim
+        row = shape.dims.num_experts * model_dim * element  # one slot of every expert, in bytes
         chunks, serial = [], 0.0
         if plan.schedule == "s1":
             for start, stop in capacity_chunks(self._own_slots(shape), plan.degree):
                 a2a = cost.t_alltoall("linear", mp * (stop - start) * row)
                 chunks.append((a2a, a2a, shape.world_size * (stop - start)))
-            serial = cost.t_allgather(-(-shape.tokens // mp) * shape.model_dim * element, mp, intra_node=True)
+            serial = cost.t_allgather(-(-shape.tokens // mp) * model_dim * element, mp, intra_node=True)
         else:
             for start, stop in capacity_chunks(shape.capacity, plan.degree):
                 part = -(-(stop - start) // mp)
@@ -303,7 +303,7 @@ class BaselineModel:
         moved = (ep - 1) / ep * world / max(1, world - 1)  # EP group's share of the world fit's traffic
         chunks = []
         for start, stop in capacity_chunks(shape.capacity, plan.degree):
-            buffer = shape.experts * (stop - start) * shape.model_dim * element
+            buffer = shape.dims.num_experts * (stop - start) * shape.dims.model_dim * element
             a2a = cost.t_alltoall("linear", n * buffer * moved) if ep > 1 else 0.0
             dispatch, combine = cost.t_allgather(buffer, n) + a2a, cost.t_allreduce(n * buffer) + a2a
             chunks.append((dispatch, combine, world * (stop - start)))
@@ -317,18 +317,19 @@ def _shard_pipeline_prediction(
     """PipeMoE's recurrence over chunks of (dispatch s, combine s, rows each hidden shard runs),
     with the shards' FFN (H / N_MP hidden units, E / N_EP local experts) from the calibrated fits,
     plus ``serial_s`` outside the pipeline in each pass."""
-    local = shape.experts // (shape.world_size // mp)
+    layer = shape.dims
+    local = layer.num_experts // (shape.world_size // mp)
     slowdown = cost.profile.interference if plan.degree > 1 else 1.0
     dispatch = [d for d, _, _ in chunks]
     combine = [c for _, c, _ in chunks]
-    dims = [(rows, shape.model_dim, shape.hidden_dim // mp, shape.projections) for _, _, rows in chunks]
+    dims = [(rows, layer.model_dim, layer.hidden_dim // mp, layer.projections) for _, _, rows in chunks]
     expert = [local * cost.t_ffn(*d) * slowdown for d in dims]
     forward = serial_s + pipeline_makespan(dispatch, expert, combine)
     back = 0.0
     if backward:
         expert_back = [local * cost.t_ffn(*d, backward=True) * slowdown for d in dims]
         back = serial_s + pipeline_makespan(dispatch, expert_back, combine)
-    memory = local * shape.expert_parameters * shape.bytes_per_element // mp
+    memory = local * layer.expert_parameters * shape.bytes_per_element // mp
     return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, memory, plan.schedule)
 
 

@@ -5,7 +5,7 @@ Plain math on numbers: nothing here imports torch.distributed, so planners and s
 """
 
 from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_error
-from moeflow.perf.cost import CostModel, LayerShape
+from moeflow.perf.cost import CostModel
 from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile
 from moeflow.perf.roofline import Roofline, communication_latency, computation_latency, link_traffic
 from moeflow.perf.shadowing import ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
@@ -15,7 +15,6 @@ __all__ = [
     "AlphaBeta",
     "ClusterProfile",
     "CostModel",
-    "LayerShape",
     "Roofline",
     "ShadowDecision",
     "ShadowPrices",

@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from moeflow.capacity import estimated_needed_capacity, expert_capacity
 from moeflow.perf.profile import ClusterProfile
 from moeflow.perf.roofline import Roofline
 
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One MoE layer on one rank: tokens T, model dim M, hidden H, E experts, k, capacity factor f,
-    GEMMs per expert (2, SwiGLU 3). ``needed`` is the largest per-expert load of the iteration
-    (what f <= 0 sizes the capacity from); None assumes the balanced load ceil(k T / E)."""
-
-    tokens: int
-    model_dim: int
-    hidden_dim: int
-    experts: int
-    top_k: int = 2
-    capacity_factor: float = 1.0
-    bytes_per_element: int = 4
-    projections: int = 2
-    needed: int | None = None
-
-    def capacity(self) -> int:
-        """The layer's own rule (:func:`moeflow.capacity.expert_capacity`)."""
-        needed = self.needed
-        if needed is None:
-            needed = estimated_needed_capacity(self.top_k, self.tokens, self.experts)
-        return expert_capacity(self.capacity_factor, self.top_k, self.tokens, self.experts, needed)
+if TYPE_CHECKING:  # perf.pipeline builds on this module
+    from moeflow.perf.pipeline import RegionShape
 
 
 class CostModel:
@@ -57,17 +35,19 @@ class CostModel:
             return self.profile.fit(fit)(work)
         return (2 if backward else 1) * projections * self.t_gemm(rows, model_dim, hidden_dim)
 
-    def t_expert(self, shape: LayerShape, backward: bool = False, overlapped: bool = False) -> float:
-        """Expert FFN of the local experts on the dispatched (E_local, W*C, M) buffer."""
-        local_experts = max(1, shape.experts // self.world_size)
-        rows = self.world_size * shape.capacity()
-        dims = (rows, shape.model_dim, shape.hidden_dim, shape.projections)
+    def t_expert(self, shape: RegionShape, backward: bool = False, overlapped: bool = False) -> float:
+        """Expert FFN of the local experts on the dispatched (E_local, W*C, M) buffer, over this
+        profile's W ranks (the unpipelined whole-layer estimate of ``moeflow plan``)."""
+        layer = shape.dims
+        local_experts = max(1, layer.num_experts // self.world_size)
+        rows = self.world_size * shape.capacity
+        dims = (rows, layer.model_dim, layer.hidden_dim, layer.projections)
         seconds = local_experts * (self.t_ffn(*dims) + (self.t_ffn(*dims, backward=True) if backward else 0.0))
         return seconds * (self.profile.interference if overlapped else 1.0)
 
-    def dispatch_bytes(self, shape: LayerShape) -> int:
+    def dispatch_bytes(self, shape: RegionShape) -> int:
         """Bytes one rank sends in one all-to-all: its whole (E, C, M) buffer."""
-        return shape.experts * shape.capacity() * shape.model_dim * shape.bytes_per_element
+        return shape.dims.num_experts * shape.capacity * shape.dims.model_dim * shape.bytes_per_element
 
     def t_alltoall(self, algorithm: str, size_bytes: float) -> float:
         if self.world_size == 1:
@@ -120,7 +100,7 @@ class CostModel:
         world = self.world_size
         return self.profile.fit("reducescatter")(size_bytes * (group - 1) / group * world / (world - 1))
 
-    def layer_times(self, shape: LayerShape, algorithm: str = "linear", backward: bool = True) -> dict[str, float]:
+    def layer_times(self, shape: RegionShape, algorithm: str = "linear", backward: bool = True) -> dict[str, float]:
         """Unpipelined forward(+backward) prediction: two all-to-alls per pass around the experts."""
         passes = 2 if backward else 1
         communicate = 2 * passes * self.t_alltoall(algorithm, self.dispatch_bytes(shape))

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from moeflow.capacity import estimated_needed_capacity, expert_capacity
+from moeflow.config import LayerDims
 from moeflow.perf.cost import CostModel
 
 
@@ -90,19 +92,29 @@ def theorem1_degree(
 
 @dataclass(frozen=True)
 class RegionShape:
-    """The pipelined region of one MoE layer on one rank: an (E, C, M) dispatch buffer, E experts
-    over W ranks, expert FFN of hidden size H."""
+    """The pipelined region of one MoE layer on one rank: an (E, C, M) dispatch buffer of the
+    layer's ``dims`` (E experts, FFN of hidden size H) over W ranks. The layer's dimensions stay in
+    the one shape type, :class:`moeflow.config.LayerDims`, so every formula reads them by one name."""
 
-    experts: int
+    dims: LayerDims
     world_size: int
     capacity: int
-    model_dim: int
-    hidden_dim: int
     bytes_per_element: int = 4
-    projections: int = 2  # GEMMs per expert: 2, SwiGLU 3
-    bias: bool = True
     tokens: int = 0  # tokens the rank routed (Parm's S1 all-gathers them); 0 when unknown
     needed: int = 0  # the largest per-expert load of any rank (S1 sends occupied slots only); 0 unknown
+
+    @classmethod
+    def for_tokens(
+        cls, dims: LayerDims, tokens: int, capacity_factor: float = 1.0, world_size: int = 1,
+        bytes_per_element: int = 4, needed: int | None = None,
+    ) -> RegionShape:
+        """The region of ``tokens`` tokens per rank at the capacity the layer itself would size
+        (:func:`moeflow.capacity.expert_capacity`), so a plan for a token count matches the run.
+        ``needed`` is the largest per-expert load of the iteration (what f <= 0 sizes the capacity
+        from); None assumes the balanced load ceil(k T / E)."""
+        load = estimated_needed_capacity(dims.top_k, tokens, dims.num_experts) if needed is None else needed
+        capacity = expert_capacity(capacity_factor, dims.top_k, tokens, dims.num_experts, load)
+        return cls(dims, world_size, capacity, bytes_per_element, tokens, needed or 0)
 
     @property
     def occupied(self) -> int:
@@ -111,19 +123,13 @@ class RegionShape:
 
     @property
     def local_experts(self) -> int:
-        return max(1, self.experts // self.world_size)
+        return max(1, self.dims.num_experts // self.world_size)
 
     @property
     def hidden_shards(self) -> int:
         """S = W / E ranks per expert when there are more ranks than experts, else 1."""
-        return self.world_size // self.experts if self.world_size > self.experts else 1
-
-    @property
-    def expert_parameters(self) -> int:
-        """Parameters of one expert."""
-        return self.projections * self.model_dim * self.hidden_dim + (
-            self.hidden_dim + self.model_dim if self.bias else 0
-        )
+        experts = self.dims.num_experts
+        return self.world_size // experts if self.world_size > experts else 1
 
 
 @dataclass(frozen=True)
@@ -156,12 +162,13 @@ def chunk_costs(
     overlap = degree > 1 and shape.world_size > 1
     slowdown = cost.profile.interference if overlap else 1.0
     group = shape.hidden_shards // r
+    layer = shape.dims
     t_a2a, t_expert, t_back = [], [], []
     for start, stop in capacity_chunks(shape.capacity, degree):
         rows = -(-(stop - start) // group) * group  # padded to a multiple of g
-        size = r * shape.experts * rows * shape.model_dim * shape.bytes_per_element
+        size = r * layer.num_experts * rows * layer.model_dim * shape.bytes_per_element
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
-        dims = (shape.world_size * rows // group, shape.model_dim, shape.hidden_dim // r, shape.projections)
+        dims = (shape.world_size * rows // group, layer.model_dim, layer.hidden_dim // r, layer.projections)
         t_expert.append(shape.local_experts * cost.t_ffn(*dims) * slowdown)
         t_back.append(shape.local_experts * cost.t_ffn(*dims, backward=True) * slowdown)
     return t_a2a, t_expert, t_back
@@ -174,7 +181,7 @@ def predict_plan(
     t_a2a, t_expert, t_back = chunk_costs(cost, shape, degree, algorithm)
     forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
     back = pipeline_makespan(t_a2a, t_back, t_a2a) if backward else 0.0
-    memory = shape.local_experts * shape.expert_parameters * shape.bytes_per_element
+    memory = shape.local_experts * shape.dims.expert_parameters * shape.bytes_per_element
     return PlanPrediction(degree, algorithm, forward, back, expert_memory_bytes=memory)
 
 
@@ -198,9 +205,10 @@ def theorem1_for_shape(cost: CostModel, shape: RegionShape, algorithm: str, max_
     """Theorem 1 on the forward pass with this profile's fits (cross-check of the recurrence)."""
     a2a = cost.profile.fit(f"alltoall.{algorithm}")
     gemm = cost.profile.fit("gemm")
-    n_d = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
-    n_e = shape.world_size * shape.capacity * shape.model_dim * shape.hidden_dim
-    calls = shape.projections * shape.local_experts
+    layer = shape.dims
+    n_d = layer.num_experts * shape.capacity * layer.model_dim * shape.bytes_per_element
+    n_e = shape.world_size * shape.capacity * layer.model_dim * layer.hidden_dim
+    calls = layer.projections * shape.local_experts
     return theorem1_degree(
         a2a.alpha, a2a.beta, n_d, calls * gemm.alpha, calls * gemm.beta, n_e, max_degree, cost.profile.interference
     )

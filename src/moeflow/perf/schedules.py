@@ -100,7 +100,8 @@ def predict_smart(cost: CostModel, shape: RegionShape, backward: bool = True) ->
     with one rank per node, else the intra-node all-to-all fit (or an equal share when absent).
     Each step computes the local experts on the C slots of each of the node's M ranks."""
     nodes, per_node = cost.profile.nodes, cost.profile.ranks_per_node
-    size = shape.experts * shape.capacity * shape.model_dim * shape.bytes_per_element
+    layer = shape.dims
+    size = layer.num_experts * shape.capacity * layer.model_dim * shape.bytes_per_element
     whole = cost.t_alltoall(SMART_PLAN_ALGORITHM, size)
     if per_node == 1:
         local, remote = 0.0, whole / max(1, nodes - 1)
@@ -111,12 +112,12 @@ def predict_smart(cost: CostModel, shape: RegionShape, backward: bool = True) ->
         local = remote = whole / nodes
     t_step = [local] + [remote] * (nodes - 1)
     slowdown = cost.profile.interference if nodes > 1 else 1.0
-    dims = (per_node * shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)
+    dims = (per_node * shape.capacity, layer.model_dim, layer.hidden_dim, layer.projections)
     t_expert = [shape.local_experts * cost.t_ffn(*dims) * slowdown] * nodes
     t_back = [shape.local_experts * cost.t_ffn(*dims, backward=True) * slowdown] * nodes
     forward = pipeline_makespan(t_step, t_expert, t_step)
     back = pipeline_makespan(t_step, t_back, t_step) if backward else 0.0
-    memory = shape.local_experts * shape.expert_parameters * shape.bytes_per_element
+    memory = shape.local_experts * layer.expert_parameters * shape.bytes_per_element
     return PlanPrediction(1, SMART_PLAN_ALGORITHM, forward, back, expert_memory_bytes=memory, schedule=SMART)
 
 
@@ -136,10 +137,11 @@ class ReplicatedModel:
         return [Plan(self.name, 1, LOCAL)]  # nothing to overlap: chunking would only add overhead
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
-        dims = (shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)  # own slots of each expert
-        forward = shape.experts * cost.t_ffn(*dims)
-        back = shape.experts * cost.t_ffn(*dims, backward=True) if backward else 0.0
-        expert_bytes = shape.experts * shape.expert_parameters * shape.bytes_per_element
+        layer = shape.dims
+        dims = (shape.capacity, layer.model_dim, layer.hidden_dim, layer.projections)  # own slots of each expert
+        forward = layer.num_experts * cost.t_ffn(*dims)
+        back = layer.num_experts * cost.t_ffn(*dims, backward=True) if backward else 0.0
+        expert_bytes = layer.num_experts * layer.expert_parameters * shape.bytes_per_element
         sync = cost.t_allreduce(expert_bytes) if backward and shape.world_size > 1 else 0.0
         return PlanPrediction(plan.degree, plan.algorithm, forward, back, sync, expert_bytes, self.name)
 
@@ -173,7 +175,7 @@ class AdaptiveModel:
         )
 
     def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        rs = switchable_rs(shape.experts, shape.world_size)
+        rs = switchable_rs(shape.dims.num_experts, shape.world_size)
         usable = usable_degrees(degrees, shape.capacity)
         plans = []
         for r in rs if self.r is None else (self.r,):
@@ -185,17 +187,17 @@ class AdaptiveModel:
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         r = 1 if plan.r is None else plan.r
-        element = shape.bytes_per_element
+        element, layer = shape.bytes_per_element, shape.dims
         if r == 0:
-            gathered = shape.experts * shape.expert_parameters * element
-            dims = (shape.capacity, shape.model_dim, shape.hidden_dim, shape.projections)
-            forward = cost.t_allgather(gathered / shape.world_size) + shape.experts * cost.t_ffn(*dims)
+            gathered = layer.num_experts * layer.expert_parameters * element
+            dims = (shape.capacity, layer.model_dim, layer.hidden_dim, layer.projections)
+            forward = cost.t_allgather(gathered / shape.world_size) + layer.num_experts * cost.t_ffn(*dims)
             back = 0.0
             if backward:
-                back = shape.experts * cost.t_ffn(*dims, backward=True) + cost.t_reducescatter(gathered)
+                back = layer.num_experts * cost.t_ffn(*dims, backward=True) + cost.t_reducescatter(gathered)
             return PlanPrediction(plan.degree, plan.algorithm, forward, back, 0.0, gathered, self.name)
         group = shape.hidden_shards // r
-        block = shape.local_experts * shape.expert_parameters * element // r  # gathered H / r block
+        block = shape.local_experts * layer.expert_parameters * element // r  # gathered H / r block
         t_a2a, t_expert, t_back = chunk_costs(cost, shape, plan.degree, plan.algorithm, r)
         forward = cost.t_allgather(block / group, group) + pipeline_makespan(t_a2a, t_expert, t_a2a)
         back = 0.0

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from moeflow.config import ALLTOALL_ALGORITHMS
+from moeflow.config import ALLTOALL_ALGORITHMS, LayerDims
 from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
 from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
@@ -89,10 +89,11 @@ def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, flo
         return 0.0, 0.0
     forward, backward = [], []
     probe = LAYER_PROBE
+    dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * twin.world_size,
+                     top_k=probe["top_k"], bias=False)  # bias: the simulator counts no bias parameters
     for tokens in probe["tokens"]:
-        model = ModelSpec(name="layer-probe", layers=1, model_dim=probe["model_dim"], hidden_dim=probe["hidden_dim"],
-                          experts=probe["experts_per_rank"] * twin.world_size, top_k=probe["top_k"],
-                          capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
+        model = ModelSpec(name="layer-probe", layers=1, dims=dims, capacity_factor=1.0, tokens_per_rank=tokens,
+                          dtype="fp32")
         ahead = simulate_step(twin, model, training=False, layer_only=True).step_s
         both = simulate_step(twin, model, layer_only=True).step_s
         forward.append(fits["layer.forward"](tokens) - ahead)

@@ -8,6 +8,7 @@ simulator and twin as ``moeflow plan --cluster`` and ``bench simulator``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moeflow.config import DTYPE_BYTES
@@ -27,10 +28,11 @@ DTYPE_OF_BYTES = {size: name for name, size in reversed(DTYPE_BYTES.items())}  #
 
 def region_model(shape: RegionShape) -> ModelSpec:
     """One layer whose uniform routing fills exactly ``shape.capacity`` slots of every expert
-    (top-1, f = 1, T = C x E tokens per rank)."""
-    return ModelSpec(name="region", layers=1, model_dim=shape.model_dim, hidden_dim=shape.hidden_dim,
-                     experts=shape.experts, top_k=1, capacity_factor=1.0,
-                     tokens_per_rank=max(1, shape.capacity) * shape.experts, projections=shape.projections,
+    (top-1, f = 1, T = C x E tokens per rank). The region's dims without biases: the simulator
+    has always priced an expert's weights alone (what the adaptive schedule gathers)."""
+    dims = replace(shape.dims, top_k=1, bias=False)
+    return ModelSpec(name="region", layers=1, dims=dims, capacity_factor=1.0,
+                     tokens_per_rank=max(1, shape.capacity) * dims.num_experts,
                      dtype=DTYPE_OF_BYTES.get(shape.bytes_per_element, "fp32"))
 
 

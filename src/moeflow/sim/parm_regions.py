@@ -44,8 +44,8 @@ def gated_share(schedule: str, mp: int, esp: int) -> float:
 def _experts(b: StepBuilder, buffer: float, deps: list[int], backward: bool, slowdown: float = 1.0) -> int:
     """Each rank's expert shards (hidden / N_ESP) on the ``buffer`` bytes of slots it received."""
     m, esp = b.model, b.plan.esp
-    rows = buffer / (m.model_dim * m.element_bytes)
-    local = max(1, m.experts * esp // b.cluster.world_size)
+    rows = buffer / (m.dims.model_dim * m.element_bytes)
+    local = max(1, m.dims.num_experts * esp // b.cluster.world_size)
     seconds = slowdown * b.ffn_s(rows, backward, local_experts=local, shards=esp)
     return b.timeline.compute(COMPUTE, seconds, deps, "experts")
 
@@ -94,7 +94,7 @@ def _paused_mp_exchange(b: StepBuilder, load: LayerLoad, deps: list[int], backwa
     of the shards' partials. Returns the last experts' operation and what follows the sum."""
     m, esp = b.model, b.plan.esp
     slots = _member_slots(b, load, packed)
-    sent = float(m.experts * slots * m.model_dim * m.element_bytes * esp)
+    sent = float(m.dims.num_experts * slots * m.dims.model_dim * m.element_bytes * esp)
     dumped = [_copy(b, sent, deps, "dump")] if esp > 1 else deps
     computed, returned = _pipelined(b, slots, sent, dumped, backward,
                                     lambda nbytes, d: _fused_alltoall(b, nbytes, d))

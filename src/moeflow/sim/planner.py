@@ -47,24 +47,24 @@ def parm_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace) -> list[S
              for degree in space.degrees]
     if cluster.gpus_per_node % mp:
         raise ValueError(f"--mp {mp} must divide the {cluster.gpus_per_node} GPUs per node (MP groups stay in a node)")
-    return [p for p in plans if model.experts % (cluster.world_size // p.esp) == 0]
+    return [p for p in plans if model.dims.num_experts % (cluster.world_size // p.esp) == 0]
 
 
 def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
-    world, experts = cluster.world_size, model.experts
+    world, num_experts = cluster.world_size, model.dims.num_experts
     if space.mp > 1:
         return parm_plans(cluster, model, space)
     lina = space.prioritize_alltoall
-    shadows = [s for s in space.shadowed if s < experts] if world > 1 else [0]
+    shadows = [s for s in space.shadowed if s < num_experts] if world > 1 else [0]
     plans: list[StepPlan] = []
-    if experts % world == 0:
+    if num_experts % world == 0:
         for degree, algorithm, shadow in itertools.product(space.degrees, algorithms_for(cluster), shadows):
             plans.append(StepPlan("expert", degree, algorithm, prioritize_alltoall=lina, shadowed=shadow))
         if cluster.nodes > 1:
             plans += [StepPlan("smart", prioritize_alltoall=lina, shadowed=s) for s in shadows]
     plans.append(StepPlan("replicated", prioritize_alltoall=lina))
-    for r in switchable_rs(experts, world):
-        if r == 1 and world <= experts:
+    for r in switchable_rs(num_experts, world):
+        if r == 1 and world <= num_experts:
             continue  # r = 1 on whole experts is the expert schedule at d = 1
         plans.append(StepPlan("adaptive", prioritize_alltoall=lina, r=r))
     return plans

@@ -72,8 +72,9 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     The forward gathers (the backward reuses the gathered copy) and the backward reduce-scatters
     the weight gradients over the same group."""
     r, world, m = b.plan.r, b.cluster.world_size, b.model
-    stored = m.experts * m.expert_parameters() * m.element_bytes / world  # weight bytes each rank stores
-    group = world if r == 0 else max(1, world // m.experts // r)
+    num_experts = m.dims.num_experts
+    stored = num_experts * m.dims.expert_parameters * m.element_bytes / world  # weight bytes each rank stores
+    group = world if r == 0 else max(1, world // num_experts // r)
     network = b.network
     if not backward:
         deps = [b.collective(ALLTOALL, network.allgather(stored, group), deps, "allgather", b.priority)]

@@ -127,10 +127,10 @@ class StepBuilder:
 
     def ffn_s(self, rows: Times, backward: bool, local_experts: int | None = None, shards: int = 1) -> Times:
         """The experts' GEMMs on ``rows`` tokens, each expert's hidden dimension cut in ``shards``."""
-        m = self.model
-        local = local_experts or max(1, m.experts // self.cluster.world_size)
-        flops = 2 * rows * m.model_dim * (m.hidden_dim / shards) * m.projections
-        return self.gemm_s(flops, kernels=local * ffn_kernels(m.projections), backward=backward)
+        d = self.model.dims
+        local = local_experts or max(1, d.num_experts // self.cluster.world_size)
+        flops = 2 * rows * d.model_dim * (d.hidden_dim / shards) * d.projections
+        return self.gemm_s(flops, kernels=local * ffn_kernels(d.projections), backward=backward)
 
     def capacity(self, load: LayerLoad) -> int:
         return load.capacity(self.model)
@@ -139,27 +139,28 @@ class StepBuilder:
     def token_bytes(self) -> float:
         """One rank's tokens entering an MoE layer (T x M)."""
         m = self.model
-        return float(m.tokens_per_rank * m.model_dim * m.element_bytes)
+        return float(m.tokens_per_rank * m.dims.model_dim * m.element_bytes)
 
     def buffer_bytes(self, load: LayerLoad) -> float:
         """One rank's dispatched buffer (E x C x M)."""
         m = self.model
-        return float(m.experts * self.capacity(load) * m.model_dim * m.element_bytes)
+        return float(m.dims.num_experts * self.capacity(load) * m.dims.model_dim * m.element_bytes)
 
-    def pair_bytes(self, slots: int, experts: int | None = None) -> float:
+    def pair_bytes(self, slots: int, num_experts: int | None = None) -> float:
         """Bytes one rank sends another for ``slots`` capacity slots of the travelling experts."""
         m = self.model
-        return float((experts or m.experts) * slots * m.model_dim * m.element_bytes) / self.cluster.world_size
+        travelling = num_experts or m.dims.num_experts
+        return float(travelling * slots * m.dims.model_dim * m.element_bytes) / self.cluster.world_size
 
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
         (dropless f = 0: only real rows run, except in a ``padded_backward`` plan's backward), per rank."""
         m, world = self.model, self.cluster.world_size
-        travelling = load.counts.shape[1]
-        if m.capacity_factor != 0 or world > m.experts or (backward and self.plan.padded_backward):
+        travelling, num_experts = load.counts.shape[1], m.dims.num_experts
+        if m.capacity_factor != 0 or world > num_experts or (backward and self.plan.padded_backward):
             return float(travelling * capacity)
         received = np.minimum(load.counts, capacity).sum(axis=0)
-        per_rank = np.bincount(load.experts * world // m.experts, weights=received, minlength=world)
+        per_rank = np.bincount(load.experts * world // num_experts, weights=received, minlength=world)
         return per_rank if np.ptp(per_rank) > 0 else float(per_rank[0])
 
     def local_rows(self, load: LayerLoad, capacity: int) -> Times:
@@ -222,21 +223,21 @@ class StepBuilder:
         if m.vocab_size:  # the input embedding's gradient, all-reduced once the backward is done
             synced.append(self.allreduce(self._head_bytes(), tail))
         params = m.layers * (self._dense_parameters_per_rank() + self._expert_parameters_per_rank()) + \
-            2 * m.vocab_size * m.model_dim
+            2 * m.vocab_size * m.dims.model_dim
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")
         return self.timeline
 
     def _head_bytes(self) -> float:
         """Gradient bytes of the LM head, and of the (untied) input embedding: one vocab x M matrix."""
         m = self.model
-        return float(m.vocab_size * m.model_dim * m.element_bytes)
+        return float(m.vocab_size * m.dims.model_dim * m.element_bytes)
 
     def _head(self, deps: list[int], backward: bool) -> list[int]:
         """The LM head's GEMM and softmax over the vocabulary (none without a vocabulary)."""
         m = self.model
         if self.layer_only or not m.vocab_size:
             return deps
-        seconds = self.gemm_s(2 * m.tokens_per_rank * m.model_dim * m.vocab_size, backward=backward) + \
+        seconds = self.gemm_s(2 * m.tokens_per_rank * m.dims.model_dim * m.vocab_size, backward=backward) + \
             self.memory_s(2 * m.tokens_per_rank * m.vocab_size * m.element_bytes)
         return [self.timeline.compute(COMPUTE, seconds, deps, "head")]
 
@@ -247,7 +248,7 @@ class StepBuilder:
         share = gated_share(plan.schedule, plan.mp, plan.esp)  # Parm: tokens this rank gates
         buffer = share * self.buffer_bytes(load)
         call = self.device.layer_call_backward_s if backward else self.device.layer_call_s
-        gate = self.gemm_s(2 * share * m.tokens_per_rank * m.model_dim * m.experts, backward=backward) + \
+        gate = self.gemm_s(2 * share * m.tokens_per_rank * m.dims.model_dim * m.dims.num_experts, backward=backward) + \
             self.memory_s(buffer + share * self.token_bytes, 2) + call
         if not backward:
             routed = self.timeline.compute(COMPUTE, gate, [self._attention(deps, backward)], "gate+encode")
@@ -275,7 +276,7 @@ class StepBuilder:
         if not self.plan.shadowed or self.cluster.world_size == 1:
             return region(self, load, deps, backward)
         hot = shadowed_experts(load, self.plan.shadowed)
-        nbytes = len(hot) * self.model.expert_parameters() * self.model.element_bytes
+        nbytes = len(hot) * self.model.dims.expert_parameters * self.model.element_bytes
         shadow = self.network.broadcast(nbytes) if not backward else []
         sent = [self.collective(ALLTOALL, shadow, deps, "broadcast", self.priority)]
         home = self.timeline.compute(COMPUTE, self.ffn_s(shadowed_rows(load, hot), backward, len(hot)), sent,
@@ -287,25 +288,25 @@ class StepBuilder:
         return done
 
     def _attention_flops(self) -> float:
-        m = self.model
-        return 2 * 4 * m.tokens_per_rank * m.model_dim**2 + 2 * 2 * m.tokens_per_rank * m.sequence_length * m.model_dim
+        m, model_dim = self.model, self.model.dims.model_dim
+        return 2 * 4 * m.tokens_per_rank * model_dim**2 + 2 * 2 * m.tokens_per_rank * m.sequence_length * model_dim
 
     def _expert_parameters_per_rank(self) -> float:
-        m = self.model
-        local = m.experts if self.plan.schedule == "replicated" else m.experts / self.cluster.world_size
-        return local * m.expert_parameters()
+        d = self.model.dims
+        local = d.num_experts if self.plan.schedule == "replicated" else d.num_experts / self.cluster.world_size
+        return local * d.expert_parameters
 
     def _gradient_bytes(self) -> float:
         """The layer's gradients all-reduced over the world on the gradients stream (overlapping
         the backward of the layers below): dense ones always, the experts' when replicated."""
         m = self.model
-        replicated = m.experts * m.expert_parameters() if self.plan.schedule == "replicated" else 0
+        replicated = m.dims.num_experts * m.dims.expert_parameters if self.plan.schedule == "replicated" else 0
         return float((self._dense_parameters_per_rank() + replicated) * m.element_bytes)
 
     def _dense_parameters_per_rank(self) -> float:
         """Attention and gate; each MP member holds 1 / mp of the attention."""
         m = self.model
-        return m.dense_parameters() - 4 * m.model_dim**2 * (1 - 1 / self.plan.mp)
+        return m.dense_parameters() - 4 * m.dims.model_dim**2 * (1 - 1 / self.plan.mp)
 
 
 def ffn_kernels(projections: int) -> int:
@@ -314,17 +315,17 @@ def ffn_kernels(projections: int) -> int:
 
 
 def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
-    world, experts = cluster.world_size, model.experts
-    if plan.schedule in ("expert", "smart") and experts % world:
-        raise ValueError(f"the {plan.schedule} schedule needs experts ({experts}) divisible by the {world} ranks; "
-                         "use more experts, fewer ranks, or the adaptive schedule")
+    world, num_experts = cluster.world_size, model.dims.num_experts
+    if plan.schedule in ("expert", "smart") and num_experts % world:
+        raise ValueError(f"the {plan.schedule} schedule needs experts ({num_experts}) divisible by the {world} "
+                         "ranks; use more experts, fewer ranks, or the adaptive schedule")
     if plan.schedule == "adaptive":
-        validate_r(plan.r, experts, world)
-        check_switchable_layout(experts, world, model.hidden_dim)
+        validate_r(plan.r, num_experts, world)
+        check_switchable_layout(num_experts, world, model.dims.hidden_dim)
     if plan.schedule in MODEL_PARALLEL_SCHEDULES:
         _check_parm_layout(cluster, model, plan)
-    if plan.shadowed >= experts:
-        raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {experts} experts")
+    if plan.shadowed >= num_experts:
+        raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {num_experts} experts")
 
 
 def _check_parm_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
@@ -335,8 +336,8 @@ def _check_parm_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> No
             raise ValueError(f"{name} ({size}) must divide the {cluster.gpus_per_node} GPUs per node: "
                              f"its groups are consecutive ranks inside a node")
     peers = cluster.world_size // plan.esp
-    if model.experts % peers:
-        raise ValueError(f"{model.experts} experts do not divide over the {peers} EP ranks (world / esp); "
+    if model.dims.num_experts % peers:
+        raise ValueError(f"{model.dims.num_experts} experts do not divide over the {peers} EP ranks (world / esp); "
                          "use a multiple of that many experts or another esp")
 
 

@@ -18,6 +18,7 @@ from moeflow.config import (
     MoEConfig,
     check_switchable_layout,
     model_moe_defaults,
+    renamed_settings,
     require_choice,
     require_positive_int,
     validate_r,
@@ -52,7 +53,7 @@ class TrainConfig:
     heads: int = 4
     # the MoE layers: defaults from MoEConfig (moeflow.config), the one source of them
     model_dim: int = _MOE.model_dim
-    ffn_hidden: int = _MOE.hidden_dim
+    hidden_dim: int = _MOE.hidden_dim  # every expert's and dense FFN's (was ffn_hidden)
     num_experts: int = _MOE.num_experts
     top_k: int = _MOE.top_k
     moe_every: int = 1
@@ -161,7 +162,7 @@ class TrainConfig:
             )
         switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
         if switchable and self.workers > self.num_experts:
-            check_switchable_layout(self.num_experts, self.workers, self.ffn_hidden)
+            check_switchable_layout(self.num_experts, self.workers, self.hidden_dim)
         if isinstance(self.parallel, int):
             validate_r(self.parallel, self.num_experts, self.workers)
         elif self.num_experts % self.workers and self.parallel != "replicated":
@@ -230,11 +231,11 @@ class TrainConfig:
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
         expert_groups = self.workers // self.mp_size
-        if self.num_experts % expert_groups or self.ffn_hidden % self.mp_size:
+        if self.num_experts % expert_groups or self.hidden_dim % self.mp_size:
             raise ValueError(
-                f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with ffn_hidden="
-                f"{self.ffn_hidden} over mp_size={self.mp_size} shards: use a multiple of {expert_groups} experts "
-                f"and an ffn_hidden divisible by {self.mp_size}"
+                f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
+                f"{self.hidden_dim} over mp_size={self.mp_size} shards: use a multiple of {expert_groups} experts "
+                f"and a hidden_dim divisible by {self.mp_size}"
             )
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
@@ -271,7 +272,7 @@ FIELD_HELP: dict[str, str] = {
     "layers": "transformer blocks",
     "heads": "attention heads per block (must divide --model-dim)",
     "model_dim": "model (embedding) dimension",
-    "ffn_hidden": "hidden size of every expert and dense FFN",
+    "hidden_dim": "hidden size of every expert and dense FFN (MoEConfig's hidden_dim). Was --ffn-hidden",
     "num_experts": "experts per MoE layer",
     "top_k": "experts each token is routed to",
     "moe_every": "an MoE FFN in every N-th block, dense FFNs elsewhere",
@@ -338,8 +339,8 @@ FIELD_HELP: dict[str, str] = {
 
 MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
-    "model_dim", "ffn_hidden", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
-    # the MoE layers' (MoEConfig's names; ffn_hidden is its hidden_dim)
+    "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
+    # the MoE layers' (MoEConfig's names)
     "pipeline", "alltoall", "parallel", "shadowing", "topology_gate", "redundant_experts",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
@@ -349,10 +350,15 @@ def field_names() -> list[str]:
     return [f.name for f in fields(TrainConfig)]
 
 
+RENAMED_KEYS = {"ffn_hidden": "hidden_dim"}
+"""Old name -> new name of a setting that only changed its name: the old key of a config file or a saved
+run, and its flag, still read as the new one (``gate`` changed its values too: :func:`_renamed_gate`)."""
+
+
 def checked_keys(values: dict[str, Any], source: str = "config") -> dict[str, Any]:
-    """``values`` if every key is a TrainConfig field (an old name, ``gate``, is renamed with a
-    warning); else an error naming the key and the closest."""
-    values = _renamed(dict(values), source)
+    """``values`` if every key is a TrainConfig field (an old name, ``gate`` or one of
+    :data:`RENAMED_KEYS`, is renamed with a warning); else an error naming the key and the closest."""
+    values = _renamed_gate(renamed_settings(values, RENAMED_KEYS, source), source)
     names = field_names()
     for key in values:
         if key not in names:
@@ -362,7 +368,7 @@ def checked_keys(values: dict[str, Any], source: str = "config") -> dict[str, An
     return dict(values)
 
 
-def _renamed(values: dict[str, Any], source: str) -> dict[str, Any]:
+def _renamed_gate(values: dict[str, Any], source: str) -> dict[str, Any]:
     """``gate`` (plain | topology) is ``topology_gate`` now: ``gate`` meant the router's kind in
     MoEConfig and this in the trainer. Old configs, checkpoints and flags keep working."""
     if "gate" not in values:
