@@ -116,7 +116,7 @@ def test_interference_makes_overlapped_compute_slower_in_the_model() -> None:
 
 
 @dataclass
-class _RecordingRoute:
+class _RecordingExchange:
     """A stand-in for ExpertExchange that blocks the experts of chunk 0 until the dispatch of
     chunk 1 has run: only an executor that overlaps them can finish."""
 
@@ -136,17 +136,18 @@ class _RecordingRoute:
 
 
 def test_dispatch_of_the_next_chunk_runs_while_experts_compute() -> None:
-    route = _RecordingRoute(threading.Event(), set())
+    chunk_exchange = _RecordingExchange(threading.Event(), set())
     buffer = torch.arange(4.0).view(1, 4, 1).expand(1, 4, 1).contiguous()  # chunk i starts with value i
 
     def compute(index: int, x: torch.Tensor) -> torch.Tensor:
         if index == 0:
-            assert route.dispatch_of_chunk1_ran.wait(timeout=10), "chunk 1 was not dispatched during experts(0)"
+            ran = chunk_exchange.dispatch_of_chunk1_ran.wait(timeout=10)
+            assert ran, "chunk 1 was not dispatched during experts(0)"
         return x * 2
 
-    out = run_pipeline(buffer, capacity_chunks(4, 4), compute, route)  # type: ignore[arg-type]
+    out = run_pipeline(buffer, capacity_chunks(4, 4), compute, chunk_exchange)  # type: ignore[arg-type]
     torch.testing.assert_close(out, buffer * 2)
-    assert route.threads == {name for name in route.threads if name.startswith("moeflow-comm")}
+    assert chunk_exchange.threads == {name for name in chunk_exchange.threads if name.startswith("moeflow-comm")}
 
 
 def _all_experts(experts: int, dtype: torch.dtype, activation: str) -> ExpertFFN:
@@ -175,10 +176,10 @@ def _pipeline_vs_degree_one(rank: int, world: int, per_node: int | None) -> list
         results = {}
         for algorithm in algorithms:
             for degree in (1, 2, 3, 4, 8):
-                route = ExpertExchange(groups, algorithm, 2)
+                chunk_exchange = ExpertExchange(groups, algorithm, 2)
                 x = buffer.clone().requires_grad_()
                 local.zero_grad()
-                y = pipelined_experts(x, local.compute, local.weights(), route, degree)
+                y = pipelined_experts(x, local.compute, local.weights(), chunk_exchange, degree)
                 (y * upstream).sum().backward()
                 results[(algorithm, degree)] = [y.detach(), x.grad] + [p.grad.clone() for p in local.parameters()]
         baseline = results[("linear", 1)]
@@ -202,12 +203,12 @@ def test_a_planner_trial_on_cuda_waits_for_the_device_at_the_region_bounds_only(
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
     experts = ExpertFFN(2, 6, 10, "gelu")
     x = torch.randn(2, 8, 6, requires_grad=True)
-    route = ExpertExchange(None, "linear", 2)
+    chunk_exchange = ExpertExchange(None, "linear", 2)
     synced = PipelineTiming(synced_device="cuda:0")
-    pipelined_experts(x, experts.compute, experts.weights(), route, 4, synced).sum().backward()
+    pipelined_experts(x, experts.compute, experts.weights(), chunk_exchange, 4, synced).sum().backward()
     assert waited == ["cuda:0"] * 4 and synced.forward_s > 0 and synced.backward_s > 0
     plain = PipelineTiming()
-    pipelined_experts(x, experts.compute, experts.weights(), route, 4, plain).sum().backward()
+    pipelined_experts(x, experts.compute, experts.weights(), chunk_exchange, 4, plain).sum().backward()
     region_clock(None)
     assert len(waited) == 4 and plain.forward_s > 0 and plain.synced_device is None
 

@@ -16,7 +16,7 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.distributed import run_distributed
-from moeflow.parallel.redundant import ReplicaRoutes, balanced_placement, rank_loads, replica_counts
+from moeflow.parallel.redundant import ReplicaRowMap, balanced_placement, rank_loads, replica_counts
 from moeflow.training.rebalance import rebalance_layer
 
 
@@ -56,20 +56,20 @@ def test_nodes_are_balanced_before_ranks() -> None:
 def test_replicas_split_each_expert_once_over_its_slots_keeping_equal_senders_local() -> None:
     placement = balanced_placement([1000, 1, 1, 1], 3, Topology(2, 1), hidden_dim=4)
     filled_WE = torch.tensor([[7, 1, 0, 2], [7, 0, 3, 0]])
-    routes = [ReplicaRoutes.of(placement, filled_WE, capacity=8, rank=r) for r in range(2)]
+    row_maps = [ReplicaRowMap.of(placement, filled_WE, capacity=8, rank=r) for r in range(2)]
     slot_experts = [s.expert for shards in placement.shards for s in shards]
-    filled_WP = routes[0].filled_WP
+    filled_WP = row_maps[0].filled_WP
     for expert in range(4):
         columns = [p for p, e in enumerate(slot_experts) if e == expert]
         assert filled_WP[:, columns].sum(1).tolist() == filled_WE[:, expert].tolist()
     zero_replica = [p for p, e in enumerate(slot_experts) if e == 0]
     assert filled_WP[0, zero_replica].tolist() == [7, 0] and filled_WP[1, zero_replica].tolist() == [0, 7]
-    assert routes[0].exchanged_WP[:, zero_replica].sum() == 0  # kept at home: nothing of expert 0 travels
-    assert routes[0].exchanged_rows_PC.shape == routes[1].exchanged_rows_PC.shape  # one exchange shape
+    assert row_maps[0].exchanged_WP[:, zero_replica].sum() == 0  # kept at home: nothing of expert 0 travels
+    assert row_maps[0].exchanged_rows_PC.shape == row_maps[1].exchanged_rows_PC.shape  # one exchange shape
 
     dispatched_ECM = torch.randn(4, 8, 5)
-    back = routes[1].scatter(ReplicaRoutes.gather(dispatched_ECM, routes[1].exchanged_rows_PC),
-                             ReplicaRoutes.gather(dispatched_ECM, routes[1].local_rows_SC), 4)
+    back = row_maps[1].scatter(ReplicaRowMap.gather(dispatched_ECM, row_maps[1].exchanged_rows_PC),
+                             ReplicaRowMap.gather(dispatched_ECM, row_maps[1].local_rows_SC), 4)
     for expert, count in enumerate(filled_WE[1].tolist()):
         assert torch.equal(back[expert, :count], dispatched_ECM[expert, :count])
 

@@ -97,8 +97,8 @@ def test_sends_and_receives_on_the_comm_stream_experts_on_the_compute_stream_ord
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_the_pipeline_on_cuda_streams_equals_the_unpipelined_experts() -> None:
-    """A route that communicates through pinned host copies on the communication stream (one GPU, no peer)."""
-    from moeflow.bench.overlap import CopyRoute
+    """An exchange that communicates through pinned host copies on the communication stream (one GPU, no peer)."""
+    from moeflow.bench.overlap import CopyExchange
     from moeflow.comm import ParallelGroups
     from moeflow.experts import FFNCompute, FFNWeights
     from moeflow.pipeline import pipelined_experts
@@ -108,10 +108,10 @@ def test_the_pipeline_on_cuda_streams_equals_the_unpipelined_experts() -> None:
     weights = FFNWeights(*(torch.randn(shape, device=device, requires_grad=True) * 0.1 for shape in
                            ((4, 64, 96), (4, 96), (4, 96, 64), (4, 64))))
     buffer = torch.randn(4, 256, 64, device=device, requires_grad=True)
-    route = CopyRoute(ParallelGroups.single_process())
+    chunk_exchange = CopyExchange(ParallelGroups.single_process())
     outputs = []
     for degree in (1, 4):
-        y = pipelined_experts(buffer, FFNCompute(), weights, route, degree)
+        y = pipelined_experts(buffer, FFNCompute(), weights, chunk_exchange, degree)
         grads = torch.autograd.grad(y.square().sum(), [buffer, *weights.as_tuple()])
         outputs.append((y, *grads))
     for single, pipelined in zip(*outputs, strict=True):

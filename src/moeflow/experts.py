@@ -289,7 +289,7 @@ class _ExpertFFNFunction(torch.autograd.Function):
         return grad_x_LCM, None, *ctx.compute.weight_grads(inputs, weights)
 
 
-class ExpertSlots(Protocol):
+class LocalExperts(Protocol):
     """What a schedule runs: the local experts' compute, their number and their weights (an
     :class:`ExpertFFN`, or a view of one whose weights carry extra autograd, as redundant slots do)."""
 

@@ -10,9 +10,9 @@ a communication stream beside the compute stream, ordered by events (:mod:`moefl
 a thread would only queue both kernels on one stream.
 
 The backward is the same pipeline run on the output gradient, with the expert backward as the
-compute step, over the route's ``adjoint()``: an equal-split all-to-all is its own adjoint, so for
+compute step, over the exchange's ``adjoint()``: an equal-split all-to-all is its own adjoint, so for
 expert parallelism the gradient of the combine is a dispatch and the gradient of the dispatch is a
-combine (a route whose dispatch and combine are not each other's adjoint returns another route).
+combine (an exchange whose dispatch and combine are not each other's adjoint returns another exchange).
 
 Each chunk's state (its received rows, its saved activations) lives in per-chunk records owned by
 one autograd node, never on the layer: any number of chunks can be in flight. The experts' math is
@@ -42,12 +42,19 @@ from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
 __all__ = [
-    "ExpertExchange", "PipelineTiming", "Route", "SelfAdjointRoute", "capacity_chunks", "overlap", "overlap_on_worker",
-    "pipelined_experts", "run_pipeline",
+    "ChunkExchange",
+    "ExpertExchange",
+    "PipelineTiming",
+    "SelfAdjointExchange",
+    "capacity_chunks",
+    "overlap",
+    "overlap_on_worker",
+    "pipelined_experts",
+    "run_pipeline",
 ]
 
 
-class Route(Protocol):
+class ChunkExchange(Protocol):
     """How chunks travel between the (E, Cj, M) layout by destination expert and the rows of this
     rank's experts; ``groups`` supplies the communication worker."""
 
@@ -61,8 +68,8 @@ class Route(Protocol):
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor: ...
 
-    def adjoint(self) -> Route:
-        """The route the backward runs: dispatch = the combine's adjoint, and the reverse."""
+    def adjoint(self) -> ChunkExchange:
+        """The exchange the backward runs: dispatch = the combine's adjoint, and the reverse."""
         ...
 
 
@@ -91,7 +98,7 @@ class ExpertExchange:
         return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.groups.size * rows, model_dim)
 
     def adjoint(self) -> ExpertExchange:
-        """The route of the backward: an equal-split exchange is its own adjoint."""
+        """The exchange of the backward: an equal-split exchange is its own adjoint."""
         return self
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
@@ -104,9 +111,9 @@ class ExpertExchange:
         return returned.view(world * self.num_local_experts, rows, model_dim)
 
 
-class SelfAdjointRoute:
-    """A communicating route whose dispatch and combine are each other's adjoint, so the backward
-    runs the same route."""
+class SelfAdjointExchange:
+    """A communicating exchange whose dispatch and combine are each other's adjoint, so the backward
+    runs the same exchange."""
 
     @property
     def communicates(self) -> bool:
@@ -118,7 +125,7 @@ class SelfAdjointRoute:
 
 def pad_slots(chunk_ECM: torch.Tensor, multiple: int) -> torch.Tensor:
     """The chunk with empty slots appended until its slot count is a multiple of ``multiple`` (for
-    routes that split a chunk's slots over several ranks); the route drops them again."""
+    exchanges that split a chunk's slots over several ranks); the exchange drops them again."""
     rows = chunk_ECM.shape[1]
     padded = padded_slots(rows, multiple)
     return chunk_ECM if padded == rows else F.pad(chunk_ECM, (0, 0, 0, padded - rows))
@@ -137,7 +144,7 @@ def run_pipeline(
     buffer_ECM: torch.Tensor,
     chunks: list[tuple[int, int]],
     compute: Callable[[int, torch.Tensor], torch.Tensor],
-    route: Route,
+    chunk_exchange: ChunkExchange,
     after_compute: Callable[[], None] | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
@@ -148,29 +155,30 @@ def run_pipeline(
     chunks after it and the combine of the chunks before it. One chunk that stays on this rank
     is returned as ``compute`` made it, with no copy.
     """
-    if len(chunks) == 1 and not route.communicates:
-        out_ECM = compute(0, route.to_experts(buffer_ECM))
+    if len(chunks) == 1 and not chunk_exchange.communicates:
+        out_ECM = compute(0, chunk_exchange.to_experts(buffer_ECM))
         if after_compute is not None:
             after_compute()
         return out_ECM
     out_ECM = buffer(workspace, buffer_ECM.shape, buffer_ECM)
 
     def send(start: int, stop: int) -> torch.Tensor:
-        return route.to_experts(buffer_ECM[:, start:stop])
+        return chunk_exchange.to_experts(buffer_ECM[:, start:stop])
 
     def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
-        out_ECM[:, start:stop] = route.from_experts(y_LXM, stop - start)
+        out_ECM[:, start:stop] = chunk_exchange.from_experts(y_LXM, stop - start)
 
-    if len(chunks) == 1 or not route.communicates:
+    if len(chunks) == 1 or not chunk_exchange.communicates:
         for index, (start, stop) in enumerate(chunks):
             receive(compute(index, send(start, stop)), start, stop)
         if after_compute is not None:
             after_compute()
         return out_ECM
 
-    assert route.groups is not None
+    assert chunk_exchange.groups is not None
     overlap(
-        route.groups, buffer_ECM.device, [functools.partial(send, start, stop) for start, stop in chunks], compute,
+        chunk_exchange.groups, buffer_ECM.device, [functools.partial(send, start, stop) for start, stop in chunks],
+        compute,
         lambda index, y_LXM: receive(y_LXM, *chunks[index]), after_compute,
     )
     return out_ECM
@@ -213,18 +221,18 @@ def overlap_on_worker(
         raise
 
 
-def _record_experts(route: Route, began: float) -> float:
+def _record_experts(chunk_exchange: ChunkExchange, began: float) -> float:
     """Seconds since ``began`` of an expert chunk's compute, also drawn on the job's timeline."""
     stopped = time.perf_counter()
-    if route.groups is not None:
-        route.groups.traffic.timeline.record("experts", began, stopped)
+    if chunk_exchange.groups is not None:
+        chunk_exchange.groups.traffic.timeline.record("experts", began, stopped)
     return stopped - began
 
 
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_ECM: torch.Tensor, route: Route, chunks: list[tuple[int, int]],
+        ctx: FunctionCtx, buffer_ECM: torch.Tensor, chunk_exchange: ChunkExchange, chunks: list[tuple[int, int]],
         timing: PipelineTiming, compute: ExpertCompute, workspace: Workspace | None, for_backward: bool,
         *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -235,15 +243,15 @@ class _PipelinedExperts(torch.autograd.Function):
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             y_LXM, saved[index] = compute.chunk(*chunks[index]).forward(x_LXM, weights, workspace)
-            timing.expert_forward_s += _record_experts(route, begin)
+            timing.expert_forward_s += _record_experts(chunk_exchange, begin)
             return y_LXM
 
-        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, route, workspace=workspace)
+        out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, chunk_exchange, workspace=workspace)
         if not for_backward:
             saved = []  # no backward will read the activations: their buffers are free at once
         ctx.save_for_backward(*weight_tensors)
-        ctx.route, ctx.chunks, ctx.timing, ctx.saved_chunks, ctx.compute = route, chunks, timing, saved, compute
-        ctx.workspace = workspace
+        ctx.chunk_exchange, ctx.chunks, ctx.timing, ctx.saved_chunks = chunk_exchange, chunks, timing, saved
+        ctx.compute, ctx.workspace = compute, workspace
         timing.forward_s = timing.now() - start
         return out_ECM
 
@@ -267,7 +275,7 @@ class _PipelinedExperts(torch.autograd.Function):
             )
             saved[index] = None
             pending.append(weight_inputs)
-            ctx.timing.expert_backward_s += _record_experts(ctx.route, begin)
+            ctx.timing.expert_backward_s += _record_experts(ctx.chunk_exchange, begin)
             return grad_x_LXM
 
         def weight_gradients() -> None:
@@ -278,7 +286,7 @@ class _PipelinedExperts(torch.autograd.Function):
             ctx.timing.expert_backward_s += time.perf_counter() - begin
 
         grad_buffer_ECM = run_pipeline(
-            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.route.adjoint(),
+            grad_out_ECM.contiguous(), ctx.chunks, expert_backward, ctx.chunk_exchange.adjoint(),
             after_compute=weight_gradients, workspace=workspace,
         )
         ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + ctx.timing.now() - start
@@ -286,7 +294,7 @@ class _PipelinedExperts(torch.autograd.Function):
 
 
 def pipelined_experts(
-    buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, route: Route, degree: int,
+    buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, chunk_exchange: ChunkExchange, degree: int,
     timing: PipelineTiming | None = None, workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns
@@ -298,6 +306,6 @@ def pipelined_experts(
         t is not None and t.requires_grad for t in (buffer_ECM, *tensors)
     )
     return _PipelinedExperts.apply(
-        buffer_ECM, route, chunks, timing if timing is not None else PipelineTiming(), compute, workspace,
+        buffer_ECM, chunk_exchange, chunks, timing if timing is not None else PipelineTiming(), compute, workspace,
         for_backward, *tensors,
     )

@@ -1,6 +1,6 @@
 """``moeflow bench overlap``: the pipeline's overlap of a transfer with the expert chunks, on one device.
 
-With no peer to exchange with, the dispatch and combine are simulated by a route that moves each
+With no peer to exchange with, the dispatch and combine are simulated by an exchange that moves each
 chunk out and back (:class:`CopyRoute`): on CUDA through pinned host memory on the communication
 stream (a device-host round trip of the dispatch size, over PCIe), on a CPU through a second buffer
 on the communication worker thread. In one run, side by side (round-robin, medians), the forward
@@ -25,8 +25,8 @@ from moeflow.precision import DTYPES
 
 
 @dataclass
-class CopyRoute:
-    """A communicating route whose transfer is a copy out of the device and back (its own adjoint)."""
+class CopyExchange:
+    """A communicating exchange whose transfer is a copy out of the device and back (its own adjoint)."""
 
     groups: ParallelGroups
     communicates: bool = True
@@ -48,7 +48,7 @@ class CopyRoute:
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         return self._round_trip(y_LXM)
 
-    def adjoint(self) -> CopyRoute:
+    def adjoint(self) -> CopyExchange:
         return self
 
 
@@ -76,12 +76,12 @@ def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
         (e, c.model_dim, c.hidden_dim), (e, c.hidden_dim), (e, c.hidden_dim, c.model_dim), (e, c.model_dim))))
     buffer = torch.randn(e, c.capacity, c.model_dim, device=device, dtype=dtype)
     groups = ParallelGroups.single_process()
-    route, compute = CopyRoute(groups), FFNCompute()
+    chunk_exchange, compute = CopyExchange(groups), FFNCompute()
     local = ExpertExchange(None, LOCAL, e)
     fns = {
         "comp": lambda: pipelined_experts(buffer, compute, weights, local, 1),
-        "copy": lambda: route.from_experts(route.to_experts(buffer), c.capacity),
-        **{f"d{d}": lambda d=d: pipelined_experts(buffer, compute, weights, route, d) for d in c.degrees},
+        "copy": lambda: chunk_exchange.from_experts(chunk_exchange.to_experts(buffer), c.capacity),
+        **{f"d{d}": lambda d=d: pipelined_experts(buffer, compute, weights, chunk_exchange, d) for d in c.degrees},
     }
     with torch.no_grad():
         medians = device_medians(fns, device, c.repeats, c.warmup)

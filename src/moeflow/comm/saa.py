@@ -93,7 +93,7 @@ def ep_esp_combine_allgather(
     variant of Parm's kernel). ESP and MP groups are the same contiguous ranks (N_ESP = N_MP).
 
     Returns (E, N_MP * C, M): each expert's slots in MP-member order, as the serial combine then
-    all-gather gives them. Not differentiable (the pipeline runs the adjoint route itself)."""
+    all-gather gives them. Not differentiable (the pipeline runs the adjoint exchange itself)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local, _, model_dim = partial_LXM.shape
     ep_size, ep = world // esp_size, rank // esp_size

@@ -35,7 +35,14 @@ from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
-from moeflow.pipeline import ExpertExchange, Route, SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
+from moeflow.pipeline import (
+    ChunkExchange,
+    ExpertExchange,
+    SelfAdjointExchange,
+    pad_slots,
+    padded_slots,
+    pipelined_experts,
+)
 from moeflow.stats import PipelineTiming, region_clock
 
 
@@ -79,8 +86,8 @@ def gather_weights(
 
 
 @dataclass(frozen=True)
-class SwitchableExchange(SelfAdjointRoute):
-    """The route of r >= 1 with W > E: (E, Cj, M) chunks by destination expert <-> the (1, W * Cj / g,
+class SwitchableExchange(SelfAdjointExchange):
+    """The exchange of r >= 1 with W > E: (E, Cj, M) chunks by destination expert <-> the (1, W * Cj / g,
     M) rows of this rank's hidden block. Dispatch = all-to-all after an r-fold repeat; combine = the
     same all-to-all, then the local sum over the r blocks: the two are each other's adjoint, as the
     pipeline's backward needs. A chunk whose slots do not split over g ranks is padded with empty
@@ -141,15 +148,17 @@ class AdaptiveSchedule(ModelledSchedule):
         if r == 0:  # every expert, gathered from all ranks; tokens stay
             weights = gather_weights(stored, groups.expert if world > 1 else None, shards, timing)
             compute = dataclasses.replace(experts.compute, adds_output_bias=True)
-            route: Route = ExpertExchange(None, LOCAL, num_experts)
+            chunk_exchange: ChunkExchange = ExpertExchange(None, LOCAL, num_experts)
         elif shards == 1:  # W <= E, r = 1: plain expert parallelism
             weights, compute = stored, experts.compute
-            route = ExpertExchange(groups, plan.algorithm, experts.num_experts)
+            chunk_exchange = ExpertExchange(groups, plan.algorithm, experts.num_experts)
         else:
             group = shards // r
             weights = gather_weights(stored, groups.block(group), group, timing)
             first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
             compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
-            route = SwitchableExchange(groups, plan.algorithm, r, group)
-        combined_ECM = pipelined_experts(dispatched_ECM, compute, weights, route, plan.degree, timing, workspace)
+            chunk_exchange = SwitchableExchange(groups, plan.algorithm, r, group)
+        combined_ECM = pipelined_experts(
+            dispatched_ECM, compute, weights, chunk_exchange, plan.degree, timing, workspace
+        )
         return ScheduleOutput(combined_ECM)

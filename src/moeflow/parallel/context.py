@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import ExpertCompute, ExpertSlots, FFNWeights
+from moeflow.experts import ExpertCompute, FFNWeights, LocalExperts
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.ragged import RaggedFFNCompute
 from moeflow.stats import PipelineTiming
@@ -42,7 +42,7 @@ class RunContext:
     the same on every rank; ``local`` names the columns this rank's experts compute, in local
     order (for the layer's own experts, the placement's; for EPLB's slots, the rank's slots)."""
 
-    experts: ExpertSlots  # this rank's experts as stored (their weights in the parameters' dtype)
+    experts: LocalExperts  # this rank's experts as stored (their weights in the parameters' dtype)
     dtype: torch.dtype  # the dtype the experts compute in (autocast's or x's)
     groups: ParallelGroups
     placement: ExpertPlacement

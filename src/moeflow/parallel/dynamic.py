@@ -33,7 +33,7 @@ from moeflow.stats import PipelineTiming
 
 
 @dataclass(frozen=True)
-class PlacedRoutes:
+class PlacedRowMap:
     """One forward's rows: which rows of this rank's flattened (E * C) buffer go to which rank
     (grouped by destination, then by the destination's local experts in order), and which of this
     rank's local experts each received row is for."""
@@ -45,7 +45,7 @@ class PlacedRoutes:
     rank_tokens: tuple[int, ...]  # rows each rank computes
 
     @staticmethod
-    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> PlacedRoutes:
+    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> PlacedRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world, num_experts = filled.shape
         slot_rank = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
@@ -58,7 +58,7 @@ class PlacedRoutes:
                 for p, length in enumerate(lengths[rank].tolist())]  # slots in rank-major order
         mine = np.flatnonzero(slot_rank == rank)
         recv_local = [np.full(lengths[source, p], index) for source in range(world) for index, p in enumerate(mine)]
-        return PlacedRoutes(
+        return PlacedRowMap(
             send_rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
             send_splits=[int(lengths[rank, slot_rank == r].sum()) for r in range(world)],
             recv_splits=[int(lengths[source, mine].sum()) for source in range(world)],
@@ -75,7 +75,7 @@ class PlacedExperts:
     compute: FFNCompute
     all_weights: FFNWeights  # (E, ...) tensors: every rank keeps every expert
     placement: ExpertPlacement
-    routes: PlacedRoutes
+    row_map: PlacedRowMap
     rank: int
 
     @property
@@ -104,11 +104,11 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
         raise RuntimeError("a per-batch expert placement is an inference schedule: run the model under torch.no_grad()")
     start = timing.now()
     num_experts, capacity, model_dim = dispatched_ECM.shape
-    routes = experts.routes
+    row_map = experts.row_map
     flat = dispatched_ECM.reshape(-1, model_dim)
-    received = _exchange(flat.index_select(0, routes.send_rows), groups, routes.recv_splits, routes.send_splits)
-    order = torch.argsort(routes.recv_local, stable=True)
-    bounds = torch.bincount(routes.recv_local, minlength=experts.num_experts).cumsum(0).tolist()
+    received = _exchange(flat.index_select(0, row_map.send_rows), groups, row_map.recv_splits, row_map.send_splits)
+    order = torch.argsort(row_map.recv_local, stable=True)
+    bounds = torch.bincount(row_map.recv_local, minlength=experts.num_experts).cumsum(0).tolist()
     computed = torch.empty_like(received)
     expert_start = time.perf_counter()
     local = experts.placement.local(experts.rank)
@@ -119,8 +119,8 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
                                for w in experts.all_weights.as_tuple()))
             computed[rows] = experts.compute.forward(received[rows].unsqueeze(0), one)[0][0]
     timing.expert_forward_s += time.perf_counter() - expert_start
-    returned = _exchange(computed, groups, routes.send_splits, routes.recv_splits)
-    combined = flat.new_zeros(num_experts * capacity, model_dim).index_copy_(0, routes.send_rows, returned)
+    returned = _exchange(computed, groups, row_map.send_splits, row_map.recv_splits)
+    combined = flat.new_zeros(num_experts * capacity, model_dim).index_copy_(0, row_map.send_rows, returned)
     timing.forward_s = timing.now() - start
     return combined.view(num_experts, capacity, model_dim)
 
@@ -159,6 +159,6 @@ class DynamicPlacementSchedule(ModelledSchedule):
         placement = self.scheduler.placement(
             ctx.filled_WE.sum(0), ctx.estimate_E, ctx.world_size, ctx.placement.hidden_dim
         )
-        routes = PlacedRoutes.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
-        experts = PlacedExperts(ctx.experts.compute, ctx.weights(), placement, routes, ctx.rank)
-        return ScheduleOutput(run_placed(dispatched_ECM, experts, ctx.groups, ctx.timing), routes.rank_tokens)
+        row_map = PlacedRowMap.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        experts = PlacedExperts(ctx.experts.compute, ctx.weights(), placement, row_map, ctx.rank)
+        return ScheduleOutput(run_placed(dispatched_ECM, experts, ctx.groups, ctx.timing), row_map.rank_tokens)

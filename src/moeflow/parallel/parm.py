@@ -42,7 +42,7 @@ from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape, capacity_chunks, pipeline_makespan, usable_degrees
 from moeflow.perf.schedules import Plan
-from moeflow.pipeline import SelfAdjointRoute, pad_slots, padded_slots, pipelined_experts
+from moeflow.pipeline import SelfAdjointExchange, pad_slots, padded_slots, pipelined_experts
 from moeflow.stats import PipelineTiming
 
 
@@ -69,8 +69,8 @@ def check_mp_group(groups: ParallelGroups) -> int:
 
 
 @dataclass(frozen=True)
-class ParmExchange(SelfAdjointRoute):
-    """The route of S1 and S2: (E, Cj, M) chunks by destination expert <-> the (L, W * Cj / split, M)
+class ParmExchange(SelfAdjointExchange):
+    """The exchange of S1 and S2: (E, Cj, M) chunks by destination expert <-> the (L, W * Cj / split, M)
     rows of this rank's hidden shards, with Parm's fused EP&ESP all-to-all (dump + one all-to-all
     over all W ranks; back: the all-to-all and the local sum over the N_ESP shards).
 
@@ -213,15 +213,15 @@ class ParmSchedule(ModelledSchedule):
         mp_rank = group_rank(ctx.groups.model)
         compute = dataclasses.replace(ctx.experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
         split = self.mp_size if plan.schedule == "s2" else 1
-        route = ParmExchange(ctx.groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
+        chunk_exchange = ParmExchange(ctx.groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
         return ScheduleOutput(pipelined_experts(
-            dispatched_ECM, compute, ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+            dispatched_ECM, compute, ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
         ))
 
 
 @dataclass(frozen=True)
 class BaselineExchange:
-    """The DeepSpeed-MoE baseline's route (N = N_MP = N_ESP copies, N_EP = W / N ranks in the strided
+    """The DeepSpeed-MoE baseline's exchange (N = N_MP = N_ESP copies, N_EP = W / N ranks in the strided
     EP group, L local experts): (E, Cj, M) <-> (L, N_EP * N * Cj, M). Its combine keeps one copy,
     so the backward runs :meth:`adjoint`, the true adjoint under Megatron's convention."""
 
@@ -354,7 +354,7 @@ class BaselineSchedule(ParmSchedule):
         compute = dataclasses.replace(
             ctx.experts.compute, adds_output_bias=mp_rank == 0, weight_grad_scale=1.0 / self.mp_size
         )
-        route = BaselineExchange(ctx.groups, self.mp_size, mp_rank)
+        chunk_exchange = BaselineExchange(ctx.groups, self.mp_size, mp_rank)
         return ScheduleOutput(pipelined_experts(
-            dispatched_ECM, compute, ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+            dispatched_ECM, compute, ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
         ))

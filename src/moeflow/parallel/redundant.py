@@ -12,7 +12,7 @@ Three pieces, each a plain function of the placement:
   (the expert with the highest load per replica gets the next slot), then the replicas packed over
   the nodes (equal slots per node, heaviest first onto the lightest node), then over the ranks of
   each node the same way, a rank holding an expert at most once where it can.
-- :class:`ReplicaRoutes`: which of a rank's kept tokens of expert e go to which replica, from the
+- :class:`ReplicaRowMap`: which of a rank's kept tokens of expert e go to which replica, from the
   global counts every rank already has (the same answer everywhere): the tokens of all ranks, in
   rank order, split into near-equal contiguous runs, one per replica in rank order, so that equal
   senders keep their tokens on a replica of their own rank where one exists.
@@ -100,7 +100,7 @@ def rank_loads(placement: ExpertPlacement, load_E: Sequence[float]) -> list[floa
 
 
 @dataclass(frozen=True)
-class ReplicaRoutes:
+class ReplicaRowMap:
     """For one iteration, from the global counts: which rows of this rank's (E, C) logical buffer go
     to which physical slot (rank-major: slot p on rank p // S). A rank's tokens for its own slots
     are computed where they are (``local_rows_SC``); only the rest is exchanged
@@ -114,7 +114,7 @@ class ReplicaRoutes:
     logical_slots: int  # E * C: row E * C is a zero row (padding)
 
     @staticmethod
-    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> ReplicaRoutes:
+    def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> ReplicaRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world, num_experts = filled.shape
         slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
@@ -135,7 +135,7 @@ class ReplicaRoutes:
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device)
 
-        return ReplicaRoutes(tensor(rows_x), tensor(rows_l), tensor(lengths), tensor(exchanged), pad)
+        return ReplicaRowMap(tensor(rows_x), tensor(rows_l), tensor(lengths), tensor(exchanged), pad)
 
     @staticmethod
     def gather(dispatched_ECM: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -174,7 +174,7 @@ def split_evenly(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, 
 
 
 @dataclass(frozen=True)
-class SlotExperts:
+class ReplicaExperts:
     """A rank's slots as the schedules see experts: the compute, the count, and weights taken once
     per forward (through :func:`replica_weights`), so that the exchanged and the local part share
     one gradient sum over the replicas."""
@@ -254,28 +254,28 @@ class SlotSchedule(WrappingSchedule):
     layout. Weights move only when the placement does."""
 
     def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
-        """The replica routes of this forward, and the per-expert capacity of the same bytes as the
+        """The replica row map of this forward, and the per-expert capacity of the same bytes as the
         exchanged slot buffer (what the planner prices)."""
-        routes = ReplicaRoutes.of(placement, filled_WE, capacity, rank)
-        slots, width = routes.exchanged_rows_PC.shape
-        return Prepared(-(-slots * width // placement.num_experts), routes)
+        row_map = ReplicaRowMap.of(placement, filled_WE, capacity, rank)
+        slots, width = row_map.exchanged_rows_PC.shape
+        return Prepared(-(-slots * width // placement.num_experts), row_map)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
-        routes = ctx.prepared
-        if not isinstance(routes, ReplicaRoutes):  # run without prepare (a direct call)
-            routes = ReplicaRoutes.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        row_map = ctx.prepared
+        if not isinstance(row_map, ReplicaRowMap):  # run without prepare (a direct call)
+            row_map = ReplicaRowMap.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
         weights = replica_weights(ctx.experts.weights(), ctx.placement, ctx.rank, ctx.groups.expert).cast(ctx.dtype)
-        slots = SlotExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
+        slots = ReplicaExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
         mine = tuple(range(ctx.rank * slots.num_experts, (ctx.rank + 1) * slots.num_experts))
-        exchanged = dataclasses.replace(ctx, experts=slots, filled_WE=routes.exchanged_WP, local=mine)
+        exchanged = dataclasses.replace(ctx, experts=slots, filled_WE=row_map.exchanged_WP, local=mine)
         exchanged_PCM = self.inner.run(
-            plan, routes.gather(dispatched_ECM, routes.exchanged_rows_PC), exchanged
+            plan, row_map.gather(dispatched_ECM, row_map.exchanged_rows_PC), exchanged
         ).combined_ECM
-        own = dataclasses.replace(exchanged, filled_WE=routes.filled_WP).own_compute(mine)
+        own = dataclasses.replace(exchanged, filled_WE=row_map.filled_WP).own_compute(mine)
         local_SCM = pipelined_experts(
-            routes.gather(dispatched_ECM, routes.local_rows_SC), own, weights,
+            row_map.gather(dispatched_ECM, row_map.local_rows_SC), own, weights,
             ExpertExchange(None, LOCAL, slots.num_experts), 1,
         )
         world = ctx.world_size
-        rank_tokens = tuple(routes.filled_WP.view(world, world, -1).sum(dim=(0, 2)).tolist())
-        return ScheduleOutput(routes.scatter(exchanged_PCM, local_SCM, ctx.placement.num_experts), rank_tokens)
+        rank_tokens = tuple(row_map.filled_WP.view(world, world, -1).sum(dim=(0, 2)).tolist())
+        return ScheduleOutput(row_map.scatter(exchanged_PCM, local_SCM, ctx.placement.num_experts), rank_tokens)

@@ -91,9 +91,9 @@ class _ModelledSchedule(ModelledSchedule):
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The pipelined experts, with this schedule's way of moving chunks and its kernel."""
-        route = self.exchange(plan, ctx)
+        chunk_exchange = self.exchange(plan, ctx)
         combined_ECM = pipelined_experts(
-            dispatched_ECM, self.compute(ctx), ctx.weights(), route, plan.degree, ctx.timing, ctx.workspace
+            dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
         )
         return ScheduleOutput(combined_ECM)
 
