@@ -6,8 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.moeflow-installed
+DOCS_STAMP := $(VENV)/.moeflow-docs-installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint docs bench clean
 
 setup: $(STAMP)
 
@@ -24,7 +25,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests examples docs/conf.py
+
+# The documentation site, into docs/_build/html; any warning fails the build. The docs extra
+# (sphinx, myst-parser) is installed on first use, not by setup.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	@touch $(DOCS_STAMP)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache docs/_build

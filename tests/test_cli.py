@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -185,3 +186,101 @@ def test_bench_overlap_reports_each_degree_against_the_ideal(capsys: pytest.Capt
     assert lines[-1]["summary"] == "overlap" and lines[-1]["best_degree"] in (1, 4)
     with pytest.raises(SystemExit, match=r"--degrees must lie in 1\.\.--capacity"):
         main(["bench", "overlap", "--capacity", "4", "--degrees", "8"])
+
+
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options and positionals of one parser (no -h, no subcommand choice)."""
+    return [action for action in parser._actions
+            if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction)]
+
+
+def _says_something(text: str) -> bool:
+    """Help that still has words once its default is taken out ('(default 5)', '; default: x')."""
+    text = re.sub(r"\(default[^)]*\)", "", text)
+    text = re.sub(r"(^|[;,]\s*)default\b.*$", "", text.strip(), flags=re.IGNORECASE)
+    return len(re.findall(r"[A-Za-z]{2,}", text)) >= 2
+
+
+def test_every_option_of_every_parser_has_help_saying_what_it_does() -> None:
+    """All parsers, the nested bench subcommands too; only deprecated aliases (hidden on purpose, with
+    help=argparse.SUPPRESS) are exempt."""
+    from moeflow.cli import build_parser
+    from moeflow.commands import RenamedFlag
+
+    parsers = _subparsers(build_parser())
+    paths = {path for path, _ in parsers}
+    assert {"moeflow train", "moeflow bench layer", "moeflow bench papers", "moeflow cluster"} <= paths
+    missing, hidden = [], []
+    for path, parser in parsers:
+        for action in _options(parser):
+            name = f"{path} {'/'.join(action.option_strings) or action.dest}"
+            if action.help == argparse.SUPPRESS:
+                if not isinstance(action, RenamedFlag):
+                    hidden.append(name)
+                continue
+            if not _says_something(action.help or ""):
+                missing.append(f"{name}: {action.help!r}")
+    assert not missing, f"options whose help does not say what they do: {missing}"
+    assert not hidden, f"hidden options that are not deprecated aliases: {hidden}"
+
+
+def test_the_help_check_catches_empty_and_default_only_texts() -> None:
+    assert not _says_something("")
+    assert not _says_something("default fp32")
+    assert not _says_something("(default 5)")
+    assert not _says_something("default: bf16 on CUDA, fp32 on CPU")
+    assert _says_something("timed rounds, medians (default 5)")
+    assert _says_something("--hf: new tokens per prompt (default 64)")
+
+
+def test_every_subcommand_has_a_one_line_help() -> None:
+    from moeflow.cli import build_parser
+
+    for path, parser in _subparsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) and path != "moeflow":  # bench's own listing
+                helps = {choice.dest: choice.help for choice in action._choices_actions}
+                assert set(helps) == set(action.choices), path
+                assert all(_says_something(text or "") for text in helps.values()), (path, helps)
+
+
+def _top_level_commands() -> dict[str, argparse.ArgumentParser]:
+    from moeflow.cli import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+def test_every_subcommand_is_in_exactly_one_group() -> None:
+    from moeflow.cli import COMMAND_GROUPS
+
+    grouped = [name for _, _, names in COMMAND_GROUPS for name in names]
+    assert sorted(grouped) == sorted(_top_level_commands())  # each registered once, nothing extra
+    assert len(grouped) == len(set(grouped))
+    assert [group for group, _, _ in COMMAND_GROUPS] == ["run", "inspect", "plan", "benchmark", "cluster"]
+
+
+def test_moeflow_help_lists_the_commands_by_group(capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.cli import COMMAND_GROUPS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    sections = text.split("\ncommands:\n", 1)[1]
+    starts = [sections.index(f"  {group}: {purpose}\n") for group, purpose, _ in COMMAND_GROUPS]
+    assert starts == sorted(starts)
+    for (group, _, names), start, end in zip(COMMAND_GROUPS, starts, [*starts[1:], len(sections)], strict=True):
+        listed = re.findall(r"^    (\S+)  ", sections[start:end], flags=re.MULTILINE)
+        assert listed == list(names), group
+    assert "moeflow COMMAND --help" in text
+    assert "{train," not in text  # the grouped listing replaces argparse's flat one
+
+
+def test_a_subcommand_without_a_group_is_refused() -> None:
+    from moeflow.cli import COMMAND_GROUPS, grouped_commands
+
+    helps = {name: "does something useful" for _, _, names in COMMAND_GROUPS for name in names}
+    assert "train" in grouped_commands(helps)
+    with pytest.raises(RuntimeError, match=r"ungrouped \['serve'\]"):
+        grouped_commands({**helps, "serve": "a command nobody placed in a group"})

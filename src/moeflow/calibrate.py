@@ -2,6 +2,7 @@
 
 Measured on the running job's ranks (spawned gloo workers, or ranks started by ``moeflow launch`` /
 torchrun):
+
 - the expert GEMM (m x M) @ (M x H) over token counts m, x = m*M*H;
 - one whole expert FFN's forward and backward over the same m, x = m*M*H*2 (the cost model's
   ``t_ffn``: the GEMMs plus bias, activation and the weight-gradient GEMMs);
@@ -45,6 +46,9 @@ from moeflow.perf.profile import LAYER_PROBE
 
 @dataclass(frozen=True)
 class CalibrationConfig:
+    """What ``moeflow calibrate`` measures: the expert's dimensions, the token counts and message
+    sizes it sweeps, and the repeats per point."""
+
     model_dim: int = 512
     hidden_dim: int = 1024
     gemm_tokens: tuple[int, ...] = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144)

@@ -16,7 +16,7 @@ def expert_capacity(
 
     - f > 0: ceil(k * f * T / E)
     - f = 0: ``needed``
-    - f < 0: ``needed`` capped at ceil(k * |f| * T / E)
+    - f < 0: ``needed`` capped at ``ceil(k * |f| * T / E)``
     """
     if capacity_factor > 0:
         return math.ceil(top_k * capacity_factor * num_tokens / num_experts)

@@ -16,11 +16,15 @@ GATES = ("softmax", "cosine")
 """Gate (router) kinds: ``softmax`` is a linear router, ``cosine`` Tutel's cosine router (C.3)."""
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+"""How logits become routing scores: ``softmax`` over the experts, or an element-wise ``sigmoid`` (DeepSeek-V3)."""
 GATE_PRECISIONS = ("fp32", "input")
 """Where the linear gate's logits are computed: ``fp32`` whatever the input (moeflow's default, as
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+"""The experts' activations; ``swiglu`` gives an expert three projections instead of two."""
 EXPERT_KERNELS = ("bmm", "loop", "ragged")
+"""How the experts' GEMMs run: one batched GEMM per projection (``bmm``), one ``mm`` per expert (``loop``),
+or the dropless ragged grouped GEMM over the received slots (``ragged``)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """The one dtype table: moeflow's names and their bytes per element (torch's dtypes:
 :data:`moeflow.precision.DTYPES`)."""
@@ -31,15 +35,18 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 Triton (an optional dependency; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``), or
 ``auto``: Triton for CUDA tensors when it is installed, torch otherwise."""
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
+"""The all-to-all algorithms (:mod:`moeflow.comm.algorithms`)."""
 SAA = "saa"
 """Parm's S2 combine with its all-to-all overlapped with the MP all-gather: an ``alltoall`` choice
 only for the schedules behind tensor-parallel attention."""
 ALLTOALL_CHOICES = (*ALLTOALL_ALGORITHMS, SAA, "auto")
+"""The ``alltoall`` setting's values: an algorithm, Parm's ``saa``, or ``auto`` (planned per iteration)."""
 PIPELINE_POLICIES = ("auto", "model", "search", "smart")
 """How the expert-parallel region is pipelined: planned per iteration (``auto``, ``model``,
 ``search``: capacity-chunk degrees and algorithms, with FasterMoE's smart schedule among the
 candidates), or FasterMoE's smart schedule forced (``smart``); an int forces a capacity-chunk degree."""
 MAX_PIPELINE_DEGREE = 64
+"""The largest capacity-chunk degree ``pipeline`` may force."""
 
 
 def ffn_projections(activation: str) -> int:
@@ -299,6 +306,7 @@ def validate_parallel(parallel: object) -> str | int:
 
 
 SHADOWING_POLICIES = ("off", "auto")
+"""The ``shadowing`` settings that name a policy (the other value is a list of experts)."""
 
 
 def validate_shadowing(shadowing: object, num_experts: int) -> str | tuple[int, ...]:
@@ -381,6 +389,7 @@ def validate_r(r: int, num_experts: int, world_size: int) -> int:
 
 
 def validate_capacity_factor(capacity_factor: object) -> float:
+    """``capacity_factor`` as a float; a non-number or a non-finite value raises."""
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):
         raise ValueError(f"capacity_factor must be a number, got {capacity_factor!r}")
     if not math.isfinite(capacity_factor):
@@ -409,11 +418,13 @@ def renamed_settings(values: dict[str, Any], renames: dict[str, str], source: st
 
 
 def require_positive_int(name: str, value: object) -> None:
+    """Raise unless ``value`` is an integer >= 1 (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def require_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise unless ``value`` is one of ``choices``, naming them."""
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
 

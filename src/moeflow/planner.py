@@ -2,6 +2,7 @@
 algorithm (a :class:`~moeflow.perf.schedules.Plan`), ranked across schedules with one cost model.
 
 Policies (``pipeline=``):
+
 - ``"model"``: PipeMoE. Predict every (d, algorithm) with the event recurrences on the calibrated
   profile and take the fastest (cached per capacity).
 - ``"search"``: Tutel 3.3. A dictionary keyed by floor(capacity / R): on a new key, each candidate
@@ -45,8 +46,11 @@ from moeflow.perf.schedules import (
 from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)
+"""The pipeline degrees the online search times."""
 MAX_MODEL_DEGREE = 16
-MIN_GAIN = 0.05  # a plan with more chunks must beat the simpler ones by this fraction
+"""The largest pipeline degree the cost model ranks."""
+MIN_GAIN = 0.05
+"""The fraction by which a plan with more chunks must beat the simpler ones to be chosen."""
 ReduceMax = Callable[[Sequence[float]], list[float]]
 
 

@@ -27,6 +27,7 @@ from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS
 
 ALGORITHMS = ALLTOALL_ALGORITHMS
+"""The all-to-all algorithms: ``linear``, ``2dh`` (Tutel's two-dimensional hierarchical) and ``pairwise``."""
 SplitMatrix = list[list[int]]  # rows[s][d]: rows rank s sends to rank d
 
 

@@ -31,10 +31,12 @@ def default_group() -> ProcessGroup | None:
 
 
 def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 for None (a single process)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 for None (a single process)."""
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -85,6 +87,7 @@ class ParallelGroups:
     - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
     - the intra-node and inter-node groups are created on the first topology-aware all-to-all (a
       collective: all ranks get there in the same order) and kept here.
+
     ``ParallelGroups.single_process()`` is the no-communication value.
     """
 

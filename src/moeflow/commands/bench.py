@@ -38,10 +38,12 @@ def _add_layer(benches: Any) -> None:
     )
     layer.add_argument("--tokens", type=int, default=4096, help="tokens per worker (default 4096)")
     layer.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
-    layer.add_argument("--hidden-dim", type=positive_int, default=None, help="expert hidden size H")
-    layer.add_argument("--num-experts", type=positive_int, default=None, help="number of experts E")
+    layer.add_argument("--hidden-dim", type=positive_int, default=None,
+                       help="expert hidden size H (default: the two target shapes; with --num-experts alone, 2048)")
+    layer.add_argument("--num-experts", type=positive_int, default=None,
+                       help="number of experts E (default: the two target shapes; with --hidden-dim alone, 8)")
     add_renamed_flag(layer, "--experts", "--num-experts", type=positive_int)
-    layer.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default 2)")
+    layer.add_argument("--top-k", type=positive_int, default=2, help="experts each token is routed to (default 2)")
     layer.add_argument("--capacity-factor", type=float, default=1.0, help="Tutel's capacity factor (default 1)")
     layer.add_argument("--activation", default="gelu", choices=("relu", "gelu", "silu", "swiglu"),
                        help="expert activation (default gelu)")
@@ -50,7 +52,7 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
-    layer.add_argument("--device", default="cpu", help="cpu or cuda[:N] (one process; default cpu)")
+    layer.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (one process; default cpu)")
     layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
     layer.add_argument("--matmul-size", type=positive_int, default=2048,
@@ -127,15 +129,16 @@ def _add_kernels(benches: Any) -> None:
         "(torch; Triton on CUDA; torch._grouped_mm where it runs), beside a matmul and a copy of the same run that "
         "give the device's compute rate and memory bandwidth.",
     )
-    kernels.add_argument("--tokens", type=positive_int, default=16384, help="tokens (default 16384)")
+    kernels.add_argument("--tokens", type=positive_int, default=16384, help="tokens routed (default 16384)")
     kernels.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
     kernels.add_argument("--hidden-dim", type=positive_int, default=1408, help="expert hidden size H (default 1408)")
-    kernels.add_argument("--num-experts", type=positive_int, default=64, help="experts E (default 64)")
+    kernels.add_argument("--num-experts", type=positive_int, default=64, help="number of experts E (default 64)")
     add_renamed_flag(kernels, "--experts", "--num-experts", type=positive_int)
-    kernels.add_argument("--top-k", type=positive_int, default=8, help="experts per token (default 8)")
-    kernels.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    kernels.add_argument("--top-k", type=positive_int, default=8, help="experts each token is routed to (default 8)")
+    kernels.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (default cpu)")
     kernels.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
-                         help="default: bf16 on CUDA, fp32 on CPU")
+                         help="dtype of the tokens, the weights and the peak matmul (default bf16 on CUDA, fp32 on "
+                         "CPU)")
     kernels.add_argument("--matmul-size", type=positive_int, default=None,
                          help="side of the square peak matmul (default 8192 on CUDA, 2048 on CPU)")
     kernels.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
@@ -184,9 +187,10 @@ def _add_overlap(benches: Any) -> None:
     overlap.add_argument("--model-dim", type=positive_int, default=1024, help="model dimension M (default 1024)")
     overlap.add_argument("--hidden-dim", type=positive_int, default=2048, help="expert hidden size H (default 2048)")
     overlap.add_argument("--degrees", type=positive_int, nargs="+", default=[1, 2, 4, 8],
-                         help="pipeline degrees (default 1 2 4 8)")
-    overlap.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    overlap.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="default fp32")
+                         help="pipeline degrees to time (default 1 2 4 8)")
+    overlap.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (default cpu)")
+    overlap.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
+                         help="dtype of the expert weights and the chunks (default fp32)")
     overlap.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
     overlap.set_defaults(func=run_overlap)
 
@@ -221,12 +225,13 @@ def _add_alltoall(benches: Any) -> None:
         "alltoall", help="linear vs 2DH vs pairwise all-to-all on emulated clusters (needs root)",
     )
     alltoall.add_argument("--layouts", nargs="+", default=["2x2", "4x2", "1x4"],
-                          help="NODESxRANKS_PER_NODE, default 2x2 4x2 1x4")
+                          help="the emulated clusters to measure, each NODESxRANKS_PER_NODE (default 2x2 4x2 1x4)")
     alltoall.add_argument("--sizes", type=positive_int, nargs="+", default=None,
-                          help="bytes per destination (default 1 KiB .. 1 MiB)")
-    alltoall.add_argument("--inter-gbit", type=float, default=1.0, help="bandwidth between nodes, Gbit/s")
+                          help="message sizes to time, bytes per destination (default 1 KiB .. 1 MiB)")
+    alltoall.add_argument("--inter-gbit", type=float, default=1.0, help="bandwidth between nodes, Gbit/s (default 1)")
     alltoall.add_argument("--inter-latency-us", type=float, default=100.0,
-                          help="one-way latency between nodes (needs sch_netem; recorded when absent)")
+                          help="one-way latency between nodes in microseconds (needs sch_netem; recorded when absent; "
+                          "default 100)")
     alltoall.add_argument("--repeats", type=positive_int, default=7, help="timed rounds, medians (default 7)")
     alltoall.set_defaults(func=run_alltoall)
 
@@ -262,13 +267,16 @@ def _add_pipeline(benches: Any) -> None:
         "H=256 to computation-bound H=1024 at 1 Gbit/s). Without --profile the ranks calibrate the cluster first.",
     )
     _add_cluster_layout(pipeline, ranks_per_node=2)
-    pipeline.add_argument("--tokens", type=positive_int, nargs="+", default=[512, 1024], help="tokens per rank")
-    pipeline.add_argument("--model-dims", type=positive_int, nargs="+", default=[256, 512], help="model dimensions")
+    pipeline.add_argument("--tokens", type=positive_int, nargs="+", default=[512, 1024],
+                          help="tokens per rank to try (default 512 1024)")
+    pipeline.add_argument("--model-dims", type=positive_int, nargs="+", default=[256, 512],
+                          help="model dimensions M to try (default 256 512)")
     pipeline.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[256, 1024],
-                          help="expert hidden sizes")
+                          help="expert hidden sizes H to try (default 256 1024)")
     pipeline.add_argument("--experts-per-rank", type=positive_int, nargs="+", default=[1, 2],
-                          help="experts on each rank")
-    pipeline.add_argument("--top-k", type=positive_int, nargs="+", default=[1, 2], help="experts per token")
+                          help="experts on each rank to try (default 1 2)")
+    pipeline.add_argument("--top-k", type=positive_int, nargs="+", default=[1, 2],
+                          help="experts per token k to try (default 1 2)")
     pipeline.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
     pipeline.set_defaults(func=run_pipeline)
 
@@ -292,10 +300,10 @@ def _add_schedules(benches: Any) -> None:
     )
     _add_cluster_layout(schedules, ranks_per_node=1)
     schedules.add_argument("--num-experts", type=positive_int, nargs="+", default=[2, 4, 8],
-                           help="numbers of experts E to try")
+                           help="numbers of experts E to try (default 2 4 8)")
     add_renamed_flag(schedules, "--experts", "--num-experts", type=positive_int, nargs="+")
     schedules.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[64, 256, 1024],
-                           help="expert hidden sizes H to try")
+                           help="expert hidden sizes H to try (default 64 256 1024)")
     schedules.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     schedules.add_argument("--batch", type=positive_int, default=8, help="sequences per rank and step (default 8)")
     schedules.add_argument("--context", type=positive_int, default=128, help="tokens per sequence (default 128)")
@@ -322,12 +330,12 @@ def _add_parallel(benches: Any) -> None:
     )
     _add_cluster_layout(parallel, ranks_per_node=1)
     parallel.add_argument("--num-experts", type=positive_int, nargs="+", default=[1, 2],
-                          help="numbers of experts E (W > E shards each expert's hidden dimension)")
+                          help="numbers of experts E to try; W > E shards each expert's hidden dimension (default 1 2)")
     add_renamed_flag(parallel, "--experts", "--num-experts", type=positive_int, nargs="+")
     parallel.add_argument("--hidden-dims", type=positive_int, nargs="+", default=[256, 2048],
-                          help="expert hidden sizes H (two expert sizes, as Tutel Fig. 12)")
+                          help="expert hidden sizes H to try (default 256 2048: two expert sizes, as Tutel Fig. 12)")
     parallel.add_argument("--capacity-factors", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0],
-                          help="capacity factors f")
+                          help="capacity factors f to try (default 1 2 4 8)")
     parallel.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank (default 512)")
     parallel.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     parallel.add_argument("--mp", type=positive_int, default=1,
@@ -357,18 +365,19 @@ def _add_skew(benches: Any) -> None:
     )
     _add_cluster_layout(skew, ranks_per_node=1)
     skew.add_argument("--skews", nargs="+", default=["uniform", "zipf:1.2", "one-hot"],
-                      help="uniform, zipf:<s>, one-hot (default: uniform zipf:1.2 one-hot)")
+                      help="routing distributions to pin: uniform, zipf:<s>, one-hot (default: uniform zipf:1.2 "
+                      "one-hot)")
     skew.add_argument("--trace", default=None,
                       help="a training run's directory or metrics.jsonl: replay each block's recorded load")
     skew.add_argument("--trace-steps", type=positive_int, default=10,
                       help="average the load over this many last recorded steps (default 10)")
     skew.add_argument("--num-experts", type=positive_int, default=4,
-                      help="experts E (default 4; a trace sets its own)")
+                      help="number of experts E (default 4; a trace sets its own)")
     add_renamed_flag(skew, "--experts", "--num-experts", type=positive_int)
     skew.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
     skew.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
     skew.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
-    skew.add_argument("--top-k", type=positive_int, default=1, help="experts per token (default 1)")
+    skew.add_argument("--top-k", type=positive_int, default=1, help="experts each token is routed to (default 1)")
     skew.add_argument("--redundant-experts", type=positive_int, default=None,
                       help="extra expert slots of the redundant mode (default: one per rank)")
     skew.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
@@ -427,16 +436,20 @@ def _add_contention(benches: Any) -> None:
     )
     _add_cluster_layout(contention, ranks_per_node=1)
     contention.add_argument("--kinds", nargs="+", default=["links", "step", "packing"],
-                            choices=("links", "step", "packing"), help="which measurements (default all)")
+                            choices=("links", "step", "packing"),
+                            help="which measurements to make: links, step, packing (default all)")
     contention.add_argument("--models", nargs="+", default=["default", "large"], choices=("default", "large"),
                             help="step: the trainer's default model and/or a wider one (default both)")
     contention.add_argument("--microop-mb", nargs="+", type=float, default=[1.0],
-                            help="Lina's micro-op sizes to measure (default 1)")
-    contention.add_argument("--bucket-mb", type=float, default=1.0, help="overlap's bucket size (default 1)")
-    contention.add_argument("--alltoall-mb", type=float, default=5.0, help="links: each all-to-all's buffer")
-    contention.add_argument("--allreduce-mb", type=float, default=8.0, help="links: gradients to all-reduce")
+                            help="Lina's micro-op sizes to measure, in MB (default 1)")
+    contention.add_argument("--bucket-mb", type=float, default=1.0,
+                            help="megabytes at which a gradient bucket of --grad-sync overlap closes (default 1)")
+    contention.add_argument("--alltoall-mb", type=float, default=5.0,
+                            help="links: megabytes in each all-to-all's buffer (default 5)")
+    contention.add_argument("--allreduce-mb", type=float, default=8.0,
+                            help="links: megabytes of gradients to all-reduce (default 8)")
     contention.add_argument("--steps", type=positive_int, default=5, help="step: timed steps per mode (default 5)")
-    contention.add_argument("--repeats", type=positive_int, default=5, help="links: timed rounds (default 5)")
+    contention.add_argument("--repeats", type=positive_int, default=5, help="links: timed rounds, medians (default 5)")
     contention.set_defaults(func=run_contention)
 
 
@@ -464,8 +477,10 @@ def _add_train(benches: Any) -> None:
         "the matmul throughput of the same workers; medians over the steps after --warmup.",
     )
     train.add_argument("--steps", type=positive_int, default=40, help="training steps (default 40)")
-    train.add_argument("--warmup", type=int, default=15, help="steps left out (planner trials, warm-up)")
-    train.add_argument("--workers", type=positive_int, default=None, help="default: the config's (2)")
+    train.add_argument("--warmup", type=int, default=15,
+                       help="first steps left out of the medians (planner trials, warm-up; default 15)")
+    train.add_argument("--workers", type=positive_int, default=None,
+                       help="worker processes that train (default: the config's, 2)")
     train.add_argument("--config", default=None, help="a TOML, YAML or JSON file of training settings")
     train.set_defaults(func=run_train)
 
@@ -500,13 +515,15 @@ def _add_generate(benches: Any) -> None:
     generate.add_argument("--models", nargs="+", default=["mixtral", "qwen3"], choices=("mixtral", "qwen3"),
                           help="Mixtral-like (E=8, k=2) and/or Qwen3-MoE-like (E=64, k=8) (default both)")
     generate.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8, 32],
-                          help="sequences per worker (default 1 8 32)")
-    generate.add_argument("--prompt-tokens", type=positive_int, default=32, help="prompt length (default 32)")
-    generate.add_argument("--new-tokens", type=positive_int, default=16, help="tokens generated (default 16)")
+                          help="batch sizes to time, sequences per worker (default 1 8 32)")
+    generate.add_argument("--prompt-tokens", type=positive_int, default=32, help="prompt length in tokens (default 32)")
+    generate.add_argument("--new-tokens", type=positive_int, default=16,
+                          help="tokens generated per sequence (default 16)")
     generate.add_argument("--repeats", type=positive_int, default=3, help="timed generations each (default 3)")
     generate.add_argument("--workers", type=positive_int, default=1, choices=(1, 2),
-                          help="1: this process; 2: the emulated 2x1 cluster")
-    generate.add_argument("--inter-gbit", type=float, default=1.0, help="--workers 2: bandwidth between nodes")
+                          help="processes: 1 runs here; 2 runs expert parallel on the emulated 2x1 cluster (default 1)")
+    generate.add_argument("--inter-gbit", type=float, default=1.0,
+                          help="--workers 2: bandwidth between nodes, Gbit/s (default 1)")
     generate.set_defaults(func=run_generate)
 
 
@@ -557,14 +574,16 @@ def _add_lina_inference(benches: Any) -> None:
     )
     parser.add_argument("--models", nargs="+", default=["trained", "skewed", "colocated", "uniform"],
                         choices=("trained", "skewed", "colocated", "uniform"),
-                        help="models (trained needs --checkpoint)")
+                        help="the models to schedule: trained (needs --checkpoint), skewed, colocated, uniform "
+                        "(default all)")
     parser.add_argument("--checkpoint", default=None, help="a moeflow train run folder (the trained model)")
     parser.add_argument("--batch", type=positive_int, default=4, help="sequences per worker per batch (default 4)")
     parser.add_argument("--context", type=positive_int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--batches", type=positive_int, default=20, help="timed batches per schedule (default 20)")
     parser.add_argument("--max-experts-per-rank", type=positive_int, default=8,
                         help="Lina's packing limit (default 8: E=8 on 2 workers leaves room to balance)")
-    parser.add_argument("--plot", metavar="PNG", help="write the Fig. 16-style plot of the times over ideal's")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="write the Fig. 16-style plot of the times over ideal's to this PNG")
     _add_cluster_layout(parser, 1)
     parser.set_defaults(func=run_lina_inference)
 
@@ -599,12 +618,15 @@ def _add_simulator(benches: Any) -> None:
         description="Per layout and bandwidth: calibrate, measure every fixed (degree, all-to-all) of bench "
         "pipeline, simulate the same on the calibrated profile's twin; errors and the simulator's plan regret.",
     )
-    sim.add_argument("--layouts", default="2x1,2x2", help="nodes x ranks per node, comma list (default 2x1,2x2)")
-    sim.add_argument("--bandwidths", default="0.5,1,2", help="inter-node Gbit/s, comma list (default 0.5,1,2)")
+    sim.add_argument("--layouts", default="2x1,2x2",
+                     help="the emulated clusters, nodes x ranks per node, comma list (default 2x1,2x2)")
+    sim.add_argument("--bandwidths", default="0.5,1,2",
+                     help="inter-node bandwidths in Gbit/s, comma list (default 0.5,1,2)")
     sim.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
     sim.add_argument("--profiles", default=None,
                      help="folder that keeps the calibrated profiles and measured.jsonl (default: temporary)")
-    sim.add_argument("--plot", default=None, metavar="PNG", help="write the scatter plot of simulated vs measured")
+    sim.add_argument("--plot", default=None, metavar="PNG",
+                     help="write the scatter plot of simulated vs measured to this PNG")
     sim.add_argument("--replay", default=None, metavar="FOLDER",
                      help="score a recorded run again (its measured.jsonl and profiles) instead of measuring")
     sim.set_defaults(func=run_simulator)
@@ -666,8 +688,9 @@ def _add_papers(benches: Any) -> None:
         description="Tutel Table 6 and Fig. 14, PipeMoE Table VI, FasterMoE Fig. 13, Lina's all-to-all under "
         "contention: one JSON line per cell (simulated, published, their ratio) and a summary per table.",
     )
-    papers.add_argument("--only", nargs="+", choices=sorted(TRENDS), default=None, help="these tables only")
-    papers.add_argument("--plot", default=None, metavar="FOLDER", help="write one bar chart per table here")
+    papers.add_argument("--only", nargs="+", choices=sorted(TRENDS), default=None,
+                        help="simulate only these tables (default all)")
+    papers.add_argument("--plot", default=None, metavar="FOLDER", help="write one bar chart per table into this folder")
     papers.set_defaults(func=run_papers)
 
 

@@ -23,20 +23,23 @@ def add_parser(commands: Any) -> None:
         "cluster", help="create an emulated cluster, probe its links, print JSON, tear it down (needs root)"
     )
     _add_cluster_arguments(cluster)
-    cluster.add_argument("--cleanup", action="store_true", help="only delete namespaces left by killed runs")
+    cluster.add_argument("--cleanup", action="store_true",
+                         help="only delete the network namespaces that killed runs left behind")
     cluster.set_defaults(func=run_cluster)
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=positive_int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=positive_int, default=2, help="ranks on each node (default 2)")
-    parser.add_argument("--inter-gbit", type=float, default=1.0, help="inter-node bandwidth per node (Gbit/s)")
+    parser.add_argument("--inter-gbit", type=float, default=1.0,
+                        help="inter-node bandwidth per node, Gbit/s (default 1)")
     parser.add_argument("--inter-latency-us", type=float, default=0.0,
-                        help="one-way inter-node latency (needs the kernel's sch_netem)")
+                        help="one-way inter-node latency in microseconds (needs the kernel's sch_netem; default 0)")
     parser.add_argument("--inter-jitter-us", type=float, default=0.0,
-                        help="latency jitter in microseconds (needs sch_netem)")
+                        help="latency jitter in microseconds (needs sch_netem; default 0)")
     parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port of rank 0 (default 29500)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop every rank after this many seconds")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop every rank after this many seconds (default: no limit)")
 
 
 def _cluster_spec(args: argparse.Namespace) -> Any:

@@ -21,7 +21,8 @@ def add_parser(commands: Any) -> None:
     source.add_argument("--hf", metavar="DIR", help="a local transformers directory (config + safetensors)")
     generate.add_argument("--prompt", default="def ", help="--checkpoint: text to continue (default 'def ')")
     generate.add_argument("--tokens", type=int, default=200, help="--checkpoint: tokens to sample (default 200)")
-    generate.add_argument("--top-k", type=int, default=50, help="--checkpoint: sample among the k likeliest (50)")
+    generate.add_argument("--top-k", type=int, default=50,
+                          help="--checkpoint: sample among the k likeliest tokens (default 50)")
     generate.add_argument(
         "--temperature", type=float, default=None, help="sampling temperature (default 0.8; --hf: 0, greedy)"
     )
@@ -31,21 +32,29 @@ def add_parser(commands: Any) -> None:
         help="--hf: one prompt per line, or JSON lines with 'prompt' (text) or 'input_ids' (token ids)",
     )
     generate.add_argument("--workers", type=positive_int, default=1, help="--hf: gloo worker processes (default 1)")
-    generate.add_argument("--max-new-tokens", type=positive_int, default=64, help="--hf: new tokens per prompt (64)")
-    generate.add_argument("--top-p", type=float, default=1.0, help="--hf: nucleus sampling mass (default 1)")
-    generate.add_argument("--batch-size", type=positive_int, default=8, help="--hf: prompts per forward per worker (8)")
-    generate.add_argument("--dtype", default=None, help="--hf: fp32, bf16, fp16, or torch's names (default: as saved)")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=64,
+                          help="--hf: new tokens per prompt (default 64)")
+    generate.add_argument("--top-p", type=float, default=1.0,
+                          help="--hf: nucleus sampling: sample among the likeliest tokens holding this probability "
+                          "mass (default 1: all)")
+    generate.add_argument("--batch-size", type=positive_int, default=8,
+                          help="--hf: prompts per forward per worker (default 8)")
+    generate.add_argument("--dtype", default=None,
+                          help="--hf: load the model in this dtype: fp32, bf16, fp16 or torch's names "
+                          "(default: as saved)")
     generate.add_argument(
         "--schedule", choices=("static", "lina", "oracle"), default="static",
         help="--hf: where the experts run per batch: static (the expert-parallel placement), lina (estimated from "
         "token paths, re-planned when wrong) or oracle (from the gate's counts); default static",
     )
     generate.add_argument("--routing-profile", metavar="FILE",
-                          help="--schedule lina: the profile (default: routing_profile.safetensors in the model dir)")
+                          help="--schedule lina: the routing profile (moeflow profile-routing) to estimate "
+                          "with (default: routing_profile.safetensors in the model dir)")
     generate.add_argument("--max-experts-per-rank", type=positive_int, default=4,
                           help="--schedule lina|oracle: most experts one worker computes (default 4, as Lina)")
     generate.add_argument("--schedule-log", metavar="FILE",
-                          help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate")
+                          help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate "
+                          "to this JSON lines file")
     generate.set_defaults(func=run_generate)
 
 

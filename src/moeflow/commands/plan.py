@@ -12,13 +12,17 @@ from moeflow.commands import add_renamed_flag, fail, positive_int
 
 
 def add_parser(commands: Any) -> None:
-    plan = commands.add_parser("plan", help="predicted times of an MoE layer from a calibrated profile")
+    plan = commands.add_parser(
+        "plan", help="predict an MoE layer's plans from a calibrated profile (--profile), or rank whole training "
+        "steps' plans on the simulator (--cluster)",
+    )
     plan.add_argument("--profile", default=None, help="a profile written by moeflow calibrate: one layer's plans")
     plan.add_argument("--cluster", default=None,
                       help="the joint planner instead: a simulator cluster (shipped name, TOML, or calibrate JSON); "
                       "ranks schedule x degree x algorithm x shadowing for a whole training step on the simulator")
     plan.add_argument("--model", default=None, help="with --cluster: a shipped model name or TOML model file")
-    plan.add_argument("--nodes", type=positive_int, default=None, help="with --cluster: override the node count")
+    plan.add_argument("--nodes", type=positive_int, default=None,
+                      help="with --cluster: resize the cluster to this many nodes")
     plan.add_argument("--top", type=positive_int, default=5, help="with --cluster: plans to print (default 5)")
     plan.add_argument("--prioritize-alltoall", action="store_true",
                       help="with --cluster: all-to-alls take the links before the gradient all-reduce (Lina)")

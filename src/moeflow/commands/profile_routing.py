@@ -23,12 +23,16 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--corpus", metavar="FILE",
                         help="a text file to profile on (--checkpoint: default the run's training split)")
     parser.add_argument("--tokens", type=positive_int, default=32768, help="tokens to profile (default 32768)")
-    parser.add_argument("--path-length", type=positive_int, default=3, help="Lina's path length l (default 3)")
+    parser.add_argument("--path-length", type=positive_int, default=3,
+                        help="Lina's path length l: how many earlier layers' choices a token's path holds "
+                        "(default 3)")
     parser.add_argument("--context", type=positive_int, default=None,
                         help="tokens per sequence (default: the checkpoint's context; --hf: 256)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward (default 8)")
-    parser.add_argument("--output", metavar="FILE", help="where to write (default: beside the model)")
-    parser.add_argument("--dtype", default=None, help="--hf: fp32, bf16, fp16, or torch's names (default: as saved)")
+    parser.add_argument("--output", metavar="FILE", help="where to write the profile "
+                        "(default: routing_profile.safetensors beside the model)")
+    parser.add_argument("--dtype", default=None, help="--hf: load the model in this dtype: fp32, bf16, fp16 or "
+                        "torch's names (default: as saved)")
     parser.set_defaults(func=run_profile_routing)
 
 

@@ -20,25 +20,29 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--model", default=None, help="a shipped model's name or a TOML model file (default: moeflow's)")
     sim.add_argument("--list", action="store_true", help="print the shipped cluster and model profiles and exit")
     for name, kind, text in (
-        ("layers", positive_int, "MoE transformer layers"), ("num-experts", positive_int, "experts E"),
-        ("model-dim", positive_int, "model dimension M"), ("hidden-dim", positive_int, "expert hidden H"),
+        ("layers", positive_int, "number of MoE transformer layers"), ("num-experts", positive_int, "experts E"),
+        ("model-dim", positive_int, "model dimension M"), ("hidden-dim", positive_int, "expert hidden size H"),
         ("top-k", positive_int, "experts per token k"), ("tokens-per-rank", positive_int, "tokens per rank T"),
-        ("capacity-factor", float, "Tutel's capacity factor f"),
-        ("routing", str, "uniform, zipf:<s>, one-hot or a trace file (.npy, .json)"),
+        ("capacity-factor", float, "capacity factor f (Tutel's)"),
+        ("routing", str, "routing: uniform, zipf:<s>, one-hot or a trace file (.npy, .json)"),
     ):
         sim.add_argument(f"--{name}", type=kind, default=None, help=f"override the model's {text}")
     add_renamed_flag(sim, "--experts", "--num-experts", type=positive_int)
-    sim.add_argument("--nodes", type=positive_int, default=None, help="override the cluster's node count")
-    sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the GPUs per node")
+    sim.add_argument("--nodes", type=positive_int, default=None, help="resize the cluster to this many nodes")
+    sim.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the cluster's GPUs per node")
     sim.add_argument("--schedule", default="expert",
                      help="comma list of simulated schedules (the registry's; default expert)")
     sim.add_argument("--mp", type=positive_int, default=1,
                      help="tensor-parallel attention over this many ranks of a node (Parm's schedules; default 1)")
     sim.add_argument("--esp", type=positive_int, default=1,
                      help="each expert sharded over this many ranks of a node (Parm's schedules; default 1)")
-    sim.add_argument("--degree", default="1", help="comma list of pipeline degrees (default 1)")
-    sim.add_argument("--algorithm", default="linear", help="comma list of linear, 2dh, pairwise (default linear)")
-    sim.add_argument("--allreduce", default="auto", choices=("auto", "ring", "tree"), help="gradient all-reduce")
+    sim.add_argument("--degree", default="1", help="comma list of pipeline degrees to simulate (default 1)")
+    sim.add_argument("--algorithm", default="linear",
+                     help="comma list of all-to-all algorithms to simulate: linear, 2dh, pairwise "
+                     "(default linear)")
+    sim.add_argument("--allreduce", default="auto", choices=("auto", "ring", "tree"),
+                     help="the gradient all-reduce's algorithm: ring, tree, or auto (the faster alone, as NCCL's "
+                     "tuner picks; default auto)")
     sim.add_argument("--prioritize-alltoall", action="store_true",
                      help="all-to-alls take the links before the gradient all-reduce (Lina)")
     sim.add_argument("--inference", action="store_true", help="one forward batch instead of a training step")

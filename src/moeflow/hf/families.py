@@ -50,7 +50,9 @@ FAMILIES = (
     Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", "input", None, None),
     Family("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE", "sigmoid", "fp32", "shared_experts", None),
 )
+"""The transformers MoE families moeflow converts: each one's sparse block class and routing conventions."""
 SUPPORTED = ", ".join(f"{f.name} ({f.block_class})" for f in FAMILIES)
+"""The supported families and their block classes, as error messages name them."""
 
 
 def family_of(block: nn.Module) -> Family | None:

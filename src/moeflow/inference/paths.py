@@ -23,9 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-PATH_LENGTH = 3  # Lina's default l
+PATH_LENGTH = 3
+"""Lina's default path length l: how many earlier layers' choices a token's path holds."""
 MIN_PATH_TOKENS = 4  # a path seen by fewer profiled tokens falls back to a shorter one
 PROFILE_FILE = "routing_profile.safetensors"
+"""The file name ``moeflow profile-routing`` saves a routing profile under, beside the model."""
 
 
 def routing_fingerprint(gates: Sequence[nn.Module]) -> str:

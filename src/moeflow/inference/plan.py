@@ -21,7 +21,8 @@ import numpy as np
 
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 
-MAX_EXPERTS_PER_RANK = 4  # Lina §7.3: the most experts a device hosts in inference
+MAX_EXPERTS_PER_RANK = 4
+"""Lina §7.3: the most experts a device hosts in inference."""
 _SLACK = 1e-9  # shares are floats: "fits" tolerates rounding
 
 

@@ -31,11 +31,16 @@ from moeflow.parallel.redundant import rank_loads
 from moeflow.routing.selection import ExpertChoice
 
 INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
+"""The inference schedules; all but ``static`` (the layer's own placement) run an :class:`InferenceScheduler`."""
 COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts are the gate's
 
 
 @dataclass(frozen=True)
 class SchedulerSettings:
+    """How an :class:`InferenceScheduler` schedules: which schedule, the most experts a rank may
+    host, the path length l of the estimate, how many top experts must agree with the gate's to
+    skip phase 2, and the fewest profiled tokens a path needs to be used."""
+
     schedule: str = "lina"
     max_experts_per_rank: int = MAX_EXPERTS_PER_RANK
     path_length: int = PATH_LENGTH

@@ -41,7 +41,9 @@ if TYPE_CHECKING:
     Region = Callable[[StepBuilder, LayerLoad, list[int], bool], list[int]]
 
 AUTO = "auto"
-PARM_AUTO = "parm"  # the schedule 'auto' runs behind tensor-parallel attention: S1 or S2 per iteration
+"""The ``parallel`` setting that lets moeflow choose the schedule."""
+PARM_AUTO = "parm"
+"""The schedule ``parallel='auto'`` runs behind tensor-parallel attention: Parm's S1 or S2, chosen per iteration."""
 
 
 @dataclass(frozen=True)
@@ -82,17 +84,22 @@ SCHEDULES: tuple[ScheduleSpec, ...] = (
                  replicated_region, ranked_by_auto=True),
     ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda mp: AdaptiveSchedule(),
                  adaptive_region, ranked_by_auto=True),
-    ScheduleSpec("s1", "Parm §IV: schedule S1", lambda mp: ParmSchedule(mp, "s1"), s1_region,
+    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda mp: ParmSchedule(mp, "s1"), s1_region,
                  behind_model_parallel=True),
-    ScheduleSpec("s2", "Parm §IV: schedule S2", lambda mp: ParmSchedule(mp, "s2"), s2_region,
+    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda mp: ParmSchedule(mp, "s2"), s2_region,
                  behind_model_parallel=True),
     ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP", BaselineSchedule, baseline_region,
                  behind_model_parallel=True),
 )
+"""Every schedule the ``parallel`` setting names, one record each."""
 SCHEDULE_SPECS = MappingProxyType({spec.name: spec for spec in SCHEDULES})
+"""The schedule records by name."""
 PARALLEL_SCHEDULES = tuple(SCHEDULE_SPECS)
+"""The schedules' names."""
 PARALLEL_CHOICES = (AUTO, *PARALLEL_SCHEDULES)
+"""The ``parallel`` setting's names (it also takes Tutel's r, an int)."""
 MODEL_PARALLEL_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.behind_model_parallel)
+"""The schedules that run behind tensor-parallel attention (they need an ``mp_group``)."""
 RAGGED_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.takes_ragged)
 """The ``parallel`` choices that run whole local experts on their received slots (the ragged kernel)."""
 
@@ -116,7 +123,7 @@ FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",
                 "fixes the all-to-all algorithm", "alltoall='auto' or 'linear'", (*PARALLEL_SCHEDULES, PARM_AUTO),
                 lambda c: c.alltoall not in (AUTO, "linear", SAA)),
-    FeatureSpec("alltoall='saa'", "Parm §IV-C: S2's combine overlapped with the MP all-gather",
+    FeatureSpec("alltoall='saa'", "Parm §III-D: S2's combine overlapped with the MP all-gather",
                 "overlaps Parm's S2 combine with the MP all-gather", "alltoall='linear'", ("s2", PARM_AUTO),
                 lambda c: c.alltoall == SAA),
     FeatureSpec("expert packing", "Lina §4.2: expert packing",
@@ -126,7 +133,9 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 "places the experts per batch over whole experts", "no inference scheduling", ("expert", "replicated"),
                 excludes=("shadowing", "redundant_experts", "topology_gate")),
 )
+"""Every technique turned on beside a schedule, one record each."""
 FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})
+"""The feature records by name."""
 SIMULATED_REGIONS = MappingProxyType({
     **{spec.name: spec.region for spec in SCHEDULES},
     **{SMART: FEATURE_SPECS["pipeline='smart'"].region},
@@ -177,6 +186,8 @@ def expected_schedule(parallel: str | int, num_experts: int, world_size: int, mp
 
 @dataclass(frozen=True)
 class ScheduleChoice:
+    """The schedule :func:`select_schedule` chose, and why."""
+
     schedule: ParallelSchedule
     reason: str  # "forced", "default" (no profile or token hint), "layout" (W > E), "model" or "mp_group"
 

@@ -107,6 +107,9 @@ class _ModelledSchedule(ModelledSchedule):
 
 @dataclass(frozen=True)
 class ExpertParallelSchedule(_ModelledSchedule):
+    """Expert parallelism: each rank holds E/W whole experts and tokens travel to them by
+    all-to-all."""
+
     name: str = "expert"
     takes_ragged = True
 
@@ -136,6 +139,8 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
 @dataclass(frozen=True)
 class ReplicatedSchedule(_ModelledSchedule):
+    """Every rank holds every expert: tokens stay on their rank and no all-to-all runs."""
+
     name: str = "replicated"
     takes_ragged = True
 

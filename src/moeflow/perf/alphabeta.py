@@ -47,6 +47,6 @@ def fit_alpha_beta(xs: Sequence[float], seconds: Sequence[float], unit: str = ""
 
 
 def median_relative_error(model: AlphaBeta, xs: Sequence[float], seconds: Sequence[float]) -> float:
-    """Median of |predicted - measured| / measured over held-out points."""
+    """Median of ``|predicted - measured| / measured`` over held-out points."""
     errors = [abs(model(x) - t) / t for x, t in zip(xs, seconds, strict=True) if t > 0]
     return float(np.median(errors)) if errors else 0.0

@@ -12,6 +12,7 @@ from typing import Any
 from moeflow.perf.alphabeta import AlphaBeta
 
 PROFILE_VERSION = 1
+"""The version a saved profile carries; loading one of another version asks to re-run ``moeflow calibrate``."""
 SPEED_PROBE = {"tokens": 1024, "model_dim": 512, "hidden_dim": 1024}
 """The reference expert FFN (one expert, forward + backward) a benchmark times beside its settings:
 its time over the one the profile's FFN fits predict is how fast the machine ran then, compared

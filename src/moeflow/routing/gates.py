@@ -75,6 +75,7 @@ def build_gate(
     kind: str, model_dim: int, num_experts: int, projection_dim: int, min_temperature: float,
     precision: str = "fp32",
 ) -> LinearGate | CosineGate:
+    """The gate ``MoEConfig.gate`` names: ``softmax`` a :class:`LinearGate`, ``cosine`` a :class:`CosineGate`."""
     if kind == "softmax":
         return LinearGate(model_dim, num_experts, logits_in_input_dtype=precision == "input")
     if kind == "cosine":

@@ -21,6 +21,7 @@ class ExpertChoice:
 
 
 def routing_scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Routing scores from the gate's logits: ``softmax`` over the experts or an element-wise ``sigmoid``."""
     if score_function == "softmax":
         return torch.softmax(logits_TE, dim=-1)
     if score_function == "sigmoid":

@@ -45,7 +45,7 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
     inter = _link(profile.fits.get("alltoall.inter_node"), nodes)
     if intra is None and inter is None:
         raise ValueError("the profile has neither alltoall.intra_node nor alltoall.inter_node; "
-                         "calibrate with 2 or more ranks (moeflow calibrate --nproc 2)")
+                         "calibrate with 2 or more ranks (moeflow calibrate --workers 2)")
     sources = {
         "intra_node": "fit alltoall.intra_node: bandwidth (g - 1) / (g beta), latency alpha" if intra else
         "one rank per node: no intra-node link (copied from inter_node, never used)",

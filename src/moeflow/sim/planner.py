@@ -14,7 +14,9 @@ from moeflow.sim.step import StepPlan, StepResult, simulate_step
 from moeflow.sim.workload import ModelSpec, routing_loads
 
 DEGREES = (1, 2, 4, 8)
+"""The pipeline degrees the plan search tries."""
 SHADOWED = (0, 1, 2, 4)
+"""The numbers of shadowed experts the plan search tries."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ def parm_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace) -> list[S
 
 
 def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
+    """Every plan the search simulates for ``model`` on ``cluster``: each schedule whose layout fits,
+    at each pipeline degree, all-to-all algorithm and number of shadowed experts in ``space``."""
     world, num_experts = cluster.world_size, model.dims.num_experts
     if space.mp > 1:
         return parm_plans(cluster, model, space)

@@ -33,6 +33,9 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """An emulated cluster: nodes, ranks per node, and the inter-node links' bandwidth (Gbit/s),
+    latency and jitter (microseconds)."""
+
     nodes: int
     ranks_per_node: int
     inter_gbit: float = 1.0

@@ -26,7 +26,9 @@ from moeflow.models import TrainableLM
 from moeflow.parallel.placement import PlacedParameter, gather_full
 
 CHECKPOINTS = "checkpoints"
+"""The folder of a run's checkpoints, one ``step-*`` folder each."""
 LATEST = "latest"
+"""The file in :data:`CHECKPOINTS` that names the newest checkpoint."""
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -104,6 +106,7 @@ def latest_checkpoint(path: Path) -> Path | None:
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint folder's ``state.json``: the run's config and progress."""
     return json.loads((checkpoint / "state.json").read_text())
 
 

@@ -32,6 +32,7 @@ from moeflow.training.trainer import Job, device_for, train_worker
 
 
 def launched_by_torchrun() -> bool:
+    """Whether a launcher started this process as one rank (RANK and WORLD_SIZE are set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 

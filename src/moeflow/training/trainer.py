@@ -42,7 +42,8 @@ from moeflow.training.optimizer import build_optimizer, learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
 from moeflow.training.rebalance import ExpertRebalancer
 
-HF_CHECKPOINT = "hf"  # with --hf, the transformers directory written at the end of the run
+HF_CHECKPOINT = "hf"
+"""With ``--hf``: the run folder's transformers directory, written at the end of the run."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""Train a small model of your own with a moeflow MoE layer inside, in a plain PyTorch loop.
+
+Run it on 2 CPU processes (gloo), or as one process::
+
+    torchrun --nproc-per-node 2 examples/train_loop.py
+    python examples/train_loop.py --steps 50
+
+The model is an embedding, one residual MoE feed-forward block and an output head, trained to
+predict the next token of a fixed random "bigram language" (each token has one successor), so the
+loss falls from ln(vocab) towards 0 within a few dozen steps. What it shows:
+
+- ``MoELayer(config, group=...)``: the experts are split over the processes (expert parallelism)
+  and tokens travel to their experts by all-to-all. The library never reads the environment: the
+  script initializes ``torch.distributed``, reads its rank and world size from it, and hands the
+  layer the group.
+- The layer's ``aux_loss`` (the load-balancing loss) added to the task loss.
+- Gradients by hand, as a data-parallel trainer does: the weights every process holds whole (the
+  embedding, the gate, the head) are averaged over the processes; an expert's gradient already sums
+  the tokens that every process sent it, so it is only divided by the world size.
+
+The last line it prints is a JSON summary (first and last loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow import MoEConfig, MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import topology_from_environment
+
+
+class TinyMoEModel(nn.Module):
+    """Embedding -> x + MoE(LayerNorm(x)) -> linear head over the vocabulary."""
+
+    def __init__(self, vocab: int, config: MoEConfig, groups: ParallelGroups) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, config.model_dim)
+        self.norm = nn.LayerNorm(config.model_dim)
+        self.moe = MoELayer(config, group=groups)
+        self.head = nn.Linear(config.model_dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.moe(self.norm(x))  # (batch, sequence, model_dim) in and out
+        return self.head(x)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per process and step (default 16)")
+    parser.add_argument("--sequence", type=int, default=32, help="tokens per sequence (default 32)")
+    parser.add_argument("--vocab", type=int, default=64, help="vocabulary size (default 64)")
+    parser.add_argument("--model-dim", type=int, default=32, help="model dimension (default 32)")
+    parser.add_argument("--hidden-dim", type=int, default=64, help="hidden size of each expert (default 64)")
+    parser.add_argument("--num-experts", type=int, default=4,
+                        help="experts of the MoE layer, a multiple of the process count (default 4)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token goes to (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate (default 0.01)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    return parser.parse_args()
+
+
+def start_processes() -> tuple[int, int, ParallelGroups]:
+    """Join the job torchrun started (it sets RANK, WORLD_SIZE, MASTER_ADDR, ...), or, run without
+    torchrun, a job of one process. Rank and world size come from torch.distributed itself."""
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend="gloo")
+    else:
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The expert-parallel group: all processes. The topology (how many share a node) is what the
+    # launcher says; an entry point like this one may read it, the library never does.
+    groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, world_size))
+    return rank, world_size, groups
+
+
+def batch_of_tokens(successor: torch.Tensor, args: argparse.Namespace, generator: torch.Generator):
+    """Sequences of the bigram language: a random first token, then each token's successor."""
+    tokens = torch.empty(args.batch, args.sequence + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=generator)
+    for t in range(args.sequence):
+        tokens[:, t + 1] = successor[tokens[:, t]]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def average_gradients(model: TinyMoEModel, world_size: int) -> None:
+    """Make every process's gradient the gradient of the mean loss over all processes."""
+    experts = {id(p) for p in model.moe.experts.parameters()}
+    for parameter in model.parameters():
+        if parameter.grad is None:
+            continue
+        if id(parameter) not in experts:  # held whole by every process: average the copies
+            dist.all_reduce(parameter.grad)
+        parameter.grad.div_(world_size)  # experts: their gradient already sums every process's tokens
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size, groups = start_processes()
+    if args.num_experts % world_size:
+        raise SystemExit(f"--num-experts {args.num_experts} must be a multiple of the {world_size} processes")
+
+    torch.manual_seed(args.seed)  # the same on every process: the weights held whole start equal
+    config = MoEConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim, num_experts=args.num_experts,
+                       top_k=args.top_k, parallel="expert")  # experts split over the group
+    model = TinyMoEModel(args.vocab, config, groups)
+    torch.manual_seed(args.seed + 1 + rank)  # but each process holds different experts: draw them apart
+    model.moe.experts.reset_parameters()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    successor = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(1234))  # the language
+    data = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each process reads its own batches
+    losses = []
+    for step in range(1, args.steps + 1):
+        inputs, targets = batch_of_tokens(successor, args, data)
+        logits = model(inputs)
+        task_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = task_loss + model.moe.aux_loss  # the balance loss, weighted by config.aux_loss_weight
+        optimizer.zero_grad()
+        loss.backward()
+        average_gradients(model, world_size)
+        optimizer.step()
+
+        mean_loss = task_loss.detach().clone()
+        dist.all_reduce(mean_loss)  # the task loss over all processes, for the log
+        losses.append(mean_loss.item() / world_size)
+        if rank == 0 and (step == 1 or step % 10 == 0 or step == args.steps):
+            per_expert = model.moe.last_stats.tokens_per_expert  # global counts, every process's tokens
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  tokens per expert {list(per_expert)}", flush=True)
+
+    if rank == 0:
+        print(json.dumps({"example": "train_loop", "world_size": world_size, "steps": args.steps,
+                          "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
