@@ -9,7 +9,7 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -306,13 +306,19 @@ class MoELayer(nn.Module):
 
     # -- state with all E experts ----------------------------------------------------------------
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a state dict that holds all E experts (a single-process run's, a checkpoint's, a
-        converted Hugging Face model's), keeping this rank's part of the placement."""
-        self.load_state_dict(shard_expert_state(state_dict, self.placement, self.rank), strict=strict)
+        converted Hugging Face model's), keeping this rank's part of the placement. The
+        auxiliary-loss-free selection bias ``gate.expert_bias`` may be absent, as it is from a
+        model that never had one: a strict load then sets it to zero, as in a new layer."""
+        state = dict(state_dict)
+        if strict and "gate.expert_bias" not in state:
+            state["gate.expert_bias"] = torch.zeros_like(self.gate.expert_bias)
+        self.load_state_dict(shard_expert_state(state, self.placement, self.rank), strict=strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The state with all E experts, on every rank (a collective over the expert group: each
+        """The state with all E experts, on every rank: an explicit opt-in (tests, conversions, small
+        models), since it holds every rank's experts at once; a collective over the expert group (each
         rank contributes its primary shards, one all-reduce per expert tensor)."""
         full: dict[str, torch.Tensor] = {}
         for name, tensor in self.state_dict().items():

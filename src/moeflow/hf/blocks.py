@@ -10,6 +10,7 @@ on the meta device (no memory) so that ``to_hf`` can rebuild it in its own class
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,9 +80,9 @@ class HFMoEBlock(nn.Module):
         return block
 
 
-def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -> HFMoEBlock:
-    """A moeflow module computing what ``block`` computes, with its weights; ``layer_options``
-    go to :class:`~moeflow.MoELayer` (``pipeline``, ``alltoall``, ``aux_loss_weight``, ...)."""
+def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) -> tuple[MoELayer, Family]:
+    """The MoELayer (default device and dtype, this rank's experts only) computing what ``block``
+    does; only its shapes and settings are read, so ``block`` may be on the meta device."""
     family = family_of(block)
     if family is None:
         raise ValueError(f"from_hf_block cannot convert {type(block).__name__}; supported blocks: {SUPPORTED}")
@@ -97,13 +98,31 @@ def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -
         options["num_shared_experts"] = 1
         options["shared_hidden_dim"] = mlp_tensors(getattr(block, family.shared))[0].shape[0]
     options["shared_expert_gate"] = family.shared_gate is not None
-    moe = MoELayer(model_dim, hidden_dim, num_experts, group=group, **options)
-    dtype = block.gate.weight.dtype
-    moe.to(device=block.gate.weight.device, dtype=dtype)
+    return MoELayer(model_dim, hidden_dim, num_experts, group=group, **options), family
+
+
+def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -> HFMoEBlock:
+    """A moeflow module computing what ``block`` computes, with its weights; ``layer_options``
+    go to :class:`~moeflow.MoELayer` (``pipeline``, ``alltoall``, ``aux_loss_weight``, ...)."""
+    moe, family = _moe_layer(block, group, layer_options)
+    moe.to(device=block.gate.weight.device, dtype=block.gate.weight.dtype)
     moe.load_full_state_dict(moeflow_state(block, family))
     hf_bias = getattr(block.gate, "e_score_correction_bias", None)
     if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
         moe.gate.expert_bias.data = hf_bias.detach().clone()
+    moe.train(block.training)
+    return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
+
+
+def unloaded_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -> HFMoEBlock:
+    """``block``'s moeflow module in the dtypes ``block`` holds, on the CPU, with this rank's experts
+    allocated but not loaded: for a loader that reads them from a checkpoint, so that no rank ever
+    holds the experts of another (``block`` itself may be on the meta device)."""
+    moe, family = _moe_layer(block, group, layer_options)
+    moe.to(dtype=block.gate.weight.dtype)
+    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
+        moe.gate.expert_bias.data = torch.zeros(hf_bias.shape, dtype=hf_bias.dtype)
     moe.train(block.training)
     return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
 
@@ -120,6 +139,16 @@ def _meta_copy(block: nn.Module) -> nn.Module:
 
 def replace_moe_blocks(model: nn.Module, group: Group = None, **layer_options: Any) -> nn.Module:
     """Replace every supported sparse MoE block of ``model`` in place (and return it)."""
+    return _replace_blocks(model, lambda block: from_hf_block(block, group, **layer_options))
+
+
+def replace_moe_blocks_unloaded(model: nn.Module, group: Group = None, **layer_options: Any) -> nn.Module:
+    """Replace every supported sparse MoE block of ``model`` (which may be on the meta device) by an
+    :func:`unloaded_hf_block`, whose weights a checkpoint reader then fills."""
+    return _replace_blocks(model, lambda block: unloaded_hf_block(block, group, **layer_options))
+
+
+def _replace_blocks(model: nn.Module, build: Callable[[nn.Module], HFMoEBlock]) -> nn.Module:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:
         family_for_model_type(model_type)  # unsupported architectures fail here, naming the supported
@@ -127,7 +156,7 @@ def replace_moe_blocks(model: nn.Module, group: Group = None, **layer_options: A
     if not targets:
         raise ValueError(f"{type(model).__name__} has no sparse MoE block moeflow converts; supported: {SUPPORTED}")
     for name, module in targets:
-        model.set_submodule(name, from_hf_block(module, group, **layer_options))
+        model.set_submodule(name, build(module))
     return model
 
 

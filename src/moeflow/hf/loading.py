@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ from torch import nn
 
 from moeflow.hf.blocks import Group, replace_moe_blocks
 from moeflow.hf.families import family_for_model_type
+from moeflow.hf.lazy import load_lazily
+from moeflow.hf.safetensors_files import INDEX, SINGLE, has_safetensors
 from moeflow.precision import DTYPES
 
 
@@ -32,11 +35,29 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_hf_model(path: str | Path, dtype: str | None = None, group: Group = None, **layer_options: Any) -> nn.Module:
-    """The causal LM in ``path`` with its MoE blocks on moeflow (experts spread over ``group``)."""
+    """The causal LM in ``path`` with its MoE blocks on moeflow (experts spread over ``group``).
+
+    From safetensors, each rank reads the non-expert weights and only its own experts, never
+    building the whole model (:mod:`moeflow.hf.lazy`); a directory of ``pytorch_model.bin`` files
+    cannot be read in parts, and is loaded whole by transformers first (with a warning)."""
     transformers = _require_transformers()
     directory = check_model_dir(path)
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     family_for_model_type(config.model_type)  # an unsupported architecture fails before loading weights
+    if has_safetensors(directory):
+        return load_lazily(transformers, directory, config, load_dtype(dtype) if dtype else None, group,
+                           **layer_options)
+    warnings.warn(
+        f"{directory} has no safetensors weights ({SINGLE} or {INDEX}): every worker loads the whole model "
+        "with transformers before keeping its experts; save it with save_pretrained (safetensors) to load "
+        "only each worker's experts", stacklevel=2,
+    )
+    return load_whole(transformers, directory, dtype, group, **layer_options)
+
+
+def load_whole(transformers: Any, directory: Path, dtype: str | None, group: Group, **layer_options: Any) -> nn.Module:
+    """transformers' ``from_pretrained`` of the whole model, then its blocks replaced: the reference
+    the lazy loader matches, and the path for checkpoints it cannot read in parts."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, local_files_only=True, dtype=load_dtype(dtype) if dtype else "auto",
     )

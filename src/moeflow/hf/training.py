@@ -159,7 +159,7 @@ class HFCausalLM(nn.Module):
 
 
 def build_hf_model(config: TrainConfig, groups: ParallelGroups, device: torch.device) -> HFCausalLM:
-    """The --hf model in fp32 with this rank's experts (every rank reads the whole checkpoint)."""
+    """The --hf model in fp32 with this rank's experts (each rank reads only its own from the checkpoint)."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # the worker's own setting: the trainer shows the progress

@@ -14,11 +14,11 @@ from torch import nn
 
 from moeflow.hf.families import Family
 
-_PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 def _projection_names(module: nn.Module) -> tuple[str, str, str]:
-    for names in _PER_EXPERT_NAMES:
+    for names in PER_EXPERT_NAMES:
         if all(hasattr(module, n) for n in names):
             return names
     raise ValueError(

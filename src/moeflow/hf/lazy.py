@@ -1,0 +1,238 @@
+"""Load a transformers MoE model holding only this rank's experts, from its safetensors files.
+
+The model is built on the meta device (no memory), its sparse blocks are replaced by moeflow's,
+which allocate this rank's experts only (the layer's :class:`~moeflow.parallel.ExpertPlacement`),
+and every tensor is then read from the checkpoint: the non-expert ones whole, each local expert's
+tensors (or, for hidden-sharded placements, their slices) and nothing of the others. Tensors land
+in the dtypes ``from_pretrained`` gives them (its keep-in-fp32 rules included), and expert
+weights pass through the dtype transformers would hold them in, so the model computes exactly
+what ``from_pretrained`` + :func:`~moeflow.hf.replace_moe_blocks` gives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
+from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
+from moeflow.hf.weights import PER_EXPERT_NAMES
+from moeflow.layer import MoELayer
+
+_RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
+"""Checkpoint names transformers v5 renames on load (its conversion mapping) for our families."""
+
+
+@dataclass(frozen=True)
+class Read:
+    """Where a tensor comes from: checkpoint entry ``key``, its ``index`` slice, cast to ``via``
+    (the dtype transformers holds it in) on the way, transposed (HF's (out, in) to moeflow's)."""
+
+    key: str
+    index: Index | None = None
+    transpose: bool = False
+    via: torch.dtype | None = None
+
+
+def load_lazily(
+    transformers: Any, directory: Path, config: Any, dtype: torch.dtype | None, group: Group, **layer_options: Any
+) -> nn.Module:
+    """The causal LM in ``directory`` with its MoE blocks on moeflow, read as described above."""
+    with SafetensorsCheckpoint(directory) as checkpoint:
+        dtype = dtype or _auto_dtype(config, checkpoint)
+        model = _empty_model(transformers, config, dtype)
+        replace_moe_blocks_unloaded(model, group, **layer_options)
+        _materialize(model, torch.device("cpu"))
+        names = _checkpoint_names(checkpoint, config.model_type)
+        for target, read in _reads(model, names):
+            _copy(checkpoint, target, read)
+    _check_not_meta(model)
+    model.config.name_or_path = str(directory)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory, local_files_only=True)
+    return model
+
+
+def _auto_dtype(config: Any, checkpoint: SafetensorsCheckpoint) -> torch.dtype:
+    """``dtype="auto"`` as transformers resolves it: the config's, else the checkpoint's first float."""
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named)
+    return named or checkpoint.first_float_dtype() or torch.get_default_dtype()
+
+
+def _empty_model(transformers: Any, config: Any, dtype: torch.dtype) -> nn.Module:
+    """The model on the meta device, in eval mode, its tensors in the dtypes ``from_pretrained``
+    would load them in (``_keep_in_fp32_modules`` under fp16/bf16 included)."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    plan: dict[str, torch.dtype] = plan_of(dtype) if plan_of is not None else {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        kept = next((d for p, d in plan.items() if re.search(p.replace("*", ".*"), name)), None)
+        if kept is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(kept)
+    return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Every meta tensor as an uninitialized one on ``device`` (a tensor shared by several modules,
+    as tied embeddings are, stays shared); non-persistent buffers re-created by the model's init."""
+    made: dict[int, torch.Tensor] = {}
+    owners: dict[nn.Module, list[str]] = {}
+    for module in model.modules():
+        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in slots.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty_like(tensor, device=device)
+                    made[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if is_param else empty
+                slots[name] = made[id(tensor)]
+                if not is_param and name in module._non_persistent_buffers_set:
+                    owners.setdefault(module, []).append(name)
+    _recreate_non_persistent_buffers(model, owners)
+
+
+@torch.no_grad()
+def _recreate_non_persistent_buffers(model: nn.Module, owners: dict[nn.Module, list[str]]) -> None:
+    """What ``from_pretrained`` does for the buffers no checkpoint holds (rotary ``inv_freq``): the
+    model's own ``_init_weights``. Filled with NaN first, so that one it leaves alone is caught."""
+    init = getattr(model, "_init_weights", None)
+    for module, names in owners.items():
+        floats = [name for name in names if getattr(module, name).is_floating_point()]
+        for name in floats:
+            getattr(module, name).fill_(math.nan)
+        if init is not None:
+            init(module)
+        if any(bool(getattr(module, name).isnan().any()) for name in floats):
+            raise ValueError(
+                f"{type(model).__name__}._init_weights does not re-create the buffers {', '.join(names)} of "
+                f"{type(module).__name__}, which no checkpoint holds; moeflow.hf cannot build this model without "
+                "loading it whole"
+            )
+
+
+def _checkpoint_names(checkpoint: SafetensorsCheckpoint, model_type: str) -> dict[str, str]:
+    """Model-side name -> checkpoint key, after transformers' renames of the family."""
+    names: dict[str, str] = {}
+    for key in checkpoint.files:
+        name = key
+        for old, new in _RENAMES.get(model_type, ()):
+            name = name.replace(old, new)
+        names[name] = key
+    return names
+
+
+def _reads(model: nn.Module, names: dict[str, str]) -> list[tuple[torch.Tensor, Read]]:
+    """What to read into every tensor of ``model`` that a checkpoint holds; fails naming what the
+    checkpoint lacks, before anything is read."""
+    blocks = {name: module for name, module in model.named_modules() if isinstance(module, HFMoEBlock)}
+    reads = [read for prefix, block in blocks.items() for read in _block_reads(prefix, block, names)]
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not any(name.startswith(f"{prefix}.") for prefix in blocks):
+            aliases.setdefault(id(tensor), []).append(name)  # tied weights: one tensor, several names
+            tensors[id(tensor)] = tensor
+    missing = []
+    for ident, group in aliases.items():
+        key = next((names[name] for name in group if name in names), None)
+        if key is None:
+            missing.append(group[0])
+        else:
+            reads.append((tensors[ident], Read(key)))
+    if missing:
+        raise ValueError(f"the checkpoint holds no tensor for {', '.join(missing[:8])}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return reads
+
+
+def _key(names: dict[str, str], name: str) -> str:
+    if name not in names:
+        raise ValueError(f"the checkpoint holds no tensor for {name}")
+    return names[name]
+
+
+def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[tuple[torch.Tensor, Read]]:
+    """A moeflow block's tensors from the transformers block's entries (``block``'s meta template
+    holds the dtypes transformers would load them in)."""
+    template, moe, family = block._template[0], block.moe, block.family
+    gate = template.gate
+    reads = [(moe.gate.weight, Read(_key(names, f"{prefix}.gate.weight"), via=gate.weight.dtype))]
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is not None:
+        key = _key(names, f"{prefix}.gate.e_score_correction_bias")
+        reads.append((moe.gate.expert_bias, Read(key, via=bias.dtype)))
+    via = next(template.experts.parameters()).dtype
+    reads += _expert_reads(prefix, moe, via, names)
+    if family.shared is not None:
+        shared = f"{prefix}.{family.shared}"
+        via = next(getattr(template, family.shared).parameters()).dtype
+        projections = _projection_keys(names, shared)
+        targets = (moe.shared_experts.w1[0], moe.shared_experts.w3[0], moe.shared_experts.w2[0])
+        reads += [(t, Read(key, transpose=True, via=via)) for t, key in zip(targets, projections, strict=True)]
+    if family.shared_gate is not None:
+        weight = getattr(template, family.shared_gate).weight
+        reads.append((moe.shared_expert_gate.weight,
+                      Read(_key(names, f"{prefix}.{family.shared_gate}.weight"), via=weight.dtype)))
+    return reads
+
+
+def _projection_keys(names: dict[str, str], prefix: str) -> tuple[str, str, str]:
+    """The (gate, up, down) weight keys of the SwiGLU MLP at ``prefix`` (w1/w3/w2 or *_proj)."""
+    projections = next((p for p in PER_EXPERT_NAMES if any(f"{prefix}.{n}.weight" in names for n in p)),
+                       PER_EXPERT_NAMES[-1])
+    gate, up, down = (_key(names, f"{prefix}.{n}.weight") for n in projections)
+    return gate, up, down
+
+
+def _expert_reads(
+    prefix: str, moe: MoELayer, via: torch.dtype, names: dict[str, str]
+) -> list[tuple[torch.Tensor, Read]]:
+    """This rank's expert shards only, per expert (v4's and the original checkpoints' layout) or
+    sliced out of fused ``gate_up_proj`` (E, 2I, H) / ``down_proj`` (E, H, I) tensors."""
+    experts, hidden = moe.experts, moe.placement.hidden_dim
+    fused = names.get(f"{prefix}.experts.gate_up_proj")
+    every = slice(None)
+    reads: list[tuple[torch.Tensor, Read]] = []
+    for slot, shard in enumerate(moe.placement.local(moe.rank)):
+        rows = slice(shard.hidden_start, shard.hidden_stop)
+        if fused is not None:
+            up = slice(hidden + shard.hidden_start, hidden + shard.hidden_stop)
+            down = _key(names, f"{prefix}.experts.down_proj")
+            sources = ((fused, (shard.expert, rows, every)), (fused, (shard.expert, up, every)),
+                       (down, (shard.expert, every, rows)))
+        else:
+            gate_key, up_key, down_key = _projection_keys(names, f"{prefix}.experts.{shard.expert}")
+            sources = ((gate_key, (rows, every)), (up_key, (rows, every)), (down_key, (every, rows)))
+        targets = (experts.w1[slot], experts.w3[slot], experts.w2[slot])
+        reads += [(t, Read(key, index, True, via)) for t, (key, index) in zip(targets, sources, strict=True)]
+    return reads
+
+
+@torch.no_grad()
+def _copy(checkpoint: SafetensorsCheckpoint, target: torch.Tensor, read: Read) -> None:
+    value = checkpoint.read(read.key, read.index)
+    if read.via is not None:
+        value = value.to(read.via)
+    if read.transpose:
+        value = value.T
+    if value.shape != target.shape:
+        where = "" if read.index is None else f" (slice {read.index})"
+        raise ValueError(f"checkpoint tensor {read.key}{where} has shape {tuple(value.shape)}; the model expects "
+                         f"{tuple(target.shape)}")
+    target.copy_(value)
+
+
+def _check_not_meta(model: nn.Module) -> None:
+    """Every parameter and buffer holds memory (a meta one would fail only at the first forward)."""
+    left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if left:
+        raise RuntimeError(f"loading left {', '.join(left)} on the meta device")
