@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import asdict
 from typing import Any
 
 
 def print_json(obj: dict[str, Any]) -> None:
     """One JSON line; floats keep 4 significant digits (so tiny fitted slopes stay visible)."""
     print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)
+
+
+def record_fields(point: Any) -> dict[str, Any]:
+    """A benchmark point's (dataclass) fields under the keys of its JSON records: ``num_experts`` is
+    ``experts`` there, the key that dated records and the simulator's validation read."""
+    return {("experts" if key == "num_experts" else key): value for key, value in asdict(point).items()}
 
 
 class RankZeroRecords(io.StringIO):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import record_fields
+from moeflow.bench import record_fields
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.kernels import triton_installed
 from moeflow.measure import device_medians

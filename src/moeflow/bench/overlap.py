@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moeflow.bench.timing import record_fields
+from moeflow.bench import record_fields
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.measure import device_medians

@@ -130,7 +130,7 @@ def _emit_point(
     point: ParallelPoint, layers: dict[str, Any], whole: dict[str, list[float]], region: dict[str, list[float]],
     settle: dict[str, int], emit: Any,
 ) -> None:
-    from moeflow.bench.timing import record_fields
+    from moeflow.bench import record_fields
 
     medians = {name: statistics.median(values) for name, values in whole.items()}
     fixed = {name: seconds for name, seconds in medians.items() if name != "planner"}

@@ -73,7 +73,8 @@ def _step_function(model: Any, point: SchedulePoint, rank: int) -> Any:
 def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe, record_fields
+    from moeflow.bench import record_fields
+    from moeflow.bench.timing import SpeedProbe
     from moeflow.measure import slowest_rank_seconds
 
     rank = dist.get_rank()

@@ -153,7 +153,7 @@ def _emit_point(
     point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], settle: dict[str, int],
     emit: Any,
 ) -> None:
-    from moeflow.bench.timing import record_fields
+    from moeflow.bench import record_fields
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     auto = layers["auto"]

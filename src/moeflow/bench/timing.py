@@ -1,19 +1,11 @@
-"""Benchmark helpers around :mod:`moeflow.measure`: the machine's speed probe, layer steps, and a
-point's fields as its records name them."""
+"""Benchmark helpers around :mod:`moeflow.measure`: the machine's speed probe, and layer steps."""
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 from typing import Any
 
 from moeflow.measure import slowest_rank_seconds
-
-
-def record_fields(point: Any) -> dict[str, Any]:
-    """A benchmark point's (dataclass) fields under the keys of its JSON records: ``num_experts`` is
-    ``experts`` there, the key that dated records and the simulator's validation read."""
-    return {("experts" if key == "num_experts" else key): value for key, value in asdict(point).items()}
 
 
 class SpeedProbe:
