@@ -29,11 +29,12 @@ def _check(reference: ReferenceMoE, layer: MoELayer) -> None:
     x_gpu = x.cuda().requires_grad_()
     x_cpu = x.clone().requires_grad_()
     upstream = torch.randn(64, 32)
-    ((reference(x_cpu) * upstream).sum() + reference.aux_loss).backward()
+    expected = reference(x_cpu)  # one call each: a call may move the routing bias (expert_bias_update_rate)
+    ((expected * upstream).sum() + reference.aux_loss).backward()
     y = layer(x_gpu)
     ((y * upstream.cuda()).sum() + layer.aux_loss).backward()
     # TF32 is off for fp32 matmuls by default; differences are summation order on another device.
-    torch.testing.assert_close(y.cpu(), reference(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.detach().cpu(), expected.detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x_gpu.grad.cpu(), x_cpu.grad, rtol=1e-4, atol=1e-4)
     for name, param in layer.named_parameters():
         expected = dict(reference.named_parameters())[name].grad
@@ -55,7 +56,7 @@ def test_layer_on_cuda_matches_reference(kwargs: dict) -> None:
 def test_equivalence_table_on_cuda(dtype: torch.dtype) -> None:
     """The equivalence table's cases in this dtype with the layer on the GPU (Triton compiled, not
     interpreted: conftest sets TRITON_INTERPRET only without CUDA), one process."""
-    cases = [case for case in all_cases() if case.dtype == dtype]
+    cases = [case for case in all_cases("cuda") if case.dtype == dtype]
     count, failures = check_cases(0, 1, cases, device="cuda")
     assert count == len(cases) > 10 and not failures, "\n".join(failures[:40])
 
@@ -99,9 +100,9 @@ def test_layer_over_one_rank_nccl_group() -> None:
     try:
         torch.cuda.set_device(0)
         reference, layer = _pair(capacity_factor=0.0)
-        assert layer.world_size == 1 and layer.group is not None
+        assert layer.world_size == 1 and layer.groups.expert is not None
         _check(reference, layer)
-        assert layer.last_stats.plan["alltoall"] == "linear"
+        assert layer.last_stats.plan.world_size == 1 and layer.last_stats.plan.alltoall == "none"
     finally:
         dist.destroy_process_group()
 

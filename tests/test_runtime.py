@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ PROBE = (  # what an entry point does
 
 def _probe(env_value: str | None) -> str:
     env = {"PATH": "/usr/bin:/bin"}
+    if "PYTHONPATH" in os.environ:  # moeflow run from a source tree rather than installed
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     if env_value is not None:
         env["MOEFLOW_MALLOC_TUNING"] = env_value
     return subprocess.run(

@@ -1,6 +1,7 @@
 """The Triton kernels equal the torch path: fused encode/decode and the ragged grouped GEMMs,
 outputs and gradients, k up to 8, experts with no tokens, dropped tokens, empty inputs. On a CPU
-they run under TRITON_INTERPRET=1 (set by conftest before Triton is imported)."""
+they run under TRITON_INTERPRET=1 (set by conftest before Triton is imported); on a machine with a
+GPU they run compiled, on CUDA tensors (the routing and row counts stay on the host, as in the layer)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from moeflow.routing import assign_slots
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU, interpreted on a CPU
+
+
+def on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(tensor.to(DEVICE) for tensor in tensors)
 
 
 def bf16_tolerance(terms: int) -> dict[str, float]:
@@ -34,7 +40,8 @@ def _plan(tokens: int, experts: int, k: int, capacity: int, seed: int, hot: int 
     else:  # every token picks the same k experts: the others get no token
         expert_idx_TK = torch.arange(hot, hot + k).remainder(experts).repeat(tokens, 1)
     location_TK, _ = assign_slots(expert_idx_TK.reshape(tokens, k), experts, None)
-    return make_dispatch_plan(expert_idx_TK.reshape(tokens, k), location_TK, experts, capacity)
+    expert_idx_TK, location_TK = on_device(expert_idx_TK.reshape(tokens, k), location_TK)
+    return make_dispatch_plan(expert_idx_TK, location_TK, experts, capacity)
 
 
 def _encode_decode(backend: str, x_TM: torch.Tensor, weights_TK: torch.Tensor, plan, upstream_TM: torch.Tensor):
@@ -57,12 +64,13 @@ def test_encode_decode_match_torch(tokens: int, experts: int, k: int, capacity: 
     x_TM = torch.randn(tokens, 40, generator=generator)
     weights_TK = torch.rand(tokens, k, generator=generator)
     upstream_TM = torch.randn(tokens, 40, generator=generator)
+    x_TM, weights_TK, upstream_TM = on_device(x_TM, weights_TK, upstream_TM)
     expected = _encode_decode("torch", x_TM, weights_TK, plan, upstream_TM)
     got = _encode_decode("triton", x_TM, weights_TK, plan, upstream_TM)
     for name, want, have in zip(("buffer", "y", "grad x", "grad weights"), expected, got, strict=True):
         torch.testing.assert_close(have, want, **FP32, msg=name)
     if hot is not None:  # the experts no token chose hold only zeros
-        assert got[0][(torch.arange(experts) - hot) % experts >= k].abs().sum() == 0
+        assert got[0][(torch.arange(experts, device=DEVICE) - hot) % experts >= k].abs().sum() == 0
 
 
 def test_encode_decode_in_bf16() -> None:
@@ -71,6 +79,7 @@ def test_encode_decode_in_bf16() -> None:
     x_TM = torch.randn(41, 96, generator=generator).bfloat16()
     weights_TK = torch.rand(41, 4, generator=generator).bfloat16()
     upstream_TM = torch.randn(41, 96, generator=generator)
+    x_TM, weights_TK, upstream_TM = on_device(x_TM, weights_TK, upstream_TM)
     expected = _encode_decode("torch", x_TM, weights_TK, plan, upstream_TM)
     got = _encode_decode("triton", x_TM, weights_TK, plan, upstream_TM)
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)  # a copy is exact
@@ -92,6 +101,7 @@ def test_grouped_gemms_match_a_loop_of_matmuls(counts: list[int], transposed: bo
     b_LKJ = torch.randn(experts, cols, inner, generator=generator).transpose(1, 2) if transposed else (
         torch.randn(experts, inner, cols, generator=generator))
     g_NJ = torch.randn(rows, cols, generator=generator)
+    a_NK, b_LKJ, g_NJ = on_device(a_NK, b_LKJ, g_NJ)
     filled = FilledRows.of_experts(torch.repeat_interleave(torch.arange(experts), torch.tensor(counts)), experts)
     torch.testing.assert_close(ragged_mm(a_NK, b_LKJ, filled, "triton"), _loop_reference(a_NK, b_LKJ, counts),
                                **FP32)
@@ -108,6 +118,7 @@ def test_grouped_gemm_in_bf16() -> None:
     generator = torch.Generator().manual_seed(3)
     a_NK = torch.randn(57, 64, generator=generator).bfloat16()
     b_LKJ = torch.randn(3, 64, 48, generator=generator).bfloat16()
+    a_NK, b_LKJ = on_device(a_NK, b_LKJ)
     filled = FilledRows.of_experts(torch.repeat_interleave(torch.arange(3), torch.tensor(counts)), 3)
     expected = _loop_reference(a_NK.float(), b_LKJ.float(), counts)  # the exact products of the bf16 inputs
     torch.testing.assert_close(ragged_mm(a_NK, b_LKJ, filled, "triton").float(), expected,

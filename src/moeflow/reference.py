@@ -166,7 +166,8 @@ class ReferenceMoE(nn.Module):
             per_group = E // self.expert_groups
             best_two = chooser.view(T, self.expert_groups, per_group).sort(-1, descending=True).values[..., :2]
             groups = best_two.sum(-1).argsort(-1, descending=True)[:, : self.top_groups]
-            allowed = torch.zeros(T, self.expert_groups, dtype=torch.bool).scatter(1, groups, True)
+            allowed = torch.zeros(T, self.expert_groups, dtype=torch.bool, device=chooser.device)
+            allowed = allowed.scatter(1, groups, True)
             chooser = chooser.masked_fill(~allowed.repeat_interleave(per_group, dim=1), float("-inf"))
         if self.node_experts is not None:
             chooser = self.limit_to_node(chooser)
@@ -196,7 +197,7 @@ class ReferenceMoE(nn.Module):
             capacity = needed
         else:
             capacity = min(needed, math.ceil(k * -f * T / E))
-        kept = torch.tensor(position, dtype=torch.int64).reshape(T, k) < capacity
+        kept = torch.tensor(position, dtype=torch.int64, device=chosen.device).reshape(T, k) < capacity
 
         # 3. each expert processes its kept tokens; outputs are weighted and summed per token
         out = torch.zeros_like(tokens)
@@ -216,13 +217,13 @@ class ReferenceMoE(nn.Module):
         self.aux_loss = logits.new_zeros(())
         if self.aux_loss_weight > 0 and T > 0:
             probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-            share = torch.tensor(filled, dtype=probs.dtype) / (T * k)
+            share = torch.tensor(filled, dtype=probs.dtype, device=probs.device) / (T * k)
             self.aux_loss = self.aux_loss + self.aux_loss_weight * E * (share * probs.mean(0)).sum()
         if self.z_loss_weight > 0 and T > 0:
             z = torch.logsumexp(logits, -1).pow(2).mean()
             self.aux_loss = self.aux_loss + self.z_loss_weight * z
         if self.expert_bias_update_rate > 0 and self.training:
-            load = torch.tensor(filled, dtype=torch.float32)
+            load = torch.tensor(filled, dtype=torch.float32, device=self.gate.expert_bias.device)
             if self.global_load is not None:
                 load = self.global_load(load)
             with torch.no_grad():

@@ -38,6 +38,7 @@ from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.ragged import to_device
 
 
 def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:
@@ -130,26 +131,22 @@ class ReplicaRowMap:
         rows_x = _rows(slot_experts * capacity + starts[rank], exchanged[rank], int(exchanged.max()), pad)  # all ranks
         rows_l = _rows(slot_experts[mine] * capacity + starts[rank, mine], lengths[rank, mine],
                        int(lengths[rank, mine].max(initial=0)), pad)
-        device = filled_WE.device
-
-        def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device)
-
-        return ReplicaRowMap(tensor(rows_x), tensor(rows_l), tensor(lengths), tensor(exchanged), pad)
+        # all on the host, where the counts live: the rows go to the buffer's device where they index it
+        return ReplicaRowMap(*(torch.from_numpy(a) for a in (rows_x, rows_l, lengths, exchanged)), pad)
 
     @staticmethod
     def gather(dispatched_ECM: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The (slots, C', M) buffer of ``rows`` of the logical buffer (padding rows are zeros)."""
         flat = dispatched_ECM.reshape(-1, dispatched_ECM.shape[-1])
         padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-        return padded.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+        return padded.index_select(0, to_device(rows.reshape(-1), flat.device)).view(*rows.shape, -1)
 
     def scatter(self, exchanged_PCM: torch.Tensor, local_SCM: torch.Tensor, experts: int) -> torch.Tensor:
         """The (E, C, M) combined buffer from both parts (slots no token filled are zero)."""
         model_dim = exchanged_PCM.shape[-1]
         out = exchanged_PCM.new_zeros(self.logical_slots + 1, model_dim)
-        out = out.index_copy(0, self.exchanged_rows_PC.reshape(-1), exchanged_PCM.reshape(-1, model_dim))
-        out = out.index_copy(0, self.local_rows_SC.reshape(-1), local_SCM.reshape(-1, model_dim))
+        for rows, part in ((self.exchanged_rows_PC, exchanged_PCM), (self.local_rows_SC, local_SCM)):
+            out = out.index_copy(0, to_device(rows.reshape(-1), out.device), part.reshape(-1, model_dim))
         return out[: self.logical_slots].view(experts, -1, model_dim)
 
 

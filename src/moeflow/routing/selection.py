@@ -59,13 +59,14 @@ def node_limited(selection_TE: torch.Tensor, limit: NodeLimit) -> torch.Tensor:
     tokens = selection_TE.shape[0]
     allowed = int(limit.remote_share * tokens)
     best_score_T, best_T = selection_TE.max(dim=-1)
-    remote_T = ~limit.local_E[best_T]
+    local_E = limit.local_E.to(selection_TE.device)  # built once on the host from the topology
+    remote_T = ~local_E[best_T]
     if int(remote_T.sum()) <= allowed:
         return selection_TE
     keeps_T = torch.zeros(tokens, dtype=torch.bool, device=selection_TE.device)
     if allowed:
         keeps_T[best_score_T.masked_fill(~remote_T, float("-inf")).topk(allowed).indices] = True
-    restricted_TE = ~keeps_T.unsqueeze(1) & ~limit.local_E.unsqueeze(0)
+    restricted_TE = ~keeps_T.unsqueeze(1) & ~local_E.unsqueeze(0)
     return selection_TE.masked_fill(restricted_TE, float("-inf"))
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The checks to run when a CUDA machine is lent (CI has none): the GPU tests, the GPU benchmarks
+# that docs/guides/gpu.md lists, and the suite's single-process tests, each bounded in time, all
+# within one ~9-minute command. Logs go to $OUT (the device tool's folder) or /tmp/moeflow-gpu-check.
+# Run from the repository root with the machine's own python3 (torch with CUDA): no install needed.
+#   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer overlap suite (default all)
+# BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs.
+set -u
+OUT=${OUT:-/tmp/moeflow-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MOEFLOW_CACHE=/tmp/moeflow-cache
+PY=${PY:-python3}
+DEADLINE=$((SECONDS + ${BUDGET_S:-560}))
+
+step() {  # step NAME LIMIT_S COMMAND...: run bounded by LIMIT_S and the deadline, log to $OUT/NAME.log
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    local left=$((DEADLINE - SECONDS - 5))
+    ((left < limit)) && limit=$left
+    if ((limit < 10)); then echo "== $name skipped: out of time"; return; fi
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name rc=$? $((SECONDS - t0))s (limit ${limit}s)"
+    grep -E '"summary"|passed|failed|error|Error' "$OUT/$name.log" | tail -n "${TAIL:-12}"
+}
+
+bench() { step "$1" "$2" "$PY" -m moeflow bench "${@:3}"; }
+
+run_step() {
+    case $1 in
+    env) { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+           "$PY" -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__,
+                     torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'
+         } 2>&1 | tee "$OUT/env.log" ;;
+    tests) step tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
+               tests/test_streams.py tests/test_pipeline.py -k "cuda or triton or gpu or nccl or grouped or encode" ;;
+    kernels) bench kernels 80 kernels --device cuda --dtype bf16 ;;
+    layer) bench layer-mixtral 110 layer --device cuda --dtype bf16 --activation swiglu --num-experts 8 \
+               --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 ${LAYER_ARGS:-}
+           bench layer-qwen 90 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
+               --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 ${LAYER_ARGS:-} ;;
+    overlap) bench overlap 60 overlap --device cuda --degrees 1 2 4 8 ;;
+    suite) step suite 600 "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -m "not distributed" \
+               --timeout 120 ;;
+    *) echo "unknown step $1 (env tests kernels layer overlap suite)"; return 2 ;;
+    esac
+}
+
+steps=("$@")
+((${#steps[@]})) || steps=(env tests kernels layer overlap suite)
+for name in "${steps[@]}"; do run_step "$name"; done
