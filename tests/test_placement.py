@@ -40,6 +40,41 @@ def test_full_state_round_trip_is_the_identity(name: str, swiglu: bool) -> None:
         assert torch.equal(placement.assemble_tensor(kind, parts), full), (name, kind)
 
 
+CHUNKED = {
+    **PLACEMENTS,
+    "ep-esp": ExpertPlacement.expert_and_hidden_sharded(E, 2, 2, H),
+    "packed": ExpertPlacement.packed(E, 4, 2, H),
+    "eplb-slots": ExpertPlacement(E, H, ((ExpertShard(0, 0, H), ExpertShard(1, 0, H), ExpertShard(0, 0, H)),
+                                         (ExpertShard(2, 0, H), ExpertShard(3, 0, H), ExpertShard(0, 0, H))),
+                                  split_tokens=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_primary_chunks_tile_the_full_tensor_once_and_all_chunks_are_the_ranks_part(name: str) -> None:
+    """What a sharded checkpoint writes (every rank's primary chunks) covers each element of the
+    full tensor exactly once with its value; what a rank reads (all its chunks) is its part."""
+    placement = CHUNKED[name]
+    for kind, full in _full_state(swiglu=True).items():
+        written = torch.zeros_like(full)
+        times = torch.zeros_like(full)
+        for rank in range(placement.world_size):
+            part = placement.shard_tensor(kind, full, rank)
+            for offsets, view in placement.chunks(kind, part, rank, primary_only=True):
+                region = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape, strict=True))
+                written[region] += view
+                times[region] += 1
+            rebuilt = torch.zeros_like(part)
+            for offsets, view in placement.chunks(kind, rebuilt, rank, primary_only=False):
+                region = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape, strict=True))
+                view.copy_(full[region])
+            assert torch.equal(rebuilt, part), (name, kind, rank)
+        assert torch.equal(times, torch.ones_like(full)) and torch.equal(written, full), (name, kind)
+    if name in ("expert-parallel", "packed"):  # a rank's consecutive experts are one chunk
+        part = placement.shard_tensor("w1", _full_state(False)["w1"], 1)
+        assert [offsets for offsets, _ in placement.chunks("w1", part, 1, primary_only=False)] == [(2, 0, 0)]
+
+
 def test_each_placement_answers_who_holds_what() -> None:
     ep = PLACEMENTS["expert-parallel"]
     assert [s.expert for s in ep.local(1)] == [2, 3] and ep.holders(2) == (1,) and ep.is_expert_parallel

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
 from moeflow.distributed import run_distributed
@@ -28,6 +27,7 @@ from moeflow.training.evaluation import evaluate
 from moeflow.training.gradients import synchronize_gradients
 from moeflow.training.launch import run_training
 from moeflow.training.metrics import iterate_records
+from moeflow.training.sharded_checkpoint import saved_tensors
 
 DATA = str(stdlib_directory() / "json")
 TINY: dict[str, Any] = dict(
@@ -275,6 +275,53 @@ def test_checkpoints_reshard_between_one_and_two_workers(two_worker_run: Path, t
 
 
 @pytest.mark.distributed
+def test_a_four_worker_checkpoint_holds_each_ranks_experts_in_its_file_and_loads_on_one_two_and_four(
+    tmp_path: Path,
+) -> None:
+    """Each rank writes only its own experts (and the optimizer's moments of them); the checkpoint
+    evaluates alike on 1, 2 and 4 workers, expert parallel, replicated and packed."""
+    import torch.distributed.checkpoint as dcp
+
+    run_training(tiny(tmp_path / "four", workers=4, steps=4, checkpoint_interval=4), report=False)
+    checkpoint = latest_checkpoint(tmp_path / "four")
+    storage = dcp.FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    expert_files = {(index.fqn, index.offset[0]): info.relative_path for index, info in storage.items()
+                    if ".experts." in index.fqn and not index.fqn.endswith(".step")}
+    assert len(expert_files) == 3 * 4 * 2 * 4  # (weights, 2 moments) x (w1, b1, w2, b2) x 2 layers x 4 experts
+    assert all(path == f"__{expert}_0.distcp" for (_, expert), path in expert_files.items())
+    recorded = list(iterate_records(tmp_path / "four"))[-1]["val_loss"]
+    on = {(workers, parallel): run_distributed(_evaluate_checkpoint, workers, str(checkpoint), parallel)[0]
+          for workers, parallel in ((4, "expert"), (2, "expert"), (1, "expert"), (2, "replicated"))}
+    assert on[(4, "expert")] == pytest.approx(recorded, rel=1e-6)
+    assert all(loss == pytest.approx(recorded, rel=1e-5) for loss in on.values()), on
+
+
+def test_a_checkpoint_of_the_single_file_format_still_loads(tmp_path: Path) -> None:
+    """The format before sharded checkpoints: full tensors in model.safetensors and
+    optimizer.safetensors; each rank slices its part."""
+    from safetensors.torch import save_file
+
+    config = tiny(tmp_path, workers=1)
+    torch.manual_seed(0)
+    saved = MoETransformer(config.model_config(vocab_size=64))
+    folder = tmp_path / "step-000003"
+    folder.mkdir()
+    save_file({name: t.contiguous() for name, t in saved.state_dict().items()}, str(folder / "model.safetensors"))
+    moments = {f"{name}.{m}": torch.full_like(p, 0.5) for name, p in saved.named_parameters()
+               for m in ("exp_avg", "exp_avg_sq")}
+    steps = {f"{name}.step": torch.tensor([3.0]) for name, _ in saved.named_parameters()}
+    save_file({**moments, **steps}, str(folder / "optimizer.safetensors"))
+    (folder / "state.json").write_text(json.dumps({"step": 3, "config": config.to_dict()}))
+    torch.manual_seed(1)
+    loaded = MoETransformer(config.model_config(vocab_size=64))
+    optimizer = torch.optim.AdamW(loaded.parameters())
+    assert load_checkpoint(folder, loaded, optimizer, 0, 1)["step"] == 3
+    assert all(torch.equal(t, saved.state_dict()[n]) for n, t in loaded.state_dict().items())
+    assert all(float(s["step"]) == 3 and bool((s["exp_avg"] == 0.5).all()) for s in optimizer.state.values())
+    assert len(optimizer.state) == len(list(loaded.parameters()))
+
+
+@pytest.mark.distributed
 def test_checkpoints_move_between_expert_parallel_and_replicated_experts(
     two_worker_run: Path, tmp_path: Path
 ) -> None:
@@ -495,8 +542,8 @@ def test_mixed_precision_trains_and_fp16_resumes_exactly(tmp_path: Path) -> None
     run_training(tiny(tmp_path / "bf16", dtype="bf16"), report=False)
     bf16 = losses(tmp_path / "bf16")
     assert all(math.isfinite(loss) for loss in bf16.values()) and bf16[12] < bf16[1] - 0.5
-    model_state = load_file(str(latest_checkpoint(tmp_path / "bf16") / "model.safetensors"))
-    assert {tensor.dtype for tensor in model_state.values()} == {torch.float32}
+    saved = saved_tensors(latest_checkpoint(tmp_path / "bf16"))
+    assert {md.properties.dtype for key, md in saved.items() if key.startswith("model.")} == {torch.float32}
 
     run_training(tiny(tmp_path / "fp16", dtype="fp16"), report=False)
     run_training(tiny(tmp_path / "fp16-resumed", dtype="fp16", stop_at=5, checkpoint_interval=100), report=False)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.parallel.placement import Chunk
+
 TENSOR_PARALLEL_KINDS = ("qkv.weight", "qkv.bias", "proj.weight")
 """The attention tensors that are split over the MP group (``proj.bias`` stays whole)."""
 
@@ -60,6 +62,19 @@ class HeadShards:
 
     def counted_slots(self, rank: int) -> torch.Tensor | None:
         return None
+
+    def chunks(self, kind: str, local: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]:
+        """This rank's heads as chunks of the full tensor: the output projection's column block, or
+        QKV's three row blocks (one each of Q, K and V). ``primary_only``: none on a replica."""
+        if primary_only and rank // self.mp_size:
+            return []
+        width = self.model_dim // self.mp_size
+        start = rank % self.mp_size * width
+        if kind == "proj.weight":
+            return [Chunk((0, start), local)]
+        trailing = (0,) * (local.dim() - 1)
+        return [Chunk((part * self.model_dim + start, *trailing), local[part * width : (part + 1) * width])
+                for part in range(3)]
 
     def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
         """Write this rank's block into ``full`` if it holds the primary copy (a sum over all

@@ -6,10 +6,12 @@ dimension split over several ranks (hidden sharding). Everything that asked "whe
 live" by arithmetic asks a placement instead: the exchange layout, the slicing of a full (E, ...)
 state dict for a rank, and the re-assembly of the full state from every rank's part.
 
-Why not DTensor placements on a DeviceMesh: a mesh places every expert the same way, while the
-placements to come are irregular (FasterMoE shadows a few hot experts on every rank, Lina packs
-experts unevenly); and moeflow's checkpoints already hold full (E, ...) tensors in safetensors,
-which any placement slices directly.
+Why not DTensor placements on a DeviceMesh: a mesh places every expert the same way, while some
+placements are irregular (EPLB's redundant slots hold a few hot experts twice, Lina's inference
+plan places experts unevenly). Instead each placement lists its parts as chunks of the full
+tensor (:meth:`ExpertPlacement.chunks`: offsets in the full (E, ...) shape and a view of the local
+parameter), which is what torch.distributed.checkpoint stores and reshards by
+(:mod:`moeflow.training.sharded_checkpoint`): one description for every placement, regular or not.
 
 Parameter kinds (the last part of a state-dict name) and the axis of their hidden dimension:
 ``w1``/``w3`` (E, M, H) axis 2, ``b1`` (E, H) axis 1, ``w2`` (E, H, M) axis 1; ``b2`` (E, M) has
@@ -212,12 +214,35 @@ class ExpertPlacement:
 
     def empty_full(self, kind: str, part: torch.Tensor) -> torch.Tensor:
         """A zero full (E, ...) tensor for a rank's part of kind ``kind``."""
+        return part.new_zeros(self.full_shape(kind, part))
+
+    def full_shape(self, kind: str, part: torch.Tensor) -> tuple[int, ...]:
+        """The full (E, ...) shape of a rank's part of kind ``kind``."""
         shape = list(part.shape)
         shape[0] = self.num_experts
         axis = HIDDEN_AXIS[kind]
         if axis is not None:
             shape[axis] = self.hidden_dim
-        return part.new_zeros(shape)
+        return tuple(shape)
+
+    def chunks(self, kind: str, part: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]:
+        """Rank's part as chunks of the full (E, ...) tensor, runs of consecutive experts with the
+        same hidden slice merged. ``primary_only``: only what rank writes when the full tensor is
+        saved once (the primary copy of each shard; ``b2`` from the shard that adds it)."""
+        axis = HIDDEN_AXIS[kind]
+        shards = self.shards[rank]
+        kept = [i for i in range(len(shards)) if not primary_only or self._saved_by(rank, i, axis)]
+        chunks: list[Chunk] = []
+        for first, last in _runs(shards, kept):
+            offsets = [0] * part.dim()
+            offsets[0] = shards[first].expert
+            if axis is not None:
+                offsets[axis] = shards[first].hidden_start
+            chunks.append(Chunk(tuple(offsets), part[first : last + 1]))
+        return chunks
+
+    def _saved_by(self, rank: int, index: int, axis: int | None) -> bool:
+        return self.is_primary(rank, index) and (axis is not None or self.shards[rank][index].adds_output_bias)
 
     def write_primary(self, kind: str, part: torch.Tensor, rank: int, full: torch.Tensor) -> None:
         """Write the primary copies of rank's shards into ``full`` (summing every rank's writes
@@ -250,6 +275,14 @@ class ExpertPlacement:
             )
 
 
+class Chunk(NamedTuple):
+    """Part of a full tensor that a rank holds: its offsets in the full shape and a view of the
+    rank's local tensor (the chunk's sizes are the view's shape)."""
+
+    offsets: tuple[int, ...]
+    view: torch.Tensor
+
+
 class Sharding(Protocol):
     """A parameter split over ranks: an :class:`ExpertPlacement`, or tensor-parallel attention's
     heads (:class:`moeflow.models.tensor_parallel.HeadShards`). What checkpoints and gradient
@@ -261,6 +294,10 @@ class Sharding(Protocol):
     def is_replicated(self) -> bool: ...
 
     def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor: ...
+
+    def full_shape(self, kind: str, local: torch.Tensor) -> tuple[int, ...]: ...
+
+    def chunks(self, kind: str, local: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]: ...
 
     def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor: ...
 
@@ -288,6 +325,22 @@ def gather_full(
     if group is not None and placement.world_size > 1:
         dist.all_reduce(full, group=group)
     return full
+
+
+def _runs(shards: Sequence[ExpertShard], kept: list[int]) -> list[tuple[int, int]]:
+    """(first, last) local indices of the runs in ``kept`` that hold consecutive experts with the
+    same hidden slice at consecutive local indices: each run is one chunk of the full tensor."""
+    runs: list[tuple[int, int]] = []
+    for index in kept:
+        if runs:
+            first, last = runs[-1]
+            previous, shard = shards[last], shards[index]
+            if index == last + 1 and shard == ExpertShard(previous.expert + 1, previous.hidden_start,
+                                                          previous.hidden_stop):
+                runs[-1] = (first, index)
+                continue
+        runs.append((index, index))
+    return runs
 
 
 def _hidden_slice(expert: torch.Tensor, axis: int | None, shard: ExpertShard) -> torch.Tensor:

@@ -1,13 +1,18 @@
-"""Checkpoints in safetensors, independent of the number of workers, written atomically.
+"""Checkpoints that hold each rank's part, independent of the number of workers, written atomically.
 
-A checkpoint is a folder ``checkpoints/step-NNNNNN`` holding ``model.safetensors`` (every
-parameter, experts gathered to their full (E, ...) shape), ``optimizer.safetensors`` (AdamW's
-moments in the same layout), ``state.json`` (step, counters, the config) and the tokenizer, so it
-is self-contained. Every rank takes part in the gather; rank 0 writes into a temporary folder,
-syncs it and renames it into place, then points ``checkpoints/latest`` at it, so a crash at any
-moment leaves the previous checkpoint whole. Loading slices the experts for each layer's
-:class:`~moeflow.parallel.ExpertPlacement` in the loading run: a checkpoint from W workers loads into
-any placement that fits (expert parallel on any W' that divides E, replicated on any W').
+A checkpoint is a folder ``checkpoints/step-NNNNNN`` holding a torch.distributed.checkpoint
+(DCP) save of the model and AdamW state (:mod:`moeflow.training.sharded_checkpoint`: every rank
+writes its own file with only the experts it holds, the replicated tensors once), ``state.json``
+(step, counters, the config, the planners' and the scaler's state) and the tokenizer, so it is
+self-contained. Every rank writes into a temporary folder; once all have written (DCP's closing
+collective), rank 0 adds ``state.json``, syncs the folder, renames it into place and points
+``checkpoints/latest`` at it, so a crash at any moment leaves the previous checkpoint whole.
+Loading reads only the chunks of each layer's :class:`~moeflow.parallel.ExpertPlacement` in the
+loading run: a checkpoint from W workers loads into any placement that fits (expert parallel on
+any W' that divides E, replicated, hidden-sharded, packed).
+
+Checkpoints of the earlier single-file format (``model.safetensors`` with full (E, ...) tensors)
+still load: each rank slices its part from the full tensors.
 """
 
 from __future__ import annotations
@@ -23,39 +28,25 @@ import torch.distributed as dist
 
 from moeflow.files import write_atomic
 from moeflow.models import TrainableLM
-from moeflow.parallel.placement import PlacedParameter, gather_full
+from moeflow.parallel.placement import PlacedParameter
+from moeflow.training.sharded_checkpoint import (
+    METADATA,
+    MOMENTS,
+    install_optimizer_state,
+    load_sharded,
+    model_and_optimizer_state,
+    save_sharded,
+    saved_keys,
+)
 
 CHECKPOINTS = "checkpoints"
 """The folder of a run's checkpoints, one ``step-*`` folder each."""
 LATEST = "latest"
 """The file in :data:`CHECKPOINTS` that names the newest checkpoint."""
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def full_state(
-    model: TrainableLM, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None,
-    rank: int,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Model and optimizer tensors with the experts of all ranks (a collective: every rank calls it)."""
-    placed = model.placed_parameters()
-
-    def full(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in placed:
-            return tensor.detach().cpu().clone()
-        placement, kind = placed[name]
-        return gather_full(tensor, placement, kind, rank, group).cpu()
-
-    model_state = {name: full(name, tensor) for name, tensor in model.state_dict().items()}
-    optimizer_state: dict[str, torch.Tensor] = {}
-    if optimizer is not None:
-        for name, parameter in model.named_parameters():
-            state = optimizer.state.get(parameter, {})
-            for moment in _MOMENTS:
-                if moment in state:
-                    optimizer_state[f"{name}.{moment}"] = full(name, state[moment])
-            if "step" in state:
-                optimizer_state[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu()
-    return model_state, optimizer_state
+STATE = "state.json"
+"""A checkpoint's progress and config; written last, so its presence marks a complete checkpoint."""
+LEGACY_MODEL = "model.safetensors"
+"""The model file of the earlier single-file format."""
 
 
 def save_checkpoint(
@@ -63,21 +54,18 @@ def save_checkpoint(
     group: dist.ProcessGroup | None, rank: int, world_size: int, state: dict[str, Any],
     extra_files: list[Path], keep: int,
 ) -> Path:
-    """Write ``checkpoints/step-<step>`` atomically (rank 0) and return its path on every rank."""
-    from safetensors.torch import save_file
-
-    model_state, optimizer_state = full_state(model, optimizer, group, rank)
+    """Write ``checkpoints/step-<step>`` atomically (a collective: every rank writes its part;
+    rank 0 completes it) and return its path on every rank."""
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:06d}"
+    temporary = root / f".step-{step:06d}.tmp"
+    if rank == 0:  # before DCP's first collective: no rank writes before this
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir(parents=True)
+    save_sharded(temporary, model_and_optimizer_state(model, optimizer, rank, primary_only=True), group)
     if rank != 0:
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    temporary = root / f".step-{step:06d}.tmp-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    save_file(model_state, str(temporary / "model.safetensors"))
-    save_file(optimizer_state, str(temporary / "optimizer.safetensors"))
-    (temporary / "state.json").write_text(json.dumps({**state, "step": step, "world_size": world_size}, indent=2))
+    (temporary / STATE).write_text(json.dumps({**state, "step": step, "world_size": world_size}, indent=2))
     for path in extra_files:
         shutil.copy2(path, temporary / path.name)
     for file in temporary.iterdir():
@@ -93,45 +81,63 @@ def save_checkpoint(
 
 def latest_checkpoint(path: Path) -> Path | None:
     """The newest complete checkpoint under a run folder, or ``path`` itself if it is one."""
-    if (path / "model.safetensors").exists():
+    if (path / STATE).exists():
         return path
     root = path / CHECKPOINTS
     pointer = root / LATEST
     if pointer.exists():
         candidate = root / pointer.read_text().strip()
-        if (candidate / "state.json").exists():
+        if (candidate / STATE).exists():
             return candidate
-    complete = sorted(p for p in root.glob("step-*") if (p / "state.json").exists()) if root.is_dir() else []
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE).exists()) if root.is_dir() else []
     return complete[-1] if complete else None
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
     """A checkpoint folder's ``state.json``: the run's config and progress."""
-    return json.loads((checkpoint / "state.json").read_text())
+    return json.loads((checkpoint / STATE).read_text())
 
 
 def load_checkpoint(
     checkpoint: Path, model: TrainableLM, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
 ) -> dict[str, Any]:
-    """Load this rank's slice of the checkpoint into ``model`` (and ``optimizer``); return its state."""
+    """Load this rank's part of the checkpoint into ``model`` (and ``optimizer``); return its state."""
+    if (checkpoint / METADATA).exists():
+        keys = saved_keys(checkpoint) if optimizer is not None else None
+        state = model_and_optimizer_state(model, optimizer, rank, primary_only=False, optimizer_keys=keys)
+        load_sharded(checkpoint, state)
+        if optimizer is not None:
+            install_optimizer_state(model, optimizer, state)
+    elif (checkpoint / LEGACY_MODEL).exists():
+        _load_single_file(checkpoint, model, optimizer, rank, world_size)
+    else:
+        raise FileNotFoundError(
+            f"{checkpoint} is not a moeflow checkpoint: it has neither {METADATA} nor {LEGACY_MODEL}"
+        )
+    return read_state(checkpoint)
+
+
+def _load_single_file(
+    checkpoint: Path, model: TrainableLM, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int,
+) -> None:
+    """The earlier format: full tensors in ``model.safetensors`` and ``optimizer.safetensors``."""
     from safetensors.torch import load_file
 
     device = next(model.parameters()).device
-    model_state = load_file(str(checkpoint / "model.safetensors"))
+    model_state = load_file(str(checkpoint / LEGACY_MODEL))
     placed = model.placed_parameters()
     model.load_state_dict(_shard(model_state, placed, rank, world_size), strict=True)
     if optimizer is not None:
         saved = load_file(str(checkpoint / "optimizer.safetensors"))
-        moments = {f"{n}.{m}": where for n, where in placed.items() for m in _MOMENTS}
+        moments = {f"{n}.{m}": where for n, where in placed.items() for m in MOMENTS}
         sharded = _shard(saved, moments, rank, world_size)
         for name, parameter in model.named_parameters():
             if f"{name}.step" not in sharded:
                 continue
             optimizer.state[parameter] = {
                 "step": sharded[f"{name}.step"].reshape(()).clone(),
-                **{moment: sharded[f"{name}.{moment}"].to(device) for moment in _MOMENTS},
+                **{moment: sharded[f"{name}.{moment}"].to(device) for moment in MOMENTS},
             }
-    return read_state(checkpoint)
 
 
 def _shard(
