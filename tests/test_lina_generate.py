@@ -79,7 +79,7 @@ def test_a_missing_or_foreign_profile_is_refused(tmp_path: Path, capfd: pytest.C
     assert main([*base, "--routing-profile", str(tmp_path / "p.st")]) == 2
     assert "was recorded on another model" in capfd.readouterr().err
     assert main(["generate", "--checkpoint", str(tmp_path), "--schedule", "oracle"]) == 2
-    assert "--schedule places the experts over --workers" in capfd.readouterr().err
+    assert "--schedule plans where the experts run per batch" in capfd.readouterr().err
     assert main(["profile-routing", "--hf", str(directory)]) == 2
     assert "--hf needs --corpus" in capfd.readouterr().err
 

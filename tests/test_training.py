@@ -390,6 +390,10 @@ def test_generate_and_report_from_a_run(two_worker_run: Path, capsys: pytest.Cap
     assert main(["generate", "--checkpoint", str(two_worker_run), "--prompt", "def ", "--tokens", "12"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > 8
+    # the experts over 2 workers, each reading only its own: the same tokens
+    assert main(["generate", "--checkpoint", str(two_worker_run), "--prompt", "def ", "--tokens", "12",
+                 "--workers", "2"]) == 0
+    assert capsys.readouterr().out == text
     (two_worker_run / "loss.png").unlink()
     assert main(["report", str(two_worker_run)]) == 0
     assert (two_worker_run / "loss.png").exists()

@@ -211,12 +211,13 @@ class MoELayer(nn.Module):
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
-        self.workspace.start_step()
+        workspace = self._step_workspace()
         backend = resolve_backend(config.kernel_backend, x_TM.device)
-        dispatched_ECM = encode(owned.x_TM, plan, self.workspace, backend)
-        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E, prepared.state)
+        dispatched_ECM = encode(owned.x_TM, plan, workspace, backend)
+        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E, prepared.state,
+                               workspace)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
-        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, self.workspace, backend), x_TM.shape[0])
+        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, backend), x_TM.shape[0])
         y_TM = self._with_shared_experts(x_TM, y_TM)
 
         if config.expert_bias_update_rate > 0 and self.training:
@@ -237,14 +238,23 @@ class MoELayer(nn.Module):
         observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
         return route(self.gate, x_TM, top_k, self.config, self.node_limit, observe), estimate_E
 
+    def _step_workspace(self) -> Workspace | None:
+        """The workspace for a forward whose buffers a backward will use; a no-grad forward
+        (evaluation, generation) allocates plainly, so its transient buffers go back at once instead
+        of staying in every layer until its next forward (L layers would keep L sets)."""
+        if not torch.is_grad_enabled():
+            return None
+        self.workspace.start_step()
+        return self.workspace
+
     def run_context(
         self, dtype: torch.dtype, timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str,
-        estimate_E: np.ndarray | None = None, prepared: object | None = None,
+        estimate_E: np.ndarray | None = None, prepared: object | None = None, workspace: Workspace | None = None,
     ) -> RunContext:
         """What this layer's schedule runs with: its experts over its placement, the kept counts."""
         local = tuple(shard.expert for shard in self.placement.local(self.rank))
         return RunContext(
-            self.experts, dtype, self.groups, self.placement, timing, self.workspace, filled_WE, local, capacity,
+            self.experts, dtype, self.groups, self.placement, timing, workspace, filled_WE, local, capacity,
             self.config.expert_kernel, backend, estimate_E, prepared,
         )
 

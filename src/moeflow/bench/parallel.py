@@ -61,7 +61,8 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     import torch
 
     filled_WE = torch.full((layer.world_size, buffer.shape[0]), buffer.shape[1])  # every slot holds a token
-    ctx = layer.run_context(buffer.dtype, PipelineTiming(), filled_WE, buffer.shape[1], "torch")
+    ctx = layer.run_context(buffer.dtype, PipelineTiming(), filled_WE, buffer.shape[1], "torch",
+                            workspace=layer.workspace)
     out = layer.schedule.run(plan, buffer, ctx).combined_ECM
     (out.square().mean() + extra).backward()
     layer.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""``moeflow generate``: sample from a moeflow checkpoint (one process), or ``--hf DIR``: generate
+"""``moeflow generate``: sample from a moeflow checkpoint (its experts over --workers), or ``--hf DIR``: generate
 with a local transformers MoE model on N gloo workers (data-parallel attention, expert-parallel MoE)."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def add_parser(commands: Any) -> None:
         "--prompts", metavar="FILE",
         help="--hf: one prompt per line, or JSON lines with 'prompt' (text) or 'input_ids' (token ids)",
     )
-    generate.add_argument("--workers", type=positive_int, default=1, help="--hf: gloo worker processes (default 1)")
+    generate.add_argument("--workers", type=positive_int, default=1,
+                          help="gloo worker processes, the experts spread over them (default 1)")
     generate.add_argument("--max-new-tokens", type=positive_int, default=64,
                           help="--hf: new tokens per prompt (default 64)")
     generate.add_argument("--top-p", type=float, default=1.0,
@@ -65,10 +66,11 @@ def run_generate(args: argparse.Namespace) -> int:
         from moeflow.training.generate import generate_text
 
         if args.schedule != "static":
-            raise ValueError("--schedule places the experts over --workers, which is --hf generation; "
-                             "--checkpoint samples in one process")
+            raise ValueError("--schedule plans where the experts run per batch, which is --hf generation; "
+                             "--checkpoint keeps the expert-parallel placement")
         temperature = 0.8 if args.temperature is None else args.temperature
-        print(generate_text(args.checkpoint, args.prompt, args.tokens, temperature, args.top_k, args.seed))
+        print(generate_text(args.checkpoint, args.prompt, args.tokens, temperature, args.top_k, args.seed,
+                            args.workers))
         return 0
     except (FileNotFoundError, ValueError) as error:
         print(f"moeflow generate: error: {error}", file=sys.stderr)

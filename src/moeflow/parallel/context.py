@@ -47,7 +47,7 @@ class RunContext:
     groups: ParallelGroups
     placement: ExpertPlacement
     timing: PipelineTiming
-    workspace: Workspace
+    workspace: Workspace | None  # None: plain allocations (a no-grad forward)
     filled_WE: torch.Tensor
     local: tuple[int, ...]
     capacity: int

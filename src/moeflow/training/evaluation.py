@@ -39,7 +39,7 @@ def evaluate(
     total = count = 0.0
     for begin in range(0, per_worker, config.batch_size):
         windows = token_windows(stream, mine[begin : begin + config.batch_size], config.context).to(device)
-        with autocast(config, device):
+        with torch.no_grad(), autocast(config, device):  # no graph: nothing is kept for a backward
             logits, _ = model(windows[:, :-1])
         losses = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="none")
         weight = torch.tensor(weights[begin : begin + config.batch_size], device=device).repeat_interleave(

@@ -1,4 +1,5 @@
-"""Sample text from a checkpoint, in one process (the experts of every rank are in the file)."""
+"""Sample text from a checkpoint, in one process or with the experts spread over gloo workers
+(each reads only its own experts from the sharded checkpoint)."""
 
 from __future__ import annotations
 
@@ -48,13 +49,30 @@ def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
 
 
 def generate_text(
-    path: str, prompt: str, new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0
+    path: str, prompt: str, new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
+    workers: int = 1,
 ) -> str:
+    """``new_tokens`` sampled after ``prompt``; with ``workers`` > 1 the experts are spread over that
+    many gloo processes, which all sample the same tokens (the same logits and the same seed)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    model, tokenizer, _ = load_model(path)
+    if workers == 1:
+        return _sample(path, prompt, new_tokens, temperature, top_k, seed, None)
+    from moeflow.distributed import run_distributed
+
+    return run_distributed(_sample_worker, workers, path, prompt, new_tokens, temperature, top_k, seed)[0]
+
+
+def _sample_worker(rank: int, world_size: int, path: str, prompt: str, new_tokens: int, temperature: float,
+                   top_k: int | None, seed: int) -> str:
+    return _sample(path, prompt, new_tokens, temperature, top_k, seed, ParallelGroups.from_group(None))
+
+
+def _sample(path: str, prompt: str, new_tokens: int, temperature: float, top_k: int | None, seed: int,
+            groups: ParallelGroups | None) -> str:
+    model, tokenizer, _ = load_model(path, groups)
     ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id("<|endoftext|>")]
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
