@@ -127,7 +127,27 @@ def test_fine_tuning_resumes_exactly(corpus_file: Path, tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == list(range(1, 7))
     assert [(r["loss"], r["aux_loss"]) for r in resumed] == [(r["loss"], r["aux_loss"]) for r in whole]
     assert all(r["aux_loss"] > 0 and [layer["block"] for layer in r["moe"]] == [1] for r in whole)
-    assert (tmp_path / "resumed" / "hf" / "model.safetensors").is_file()
+    assert (tmp_path / "resumed" / "hf" / "model.safetensors.index.json").is_file()
+    _assert_export_equals_save_pretrained(tmp_path / "resumed", tmp_path / "reference")
+
+
+def _assert_export_equals_save_pretrained(run_dir: Path, reference: Path) -> None:
+    """The export (one layer at a time from the sharded checkpoint) against transformers' own
+    save_pretrained of the same weights (the checkpoint loaded whole in one process): the same
+    tensors once plain transformers has loaded either."""
+    from moeflow.comm.groups import ParallelGroups
+    from moeflow.hf import to_hf
+    from moeflow.hf.training import build_hf_model
+    from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
+
+    checkpoint = latest_checkpoint(run_dir)
+    config = TrainConfig(**read_state(checkpoint)["config"]).updated({"workers": 1})
+    model = build_hf_model(config, ParallelGroups.single_process(), torch.device("cpu"))
+    load_checkpoint(checkpoint, model, None, 0, 1)
+    to_hf(model.model).save_pretrained(reference)
+    exported, saved = _plain(run_dir / "hf").state_dict(), _plain(reference).state_dict()
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
     ("layer", "layer_stats"),
     ("models", "hf", "inference", "data"),
-    ("training", "hf.training", "calibrate"),
+    ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
     ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
 )
 """moeflow's layers, bottom to top: a module imports only from its own layer and those below."""

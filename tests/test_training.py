@@ -400,6 +400,33 @@ def test_generate_and_report_from_a_run(two_worker_run: Path, capsys: pytest.Cap
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["steps"] == 12
 
 
+@pytest.mark.distributed
+def test_export_writes_the_full_model_one_layer_per_shard(two_worker_run: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """moeflow export of a 2-worker checkpoint: safetensors shards per block with transformers'
+    index, the experts whole; loaded into one process's model it computes the recorded loss."""
+    from safetensors.torch import load_file
+
+    from moeflow.cli import main
+    from moeflow.data import PreparedCorpus
+
+    assert main(["export", str(two_worker_run), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert summary["shards"] == len(set(index["weight_map"].values())) == 3  # 2 blocks and the rest
+    tensors = {name: tensor for shard in set(index["weight_map"].values())
+               for name, tensor in load_file(tmp_path / "out" / shard).items()}
+    state = read_state(latest_checkpoint(two_worker_run))
+    config = TrainConfig(**state["config"]).updated({"workers": 1})
+    corpus = PreparedCorpus(**state["corpus"])
+    model = MoETransformer(config.model_config(corpus.vocab_size))
+    assert tensors["blocks.1.ffn.experts.w1"].shape[0] == config.num_experts
+    model.load_state_dict(tensors, strict=True)
+    loss = evaluate(model, corpus.load("val"), config, 0, 1, None, torch.device("cpu"))
+    assert loss == pytest.approx(list(iterate_records(two_worker_run))[-1]["val_loss"], rel=1e-5)
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
+
 # -- faults and bad input ------------------------------------------------------------------------
 
 

@@ -11,12 +11,12 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from moeflow.commands import bench, calibrate, cluster, generate, plan, profile_routing, simulate, train
+from moeflow.commands import bench, calibrate, cluster, export, generate, plan, profile_routing, simulate, train
 
-COMMANDS = (train, generate, profile_routing, bench, calibrate, plan, simulate, cluster)
+COMMANDS = (train, generate, export, profile_routing, bench, calibrate, plan, simulate, cluster)
 
 COMMAND_GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("run", "train a model and generate with it", ("train", "generate")),
+    ("run", "train a model, generate with it and export it", ("train", "generate", "export")),
     ("inspect", "look into a finished run or a model", ("report", "profile-routing")),
     ("plan", "measure a machine, predict and simulate plans", ("calibrate", "plan", "simulate")),
     ("benchmark", "measure moeflow against baselines and floors", ("bench",)),

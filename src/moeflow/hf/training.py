@@ -4,13 +4,12 @@ The model's sparse blocks become moeflow layers (experts spread over the workers
 all-to-all); everything else (attention, norms, embeddings) is the transformers model's own and
 runs data parallel. :class:`HFCausalLM` puts it behind the interface the trainer and its
 checkpoints use (:class:`moeflow.models.TrainableLM`), so checkpoints, resume, metrics and the
-report are the trainer's. At the end :func:`save_hf_checkpoint` writes a directory plain
-transformers loads (``to_hf`` + ``save_pretrained``, the tokenizer copied).
+report are the trainer's. At the end :func:`moeflow.hf.export.export_hf` writes a directory plain
+transformers loads, from the last sharded checkpoint, one layer at a time.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.data import PreparedCorpus, PretrainedTokenizer, prepare_corpus
-from moeflow.hf.blocks import HFMoEBlock, moe_blocks, to_hf
+from moeflow.hf.blocks import HFMoEBlock, moe_blocks
 from moeflow.hf.families import family_for_model_type
 from moeflow.hf.loading import check_model_dir, load_hf_model
 from moeflow.layer import MoELayer
@@ -167,20 +166,3 @@ def build_hf_model(config: TrainConfig, groups: ParallelGroups, device: torch.de
     info = read_hf_info(config.hf)
     model = load_hf_model(config.hf, "float32", groups, **layer_options(config, info))
     return HFCausalLM(model.to(device), groups, config.eval_capacity_factor)
-
-
-def save_hf_checkpoint(model: HFCausalLM, source: str, destination: Path, rank: int) -> Path:
-    """Write the trained model as a transformers directory (a collective: the experts are gathered;
-    rank 0 writes), the tokenizer files of ``source`` copied beside it. The blocks are swapped back
-    in place, so ``model`` trains no further."""
-    hf_model = to_hf(model.model)
-    if rank == 0:
-        temporary = destination.with_name(destination.name + ".tmp")
-        shutil.rmtree(temporary, ignore_errors=True)
-        hf_model.save_pretrained(temporary)
-        for file in Path(source).iterdir():
-            if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens")) or file.suffix == ".model"):
-                shutil.copy2(file, temporary / file.name)
-        shutil.rmtree(destination, ignore_errors=True)
-        temporary.rename(destination)
-    return destination

@@ -41,8 +41,12 @@ from moeflow.parallel.placement import Chunk
 
 METADATA = ".metadata"
 """DCP's index file: its presence marks a sharded checkpoint folder."""
-MODEL, OPTIMIZER = "model.", "optimizer."
+MODEL = "model."
+"""The key prefix of the model's tensors (its state-dict names follow)."""
+OPTIMIZER = "optimizer."
+"""The key prefix of AdamW's state: ``optimizer.<parameter>.<exp_avg|exp_avg_sq|step>``."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter moments, placed like their parameter."""
 
 
 @dataclass(frozen=True)

@@ -336,8 +336,17 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
             state["packer"] = run.packer.state()
         run.checkpoint = save_checkpoint(
             Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
-            [corpus.tokenizer_path], config.keep_checkpoints,  # state.json holds the config
+            [corpus.tokenizer_path, *_hf_files(config)], config.keep_checkpoints,  # state.json holds the config
         )
+
+
+def _hf_files(config: TrainConfig) -> list[Path]:
+    """A --hf run's checkpoints keep the source's config, so that they export on their own."""
+    if config.hf is None:
+        return []
+    from moeflow.hf.export import hf_checkpoint_files
+
+    return hf_checkpoint_files(config.hf)
 
 
 def _show_progress(progress: Any, run: _Run, record: dict[str, Any]) -> None:
@@ -381,10 +390,14 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 
 
 def _save_hf(run: _Run) -> Path:
-    """The fine-tuned model as a transformers directory (the run's last act: the blocks go back)."""
-    from moeflow.hf.training import HFCausalLM, save_hf_checkpoint
+    """The fine-tuned model as a transformers directory, exported by rank 0 from the last sharded
+    checkpoint one layer at a time (no rank gathers the experts)."""
+    from moeflow.hf.export import export_hf
 
-    assert isinstance(run.model, HFCausalLM) and run.config.hf is not None
-    return save_hf_checkpoint(run.model, run.config.hf, Path(run.job.run_dir) / HF_CHECKPOINT, run.rank)
+    destination = Path(run.job.run_dir) / HF_CHECKPOINT
+    assert run.config.hf is not None and run.checkpoint is not None
+    if run.rank == 0:
+        export_hf(run.checkpoint, destination, Path(run.config.hf))
+    return destination
 
 
