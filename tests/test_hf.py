@@ -183,7 +183,8 @@ def test_bench_generate_compares_implementations_on_the_same_weights(capsys) -> 
     # the floor and the step are timed apart (one repeat here): their ratio is the benchmark's figure, not a
     # bound a loaded test machine keeps
     assert compare["moe_floor_ms"] > 0 and compare["moe_decode_ms"] > 0
-    assert compare["moe_over_floor"] == pytest.approx(compare["moe_decode_ms"] / compare["moe_floor_ms"], rel=1e-6)
+    ratio = compare["moe_decode_ms"] / compare["moe_floor_ms"]
+    assert compare["moe_over_floor"] == pytest.approx(ratio, rel=5e-3)  # the records round to a few digits
     assert compare["kernel_over_floor"] == pytest.approx(compare["read_gb_per_s"] / compare["gemm_gb_per_s"], rel=1e-3)
     assert compare["fastest_hf_moe_over_floor"] > 0
     assert lines[-1]["summary"] == "generate" and lines[-1]["all_tokens_identical"]
