@@ -184,10 +184,7 @@ def _expert_numel(placement: Any, kind: str, local: torch.Tensor, rank: int | No
     from moeflow.parallel.placement import HIDDEN_AXIS
 
     axis = HIDDEN_AXIS.get(kind)
-    per_expert = [*local.shape[1:]]
-    if axis is not None:
-        per_expert[axis - 1] = placement.hidden_dim
-    whole = math.prod(per_expert)
+    whole = math.prod(placement.full_shape(kind, local)) // placement.num_experts  # one whole expert
     if rank is None:
         return placement.num_experts * whole
     widths = [shard.hidden_stop - shard.hidden_start for shard in placement.local(rank)]

@@ -20,7 +20,7 @@ from torch import nn
 from moeflow.hf.families import family_of
 from moeflow.hf.lazy import _empty_model
 from moeflow.hf.weights import write_hf_block
-from moeflow.training.export import layer_groups, write_index
+from moeflow.training.export import layer_groups, write_shards
 from moeflow.training.sharded_checkpoint import MODEL, read_full_tensors, saved_tensors
 
 HF_MODEL = MODEL + "model."
@@ -35,7 +35,6 @@ def export_hf(checkpoint: Path, destination: Path, tokenizer_source: Path | None
     sharded checkpoint of a ``train --hf`` run holding the source's ``config.json``; the tokenizer
     files are copied from ``tokenizer_source`` when given."""
     import transformers
-    from safetensors.torch import save_file
 
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint} holds no config.json: it is not a checkpoint of a train --hf run")
@@ -44,25 +43,14 @@ def export_hf(checkpoint: Path, destination: Path, tokenizer_source: Path | None
     dtype = next(md.properties.dtype for key, md in saved.items() if key.startswith(HF_MODEL))
     config.dtype = dtype
     model = _empty_model(transformers, config, dtype)
-    temporary = destination.with_name(destination.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir(parents=True)
-    groups = layer_groups(_saved_names(model))
-    weight_map: dict[str, str] = {}
-    total = 0
-    for number, names in enumerate(groups, 1):
-        tensors = _layer_tensors(checkpoint, model, names)
-        shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(temporary / shard),
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    write_index(temporary, weight_map, total)
-    config.save_pretrained(temporary)
-    _copy_beside(checkpoint, tokenizer_source, temporary)
-    shutil.rmtree(destination, ignore_errors=True)
-    temporary.rename(destination)
-    return destination
+
+    def beside(directory: Path) -> None:
+        config.save_pretrained(directory)
+        _copy_beside(checkpoint, tokenizer_source, directory)
+
+    keys = list(saved)
+    return write_shards(destination, layer_groups(_saved_names(model)),
+                        lambda names: _layer_tensors(checkpoint, keys, model, names), beside)
 
 
 def _saved_names(model: nn.Module) -> list[str]:
@@ -76,7 +64,7 @@ def _saved_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _layer_tensors(checkpoint: Path, model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+def _layer_tensors(checkpoint: Path, saved: list[str], model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """The tensors of one layer in transformers' names and layout."""
     blocks = {prefix: module for prefix, module in model.named_modules() if family_of(module) is not None
               and any(name.startswith(prefix + ".") for name in names)}
@@ -85,16 +73,17 @@ def _layer_tensors(checkpoint: Path, model: nn.Module, names: list[str]) -> dict
     tensors = {name: tensor for name, tensor in zip(
         plain, read_full_tensors(checkpoint, [HF_MODEL + name for name in plain]).values(), strict=True)}
     for prefix, block in blocks.items():
-        tensors |= {f"{prefix}.{name}": t for name, t in _block_tensors(checkpoint, prefix, block).items()}
+        tensors |= {f"{prefix}.{name}": t for name, t in _block_tensors(checkpoint, saved, prefix, block).items()}
     return tensors
 
 
-def _block_tensors(checkpoint: Path, prefix: str, block: nn.Module) -> dict[str, torch.Tensor]:
-    """One MoE block's tensors in transformers' layout, from the moeflow layer's full state."""
+def _block_tensors(checkpoint: Path, saved: list[str], prefix: str, block: nn.Module) -> dict[str, torch.Tensor]:
+    """One MoE block's tensors in transformers' layout, from the moeflow layer's full state
+    (``saved``: the checkpoint's keys)."""
     family = family_of(block)
     assert family is not None
     stem = f"{HF_MODEL}{prefix}.moe."
-    keys = [key for key in saved_tensors(checkpoint) if key.startswith(stem)]
+    keys = [key for key in saved if key.startswith(stem)]
     if not keys:
         raise ValueError(f"{checkpoint} holds no moeflow layer for {prefix}: it was saved from another model")
     state = {key[len(stem):]: tensor for key, tensor in read_full_tensors(checkpoint, keys).items()}

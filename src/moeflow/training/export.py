@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from moeflow.training.sharded_checkpoint import MODEL, read_full_tensors, saved_tensors
 
@@ -21,25 +24,42 @@ INDEX = "model.safetensors.index.json"
 
 def export_model(checkpoint: Path, destination: Path) -> Path:
     """Write ``destination`` (a temporary folder renamed into place) from a sharded checkpoint."""
+    groups = layer_groups([key[len(MODEL):] for key in saved_tensors(checkpoint) if key.startswith(MODEL)])
+
+    def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
+        read = read_full_tensors(checkpoint, [MODEL + name for name in names])
+        return {name[len(MODEL):]: tensor for name, tensor in read.items()}
+
+    def beside(directory: Path) -> None:
+        for name in ("state.json", "tokenizer.json"):
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, directory / name)
+
+    return write_shards(destination, groups, tensors_of, beside)
+
+
+def write_shards(
+    destination: Path, groups: list[list[str]], tensors_of: Callable[[list[str]], dict[str, torch.Tensor]],
+    beside: Callable[[Path], None],
+) -> Path:
+    """One safetensors shard per group of names (``tensors_of`` reads a group's tensors: only one
+    group is held at a time), transformers' index, and what ``beside`` adds; written into a
+    temporary folder renamed into place, so a failed export leaves no partial ``destination``."""
     from safetensors.torch import save_file
 
-    groups = layer_groups([key[len(MODEL):] for key in saved_tensors(checkpoint) if key.startswith(MODEL)])
     temporary = destination.with_name(destination.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     total = 0
     for number, names in enumerate(groups, 1):
-        read = read_full_tensors(checkpoint, [MODEL + name for name in names])
-        tensors = {name[len(MODEL):]: tensor.contiguous() for name, tensor in read.items()}
+        tensors = {name: tensor.contiguous() for name, tensor in tensors_of(names).items()}
         shard = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         save_file(tensors, str(temporary / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     write_index(temporary, weight_map, total)
-    for name in ("state.json", "tokenizer.json"):
-        if (checkpoint / name).is_file():
-            shutil.copy2(checkpoint / name, temporary / name)
+    beside(temporary)
     shutil.rmtree(destination, ignore_errors=True)
     temporary.rename(destination)
     return destination
