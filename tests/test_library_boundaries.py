@@ -124,7 +124,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
     ("comm", "kernels", "dispatch", "dispatch_plan", "experts", "ragged", "pipeline", "routing", "workspace",
-     "precision", "phases", "reference", "measure", "distributed"),
+     "saved_activations", "precision", "phases", "reference", "measure", "distributed"),
     ("parallel", "planner"),  # the schedules; the planner gets its simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
     ("layer", "layer_stats"),

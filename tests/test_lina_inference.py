@@ -187,13 +187,14 @@ def _scheduled(rank: int, world_size: int, schedule: str, kind: str, capacity_fa
         profile = None if routes is None else RoutingProfile.from_routes(routes, E, "f", path_length=2)
         scheduler = InferenceScheduler(SchedulerSettings(schedule, max_experts_per_rank=4), 3, profile)
         schedule_layers(layers, scheduler)
+        stored = [layer.num_local_experts for layer in layers]
         scheduled = [_forward(layers, x) for _ in range(2)]
         records = scheduler.take_records()
         stats = layers[-1].last_stats
         schedule_layers(layers, None)
         back = _forward(layers, x)
     return {"static": static.numpy(), "scheduled": [y.numpy() for y in scheduled], "back": back.numpy(),
-            "records": [r.to_dict() for r in records],
+            "records": [r.to_dict() for r in records], "stored": stored,
             "dropped": sum(stats.dropped_per_expert), "schedule": stats.plan.schedule,
             "rank_tokens": stats.rank_tokens}
 
@@ -230,6 +231,7 @@ def test_the_scheduled_layers_compute_what_the_static_placement_computes(
             np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
         np.testing.assert_array_equal(result["back"], result["static"])
         assert result["schedule"] == "dynamic"
+        assert result["stored"] == [E // world_size] * 3  # each rank stores its own experts only
         assert len(result["records"]) == 6 and [r["layer"] for r in result["records"]] == [0, 1, 2] * 2
     records = results[0]["records"]
     assert all(record == other["records"] for other in results for record in [records])  # one plan everywhere
@@ -245,6 +247,10 @@ def test_the_scheduled_layers_compute_what_the_static_placement_computes(
             assert 2 in phases
     if kind == "one-expert":
         assert sum(1 for load in records[0]["load"] if load == 0) == E - 2
+        if world_size > 1:  # the popular experts run on ranks that do not store them: fetched
+            local = E // world_size
+            assert any(e // local != rank for record in records for rank, plan in enumerate(record["plan"])
+                       for e in plan)
     counted = [r for r in records if r["phase"] != 1]  # planned from the gate's counts, not the estimate
     if world_size > 1 and kind == "skewed" and counted and schedule != "unpadded":  # the plan evens the ranks' work
         static = [max(plan_loads(popularity_plan([1] * E, world_size, 4), np.array(r["load"]))) for r in counted]

@@ -273,18 +273,16 @@ class _ExpertFFNFunction(torch.autograd.Function):
         w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None,
     ) -> torch.Tensor:
         y_LCM, saved = compute.forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3))
-        # inputs go through save_for_backward (version-checked); intermediates ride on ctx
-        ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3)
+        ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3, saved.h_LCH, saved.a_LCH, saved.up_LCH)
         ctx.compute = compute
-        ctx.h_LCH, ctx.a_LCH, ctx.up_LCH = saved.h_LCH, saved.a_LCH, saved.up_LCH
         return y_LCM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_y_LCM: torch.Tensor):  # type: ignore[override]
-        x_LCM, w1, b1, w2, b2, w3 = ctx.saved_tensors
+        x_LCM, w1, b1, w2, b2, w3, h_LCH, a_LCH, up_LCH = ctx.saved_tensors
         weights = FFNWeights(w1, b1, w2, b2, w3)
-        saved = FFNSaved(x_LCM, ctx.h_LCH, ctx.a_LCH, ctx.up_LCH)
+        saved = FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
         grad_x_LCM, inputs = ctx.compute.backward_input(saved, grad_y_LCM.contiguous(), weights)
         return grad_x_LCM, None, *ctx.compute.weight_grads(inputs, weights)
 

@@ -125,7 +125,7 @@ class MoELayer(nn.Module):
             else None
         )
         self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
-        self.workspace = Workspace()  # the experts' large intermediates, reused step to step
+        self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.last_stats: RoutingStats | None = None
 
@@ -241,10 +241,12 @@ class MoELayer(nn.Module):
     def _step_workspace(self) -> Workspace | None:
         """The workspace for a forward whose buffers a backward will use; a no-grad forward
         (evaluation, generation) allocates plainly, so its transient buffers go back at once instead
-        of staying in every layer until its next forward (L layers would keep L sets)."""
+        of staying in every layer until its next forward (L layers would keep L sets), and the
+        training buffers that no tensor uses go back first (an evaluation would add to them)."""
         if not torch.is_grad_enabled():
+            self.workspace.release()
             return None
-        self.workspace.start_step()
+        self.workspace.start_step(id(self))
         return self.workspace
 
     def run_context(

@@ -38,6 +38,7 @@ from moeflow.comm.groups import CommunicationWorker, ParallelGroups
 from moeflow.comm.streams import overlap_on_streams
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.pipeline import capacity_chunks
+from moeflow.saved_activations import save_with_records, saved_with_records
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace, buffer
 
@@ -247,10 +248,9 @@ class _PipelinedExperts(torch.autograd.Function):
             return y_LXM
 
         out_ECM = run_pipeline(buffer_ECM.contiguous(), chunks, expert_forward, chunk_exchange, workspace=workspace)
-        if not for_backward:
-            saved = []  # no backward will read the activations: their buffers are free at once
-        ctx.save_for_backward(*weight_tensors)
-        ctx.chunk_exchange, ctx.chunks, ctx.timing, ctx.saved_chunks = chunk_exchange, chunks, timing, saved
+        # without a backward to read them, the activations' buffers are free at once
+        save_with_records(ctx, weight_tensors, saved if for_backward else [])
+        ctx.chunk_exchange, ctx.chunks, ctx.timing = chunk_exchange, chunks, timing
         ctx.compute, ctx.workspace = compute, workspace
         timing.forward_s = timing.now() - start
         return out_ECM
@@ -259,21 +259,18 @@ class _PipelinedExperts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
         start = ctx.timing.now()
-        weights = FFNWeights(*ctx.saved_tensors)
+        weight_tensors, saved = saved_with_records(ctx)
+        weights = FFNWeights(*weight_tensors)
         compute: ExpertCompute = ctx.compute
         workspace: Workspace | None = ctx.workspace
-        saved: list[FFNSaved | None] = ctx.saved_chunks
         pending: list[FFNWeightGradInputs] = []
-        totals: list[torch.Tensor | None] = [None] * len(ctx.saved_tensors)
+        totals: list[torch.Tensor | None] = [None] * len(weight_tensors)
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
-            chunk = saved[index]
-            assert chunk is not None, "backward through the pipelined experts ran twice"
             grad_x_LXM, weight_inputs = compute.chunk(*ctx.chunks[index]).backward_input(
-                chunk, grad_y_LXM, weights, workspace
+                saved[index], grad_y_LXM, weights, workspace
             )
-            saved[index] = None
             pending.append(weight_inputs)
             ctx.timing.expert_backward_s += _record_experts(ctx.chunk_exchange, begin)
             return grad_x_LXM

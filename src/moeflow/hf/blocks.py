@@ -23,6 +23,7 @@ from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseClock
+from moeflow.workspace import share_workspace
 
 Group = ParallelGroups | dist.ProcessGroup | None
 
@@ -157,6 +158,7 @@ def _replace_blocks(model: nn.Module, build: Callable[[nn.Module], HFMoEBlock]) 
         raise ValueError(f"{type(model).__name__} has no sparse MoE block moeflow converts; supported: {SUPPORTED}")
     for name, module in targets:
         model.set_submodule(name, build(module))
+    share_workspace(block.moe for block in moe_blocks(model))
     return model
 
 

@@ -1,8 +1,8 @@
 """Lina's inference scheduling: token-path profiles, popularity estimates and per-batch placements.
 
 :func:`schedule_layers` attaches an :class:`InferenceScheduler` to a model's MoE layers (in
-forward order); each layer then keeps every expert's weights and computes, per forward, the
-experts of the placement its scheduler chose (:mod:`moeflow.parallel.dynamic`).
+forward order); each layer then computes, per forward, the experts of the placement its scheduler
+chose, fetching from their owners the ones it does not store (:mod:`moeflow.parallel.dynamic`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | 
 
 
 def schedule_layer(layer: MoELayer, hook: InferenceHook | None) -> None:
-    """With a hook (:class:`LayerScheduling`), every rank gathers every expert's weights (a
-    collective) and each forward computes the experts of the placement the hook chooses for that
-    forward (:class:`~moeflow.parallel.dynamic.DynamicPlacementSchedule`); None puts the layer's
-    own schedule, placement and planner back (a collective)."""
+    """With a hook (:class:`LayerScheduling`), each forward computes the experts of the placement
+    the hook chooses for that forward (:class:`~moeflow.parallel.dynamic.DynamicPlacementSchedule`),
+    the experts staying where they are stored (a placement of hidden slices is first regrouped into
+    whole experts, expert parallel: a collective); None puts the layer's own schedule, placement and
+    planner back."""
     current = layer.schedule
     if hook is None:
         if isinstance(current, DynamicPlacementSchedule):
@@ -60,5 +61,7 @@ def schedule_layer(layer: MoELayer, hook: InferenceHook | None) -> None:
         return
     check_techniques(layer.config, layer.schedule.name, applied=("inference scheduling",))
     config = layer.config
-    replicated = ExpertPlacement.replicated(config.num_experts, layer.world_size, config.hidden_dim)
-    layer.switch(DynamicPlacementSchedule(hook, (current, layer.placement, layer.planner)), replicated)
+    whole = all(s.hidden_start == 0 and s.hidden_stop == config.hidden_dim for r in layer.placement.shards for s in r)
+    storage = layer.placement if whole else ExpertPlacement.expert_parallel(
+        config.num_experts, layer.world_size, config.hidden_dim)
+    layer.switch(DynamicPlacementSchedule(hook, (current, layer.placement, layer.planner)), storage)

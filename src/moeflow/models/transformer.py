@@ -34,6 +34,7 @@ from moeflow.layer import MoELayer
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.phases import PhaseClock
+from moeflow.workspace import share_workspace
 
 if TYPE_CHECKING:
     from moeflow.models.interface import TrainableLM
@@ -194,6 +195,7 @@ class MoETransformer(nn.Module):
             Block(config, config.is_moe_block(i), groups, profile) for i in range(config.layers)
         )
         self.ln_final = nn.LayerNorm(config.model_dim)
+        share_workspace(self.moe_layers())  # one set of backward buffers for all the layers
         self.clock = PhaseClock(enabled=False)
         self.last_lm_loss: torch.Tensor | None = None
         self._initialize(seed)

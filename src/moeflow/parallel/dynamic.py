@@ -1,14 +1,17 @@
 """A placement chosen per forward (Lina's inference scheduling, §5.2 and §6.2).
 
-Every rank keeps every expert's weights (the layer's storage placement is replicated), so any
-placement of this forward costs no weight movement: rank r computes the experts
-``placement.local(r)``, an expert held by several ranks gets its tokens split evenly over them
-(contiguous runs of all ranks' tokens in rank order, as EPLB's replicas), and the tokens travel
-by one all-to-all with unequal splits each way: each rank sends each other rank exactly the rows
-it computes, with no capacity padding.
+Each rank stores only its own experts (the layer's placement: expert parallel, packed, or any
+placement of whole experts). Per forward, the layer's inference hook chooses a placement; rank r
+computes the experts ``placement.local(r)``, fetching those it does not store from the rank that
+stores them (point-to-point, one message per weight, freed after the forward), so no rank ever
+holds more than its own experts and this forward's. An expert held by several ranks gets its
+tokens split evenly over them (contiguous runs of all ranks' tokens in rank order, as EPLB's
+replicas), and the tokens travel by one all-to-all with unequal splits each way: each rank sends
+each other rank exactly the rows it computes, with no capacity padding.
 
-The placement comes from the layer's inference hook (:mod:`moeflow.inference.scheduler`); this
-schedule only moves rows. It runs in inference only (under ``torch.no_grad``).
+Lina keeps every expert in every device's host memory and swaps the ones it needs onto the GPU
+(§6.2); moeflow fetches them from their owner instead, because no rank may hold the whole model.
+This schedule only moves rows and weights; it runs in inference only (under ``torch.no_grad``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moeflow.comm.alltoall import linear_all_to_all
 from moeflow.comm.groups import ParallelGroups
@@ -69,11 +73,11 @@ class PlacedRowMap:
 
 @dataclass(frozen=True)
 class PlacedExperts:
-    """This forward's experts as :class:`DynamicPlacementSchedule` needs them: every expert's
-    weights, the placement and the kept tokens of every rank per expert."""
+    """This forward's experts as :class:`DynamicPlacementSchedule` needs them: the weights of each
+    expert this rank computes, the placement and the kept tokens of every rank per expert."""
 
     compute: FFNCompute
-    all_weights: FFNWeights  # (E, ...) tensors: every rank keeps every expert
+    placed_weights: dict[int, FFNWeights]  # expert -> its (1, ...) weights, stored here or fetched
     placement: ExpertPlacement
     row_map: PlacedRowMap
     rank: int
@@ -82,13 +86,45 @@ class PlacedExperts:
     def num_experts(self) -> int:
         return self.placement.num_local(self.rank)
 
-    def weights(self) -> FFNWeights:
-        return _select(self.all_weights, [s.expert for s in self.placement.local(self.rank)])
+
+def fetches(storage: ExpertPlacement, placement: ExpertPlacement) -> dict[tuple[int, int], list[int]]:
+    """(source, destination) -> the experts that destination computes under ``placement`` but does not
+    store, each from the first rank that stores it; every rank derives the same from the two."""
+    plan: dict[tuple[int, int], list[int]] = {}
+    for rank, shards in enumerate(placement.shards):
+        for shard in shards:
+            if rank not in storage.holders(shard.expert):
+                plan.setdefault((storage.holders(shard.expert)[0], rank), []).append(shard.expert)
+    return plan
 
 
-def _select(weights: FFNWeights, experts: list[int]) -> FFNWeights:
-    index = torch.tensor(experts, dtype=torch.long)
-    return FFNWeights(*(None if w is None else w.index_select(0, index) for w in weights.as_tuple()))
+def placed_weights(
+    stored: FFNWeights, storage: ExpertPlacement, placement: ExpertPlacement, rank: int,
+    group: dist.ProcessGroup | None,
+) -> dict[int, FFNWeights]:
+    """The weights of the experts ``rank`` computes under ``placement``: views of its stored ones,
+    and the others received from their owners (a collective over ``group``: every rank calls it)."""
+    local_index = {shard.expert: index for index, shard in enumerate(storage.local(rank))}
+    tensors = stored.as_tuple()
+    result = {e: FFNWeights(*(None if t is None else t[i: i + 1] for t in tensors))
+              for e, i in local_index.items() if any(s.expert == e for s in placement.local(rank))}
+    operations: list[dist.P2POp] = []
+    for (source, destination), experts in sorted(fetches(storage, placement).items()):
+        for expert in experts:
+            if source == rank:
+                operations += [dist.P2POp(dist.isend, t[local_index[expert]], _global(group, destination))
+                               for t in tensors if t is not None]
+            elif destination == rank:
+                received = tuple(None if t is None else t.new_empty(t.shape[1:]) for t in tensors)
+                operations += [dist.P2POp(dist.irecv, t, _global(group, source)) for t in received if t is not None]
+                result[expert] = FFNWeights(*(None if t is None else t.unsqueeze(0) for t in received))
+    for request in dist.batch_isend_irecv(operations) if operations else []:
+        request.wait()
+    return result
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _exchange(x: torch.Tensor, groups: ParallelGroups, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
@@ -115,8 +151,7 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
     for shard, first, last in zip(local, [0, *bounds[:-1]], bounds, strict=True):
         if last > first:
             rows = order[first:last]
-            one = FFNWeights(*(None if w is None else w[shard.expert: shard.expert + 1]
-                               for w in experts.all_weights.as_tuple()))
+            one = experts.placed_weights[shard.expert]
             computed[rows] = experts.compute.forward(received[rows].unsqueeze(0), one)[0][0]
     timing.expert_forward_s += time.perf_counter() - expert_start
     returned = _exchange(computed, groups, row_map.send_splits, row_map.recv_splits)
@@ -127,9 +162,10 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
 
 @dataclass(frozen=True)
 class DynamicPlacementSchedule(ModelledSchedule):
-    """Every rank stores every expert; each forward computes the experts of the placement that
-    ``hook`` chooses for it (from the context's kept counts and estimates) and moves rows by
-    unequal all-to-alls. ``previous`` is what the layer ran before (to switch back to)."""
+    """Each rank stores its own experts; each forward computes the experts of the placement that
+    ``hook`` chooses for it (from the context's kept counts and estimates), fetching the ones it
+    does not store, and moves rows by unequal all-to-alls. ``previous`` is what the layer ran
+    before (to switch back to)."""
 
     scheduler: InferenceHook
     previous: object = field(default=None, compare=False)
@@ -144,7 +180,7 @@ class DynamicPlacementSchedule(ModelledSchedule):
         return self.scheduler
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
-        return ExpertPlacement.replicated(num_experts, world_size, hidden_dim)
+        return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
     def plan_label(self, plan: Plan) -> str:
         return self.name
@@ -160,5 +196,6 @@ class DynamicPlacementSchedule(ModelledSchedule):
             ctx.filled_WE.sum(0), ctx.estimate_E, ctx.world_size, ctx.placement.hidden_dim
         )
         row_map = PlacedRowMap.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
-        experts = PlacedExperts(ctx.experts.compute, ctx.weights(), placement, row_map, ctx.rank)
+        weights = placed_weights(ctx.weights(), ctx.placement, placement, ctx.rank, ctx.groups.expert)
+        experts = PlacedExperts(ctx.experts.compute, weights, placement, row_map, ctx.rank)
         return ScheduleOutput(run_placed(dispatched_ECM, experts, ctx.groups, ctx.timing), row_map.rank_tokens)

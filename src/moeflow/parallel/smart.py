@@ -36,6 +36,7 @@ from moeflow.comm.topology import Topology
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.perf.schedules import SMART
 from moeflow.pipeline import overlap
+from moeflow.saved_activations import save_with_records, saved_with_records
 from moeflow.stats import PipelineTiming
 from moeflow.workspace import Workspace
 
@@ -122,9 +123,8 @@ class _SmartExperts(torch.autograd.Function):
             return y_LXM
 
         out_ECM = run_steps(buffer_ECM.contiguous(), steps, expert_forward)
-        ctx.save_for_backward(*weight_tensors)
+        save_with_records(ctx, weight_tensors, saved if for_backward else [])
         ctx.steps, ctx.computes, ctx.timing, ctx.workspace = steps, computes, timing, workspace
-        ctx.saved_steps = saved if for_backward else []
         timing.forward_s = timing.now() - start
         return out_ECM
 
@@ -132,18 +132,15 @@ class _SmartExperts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_out_ECM: torch.Tensor):  # type: ignore[override]
         start = ctx.timing.now()
-        weights = FFNWeights(*ctx.saved_tensors)
+        weight_tensors, saved = saved_with_records(ctx)
+        weights = FFNWeights(*weight_tensors)
         computes: list[ExpertCompute] = ctx.computes
-        saved: list[FFNSaved | None] = ctx.saved_steps
         pending: list[FFNWeightGradInputs] = []
-        totals: list[torch.Tensor | None] = [None] * len(ctx.saved_tensors)
+        totals: list[torch.Tensor | None] = [None] * len(weight_tensors)
 
         def expert_backward(step: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
-            activations = saved[step]
-            assert activations is not None, "backward through the smart schedule ran twice"
-            grad_x_LXM, inputs = computes[step].backward_input(activations, grad_y_LXM, weights, ctx.workspace)
-            saved[step] = None
+            grad_x_LXM, inputs = computes[step].backward_input(saved[step], grad_y_LXM, weights, ctx.workspace)
             pending.append(inputs)
             ctx.timing.expert_backward_s += time.perf_counter() - begin
             return grad_x_LXM
