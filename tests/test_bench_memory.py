@@ -1,6 +1,7 @@
-"""`moeflow bench memory` at tiny sizes on 1 and 2 workers: a record per worker and scenario with
-positive peak, share and ratio, and a share that shrinks when the experts are split over 2 workers.
-No figure is compared with a target: at these sizes the workers' fixed cost (code) dominates."""
+"""`moeflow bench memory` at tiny sizes on 1 and 2 workers: a record per worker and scenario (plain
+and scheduled generation, training) with positive peak, share and ratio, and a share that shrinks
+when the experts are split over 2 workers. No figure is compared with a target: at these sizes the
+workers' fixed cost (code) dominates."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _check_record(record: dict[str, Any]) -> None:
     assert record["local_experts"] == [4 // record["workers"]]  # the layer's placement: expert parallel
     local = record["non_expert_bytes"] + record["expert_bytes"]
     assert (record["model_bytes"] > local) == (record["workers"] > 1) and record["model_bytes"] >= local
-    if record["scenario"] == "generation":
+    if record["scenario"].endswith("generation"):
         assert record["share_bytes"] == record["non_expert_bytes"] + record["expert_bytes"]
     else:
         assert record.keys() >= TRAINING_KEYS and record["checkpoint"] == "step-000001"
@@ -47,16 +48,16 @@ def test_bench_memory_reports_every_worker_and_its_share_shrinks_with_workers(
     assert main(["bench", "memory", "--workers", "1", "2", "--skip-imports", *TINY]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     *records, summary = lines
+    scenarios = ["generation", "scheduled-generation", "training"]
     assert [(r["scenario"], r["workers"], r["rank"]) for r in records] == [
-        ("generation", 1, 0), ("generation", 2, 0), ("generation", 2, 1),
-        ("training", 1, 0), ("training", 2, 0), ("training", 2, 1)]
+        (scenario, workers, rank) for scenario in scenarios for workers, rank in [(1, 0), (2, 0), (2, 1)]]
     for record in records:
         _check_record(record)
-    for scenario in ("generation", "training"):
+    for scenario in scenarios:
         share = {r["workers"]: r["share_bytes"] for r in records if r["scenario"] == scenario}
         assert share[2] < share[1], scenario
-    assert summary["summary"] == "memory" and set(summary["worst_ratio"]) == {"generation", "training"}
-    assert [t["target"].split(":")[0] for t in summary["targets"]] == ["generation", "training"]
+    assert summary["summary"] == "memory" and set(summary["worst_ratio"]) == set(scenarios)
+    assert [t["target"].split(":")[0] for t in summary["targets"]] == scenarios
 
 
 def test_bench_memory_refuses_workers_that_do_not_divide_the_experts() -> None:

@@ -41,3 +41,14 @@ def tune_cpu_allocator(enabled: bool = True) -> bool:
         return _tuned
     _tuned = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
     return _tuned
+
+
+def give_back_free_memory() -> None:
+    """Return the heap's free pages to the OS (glibc's ``malloc_trim``) where :func:`tune_cpu_allocator`
+    keeps freed memory: called between phases whose buffers differ (before an evaluation), so that
+    the next phase reuses those pages instead of growing the heap around the last phase's holes.
+    Without the tuning, glibc already returns large blocks itself: nothing to do."""
+    if not _tuned:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc_trim(0)

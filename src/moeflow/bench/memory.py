@@ -6,9 +6,11 @@ parameters plus this rank's experts (read from each MoE layer's placement), and 
 bytes per such parameter (fp32 weight, gradient, AdamW's two moments) plus the activations one
 training batch's forward keeps for the backward. A ratio near 1 means memory scales with workers.
 
-Two scenarios, each through the library's own code paths in gloo workers spawned as the commands
+Three scenarios, each through the library's own code paths in gloo workers spawned as the commands
 spawn them: ``generation`` runs ``moeflow generate --hf``'s worker function on a random Mixtral-like
-model saved with ``save_pretrained``; ``training`` runs the trainer's worker for ``steps`` steps
+model saved with ``save_pretrained``; ``scheduled-generation`` the same with Lina's per-batch
+placement (``--schedule oracle``: a worker fetches the experts it computes but does not store, and
+drops them after the forward); ``training`` runs the trainer's worker for ``steps`` steps
 (saving a checkpoint), then resumes from that checkpoint for ``steps`` more (saving again). Each
 worker reads its peak when the library has returned; only then does it build the model again
 (with the same library functions) to read its placement and count its share, so the counting
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from moeflow.training.config import TrainConfig
     from moeflow.training.trainer import Job
 
-SCENARIOS = ("generation", "training")
+SCENARIOS = ("generation", "scheduled-generation", "training")
 TRAINING_BYTES_PER_PARAMETER = 16
 """What training holds per local parameter, as issue 40 counts it: the fp32 weight, its gradient and
 AdamW's two moments."""
@@ -254,8 +256,12 @@ def _prompt_ids() -> list[list[int]]:
     return torch.randint(3, VOCAB, (PROMPTS, PROMPT_TOKENS), generator=generator).tolist()
 
 
+def is_generation(scenario: str) -> bool:
+    return scenario.endswith("generation")
+
+
 def _generation_worker(rank: int, world_size: int, path: str, prompt_ids: list[list[int]],
-                       settings: Any) -> dict[str, Any]:
+                       settings: Any, schedule: Any) -> dict[str, Any]:
     """``moeflow generate --hf``'s own worker function, then this process's peak; then the model
     loaded again by the same loader, for its placement (after the peak is read)."""
     import torch.distributed as dist
@@ -263,21 +269,26 @@ def _generation_worker(rank: int, world_size: int, path: str, prompt_ids: list[l
     from moeflow.hf.loading import load_hf_model
     from moeflow.hf.serving import generate_worker
 
-    generate_worker(rank, world_size, path, prompt_ids, BATCH_SIZE, None, settings)
+    generate_worker(rank, world_size, path, prompt_ids, BATCH_SIZE, None, settings, schedule)
     result = _worker_peaks()
     result["held"] = held_parameters(load_hf_model(path, None, dist.group.WORLD if world_size > 1 else None))
     return result
 
 
-def measure_generation(model_dir: Path, workers: int, baseline: int) -> Measured:
-    """One record per worker of generation with ``workers`` gloo workers, and the modules they loaded."""
+def measure_generation(model_dir: Path, workers: int, baseline: int, scenario: str = "generation") -> Measured:
+    """One record per worker of generation with ``workers`` gloo workers, and the modules they
+    loaded; ``scheduled-generation`` places the experts per batch as ``--schedule oracle`` does
+    (Lina's scheduling with the gate's own counts as the estimate: no routing profile to make)."""
     from moeflow.distributed import run_distributed
     from moeflow.hf.generate import SamplingSettings
+    from moeflow.hf.serving import ScheduleRequest
+    from moeflow.inference import SchedulerSettings
 
     settings = SamplingSettings(max_new_tokens=NEW_TOKENS)
-    results = run_distributed(_generation_worker, workers, str(model_dir), _prompt_ids(), settings,
+    schedule = ScheduleRequest(SchedulerSettings("oracle")) if scenario == "scheduled-generation" else None
+    results = run_distributed(_generation_worker, workers, str(model_dir), _prompt_ids(), settings, schedule,
                               timeout_s=3600.0)
-    records = [_record("generation", workers, rank, result, baseline, result["held"].bytes, result["held"])
+    records = [_record(scenario, workers, rank, result, baseline, result["held"].bytes, result["held"])
                for rank, result in enumerate(results)]
     return records, _union(result["modules"] for result in results)
 
@@ -414,8 +425,8 @@ def summarize(records: list[dict[str, Any]], baseline: int) -> dict[str, Any]:
 def _measure(config: MemoryBenchConfig, scenario: str, workers: int, baseline: int, scratch: Path) -> Measured:
     """One scenario at one worker count (a training run's folder is removed after: its checkpoints
     hold three times the model, twice)."""
-    if scenario == "generation":
-        return measure_generation(scratch / "model", workers, baseline)
+    if is_generation(scenario):
+        return measure_generation(scratch / "model", workers, baseline, scenario)
     run_dir = scratch / f"train-{workers}"
     try:
         return measure_training(config, workers, baseline, run_dir)
@@ -435,7 +446,7 @@ def run(config: MemoryBenchConfig) -> int:
     baseline = baseline_bytes()
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-memory-") as scratch:
-        if "generation" in config.scenarios:
+        if any(is_generation(scenario) for scenario in config.scenarios):
             save_generation_model(config, Path(scratch) / "model")
         for scenario in config.scenarios:
             imports = None

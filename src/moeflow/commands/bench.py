@@ -717,19 +717,23 @@ def run_papers(args: argparse.Namespace) -> int:
 
 
 def _add_memory(benches: Any) -> None:
+    from moeflow.bench.memory import SCENARIOS  # no torch at import
+
     memory = benches.add_parser(
         "memory", help="each worker's peak resident memory against the memory it must hold, for generation and "
         "for training with a checkpoint save and resume (generation needs the hf extra)",
         description="Per worker: the peak resident memory minus that of a process that only imports torch, "
         "transformers and moeflow, over its share (the non-expert parameters plus this rank's experts; in training "
         "16 bytes per such parameter plus one batch's activations). generation: moeflow generate --hf's workers on a "
-        "random Mixtral-like model saved with save_pretrained. training: moeflow train's workers for --steps steps "
+        "random Mixtral-like model saved with save_pretrained. scheduled-generation: the same with Lina's per-batch "
+        "expert placement (the oracle popularity; a worker fetches the experts it computes but does not store). "
+        "training: moeflow train's workers for --steps steps "
         "and a checkpoint, then a resume from it for --steps more. Each record also gives the peak of a process that "
         "imports every module the workers loaded (imports_bytes: the code's own part of the peak) and the ratio above "
         "it.",
     )
-    memory.add_argument("--scenarios", nargs="+", default=["generation", "training"],
-                        choices=("generation", "training"), help="what to measure (default both)")
+    memory.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS,
+                        help=f"what to measure (default all: {' '.join(SCENARIOS)})")
     memory.add_argument("--workers", type=positive_int, nargs="+", default=[1, 2, 4],
                         help="gloo worker counts to measure, each must divide --num-experts (default 1 2 4)")
     memory.add_argument("--layers", type=positive_int, default=4,
@@ -755,7 +759,7 @@ def run_memory(args: argparse.Namespace) -> int:
     import importlib.util
     from pathlib import Path
 
-    from moeflow.bench.memory import HEADS, MemoryBenchConfig, run, training_config
+    from moeflow.bench.memory import HEADS, MemoryBenchConfig, is_generation, run, training_config
 
     uneven = [w for w in args.workers if args.num_experts % w]
     if uneven:
@@ -765,7 +769,7 @@ def run_memory(args: argparse.Namespace) -> int:
         raise fail("bench memory", f"--model-dim {args.model_dim} must be a multiple of the {HEADS} attention heads")
     if args.num_experts < 2:
         raise fail("bench memory", "--num-experts must be at least 2 (the models route each token to 2 experts)")
-    if "generation" in args.scenarios and importlib.util.find_spec("transformers") is None:
+    if any(is_generation(s) for s in args.scenarios) and importlib.util.find_spec("transformers") is None:
         raise fail("bench memory", "the generation scenario needs transformers: pip install 'moeflow[hf]', or "
                    "--scenarios training")
     config = MemoryBenchConfig(

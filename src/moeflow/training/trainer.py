@@ -25,6 +25,7 @@ from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
+from moeflow.runtime import give_back_free_memory
 from moeflow.training.batches import data_replica, shard_of, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
@@ -162,6 +163,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
                   if config.redundant_experts else None)
     if job.resume_from is not None:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
+        give_back_free_memory()  # the reader's transient copies
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         if rebalancer is not None:
             rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
@@ -319,6 +321,7 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
     from the checkpoint finds this step's record)."""
     config, corpus = run.config, run.job.corpus
     if step % config.eval_interval == 0 or step == config.steps:
+        give_back_free_memory()  # the step's freed buffers: the evaluation's shapes differ
         run.val_loss = evaluate(run.model, run.val_stream, config, run.replica, run.replicas, run.group, run.device)
         record["val_loss"] = run.val_loss
     if run.log is not None:
