@@ -79,8 +79,10 @@ class RunContext:
 
     def compute_on(self, filled_LW: torch.Tensor) -> ExpertCompute:
         """The ragged kernel over the filled slots ``filled_LW`` (local expert x source rank) when the
-        layer runs it, else the padded experts' own compute."""
-        if self.kernel != "ragged":
+        layer runs it or no backward will run (a dropless evaluation or generation pads every expert
+        to the fullest one: padded, its transient buffers were the evaluation's peak), else the
+        padded experts' own compute."""
+        if self.kernel != "ragged" and torch.is_grad_enabled():
             return self.experts.compute
         return RaggedFFNCompute(
             self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled(),
