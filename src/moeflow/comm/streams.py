@@ -68,16 +68,21 @@ def overlap_on_streams(
         for send in sends:
             rows = send()
             received.append((rows, comm.record_event()))
+    # every piece's output stays referenced until the receives are done: an output may be a
+    # workspace buffer, which the workspace hands out again as soon as nothing references it,
+    # and record_stream cannot guard a block that never goes back to the caching allocator
+    outputs: list[torch.Tensor] = []
     for index, (rows, sent) in enumerate(received):
         compute_stream.wait_event(sent)
         _used_on(rows, compute_stream)
-        out = compute(index, rows)
+        outputs.append(compute(index, rows))
         computed = compute_stream.record_event()
         with use(comm):
             comm.wait_event(computed)
-            _used_on(out, comm)
-            receive(index, out)
+            _used_on(outputs[-1], comm)
+            receive(index, outputs[-1])
     if after_compute is not None:
         after_compute()
     compute_stream.wait_stream(comm)  # the output buffer is written; the input no longer read
+    outputs.clear()
 

@@ -103,7 +103,8 @@ def placed_weights(
     group: dist.ProcessGroup | None,
 ) -> dict[int, FFNWeights]:
     """The weights of the experts ``rank`` computes under ``placement``: views of its stored ones,
-    and the others received from their owners (a collective over ``group``: every rank calls it)."""
+    and the others received from their owners (a collective over ``group``: every rank calls it;
+    the messages go on ``group``'s communicator, which the layer's exchanges have set up)."""
     local_index = {shard.expert: index for index, shard in enumerate(storage.local(rank))}
     tensors = stored.as_tuple()
     result = {e: FFNWeights(*(None if t is None else t[i: i + 1] for t in tensors))
@@ -112,11 +113,12 @@ def placed_weights(
     for (source, destination), experts in sorted(fetches(storage, placement).items()):
         for expert in experts:
             if source == rank:
-                operations += [dist.P2POp(dist.isend, t[local_index[expert]], _global(group, destination))
+                operations += [dist.P2POp(dist.isend, t[local_index[expert]], _global(group, destination), group)
                                for t in tensors if t is not None]
             elif destination == rank:
                 received = tuple(None if t is None else t.new_empty(t.shape[1:]) for t in tensors)
-                operations += [dist.P2POp(dist.irecv, t, _global(group, source)) for t in received if t is not None]
+                operations += [dist.P2POp(dist.irecv, t, _global(group, source), group)
+                               for t in received if t is not None]
                 result[expert] = FFNWeights(*(None if t is None else t.unsqueeze(0) for t in received))
     for request in dist.batch_isend_irecv(operations) if operations else []:
         request.wait()
