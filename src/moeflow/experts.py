@@ -15,7 +15,7 @@ what it needs and computes each gradient GEMM once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -306,7 +306,7 @@ class ExpertFFN(nn.Module):
 
     def __init__(
         self, num_experts: int, model_dim: int, hidden_dim: int, activation: str = "gelu",
-        kernel: str = "bmm", bias: bool = True,
+        kernel: str = "bmm", bias: bool = True, initialize: bool = True,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -323,7 +323,8 @@ class ExpertFFN(nn.Module):
         self.w3 = (
             nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim)) if activation == "swiglu" else None
         )
-        self.reset_parameters()
+        if initialize:  # else the owner initializes them (MoELayer: by global expert index)
+            self.reset_parameters()
 
     @property
     def num_experts(self) -> int:
@@ -339,6 +340,27 @@ class ExpertFFN(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
+    def reset_by_expert(self, slices: Sequence[tuple[int, int, int]], seed: int, full_hidden: int) -> None:
+        """Initialize local expert i as global expert ``slices[i][0]``'s hidden units
+        ``[slices[i][1], slices[i][2])``, drawn from a generator seeded by ``seed`` and that global
+        index: expert e is the same on any number of ranks and in any placement, and no rank draws
+        another's experts (one whole expert at a time at most). Bounds as ``reset_parameters``, with
+        the full hidden size as w2's fan-in."""
+        model_dim = self.w1.shape[1]
+        with torch.no_grad():
+            for local, (expert, start, stop) in enumerate(slices):
+                generator = torch.Generator().manual_seed(expert_seed(seed, expert))
+                for weight, shape, axis in ((self.w1, (model_dim, full_hidden), 1),
+                                            (self.w2, (full_hidden, model_dim), 0),
+                                            (self.w3, (model_dim, full_hidden), 1)):
+                    if weight is not None:
+                        bound = 1.0 / math.sqrt(shape[0])
+                        whole = torch.empty(shape).uniform_(-bound, bound, generator=generator)
+                        weight[local].copy_(whole.narrow(axis, start, stop - start))
+            for bias in (self.b1, self.b2):
+                if bias is not None:
+                    bias.zero_()
+
     def weights(self) -> FFNWeights:
         """The parameters as plain tensors, for code that runs the FFN outside autograd."""
         return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
@@ -347,6 +369,11 @@ class ExpertFFN(nn.Module):
         """In x's dtype: bf16/fp16 input over fp32 parameters casts the weights (mixed precision)."""
         weights = self.weights().cast(x_LCM.dtype)
         return _ExpertFFNFunction.apply(x_LCM.contiguous(), self.compute, *weights.as_tuple())
+
+
+def expert_seed(seed: int, expert: int) -> int:
+    """The generator seed of global expert ``expert`` in a layer seeded with ``seed``."""
+    return (seed * 1_000_003 + expert) % (1 << 63)
 
 
 def ffn_flops(num_tokens: int, model_dim: int, hidden_dim: int, activation: str, backward: bool) -> int:

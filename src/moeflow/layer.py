@@ -117,7 +117,12 @@ class MoELayer(nn.Module):
         )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
-        self.experts = ExpertFFN(len(local), c.model_dim, hidden_local, c.activation, c.expert_kernel, c.bias)
+        self.experts = ExpertFFN(len(local), c.model_dim, hidden_local, c.activation, c.expert_kernel, c.bias,
+                                 initialize=False)
+        # one draw from the global generator, whatever the placement: ranks seeded alike build the
+        # experts one process would, each rank only its own (expert e from the seed and e)
+        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+        self.experts.reset_by_expert([(s.expert, s.hidden_start, s.hidden_stop) for s in local], seed, c.hidden_dim)
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
         self.shared_experts = (
             ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias)
