@@ -58,6 +58,7 @@ def write_shards(
         save_file(tensors, str(temporary / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors  # before the next group is read: one group in memory at a time
     write_index(temporary, weight_map, total)
     beside(temporary)
     shutil.rmtree(destination, ignore_errors=True)

@@ -159,16 +159,18 @@ def saved_keys(directory: Path) -> set[str]:
 
 
 def read_full_tensors(directory: Path, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The full tensors of ``keys`` assembled from every rank's chunks, read in this process alone
-    (what export does one tensor at a time)."""
+    """The full tensors of ``keys`` assembled from every rank's chunks, read in this process alone,
+    one tensor per read: DCP's reader holds two transient copies of what one read asks for, so
+    reading a layer's tensors together would hold two more copies of the layer."""
     saved = saved_tensors(directory)
     tensors: dict[str, torch.Tensor] = {}
     for key in keys:
         if key not in saved:
             raise KeyError(f"the checkpoint {directory} has no tensor {key!r}")
-        tensors[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-    placed = {key: PlacedTensor(tuple(t.shape), [Chunk((0,) * t.dim(), t)]) for key, t in tensors.items()}
-    load_sharded(directory, ShardedState({}, placed, tensors))
+        tensor = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+        placed = {key: PlacedTensor(tuple(tensor.shape), [Chunk((0,) * tensor.dim(), tensor)])}
+        load_sharded(directory, ShardedState({}, placed, {key: tensor}))
+        tensors[key] = tensor
     return tensors
 
 
