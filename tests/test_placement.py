@@ -127,3 +127,11 @@ def test_bias_free_experts_have_no_bias_entries() -> None:
     names = set(MoELayer(M, H, E, bias=False, activation="swiglu").state_dict())
     assert {"experts.w1", "experts.w2", "experts.w3"} <= names
     assert not {n for n in names if n.endswith((".b1", ".b2"))}
+
+
+def test_only_placements_without_hidden_slices_hold_whole_experts() -> None:
+    assert ExpertPlacement.expert_parallel(4, 2, 16).holds_whole_experts
+    assert ExpertPlacement.replicated(4, 2, 16).holds_whole_experts
+    assert ExpertPlacement.packed(4, 4, 2, 16).holds_whole_experts
+    assert not ExpertPlacement.hidden_sharded(2, 4, 16).holds_whole_experts
+    assert not ExpertPlacement.expert_and_hidden_sharded(4, 2, 2, 16).holds_whole_experts

@@ -35,8 +35,7 @@ def tune_cpu_allocator(enabled: bool = True) -> bool:
     if not enabled or not sys.platform.startswith("linux"):
         return _tuned
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
         return _tuned
     _tuned = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
@@ -48,7 +47,9 @@ def give_back_free_memory() -> None:
     keeps freed memory: called between phases whose buffers differ (before an evaluation), so that
     the next phase reuses those pages instead of growing the heap around the last phase's holes.
     Without the tuning, glibc already returns large blocks itself: nothing to do."""
-    if not _tuned:
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.malloc_trim(0)
+    if _tuned:
+        _libc().malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -61,7 +61,6 @@ def schedule_layer(layer: MoELayer, hook: InferenceHook | None) -> None:
         return
     check_techniques(layer.config, layer.schedule.name, applied=("inference scheduling",))
     config = layer.config
-    whole = all(s.hidden_start == 0 and s.hidden_stop == config.hidden_dim for r in layer.placement.shards for s in r)
-    storage = layer.placement if whole else ExpertPlacement.expert_parallel(
+    storage = layer.placement if layer.placement.holds_whole_experts else ExpertPlacement.expert_parallel(
         config.num_experts, layer.world_size, config.hidden_dim)
     layer.switch(DynamicPlacementSchedule(hook, (current, layer.placement, layer.planner)), storage)

@@ -93,8 +93,9 @@ def fetches(storage: ExpertPlacement, placement: ExpertPlacement) -> dict[tuple[
     plan: dict[tuple[int, int], list[int]] = {}
     for rank, shards in enumerate(placement.shards):
         for shard in shards:
-            if rank not in storage.holders(shard.expert):
-                plan.setdefault((storage.holders(shard.expert)[0], rank), []).append(shard.expert)
+            holders = storage.holders(shard.expert)
+            if rank not in holders:
+                plan.setdefault((holders[0], rank), []).append(shard.expert)
     return plan
 
 

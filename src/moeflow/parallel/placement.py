@@ -173,6 +173,11 @@ class ExpertPlacement:
         return group_size if self == packed else None
 
     @property
+    def holds_whole_experts(self) -> bool:
+        """Every shard is a whole expert (no hidden slices)."""
+        return all(s.hidden_start == 0 and s.hidden_stop == self.hidden_dim for rank in self.shards for s in rank)
+
+    @property
     def is_replicated(self) -> bool:
         return self == ExpertPlacement.replicated(self.num_experts, self.world_size, self.hidden_dim)
 
@@ -289,6 +294,11 @@ class Sharding(Protocol):
     synchronisation ask of it."""
 
     world_size: int
+
+    @property
+    def holds_whole_experts(self) -> bool:
+        """Every shard is a whole expert (no hidden slices)."""
+        return all(s.hidden_start == 0 and s.hidden_stop == self.hidden_dim for rank in self.shards for s in rank)
 
     @property
     def is_replicated(self) -> bool: ...
