@@ -125,10 +125,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
     ("comm", "kernels", "dispatch", "dispatch_plan", "experts", "ragged", "pipeline", "routing", "workspace",
      "saved_activations", "precision", "phases", "reference", "measure", "distributed"),
-    ("parallel", "planner"),  # the schedules; the planner gets its simulated ranker passed in
+    ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
+    # simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
     ("layer", "layer_stats"),
-    ("models", "hf", "inference", "data"),
+    ("models", "hf", "inference", "data", "data_parallel"),
     ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
     ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
 )

@@ -31,19 +31,21 @@ from moeflow.config import (
     validate_top_k,
 )
 from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN
+from moeflow.forward_memory import ForwardMemory, GraphValue, recomputing
 from moeflow.kernels import resolve_backend
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
-from moeflow.parallel.context import RunContext
+from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.moves import move_experts
 from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
-from moeflow.planner import PipelinePlanner
+from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.precision import compute_dtype
 from moeflow.routing import build_gate, expert_capacity
-from moeflow.routing.load import exchange_load
+from moeflow.routing.load import GlobalLoad, exchange_load
 from moeflow.routing.router import Routing, route, update_expert_bias
 from moeflow.sim.layer_ranking import SimulatedRanker
 from moeflow.stats import PipelineTiming, RoutingStats
@@ -123,6 +125,8 @@ class MoELayer(nn.Module):
         # experts one process would, each rank only its own (expert e from the seed and e)
         seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
         self.experts.reset_by_expert([(s.expert, s.hidden_start, s.hidden_stop) for s in local], seed, c.hidden_dim)
+        mark_expert_parameters(self.experts)  # so that data parallelism leaves them alone
+        self._checked_data_parallel: int | None = None
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
         self.shared_experts = (
             ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias)
@@ -131,8 +135,14 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
-        self.aux_loss: torch.Tensor = torch.zeros(())
+        self._aux_loss = GraphValue(torch.zeros(()))
         self.last_stats: RoutingStats | None = None
+        self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """The last forward's weighted balance (+ z) loss, in its graph: add it to the loss."""
+        return self._aux_loss.value
 
     def _planner(self, schedule: ParallelSchedule) -> PipelinePlanner:
         """The per-iteration planner of ``schedule`` (degree and all-to-all) in the space it allows."""
@@ -153,6 +163,7 @@ class MoELayer(nn.Module):
         while the schedule does, else is ``planner`` or a new one of the schedule's."""
         if placement != self.placement or not self._replicas_equal:
             move_experts(self.experts, self.placement, placement, self.rank, self.groups.expert, optimizer)
+            mark_expert_parameters(self.experts)  # a reshaped parameter is a new one
         if planner is None and schedule != self.schedule:
             planner = self._planner(schedule)
         self.schedule, self.placement, self._replicas_equal = schedule, placement, True
@@ -195,10 +206,12 @@ class MoELayer(nn.Module):
         config = self.config
         k, factor = self._call_settings(top_k, capacity_factor, r)
         x_TM = self._backward_window(self._tokens(x), entering=True)
+        self._checked_data_parallel = refuse_averaging_data_parallel(
+            self.experts, self.placement, self._checked_data_parallel)
         if not self._replicas_equal:
             self.switch(self.schedule, self.placement)
-        routing, estimate_E = self._route(x_TM, k)
-        self.aux_loss = routing.aux_loss
+        recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
+        routing, estimate_E = self._route(x_TM, k, recompute)
 
         # agree the load and capacity -> plan
         load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
@@ -207,7 +220,8 @@ class MoELayer(nn.Module):
         prepared = self.schedule.prepare(capacity, filled_WE, self.placement, self.rank)
         region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
                               load.needed_capacity)
-        chosen, timing = self.planner.choose(region, backward=torch.is_grad_enabled(), r=r)
+        chosen, timing = self._memory.plan(
+            region, recompute, lambda: self.planner.choose(region, backward=torch.is_grad_enabled(), r=r))
         if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
             timing.synced_device = str(x_TM.device)
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
@@ -216,7 +230,7 @@ class MoELayer(nn.Module):
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
-        workspace = self._step_workspace()
+        workspace = self._step_workspace(recompute)
         backend = resolve_backend(config.kernel_backend, x_TM.device)
         dispatched_ECM = encode(owned.x_TM, plan, workspace, backend)
         ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E, prepared.state,
@@ -225,25 +239,41 @@ class MoELayer(nn.Module):
         y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, backend), x_TM.shape[0])
         y_TM = self._with_shared_experts(x_TM, y_TM)
 
+        if not recompute:  # the balancing bias moves, the statistics are this forward's
+            self._after_forward(load, capacity, k, factor, chosen, timing, owned.capacity, ran)
+        return self._backward_window(y_TM, entering=False).view(x.shape)
+
+    def _after_forward(
+        self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
+        owned_capacity: int, ran: ScheduleOutput,
+    ) -> None:
+        """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
+        config = self.config
         if config.expert_bias_update_rate > 0 and self.training:
+            self._memory.before_bias_update(self.gate.expert_bias)
             update_expert_bias(self.gate, load.counts_WE.sum(0), config.expert_bias_update_rate)
         self.last_stats = routing_stats(
             config, self.groups, load, capacity, k, factor, chosen, timing, self.schedule.plan_label(chosen.plan),
-            owned.capacity, ran,
+            owned_capacity, ran,
         )
-        return self._backward_window(y_TM, entering=False).view(x.shape)
 
-    def _route(self, x_TM: torch.Tensor, top_k: int) -> tuple[Routing, np.ndarray | None]:
-        """This rank's routing and, under Lina's inference scheduler (the schedule's hook), its load
-        estimate from before the gate; the scheduler also sees the gate's choice."""
+    def _route(self, x_TM: torch.Tensor, top_k: int, recompute: bool) -> tuple[Routing, np.ndarray | None]:
+        """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
+        inference scheduler (the schedule's hook), its load estimate from before the gate; the
+        scheduler also sees the gate's choice. Keeps the aux loss."""
         hook = self.schedule.hook
-        if hook is None:
-            return route(self.gate, x_TM, top_k, self.config, self.node_limit), None
-        estimate_E = hook.estimate(x_TM.shape[0])
-        observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
-        return route(self.gate, x_TM, top_k, self.config, self.node_limit, observe), estimate_E
+        with self._memory.routing_bias(self.gate.expert_bias, recompute):
+            if hook is None:
+                routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit), None
+            else:
+                estimate_E = hook.estimate(x_TM.shape[0])
+                observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
+                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe)
+        if not recompute:
+            self._aux_loss = GraphValue(routing.aux_loss)
+        return routing, estimate_E
 
-    def _step_workspace(self) -> Workspace | None:
+    def _step_workspace(self, recompute: bool = False) -> Workspace | None:
         """The workspace for a forward whose buffers a backward will use; a no-grad forward
         (evaluation, generation) allocates plainly, so its transient buffers go back at once instead
         of staying in every layer until its next forward (L layers would keep L sets), and the
@@ -251,7 +281,8 @@ class MoELayer(nn.Module):
         if not torch.is_grad_enabled():
             self.workspace.release()
             return None
-        self.workspace.start_step(id(self))
+        if not recompute:  # a recompute belongs to the step whose backward runs it
+            self.workspace.start_step(id(self))
         return self.workspace
 
     def run_context(
@@ -353,3 +384,4 @@ class MoELayer(nn.Module):
             f"({self.num_local_experts} local of {self.world_size} ranks, {self.schedule.name}), top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}, gate={c.gate}, activation={c.activation}"
         )
+

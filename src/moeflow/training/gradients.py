@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.groups import group_size
+from moeflow.expert_parameters import squared_norm_share
 from moeflow.models import TrainableLM
 from moeflow.parallel.placement import PlacedParameter
 from moeflow.training.grad_sync import GradientScheduler
@@ -43,17 +44,17 @@ def synchronize_gradients(
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
-    packed: dict[int, list[torch.Tensor]] = {}  # packed experts' gradients by block size
+    packed: dict[int, list[tuple[torch.Tensor, PlacedParameter]]] = {}  # packed experts by block size
     placed = model.placed_parameters()
     for name, parameter in model.named_parameters():
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         block = packed_block(placed.get(name)) if name in expert_names else None
         if block is not None:
-            packed.setdefault(block, []).append(parameter)
+            packed.setdefault(block, []).append((parameter, placed[name]))
         elif name in expert_names:
             parameter.grad.div_(replicas)
-            sharded_sq += _squared_norm_once(parameter.grad, placed.get(name), model.groups.rank)
+            sharded_sq += squared_norm_share(parameter.grad, placed[name].sharding, model.groups.rank)
         elif name in heads:
             heads_grads.append(parameter.grad)
         else:
@@ -65,10 +66,9 @@ def synchronize_gradients(
     if copies is not None:
         copies.finish()
     for block, parameters in packed.items():  # each block's copy summed its own tokens: add the copies
-        grads = [p.grad for p in parameters if p.grad is not None]
         if copies is None:
-            _average(grads, model.groups.strided(block), replicas)
-        sharded_sq += sum(float(g.pow(2).sum()) for g in grads) * block / world_size  # each copy counts once
+            _average([p.grad for p, _ in parameters], model.groups.strided(block), replicas)
+        sharded_sq += sum(squared_norm_share(p.grad, placed.sharding, model.groups.rank) for p, placed in parameters)
     if heads_grads:
         _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
         sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
@@ -79,13 +79,6 @@ def packed_block(placed: PlacedParameter | None) -> int | None:
     """The block size of a packed expert parameter whose copies sit in several blocks (Lina's
     packing), else None (expert parallel, or not an expert)."""
     return placed.sharding.copies_block() if placed is not None else None
-
-
-def _squared_norm_once(grad: torch.Tensor, placed: PlacedParameter | None, rank: int) -> float:
-    """The squared norm of an expert gradient, redundant slots counted once (their copies hold the
-    same summed gradient: only the primary copy counts)."""
-    counted = placed.sharding.counted_slots(rank) if placed is not None else None
-    return float((grad if counted is None else grad[counted.to(grad.device)]).pow(2).sum())
 
 
 def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:

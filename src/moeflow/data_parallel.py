@@ -1,0 +1,161 @@
+"""Data parallelism that knows the experts, for a user's own training loop.
+
+``expert_data_parallel(model)`` is ``DistributedDataParallel`` over the weights every rank holds
+whole, with the experts left out of it; ``expert_fully_shard(model)`` is FSDP2's ``fully_shard``
+on those weights, as torchtitan composes it. In both, each expert's gradient is made the gradient
+of the mean loss over the data-parallel replicas by a hook on its parameter
+(:func:`reduce_experts_in_backward`): scaled, and summed over its copies where it has some
+(:mod:`moeflow.expert_parameters` holds the rules). ``clip_grad_norm_`` clips by the norm of the
+whole model's gradient, each expert counted once, where ``torch.nn.utils.clip_grad_norm_`` on a
+rank's own parameters would see only that rank's experts.
+
+The dense weights' reduction runs on a process group of its own: the layer's all-to-alls run on
+the expert group during the backward, possibly from its communication thread, and collectives of
+two threads on one group must not interleave differently on different ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from moeflow.comm.groups import group_size
+from moeflow.expert_parameters import (
+    EXPERT_MARKER,
+    reduce_expert_gradient,
+    squared_norm_share,
+)
+from moeflow.layer import MoELayer
+
+__all__ = ["clip_grad_norm_", "expert_data_parallel", "expert_fully_shard", "expert_parameter_names",
+           "reduce_experts_in_backward"]
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s expert parameters (those marked ``skip_allreduce``)."""
+    return [name for name, parameter in model.named_parameters() if getattr(parameter, EXPERT_MARKER, False)]
+
+
+def reduce_experts_in_backward(model: nn.Module, data_parallel_size: int | None = None) -> None:
+    """Hook every expert parameter of ``model``'s MoE layers so that the gradient the backward
+    accumulates is the gradient of the mean loss over the data-parallel replicas (each expert's
+    copies summed, then scaled); done once per parameter. Gradient accumulation over several
+    backwards works: the hook sees each backward's own gradient. ``data_parallel_size``: the ranks
+    the rest of the model is averaged over (checked against each layer's expert group)."""
+    for layer in moe_layers(model):
+        _check_expert_group(layer, data_parallel_size)
+        for parameter in layer.experts.parameters():
+            if getattr(parameter, "_moeflow_reduction", None) is None:
+                parameter._moeflow_reduction = parameter.register_hook(  # type: ignore[attr-defined]
+                    functools.partial(_reduced, layer))
+
+
+def _reduced(layer: MoELayer, grad: torch.Tensor) -> torch.Tensor:
+    return reduce_expert_gradient(grad, layer.placement, layer.groups)
+
+
+def _check_expert_group(layer: MoELayer, data_parallel_size: int | None) -> None:
+    """The experts' rules assume that the expert group is the data-parallel group: with a smaller
+    one, every expert would also have a copy in each other expert group, to be reduced across them."""
+    if data_parallel_size is not None and layer.groups.size != data_parallel_size:
+        raise ValueError(
+            f"the MoE layer's expert group has {layer.groups.size} ranks but the data-parallel group has "
+            f"{data_parallel_size}: give the layer the data-parallel group (group=...) as its expert group"
+        )
+
+
+def expert_data_parallel(
+    model: nn.Module, process_group: dist.ProcessGroup | None = None, **ddp_options: Any
+) -> DistributedDataParallel:
+    """``DistributedDataParallel(model)`` that leaves the experts alone: DDP neither broadcasts
+    them from rank 0 nor averages them (they are on its ignore list), and each expert's gradient is
+    reduced over its own copies (:func:`reduce_experts_in_backward`). ``process_group`` is DDP's
+    (default: a new group of all ranks, apart from the experts' group); ``ddp_options`` go to DDP."""
+    if process_group is None:
+        process_group = dist.new_group()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
+    reduce_experts_in_backward(model, group_size(process_group))
+    return DistributedDataParallel(model, process_group=process_group, **ddp_options)
+
+
+def expert_fully_shard(
+    model: nn.Module, blocks: tuple[nn.Module, ...] = (), mesh: DeviceMesh | None = None, **fsdp_options: Any
+) -> nn.Module:
+    """FSDP2's ``fully_shard`` on ``model``'s weights other than the experts (each of ``blocks``
+    its own unit, then the root), the experts left whole on their ranks and reduced over their
+    copies (:func:`reduce_experts_in_backward`). ``mesh``: the data-parallel mesh (default: all
+    ranks, on a process group apart from the experts'); ``fsdp_options`` go to ``fully_shard``.
+    Seed every rank alike: FSDP2 shards each rank's own initial weights, it broadcasts nothing."""
+    from torch.distributed.fsdp import fully_shard  # FSDP pulls in much: only for those who use it
+
+    if mesh is None:
+        device = next(model.parameters()).device.type
+        mesh = DeviceMesh.from_group(dist.new_group(), device)
+    experts = {p for layer in moe_layers(model) for p in layer.experts.parameters()}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, ignored_params=experts, **fsdp_options)
+    fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_options)
+    reduce_experts_in_backward(model, mesh.size())
+    return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale ``model``'s gradients so that the 2-norm of the whole model's gradient is at most
+    ``max_norm``, and return that norm (computed in fp32 whatever the gradients' dtype): the
+    weights every rank holds whole counted once (FSDP2's shards summed over their mesh), every
+    expert counted once over its expert group. A collective: every rank calls it."""
+    layers = moe_layers(model)
+    experts = {id(p) for layer in layers for p in layer.experts.parameters()}
+    dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
+    squared = _dense_squared_norm(dense) + _expert_squared_norm(layers)
+    total = squared.sqrt().to(torch.float32)
+    if error_if_nonfinite and not math.isfinite(float(total)):
+        raise RuntimeError(f"the gradient's norm is {float(total)}: a loss or gradient is not finite")
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:  # one float: the gradients are plain tensors, experts, and FSDP2's DTensors alike
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(scale)
+    return total
+
+
+def _dense_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared norm of the weights held whole (plain tensors, the same on every rank) and of
+    FSDP2's sharded ones (DTensors: their norm is a reduction over their mesh)."""
+    squared = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared += norm.double().cpu().square()
+    return squared
+
+
+def _expert_squared_norm(layers: list[MoELayer]) -> torch.Tensor:
+    """The experts' squared norm: each rank's share summed over each layer's expert group."""
+    by_group: dict[int, tuple[dist.ProcessGroup | None, list[float]]] = {}
+    device = layers[0].experts.w1.device if layers else torch.device("cpu")
+    for layer in layers:
+        shares = by_group.setdefault(id(layer.groups.expert), (layer.groups.expert, []))[1]
+        shares += [squared_norm_share(p.grad, layer.placement, layer.rank)
+                   for p in layer.experts.parameters() if p.grad is not None]
+    squared = torch.zeros((), dtype=torch.float64)
+    for group, shares in by_group.values():
+        part = torch.tensor(sum(shares), dtype=torch.float64, device=device)
+        if group is not None and group_size(group) > 1:
+            dist.all_reduce(part, group=group)
+        squared += part.cpu()
+    return squared
+

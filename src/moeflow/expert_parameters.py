@@ -1,0 +1,94 @@
+"""Which parameters are experts, and the rules their gradients follow under data parallelism.
+
+An expert parameter holds a rank's own part of the experts (its placement says which), so the
+data-parallel rules of ordinary weights are wrong for it: broadcasting rank 0's copy at start-up
+would make every rank's experts rank 0's, and averaging gradients would average expert e with
+another rank's expert. Under the expert-parallel exchange an expert's gradient already sums the
+tokens of every rank that sent it some, so it is only scaled to the mean over the data-parallel
+replicas; copies of an expert (replicated experts, Lina's packed blocks) each sum their own ranks'
+tokens, so the copies add up first. One module holds these rules for the trainer and for the
+helpers a user's own loop calls (:mod:`moeflow.data_parallel`).
+
+The marker is Tutel's: ``skip_allreduce = True`` on every expert parameter (and DeepSpeed-MoE's
+``allreduce = False``), so that other frameworks' data parallelism can find them too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from moeflow.comm.groups import ParallelGroups, group_size
+from moeflow.parallel.placement import ExpertPlacement, Sharding
+
+EXPERT_MARKER = "skip_allreduce"  # Tutel's name; DeepSpeed-MoE marks the same with allreduce=False
+
+
+def mark_expert_parameters(experts: nn.Module) -> None:
+    """Mark ``experts``' parameters as expert parameters (Tutel's and DeepSpeed-MoE's attributes)."""
+    for parameter in experts.parameters():
+        setattr(parameter, EXPERT_MARKER, True)
+        parameter.allreduce = False  # type: ignore[attr-defined]
+
+
+def is_expert_parameter(parameter: torch.Tensor) -> bool:
+    return bool(getattr(parameter, EXPERT_MARKER, False))
+
+
+def data_parallel_replicas(groups: ParallelGroups) -> int:
+    """How many data-parallel replicas the expert group holds: its ranks, or its ranks over the
+    tensor-parallel group's when the members of one (Parm's MP group) share the same tokens."""
+    return groups.size // group_size(groups.model)
+
+
+def copies_group(placement: ExpertPlacement, groups: ParallelGroups) -> dist.ProcessGroup | None:
+    """The group over which copies of this rank's experts add up their gradients: the ranks a block
+    apart for packed blocks, all ranks for replicated experts; None when each expert part lives on
+    one rank (expert parallelism, hidden shards, EPLB's slots, whose copies split the tokens)."""
+    block = placement.copies_block()
+    return groups.strided(block) if block is not None else None
+
+
+def reduce_expert_gradient(grad: torch.Tensor, placement: ExpertPlacement, groups: ParallelGroups) -> torch.Tensor:
+    """An expert parameter's gradient as the gradient of the mean loss over the data-parallel
+    replicas: the copies' gradients summed (a collective over :func:`copies_group`), then scaled."""
+    group = copies_group(placement, groups)
+    if group is not None:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+    return grad / data_parallel_replicas(groups)
+
+
+def squared_norm_share(grad: torch.Tensor, sharding: Sharding, rank: int) -> float:
+    """This rank's share of the squared norm of a sharded gradient, so that the sum over the group
+    counts every expert (or expert slice) once: copies in blocks count a block's share each,
+    EPLB's redundant slots only their primary copy (the copies hold the same summed gradient)."""
+    block = sharding.copies_block()
+    if block is not None:
+        return float(grad.double().pow(2).sum()) * block / sharding.world_size
+    counted = sharding.counted_slots(rank)
+    return float((grad if counted is None else grad[counted.to(grad.device)]).double().pow(2).sum())
+
+
+def refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacement, checked: int | None) -> int | None:
+    """Raise when the forward runs inside a plain ``DistributedDataParallel`` that reduces these
+    experts: it broadcast rank 0's experts over the others' when it was built and would average
+    every expert's gradient with other ranks' different experts. Replicated experts are ordinary
+    replicated weights, which it may average. Returns the id of the DDP module checked, which a
+    later call passes as ``checked`` to skip it (the check then costs one attribute read)."""
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or id(ddp) == checked or placement.is_replicated:
+        return checked
+    reduced = {id(p) for p in ddp._module_parameters}
+    if any(id(p) in reduced for p in experts.parameters()):
+        raise RuntimeError(
+            "a moeflow MoELayer runs inside a DistributedDataParallel that treats its experts as replicated "
+            "weights: DDP copied rank 0's experts over every other rank's when it was built and averages each "
+            "expert's gradient with other ranks' different experts, so the model would train E/W distinct experts. "
+            "Wrap the model with moeflow.data_parallel.expert_data_parallel(model) instead (DDP for the other "
+            f"weights, each expert reduced over its own copies), or make DDP ignore the parameters marked "
+            f"{EXPERT_MARKER}=True and reduce them with moeflow.data_parallel.reduce_experts_in_backward(model)."
+        )
+    return id(ddp)

@@ -1,0 +1,121 @@
+"""The layer in a user's own training loop (issue 41): a loop built with moeflow's data-parallel
+helpers on W gloo processes trains the model one process trains with every expert, step by step
+(losses and the clipped global gradient norm, fp32, tight tolerance), with DDP and with FSDP2;
+a plain DDP around expert-parallel experts is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from moeflow import MoELayer
+from moeflow.data_parallel import (
+    clip_grad_norm_,
+    expert_data_parallel,
+    expert_fully_shard,
+    expert_parameter_names,
+)
+from moeflow.distributed import run_distributed
+
+M, H, ROWS, STEPS, MAX_NORM = 8, 16, 32, 4, 0.3
+
+
+class Net(nn.Module):
+    """What a user writes: a projection, an MoE feed-forward block with a residual, a head."""
+
+    def __init__(self, parallel: str, num_experts: int, world_size: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(M, M)
+        self.moe = MoELayer(M, H, num_experts, top_k=2, capacity_factor=0.0, aux_loss_weight=0.0,
+                            parallel=parallel, group=dist.group.WORLD if world_size > 1 else None)
+        self.out = nn.Linear(M, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h + self.moe(h))
+
+
+def _loop(rank: int, world_size: int, wrap: str, parallel: str, num_experts: int) -> dict[str, list[float]]:
+    """Seed alike, wrap, and train STEPS steps of SGD with global-norm clipping on this rank's
+    share of one global batch; return the mean loss over the ranks and the norm, per step."""
+    torch.manual_seed(0)
+    model = Net(parallel, num_experts, world_size)
+    trained: nn.Module = model
+    if wrap == "ddp":
+        trained = expert_data_parallel(model)
+    elif wrap == "fsdp2":
+        trained = expert_fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    data = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        x, y = torch.randn(ROWS, M, generator=data), torch.randn(ROWS, 1, generator=data)
+        share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+        loss = F.mse_loss(trained(x[share]), y[share])
+        optimizer.zero_grad()
+        loss.backward()
+        norms.append(float(clip_grad_norm_(model, MAX_NORM)))
+        optimizer.step()
+        mean = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    return {"losses": losses, "norms": norms}
+
+
+def _loops(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> list[dict[str, list[float]]]:
+    return [_loop(rank, world_size, *case) for case in cases]
+
+
+CASES = {
+    2: [("ddp", "expert", 4), ("ddp", "replicated", 4), ("fsdp2", "expert", 4)],
+    4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2)],  # adaptive E=2: hidden shards
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_user_loop_with_the_helpers_trains_the_one_process_model(world_size: int) -> None:
+    cases = CASES[world_size]
+    results = run_distributed(_loops, world_size, cases, timeout_s=300)
+    for index, case in enumerate(cases):
+        expected = _loop(0, 1, "none", "expert", case[2])
+        assert max(expected["norms"]) > MAX_NORM, "the clipping must bind for the norm to matter"
+        for rank, per_rank in enumerate(results):
+            got = per_rank[index]
+            torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6,
+                                       msg=f"{case} W={world_size} rank {rank} losses")
+            torch.testing.assert_close(got["norms"], expected["norms"], rtol=1e-5, atol=1e-6,
+                                       msg=f"{case} W={world_size} rank {rank} norms")
+
+
+def test_one_process_norm_is_torchs_and_experts_are_marked() -> None:
+    torch.manual_seed(0)
+    model = Net("expert", 4, 1)
+    F.mse_loss(model(torch.randn(ROWS, M)), torch.randn(ROWS, 1)).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.testing.assert_close(clip_grad_norm_(model, 1e9), expected, rtol=1e-6, atol=0)
+    assert expert_parameter_names(model) == [f"moe.experts.{n}" for n, _ in model.moe.experts.named_parameters()]
+    assert all(p.skip_allreduce and not p.allreduce for p in model.moe.experts.parameters())
+    assert not any(getattr(p, "skip_allreduce", False) for p in model.moe.gate.parameters())
+
+
+def _plain_ddp(rank: int, world_size: int, parallel: str) -> str:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Net(parallel, 4, world_size))
+    try:
+        model(torch.randn(4, M)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "ran"
+
+
+@pytest.mark.distributed
+def test_plain_ddp_around_expert_parallel_experts_is_refused() -> None:
+    refused = run_distributed(_plain_ddp, 2, "expert", timeout_s=120)
+    assert all("expert_data_parallel" in message and "E/W distinct experts" in message for message in refused)
+    assert run_distributed(_plain_ddp, 2, "replicated", timeout_s=120) == ["ran", "ran"]  # replicas may average
