@@ -1,9 +1,11 @@
-"""Train a small model of your own with a moeflow MoE layer inside, in a plain PyTorch loop.
+"""Train a small model of your own with a moeflow MoE layer inside, in a plain PyTorch loop with DDP.
 
 Run it on 2 CPU processes (gloo), or as one process::
 
     torchrun --nproc-per-node 2 examples/train_loop.py
     python examples/train_loop.py --steps 50
+
+``examples/train_loop_fsdp2.py`` is the same loop with FSDP2 instead of DDP.
 
 The model is an embedding, one residual MoE feed-forward block and an output head, trained to
 predict the next token of a fixed random "bigram language" (each token has one successor), so the
@@ -13,10 +15,15 @@ loss falls from ln(vocab) towards 0 within a few dozen steps. What it shows:
   and tokens travel to their experts by all-to-all. The library never reads the environment: the
   script initializes ``torch.distributed``, reads its rank and world size from it, and hands the
   layer the group.
+- The same seed on every process, as in any data-parallel script: the layer draws expert e from
+  the seed and e, so the processes hold the experts one process would, each only its own.
+- ``expert_data_parallel(model)``: DDP for the weights every process holds whole (the embedding,
+  the gate, the head), the experts left out of it; an expert's gradient already sums the tokens
+  every process sent it, and a hook scales it to the mean over the processes. A plain
+  ``DistributedDataParallel(model)`` would average expert 0 with expert 2: the layer refuses it.
+- ``clip_grad_norm_(model, max_norm)``: the norm of the whole model's gradient, every expert
+  counted once (``torch.nn.utils.clip_grad_norm_`` would see only this process's experts).
 - The layer's ``aux_loss`` (the load-balancing loss) added to the task loss.
-- Gradients by hand, as a data-parallel trainer does: the weights every process holds whole (the
-  embedding, the gate, the head) are averaged over the processes; an expert's gradient already sums
-  the tokens that every process sent it, so it is only divided by the world size.
 
 The last line it prints is a JSON summary (first and last loss).
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +43,7 @@ from torch import nn
 from moeflow import MoEConfig, MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import topology_from_environment
+from moeflow.data_parallel import clip_grad_norm_, expert_data_parallel
 
 
 class TinyMoEModel(nn.Module):
@@ -64,7 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, default=4,
                         help="experts of the MoE layer, a multiple of the process count (default 4)")
     parser.add_argument("--top-k", type=int, default=2, help="experts each token goes to (default 2)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate (default 0.01)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default 0.01)")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip the gradient's norm to this (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     return parser.parse_args()
 
@@ -92,42 +102,30 @@ def batch_of_tokens(successor: torch.Tensor, args: argparse.Namespace, generator
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def average_gradients(model: TinyMoEModel, world_size: int) -> None:
-    """Make every process's gradient the gradient of the mean loss over all processes."""
-    experts = {id(p) for p in model.moe.experts.parameters()}
-    for parameter in model.parameters():
-        if parameter.grad is None:
-            continue
-        if id(parameter) not in experts:  # held whole by every process: average the copies
-            dist.all_reduce(parameter.grad)
-        parameter.grad.div_(world_size)  # experts: their gradient already sums every process's tokens
-
-
-def main() -> None:
-    args = parse_args()
+def train(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], example: str) -> None:
+    """Build the model alike on every process, ``wrap`` it for data parallelism, train, report."""
     rank, world_size, groups = start_processes()
     if args.num_experts % world_size:
         raise SystemExit(f"--num-experts {args.num_experts} must be a multiple of the {world_size} processes")
 
-    torch.manual_seed(args.seed)  # the same on every process: the weights held whole start equal
+    torch.manual_seed(args.seed)  # the same on every process: every weight starts as in one process
     config = MoEConfig(model_dim=args.model_dim, hidden_dim=args.hidden_dim, num_experts=args.num_experts,
                        top_k=args.top_k, parallel="expert")  # experts split over the group
     model = TinyMoEModel(args.vocab, config, groups)
-    torch.manual_seed(args.seed + 1 + rank)  # but each process holds different experts: draw them apart
-    model.moe.experts.reset_parameters()
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trained = wrap(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     successor = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(1234))  # the language
     data = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each process reads its own batches
     losses = []
     for step in range(1, args.steps + 1):
         inputs, targets = batch_of_tokens(successor, args, data)
-        logits = model(inputs)
+        logits = trained(inputs)
         task_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss = task_loss + model.moe.aux_loss  # the balance loss, weighted by config.aux_loss_weight
         optimizer.zero_grad()
         loss.backward()
-        average_gradients(model, world_size)
+        norm = clip_grad_norm_(model, args.max_norm)  # a collective: every process calls it
         optimizer.step()
 
         mean_loss = task_loss.detach().clone()
@@ -135,12 +133,17 @@ def main() -> None:
         losses.append(mean_loss.item() / world_size)
         if rank == 0 and (step == 1 or step % 10 == 0 or step == args.steps):
             per_expert = model.moe.last_stats.tokens_per_expert  # global counts, every process's tokens
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  tokens per expert {list(per_expert)}", flush=True)
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  grad norm {float(norm):.3f}  "
+                  f"tokens per expert {list(per_expert)}", flush=True)
 
     if rank == 0:
-        print(json.dumps({"example": "train_loop", "world_size": world_size, "steps": args.steps,
+        print(json.dumps({"example": example, "world_size": world_size, "steps": args.steps,
                           "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4)}))
     dist.destroy_process_group()
+
+
+def main() -> None:
+    train(parse_args(), expert_data_parallel, "train_loop")
 
 
 if __name__ == "__main__":

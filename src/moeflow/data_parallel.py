@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.groups import group_size
 from moeflow.expert_parameters import (
-    EXPERT_MARKER,
+    is_expert_parameter,
     reduce_expert_gradient,
     squared_norm_share,
 )
@@ -45,7 +45,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The names of ``model``'s expert parameters (those marked ``skip_allreduce``)."""
-    return [name for name, parameter in model.named_parameters() if getattr(parameter, EXPERT_MARKER, False)]
+    return [name for name, parameter in model.named_parameters() if is_expert_parameter(parameter)]
 
 
 def reduce_experts_in_backward(model: nn.Module, data_parallel_size: int | None = None) -> None:

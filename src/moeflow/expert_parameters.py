@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.parallel.placement import ExpertPlacement, Sharding
 
-EXPERT_MARKER = "skip_allreduce"  # Tutel's name; DeepSpeed-MoE marks the same with allreduce=False
+#: The attribute set on every expert parameter (Tutel's name; DeepSpeed-MoE also gets ``allreduce=False``).
+EXPERT_MARKER = "skip_allreduce"
 
 
 def mark_expert_parameters(experts: nn.Module) -> None:
@@ -34,6 +35,7 @@ def mark_expert_parameters(experts: nn.Module) -> None:
 
 
 def is_expert_parameter(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` carries the expert marker."""
     return bool(getattr(parameter, EXPERT_MARKER, False))
 
 

@@ -23,13 +23,16 @@ from moeflow.perf.pipeline import RegionShape
 from moeflow.planner import PlanChoice
 from moeflow.stats import PipelineTiming
 
-KEPT = 8  # plans and biases a recompute can find: a layer called this often in one step
+#: Plans and biases a recompute can find: enough for a layer called this often in one step.
+KEPT = 8
 
 
 def recomputing() -> bool:
     """Whether this forward runs inside a backward: activation checkpointing's recompute (both
-    modes recompute in the backward; nothing else runs a layer's forward there)."""
-    return torch._C._current_graph_task_id() != -1
+    modes recompute in the backward; nothing else runs a layer's forward there). A compiled
+    forward is never rerun that way (the compiler recomputes in its own graph), and the check
+    would break its graph."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 class GraphValue:
