@@ -5,6 +5,8 @@ a plain DDP around expert-parallel experts is refused."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,9 +41,12 @@ class Net(nn.Module):
         return self.out(h + self.moe(h))
 
 
-def _loop(rank: int, world_size: int, wrap: str, parallel: str, num_experts: int) -> dict[str, list[float]]:
+def _loop(
+    rank: int, world_size: int, wrap: str, parallel: str, num_experts: int, autocast: bool = False
+) -> dict[str, list[float]]:
     """Seed alike, wrap, and train STEPS steps of SGD with global-norm clipping on this rank's
-    share of one global batch; return the mean loss over the ranks and the norm, per step."""
+    share of one global batch (under bf16 autocast if asked); return the mean loss over the ranks
+    and the norm, per step."""
     torch.manual_seed(0)
     model = Net(parallel, num_experts, world_size)
     trained: nn.Module = model
@@ -55,7 +60,9 @@ def _loop(rank: int, world_size: int, wrap: str, parallel: str, num_experts: int
     for _ in range(STEPS):
         x, y = torch.randn(ROWS, M, generator=data), torch.randn(ROWS, 1, generator=data)
         share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
-        loss = F.mse_loss(trained(x[share]), y[share])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = trained(x[share])
+        loss = F.mse_loss(out.float(), y[share])
         optimizer.zero_grad()
         loss.backward()
         norms.append(float(clip_grad_norm_(model, MAX_NORM)))
@@ -67,12 +74,13 @@ def _loop(rank: int, world_size: int, wrap: str, parallel: str, num_experts: int
     return {"losses": losses, "norms": norms}
 
 
-def _loops(rank: int, world_size: int, cases: list[tuple[str, str, int]]) -> list[dict[str, list[float]]]:
+def _loops(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[dict[str, list[float]]]:
     return [_loop(rank, world_size, *case) for case in cases]
 
 
 CASES = {
-    2: [("ddp", "expert", 4), ("ddp", "replicated", 4), ("fsdp2", "expert", 4)],
+    2: [("ddp", "expert", 4), ("ddp", "replicated", 4), ("fsdp2", "expert", 4),
+        ("ddp", "expert", 4, True)],  # mixed precision: bf16 autocast, the norm in fp32
     4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2)],  # adaptive E=2: hidden shards
 }
 
@@ -83,13 +91,14 @@ def test_a_user_loop_with_the_helpers_trains_the_one_process_model(world_size: i
     cases = CASES[world_size]
     results = run_distributed(_loops, world_size, cases, timeout_s=300)
     for index, case in enumerate(cases):
-        expected = _loop(0, 1, "none", "expert", case[2])
+        expected = _loop(0, 1, "none", "expert", *case[2:])
         assert max(expected["norms"]) > MAX_NORM, "the clipping must bind for the norm to matter"
+        tolerance = {"rtol": 2e-2, "atol": 1e-3} if case[3:] else {"rtol": 1e-5, "atol": 1e-6}  # bf16 or fp32
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
-            torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(got["losses"], expected["losses"], **tolerance,
                                        msg=f"{case} W={world_size} rank {rank} losses")
-            torch.testing.assert_close(got["norms"], expected["norms"], rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(got["norms"], expected["norms"], **tolerance,
                                        msg=f"{case} W={world_size} rank {rank} norms")
 
 

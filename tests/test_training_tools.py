@@ -90,6 +90,7 @@ def test_deepcopy_after_a_forward_gives_an_independent_equal_layer() -> None:
     y = layer(x)
     twin = copy.deepcopy(layer)  # an EMA or teacher copy, taken while the graph is alive
     assert not twin.aux_loss.requires_grad and twin.aux_loss.item() == pytest.approx(layer.aux_loss.item())
+    assert all(p.skip_allreduce for p in twin.experts.parameters())  # still marked for data parallelism
     torch.testing.assert_close(twin(x), y, rtol=0, atol=0)
     with torch.no_grad():
         twin.experts.w1.add_(1.0)

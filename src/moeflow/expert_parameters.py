@@ -80,10 +80,11 @@ def refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacemen
     every expert's gradient with other ranks' different experts. Replicated experts are ordinary
     replicated weights, which it may average. Returns the id of the DDP module checked, which a
     later call passes as ``checked`` to skip it (the check then costs one attribute read)."""
-    ddp = DistributedDataParallel._get_active_ddp_module()
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)  # torch's, for torch.compile
+    ddp = active() if active is not None else None
     if ddp is None or id(ddp) == checked or placement.is_replicated:
         return checked
-    reduced = {id(p) for p in ddp._module_parameters}
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ddp.module.parameters())}
     if any(id(p) in reduced for p in experts.parameters()):
         raise RuntimeError(
             "a moeflow MoELayer runs inside a DistributedDataParallel that treats its experts as replicated "

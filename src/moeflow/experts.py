@@ -15,7 +15,7 @@ what it needs and computes each gradient GEMM once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -340,23 +340,32 @@ class ExpertFFN(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
-    def reset_by_expert(self, slices: Sequence[tuple[int, int, int]], seed: int, full_hidden: int) -> None:
+    def reset_by_expert(
+        self, slices: Sequence[tuple[int, int, int]], seed: int, full_hidden: int,
+        normal_std: Mapping[str, float] | None = None,
+    ) -> None:
         """Initialize local expert i as global expert ``slices[i][0]``'s hidden units
         ``[slices[i][1], slices[i][2])``, drawn from a generator seeded by ``seed`` and that global
         index: expert e is the same on any number of ranks and in any placement, and no rank draws
         another's experts (one whole expert at a time at most). Bounds as ``reset_parameters``, with
-        the full hidden size as w2's fan-in."""
+        the full hidden size as w2's fan-in; or, with ``normal_std`` (by kind: ``w1``, ``w2``,
+        ``w3``), normal weights of that std (GPT-2's initialization)."""
         model_dim = self.w1.shape[1]
         with torch.no_grad():
             for local, (expert, start, stop) in enumerate(slices):
                 generator = torch.Generator().manual_seed(expert_seed(seed, expert))
-                for weight, shape, axis in ((self.w1, (model_dim, full_hidden), 1),
-                                            (self.w2, (full_hidden, model_dim), 0),
-                                            (self.w3, (model_dim, full_hidden), 1)):
-                    if weight is not None:
+                for kind, weight, shape, axis in (("w1", self.w1, (model_dim, full_hidden), 1),
+                                                  ("w2", self.w2, (full_hidden, model_dim), 0),
+                                                  ("w3", self.w3, (model_dim, full_hidden), 1)):
+                    if weight is None:
+                        continue
+                    whole = torch.empty(shape)
+                    if normal_std is None:
                         bound = 1.0 / math.sqrt(shape[0])
-                        whole = torch.empty(shape).uniform_(-bound, bound, generator=generator)
-                        weight[local].copy_(whole.narrow(axis, start, stop - start))
+                        whole.uniform_(-bound, bound, generator=generator)
+                    else:
+                        whole.normal_(0.0, normal_std[kind], generator=generator)
+                    weight[local].copy_(whole.narrow(axis, start, stop - start))
             for bias in (self.b1, self.b2):
                 if bias is not None:
                     bias.zero_()

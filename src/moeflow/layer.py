@@ -124,7 +124,7 @@ class MoELayer(nn.Module):
         # one draw from the global generator, whatever the placement: ranks seeded alike build the
         # experts one process would, each rank only its own (expert e from the seed and e)
         seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
-        self.experts.reset_by_expert([(s.expert, s.hidden_start, s.hidden_stop) for s in local], seed, c.hidden_dim)
+        self.experts.reset_by_expert(self.placement.local_slices(self.rank), seed, c.hidden_dim)
         mark_expert_parameters(self.experts)  # so that data parallelism leaves them alone
         self._checked_data_parallel: int | None = None
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
@@ -138,6 +138,12 @@ class MoELayer(nn.Module):
         self._aux_loss = GraphValue(torch.zeros(()))
         self.last_stats: RoutingStats | None = None
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copied or unpickled layer (``copy.deepcopy``): torch copies a Parameter without its
+        attributes, so the copy's experts are marked again."""
+        super().__setstate__(state)
+        mark_expert_parameters(self.experts)
 
     @property
     def aux_loss(self) -> torch.Tensor:

@@ -243,8 +243,8 @@ class MoETransformer(nn.Module):
 
     def _initialize(self, seed: int) -> None:
         """GPT-2 initialization from one seed, the same on every rank and for any number of ranks:
-        each MoE layer draws all E experts and keeps this rank's slice, so a model is the same
-        function whether it runs on 1 or W workers."""
+        each MoE layer draws expert e from the layer's seed and e (only this rank's experts), so a
+        model is the same function whether it runs on 1 or W workers."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         experts = self.placed_parameters()
@@ -263,15 +263,10 @@ class MoETransformer(nn.Module):
                     parameter.copy_(shards.shard_tensor(kind, full, self.groups.rank))
                     continue
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
-            for layer_index, layer in enumerate(self.moe_layers()):
-                layer_generator = torch.Generator().manual_seed(seed * 1000 + layer_index + 1)
-                for name, parameter in layer.experts.named_parameters():
-                    full_shape = layer.placement.empty_full(name, parameter).shape
-                    std = residual_std if name == "w2" else 0.02
-                    full = torch.randn(full_shape, generator=layer_generator) * std
-                    if name.startswith("b"):
-                        full.zero_()
-                    parameter.copy_(layer.placement.shard_tensor(name, full, layer.rank))
+            stds = {"w1": 0.02, "w3": 0.02, "w2": residual_std}
+            for layer_index, layer in enumerate(self.moe_layers()):  # each rank draws its own experts alone
+                layer.experts.reset_by_expert(layer.placement.local_slices(layer.rank), seed * 1000 + layer_index + 1,
+                                              layer.config.hidden_dim, stds)
 
     # -- forward ----------------------------------------------------------------------------------
 
