@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,19 @@ def _die(rank: int, world_size: int) -> None:
     dist.all_reduce(torch.ones(1))  # rank 0 waits for the dead one until the collective timeout
 
 
+def _stop(rank: int, world_size: int, pid_file: str) -> None:
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        with open(pid_file, "w") as file:
+            file.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # a stuck worker: alive, never answering
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for the stopped one until the collective timeout
+
+
 def _raise_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         raise RuntimeError("boom on purpose")
@@ -67,6 +81,16 @@ def test_a_dead_worker_fails_the_run_fast_and_is_named() -> None:
     with pytest.raises(WorkerError, match="worker 1 of 2 died with exit code 3"):
         run_distributed(_die, 2, timeout_s=120, collective_timeout_s=30)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_ends_the_run_within_the_timeout_and_is_named(tmp_path: Path) -> None:
+    pid_file = tmp_path / "stopped.pid"
+    with pytest.raises(WorkerError, match="worker 1 of 2 is stopped"):
+        run_distributed(_stop, 2, str(pid_file), timeout_s=120, collective_timeout_s=5)
+    assert time.time() - pid_file.stat().st_mtime < 5 + 10  # from the stop: the timeout and 10 s at most
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left behind
+        os.kill(int(pid_file.read_text()), 0)
 
 
 @pytest.mark.distributed

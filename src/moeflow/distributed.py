@@ -117,17 +117,36 @@ def run_distributed(
                 raise WorkerError(_failure_message(workers, collected, rank, value))
             collected[rank] = value
     finally:
-        for worker in workers:
-            worker.join(timeout=5 if len(collected) == world_size else 0.1)
-            if worker.is_alive():
-                worker.terminate()
-                worker.join(timeout=5)
+        _stop_workers(workers, wait_s=5 if len(collected) == world_size else 0.1)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _stop_workers(workers: list[Any], wait_s: float, grace_s: float = 3.0) -> None:
+    """End every worker: those still running after ``wait_s`` get SIGTERM, and those still there
+    ``grace_s`` later SIGKILL, which also ends a stopped process (SIGSTOP, a debugger, a paused
+    machine): SIGTERM stays pending on one, and joining it would wait for ever."""
+    deadline = time.monotonic() + wait_s
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
 
 
 def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, error: str) -> str:
     """Name the root cause: a peer that died usually makes the others fail in a collective."""
     message = f"worker {rank} of {len(workers)} failed:\n{error}"
+    for other, worker in enumerate(workers):
+        if other != rank and other not in collected and _is_stopped(worker.pid):
+            stopped = f"worker {other} of {len(workers)} is stopped (SIGSTOP, a debugger or a paused machine)"
+            return f"{stopped}; then {message}"
     for other, worker in enumerate(workers):
         if other != rank and other not in collected:
             worker.join(timeout=1.0)
@@ -137,6 +156,15 @@ def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, e
                     f"then {message}"
                 )
     return message
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in Linux's /proc; elsewhere: unknown, False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _first_dead(workers: list[Any], collected: dict[int, Any]) -> int | None:
