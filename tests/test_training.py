@@ -186,7 +186,9 @@ def test_short_run_loss_falls_and_writes_metrics_plots_checkpoints(two_worker_ru
 
 
 @pytest.mark.distributed
-def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path, tmp_path: Path) -> None:
+def test_resume_repeats_the_losses_of_an_uninterrupted_run(
+    two_worker_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_training(tiny(tmp_path / "resumed", stop_at=5, checkpoint_interval=100), report=False)
     assert latest_checkpoint(tmp_path / "resumed").name == "step-000005"
     from moeflow.cli import main
@@ -198,6 +200,21 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(two_worker_run: Path,
     state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
     assert len(state["planners"]) == TINY["layers"] // TINY.get("moe_every", 1) and \
         all(set(p) == {"dictionary", "searches"} for p in state["planners"])  # the planners' state travels
+
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0  # complete: says so, trains nothing
+    out, err = capsys.readouterr()
+    assert "is complete (step 12 of 12): nothing to train" in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["complete"] and summary["step"] == 12 and "NaN" not in out
+    assert losses(tmp_path / "resumed") == resumed
+
+
+def test_json_lines_never_hold_nan() -> None:
+    from moeflow.files import json_text
+
+    text = json_text({"loss": float("nan"), "norms": [1.0, float("inf")], "nested": {"x": -float("inf")}})
+    assert json.loads(text) == {"loss": None, "norms": [1.0, None], "nested": {"x": None}}
 
 
 def _plan_choices(run_dir: Path) -> dict[int, list[tuple[int, str]]]:

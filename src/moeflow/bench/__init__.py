@@ -7,10 +7,12 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from moeflow.files import json_text
+
 
 def print_json(obj: dict[str, Any]) -> None:
     """One JSON line; floats keep 4 significant digits (so tiny fitted slopes stay visible)."""
-    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)
+    print(json_text({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)
 
 
 def record_fields(point: Any) -> dict[str, Any]:
@@ -36,7 +38,7 @@ class RankZeroRecords(io.StringIO):
             if line.startswith("[rank 0] {"):
                 record = {**json.loads(line.removeprefix("[rank 0] ")), **self.extra}
                 self.records.append(record)
-                print(json.dumps(record), flush=True)
+                print(json_text(record), flush=True)
         return super().write(text)
 
 
@@ -132,7 +134,7 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
     groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, dist.get_world_size()))
 
     def emit(record: dict[str, Any]) -> None:
-        print(json.dumps(record), flush=True)
+        print(json_text(record), flush=True)
 
     profile = None if args.no_profile else cluster_profile(args.profile, args.save_profile, bench, emit)
     for values in json.loads(args.grid):

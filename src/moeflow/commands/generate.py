@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.commands import positive_int
+from moeflow.files import json_text
 
 
 def add_parser(commands: Any) -> None:
@@ -114,7 +115,7 @@ def _run_hf(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
     )
     for record in records:
-        print(json.dumps(record), flush=True)
+        print(json_text(record), flush=True)
     if args.schedule_log is not None:
         Path(args.schedule_log).write_text("".join(json.dumps(entry) + "\n" for entry in log))
     return 0

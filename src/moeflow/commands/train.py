@@ -5,7 +5,6 @@ their help from its ``FIELD_HELP``), so a flag, a config-file key and a key of t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import fields
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.commands import add_renamed_flag
+from moeflow.files import json_text
 from moeflow.training.config import (
     FIELD_HELP,
     LEGACY_GATES,
@@ -111,8 +111,12 @@ def run_train(args: argparse.Namespace) -> int:
     except WorkerError as error:
         print(f"moeflow train: the job failed: {error}", file=sys.stderr)
         return 1
-    if os.environ.get("RANK", "0") == "0":  # under a launcher, one summary line
-        print(json.dumps({"summary": "train", **summary}))
+    if os.environ.get("RANK", "0") != "0":  # under a launcher, one summary line
+        return 0
+    if summary.get("complete"):
+        print(f"moeflow train: the run in {summary['run_dir']} is complete (step {summary['step']} of "
+              f"{summary['steps']}): nothing to train; resume with a larger --steps to go on", file=sys.stderr)
+    print(json_text({"summary": "train", **summary}))
     return 0
 
 
@@ -124,7 +128,7 @@ def run_report(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"moeflow report: error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps({"summary": "report", "run_dir": args.run_dir, **summary}))
+    print(json_text({"summary": "report", "run_dir": args.run_dir, **summary}))
     return 0
 
 

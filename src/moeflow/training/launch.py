@@ -84,8 +84,23 @@ def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
     return Job(config, corpus, str(run_dir), str(checkpoint) if checkpoint is not None else None)
 
 
+def completed_run(config: TrainConfig, checkpoint: Path | None) -> dict[str, Any] | None:
+    """The summary of a resumed run that already reached its last step (nothing to train), else None."""
+    if checkpoint is None:
+        return None
+    step = int(read_state(checkpoint)["step"])
+    if step < config.steps:
+        return None
+    return {"complete": True, "step": step, "steps": config.steps, "run_dir": str(checkpoint.parent.parent),
+            "checkpoint": str(checkpoint)}
+
+
 def run_training(config: TrainConfig, checkpoint: Path | None = None, report: bool = True) -> dict[str, Any]:
-    """Train; return rank 0's summary (every rank returns it when started by a launcher)."""
+    """Train; return rank 0's summary (every rank returns it when started by a launcher). A resumed
+    run that is already complete trains nothing and says so (``"complete": true``)."""
+    completed = completed_run(config, checkpoint)
+    if completed is not None:
+        return completed
     if launched_by_torchrun():
         return _run_as_launched_rank(config, checkpoint, report)
     from moeflow.distributed import run_distributed

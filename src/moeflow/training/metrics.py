@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.comm.traffic import TimelineEvent
+from moeflow.files import json_text
 from moeflow.models import TrainableLM
 
 METRICS = "metrics.jsonl"
@@ -56,7 +57,7 @@ class MetricsLog:
         self._handle = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json.dumps(record) + "\n")
+        self._handle.write(json_text(record) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

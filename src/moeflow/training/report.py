@@ -110,7 +110,7 @@ def _plot_loss(run_dir: Path, records: list[dict[str, Any]], corpus: dict[str, A
 
     steps = np.array([r["step"] for r in records])
     figure, axis = plt.subplots(figsize=(8, 4.5))
-    loss = np.array([r["loss"] for r in records])
+    loss = np.array([r["loss"] for r in records], dtype=float)  # a skipped step's null loss: NaN, a gap
     axis.plot(steps, loss, color="#4C72B0", alpha=0.3, linewidth=1, label="train (per step)")
     axis.plot(steps, _smooth(loss), color="#4C72B0", linewidth=2, label="train (smoothed)")
     vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
