@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
-from moeflow.distributed import run_distributed
+from moeflow.distributed import WorkerError, run_distributed
 from moeflow.models import MoETransformer, TransformerConfig
 from moeflow.phases import PhaseClock
 from moeflow.training import TrainConfig
@@ -208,6 +208,24 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["complete"] and summary["step"] == 12 and "NaN" not in out
     assert losses(tmp_path / "resumed") == resumed
+
+
+@pytest.mark.distributed
+def test_a_nonfinite_loss_on_one_worker_skips_the_step_on_every_worker(tmp_path: Path) -> None:
+    from moeflow.training.faults import FaultPlan
+
+    summary = run_training(tiny(tmp_path / "nan", steps=6, eval_interval=100, checkpoint_interval=6),
+                           report=False, faults=FaultPlan(nonfinite_loss=((1, 3), (0, 5))))
+    records = {r["step"]: r for r in iterate_records(tmp_path / "nan")}
+    assert [step for step, r in records.items() if r["skipped"]] == [3, 5] and summary["skipped_steps"] == 2
+    assert math.isfinite(records[6]["loss"]) and math.isfinite(summary["loss"])
+    reference = run_training(tiny(tmp_path / "clean", steps=2, eval_interval=100, checkpoint_interval=6),
+                             report=False)
+    assert [r["loss"] for r in iterate_records(tmp_path / "clean")] == [records[1]["loss"], records[2]["loss"]]
+    assert reference["skipped_steps"] == 0
+    with pytest.raises(WorkerError, match=r"not finite on some worker for 2 steps in a row \(steps 2 to 3"):
+        run_training(tiny(tmp_path / "diverged", steps=6, eval_interval=100, max_nonfinite_steps=2),
+                     report=False, faults=FaultPlan(nonfinite_loss=((0, 2), (1, 3))))
 
 
 def test_json_lines_never_hold_nan() -> None:

@@ -89,6 +89,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    max_nonfinite_steps: int = 3  # steps in a row with a NaN/inf loss (each skipped) before the job stops
     seed: int = 0
     dtype: str = "fp32"
     # run
@@ -106,7 +107,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         positive = ("vocab_size", "steps", "batch_size", "workers", "mp_size", "threads_per_worker", "eval_interval",
                     "eval_windows", "checkpoint_interval", "keep_checkpoints", "rebalance_interval",
-                    "rebalance_window", "packing_warmup", "packing_interval")
+                    "rebalance_window", "packing_warmup", "packing_interval", "max_nonfinite_steps")
         for name in positive:
             require_positive_int(name, getattr(self, name))
         require_choice("shadowing", self.shadowing, SHADOWING_POLICIES)
@@ -320,6 +321,8 @@ FIELD_HELP: dict[str, str] = {
     "beta1": "AdamW beta1",
     "beta2": "AdamW beta2",
     "grad_clip": "clip the global gradient norm to this (0: off)",
+    "max_nonfinite_steps": "stop the job after this many steps in a row whose loss (on any worker) or gradient "
+    "was not finite; each such step is skipped on every worker and counted",
     "seed": "seed of the weights and of the data order",
     "dtype": "fp32; bf16 or fp16: activations and GEMMs in that dtype under autocast, fp32 master weights and "
     "routers (fp16 also scales the loss)",

@@ -27,6 +27,7 @@ from moeflow.training.batches import require_windows
 from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
+from moeflow.training.faults import FaultPlan
 from moeflow.training.metrics import METRICS
 from moeflow.training.trainer import Job, device_for, train_worker
 
@@ -95,9 +96,12 @@ def completed_run(config: TrainConfig, checkpoint: Path | None) -> dict[str, Any
             "checkpoint": str(checkpoint)}
 
 
-def run_training(config: TrainConfig, checkpoint: Path | None = None, report: bool = True) -> dict[str, Any]:
+def run_training(
+    config: TrainConfig, checkpoint: Path | None = None, report: bool = True, faults: FaultPlan | None = None
+) -> dict[str, Any]:
     """Train; return rank 0's summary (every rank returns it when started by a launcher). A resumed
-    run that is already complete trains nothing and says so (``"complete": true``)."""
+    run that is already complete trains nothing and says so (``"complete": true``). ``faults``:
+    faults to inject on purpose (the tests)."""
     completed = completed_run(config, checkpoint)
     if completed is not None:
         return completed
@@ -105,7 +109,7 @@ def run_training(config: TrainConfig, checkpoint: Path | None = None, report: bo
         return _run_as_launched_rank(config, checkpoint, report)
     from moeflow.distributed import run_distributed
 
-    job = prepare_job(config, checkpoint)
+    job = replace(prepare_job(config, checkpoint), faults=faults)
     summary = run_distributed(
         train_worker, job.config.workers, job, threads_per_worker=job.config.threads_per_worker,
         timeout_s=float("inf"), collective_timeout_s=job.config.collective_timeout_s,

@@ -30,6 +30,7 @@ from moeflow.training.batches import data_replica, shard_of, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.evaluation import autocast, evaluate
+from moeflow.training.faults import FaultPlan
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
 from moeflow.training.gradients import (
     all_reduce_sum,
@@ -39,6 +40,7 @@ from moeflow.training.gradients import (
     synchronize_gradients,
 )
 from moeflow.training.metrics import METRICS, TIMELINE, MetricsLog, moe_records, write_timeline
+from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
 from moeflow.training.rebalance import ExpertRebalancer
@@ -57,6 +59,7 @@ class Job:
     resume_from: str | None = None
     ranks_per_node: int | None = None  # the launcher's LOCAL_WORLD_SIZE; None: all workers on one node
     local_rank: int | None = None  # the launcher's LOCAL_RANK; None: the rank (spawned workers)
+    faults: FaultPlan | None = None  # faults injected on purpose (tests)
 
 
 # -- the loop ------------------------------------------------------------------------------------
@@ -113,6 +116,7 @@ class _Run:
     rebalancer: ExpertRebalancer | None = None
     packer: ExpertPacker | None = None
     grad_scheduler: GradientScheduler | None = None
+    nonfinite: NonfiniteSteps = field(default_factory=lambda: NonfiniteSteps(1))  # _start_run: the config's limit
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
@@ -173,7 +177,8 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
+               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
+               nonfinite=NonfiniteSteps(config.max_nonfinite_steps))
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     if config.dtype == "fp16":
         run.scaler = torch.amp.GradScaler(device.type)
@@ -253,6 +258,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
             scheduler.start()
     with autocast(config, run.device):
         _, loss = model(inputs, targets)
+    if run.job.faults is not None:
+        loss = run.job.faults.loss(loss, run.rank, step)
     backward_began = time.perf_counter()
     (loss if run.scaler is None else run.scaler.scale(loss)).backward()
     compute_s = time.perf_counter() - forward_began
@@ -270,10 +277,14 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     if run.scaler is not None:
         expert_sq_global = unscale_gradients(run, expert_sq_global)
     grad_norm = clip_gradients(model, expert_names, expert_sq_global, config.grad_clip)
+    # fp16's loss scaler skips an overflowing step itself (and lowers the scale): only the loss counts there
+    skipped = run.nonfinite.skips(step, total_sum, grad_norm if run.scaler is None else 0.0)
     if run.scaler is None:
-        run.optimizer.step()
+        if not skipped:
+            run.optimizer.step()
     else:  # skipped where the gradients overflowed
-        run.scaler.step(run.optimizer)
+        if not skipped:
+            run.scaler.step(run.optimizer)
         run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     rebalanced = []
@@ -294,6 +305,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
         run.last_timeline = timeline.take()
     return {
         "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
+        "skipped": skipped,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
         "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
         "moe": moe_records(model),
@@ -367,6 +379,7 @@ def _summary(run: _Run, last_step: int, hf_checkpoint: Path | None) -> dict[str,
         "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
         "median_tokens_per_s": statistics.median(run.throughput) if run.throughput else None,
         "checkpoint": str(run.checkpoint) if run.checkpoint else None, "run_dir": str(Path(run.job.run_dir)),
+        "skipped_steps": run.nonfinite.skipped,
         **({"hf_checkpoint": str(hf_checkpoint)} if hf_checkpoint is not None else {}),
     }
 
