@@ -123,8 +123,28 @@ def _plain_ddp(rank: int, world_size: int, parallel: str) -> str:
     return "ran"
 
 
+def _ddp_on_the_expert_group(rank: int, world_size: int) -> str:
+    try:
+        expert_data_parallel(Net("expert", 4, world_size), process_group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
 @pytest.mark.distributed
 def test_plain_ddp_around_expert_parallel_experts_is_refused() -> None:
     refused = run_distributed(_plain_ddp, 2, "expert", timeout_s=120)
     assert all("expert_data_parallel" in message and "E/W distinct experts" in message for message in refused)
     assert run_distributed(_plain_ddp, 2, "replicated", timeout_s=120) == ["ran", "ran"]  # replicas may average
+    shared = run_distributed(_ddp_on_the_expert_group, 2, timeout_s=120)  # its all-reduces would meet the all-to-alls
+    assert all("a group of its own" in message for message in shared)
+
+
+def test_a_nonfinite_norm_is_returned_and_leaves_the_gradients_alone() -> None:
+    torch.manual_seed(0)
+    model = Net("expert", 4, 1)
+    F.mse_loss(model(torch.randn(ROWS, M)), torch.randn(ROWS, 1)).backward()
+    model.out.weight.grad[0, 0] = float("inf")  # an fp16 overflow: the step is to be skipped, not zeroed
+    before = [p.grad.clone() for p in model.parameters()]
+    assert clip_grad_norm_(model, 0.1).isinf()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))

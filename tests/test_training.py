@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,6 +234,10 @@ def test_json_lines_never_hold_nan() -> None:
 
     text = json_text({"loss": float("nan"), "norms": [1.0, float("inf")], "nested": {"x": -float("inf")}})
     assert json.loads(text) == {"loss": None, "norms": [1.0, None], "nested": {"x": None}}
+    from moeflow.training.report import _smooth
+
+    smoothed = _smooth(np.array([float("nan"), 1.0, float("nan"), 2.0]))  # a skipped step is a gap
+    assert np.isnan(smoothed[0]) and list(smoothed[1:3]) == [1.0, 1.0] and smoothed[3] == pytest.approx(1.1)
 
 
 def _plan_choices(run_dir: Path) -> dict[int, list[tuple[int, str]]]:

@@ -58,6 +58,33 @@ def test_activation_checkpointing_gives_the_plain_gradients(mode: str, settings:
     assert layer.last_stats is not None
 
 
+def test_a_recompute_in_eval_mode_after_training_forwards_routes_with_the_current_bias() -> None:
+    """Training forwards move the balancing bias; a later forward that does not (eval mode, with
+    gradients: fine-tuning a frozen router, saliency) must be recomputed with the bias it saw."""
+    layer = _layer(expert_bias_update_rate=0.05, aux_loss_weight=0.0)
+    for seed in range(3):  # training forwards, no checkpointing: each moves the bias
+        layer(torch.randn(4, 8, M, generator=torch.Generator().manual_seed(seed)))
+    layer.eval()
+    x = torch.randn(4, 8, M)
+    expected = _step(layer, x, "plain")
+    _assert_equal(_step(layer, x, "non-reentrant"), expected, "eval recompute")
+
+
+def _twice(layer: MoELayer, x: torch.Tensor, mode: str) -> dict[str, np.ndarray]:
+    """The layer called twice on same-shaped inputs in one step (each call checkpointed)."""
+    x = x.detach().requires_grad_(True)
+    halves = x.chunk(2)
+    if mode == "plain":
+        y = layer(halves[0]) * 2 + layer(halves[1])
+    else:
+        y = checkpoint(layer, halves[0], use_reentrant=False) * 2 + checkpoint(layer, halves[1], use_reentrant=False)
+    y.square().sum().backward()
+    result = {"y": y.detach().numpy().copy(), "x": x.grad.numpy().copy()}
+    result |= {name: p.grad.numpy().copy() for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return result
+
+
 def _checkpointed(rank: int, world_size: int) -> dict[str, Any]:
     """The planner times a different pipeline degree and algorithm at each call ('search'): the
     recompute in the backward must take its forward's plan, or its saved tensors differ."""
@@ -71,6 +98,10 @@ def _checkpointed(rank: int, world_size: int) -> dict[str, Any]:
             results[f"{step}/{mode}"] = _step(layer, x, mode)
             results[f"{step}/{mode}/bias moved"] = float((layer.gate.expert_bias - bias).abs().sum())
             layer.gate.expert_bias.copy_(bias)  # every mode starts from the same routing
+        for mode in ("plain", "non-reentrant"):
+            bias = layer.gate.expert_bias.clone()
+            results[f"{step}/twice {mode}"] = _twice(layer, x, mode)
+            layer.gate.expert_bias.copy_(bias)
     return results
 
 
@@ -82,6 +113,8 @@ def test_both_checkpointing_modes_on_two_processes_while_the_planner_searches() 
                 _assert_equal(results[f"{step}/{mode}"], results[f"{step}/plain"], f"rank {rank} step {step} {mode}")
                 # the recompute does not update the loss-free balancing bias a second time
                 assert results[f"{step}/{mode}/bias moved"] == pytest.approx(results[f"{step}/plain/bias moved"])
+            # the same layer twice in one step: each recompute takes its own call's plan and bias
+            _assert_equal(results[f"{step}/twice non-reentrant"], results[f"{step}/twice plain"], f"rank {rank} twice")
 
 
 def test_deepcopy_after_a_forward_gives_an_independent_equal_layer() -> None:

@@ -48,14 +48,14 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     return [name for name, parameter in model.named_parameters() if is_expert_parameter(parameter)]
 
 
-def reduce_experts_in_backward(model: nn.Module, data_parallel_size: int | None = None) -> None:
+def reduce_experts_in_backward(model: nn.Module, data_parallel: dist.ProcessGroup | None = None) -> None:
     """Hook every expert parameter of ``model``'s MoE layers so that the gradient the backward
     accumulates is the gradient of the mean loss over the data-parallel replicas (each expert's
     copies summed, then scaled); done once per parameter. Gradient accumulation over several
-    backwards works: the hook sees each backward's own gradient. ``data_parallel_size``: the ranks
-    the rest of the model is averaged over (checked against each layer's expert group)."""
+    backwards works: the hook sees each backward's own gradient. ``data_parallel``: the group the
+    rest of the model is averaged over (checked against each layer's expert group)."""
     for layer in moe_layers(model):
-        _check_expert_group(layer, data_parallel_size)
+        _check_expert_group(layer, data_parallel)
         for parameter in layer.experts.parameters():
             if getattr(parameter, "_moeflow_reduction", None) is None:
                 parameter._moeflow_reduction = parameter.register_hook(  # type: ignore[attr-defined]
@@ -66,13 +66,22 @@ def _reduced(layer: MoELayer, grad: torch.Tensor) -> torch.Tensor:
     return reduce_expert_gradient(grad, layer.placement, layer.groups)
 
 
-def _check_expert_group(layer: MoELayer, data_parallel_size: int | None) -> None:
-    """The experts' rules assume that the expert group is the data-parallel group: with a smaller
-    one, every expert would also have a copy in each other expert group, to be reduced across them."""
-    if data_parallel_size is not None and layer.groups.size != data_parallel_size:
+def _check_expert_group(layer: MoELayer, data_parallel: dist.ProcessGroup | None) -> None:
+    """The experts' rules assume that the expert group spans the data-parallel group (with a
+    smaller one, every expert would also have a copy in each other expert group, to be reduced
+    across them), and the dense weights' reduction must run on another group than the layer's
+    all-to-alls (see the module's docstring)."""
+    if data_parallel is None:
+        return
+    if layer.groups.size != group_size(data_parallel):
         raise ValueError(
             f"the MoE layer's expert group has {layer.groups.size} ranks but the data-parallel group has "
-            f"{data_parallel_size}: give the layer the data-parallel group (group=...) as its expert group"
+            f"{group_size(data_parallel)}: give the layer the data-parallel ranks (group=...) as its expert group"
+        )
+    if data_parallel == layer.groups.expert:
+        raise ValueError(
+            "the data-parallel process group is the MoE layer's expert group, on which its all-to-alls run during "
+            "the backward: give data parallelism a group of its own (the default, dist.new_group())"
         )
 
 
@@ -86,7 +95,7 @@ def expert_data_parallel(
     if process_group is None:
         process_group = dist.new_group()
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
-    reduce_experts_in_backward(model, group_size(process_group))
+    reduce_experts_in_backward(model, process_group)
     return DistributedDataParallel(model, process_group=process_group, **ddp_options)
 
 
@@ -107,7 +116,7 @@ def expert_fully_shard(
     for block in blocks:
         fully_shard(block, mesh=mesh, ignored_params=experts, **fsdp_options)
     fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_options)
-    reduce_experts_in_backward(model, mesh.size())
+    reduce_experts_in_backward(model, mesh.get_group())
     return model
 
 
@@ -124,7 +133,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool 
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(f"the gradient's norm is {float(total)}: a loss or gradient is not finite")
     scale = max_norm / (float(total) + 1e-6)
-    if scale < 1.0:  # one float: the gradients are plain tensors, experts, and FSDP2's DTensors alike
+    if math.isfinite(float(total)) and scale < 1.0:  # one float: plain tensors, experts and DTensors alike
         for parameter in model.parameters():
             if parameter.grad is not None:
                 parameter.grad.mul_(scale)

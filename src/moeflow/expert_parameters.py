@@ -91,7 +91,6 @@ def refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacemen
             "weights: DDP copied rank 0's experts over every other rank's when it was built and averages each "
             "expert's gradient with other ranks' different experts, so the model would train E/W distinct experts. "
             "Wrap the model with moeflow.data_parallel.expert_data_parallel(model) instead (DDP for the other "
-            f"weights, each expert reduced over its own copies), or make DDP ignore the parameters marked "
-            f"{EXPERT_MARKER}=True and reduce them with moeflow.data_parallel.reduce_experts_in_backward(model)."
+            "weights, on a process group of its own, each expert reduced over its own copies)."
         )
     return id(ddp)

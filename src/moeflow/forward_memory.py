@@ -15,11 +15,12 @@ teacher copy of the model taken after a forward): :class:`GraphValue` copies its
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
-from moeflow.perf.pipeline import RegionShape
 from moeflow.planner import PlanChoice
 from moeflow.stats import PipelineTiming
 
@@ -45,42 +46,51 @@ class GraphValue:
         return GraphValue(self.value.detach().clone())
 
 
+@dataclass
+class ForwardRecord:
+    """What one forward decided that its recompute must repeat: the plan it ran, and the routing
+    bias it routed with when the forward moves that bias afterwards (None: the bias stays)."""
+
+    bias: torch.Tensor | None = None
+    plan: PlanChoice | None = None
+
+
 class ForwardMemory:
-    """The plans and routing biases of a layer's last forwards, for its recomputes."""
+    """One record per forward, latest last: a recompute takes the latest record not yet taken,
+    since recomputes run in the backward, in reverse order of their forwards. (A layer whose calls
+    in one step are only partly checkpointed would hand a recompute a later call's record.)"""
 
     def __init__(self) -> None:
-        self._plans: dict[RegionShape, PlanChoice] = {}  # the plan each region shape last ran, oldest first
-        self._biases: list[torch.Tensor] = []  # the selection bias before each update, latest last
+        self._records: deque[ForwardRecord] = deque(maxlen=KEPT)
+
+    def start(self, recompute: bool, moving_bias: torch.Tensor | None) -> ForwardRecord:
+        """A forward's record, kept (``moving_bias``: the bias this forward will move, copied as
+        it routes with it); a recompute's is its forward's, taken (an empty one if none is kept)."""
+        if recompute:
+            return self._records.pop() if self._records else ForwardRecord()
+        record = ForwardRecord(None if moving_bias is None else moving_bias.clone())
+        self._records.append(record)
+        return record
 
     def plan(
-        self, region: RegionShape, recompute: bool, choose: Callable[[], tuple[PlanChoice, PipelineTiming]]
+        self, record: ForwardRecord, recompute: bool, choose: Callable[[], tuple[PlanChoice, PipelineTiming]]
     ) -> tuple[PlanChoice, PipelineTiming]:
-        """``choose()``'s plan, kept for a forward with a graph; a recompute takes the plan its
-        region last ran (with a timing record nobody reads)."""
-        if recompute and region in self._plans:
-            return self._plans[region], PipelineTiming()
-        chosen, timing = choose()
-        if torch.is_grad_enabled():
-            self._plans.pop(region, None)
-            self._plans[region] = chosen
-            while len(self._plans) > KEPT:
-                del self._plans[next(iter(self._plans))]
-        return chosen, timing
+        """``choose()``'s plan, kept in the forward's record; a recompute takes its forward's plan
+        (with a timing record nobody reads)."""
+        if recompute and record.plan is not None:
+            return record.plan, PipelineTiming()
+        record.plan, timing = choose()
+        return record.plan, timing
 
-    def before_bias_update(self, bias: torch.Tensor) -> None:
-        """Keep the bias this forward routed with, before the forward moves it."""
-        self._biases.append(bias.clone())
-        del self._biases[:-KEPT]
-
+    @staticmethod
     @contextlib.contextmanager
-    def routing_bias(self, bias: torch.Tensor, recompute: bool) -> Iterator[None]:
-        """Within: ``bias`` as its forward saw it, for a recompute. Recomputes run in the backward,
-        in reverse order of the forwards: the latest bias not yet taken is theirs."""
-        if not (recompute and self._biases):
+    def routing_bias(record: ForwardRecord, bias: torch.Tensor, recompute: bool) -> Iterator[None]:
+        """Within: ``bias`` as the recomputed forward routed with it (the forward moved it after)."""
+        if not recompute or record.bias is None:
             yield
             return
         current = bias.clone()
-        bias.copy_(self._biases.pop())
+        bias.copy_(record.bias)
         try:
             yield
         finally:

@@ -33,7 +33,7 @@ from moeflow.config import (
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN
-from moeflow.forward_memory import ForwardMemory, GraphValue, recomputing
+from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, recomputing
 from moeflow.kernels import resolve_backend
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
@@ -217,7 +217,8 @@ class MoELayer(nn.Module):
         if not self._replicas_equal:
             self.switch(self.schedule, self.placement)
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
-        routing, estimate_E = self._route(x_TM, k, recompute)
+        record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
+        routing, estimate_E = self._route(x_TM, k, recompute, record)
 
         # agree the load and capacity -> plan
         load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
@@ -227,7 +228,7 @@ class MoELayer(nn.Module):
         region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
                               load.needed_capacity)
         chosen, timing = self._memory.plan(
-            region, recompute, lambda: self.planner.choose(region, backward=torch.is_grad_enabled(), r=r))
+            record, recompute, lambda: self.planner.choose(region, backward=torch.is_grad_enabled(), r=r))
         if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
             timing.synced_device = str(x_TM.device)
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
@@ -255,20 +256,26 @@ class MoELayer(nn.Module):
     ) -> None:
         """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
         config = self.config
-        if config.expert_bias_update_rate > 0 and self.training:
-            self._memory.before_bias_update(self.gate.expert_bias)
+        if self._moves_bias:
             update_expert_bias(self.gate, load.counts_WE.sum(0), config.expert_bias_update_rate)
         self.last_stats = routing_stats(
             config, self.groups, load, capacity, k, factor, chosen, timing, self.schedule.plan_label(chosen.plan),
             owned_capacity, ran,
         )
 
-    def _route(self, x_TM: torch.Tensor, top_k: int, recompute: bool) -> tuple[Routing, np.ndarray | None]:
+    @property
+    def _moves_bias(self) -> bool:
+        """Whether a forward moves the selection bias after routing (loss-free balancing, training)."""
+        return self.config.expert_bias_update_rate > 0 and self.training
+
+    def _route(
+        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord
+    ) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
         inference scheduler (the schedule's hook), its load estimate from before the gate; the
         scheduler also sees the gate's choice. Keeps the aux loss."""
         hook = self.schedule.hook
-        with self._memory.routing_bias(self.gate.expert_bias, recompute):
+        with self._memory.routing_bias(record, self.gate.expert_bias, recompute):
             if hook is None:
                 routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit), None
             else:

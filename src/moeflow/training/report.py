@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from moeflow.files import json_text
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.metrics import TIMELINE, iterate_records
 
@@ -30,7 +31,10 @@ PHASE_COLORS = {
 def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
     out, running = np.empty_like(values), values[0]
     for i, value in enumerate(values):
-        running = weight * running + (1 - weight) * value
+        if np.isnan(running):
+            running = value
+        elif not np.isnan(value):  # a skipped step's missing loss leaves the curve where it was
+            running = weight * running + (1 - weight) * value
         out[i] = running
     return out
 
@@ -92,7 +96,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     _plot_time_breakdown(run_dir, records, summary["time_share"])
     if (run_dir / TIMELINE).exists():
         _plot_timeline(run_dir, json.loads((run_dir / TIMELINE).read_text()), records)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(json_text(summary, indent=2) + "\n")
     return summary
 
 

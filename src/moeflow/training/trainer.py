@@ -116,10 +116,13 @@ class _Run:
     rebalancer: ExpertRebalancer | None = None
     packer: ExpertPacker | None = None
     grad_scheduler: GradientScheduler | None = None
-    nonfinite: NonfiniteSteps = field(default_factory=lambda: NonfiniteSteps(1))  # _start_run: the config's limit
+    nonfinite: NonfiniteSteps = field(init=False)  # the config's limit of non-finite steps in a row
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
+
+    def __post_init__(self) -> None:
+        self.nonfinite = NonfiniteSteps(self.job.config.max_nonfinite_steps)
     expert_names: set[str] = field(default_factory=set)
     last_timeline: list[TimelineEvent] = field(default_factory=list)  # the last step's events (rank 0)
 
@@ -177,8 +180,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
-               nonfinite=NonfiniteSteps(config.max_nonfinite_steps))
+               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     if config.dtype == "fp16":
         run.scaler = torch.amp.GradScaler(device.type)
