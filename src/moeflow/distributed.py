@@ -125,19 +125,20 @@ def _stop_workers(workers: list[Any], wait_s: float, grace_s: float = 3.0) -> No
     """End every worker: those still running after ``wait_s`` get SIGTERM, and those still there
     ``grace_s`` later SIGKILL, which also ends a stopped process (SIGSTOP, a debugger, a paused
     machine): SIGTERM stays pending on one, and joining it would wait for ever."""
-    deadline = time.monotonic() + wait_s
+    for signal_them in (lambda worker: worker.terminate(), lambda worker: worker.kill()):
+        _join_within(workers, wait_s)
+        for worker in workers:
+            if worker.is_alive():
+                signal_them(worker)
+        wait_s = grace_s
+    _join_within(workers, 5.0)
+
+
+def _join_within(workers: list[Any], seconds: float) -> None:
+    """Wait for the workers to end, ``seconds`` for all of them together."""
+    deadline = time.monotonic() + seconds
     for worker in workers:
         worker.join(timeout=max(0.0, deadline - time.monotonic()))
-    for worker in workers:
-        if worker.is_alive():
-            worker.terminate()
-    deadline = time.monotonic() + grace_s
-    for worker in workers:
-        worker.join(timeout=max(0.0, deadline - time.monotonic()))
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=5)
 
 
 def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, error: str) -> str:
