@@ -128,12 +128,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool 
     layers = moe_layers(model)
     experts = {id(p) for layer in layers for p in layer.experts.parameters()}
     dense = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
-    squared = _dense_squared_norm(dense) + _expert_squared_norm(layers)
-    total = squared.sqrt().to(torch.float32)
-    if error_if_nonfinite and not math.isfinite(float(total)):
-        raise RuntimeError(f"the gradient's norm is {float(total)}: a loss or gradient is not finite")
-    scale = max_norm / (float(total) + 1e-6)
-    if math.isfinite(float(total)) and scale < 1.0:  # one float: plain tensors, experts and DTensors alike
+    total = (_dense_squared_norm(dense) + _expert_squared_norm(layers)).sqrt().to(torch.float32)
+    norm = float(total)
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise RuntimeError(f"the gradient's norm is {norm}: a loss or gradient is not finite")
+    scale = max_norm / (norm + 1e-6)
+    if math.isfinite(norm) and scale < 1.0:  # one float: plain tensors, experts and DTensors alike
         for parameter in model.parameters():
             if parameter.grad is not None:
                 parameter.grad.mul_(scale)
@@ -142,14 +142,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool 
 
 def _dense_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The squared norm of the weights held whole (plain tensors, the same on every rank) and of
-    FSDP2's sharded ones (DTensors: their norm is a reduction over their mesh)."""
-    squared = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squared += norm.double().cpu().square()
-    return squared
+    FSDP2's sharded ones (DTensors: their norm is a reduction over their mesh), read to the host once."""
+    norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads]
+    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(norms).double().square().sum().cpu()
 
 
 def _expert_squared_norm(layers: list[MoELayer]) -> torch.Tensor:

@@ -397,4 +397,3 @@ class MoELayer(nn.Module):
             f"({self.num_local_experts} local of {self.world_size} ranks, {self.schedule.name}), top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}, gate={c.gate}, activation={c.activation}"
         )
-

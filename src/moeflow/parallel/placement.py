@@ -301,11 +301,6 @@ class Sharding(Protocol):
     world_size: int
 
     @property
-    def holds_whole_experts(self) -> bool:
-        """Every shard is a whole expert (no hidden slices)."""
-        return all(s.hidden_start == 0 and s.hidden_stop == self.hidden_dim for rank in self.shards for s in rank)
-
-    @property
     def is_replicated(self) -> bool: ...
 
     def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor: ...
