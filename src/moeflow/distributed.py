@@ -7,9 +7,11 @@ the surviving workers are terminated.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeflow.comm.ledger import process_state
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
 
@@ -122,16 +125,22 @@ def run_distributed(
 
 
 def _stop_workers(workers: list[Any], wait_s: float, grace_s: float = 3.0) -> None:
-    """End every worker: those still running after ``wait_s`` get SIGTERM, and those still there
-    ``grace_s`` later SIGKILL, which also ends a stopped process (SIGSTOP, a debugger, a paused
-    machine): SIGTERM stays pending on one, and joining it would wait for ever."""
-    for signal_them in (lambda worker: worker.terminate(), lambda worker: worker.kill()):
+    """End every worker: those still running after ``wait_s`` get SIGTERM, then SIGCONT (a stopped
+    process, by SIGSTOP or a debugger, only acts on the SIGTERM once continued), and those still
+    there ``grace_s`` later SIGKILL."""
+    for signal_them in (_terminate, lambda worker: worker.kill()):
         _join_within(workers, wait_s)
         for worker in workers:
             if worker.is_alive():
                 signal_them(worker)
         wait_s = grace_s
     _join_within(workers, 5.0)
+
+
+def _terminate(worker: Any) -> None:
+    worker.terminate()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(worker.pid, signal.SIGCONT)
 
 
 def _join_within(workers: list[Any], seconds: float) -> None:
@@ -145,7 +154,7 @@ def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, e
     """Name the root cause: a peer that died usually makes the others fail in a collective."""
     message = f"worker {rank} of {len(workers)} failed:\n{error}"
     for other, worker in enumerate(workers):
-        if other != rank and other not in collected and _is_stopped(worker.pid):
+        if other != rank and other not in collected and process_state(worker.pid) == "stopped":
             stopped = f"worker {other} of {len(workers)} is stopped (SIGSTOP, a debugger or a paused machine)"
             return f"{stopped}; then {message}"
     for other, worker in enumerate(workers):
@@ -157,15 +166,6 @@ def _failure_message(workers: list[Any], collected: dict[int, Any], rank: int, e
                     f"then {message}"
                 )
     return message
-
-
-def _is_stopped(pid: int | None) -> bool:
-    """Whether process ``pid`` is stopped (state T or t in Linux's /proc; elsewhere: unknown, False)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _first_dead(workers: list[Any], collected: dict[int, Any]) -> int | None:

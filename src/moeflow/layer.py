@@ -138,10 +138,10 @@ class MoELayer(nn.Module):
         self._aux_loss = GraphValue(torch.zeros(()))
         self.last_stats: RoutingStats | None = None
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+        self.index: int | None = None  # its place in its model (the block number), named in hang reports
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copied or unpickled layer (``copy.deepcopy``): torch copies a Parameter without its
-        attributes, so the copy's experts are marked again."""
+        """A copy (deepcopy, unpickling) marks its experts again: torch copies a Parameter bare."""
         super().__setstate__(state)
         mark_expert_parameters(self.experts)
 
@@ -203,7 +203,7 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
         dtype = compute_dtype(x, self.experts.w1.dtype) if x.is_floating_point() else x.dtype
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(x.device.type, enabled=False), self.groups.ledger.at(layer=self.index, direction="forward"):
             return self._forward(x.to(dtype), top_k, capacity_factor, r)
 
     def _forward(
@@ -347,7 +347,8 @@ class MoELayer(nn.Module):
     def _backward_window(self, x: torch.Tensor, entering: bool) -> torch.Tensor:
         """Between the backward of the output (the combine) and of the input, this layer's
         all-to-alls are imminent: Lina's gradient scheduler holds its all-reduces meanwhile."""
-        return x if self.world_size == 1 else mark_backward_window(x, self.groups.traffic, entering)
+        return x if self.world_size == 1 else mark_backward_window(x, self.groups.traffic, entering,
+                                                                     self.groups.ledger, self.index)
 
     def _check_call_r(self, r: object) -> None:
         if not self.schedule.takes_r:
@@ -361,9 +362,8 @@ class MoELayer(nn.Module):
 
     def _reduce_max(self) -> Callable[[Sequence[float]], list[float]]:
         """The slowest rank's times, for the planner (which imports no torch.distributed)."""
-        group = self.groups.expert
-        assert group is not None
-        return lambda values: max_over_ranks(values, group)
+        groups = self.groups
+        return lambda values: max_over_ranks(values, groups.expert, groups.ledger) if groups.expert else list(values)
 
     # -- state with all E experts ----------------------------------------------------------------
 

@@ -166,6 +166,14 @@ def all_to_all_with(
     need the expert group to be the world group (node-major ranks, ``groups.topology``)."""
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
+    with groups.ledger.tracked("all-to-all", group, x.numel() * x.element_size()):
+        return _all_to_all_with(algorithm, x, groups, group, input_splits, output_splits)
+
+
+def _all_to_all_with(
+    algorithm: str, x: torch.Tensor, groups: ParallelGroups, group: dist.ProcessGroup,
+    input_splits: Sequence[int] | None, output_splits: Sequence[int] | None,
+) -> torch.Tensor:
     if algorithm == "linear":
         out_splits = None if output_splits is None else list(output_splits)
         in_splits = None if input_splits is None else list(input_splits)
@@ -189,7 +197,8 @@ def exchange(algorithm: str, x: torch.Tensor, groups: ParallelGroups) -> torch.T
     """
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
-    with torch.no_grad(), groups.traffic.running():
+    nbytes = x.numel() * x.element_size()
+    with torch.no_grad(), groups.traffic.running(), groups.ledger.tracked("all-to-all", group, nbytes):
         if algorithm == "linear":
             return linear_all_to_all(x, group, None, None)
         matrix = split_matrix(x, groups.size, None)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
 from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
 from moeflow.comm.traffic import AllToAllTraffic
@@ -40,11 +41,14 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def max_over_ranks(values: Sequence[float], group: ProcessGroup) -> list[float]:
+def max_over_ranks(
+    values: Sequence[float], group: ProcessGroup, ledger: CollectiveLedger | None = None
+) -> list[float]:
     """Element-wise maximum across the group's ranks, in one all-reduce: the slowest rank's
     times, which every rank then agrees on."""
     reduced = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    with tracked(ledger, "maximum all-reduce", group, reduced.numel() * 8):
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return reduced.tolist()
 
 
@@ -86,13 +90,16 @@ class ParallelGroups:
       on the world group, where ranks are numbered node-major);
     - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
     - the intra-node and inter-node groups are created on the first topology-aware all-to-all (a
-      collective: all ranks get there in the same order) and kept here.
+      collective: all ranks get there in the same order) and kept here;
+    - ``ledger``: this rank's record of its collectives (:mod:`moeflow.comm.ledger`), what a hang
+      reports; pass one with a progress directory for a report that names the rank behind.
 
     ``ParallelGroups.single_process()`` is the no-communication value.
     """
 
     def __init__(
-        self, expert: ProcessGroup | None, topology: Topology, model: ProcessGroup | None = None
+        self, expert: ProcessGroup | None, topology: Topology, model: ProcessGroup | None = None,
+        ledger: CollectiveLedger | None = None,
     ) -> None:
         size = group_size(expert)
         if expert is not None and expert == default_group() and topology.world_size != size:
@@ -103,6 +110,8 @@ class ParallelGroups:
         self.expert = expert
         self.topology = topology if expert == default_group() else Topology(size, size)
         self.model = model
+        self.ledger = ledger if ledger is not None else CollectiveLedger(group_rank(default_group()),
+                                                                         group_size(default_group()))
         self.traffic = AllToAllTraffic()  # the all-to-alls of every layer given these groups
         self.worker = CommunicationWorker(self.traffic)
         self.streams = CommunicationStreams()  # on CUDA: the communication stream instead of the worker
@@ -119,14 +128,16 @@ class ParallelGroups:
         return cls(None, Topology(1, 1))
 
     @classmethod
-    def from_group(cls, group: ProcessGroup | None, topology: Topology | None = None) -> ParallelGroups:
+    def from_group(
+        cls, group: ProcessGroup | None, topology: Topology | None = None, ledger: CollectiveLedger | None = None
+    ) -> ParallelGroups:
         """Groups for ``group`` (None: the default group, or one process when torch.distributed is
         not initialized); without a topology all ranks count as one node."""
         group = group if group is not None else default_group()
         if group is None:
             return cls.single_process()
         size = group_size(group)
-        return cls(group, topology or Topology(size, size))
+        return cls(group, topology or Topology(size, size), ledger=ledger)
 
     @property
     def size(self) -> int:
@@ -165,6 +176,7 @@ class ParallelGroups:
         if size not in self._packed:
             packed = ParallelGroups(self.block(size), Topology(size, size))
             packed.traffic, packed.worker, packed.streams = self.traffic, self.worker, self.streams
+            packed.ledger = self.ledger
             self._packed[size] = packed
         return self._packed[size]
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.ledger import CollectiveLedger
+
 EVENT_KINDS = ("alltoall", "allreduce", "experts", "forward", "backward")
 """What a timeline event is: an all-to-all, an all-reduce (micro-op or bucket), an expert chunk's
 compute, or a step's forward and backward spans."""
@@ -129,25 +131,34 @@ class AllToAllTraffic:
             self._changed.notify_all()
 
 
-def mark_backward_window(x: torch.Tensor, traffic: AllToAllTraffic, entering: bool) -> torch.Tensor:
+def mark_backward_window(
+    x: torch.Tensor, traffic: AllToAllTraffic, entering: bool, ledger: CollectiveLedger | None = None,
+    layer: int | None = None,
+) -> torch.Tensor:
     """Identity in the forward. In the backward, at a layer's output (``entering=False``) it tells
-    ``traffic`` that the layer's all-to-alls are imminent; at its input (``entering=True``), that
-    the layer's backward is over."""
+    ``traffic`` that the layer's all-to-alls are imminent and ``ledger`` that the backward of
+    ``layer`` runs; at its input (``entering=True``), that the layer's backward is over."""
     if not torch.is_grad_enabled() or not x.requires_grad:
         return x
-    return _BackwardWindow.apply(x, traffic, entering)
+    return _BackwardWindow.apply(x, traffic, entering, ledger, layer)
 
 
 class _BackwardWindow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, traffic: AllToAllTraffic, entering: bool) -> torch.Tensor:
-        ctx.traffic, ctx.entering = traffic, entering
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, traffic: AllToAllTraffic, entering: bool,
+        ledger: CollectiveLedger | None, layer: int | None,
+    ) -> torch.Tensor:
+        ctx.traffic, ctx.entering, ctx.ledger, ctx.layer = traffic, entering, ledger, layer
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
         (ctx.traffic.settle if ctx.entering else ctx.traffic.expect)()
-        return grad, None, None
+        if ctx.ledger is not None:
+            where = ctx.ledger.location
+            where.layer, where.direction = (None, None) if ctx.entering else (ctx.layer, "backward")
+        return grad, None, None, None, None
 
 
 def contention_seconds(events: list[TimelineEvent]) -> dict[str, float]:

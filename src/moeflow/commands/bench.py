@@ -15,7 +15,7 @@ def add_parser(commands: Any) -> None:
     benches = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_layer, _add_kernels, _add_overlap, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel,
                 _add_skew, _add_contention, _add_train, _add_generate, _add_lina_inference, _add_simulator,
-                _add_papers, _add_memory):
+                _add_papers, _add_memory, _add_faults):
         add(benches)
 
 
@@ -784,3 +784,33 @@ def run_memory(args: argparse.Namespace) -> int:
         return run(config)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         raise fail("bench memory", error) from None
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+def _add_faults(benches: Any) -> None:
+    faults = benches.add_parser(
+        "faults", help="the fault drill: kill, stop or delay each of 2 workers at each phase of training and "
+        "generation; time to exit, the message, what was kept",
+        description="A small 2-worker run per fault: the fault fires as the worker enters its first collective of "
+        "the phase (forward, backward, gradient sync under each --grad-sync, checkpoint save, evaluation; and a "
+        "2-worker generation). Each record gives the seconds from the fault to the job's end, whether the message "
+        "named the worker and the phase, the workers left behind, the last checkpoint and (--resume) the step the "
+        "resumed run reached. The summary counts the faults handled within the collective timeout + 10 s.",
+    )
+    faults.add_argument("--collective-timeout-s", type=float, default=5.0,
+                        help="the runs' collective timeout, seconds (default 5)")
+    faults.add_argument("--kinds", nargs="+", default=["kill", "stop", "delay"], choices=["kill", "stop", "delay"],
+                        help="the faults to inject (default all)")
+    faults.add_argument("--resume", action="store_true", help="resume each failed run from its last checkpoint")
+    faults.set_defaults(func=run_faults)
+
+
+def run_faults(args: argparse.Namespace) -> int:
+    from moeflow.bench.faults import DELAY_S, run
+
+    if args.collective_timeout_s <= DELAY_S:
+        raise fail("bench faults", f"--collective-timeout-s {args.collective_timeout_s} must exceed the drill's "
+                   f"{DELAY_S:g} s delay (a delay shorter than the timeout must not fail the job)")
+    return run(args.collective_timeout_s, args.resume, tuple(args.kinds))

@@ -125,6 +125,8 @@ class HFCausalLM(nn.Module):
         for block in moe_blocks(model):
             block.clock = self.clock
             block.eval_capacity_factor = eval_capacity_factor
+        for index, layer in zip(self.moe_block_indices(), self.moe_layers(), strict=True):
+            layer.index = index  # what a hang report calls it (the decoder layer's number)
 
     def _named_blocks(self) -> list[tuple[str, HFMoEBlock]]:
         return [(name, module) for name, module in self.named_modules() if isinstance(module, HFMoEBlock)]

@@ -196,6 +196,8 @@ class MoETransformer(nn.Module):
         )
         self.ln_final = nn.LayerNorm(config.model_dim)
         share_workspace(self.moe_layers())  # one set of backward buffers for all the layers
+        for index, layer in zip(self.moe_block_indices(), self.moe_layers(), strict=True):
+            layer.index = index  # what a hang report calls it
         self.clock = PhaseClock(enabled=False)
         self.last_lm_loss: torch.Tensor | None = None
         self._initialize(seed)

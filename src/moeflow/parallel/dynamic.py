@@ -133,7 +133,8 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 def _exchange(x: torch.Tensor, groups: ParallelGroups, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     if groups.expert is None or groups.size == 1:
         return x
-    return linear_all_to_all(x, groups.expert, out_splits, in_splits)
+    with groups.ledger.tracked("all-to-all", groups.expert, x.numel() * x.element_size()):
+        return linear_all_to_all(x, groups.expert, out_splits, in_splits)
 
 
 def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: ParallelGroups,

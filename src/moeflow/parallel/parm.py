@@ -68,8 +68,29 @@ def check_mp_group(groups: ParallelGroups) -> int:
     return size
 
 
+class _TrackedExchange:
+    """Parm's exchanges as one entry each way in the groups' ledger (their all-to-all and the MP
+    collectives around it: what a hang report names)."""
+
+    groups: ParallelGroups
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        with self.groups.ledger.tracked("Parm dispatch", self.groups.expert, chunk_ECM.nbytes):
+            return self._to_experts(chunk_ECM)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        with self.groups.ledger.tracked("Parm combine", self.groups.expert, y_LXM.nbytes):
+            return self._from_experts(y_LXM, rows)
+
+    def _to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class ParmExchange(SelfAdjointExchange):
+class ParmExchange(_TrackedExchange, SelfAdjointExchange):
     """The exchange of S1 and S2: (E, Cj, M) chunks by destination expert <-> the (L, W * Cj / split, M)
     rows of this rank's hidden shards, with Parm's fused EP&ESP all-to-all (dump + one all-to-all
     over all W ranks; back: the all-to-all and the local sum over the N_ESP shards).
@@ -88,7 +109,7 @@ class ParmExchange(SelfAdjointExchange):
     def _ep_size(self) -> int:
         return self.groups.size // self.esp_size
 
-    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+    def _to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         assert self.groups.expert is not None
         if self.split > 1:
             chunk_ECM = pad_slots(chunk_ECM, self.split)
@@ -96,7 +117,7 @@ class ParmExchange(SelfAdjointExchange):
             chunk_ECM = chunk_ECM[:, self.mp_rank * part:(self.mp_rank + 1) * part]  # MP-Split
         return ep_esp_dispatch(chunk_ECM.contiguous(), self._ep_size, self.esp_size, self.groups.expert)
 
-    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+    def _from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         assert self.groups.expert is not None
         if self.split == 1:
             return ep_esp_combine(y_LXM, self._ep_size, self.esp_size, rows, self.groups.expert)
@@ -220,7 +241,7 @@ class ParmSchedule(ModelledSchedule):
 
 
 @dataclass(frozen=True)
-class BaselineExchange:
+class BaselineExchange(_TrackedExchange):
     """The DeepSpeed-MoE baseline's exchange (N = N_MP = N_ESP copies, N_EP = W / N ranks in the strided
     EP group, L local experts): (E, Cj, M) <-> (L, N_EP * N * Cj, M). Its combine keeps one copy,
     so the backward runs :meth:`adjoint`, the true adjoint under Megatron's convention."""
@@ -246,7 +267,7 @@ class BaselineExchange:
         dist.all_to_all_single(received, blocks.contiguous(), group=group)
         return received
 
-    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+    def _to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         n, (experts, rows, model_dim) = self.mp_size, chunk_ECM.shape
         ep = self.groups.size // n
         if self.backward:  # adjoint of the combine: this copy only, EP all-to-all, ESP all-reduce
@@ -262,7 +283,7 @@ class BaselineExchange:
             dist.all_reduce(rows_LXM, group=self.groups.model)
         return rows_LXM
 
-    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+    def _from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         n, (local, _, model_dim) = self.mp_size, y_LXM.shape
         ep = self.groups.size // n
         if not self.backward:  # ESP all-reduce: the shards' partial outputs summed

@@ -37,7 +37,8 @@ def exchange_load(
         gathered = local.unsqueeze(0).cpu()
     else:
         parts = [torch.empty_like(local) for _ in range(groups.size)]
-        dist.all_gather(parts, local, group=groups.expert)
+        with groups.ledger.tracked("load all-gather", groups.expert, local.numel() * local.element_size()):
+            dist.all_gather(parts, local, group=groups.expert)
         gathered = torch.stack(parts).cpu()
     experts = counts_E.shape[0]
     return GlobalLoad(

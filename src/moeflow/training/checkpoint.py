@@ -7,6 +7,10 @@ writes its own file with only the experts it holds, the replicated tensors once)
 self-contained. Every rank writes into a temporary folder; once all have written (DCP's closing
 collective), rank 0 adds ``state.json``, syncs the folder, renames it into place and points
 ``checkpoints/latest`` at it, so a crash at any moment leaves the previous checkpoint whole.
+``state.json`` lists every other file's size and CRC-32: a resume checks them and falls back to
+the previous checkpoint, with a warning naming the file, when the newest was damaged since (a
+truncated copy, a bad disk). A save that fails (a full disk) removes its temporary folder and
+says what to free.
 Loading reads only the chunks of each layer's :class:`~moeflow.parallel.ExpertPlacement` in the
 loading run: a checkpoint from W workers loads into any placement that fits (expert parallel on
 any W' that divides E, replicated, hidden-sharded, packed).
@@ -17,14 +21,18 @@ still load: each rank slices its part from the full tensors.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moeflow.files import write_atomic
 from moeflow.models import TrainableLM
@@ -62,12 +70,17 @@ def save_checkpoint(
     if rank == 0:  # before DCP's first collective: no rank writes before this
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
-    save_sharded(temporary, model_and_optimizer_state(model, optimizer, rank, primary_only=True), group)
-    if rank != 0:
-        return final
-    (temporary / STATE).write_text(json.dumps({**state, "step": step, "world_size": world_size}, indent=2))
-    for path in extra_files:
-        shutil.copy2(path, temporary / path.name)
+    try:
+        save_sharded(temporary, model_and_optimizer_state(model, optimizer, rank, primary_only=True), group)
+        if rank != 0:
+            return final
+        for path in extra_files:
+            shutil.copy2(path, temporary / path.name)
+        files = {file.name: file_fingerprint(file) for file in sorted(temporary.iterdir())}
+        state = {**state, "step": step, "world_size": world_size, "files": files}
+        (temporary / STATE).write_text(json.dumps(state, indent=2))
+    except (OSError, CheckpointException) as error:
+        raise _save_failed(error, temporary, root) from error
     for file in temporary.iterdir():
         _fsync(file)
     if final.exists():  # a re-run of the same step replaces it
@@ -77,6 +90,79 @@ def save_checkpoint(
     write_atomic(root / LATEST, final.name)
     _prune(root, keep)
     return final
+
+
+def _save_failed(error: OSError | CheckpointException, temporary: Path, root: Path) -> BaseException:
+    """The error of a failed save, after its partial folder is removed (the previous checkpoint
+    stays the newest): a full disk (on any rank: DCP gathers the ranks' failures) says so."""
+    shutil.rmtree(temporary, ignore_errors=True)
+    gathered = isinstance(error, CheckpointException)
+    failures = [failure for failure, _ in error.failures.values()] if gathered else [error]
+    if not any(isinstance(failure, OSError) and failure.errno == errno.ENOSPC for failure in failures):
+        return error
+    kept = latest_checkpoint(root.parent)
+    keeps = f"the previous checkpoint {kept.name} is intact" if kept else "no earlier checkpoint exists"
+    free = shutil.disk_usage(root).free / 2**20
+    return OSError(errno.ENOSPC, f"no space left on the device for checkpoint {temporary.name[1:-4]} in {root} "
+                   f"({free:.1f} MiB free); {keeps}. Free space there, or train with a --run-dir on another disk "
+                   "or with fewer --keep-checkpoints")
+
+
+def file_fingerprint(path: Path) -> list[int]:
+    """[size in bytes, CRC-32] of a file, read in blocks (what ``state.json`` records of each file)."""
+    crc = 0
+    with open(path, "rb") as file:
+        while block := file.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return [path.stat().st_size, crc]
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint's files (missing, truncated, corrupt), or None when each
+    matches what ``state.json`` recorded (checkpoints without the record are taken as they are)."""
+    try:
+        recorded = read_state(checkpoint).get("files", {})
+    except (OSError, ValueError) as error:
+        return f"{checkpoint / STATE} cannot be read ({error})"
+    for name, (size, crc) in recorded.items():
+        path = checkpoint / name
+        if not path.exists():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} is truncated or extended ({path.stat().st_size} bytes, {size} written)"
+        if file_fingerprint(path)[1] != crc:
+            return f"{path} is corrupt (its CRC-32 differs from the one written)"
+    return None
+
+
+def resumable_checkpoint(path: Path) -> Path | None:
+    """The newest checkpoint under a run folder whose files are whole; a damaged newer one is
+    skipped with a :class:`CheckpointWarning` naming the file. A checkpoint folder named itself
+    must be whole (ValueError otherwise)."""
+    if (path / STATE).exists():
+        if (problem := checkpoint_problem(path)) is not None:
+            raise ValueError(f"cannot resume from {path}: {problem}; pass the run folder to fall back to an older one")
+        return path
+    root = path / CHECKPOINTS
+    for candidate in _complete_newest_first(root):
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate
+        warnings.warn(f"checkpoint {candidate.name} is damaged: {problem}; trying the one before it",
+                      CheckpointWarning, stacklevel=2)
+    return None
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped."""
+
+
+def _complete_newest_first(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``: the one ``latest`` names first, then by step, newest first."""
+    complete = sorted((p for p in root.glob("step-*") if (p / STATE).exists()), reverse=True) if root.is_dir() else []
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.exists() else None
+    return ([named] if named in complete else []) + [p for p in complete if p != named]
 
 
 def latest_checkpoint(path: Path) -> Path | None:

@@ -48,5 +48,5 @@ def evaluate(
         total += float((losses * weight).sum())
         count += float(weight.sum())
     model.train(was_training)
-    total, count = all_reduce_sum([total, count], group, device)
+    total, count = all_reduce_sum([total, count], group, device, model.groups.ledger)
     return total / count

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.ledger import CollectiveLedger
 from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
+from moeflow.training.faults import FaultPlan
 
 
 def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETransformer, object, Path]:
@@ -50,10 +54,13 @@ def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
 
 def generate_text(
     path: str, prompt: str, new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
-    workers: int = 1,
+    workers: int = 1, faults: FaultPlan | None = None, collective_timeout_s: float = 60.0,
+    progress_dir: Path | None = None,
 ) -> str:
     """``new_tokens`` sampled after ``prompt``; with ``workers`` > 1 the experts are spread over that
-    many gloo processes, which all sample the same tokens (the same logits and the same seed)."""
+    many gloo processes, which all sample the same tokens (the same logits and the same seed).
+    ``faults``: faults to inject on purpose (the tests); ``progress_dir``: where the workers' progress
+    files go (default: a temporary folder)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if temperature <= 0:
@@ -62,12 +69,18 @@ def generate_text(
         return _sample(path, prompt, new_tokens, temperature, top_k, seed, None)
     from moeflow.distributed import run_distributed
 
-    return run_distributed(_sample_worker, workers, path, prompt, new_tokens, temperature, top_k, seed)[0]
+    with tempfile.TemporaryDirectory(prefix="moeflow-progress-") as scratch:
+        progress = str(progress_dir or scratch)
+        sampling = (prompt, new_tokens, temperature, top_k, seed)
+        return run_distributed(_sample_worker, workers, path, sampling, progress, faults,
+                               collective_timeout_s=collective_timeout_s)[0]
 
 
-def _sample_worker(rank: int, world_size: int, path: str, prompt: str, new_tokens: int, temperature: float,
-                   top_k: int | None, seed: int) -> str:
-    return _sample(path, prompt, new_tokens, temperature, top_k, seed, ParallelGroups.from_group(None))
+def _sample_worker(rank: int, world_size: int, path: str, sampling: tuple[Any, ...], progress: str,
+                   faults: FaultPlan | None) -> str:
+    injector = faults.injector(rank) if faults is not None else None
+    ledger = CollectiveLedger(rank, world_size, Path(progress), on_enter=injector)
+    return _sample(path, *sampling, ParallelGroups.from_group(None, ledger=ledger))
 
 
 def _sample(path: str, prompt: str, new_tokens: int, temperature: float, top_k: int | None, seed: int,
@@ -75,5 +88,6 @@ def _sample(path: str, prompt: str, new_tokens: int, temperature: float, top_k: 
     model, tokenizer, _ = load_model(path, groups)
     ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id("<|endoftext|>")]
     generator = torch.Generator().manual_seed(seed)
-    out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
+    with model.groups.ledger.at(phase="generation"):
+        out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
     return tokenizer.decode(out[0].tolist())

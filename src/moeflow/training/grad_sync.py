@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.comm.ledger import CollectiveError, CollectiveLedger, tracked
 from moeflow.comm.traffic import AllToAllTraffic
 from moeflow.training.config import GRAD_SYNC_MODES
 
@@ -100,9 +101,10 @@ class GradientScheduler:
 
     def __init__(
         self, parameters: Sequence[nn.Parameter], pieces: Sequence[GradientPiece], group: dist.ProcessGroup,
-        world_size: int, traffic: AllToAllTraffic, yield_to_alltoall: bool,
+        world_size: int, traffic: AllToAllTraffic, yield_to_alltoall: bool, ledger: CollectiveLedger | None = None,
     ) -> None:
         self.parameters, self.pieces = list(parameters), list(pieces)
+        self.ledger = ledger
         self.group, self.world_size, self.traffic = group, world_size, traffic
         self.yield_to_alltoall = yield_to_alltoall
         self.launched: list[int] = []  # piece indices in launch order, this step (a test counts them)
@@ -141,6 +143,8 @@ class GradientScheduler:
         self.traffic.wake()  # a micro-op held for an all-to-all goes now
         self._thread.join()
         self._thread = None
+        if isinstance(self._error, CollectiveError):
+            raise self._error  # its report names the all-reduce and every worker's place
         if self._error is not None:
             raise RuntimeError(f"a gradient all-reduce failed: {self._error}") from self._error
         if self._stream is not None:  # the averages below (and the optimizer) follow the all-reduces
@@ -190,6 +194,11 @@ class GradientScheduler:
             return self._reduce(piece, grads)
 
     def _reduce(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
+        nbytes = sum(stop - start for _, start, stop in piece.spans) * grads[0].element_size()  # type: ignore[union-attr]
+        with tracked(self.ledger, "gradient all-reduce", self.group, nbytes, phase="gradient sync"):
+            self._reduce_now(piece, grads)
+
+    def _reduce_now(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
         began = time.perf_counter()
         if len(piece.spans) == 1:  # a micro-op: in place on its part of the gradient
             (_, start, stop), grad = piece.spans[0], grads[0]
@@ -206,7 +215,7 @@ class GradientScheduler:
 
 def gradient_scheduler(
     mode: str, parameters: Sequence[nn.Parameter], group: dist.ProcessGroup, world_size: int,
-    traffic: AllToAllTraffic, microop_mb: float, bucket_mb: float,
+    traffic: AllToAllTraffic, microop_mb: float, bucket_mb: float, ledger: CollectiveLedger | None = None,
 ) -> GradientScheduler | None:
     """The scheduler of ``mode`` (None for ``after``, which reduces in one call after the backward)."""
     if mode not in GRAD_SYNC_MODES:
@@ -219,4 +228,5 @@ def gradient_scheduler(
         pieces = micro_ops(sizes, element_bytes, int(microop_mb * MEGABYTE))
     else:
         pieces = buckets(sizes, element_bytes, int(bucket_mb * MEGABYTE))
-    return GradientScheduler(parameters, pieces, group, world_size, traffic, yield_to_alltoall=mode == "lina")
+    return GradientScheduler(parameters, pieces, group, world_size, traffic, yield_to_alltoall=mode == "lina",
+                             ledger=ledger)

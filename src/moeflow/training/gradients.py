@@ -10,16 +10,20 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.groups import group_size
+from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.expert_parameters import squared_norm_share
 from moeflow.models import TrainableLM
 from moeflow.parallel.placement import PlacedParameter
 from moeflow.training.grad_sync import GradientScheduler
 
 
-def all_reduce_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+def all_reduce_sum(
+    values: list[float], group: dist.ProcessGroup | None, device: torch.device, ledger: CollectiveLedger | None = None
+) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None:
-        dist.all_reduce(tensor, group=group)
+        with tracked(ledger, "sum all-reduce", group, tensor.numel() * 8):
+            dist.all_reduce(tensor, group=group)
     return tensor.tolist()
 
 

@@ -24,7 +24,7 @@ from moeflow.comm.topology import topology_from_environment
 from moeflow.data import PreparedCorpus, default_cache_root
 from moeflow.distributed import destroy_process_groups
 from moeflow.training.batches import require_windows
-from moeflow.training.checkpoint import latest_checkpoint, read_state
+from moeflow.training.checkpoint import read_state, resumable_checkpoint
 from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
 from moeflow.training.faults import FaultPlan
@@ -39,7 +39,7 @@ def launched_by_torchrun() -> bool:
 
 def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, Path]:
     """The config of the run being resumed (from its newest checkpoint) with ``overrides`` applied."""
-    checkpoint = latest_checkpoint(Path(resume))
+    checkpoint = resumable_checkpoint(Path(resume))
     if checkpoint is None:
         raise FileNotFoundError(
             f"no checkpoint found under {resume!r}; --resume takes a run folder (or one of its "

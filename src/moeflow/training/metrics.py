@@ -15,6 +15,7 @@ from moeflow.models import TrainableLM
 METRICS = "metrics.jsonl"
 
 
+PROGRESS = "progress"  # the workers' progress files (moeflow.comm.ledger): what a hang report reads
 TIMELINE = "timeline.json"  # one step's communication and compute events (rank 0), for the report
 
 

@@ -102,7 +102,10 @@ class ExpertPacker:
         count = max(len(window), 1)
         means = [sum(t.expert_s for t in window) / count, sum(t.alltoall_s for t in window) / count,
                  float(len(window))]
-        expert_s, alltoall_s, measured = max_over_ranks(means, model.groups.expert) if model.groups.size > 1 else means
+        groups = model.groups
+        if groups.size > 1:
+            means = max_over_ranks(means, groups.expert, groups.ledger)
+        expert_s, alltoall_s, measured = means
         if not measured:  # no all-to-all ran (every expert already on every worker)
             return False
         wider = _doubled(self.experts_per_rank or model.moe_layers()[0].experts_per_rank, model)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
@@ -39,7 +40,7 @@ from moeflow.training.gradients import (
     replicated_parameters,
     synchronize_gradients,
 )
-from moeflow.training.metrics import METRICS, TIMELINE, MetricsLog, moe_records, write_timeline
+from moeflow.training.metrics import METRICS, PROGRESS, TIMELINE, MetricsLog, moe_records, write_timeline
 from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
@@ -131,6 +132,10 @@ class _Run:
         return self.job.config
 
     @property
+    def ledger(self) -> CollectiveLedger:
+        return self.model.groups.ledger
+
+    @property
     def replica(self) -> int:
         return data_replica(self.rank, self.world_size, self.config.mp_size)[0]
 
@@ -161,7 +166,9 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     group = dist.group.WORLD if dist.is_initialized() else None
     topology = Topology(world_size, job.ranks_per_node or world_size)
     mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
-    groups = ParallelGroups.from_group(group, topology)
+    injector = job.faults.injector(rank) if job.faults is not None else None
+    ledger = CollectiveLedger(rank, world_size, Path(job.run_dir) / PROGRESS, on_enter=injector)
+    groups = ParallelGroups.from_group(group, topology, ledger)
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
@@ -214,7 +221,7 @@ def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
     own_group = dist.new_group(list(range(run.world_size)), timeout=timedelta(seconds=config.collective_timeout_s))
     return gradient_scheduler(
         config.grad_sync, replicated_parameters(run.model, run.expert_names), own_group, run.world_size,
-        run.model.groups.traffic, config.microop_mb, config.bucket_mb,
+        run.model.groups.traffic, config.microop_mb, config.bucket_mb, run.ledger,
     )
 
 
@@ -236,7 +243,7 @@ def _copy_scheduler(run: _Run) -> GradientScheduler | None:
             timeout=timedelta(seconds=config.collective_timeout_s))
     parameters = [parameter for name, parameter in run.model.named_parameters() if name in packed]
     return gradient_scheduler(config.grad_sync, parameters, run.copy_groups[block], run.world_size,
-                              run.model.groups.traffic, config.microop_mb, config.bucket_mb)
+                              run.model.groups.traffic, config.microop_mb, config.bucket_mb, run.ledger)
 
 
 def _train_step(run: _Run, step: int) -> dict[str, Any]:
@@ -269,11 +276,12 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     timeline.record("backward", backward_began, forward_began + compute_s)
 
     sync_began = time.perf_counter()
-    expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
-                                      run.copy_scheduler)
+    with tracked(run.ledger, "gradient all-reduce", run.group, phase="gradient sync"):
+        expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
+                                          run.copy_scheduler)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
     lm_sum, total_sum, expert_sq_global = all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
-                                                          run.device)
+                                                          run.device, run.ledger)
     sync_s = time.perf_counter() - sync_began
     optimizer_began = time.perf_counter()
     if run.scaler is not None:
@@ -336,7 +344,9 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
     config, corpus = run.config, run.job.corpus
     if step % config.eval_interval == 0 or step == config.steps:
         give_back_free_memory()  # the step's freed buffers: the evaluation's shapes differ
-        run.val_loss = evaluate(run.model, run.val_stream, config, run.replica, run.replicas, run.group, run.device)
+        with run.ledger.at(phase="evaluation"):
+            run.val_loss = evaluate(run.model, run.val_stream, config, run.replica, run.replicas, run.group,
+                                    run.device)
         record["val_loss"] = run.val_loss
     if run.log is not None:
         run.log.write(record)
@@ -351,10 +361,11 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
             state["rebalancer"] = run.rebalancer.state()
         if run.packer is not None:
             state["packer"] = run.packer.state()
-        run.checkpoint = save_checkpoint(
-            Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
-            [corpus.tokenizer_path, *_hf_files(config)], config.keep_checkpoints,  # state.json holds the config
-        )
+        with tracked(run.ledger, "checkpoint save", run.group, phase="checkpoint"):
+            run.checkpoint = save_checkpoint(
+                Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
+                [corpus.tokenizer_path, *_hf_files(config)], config.keep_checkpoints,  # state.json holds the config
+            )
 
 
 def _hf_files(config: TrainConfig) -> list[Path]:
@@ -395,8 +406,9 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     last_step = run.config.stop_at or run.config.steps
     try:
         for step in range(start_step + 1, last_step + 1):
-            record = _train_step(run, step)
-            _evaluate_log_checkpoint(run, step, last_step, record)
+            with run.ledger.at(step=step, phase="training"):
+                record = _train_step(run, step)
+                _evaluate_log_checkpoint(run, step, last_step, record)
             _show_progress(progress, run, record)
     finally:
         progress.close()
