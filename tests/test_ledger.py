@@ -3,6 +3,7 @@ every rank's progress file (who is behind, who waits where, a desync)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import RING_ENTRIES, CollectiveError, CollectiveLedger, ProgressBeacon, process_state
-from moeflow.distributed import run_distributed
+from moeflow.distributed import WorkerError, run_distributed
 from moeflow.training.faults import FaultPlan, WorkerFault
 
 
@@ -139,3 +140,24 @@ def test_the_layer_records_its_collectives_alike_on_every_rank(world_size: int) 
     assert described.count("forward all-to-all of layer 3, step 7") == 4  # 2 chunks, dispatch and combine
     assert described.count("backward all-to-all of layer 3, step 7") == 4
     assert np.all(np.diff([seq for seq, _ in per_rank[0]]) == 1)
+
+
+def _desynchronized(rank: int, world_size: int, progress: str) -> None:
+    """Rank 1 skips a collective the others make: each then waits in a different operation."""
+    import torch.distributed as dist
+
+    ledger = CollectiveLedger(rank, world_size, Path(progress))
+    with ledger.at(step=57, phase="training"):
+        if rank != 1:
+            with ledger.at(layer=3, direction="forward"), ledger.tracked("all-to-all", dist.group.WORLD, 32):
+                dist.all_to_all_single(torch.empty(8), torch.ones(8))
+        with ledger.tracked("all-reduce", dist.group.WORLD, 8, phase="gradient sync"):
+            dist.all_reduce(torch.ones(2))
+
+
+def test_workers_in_different_collectives_are_reported_as_a_desync(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError) as raised:
+        run_distributed(_desynchronized, 2, str(tmp_path), collective_timeout_s=3)
+    message = str(raised.value)
+    assert re.search(r"desync: worker [01] of 2 waits in", message), message[-3000:]
+    assert "forward all-to-all of layer 3, step 57" in message and "all-reduce (gradient sync), step 57" in message

@@ -56,6 +56,7 @@ class Drill:
 
     @property
     def fault(self) -> WorkerFault:
+        """The fault as the fault plan carries it (generation has no steps)."""
         return WorkerFault(self.kind, self.worker, self.phase, None if self.phase == "generation" else FAULT_STEP,
                            seconds=DELAY_S)
 
@@ -65,6 +66,7 @@ DELAY_S = 2.0
 
 
 def drill_config(run_dir: Path, grad_sync: str, collective_timeout_s: float) -> TrainConfig:
+    """The drill's training run in ``run_dir`` (Python's ``json`` package as its text)."""
     return TrainConfig(**DRILL_RUN, data=str(stdlib_directory() / "json"), run_dir=str(run_dir),
                        grad_sync=grad_sync, collective_timeout_s=collective_timeout_s)
 

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +96,10 @@ class CollectiveLedger:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._seq: dict[str, int] = {}
-        self._open: dict[int, LedgerEntry] = {}
-        self._last: dict[str, LedgerEntry] = {}
+        self._open: dict[int, str] = {}  # the open entries' JSON, for the progress file
+        self._last: dict[str, str] = {}  # each group's last entered entry's JSON
+        self._done: dict[str, int] = {}  # each group's last finished number
+        self._pid = os.getpid()
         self._names: dict[int, str] = {}
         self._beacon = None if self.directory is None else ProgressBeacon.create(self.directory, self.rank)
 
@@ -115,11 +117,13 @@ class CollectiveLedger:
         try:
             yield entry
         except CollectiveError:
-            raise  # an inner tracked collective's report says it already
-        except RuntimeError as error:
+            raise  # an inner tracked collective's report says it already; the entry stays open
+        except RuntimeError as error:  # stays open: peers reading the progress file see it waited here
             raise CollectiveError(self.report(entry, error)) from error
-        finally:
+        except BaseException:
             self._finish(entry)
+            raise
+        self._finish(entry)
 
     @contextmanager
     def at(self, **where: Any) -> Iterator[None]:
@@ -141,24 +145,30 @@ class CollectiveLedger:
             here = replace(self.location) if phase is None else Location(self.location.step, phase)
             entry = LedgerEntry(seq, group, operation, nbytes, here, time.time())
             self.entries.append(entry)
-            self._open[id(entry)] = entry
-            self._last[group] = entry
-            self._mirror()
+            if self._beacon is not None:
+                text = _entry_text(entry)
+                self._open[id(entry)] = text
+                self._last[group] = text
+                self._mirror()
         return entry
 
     def _finish(self, entry: LedgerEntry) -> None:
         with self._lock:
             entry.finished = time.time()
-            self._open.pop(id(entry), None)
-            self._mirror()
+            if self._beacon is not None:
+                self._open.pop(id(entry), None)
+                self._done[entry.group] = max(entry.seq, self._done.get(entry.group, 0))
+                self._mirror()
 
     def _mirror(self) -> None:
-        if self._beacon is not None:
-            self._beacon.write({
-                "rank": self.rank, "pid": os.getpid(), "updated": time.time(),
-                "open": [asdict(entry) for entry in self._open.values()],
-                "last": {group: asdict(entry) for group, entry in self._last.items()},
-            })
+        """The progress file: this rank's open entries, the last entered and the last finished
+        number per group (JSON assembled from each entry's text, made once)."""
+        assert self._beacon is not None
+        last = ",".join(f"{json.dumps(group)}:{text}" for group, text in self._last.items())
+        self._beacon.write(
+            f'{{"rank":{self.rank},"pid":{self._pid},"updated":{time.time()},"open":[{",".join(self._open.values())}],'
+            f'"last":{{{last}}},"done":{json.dumps(self._done)}}}'
+        )
 
     def _group_name(self, group: dist.ProcessGroup | None) -> str:
         """``group 2 (ranks 0-3)``: torch's name of the group (the same on all its ranks; two groups
@@ -200,8 +210,20 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"ranks {ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 2 else f"ranks {','.join(map(str, ranks))}"
 
 
-def _entry(record: dict[str, Any]) -> LedgerEntry:
-    return LedgerEntry(**{**record, "location": Location(**record["location"])})
+def _entry_text(entry: LedgerEntry) -> str:
+    """An entry as a compact JSON list (what the progress file holds; :func:`_entry` reads it)."""
+    where = entry.location
+    return json.dumps([entry.seq, entry.group, entry.operation, entry.nbytes, where.step, where.phase, where.layer,
+                       where.direction, entry.entered])
+
+
+def _entry(record: list[Any], done: dict[str, int]) -> LedgerEntry:
+    """An entry read back from a progress file (finished when its group's last finished number
+    reached it; the time is not kept)."""
+    seq, group, operation, nbytes, step, phase, layer, direction, entered = record
+    entry = LedgerEntry(seq, group, operation, nbytes, Location(step, phase, layer, direction), entered)
+    entry.finished = entered if seq <= done.get(group, 0) else None
+    return entry
 
 
 def _peer_line(peer: int, rank: int, world_size: int, beacon: dict[str, Any] | None, mine: LedgerEntry) -> str:
@@ -212,17 +234,18 @@ def _peer_line(peer: int, rank: int, world_size: int, beacon: dict[str, Any] | N
     name += {"stopped": " is stopped (SIGSTOP, a debugger or a paused machine);", "gone": " has exited;"}.get(
         process_state(int(beacon["pid"])), "")
     idle = time.time() - float(beacon["updated"])
-    open_entries = [_entry(record) for record in beacon["open"]]
-    last = beacon["last"].get(mine.group)
-    latest = max((_entry(record) for record in beacon["last"].values()), key=lambda e: e.entered, default=None)
+    done = beacon.get("done", {})
+    open_entries = [_entry(record, done) for record in beacon["open"]]
+    last = beacon["last"].get(mine.group)  # [seq, ...]
+    latest = max((_entry(record, done) for record in beacon["last"].values()), key=lambda e: e.entered, default=None)
     same_slot = [e for e in open_entries if e.group == mine.group and e.seq == mine.seq]
     if same_slot and same_slot[0].operation == mine.operation and same_slot[0].location == mine.location:
         return f"{name} entered the same collective ({same_slot[0].describe()}) {idle:.1f} s ago"
-    if same_slot or (open_entries and (last is None or int(last["seq"]) < mine.seq)):
+    if same_slot or (open_entries and (last is None or int(last[0]) < mine.seq)):
         other = (same_slot or open_entries)[0]
         return (f"desync: {name} waits in {other.describe()} (collective #{other.seq} on {other.group}) "
                 f"while worker {rank} waits in {mine.describe()}")
-    if last is None or int(last["seq"]) < mine.seq:
+    if last is None or int(last[0]) < mine.seq:
         entered = "nothing tracked" if latest is None else (
             f"{latest.describe()}" + (" (finished)" if latest.finished is not None else " (not finished)"))
         return f"{name} made no progress for {idle:.0f} s; last entered: {entered}"
@@ -252,6 +275,7 @@ class ProgressBeacon:
 
     @classmethod
     def create(cls, directory: Path, rank: int) -> ProgressBeacon:
+        """Rank ``rank``'s file in ``directory``, emptied and mapped."""
         directory.mkdir(parents=True, exist_ok=True)
         path = cls.path_of(directory, rank)
         with open(path, "wb") as file:
@@ -261,14 +285,13 @@ class ProgressBeacon:
 
     @staticmethod
     def path_of(directory: Path, rank: int) -> Path:
+        """Where rank ``rank``'s progress file is."""
         return directory / f"rank-{rank}.progress"
 
-    def write(self, record: dict[str, Any]) -> None:
-        text = json.dumps(record, separators=(",", ":")).encode()
-        if len(text) >= BEACON_BYTES:  # too many groups to mirror: keep the open entries
-            text = json.dumps({**record, "last": {}}, separators=(",", ":")).encode()[: BEACON_BYTES - 1]
+    def write(self, record: str) -> None:
+        """Rewrite the file with one JSON text (cut to the file's size: then unreadable, as if absent)."""
+        text = record.encode()[: BEACON_BYTES - 1] + b"\n"
         self._map[: len(text)] = text
-        self._map[len(text): len(text) + 1] = b"\n"
 
     @classmethod
     def read(cls, directory: Path, rank: int) -> dict[str, Any] | None:

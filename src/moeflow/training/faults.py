@@ -43,9 +43,11 @@ class WorkerFault:
             raise ValueError(f"phase={self.phase!r}; choose one of {', '.join(FAULT_PHASES)}")
 
     def matches(self, rank: int, entry: LedgerEntry) -> bool:
+        """Whether worker ``rank`` entering ``entry`` is where this fault fires."""
         return rank == self.rank and entry.phase == self.phase and self.step in (None, entry.location.step)
 
     def fire(self) -> None:
+        """Kill or stop this process, or hold it for ``seconds``."""
         if self.kind == "delay":
             time.sleep(self.seconds)
         else:
