@@ -7,6 +7,7 @@ import os
 import random
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from moeflow.perf.pipeline import (
     theorem1_for_shape,
 )
 from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
+from moeflow.planner import PipelinePlanner
 from moeflow.stats import PipelineTiming, region_clock
 
 # -- chunking and the model ---------------------------------------------------------------------
@@ -100,6 +102,47 @@ def test_model_pipelines_balanced_layers_and_not_startup_bound_ones() -> None:
         forward = {d: predict_plan(model, shape, d, "linear", backward=False).forward_s for d in range(1, 17)}
         assert choice.predicted_s == pytest.approx(forward[choice.degree], rel=1e-3)
         assert choice.predicted_s <= min(forward.values()) * (1 + 1e-3)
+
+
+LCM_1_TO_16 = 720720  # every degree up to 16 splits a multiple of it into equal chunks
+RECORDED_PROFILE = Path(__file__).parent / "data" / "sim_validation" / "profile-2x2-1gbit.json"
+
+
+def _fig6_profile() -> ClusterProfile:
+    """PipeMoE's Fig. 6 fits: the GEMM (a) and the 16-GPU all-to-all (b)."""
+    return ClusterProfile(nodes=2, ranks_per_node=8, fits={
+        "gemm": AlphaBeta(6.19e-5, 4.1e-14), "alltoall.linear": AlphaBeta(1.72e-5, 2.96e-10)})
+
+
+@pytest.mark.parametrize("profile", ["fig6", "recorded"])
+def test_theorem1_on_the_planners_costs_is_the_model_policys_degree(profile: str) -> None:
+    """Theorem 1 fed the planner's own costs (the calibrated FFN fits of a recorded profile, not the
+    GEMM fit) predicts the recurrence's forward time, and where its assumptions hold (every degree
+    splits the capacity evenly) its degree is the one the ``model`` policy picks for a forward."""
+    cost = CostModel(_fig6_profile() if profile == "fig6" else ClusterProfile.load(RECORDED_PROFILE))
+    if profile == "recorded":
+        assert "ffn.forward" in cost.profile.fits  # the planner prices experts with the FFN fit
+    world = cost.profile.nodes * cost.profile.ranks_per_node
+    picked = set()
+    for model_dim, hidden_dim, experts in [(1024, 4096, 16), (8, 16, 16), (4, 8192, 16), (2, 65536, 16)]:
+        dims = LayerDims(model_dim=model_dim, hidden_dim=hidden_dim, num_experts=experts)
+        shape = RegionShape(dims, world_size=world, capacity=LCM_1_TO_16)
+        planner = PipelinePlanner("model", ("linear",), cost, reduce_max=list)
+        chosen = planner.choose(shape, backward=False)[0].plan.degree
+        theorem = theorem1_for_shape(cost, shape, "linear", 16)
+        forward = predict_plan(cost, shape, theorem.degree, "linear", backward=False).forward_s
+        assert theorem.predicted_s == pytest.approx(forward, rel=1e-9)
+        assert chosen == theorem.degree, (model_dim, hidden_dim, experts)
+        picked.add(chosen)
+    assert len(picked) > 1  # the shapes span more than one regime
+
+
+def test_theorem1_restricted_to_the_even_degrees_of_a_capacity() -> None:
+    cost = CostModel(ClusterProfile.load(RECORDED_PROFILE))
+    shape = RegionShape(LayerDims(model_dim=512, hidden_dim=1024, num_experts=8), world_size=4, capacity=96)
+    even = [d for d in range(1, 17) if shape.capacity % d == 0]
+    theorem = theorem1_for_shape(cost, shape, "linear", 16, degrees=even)
+    assert theorem.degree == rank_plans(cost, shape, even, ("linear",), backward=False)[0].degree
 
 
 def test_interference_makes_overlapped_compute_slower_in_the_model() -> None:

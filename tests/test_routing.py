@@ -18,12 +18,12 @@ from moeflow.routing import (
 )
 
 
-def brute_force_slots(expert_idx: list[list[int]], priority: list[list[float]] | None) -> list[list[int]]:
+def brute_force_slots(expert_idx: list[list[int]], priority: list[float] | None) -> list[list[int]]:
     tokens, k = len(expert_idx), len(expert_idx[0]) if expert_idx else 0
     filled: dict[int, int] = {}
     location = [[-1] * k for _ in range(tokens)]
+    order = sorted(range(tokens), key=lambda t: -priority[t]) if priority else range(tokens)
     for j in range(k):
-        order = sorted(range(tokens), key=lambda t: -priority[t][j]) if priority else range(tokens)
         for t in order:
             e = expert_idx[t][j]
             location[t][j] = filled.get(e, 0)
@@ -36,11 +36,51 @@ def brute_force_slots(expert_idx: list[list[int]], priority: list[list[float]] |
 def test_slots_follow_choice_rank_then_token_order(tokens: int, experts: int, k: int, prioritized: bool) -> None:
     generator = torch.Generator().manual_seed(tokens * 31 + k)
     expert_idx = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
-    priority = torch.rand(tokens, k, generator=generator).round(decimals=1) if prioritized else None  # ties
+    priority = torch.rand(tokens, generator=generator).round(decimals=1) if prioritized else None  # ties
     location, counts = assign_slots(expert_idx, experts, priority)
     expected = brute_force_slots(expert_idx.tolist(), priority.tolist() if priority is not None else None)
     assert location.tolist() == expected
     assert counts.tolist() == torch.bincount(expert_idx.flatten(), minlength=experts).tolist()
+
+
+def tutel_locations(scores_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Tutel's published rule (``extract_critical`` with ``batch_prioritized_routing=True``): the
+    one-hot choices of each choice rank, numbered by a cumulative sum over the tokens sorted by their
+    highest score, each rank after the earlier ranks' counts."""
+    experts = scores_TE.shape[1]
+    chosen_TK = torch.topk(scores_TE, top_k, dim=1).indices
+    order = torch.argsort(-scores_TE.max(dim=1).values, stable=True)
+    base_E = torch.zeros(experts, dtype=torch.int64)
+    locations = []
+    for j in range(top_k):
+        mask_TE = torch.nn.functional.one_hot(chosen_TK[:, j], experts)
+        sorted_mask = mask_TE[order]
+        numbered = ((torch.cumsum(sorted_mask, 0) - 1) * sorted_mask)[order.argsort()] + base_E
+        locations.append((numbered * mask_TE).sum(1))
+        base_E = base_E + mask_TE.sum(0)
+    return torch.stack(locations, 1)
+
+
+def test_batch_prioritized_slots_follow_tutels_rule() -> None:
+    """At k = 2 a token's second choice keeps the place its highest score earned: here token 0
+    (best score 0.6) takes expert 2's first slot though token 1 scored expert 2 higher (0.4 > 0.3)."""
+    from moeflow.config import MoEConfig
+    from moeflow.routing.router import route
+
+    scores = torch.tensor([[0.6, 0.1, 0.3], [0.05, 0.55, 0.4]])
+
+    def routed(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+        config = MoEConfig(model_dim=scores_TE.shape[1], hidden_dim=4, num_experts=scores_TE.shape[1], top_k=k,
+                           batch_prioritized_routing=True, normalize_gate=False)
+        gate = torch.nn.Identity()
+        gate.expert_bias = torch.zeros(scores_TE.shape[1])  # type: ignore[assignment]
+        return route(gate, scores_TE.log(), k, config).location_TK  # the gate passes log p: softmax gives p
+
+    assert routed(scores, 2).tolist() == tutel_locations(scores, 2).tolist() == [[0, 0], [0, 1]]
+    generator = torch.Generator().manual_seed(3)
+    for tokens, experts, k in [(64, 8, 2), (50, 4, 3), (33, 6, 2)]:
+        random_scores = torch.softmax(torch.randn(tokens, experts, generator=generator) * 2, dim=1)
+        assert torch.equal(routed(random_scores, k), tutel_locations(random_scores, k))
 
 
 def test_slots_of_empty_batch() -> None:

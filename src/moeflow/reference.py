@@ -179,13 +179,13 @@ class ReferenceMoE(nn.Module):
 
         # 2. fill capacity: all first choices, then all second choices, ...
         chosen_list = chosen.tolist()
-        chosen_score = scores.gather(1, chosen).tolist()
+        best_score = scores.max(dim=1).values.tolist()  # Tutel's priority: the token's highest score
         position = [[0] * k for _ in range(T)]
         filled = [0] * E
+        order = list(range(T))
+        if self.batch_prioritized_routing:
+            order.sort(key=lambda t: -best_score[t])  # stable: ties keep token order
         for j in range(k):
-            order = list(range(T))
-            if self.batch_prioritized_routing:
-                order.sort(key=lambda t, j=j: -chosen_score[t][j])  # stable: ties keep token order
             for t in order:
                 e = chosen_list[t][j]
                 position[t][j] = filled[e]

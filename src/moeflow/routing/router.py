@@ -43,8 +43,8 @@ def route(
     )
     if observe is not None:
         choice = observe(choice)
-    priority_TK = choice.scores_TK if config.batch_prioritized_routing else None
-    location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_TK)
+    priority_T = choice.scores_TE.detach().max(dim=1).values if config.batch_prioritized_routing else None  # Tutel's
+    location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
     return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E)
 
 

@@ -16,7 +16,7 @@ class ExpertChoice:
 
     expert_idx_TK: torch.Tensor  # int64, choice j of token t
     weights_TK: torch.Tensor  # fp32, differentiable combine weights
-    scores_TK: torch.Tensor  # fp32, raw score of each choice (priority of batch-prioritized routing)
+    scores_TK: torch.Tensor  # fp32, raw score of each choice
     scores_TE: torch.Tensor  # fp32, all routing scores (for the balance loss)
 
 

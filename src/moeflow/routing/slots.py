@@ -1,8 +1,10 @@
 """Slot assignment: where each (token, choice) lands in its expert's capacity buffer.
 
 GShard/Tutel order: every token's first choice in token order, then every second choice, and so
-on. With batch-prioritized routing (Riquelme et al.) the tokens within one choice rank are ordered by
-the score of that choice, highest first (ties keep token order). An assignment whose slot is at or
+on. With batch-prioritized routing (Riquelme et al.) the tokens of every choice rank are ordered by
+the token's priority, highest first: Tutel's rule (``extract_critical``) takes the token's highest
+routing score, so at k >= 2 a token's second choice keeps the place its first choice earned (ties
+keep token order, where Tutel's sort leaves them unordered). An assignment whose slot is at or
 beyond the capacity is dropped. Sort-based, O(T*K log(T*K)), no (T, E) or (T, E, C) tensor.
 """
 
@@ -14,16 +16,18 @@ import torch
 def assign_slots(
     expert_idx_TK: torch.Tensor,
     num_experts: int,
-    priority_TK: torch.Tensor | None = None,
+    priority_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (location_TK, counts_E): the slot index of each choice in its expert, and the number
-    of assignments each expert received (before capacity)."""
+    of assignments each expert received (before capacity). ``priority_T``: each token's priority
+    (batch-prioritized routing), the same for all its choices."""
     num_tokens, top_k = expert_idx_TK.shape
     device = expert_idx_TK.device
-    if priority_TK is None:
-        fill_order_KT = torch.arange(num_tokens, device=device).expand(top_k, num_tokens)
+    if priority_T is None:
+        token_order = torch.arange(num_tokens, device=device)
     else:
-        fill_order_KT = torch.sort(-priority_TK.t(), dim=1, stable=True).indices
+        token_order = torch.sort(-priority_T, stable=True).indices
+    fill_order_KT = token_order.expand(top_k, num_tokens)
     expert_in_fill_order = expert_idx_TK.t().gather(1, fill_order_KT).reshape(-1)
 
     counts_E = torch.bincount(expert_in_fill_order, minlength=num_experts)
