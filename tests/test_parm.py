@@ -75,7 +75,7 @@ def test_s1_packs_each_members_kept_slots_once_in_slot_order(batch_prioritized: 
     generator = torch.Generator().manual_seed(3)
     tokens, top_k, experts, capacity, members = 27, 2, 4, 5, 2
     expert_idx = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-    priority = torch.rand(tokens, top_k, generator=generator) if batch_prioritized else None
+    priority = torch.rand(tokens, generator=generator) if batch_prioritized else None
     location, _ = assign_slots(expert_idx, experts, priority)
     packed = [packed_locations(expert_idx, location, capacity, experts, members, m) for m in range(members)]
     assert packed[0][1] == packed[1][1] <= capacity  # every member agrees on the packed capacity
@@ -114,6 +114,40 @@ def test_parm_chooses_s2_for_few_slots_and_s1_for_many_as_algorithm_1() -> None:
     assert {plan.schedule for plan in plans} == {"s1", "s2"}
     assert best(8).schedule == "s2" and best(8).algorithm == "saa"
     assert best(2048).schedule == "s1"
+
+
+def test_algorithm_1_is_the_closed_form_of_section_5() -> None:
+    """t_D1 = 2 A2A(y) + AG_MP(T M / N_MP) against t_D2 = A2A(y) + Overlap(y), computed by hand from
+    the fits (balanced load: S1 sends as many slots as S2)."""
+    cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
+    element, model_dim, experts = 4, 256, 4
+    for capacity, tokens in [(8, 512), (2048, 512), (64, 64), (512, 4096)]:
+        shape = RegionShape(LayerDims(model_dim, 1024, experts), 4, capacity, tokens=tokens)
+        y = experts * capacity * model_dim * element  # E C M bytes per member (N_ESP = N_MP = 2)
+        t_d1 = 2 * (1e-4 + 1e-8 * y) + 1e-4 + 1e-8 * (tokens // 2 * model_dim * element)
+        t_d2 = (1e-4 + 1e-8 * y) + (1e-4 + 1.2e-8 * y)
+        choice = model.closed_form(cost, shape)
+        assert (choice.t_d1, choice.t_d2) == (pytest.approx(t_d1), pytest.approx(t_d2))
+        assert choice.schedule == ("s1" if t_d1 <= t_d2 else "s2")
+    assert model.closed_form(cost, RegionShape(LayerDims(256, 1024, 4), 4, 8, tokens=512)).schedule == "s2"
+    assert model.closed_form(cost, RegionShape(LayerDims(256, 1024, 4), 4, 2048, tokens=512)).schedule == "s1"
+
+
+@pytest.mark.parametrize("policy", ["model", "auto"])
+def test_auto_takes_algorithm_1s_schedule_before_any_trial(policy: str) -> None:
+    """With a calibrated profile the candidates are those of Algorithm 1's schedule only, so the
+    model policy and auto's trials choose within it; without one both schedules are timed."""
+    from moeflow.planner import PipelinePlanner
+
+    cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
+    for capacity, expected in [(8, "s2"), (2048, "s1")]:
+        shape = RegionShape(LayerDims(256, 1024, 4), 4, capacity, tokens=512)
+        assert model.closed_form(cost, shape).schedule == expected
+        planner = PipelinePlanner(policy, ("linear", "saa"), cost, reduce_max=list, schedule=model)
+        choice, _ = planner.choose(shape, backward=True)
+        assert choice.plan.schedule == expected
+        assert {plan.schedule for plan in model.candidates(shape, (1, 2), ("linear", "saa"), cost)} == {expected}
+    assert {plan.schedule for plan in model.candidates(shape, (1, 2), ("linear", "saa"))} == {"s1", "s2"}
 
 
 def _switching_layer(rank: int, world: int) -> list[tuple[str, str]]:

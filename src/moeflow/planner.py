@@ -218,7 +218,8 @@ class PipelinePlanner:
             ranked = self._simulated(shape, every, backward) or self._ranked(shape, every, backward)
             top = [plan for plan, _ in ranked[: self.top_candidates]]
             sending = [plan.algorithm for plan, _ in ranked if plan.algorithm != LOCAL]
-            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, sending[:1] or (top[0].algorithm,))
+            best_algorithm = sending[:1] or (top[0].algorithm,)
+            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, best_algorithm, self.cost_model)
             return list(dict.fromkeys(top + anchors))
         return model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
 
@@ -254,7 +255,8 @@ class PipelinePlanner:
         """The candidates ranked by the simulator on the profile's twin (None: not simulated)."""
         if self._simulator is None:
             return None
-        return self._simulator.rank(shape, self.model.candidates(shape, degrees, self.algorithms), backward)
+        return self._simulator.rank(shape, self.model.candidates(shape, degrees, self.algorithms, self.cost_model),
+                                    backward)
 
     def _ranked(self, shape: RegionShape, degrees: Sequence[int] | range, backward: bool) -> list:
         assert self.cost_model is not None

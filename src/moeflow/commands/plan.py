@@ -246,25 +246,25 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
     from moeflow.bench import print_json
     from moeflow.parallel.parm import BaselineModel, ParmModel
-    from moeflow.perf.schedules import Plan, rank_schedule_plans
+    from moeflow.perf.schedules import rank_schedule_plans
 
     parm = ParmModel("parm", mp)
-    models = (BaselineModel(mp_size=mp), parm)
+    models = (BaselineModel(mp_size=mp), ParmModel("s1", mp), ParmModel("s2", mp))
     if not all(m.can_predict(model) for m in models):
         return
     combines = [a for a in ("linear", "saa") if f"alltoall.{a}" in model.profile.fits]  # what the layer plans
-    ranked = rank_schedule_plans(model, region, models, range(1, max_degree + 1), combines, backward)
+    degrees = range(1, max_degree + 1)
+    ranked = rank_schedule_plans(model, region, models, degrees, combines, backward)
     best: dict[tuple[str, str], Any] = {}
     for plan, prediction in ranked:  # fastest first
         best.setdefault((plan.schedule, plan.algorithm), (plan, prediction))
     for (schedule, combine), (plan, p) in best.items():
         print_json({"plan": "parm", "schedule": schedule, "alltoall": combine, "degree": plan.degree,
                     "forward_ms": p.forward_s * 1e3, "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
-    t_s1, t_s2 = (  # t_saa falls back to the all-to-all then the all-gather without the SAA fit
-        parm.predict(Plan(s, 1, a), model, region, False).forward_s for s, a in (("s1", "linear"), ("s2", "saa"))
-    )
-    auto = min((item for item in ranked if item[0].schedule != "ds-baseline"), key=lambda item: item[1].total_s)
-    print_json({"summary": "plan-parm", "schedule": auto[0].schedule, "alltoall": auto[0].algorithm,
-                "degree": auto[0].degree, "predicted_ms": auto[1].total_s * 1e3,
-                "algorithm1": "s1" if t_s1 <= t_s2 else "s2", "algorithm1_s1_ms": t_s1 * 1e3,
-                "algorithm1_s2_ms": t_s2 * 1e3, "mp": mp, "world_size": model.world_size, "capacity": region.capacity})
+    algorithm1 = parm.closed_form(model, region)  # auto's schedule; its degree and combine from the recurrence
+    auto_plan, auto = rank_schedule_plans(model, region, (parm,), degrees, combines, backward)[0]
+    print_json({"summary": "plan-parm", "schedule": auto_plan.schedule, "alltoall": auto_plan.algorithm,
+                "degree": auto_plan.degree, "predicted_ms": auto.total_s * 1e3,
+                "algorithm1": algorithm1.schedule, "algorithm1_s1_ms": algorithm1.t_d1 * 1e3,
+                "algorithm1_s2_ms": algorithm1.t_d2 * 1e3, "mp": mp, "world_size": model.world_size,
+                "capacity": region.capacity})

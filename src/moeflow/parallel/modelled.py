@@ -35,8 +35,10 @@ class ModelledSchedule:
         """A per-forward placement's scheduler, which sees the routing (Lina's inference); None."""
         return None
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return self.model.candidates(shape, degrees, algorithms)
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
+        return self.model.candidates(shape, degrees, algorithms, cost)
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         return self.model.predict(plan, cost, shape, backward)

@@ -136,6 +136,15 @@ class ParmExchange(_TrackedExchange, SelfAdjointExchange):
         return whole if padded == rows else whole[:, :rows]
 
 
+@dataclass(frozen=True)
+class ParmChoice:
+    """Algorithm 1's decision and the two times it compared (seconds)."""
+
+    schedule: str
+    t_d1: float
+    t_d2: float
+
+
 PARM_COMBINES = ("linear", "saa")
 """S2's combine: the fused all-to-all then the MP all-gather, or the two overlapped (SAA)."""
 
@@ -161,6 +170,21 @@ class ParmModel:
     def schedules(self) -> tuple[str, ...]:
         return ("s1", "s2") if self.name == "parm" else (self.name,)
 
+    def closed_form(self, cost: CostModel, shape: RegionShape) -> ParmChoice:
+        """Parm's Algorithm 1: S1 when t_D1 <= t_D2, the two schedules' communication of one
+        unpipelined forward from the α-β fits (§V-B). t_D1 = 2 A2A(y1) + AG_MP(T M / N_MP): S1's
+        all-to-alls of the member's own slots and the all-gather of the decoded tokens;
+        t_D2 = A2A(y2) + Overlap(y2): S2's all-to-all and its combine overlapped with the MP
+        all-gather (SAA's fit; the two in series where it is not calibrated). moeflow's S1 sends
+        only occupied slots, so y1 <= y2 = E C M / N_MP elements per member (N_ESP = N_MP)."""
+        mp, element, model_dim = self.mp_size, shape.bytes_per_element, shape.dims.model_dim
+        row = shape.dims.num_experts * model_dim * element  # one slot of every expert, in bytes
+        y1, y2 = mp * self._own_slots(shape) * row, mp * -(-shape.capacity // mp) * row
+        gathered = -(-shape.tokens // mp) * model_dim * element
+        t_d1 = 2 * cost.t_alltoall("linear", y1) + cost.t_allgather(gathered, mp, intra_node=True)
+        t_d2 = cost.t_alltoall("linear", y2) + cost.t_saa(y2, mp)
+        return ParmChoice("s1" if t_d1 <= t_d2 else "s2", t_d1, t_d2)
+
     def can_predict(self, cost: CostModel) -> bool:
         return all(fit in cost.profile.fits for fit in ("gemm", "alltoall.linear", "allgather"))
 
@@ -170,11 +194,19 @@ class ParmModel:
         combine = algorithm if self.name == "s2" and algorithm in PARM_COMBINES else "linear"
         return Plan(self.name, degree, combine)
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
+        """The plans of S1 and S2 (of the one named). For "parm" with a calibrated ``cost``, only
+        those of Algorithm 1's choice: the closed form decides before any trial, and the planner's
+        online timing only picks the degree (without a profile it times both schedules)."""
         degrees, combines = tuple(degrees), [a for a in algorithms if a in PARM_COMBINES] or ["linear"]
         plans = [Plan("s1", d, "linear") for d in usable_degrees(degrees, self._own_slots(shape))]
         plans += [Plan("s2", d, a) for a in combines for d in usable_degrees(degrees, shape.capacity)]
-        return [plan for plan in plans if plan.schedule in self.schedules]
+        schedules = self.schedules
+        if len(schedules) > 1 and cost is not None and self.can_predict(cost):
+            schedules = (self.closed_form(cost, shape).schedule,)
+        return [plan for plan in plans if plan.schedule in schedules]
 
     def _own_slots(self, shape: RegionShape) -> int:
         """S1's packed capacity under a balanced split: each member's tokens hold 1 / N_MP of the
@@ -315,7 +347,9 @@ class BaselineModel:
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
         return Plan(self.name, degree, "linear")
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
         return [Plan(self.name, d, "linear") for d in usable_degrees(degrees, shape.capacity)]
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:

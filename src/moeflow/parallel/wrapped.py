@@ -48,8 +48,10 @@ class WrappingSchedule:
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return self.inner.placement(num_experts, world_size, hidden_dim)
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
-        return self.inner.candidates(shape, degrees, algorithms)
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
+        return self.inner.candidates(shape, degrees, algorithms, cost)
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         return self.inner.predict(plan, cost, shape, backward)

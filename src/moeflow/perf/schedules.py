@@ -63,7 +63,9 @@ class ScheduleModel(Protocol):
         """The plan when the degree and algorithm are given, if nothing else is left to choose."""
         ...
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]: ...
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]: ...
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction: ...
 
@@ -79,7 +81,9 @@ class ExpertParallelModel:
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
         return Plan(self.name, degree, algorithm)
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
         """Capacity-chunk plans of every (degree, algorithm), and FasterMoE's smart schedule where
         the pairwise exchange it is built on is a candidate (several nodes)."""
         algorithms = list(algorithms)
@@ -133,7 +137,9 @@ class ReplicatedModel:
         """Its training cost needs the all-reduce fit (the expert gradients)."""
         return "gemm" in cost.profile.fits and ("allreduce" in cost.profile.fits or cost.world_size == 1)
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
         return [Plan(self.name, 1, LOCAL)]  # nothing to overlap: chunking would only add overhead
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
@@ -174,7 +180,9 @@ class AdaptiveModel:
             and any(f.startswith("alltoall.") for f in fits)
         )
 
-    def candidates(self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str]) -> list[Plan]:
+    def candidates(
+        self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
+    ) -> list[Plan]:
         rs = switchable_rs(shape.dims.num_experts, shape.world_size)
         usable = usable_degrees(degrees, shape.capacity)
         plans = []
@@ -216,6 +224,6 @@ def rank_schedule_plans(
     for schedule in schedules:
         if not schedule.can_predict(cost):
             continue
-        for plan in schedule.candidates(shape, degrees, algorithms):
+        for plan in schedule.candidates(shape, degrees, algorithms, cost):
             ranked.append((plan, schedule.predict(plan, cost, shape, backward)))
     return sorted(ranked, key=lambda item: (item[1].total_s, item[0].degree))
