@@ -104,10 +104,8 @@ def run_drill(
 def _fired_at(progress_dir: Path, worker: int, began: float) -> float:
     """When the fault fired: the faulted worker's entry into the phase's collective (its progress
     file), else (no fault fired) the start."""
-    beacon = ProgressBeacon.read(progress_dir, worker)
-    if beacon is not None and beacon.get("open"):
-        return float(max(entry["entered"] for entry in beacon["open"]))
-    return began
+    entered = [entry.entered for entry in ProgressBeacon.open_entries(progress_dir, worker)]
+    return max(entered, default=began)
 
 
 def _names_worker(message: str, worker: int) -> bool:

@@ -294,6 +294,12 @@ class ProgressBeacon:
         self._map[: len(text)] = text
 
     @classmethod
+    def open_entries(cls, directory: Path, rank: int) -> list[LedgerEntry]:
+        """The collectives rank ``rank`` had entered and not finished when it last wrote its file."""
+        beacon = cls.read(directory, rank)
+        return [] if beacon is None else [_entry(record, beacon.get("done", {})) for record in beacon["open"]]
+
+    @classmethod
     def read(cls, directory: Path, rank: int) -> dict[str, Any] | None:
         """The rank's last record, or None when it wrote none (or none whole)."""
         for _ in range(3):  # a running peer may be rewriting it: read again
