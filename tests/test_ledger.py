@@ -120,10 +120,10 @@ def test_a_fault_plan_fires_each_fault_once_at_its_phase(monkeypatch: pytest.Mon
     assert fired == [("stop", 5), ("kill", 7)]  # the first backward of step 2; the first evaluation
 
 
-def _layer_entries(rank: int, world_size: int) -> list[tuple[int, str]]:
+def _layer_entries(rank: int, world_size: int, settings: dict[str, object]) -> list[tuple[int, str]]:
     torch.manual_seed(0)
     groups = ParallelGroups.from_group(None)
-    layer = MoELayer(16, 32, 2 * world_size, top_k=2, group=groups, pipeline=2)
+    layer = MoELayer(16, 32, 2 * world_size, top_k=2, group=groups, **settings)
     layer.index = 3
     x = torch.randn(8, 16, requires_grad=True)
     with groups.ledger.at(step=7, phase="training"):
@@ -133,13 +133,21 @@ def _layer_entries(rank: int, world_size: int) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_layer_records_its_collectives_alike_on_every_rank(world_size: int) -> None:
-    per_rank = run_distributed(_layer_entries, world_size)
+    per_rank = run_distributed(_layer_entries, world_size, {"pipeline": 2})
     assert all(entries == per_rank[0] for entries in per_rank)  # the same numbers for the same collectives
     described = [text for _, text in per_rank[0]]
     assert described[0] == "forward load all-gather of layer 3, step 7"
     assert described.count("forward all-to-all of layer 3, step 7") == 4  # 2 chunks, dispatch and combine
     assert described.count("backward all-to-all of layer 3, step 7") == 4
     assert np.all(np.diff([seq for seq, _ in per_rank[0]]) == 1)
+
+
+def test_shadowing_records_its_weight_all_reduces() -> None:
+    per_rank = run_distributed(_layer_entries, 2, {"pipeline": 1, "shadowing": [0]})
+    assert per_rank[0] == per_rank[1]
+    described = [text for _, text in per_rank[0]]
+    assert "forward shadowed weight all-reduce of layer 3, step 7" in described
+    assert "backward shadowed gradient all-reduce of layer 3, step 7" in described
 
 
 def _desynchronized(rank: int, world_size: int, progress: str) -> None:

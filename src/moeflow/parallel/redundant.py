@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
 from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
@@ -184,13 +186,11 @@ class ReplicaExperts:
         return self.synced
 
 
-def replica_weights(
-    weights: FFNWeights, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
-) -> FFNWeights:
-    """The slot weights passed through :class:`ReplicaGradSum`."""
+def replica_weights(weights: FFNWeights, placement: ExpertPlacement, rank: int, groups: ParallelGroups) -> FFNWeights:
+    """The slot weights passed through :class:`ReplicaGradSum` (over ``groups.expert``, in its ledger)."""
     stored = weights.as_tuple()
     present = [w for w in stored if w is not None]
-    synced = iter(ReplicaGradSum.apply(placement, rank, group, *present))
+    synced = iter(ReplicaGradSum.apply(placement, rank, groups, *present))
     return FFNWeights(*(None if w is None else next(synced) for w in stored))
 
 
@@ -201,16 +201,18 @@ class ReplicaGradSum(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None,
-        *weights: torch.Tensor,
+        ctx: FunctionCtx, placement: ExpertPlacement, rank: int, groups: ParallelGroups, *weights: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.placement, ctx.rank, ctx.group = placement, rank, group  # type: ignore[attr-defined]
+        ctx.placement, ctx.rank, ctx.groups = placement, rank, groups  # type: ignore[attr-defined]
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         placement: ExpertPlacement = ctx.placement  # type: ignore[attr-defined]
-        return (None, None, None, *sum_over_replicas(list(grads), placement, ctx.rank, ctx.group))  # type: ignore[attr-defined]
+        groups: ParallelGroups = ctx.groups  # type: ignore[attr-defined]
+        with tracked(groups.ledger, "replica gradient all-reduce", groups.expert):
+            summed = sum_over_replicas(list(grads), placement, ctx.rank, groups.expert)  # type: ignore[attr-defined]
+        return (None, None, None, *summed)
 
 
 def replicated_experts(placement: ExpertPlacement) -> list[int]:
@@ -261,7 +263,7 @@ class SlotSchedule(WrappingSchedule):
         row_map = ctx.prepared
         if not isinstance(row_map, ReplicaRowMap):  # run without prepare (a direct call)
             row_map = ReplicaRowMap.of(ctx.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
-        weights = replica_weights(ctx.experts.weights(), ctx.placement, ctx.rank, ctx.groups.expert).cast(ctx.dtype)
+        weights = replica_weights(ctx.experts.weights(), ctx.placement, ctx.rank, ctx.groups).cast(ctx.dtype)
         slots = ReplicaExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
         mine = tuple(range(ctx.rank * slots.num_experts, (ctx.rank + 1) * slots.num_experts))
         exchanged = dataclasses.replace(ctx, experts=slots, filled_WE=row_map.exchanged_WP, local=mine)

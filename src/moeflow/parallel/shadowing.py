@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.ledger import CollectiveLedger
 from moeflow.experts import ExpertCompute, FFNWeights
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement
@@ -89,11 +91,11 @@ def decide_shadows(
 
 
 def shadow_weights(
-    weights: FFNWeights, placement: ExpertPlacement, rank: int, experts: tuple[int, ...],
-    group: dist.ProcessGroup | None,
+    weights: FFNWeights, placement: ExpertPlacement, rank: int, experts: tuple[int, ...], groups: ParallelGroups,
 ) -> FFNWeights:
     """The shadowed experts' whole weights on every rank, (S, ...) each, differentiable into the
-    owner's parameters."""
+    owner's parameters (one all-reduce each way over ``groups.expert``, in its ledger)."""
+    group = groups.expert
     local_index = {shard.expert: index for index, shard in enumerate(placement.local(rank))}
 
     def gather(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -103,7 +105,7 @@ def shadow_weights(
         stacked = torch.stack(parts)
         if torch.is_grad_enabled() and not stacked.requires_grad:
             stacked.requires_grad_()  # every rank must run the backward's all-reduce, owner or not
-        return stacked if group is None else _SumOverRanks.apply(stacked, group)
+        return stacked if group is None else _SumOverRanks.apply(stacked, group, groups.ledger)
 
     return FFNWeights(gather(weights.w1), gather(weights.b1), gather(weights.w2), gather(weights.b2),
                       gather(weights.w3))
@@ -115,17 +117,21 @@ class _SumOverRanks(torch.autograd.Function):
     torch.distributed.nn.functional.all_reduce does this too, but is deprecated."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
+    def forward(
+        ctx: FunctionCtx, tensor: torch.Tensor, group: dist.ProcessGroup, ledger: CollectiveLedger
+    ) -> torch.Tensor:
+        ctx.group, ctx.ledger = group, ledger  # type: ignore[attr-defined]
         summed = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed, group=group)
+        with ledger.tracked("shadowed weight all-reduce", group, summed.nbytes):
+            dist.all_reduce(summed, group=group)
         return summed
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         summed = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed, group=ctx.group)  # type: ignore[attr-defined]
-        return summed, None
+        with ctx.ledger.tracked("shadowed gradient all-reduce", ctx.group, summed.nbytes):  # type: ignore[attr-defined]
+            dist.all_reduce(summed, group=ctx.group)  # type: ignore[attr-defined]
+        return summed, None, None
 
 
 def run_with_shadows(
@@ -172,7 +178,7 @@ class ShadowedSchedule(WrappingSchedule):
             ran.append(self.inner.run(plan, buffer_ECM, exchanged))
             return ran[-1].combined_ECM
 
-        weights = shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups.expert)
+        weights = shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups)
         combined_ECM = run_with_shadows(
             shadow, dispatched_ECM, weights, ctx.own_compute(shadow.experts), run_exchanged
         )
