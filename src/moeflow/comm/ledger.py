@@ -226,6 +226,11 @@ def _entry(record: list[Any], done: dict[str, int]) -> LedgerEntry:
     return entry
 
 
+def _open_entries(beacon: dict[str, Any]) -> list[LedgerEntry]:
+    """The entries a progress file lists as entered and not finished."""
+    return [_entry(record, beacon.get("done", {})) for record in beacon["open"]]
+
+
 def _peer_line(peer: int, rank: int, world_size: int, beacon: dict[str, Any] | None, mine: LedgerEntry) -> str:
     """One peer's line: behind (no progress), in a different collective (desync), or waiting too."""
     name = f"worker {peer} of {world_size}"
@@ -235,7 +240,7 @@ def _peer_line(peer: int, rank: int, world_size: int, beacon: dict[str, Any] | N
         process_state(int(beacon["pid"])), "")
     idle = time.time() - float(beacon["updated"])
     done = beacon.get("done", {})
-    open_entries = [_entry(record, done) for record in beacon["open"]]
+    open_entries = _open_entries(beacon)
     last = beacon["last"].get(mine.group)  # [seq, ...]
     latest = max((_entry(record, done) for record in beacon["last"].values()), key=lambda e: e.entered, default=None)
     same_slot = [e for e in open_entries if e.group == mine.group and e.seq == mine.seq]
@@ -297,7 +302,7 @@ class ProgressBeacon:
     def open_entries(cls, directory: Path, rank: int) -> list[LedgerEntry]:
         """The collectives rank ``rank`` had entered and not finished when it last wrote its file."""
         beacon = cls.read(directory, rank)
-        return [] if beacon is None else [_entry(record, beacon.get("done", {})) for record in beacon["open"]]
+        return [] if beacon is None else _open_entries(beacon)
 
     @classmethod
     def read(cls, directory: Path, rank: int) -> dict[str, Any] | None:

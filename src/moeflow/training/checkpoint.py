@@ -169,14 +169,7 @@ def latest_checkpoint(path: Path) -> Path | None:
     """The newest complete checkpoint under a run folder, or ``path`` itself if it is one."""
     if (path / STATE).exists():
         return path
-    root = path / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.exists():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / STATE).exists():
-            return candidate
-    complete = sorted(p for p in root.glob("step-*") if (p / STATE).exists()) if root.is_dir() else []
-    return complete[-1] if complete else None
+    return next(iter(_complete_newest_first(path / CHECKPOINTS)), None)
 
 
 def read_state(checkpoint: Path) -> dict[str, Any]:

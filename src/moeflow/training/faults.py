@@ -13,10 +13,11 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from moeflow.comm.ledger import LedgerEntry
+from moeflow.comm.ledger import CollectiveLedger, LedgerEntry
 
 FAULT_KINDS = ("kill", "stop", "delay")
 """``kill``: SIGKILL (a crash, the OOM killer); ``stop``: SIGSTOP (a deadlock, a stuck device, a
@@ -78,3 +79,10 @@ class FaultPlan:
                 fault.fire()
 
         return inject
+
+
+def worker_ledger(rank: int, world_size: int, progress_dir: Path, faults: FaultPlan | None) -> CollectiveLedger:
+    """A spawned worker's ledger: its progress file in ``progress_dir``, and the faults the plan
+    (if any) injects into worker ``rank``."""
+    injector = faults.injector(rank) if faults is not None else None
+    return CollectiveLedger(rank, world_size, progress_dir, on_enter=injector)

@@ -4,19 +4,19 @@
 from __future__ import annotations
 
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.comm.ledger import CollectiveLedger
 from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
-from moeflow.training.faults import FaultPlan
+from moeflow.training.faults import FaultPlan, worker_ledger
 
 
 def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETransformer, object, Path]:
@@ -69,8 +69,8 @@ def generate_text(
         return _sample(path, prompt, new_tokens, temperature, top_k, seed, None)
     from moeflow.distributed import run_distributed
 
-    with tempfile.TemporaryDirectory(prefix="moeflow-progress-") as scratch:
-        progress = str(progress_dir or scratch)
+    folder = nullcontext(str(progress_dir)) if progress_dir else tempfile.TemporaryDirectory(prefix="moeflow-progress-")
+    with folder as progress:
         sampling = (prompt, new_tokens, temperature, top_k, seed)
         return run_distributed(_sample_worker, workers, path, sampling, progress, faults,
                                collective_timeout_s=collective_timeout_s)[0]
@@ -78,8 +78,7 @@ def generate_text(
 
 def _sample_worker(rank: int, world_size: int, path: str, sampling: tuple[Any, ...], progress: str,
                    faults: FaultPlan | None) -> str:
-    injector = faults.injector(rank) if faults is not None else None
-    ledger = CollectiveLedger(rank, world_size, Path(progress), on_enter=injector)
+    ledger = worker_ledger(rank, world_size, Path(progress), faults)
     return _sample(path, *sampling, ParallelGroups.from_group(None, ledger=ledger))
 
 

@@ -31,7 +31,7 @@ from moeflow.training.batches import data_replica, shard_of, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.evaluation import autocast, evaluate
-from moeflow.training.faults import FaultPlan
+from moeflow.training.faults import FaultPlan, worker_ledger
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
 from moeflow.training.gradients import (
     all_reduce_sum,
@@ -166,8 +166,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     group = dist.group.WORLD if dist.is_initialized() else None
     topology = Topology(world_size, job.ranks_per_node or world_size)
     mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
-    injector = job.faults.injector(rank) if job.faults is not None else None
-    ledger = CollectiveLedger(rank, world_size, Path(job.run_dir) / PROGRESS, on_enter=injector)
+    ledger = worker_ledger(rank, world_size, Path(job.run_dir) / PROGRESS, job.faults)
     groups = ParallelGroups.from_group(group, topology, ledger)
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = build_model(config, corpus, groups, device)
