@@ -4,7 +4,9 @@
 # within one ~9-minute command. Logs go to $OUT (the device tool's folder) or /tmp/moeflow-gpu-check.
 # Run from the repository root with the machine's own python3 (torch with CUDA): no install needed.
 #   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer overlap suite (default all)
-# BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs.
+# BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs. The suite's
+# xdist workers run one intra-op thread each (with torch's default of one per core, 12 workers on 16 cores
+# oversubscribed the CPU and two CPU-heavy tests hit their 120 s timeout).
 set -u
 OUT=${OUT:-/tmp/moeflow-gpu-check}
 mkdir -p "$OUT"
@@ -39,7 +41,7 @@ run_step() {
            bench layer-qwen 90 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
                --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 ${LAYER_ARGS:-} ;;
     overlap) bench overlap 60 overlap --device cuda --degrees 1 2 4 8 ;;
-    suite) step suite 600 "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -m "not distributed" \
+    suite) OMP_NUM_THREADS=1 step suite 600 "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -m "not distributed" \
                --timeout 120 ;;
     *) echo "unknown step $1 (env tests kernels layer overlap suite)"; return 2 ;;
     esac

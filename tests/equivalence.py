@@ -324,12 +324,28 @@ def parm_cases(base: dict[str, Any]) -> list[Case]:
                                                   "batch_prioritized_routing": True}, tokens_per_rank=25, mp=2),
         Case("parm-s1-E2-float64", s1, num_experts=2, mp=2, dtype=torch.float64),
         Case("parm-auto-E8-switches", {**base, "parallel": "auto", "pipeline": 1}, mp=2, steps=11),
+        *parm_layout_cases(s1, s2),
         Case("parm-baseline-E2", {**base, "parallel": "ds-baseline"}, num_experts=2, mp=2),
         Case("parm-baseline-E8-k1-f-1.5-d4", {**base, "parallel": "ds-baseline", "top_k": 1, "capacity_factor": -1.5,
                                              "pipeline": 4}, tokens_per_rank=30, mp=2),
         Case("parm-baseline-E8-f0-swiglu-no-bias", {**base, "parallel": "ds-baseline", "capacity_factor": 0.0,
                                                    "activation": "swiglu", "bias": False}, mp=2),
     ]
+
+
+def parm_layout_cases(s1: dict[str, Any], s2: dict[str, Any]) -> list[Case]:
+    """Parm's Table III layouts on 4 workers: N_MP and N_ESP in {1, 2, 4} independently (N_MP > 1),
+    S1, S2 and S2 with SAA (whose MP all-gathers pair up across EP groups where N_MP > N_ESP). On
+    fewer workers a layout that does not fit runs with N_ESP = N_MP, or as plain EP."""
+    saa = {**s2, "alltoall": "saa"}
+    cases = []
+    for mp, esp in ((2, 1), (2, 4), (4, 1), (4, 2), (4, 4)):
+        for name, layer in (("s1", s1), ("s2", s2), ("s2-saa", saa)):
+            cases.append(Case(f"parm-{name}-mp{mp}-esp{esp}", {**layer, "esp_size": esp, "pipeline": 2},
+                              tokens_per_rank=16, mp=mp))
+    cases.append(Case("parm-auto-mp2-esp4-switches", {**s1, "parallel": "auto", "esp_size": 4, "pipeline": 1},
+                      mp=2, steps=11))
+    return cases
 
 
 def resolve_r(name: str, num_experts: int, world_size: int) -> int:
@@ -435,12 +451,15 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "parallel": kwargs.pop("parallel", "expert"),
         "shadowing": kwargs.pop("shadowing", "off"),
         "redundant_experts": kwargs.pop("redundant_experts", 0),
+        "esp_size": kwargs.pop("esp_size", None),
         "group": groups,
     }
     node_limit = _reference_node_limit(case, kwargs.pop("topology_gate", "off"), rank, world_size)
     if execution["parallel"] in MODEL_PARALLEL_SCHEDULES and groups.model is None:
         execution["parallel"] = "expert"  # no MP group on this world: the case runs as plain EP
         execution["alltoall"] = "linear" if execution["alltoall"] == "saa" else execution["alltoall"]
+    if groups.model is None or world_size % (execution["esp_size"] or 1):
+        execution["esp_size"] = None  # N_ESP does not fit this world: N_ESP = N_MP (or plain EP)
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
         execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs, **node_limit).to(case.dtype)

@@ -43,6 +43,8 @@ def _bad_groups(rank: int, world: int) -> list[str]:
         _error(lambda: MoELayer(8, 16, 4, group=ParallelGroups(dist.group.WORLD, Topology(4, 4), contiguous),
                                 parallel="expert")),
         _error(lambda: MoELayer(8, 16, 4, parallel="s1", alltoall="saa", mp_group=contiguous)),
+        _error(lambda: MoELayer(8, 16, 4, parallel="s2", mp_group=contiguous, esp_size=3)),
+        _error(lambda: MoELayer(8, 16, 4, parallel="ds-baseline", mp_group=contiguous, esp_size=4)),
     ]
 
 
@@ -55,6 +57,31 @@ def test_mp_groups_that_do_not_fit_name_the_fix() -> None:
         assert messages[3] == messages[4] == "no error"
         assert "which only Parm's schedules use; got parallel='expert'" in messages[5]
         assert "alltoall='saa'" in messages[6]
+        assert "esp_size=3 hidden shards per expert must divide the layer's group of 4 ranks" in messages[7]
+        assert "esp_size shards each expert's hidden units" in messages[8]
+        assert "parallel='ds-baseline'" in messages[8] and "esp_size=None" in messages[8]
+
+
+def _layer_shards(rank: int, world: int) -> list[tuple[int, ...]]:
+    """Each (N_MP, N_ESP) layout's local w1 shape and the first hidden unit this rank holds."""
+    shapes = []
+    for mp, esp in ((2, 4), (4, 2), (2, 1), (4, 4)):
+        mp_group = dist.new_subgroups(group_size=mp)[0]
+        layer = MoELayer(8, 16, 8, parallel="s2", mp_group=mp_group, esp_size=esp)
+        first = layer.placement.shards[rank][0]
+        shapes.append((*layer.experts.w1.shape, first.expert, first.hidden_start))
+    return shapes
+
+
+@pytest.mark.distributed
+def test_n_esp_is_independent_of_n_mp() -> None:
+    """Parm's EP x ESP layout for any N_ESP dividing the group (Table III): E / (W / N_ESP) experts
+    per rank, H / N_ESP hidden units each, rank ep * N_ESP + esp holding hidden slice esp."""
+    for rank, shapes in enumerate(run_distributed(_layer_shards, 4, timeout_s=120)):
+        assert shapes[0] == (8, 8, 4, 0, rank * 4)  # N_ESP = 4: all 8 experts, a quarter of each
+        assert shapes[1] == (4, 8, 8, rank // 2 * 4, rank % 2 * 8)  # N_ESP = 2 behind N_MP = 4
+        assert shapes[2] == (2, 8, 16, rank * 2, 0)  # N_ESP = 1: whole experts behind N_MP = 2
+        assert shapes[3] == shapes[0]
 
 
 def test_parm_schedules_need_an_mp_group() -> None:
@@ -116,14 +143,15 @@ def test_parm_chooses_s2_for_few_slots_and_s1_for_many_as_algorithm_1() -> None:
     assert best(2048).schedule == "s1"
 
 
-def test_algorithm_1_is_the_closed_form_of_section_5() -> None:
+@pytest.mark.parametrize("esp", [None, 1, 4])
+def test_algorithm_1_is_the_closed_form_of_section_5(esp: int | None) -> None:
     """t_D1 = 2 A2A(y) + AG_MP(T M / N_MP) against t_D2 = A2A(y) + Overlap(y), computed by hand from
-    the fits (balanced load: S1 sends as many slots as S2)."""
-    cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
+    the fits (balanced load: S1 sends as many slots as S2), y = N_ESP E C M / N_MP (N_ESP: N_MP when None)."""
+    cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2, esp_size=esp)
     element, model_dim, experts = 4, 256, 4
     for capacity, tokens in [(8, 512), (2048, 512), (64, 64), (512, 4096)]:
         shape = RegionShape(LayerDims(model_dim, 1024, experts), 4, capacity, tokens=tokens)
-        y = experts * capacity * model_dim * element  # E C M bytes per member (N_ESP = N_MP = 2)
+        y = (esp or 2) * experts * capacity // 2 * model_dim * element  # bytes per member
         t_d1 = 2 * (1e-4 + 1e-8 * y) + 1e-4 + 1e-8 * (tokens // 2 * model_dim * element)
         t_d2 = (1e-4 + 1e-8 * y) + (1e-4 + 1.2e-8 * y)
         choice = model.closed_form(cost, shape)

@@ -221,8 +221,13 @@ def test_plan_cli_prints_parms_modes_behind_mp(tmp_path: Path, capsys: pytest.Ca
     summary = lines[-1]
     assert summary["summary"] == "plan-parm" and summary["algorithm1"] in ("s1", "s2")
     assert summary["predicted_ms"] == pytest.approx(min(parm), rel=1e-3)
-    with pytest.raises(SystemExit, match="--mp 3 must divide"):
+    with pytest.raises(SystemExit, match="--mp 3 and --esp 3 must divide"):
         main([*argv[:-1], "3"])
+    assert main([*argv, "--esp", "4"]) == 0  # N_ESP = 4 behind N_MP = 2: S1 and S2, no baseline
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    wider = {(line["schedule"], line["alltoall"]): line for line in lines if line.get("plan") == "parm"}
+    assert set(wider) == {("s1", "linear"), ("s2", "linear"), ("s2", "saa")} and lines[-1]["esp"] == 4
+    assert wider["s2", "linear"]["total_ms"] > modes["s2", "linear"]["total_ms"]  # twice the dumped slots
 
 
 def test_expert_ffn_time_comes_from_its_own_fits_or_from_the_gemm() -> None:

@@ -20,6 +20,7 @@ from moeflow.parallel.registry import (
     check_techniques,
     expected_schedule,
 )
+from moeflow.parallel.schedules import ShardingLayout
 from moeflow.sim import StepPlan
 from moeflow.training.config import TrainConfig
 
@@ -35,6 +36,7 @@ TURNED_ON: dict[str, dict[str, Any]] = {
     "expert_kernel='ragged'": {"expert_kernel": "ragged"},
     "alltoall": {"alltoall": "2dh"},
     "alltoall='saa'": {"alltoall": "saa"},
+    "esp_size": {"esp_size": 2},
 }
 """The settings that turn each config-enabled feature on (a new feature adds its line)."""
 RUN_CLASS_NAMES = (*(spec.name for spec in SCHEDULES), "parm", "packed")
@@ -51,7 +53,7 @@ def _turned_on(config: MoEConfig) -> list[str]:
 def test_every_schedule_runs_is_priced_and_is_simulated_under_its_name() -> None:
     assert ("auto", *(spec.name for spec in SCHEDULES)) == PARALLEL_CHOICES
     for spec in SCHEDULES:
-        schedule = spec.make(2)
+        schedule = spec.make(ShardingLayout(2))
         assert schedule.name == spec.name and schedule.model.name == spec.name
         assert SIMULATED_REGIONS[spec.name] is spec.region
         parallel = 2 if spec.behind_model_parallel else 1

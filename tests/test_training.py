@@ -289,7 +289,8 @@ def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: 
 
     state = read_state(Path(checkpoint))
     parallel = "expert" if parallel is None else parallel
-    config = TrainConfig(**state["config"]).updated({"workers": world_size, "parallel": parallel, "mp_size": 1})
+    plain = {"workers": world_size, "parallel": parallel, "mp_size": 1, "esp_size": None}
+    config = TrainConfig(**state["config"]).updated(plain)
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
     load_checkpoint(Path(checkpoint), model, None, rank, world_size)
@@ -405,10 +406,11 @@ def test_tensor_parallel_attention_trains_as_data_parallel_and_resumes_switching
 ) -> None:
     """4 workers with --mp-size 2 are 2 data-parallel replicas of heads split over 2 workers, the
     MoE layers behind them on Parm's schedules: the same losses as the 2-worker run step for step,
-    under S1, and resumed under auto (S1 and S2 chosen per step). Its checkpoint holds full tensors:
-    it evaluates on 1 worker without tensor parallelism as the 2-worker run's does."""
+    under S1 with every expert in 4 hidden shards (N_ESP = 4), and resumed under auto (S1 and S2
+    chosen per step) with N_ESP = N_MP = 2 (the checkpoint re-sharded). Its checkpoint holds full
+    tensors: it evaluates on 1 worker without tensor parallelism as the 2-worker run's does."""
     run_dir = tmp_path / "mp"
-    run_training(tiny(run_dir, workers=4, mp_size=2, parallel="s1", stop_at=6), report=False)
+    run_training(tiny(run_dir, workers=4, mp_size=2, esp_size=4, parallel="s1", stop_at=6), report=False)
     records = list(iterate_records(run_dir))
     assert {layer["schedule"] for layer in records[-1]["moe"]} == {"s1"}
     step6 = run_dir / "checkpoints" / "step-000006"
@@ -529,6 +531,9 @@ def test_a_killed_or_stopped_worker_fails_the_job_fast_and_keeps_the_checkpoint(
         (["--mp-size", "2", "--heads", "1", "--model-dim", "64"], "heads=1 cannot be split over mp_size=2"),
         (["--mp-size", "2", "--parallel", "expert"], "does not run behind tensor-parallel attention"),
         (["--mp-size", "2", "--workers", "4", "--num-experts", "3"], "over 2 expert-parallel groups"),
+        (["--esp-size", "2"], "set --mp-size > 1 too"),
+        (["--mp-size", "2", "--esp-size", "3"], "esp_size=3 hidden shards per expert must divide workers=2"),
+        (["--mp-size", "2", "--parallel", "ds-baseline", "--esp-size", "2"], "or esp_size=None"),
         (["--parallel", "3"], "not a valid r"),
         (["--num-experts", "3", "--workers", "4", "--parallel", "adaptive"], "not a multiple of it"),
     ],

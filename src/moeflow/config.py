@@ -141,6 +141,7 @@ class MoEConfig:
     shadowing: str | tuple[int, ...] = "off"  # FasterMoE: "off", "auto" or the experts to shadow
     topology_gate: str | float = "off"  # FasterMoE §4.3: "off", "auto" or the share of tokens that may leave the node
     redundant_experts: int = 0  # EPLB: extra expert slots for replicas of hot experts (E + this slots in all)
+    esp_size: int | None = None  # Parm: hidden shards per expert (N_ESP) behind an mp_group; None: the mp_group's size
 
     def __post_init__(self) -> None:
         require_positive_int("model_dim", self.model_dim)
@@ -169,6 +170,8 @@ class MoEConfig:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
         validate_redundant_experts(self.redundant_experts)
+        if self.esp_size is not None:
+            require_positive_int("esp_size", self.esp_size)
         if self.tokens_per_rank_hint is not None:
             require_positive_int("tokens_per_rank_hint", self.tokens_per_rank_hint)
         if self.normalize_gate is not None and not isinstance(self.normalize_gate, bool):

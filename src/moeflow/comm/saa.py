@@ -90,7 +90,9 @@ def ep_esp_combine_allgather(
     the (E, C, M) result, overlapped. The all-to-all runs in N_EP phases; in phase i a rank receives
     the partials of ESP group ``ep - i`` (sending its own to ``ep + i``), sums them, and
     all-gathers that group's (L, C, M) block over MP while phase i + 1 is in flight (the summing
-    variant of Parm's kernel). ESP and MP groups are the same contiguous ranks (N_ESP = N_MP).
+    variant of Parm's kernel). Where N_MP > N_ESP the members of an MP group sit in different EP
+    groups and sum the blocks in different phases: each member all-gathers them in the order of
+    the MP group's first member, each as soon as it holds it, so the gathers pair up.
 
     Returns (E, N_MP * C, M): each expert's slots in MP-member order, as the serial combine then
     all-gather gives them. Not differentiable (the pipeline runs the adjoint exchange itself)."""
@@ -100,6 +102,9 @@ def ep_esp_combine_allgather(
     mp_size = dist.get_world_size(mp_group)
     by_source = partial_LXM.view(local, world, capacity, model_dim).transpose(0, 1).contiguous()
     gathered = partial_LXM.new_empty((ep_size, mp_size * local, capacity, model_dim))
+    lead_ep = dist.get_group_rank(group, dist.get_global_rank(mp_group, 0)) // esp_size
+    gather_order = [(lead_ep - phase) % ep_size for phase in range(ep_size)]  # the same on every MP member
+    summed_blocks: dict[int, torch.Tensor] = {}
     pending = []
     for phase in range(ep_size):
         source_ep, target_ep = (ep - phase) % ep_size, (ep + phase) % ep_size
@@ -114,8 +119,11 @@ def ep_esp_combine_allgather(
             if target != rank:
                 operations.append(dist.P2POp(dist.isend, by_source[target], dist.get_global_rank(group, target), group))
         _exchange(operations)
-        summed = received.sum(dim=0)  # the local combine of this group's experts
-        pending.append(dist.all_gather_single(gathered[source_ep], summed, group=mp_group, async_op=True))
+        summed_blocks[source_ep] = received.sum(dim=0)  # the local combine of this group's experts
+        while len(pending) < ep_size and gather_order[len(pending)] in summed_blocks:
+            block = gather_order[len(pending)]
+            pending.append(dist.all_gather_single(gathered[block], summed_blocks[block], group=mp_group,
+                                                  async_op=True))
     for work in pending:
         work.wait()
     by_member = gathered.view(ep_size, mp_size, local, capacity, model_dim)

@@ -39,6 +39,8 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--forward-only", action="store_true", help="plan for inference (no backward pass)")
     plan.add_argument("--mp", type=positive_int, default=1,
                       help="> 1: Parm's modes behind tensor-parallel attention of this many ranks (default 1)")
+    plan.add_argument("--esp", type=positive_int, default=None,
+                      help="with --mp: hidden shards per expert, N_ESP, for S1 and S2 (default: the --mp size)")
     plan.add_argument("--skew", default=None,
                       help="uniform, zipf:<s> or one-hot: FasterMoE's shadowing decision (Algorithm 1) and EPLB's "
                       "redundant slots (one extra per rank) for routing with this skew, hottest expert first")
@@ -100,10 +102,11 @@ def _layer_plan(args: argparse.Namespace) -> int:
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
     if args.mp > 1:
-        if world % args.mp or args.num_experts % (world // args.mp) or args.hidden_dim % args.mp:
-            raise fail("plan", f"--mp {args.mp} must divide the {world} ranks, the hidden size, and leave "
-                       "expert-parallel groups that divide the experts")
-        _print_parm_plans(model, region, args.mp, args.max_degree, backward)
+        esp = args.esp or args.mp
+        if world % args.mp or world % esp or args.num_experts % (world // esp) or args.hidden_dim % esp:
+            raise fail("plan", f"--mp {args.mp} and --esp {esp} must divide the {world} ranks, --esp the hidden "
+                       "size, and leave expert-parallel groups that divide the experts")
+        _print_parm_plans(model, region, args.mp, esp, args.max_degree, backward)
         return 0
     _print_adaptive_plans(model, region, algorithms, args.max_degree, backward)
     if args.num_experts % world:  # more ranks than experts: only Tutel's sharded layout fits
@@ -240,7 +243,7 @@ def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
     return p
 
 
-def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backward: bool) -> None:
+def _print_parm_plans(model: Any, region: Any, mp: int, esp: int, max_degree: int, backward: bool) -> None:
     """Per Parm mode (baseline, S1, S2, S2 + SAA) its best degree and prediction, then the choice
     of ``parallel='auto'`` behind an mp_group (:class:`moeflow.parallel.parm.ParmModel`) and the
     unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
@@ -248,8 +251,9 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     from moeflow.parallel.parm import BaselineModel, ParmModel
     from moeflow.perf.schedules import rank_schedule_plans
 
-    parm = ParmModel("parm", mp)
-    models = (BaselineModel(mp_size=mp), ParmModel("s1", mp), ParmModel("s2", mp))
+    parm = ParmModel("parm", mp, esp_size=esp)
+    models = (*((BaselineModel(mp_size=mp),) if esp == mp else ()), ParmModel("s1", mp, esp_size=esp),
+              ParmModel("s2", mp, esp_size=esp))
     if not all(m.can_predict(model) for m in models):
         return
     combines = [a for a in ("linear", "saa") if f"alltoall.{a}" in model.profile.fits]  # what the layer plans
@@ -266,5 +270,5 @@ def _print_parm_plans(model: Any, region: Any, mp: int, max_degree: int, backwar
     print_json({"summary": "plan-parm", "schedule": auto_plan.schedule, "alltoall": auto_plan.algorithm,
                 "degree": auto_plan.degree, "predicted_ms": auto.total_s * 1e3,
                 "algorithm1": algorithm1.schedule, "algorithm1_s1_ms": algorithm1.t_d1 * 1e3,
-                "algorithm1_s2_ms": algorithm1.t_d2 * 1e3, "mp": mp, "world_size": model.world_size,
+                "algorithm1_s2_ms": algorithm1.t_d2 * 1e3, "mp": mp, "esp": esp, "world_size": model.world_size,
                 "capacity": region.capacity})

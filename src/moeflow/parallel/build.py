@@ -19,7 +19,7 @@ from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
 from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, check_techniques, select_schedule
-from moeflow.parallel.schedules import ParallelSchedule
+from moeflow.parallel.schedules import ParallelSchedule, ShardingLayout
 from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import CostModel
@@ -52,7 +52,8 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
     algorithms = candidate_algorithms(config, groups, cost_model, mp_size > 1)
     choice = select_schedule(
         config.parallel, config.num_experts, groups.size, cost_model,
-        _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline, mp_size,
+        _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline,
+        ShardingLayout(mp_size, config.esp_size),
     )
     schedule = choice.schedule
     check_techniques(config, schedule.name)

@@ -1,9 +1,12 @@
 """Parm's schedules for an MoE layer behind tensor-parallel (MP) attention (Parm §III).
 
 Tokens arrive replicated over the MP group (as Megatron / DeepSpeed-MoE pass them) and must leave
-replicated. The experts use Parm's EP x ESP layout with N_ESP = N_MP (its real models' setting):
-rank ep * N_MP + esp holds experts [ep * L, (ep + 1) * L) as hidden slice esp, so the MP group of
-a rank is also its ESP group.
+replicated. The experts use Parm's EP x ESP layout: rank ep * N_ESP + esp of the layer's group holds
+experts [ep * L, (ep + 1) * L) as hidden slice esp. N_ESP defaults to N_MP (Parm's real models'
+setting: the MP group of a rank is then also its ESP group); S1 and S2 take any N_ESP dividing the
+group, as Table III varies them (the MP split and gather never depend on where the shards are).
+The DeepSpeed-MoE baseline gathers the MP members' identical copies over its ESP group, so it
+needs N_ESP = N_MP.
 
 - ``s2`` ("disable MP after the gate, enable it before the combine", Fig. 3c): every MP member
   gates all its tokens (identical on the group), keeps its 1/N_MP part of each expert's capacity
@@ -159,12 +162,18 @@ class ParmModel:
       the decoded T x M rows (AG_MP(BLM)) after the pipeline (its backward: the split's all-gather).
     - S2 (Eq. 14): the same all-to-alls on the MP-split slots; the combine adds the MP all-gather of
       E * Cj * M, in series (``linear``) or overlapped with the all-to-all (``saa``).
-    The shards run W * Cj / N_MP rows on H / N_ESP hidden units. Unpipelined and without the
-    experts, the two are Algorithm 1's t_D1 and t_D2."""
+    The shards (E / N_EP local experts, N_EP = W / N_ESP) run W * Cj / N_MP rows on H / N_ESP
+    hidden units. Unpipelined and without the experts, the two are Algorithm 1's t_D1 and t_D2.
+    ``esp_size`` None: N_ESP = N_MP."""
 
     name: str
     mp_size: int
     sends_tokens: bool = True
+    esp_size: int | None = None
+
+    @property
+    def esp(self) -> int:
+        return self.esp_size or self.mp_size
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -176,10 +185,11 @@ class ParmModel:
         all-to-alls of the member's own slots and the all-gather of the decoded tokens;
         t_D2 = A2A(y2) + Overlap(y2): S2's all-to-all and its combine overlapped with the MP
         all-gather (SAA's fit; the two in series where it is not calibrated). moeflow's S1 sends
-        only occupied slots, so y1 <= y2 = E C M / N_MP elements per member (N_ESP = N_MP)."""
+        only occupied slots, so y1 <= y2 = N_ESP E C M / N_MP elements per member (the dump sends
+        every slot to each of its expert's N_ESP shards)."""
         mp, element, model_dim = self.mp_size, shape.bytes_per_element, shape.dims.model_dim
         row = shape.dims.num_experts * model_dim * element  # one slot of every expert, in bytes
-        y1, y2 = mp * self._own_slots(shape) * row, mp * -(-shape.capacity // mp) * row
+        y1, y2 = self.esp * self._own_slots(shape) * row, self.esp * -(-shape.capacity // mp) * row
         gathered = -(-shape.tokens // mp) * model_dim * element
         t_d1 = 2 * cost.t_alltoall("linear", y1) + cost.t_allgather(gathered, mp, intra_node=True)
         t_d2 = cost.t_alltoall("linear", y2) + cost.t_saa(y2, mp)
@@ -219,38 +229,45 @@ class ParmModel:
         chunks, serial = [], 0.0
         if plan.schedule == "s1":
             for start, stop in capacity_chunks(self._own_slots(shape), plan.degree):
-                a2a = cost.t_alltoall("linear", mp * (stop - start) * row)
+                a2a = cost.t_alltoall("linear", self.esp * (stop - start) * row)
                 chunks.append((a2a, a2a, shape.world_size * (stop - start)))
             serial = cost.t_allgather(-(-shape.tokens // mp) * model_dim * element, mp, intra_node=True)
         else:
             for start, stop in capacity_chunks(shape.capacity, plan.degree):
                 part = -(-(stop - start) // mp)
-                a2a = cost.t_alltoall("linear", mp * part * row)
+                a2a = cost.t_alltoall("linear", self.esp * part * row)
                 combine = (
-                    cost.t_saa(mp * part * row, mp) if plan.algorithm == "saa"
+                    cost.t_saa(self.esp * part * row, mp) if plan.algorithm == "saa"
                     else a2a + cost.t_allgather(part * row, mp, intra_node=True)
                 )
                 chunks.append((a2a, combine, shape.world_size * part))
-        return _shard_pipeline_prediction(plan, cost, shape, mp, chunks, backward, serial)
+        return _shard_pipeline_prediction(plan, cost, shape, self.esp, chunks, backward, serial)
 
 
 @dataclass(frozen=True)
 class ParmSchedule(ModelledSchedule):
-    """Parm's S1 and S2 on the EP x ESP layout (N_ESP = N_MP), behind tensor-parallel attention
-    over the layer's ``mp_group``: ``name`` "s1" or "s2" fixes one, "parm" lets the planner choose
-    per iteration (Algorithm 1's choice; both share the layout, so switching moves no weight)."""
+    """Parm's S1 and S2 on the EP x ESP layout (N_ESP hidden shards per expert, by default N_MP),
+    behind tensor-parallel attention over the layer's ``mp_group``: ``name`` "s1" or "s2" fixes
+    one, "parm" lets the planner choose per iteration (Algorithm 1's choice; both share the layout,
+    so switching moves no weight)."""
 
     mp_size: int
     name: str = "parm"
+    esp_size: int | None = None
+
+    @property
+    def esp(self) -> int:
+        return self.esp_size or self.mp_size
 
     @property
     def model(self) -> ParmModel:
-        return ParmModel(self.name, self.mp_size)
+        return ParmModel(self.name, self.mp_size, esp_size=self.esp)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
-        return ExpertPlacement.expert_and_hidden_sharded(
-            num_experts, world_size // self.mp_size, self.mp_size, hidden_dim
-        )
+        if world_size % self.esp:
+            raise ValueError(f"esp_size={self.esp} hidden shards per expert must divide the layer's group of "
+                             f"{world_size} ranks: use an esp_size that divides {world_size}")
+        return ExpertPlacement.expert_and_hidden_sharded(num_experts, world_size // self.esp, self.esp, hidden_dim)
 
     def token_share(
         self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
@@ -263,10 +280,10 @@ class ParmSchedule(ModelledSchedule):
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The padded kernel: every expert is sharded over its ESP group."""
-        mp_rank = group_rank(ctx.groups.model)
-        compute = dataclasses.replace(ctx.experts.compute, adds_output_bias=mp_rank == 0)  # esp == 0: hidden 0
+        mp_rank, esp_rank = group_rank(ctx.groups.model), group_rank(ctx.groups.expert) % self.esp
+        compute = dataclasses.replace(ctx.experts.compute, adds_output_bias=esp_rank == 0)  # the shard at hidden 0
         split = self.mp_size if plan.schedule == "s2" else 1
-        chunk_exchange = ParmExchange(ctx.groups, self.mp_size, mp_rank, split, saa=plan.algorithm == "saa")
+        chunk_exchange = ParmExchange(ctx.groups, self.esp, mp_rank, split, saa=plan.algorithm == "saa")
         return ScheduleOutput(pipelined_experts(
             dispatched_ECM, compute, ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
         ))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from moeflow.config import SAA, MoEConfig
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
-from moeflow.parallel.schedules import ExpertParallelSchedule, ParallelSchedule, ReplicatedSchedule
+from moeflow.parallel.schedules import ExpertParallelSchedule, ParallelSchedule, ReplicatedSchedule, ShardingLayout
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import SMART, rank_schedule_plans
@@ -52,14 +52,14 @@ class ScheduleSpec:
 
     name: str
     paper: str
-    make: Callable[[int], ParallelSchedule]  # its run class, for a tensor-parallel group of mp_size ranks
+    make: Callable[[ShardingLayout], ParallelSchedule]  # its run class, behind the layout's tensor-parallel group
     region: Region  # its expert region in the simulator (moeflow.sim)
     behind_model_parallel: bool = False  # runs behind tensor-parallel attention (needs an mp_group)
     ranked_by_auto: bool = False  # parallel='auto' ranks it with the cost model
 
     @property
     def takes_ragged(self) -> bool:
-        return self.make(1).takes_ragged
+        return self.make(ShardingLayout()).takes_ragged
 
 
 @dataclass(frozen=True)
@@ -78,17 +78,18 @@ class FeatureSpec:
 
 
 SCHEDULES: tuple[ScheduleSpec, ...] = (
-    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", lambda mp: ExpertParallelSchedule(),
+    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", lambda layout: ExpertParallelSchedule(),
                  expert_region, ranked_by_auto=True),
-    ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda mp: ReplicatedSchedule(),
+    ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda layout: ReplicatedSchedule(),
                  replicated_region, ranked_by_auto=True),
-    ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda mp: AdaptiveSchedule(),
+    ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda layout: AdaptiveSchedule(),
                  adaptive_region, ranked_by_auto=True),
-    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda mp: ParmSchedule(mp, "s1"), s1_region,
-                 behind_model_parallel=True),
-    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda mp: ParmSchedule(mp, "s2"), s2_region,
-                 behind_model_parallel=True),
-    ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP", BaselineSchedule, baseline_region,
+    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda layout: ParmSchedule(layout.mp_size, "s1", layout.esp),
+                 s1_region, behind_model_parallel=True),
+    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda layout: ParmSchedule(layout.mp_size, "s2", layout.esp),
+                 s2_region, behind_model_parallel=True),
+    ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP",
+                 lambda layout: BaselineSchedule(layout.mp_size), baseline_region,
                  behind_model_parallel=True),
 )
 """Every schedule the ``parallel`` setting names, one record each."""
@@ -126,6 +127,9 @@ FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("alltoall='saa'", "Parm §III-D: S2's combine overlapped with the MP all-gather",
                 "overlaps Parm's S2 combine with the MP all-gather", "alltoall='linear'", ("s2", PARM_AUTO),
                 lambda c: c.alltoall == SAA),
+    FeatureSpec("esp_size", "Parm §III, Table III: N_ESP independent of N_MP",
+                "shards each expert's hidden units over esp_size ranks behind an mp_group", "esp_size=None",
+                ("s1", "s2", PARM_AUTO), lambda c: c.esp_size is not None),
     FeatureSpec("expert packing", "Lina §4.2: expert packing",
                 "moves the experts itself and runs the linear all-to-all", "expert packing off", ("expert", "packed"),
                 excludes=("shadowing", "redundant_experts", "topology_gate", "pipeline='smart'", "alltoall")),
@@ -194,7 +198,7 @@ class ScheduleChoice:
 
 def select_schedule(
     parallel: str | int, num_experts: int, world_size: int, cost_model: CostModel | None, shape: RegionShape | None,
-    algorithms: tuple[str, ...], pipeline: int | str = AUTO, mp_size: int = 1,
+    algorithms: tuple[str, ...], pipeline: int | str = AUTO, layout: ShardingLayout | None = None,
 ) -> ScheduleChoice:
     """The layer's schedule, fixed when it is built because it decides where the weights live.
 
@@ -206,20 +210,21 @@ def select_schedule(
     parallelism, which holds the fewest weights per rank (and whose placement explains what to do
     when E is not divisible by the group size). With more ranks than experts (a multiple of them)
     only Tutel's switchable layout fits: ``auto`` is ``adaptive`` there. An int is Tutel's r,
-    fixed. Parm's schedules run behind tensor-parallel attention of ``mp_size`` ranks; behind it
-    ``auto`` is Parm: S1 or S2 chosen per iteration."""
+    fixed. Parm's schedules run behind tensor-parallel attention of ``layout.mp_size`` ranks, each
+    expert in ``layout.esp`` hidden shards; behind it ``auto`` is Parm: S1 or S2 chosen per iteration."""
     check_parallel(parallel)
+    layout = layout or ShardingLayout()
     if isinstance(parallel, int):
         return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
     if parallel != AUTO:
-        return ScheduleChoice(SCHEDULE_SPECS[parallel].make(mp_size), "forced")
-    if mp_size > 1:
-        return ScheduleChoice(ParmSchedule(mp_size, PARM_AUTO), "mp_group")
+        return ScheduleChoice(SCHEDULE_SPECS[parallel].make(layout), "forced")
+    if layout.mp_size > 1:
+        return ScheduleChoice(ParmSchedule(layout.mp_size, PARM_AUTO, layout.esp), "mp_group")
     default = expected_schedule(parallel, num_experts, world_size)
     if default != "expert" or world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
-        return ScheduleChoice(SCHEDULE_SPECS[default].make(mp_size), "layout" if default != "expert" else "default")
+        return ScheduleChoice(SCHEDULE_SPECS[default].make(layout), "layout" if default != "expert" else "default")
     degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
     ranked_specs = {spec.name: spec for spec in SCHEDULES if spec.ranked_by_auto}
-    models = tuple(spec.make(mp_size).model for spec in ranked_specs.values())
+    models = tuple(spec.make(layout).model for spec in ranked_specs.values())
     ranked = rank_schedule_plans(cost_model, shape, models, degrees, algorithms, backward=True)
-    return ScheduleChoice(ranked_specs[ranked[0][0].placement_schedule].make(mp_size), "model")
+    return ScheduleChoice(ranked_specs[ranked[0][0].placement_schedule].make(layout), "model")

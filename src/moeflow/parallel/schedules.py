@@ -40,6 +40,21 @@ from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
 
 
+@dataclass(frozen=True)
+class ShardingLayout:
+    """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
+    and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
+    the others ignore both). Parm's Table III varies the two independently; N_ESP defaults to N_MP,
+    its real models' setting, where an MP group is also an ESP group."""
+
+    mp_size: int = 1
+    esp_size: int | None = None
+
+    @property
+    def esp(self) -> int:
+        return self.esp_size or self.mp_size
+
+
 class ParallelSchedule(Protocol):
     """How a dispatched buffer becomes the combined one. Everything a run needs is in its
     :class:`~moeflow.parallel.context.RunContext`; the defaults of the optional members are

@@ -65,6 +65,7 @@ class TrainConfig:
     alltoall: str = _MOE.alltoall
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
+    esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
     profile: str | None = None  # a calibrated cluster profile for the planner
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
     topology_gate: str | float = "off"  # FasterMoE's topology-aware gate: off | auto (--profile's share) | a share
@@ -156,6 +157,9 @@ class TrainConfig:
         if self.mp_size > 1:
             self._check_tensor_parallel()
             return
+        if self.esp_size is not None:
+            raise ValueError("--esp-size shards the experts of Parm's schedules behind tensor-parallel attention: "
+                             "set --mp-size > 1 too, or leave --esp-size unset")
         if self.parallel in MODEL_PARALLEL_SCHEDULES:
             raise ValueError(
                 f"--parallel {self.parallel} runs behind tensor-parallel attention: add --mp-size N (N > 1 "
@@ -231,12 +235,15 @@ class TrainConfig:
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
-        expert_groups = self.workers // self.mp_size
-        if self.num_experts % expert_groups or self.hidden_dim % self.mp_size:
+        esp = self.esp_size or self.mp_size
+        if self.workers % esp:
+            raise ValueError(f"esp_size={esp} hidden shards per expert must divide workers={self.workers}")
+        expert_groups = self.workers // esp
+        if self.num_experts % expert_groups or self.hidden_dim % esp:
             raise ValueError(
                 f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
-                f"{self.hidden_dim} over mp_size={self.mp_size} shards: use a multiple of {expert_groups} experts "
-                f"and a hidden_dim divisible by {self.mp_size}"
+                f"{self.hidden_dim} over esp_size={esp} shards: use a multiple of {expert_groups} experts "
+                f"and a hidden_dim divisible by {esp}"
             )
 
     def model_config(self, vocab_size: int) -> TransformerConfig:
@@ -289,6 +296,8 @@ FIELD_HELP: dict[str, str] = {
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
     "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
+    "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "
+    "--workers; the experts split over --workers / esp-size expert-parallel groups",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
     "shadowing": "FasterMoE's dynamic shadowing of every MoE layer: off, or auto (each step its cost model picks "
     "hot experts whose weights are broadcast instead of sending their tokens; needs --profile and the "
@@ -344,7 +353,7 @@ MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names)
-    "pipeline", "alltoall", "parallel", "shadowing", "topology_gate", "redundant_experts",
+    "pipeline", "alltoall", "parallel", "shadowing", "topology_gate", "redundant_experts", "esp_size",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 
