@@ -463,6 +463,8 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
     if execution["parallel"] in ("r0", "r1", "rmid", "rmax"):
         execution["parallel"] = resolve_r(execution["parallel"], case.num_experts, world_size)
     reference = ReferenceMoE(case.model_dim, case.hidden_dim, case.num_experts, **kwargs, **node_limit).to(case.dtype)
+    if execution["parallel"] == "s1":  # Parm's S1: each MP member routes its own partition
+        reference.routing_groups = mp_size(case, world_size)
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
         for name, param in reference.named_parameters():

@@ -41,6 +41,7 @@ from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.moves import move_experts
 from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
+from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.planner import PipelinePlanner, PlanChoice
 from moeflow.precision import compute_dtype
@@ -233,7 +234,7 @@ class MoELayer(nn.Module):
             timing.synced_device = str(x_TM.device)
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
         share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
-        owned = share.own(x_TM, routing.choice.weights_TK, routing.choice.expert_idx_TK, routing.location_TK, capacity)
+        owned = share.own(x_TM, routing, capacity, factor)
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
@@ -247,12 +248,12 @@ class MoELayer(nn.Module):
         y_TM = self._with_shared_experts(x_TM, y_TM)
 
         if not recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(load, capacity, k, factor, chosen, timing, owned.capacity, ran)
+            self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
     def _after_forward(
         self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
-        owned_capacity: int, ran: ScheduleOutput,
+        owned: OwnedTokens, ran: ScheduleOutput,
     ) -> None:
         """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
         config = self.config
@@ -260,7 +261,7 @@ class MoELayer(nn.Module):
             update_expert_bias(self.gate, load.counts_WE.sum(0), config.expert_bias_update_rate)
         self.last_stats = routing_stats(
             config, self.groups, load, capacity, k, factor, chosen, timing, self.schedule.plan_label(chosen.plan),
-            owned_capacity, ran,
+            owned, ran,
         )
 
     @property

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
 from moeflow.parallel.context import ScheduleOutput
+from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.planner import PlanChoice
 from moeflow.routing.load import GlobalLoad
@@ -16,10 +17,11 @@ from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 def routing_stats(
     config: MoEConfig, groups: ParallelGroups, load: GlobalLoad, capacity: int, top_k: int, factor: float,
-    chosen: PlanChoice, timing: PipelineTiming, label: str, slots: int, ran: ScheduleOutput,
+    chosen: PlanChoice, timing: PipelineTiming, label: str, owned: OwnedTokens, ran: ScheduleOutput,
 ) -> RoutingStats:
-    """``label``: the schedule's name for the plan that ran; ``slots``: the capacity of the
-    buffer this rank encoded (Parm's S1: its MP member's share)."""
+    """``label``: the schedule's name for the plan that ran; ``owned``: the tokens this rank
+    encoded (Parm's S1: its MP member's share, whose buffer and, partitioned, drops are its own)."""
+    slots = owned.capacity
     counts_WE = load.counts_WE
     if groups.model is not None:  # MP members hold the same tokens: count them once
         counts_WE = counts_WE[:: dist.get_world_size(groups.model)]
@@ -42,10 +44,11 @@ def routing_stats(
     return RoutingStats(
         num_tokens=int(counts_WE.sum()) // top_k,
         top_k=top_k,
-        capacity=capacity,
+        capacity=capacity if owned.dropped_E is None else owned.capacity,
         capacity_factor=factor,
         tokens_per_expert=counts_WE.sum(0).tolist(),
-        dropped_per_expert=(counts_WE - capacity).clamp(min=0).sum(0).tolist(),
+        dropped_per_expert=(counts_WE - capacity).clamp(min=0).sum(0).tolist() if owned.dropped_E is None
+        else owned.dropped_E,
         plan=plan,
         timing=timing,
         shadowed_experts=ran.shadowed_experts,

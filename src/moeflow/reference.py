@@ -5,7 +5,10 @@ plain loop, then a loop over experts, each gathering its own tokens. It defines 
 optimized path must reproduce (same parameter names as :class:`moeflow.MoELayer` with all E experts
 local, so a single-process layer's state dict loads here unchanged).
 
-A forward handles the tokens of one rank: capacity uses this call's token count T.
+A forward handles the tokens of one rank: capacity uses this call's token count T. With
+``routing_groups`` = n (Parm's S1, whose n MP members each route their own partition), the tokens
+are cut into n contiguous groups of ceil(T / n) (the last shorter), each filled on its own with the
+capacity of the largest group; the choices and the balance loss stay those of all T tokens.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class ReferenceMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(model_dim, 1, bias=False) if shared_expert_gate else None
         self.global_load: Callable[[torch.Tensor], torch.Tensor] | None = None
         """In a multi-rank run the bias follows the load summed over ranks: set this to that sum."""
+        self.routing_groups = 1
+        """Groups of tokens whose slots and capacity are filled apart (Parm's S1 partitions)."""
         self.aux_loss = torch.zeros(())
         self.tokens_per_expert: list[int] = []
         self.dropped_per_expert: list[int] = []
@@ -177,26 +182,31 @@ class ReferenceMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights * self.routed_scaling_factor
 
-        # 2. fill capacity: all first choices, then all second choices, ...
+        # 2. fill capacity: all first choices, then all second choices, ... (per routing group)
         chosen_list = chosen.tolist()
         best_score = scores.max(dim=1).values.tolist()  # Tutel's priority: the token's highest score
         position = [[0] * k for _ in range(T)]
-        filled = [0] * E
-        order = list(range(T))
-        if self.batch_prioritized_routing:
-            order.sort(key=lambda t: -best_score[t])  # stable: ties keep token order
-        for j in range(k):
-            for t in order:
-                e = chosen_list[t][j]
-                position[t][j] = filled[e]
-                filled[e] += 1
-        needed = max(filled, default=0)
+        group_size = -(-T // self.routing_groups)
+        group_filled = []
+        for first in range(0, T, max(1, group_size)):
+            filled = [0] * E
+            order = list(range(first, min(first + group_size, T)))
+            if self.batch_prioritized_routing:
+                order.sort(key=lambda t: -best_score[t])  # stable: ties keep token order
+            for j in range(k):
+                for t in order:
+                    e = chosen_list[t][j]
+                    position[t][j] = filled[e]
+                    filled[e] += 1
+            group_filled.append(filled)
+        filled = [sum(counts) for counts in zip(*group_filled, strict=True)] if group_filled else [0] * E
+        needed = max((max(counts) for counts in group_filled), default=0)
         if f > 0:
-            capacity = math.ceil(k * f * T / E)
+            capacity = math.ceil(k * f * group_size / E)
         elif f == 0:
             capacity = needed
         else:
-            capacity = min(needed, math.ceil(k * -f * T / E))
+            capacity = min(needed, math.ceil(k * -f * group_size / E))
         kept = torch.tensor(position, dtype=torch.int64, device=chosen.device).reshape(T, k) < capacity
 
         # 3. each expert processes its kept tokens; outputs are weighted and summed per token
@@ -229,6 +239,6 @@ class ReferenceMoE(nn.Module):
             with torch.no_grad():
                 self.gate.expert_bias += self.expert_bias_update_rate * torch.sign(load.mean() - load)
         self.tokens_per_expert = filled
-        self.dropped_per_expert = [max(0, n - capacity) for n in filled]
+        self.dropped_per_expert = [sum(max(0, counts[e] - capacity) for counts in group_filled) for e in range(E)]
         self.capacity = capacity
         return out.view(x.shape)

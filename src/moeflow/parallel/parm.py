@@ -272,11 +272,13 @@ class ParmSchedule(ModelledSchedule):
     def token_share(
         self, plan: Plan, groups: ParallelGroups, num_experts: int, timing: PipelineTiming
     ) -> TokenShare:
-        """S1 encodes and decodes this member's tokens only; S2 all of them."""
+        """S1 encodes and decodes this member's tokens only; S2 all of them. ``parallel="s1"``
+        routes each member's partition as the paper's S1; ``auto``'s S1 keeps the whole routing,
+        so what the layer computes never depends on the schedule the planner picks."""
         if plan.schedule != "s1":
             return ALL_TOKENS
         assert groups.model is not None and groups.expert is not None
-        return MPTokenShare(groups.model, groups.expert, num_experts, timing)
+        return MPTokenShare(groups.model, groups.expert, num_experts, timing, partitioned=self.name == "s1")
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The padded kernel: every expert is sharded over its ESP group."""

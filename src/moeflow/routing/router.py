@@ -27,6 +27,7 @@ class Routing:
     aux_loss: torch.Tensor
     location_TK: torch.Tensor
     counts_E: torch.Tensor
+    priority_T: torch.Tensor | None = None  # batch-prioritized routing's order key (None: token order)
 
 
 def route(
@@ -45,7 +46,7 @@ def route(
         choice = observe(choice)
     priority_T = choice.scores_TE.detach().max(dim=1).values if config.batch_prioritized_routing else None  # Tutel's
     location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
-    return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E)
+    return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E, priority_T)
 
 
 def router_loss(config: MoEConfig, logits_TE: torch.Tensor, choice: ExpertChoice) -> torch.Tensor:
