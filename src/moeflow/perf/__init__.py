@@ -7,21 +7,21 @@ Plain math on numbers: nothing here imports torch.distributed, so planners and s
 from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_error
 from moeflow.perf.cost import CostModel
 from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile
-from moeflow.perf.roofline import Roofline, communication_latency, computation_latency, link_traffic
-from moeflow.perf.shadowing import ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
+from moeflow.perf.roofline import Roofline, communication_latency, link_loads
+from moeflow.perf.shadowing import LinkPrices, ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
 
 __all__ = [
     "PROFILE_VERSION",
     "AlphaBeta",
     "ClusterProfile",
     "CostModel",
+    "LinkPrices",
     "Roofline",
     "ShadowDecision",
     "ShadowPrices",
     "communication_latency",
-    "computation_latency",
     "fit_alpha_beta",
-    "link_traffic",
+    "link_loads",
     "median_relative_error",
     "select_shadowed_experts",
     "shadowed_latency",

@@ -1,43 +1,38 @@
-"""FasterMoE's performance model: computation (Eq. 1), topology-aware communication (Eq. 2) and the
-DDL-roofline (Eq. 3-6). Plain math on numbers; no torch.distributed."""
+"""FasterMoE's performance model: topology-aware communication (Eq. 2: the busiest link of an
+all-to-all-v) and the DDL-roofline (Eq. 3-6). Plain math on numbers; no torch.distributed.
+Eq. 1 (the slowest worker's computation) is the max over ranks in the shadowing decision
+(:mod:`moeflow.perf.shadowing`), which prices its exchange with Eq. 2."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def computation_latency(tokens_per_worker: Sequence[float], flops_per_token: float, flops_per_second: float) -> float:
-    """Eq. 1: the slowest worker's expert GEMM time (load imbalance shows up here)."""
-    return max((tokens * flops_per_token / flops_per_second for tokens in tokens_per_worker), default=0.0)
+import numpy as np
 
 
-def link_traffic(bytes_matrix: Sequence[Sequence[float]], ranks_per_node: int) -> dict[tuple[str, int], float]:
-    """Bytes on each directed link of an all-to-all-v: ``("up", node)`` node -> network,
-    ``("down", node)`` network -> node, ``("local", rank)`` a rank's traffic to peers on its node.
-    ``bytes_matrix[s][d]`` is what rank s sends to rank d."""
-    traffic: dict[tuple[str, int], float] = {}
-    for source, row in enumerate(bytes_matrix):
-        for dest, size in enumerate(row):
-            if source == dest or size == 0:
-                continue
-            source_node, dest_node = source // ranks_per_node, dest // ranks_per_node
-            if source_node == dest_node:
-                traffic[("local", source)] = traffic.get(("local", source), 0.0) + size
-            else:
-                traffic[("up", source_node)] = traffic.get(("up", source_node), 0.0) + size
-                traffic[("down", dest_node)] = traffic.get(("down", dest_node), 0.0) + size
-    return traffic
+def link_loads(bytes_WW: np.ndarray, ranks_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes on each directed link of an all-to-all-v (``bytes_WW[s, d]``: what rank s sends rank
+    d): per node, up (node -> network) and down (network -> node), and per rank, local (to its
+    peers on its own node). Ranks are numbered node-major."""
+    sent = np.array(bytes_WW, dtype=np.float64, copy=True)
+    np.fill_diagonal(sent, 0.0)
+    ranks = sent.shape[0]
+    node = np.arange(ranks) // ranks_per_node
+    same_node = node[:, None] == node[None, :]
+    remote = np.where(same_node, 0.0, sent)
+    nodes = -(-ranks // ranks_per_node)
+    up = np.bincount(node, weights=remote.sum(1), minlength=nodes)
+    down = np.bincount(node, weights=remote.sum(0), minlength=nodes)
+    return up, down, np.where(same_node, sent, 0.0).sum(1)
 
 
 def communication_latency(
-    bytes_matrix: Sequence[Sequence[float]], ranks_per_node: int, inter_bytes_per_s: float, intra_bytes_per_s: float
+    bytes_WW: np.ndarray, ranks_per_node: int, inter_s_per_byte: float, intra_s_per_byte: float
 ) -> float:
-    """Eq. 2: max over directed links of traffic / bandwidth."""
-    latency = 0.0
-    for (kind, _), size in link_traffic(bytes_matrix, ranks_per_node).items():
-        latency = max(latency, size / (intra_bytes_per_s if kind == "local" else inter_bytes_per_s))
-    return latency
+    """Eq. 2: the busiest directed link's traffic times its seconds per byte."""
+    up, down, local = link_loads(bytes_WW, ranks_per_node)
+    inter = max(float(up.max(initial=0.0)), float(down.max(initial=0.0))) * inter_s_per_byte
+    return max(inter, float(local.max(initial=0.0)) * intra_s_per_byte)
 
 
 @dataclass(frozen=True)

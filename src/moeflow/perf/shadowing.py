@@ -6,13 +6,19 @@ tokens rank w routes to expert e, which the layer already all-gathers) and so ge
 Generalised from the paper's one expert per worker to E experts over W ranks:
 - a rank's load ``B_w`` is the tokens its un-shadowed experts receive from every rank, plus the
   tokens it routes itself to shadowed experts (those are computed where they are, line 6-8 of
-  Algorithm 1);
-- the token exchange of a rank is the larger of what it sends to and receives from other ranks'
-  un-shadowed experts (Eq. 2's busiest link, with one link per rank);
-- ``latency(S) = max_w (compute(B_w) + 4 exchange_w) + |S| parameter sync``: at S = {} that is
-  Eq. 7 (forward and backward, 4 all-to-alls); with S it is Eq. 8 plus the tokens of the experts
-  that still travel (Eq. 8 drops them: with one expert per worker in the paper, a shadowed hot
-  expert leaves little else to send).
+  Algorithm 1); the computation is the slowest rank's (Eq. 1);
+- the token exchange is priced per link (Eq. 2): the bytes each rank sends each other rank for
+  their un-shadowed experts, summed on every node's network link (each way) and every rank's link
+  to its node peers, the busiest link's traffic at that link's calibrated seconds per byte
+  (:class:`LinkPrices`); on one rank per node that is the larger of what a rank sends and receives;
+- ``latency(S) = max_w compute(B_w) + 4 exchange + |S| parameter sync``: at S = {} that is Eq. 7
+  (forward and backward, 4 all-to-alls); with S it is Eq. 8 plus the tokens of the experts that
+  still travel (Eq. 8 drops them: with one expert per worker in the paper, a shadowed hot expert
+  leaves little else to send).
+
+Pricing the exchange per link replaced one all-to-all fit on each rank's moved bytes, and the
+parameters are priced as the two all-reduces moeflow runs (see :meth:`ShadowPrices.from_cost_model`);
+the measurements that decided both are in the docs' record of 2026-11-26 (the topology model).
 - candidates are tried hottest first (Algorithm 1's descending sort) and the search stops at the
   first expert that does not lower the latency, as the paper's does.
 """
@@ -25,17 +31,51 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeflow.perf.cost import CostModel
+from moeflow.perf.roofline import communication_latency
+
+
+@dataclass(frozen=True)
+class LinkPrices:
+    """Eq. 2's links: seconds per byte on a node's network link (each way) and on a rank's link to
+    its node peers, and one all-to-all's fixed latency."""
+
+    ranks_per_node: int
+    inter_s_per_byte: float
+    intra_s_per_byte: float
+    alpha_s: float = 0.0
+
+    @classmethod
+    def from_cost_model(cls, cost: CostModel, algorithm: str = "linear") -> LinkPrices:
+        """From the all-to-all fits, t = alpha + beta x for x bytes per rank split evenly over the
+        W ranks: a node's network link then carries rpn (W - rpn) / W x and a rank's link to its
+        peers (rpn - 1) / rpn x, so a link byte costs beta over those shares. The network link
+        reads the inter-node fit where calibrated, else the planned algorithm's; the peer link the
+        intra-node fit where calibrated, else the same."""
+        fits, world, per_node = cost.profile.fits, cost.world_size, cost.profile.ranks_per_node
+        planned = fits[f"alltoall.{algorithm}"]
+        inter, intra = fits.get("alltoall.inter_node", planned), fits.get("alltoall.intra_node", planned)
+        inter_share = per_node * (world - per_node) / world
+        intra_share = (per_node - 1) / per_node
+        return cls(
+            per_node, inter.beta / inter_share if inter_share else 0.0,
+            intra.beta / intra_share if intra_share else 0.0, planned.alpha,
+        )
+
+    def exchange_seconds(self, bytes_WW: np.ndarray) -> float:
+        """One all-to-all-v of ``bytes_WW[s, d]`` bytes from rank s to rank d (0 when nothing moves)."""
+        busiest = communication_latency(bytes_WW, self.ranks_per_node, self.inter_s_per_byte, self.intra_s_per_byte)
+        return self.alpha_s + busiest if busiest > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class ShadowPrices:
     """What the decision costs things at. ``expert_seconds(rows)``: the forward and backward of the
-    expert FFN over ``rows`` tokens on one rank; ``exchange_seconds(bytes)``: one all-to-all in
-    which a rank moves ``bytes``; ``parameter_seconds``: broadcasting one expert's parameters from
-    its owner and reducing its gradients back (the two collectives of Eq. 8)."""
+    expert FFN over ``rows`` tokens on one rank; ``links``: one token exchange, per link (Eq. 2);
+    ``parameter_seconds``: broadcasting one expert's parameters from its owner and reducing its
+    gradients back (the two collectives of Eq. 8); ``row_bytes``: one token's bytes."""
 
     expert_seconds: Callable[[float], float]
-    exchange_seconds: Callable[[float], float]
+    links: LinkPrices
     parameter_seconds: float
     row_bytes: int
 
@@ -44,9 +84,12 @@ class ShadowPrices:
         cls, cost: CostModel, model_dim: int, hidden_dim: int, projections: int, bytes_per_element: int = 4,
         algorithm: str = "linear",
     ) -> ShadowPrices:
-        """Prices from a calibrated profile. The broadcast + reduce pair moves what one ring
-        all-reduce of the parameters moves (a reduce-scatter and an all-gather), so it is priced
-        as that all-reduce."""
+        """Prices from a calibrated profile. moeflow sends a shadowed expert's parameters with one
+        all-reduce in the forward (the owner's weights, zeros elsewhere: the broadcast) and one in
+        the backward (every rank's gradients summed into the owner's: the reduce), so the pair is
+        priced as two all-reduces. (FasterMoE's own broadcast and reduce move what one all-reduce
+        moves; pricing them so, the model shadowed a second expert on the emulated 2x2 cluster
+        that cost more than it saved.)"""
         parameter_bytes = projections * model_dim * hidden_dim * bytes_per_element
 
         def expert_seconds(rows: float) -> float:
@@ -58,8 +101,8 @@ class ShadowPrices:
 
         return cls(
             expert_seconds=expert_seconds,
-            exchange_seconds=lambda size: cost.t_alltoall(algorithm, size) if size > 0 else 0.0,
-            parameter_seconds=cost.t_allreduce(parameter_bytes),
+            links=LinkPrices.from_cost_model(cost, algorithm),
+            parameter_seconds=2 * cost.t_allreduce(parameter_bytes),
             row_bytes=model_dim * bytes_per_element,
         )
 
@@ -107,15 +150,9 @@ def shadowed_latency(
     and experts: Algorithm 1 calls it once per candidate, every iteration."""
     tokens = np.asarray(tokens_WE, dtype=np.float64)
     owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
-    own_kept_W = (kept_WE * owned_EW.T).sum(1)  # tokens a rank routes to its own kept experts
-    arriving_W = kept_WE.sum(0) @ owned_EW  # all tokens of a rank's kept experts
-    compute_W = rank_compute_load(tokens, owner_E, shadowed)
-    moved_W = np.maximum(kept_WE.sum(1) - own_kept_W, arriving_W - own_kept_W)
-    slowest = max(
-        prices.expert_seconds(float(compute)) + 4 * prices.exchange_seconds(float(moved) * prices.row_bytes)
-        for compute, moved in zip(compute_W, moved_W, strict=True)
-    )
-    return slowest + len(shadowed) * prices.parameter_seconds
+    sent_WW = kept_WE @ owned_EW * prices.row_bytes  # bytes rank s sends rank d (the diagonal stays home)
+    slowest = max(prices.expert_seconds(float(rows)) for rows in rank_compute_load(tokens, owner_E, shadowed))
+    return slowest + 4 * prices.links.exchange_seconds(sent_WW) + len(shadowed) * prices.parameter_seconds
 
 
 def select_shadowed_experts(
