@@ -71,7 +71,7 @@ def _point(rank: int, world_size: int) -> list[str]:
     from moeflow.comm.topology import Topology
 
     emitted: list[dict[str, Any]] = []
-    point = LinaPoint("uniform", batch=2, context=16, batches=2, profile_batches=2)
+    point = LinaPoint("uniform", batch=2, context=16, batches=2, profile_batches=2, replica_slots=1)
     measure_point(vars(point), ParallelGroups(dist.group.WORLD, Topology(world_size, 1)), None, 1, emitted.append)
     return emitted
 
@@ -87,6 +87,9 @@ def test_a_small_point_measures_every_schedule_on_two_workers() -> None:
     (estimate,) = [r for r in records if r["bench"] == "lina-inference-estimate"]
     assert len(estimate["accuracy_per_layer"]) == 8
     assert estimate["phase2_rate"] == pytest.approx(1 - estimate["accuracy"])
+    # the budget of one copy per worker: its own 4 experts and at most one more, weights moved reported
+    assert estimate["own_experts_per_worker"] == 4 and estimate["max_experts_per_worker"] <= 5
+    assert estimate["fetched_mb_per_forward"] >= 0 and estimate["replica_slots"] == 1
     assert [r["path_length"] for r in records if r["bench"] == "lina-inference-path-length"] == [1, 2, 3, 4, 5, 6]
 
 

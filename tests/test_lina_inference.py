@@ -145,6 +145,10 @@ def test_settings_name_the_fix() -> None:
         SchedulerSettings(path_length=0)
     with pytest.raises(ValueError, match="pass profile="):
         InferenceScheduler(SchedulerSettings("lina"), 2)
+    with pytest.raises(ValueError, match="replica_slots must be an integer >= 0"):
+        SchedulerSettings("oracle", replica_slots=-1)
+    with pytest.raises(ValueError, match="6 experts must split evenly over the 4 workers"):
+        InferenceScheduler(SchedulerSettings("oracle", replica_slots=1), 2).check_layer(6, 4)
 
 
 # -- the scheduled layer equals the static one ---------------------------------------------------------
@@ -178,14 +182,15 @@ def _forward(layers: list[MoELayer], x: torch.Tensor) -> torch.Tensor:
 
 
 def _scheduled(rank: int, world_size: int, schedule: str, kind: str, capacity_factor: float,
-               routes: np.ndarray | None) -> dict[str, Any]:
+               routes: np.ndarray | None, replica_slots: int | None = None) -> dict[str, Any]:
     groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 1)) if world_size > 1 else None
     layers = _layers(groups, capacity_factor)
     x = _inputs(kind, rank)
     with torch.no_grad():
         static = _forward(layers, x)
         profile = None if routes is None else RoutingProfile.from_routes(routes, E, "f", path_length=2)
-        scheduler = InferenceScheduler(SchedulerSettings(schedule, max_experts_per_rank=4), 3, profile)
+        settings = SchedulerSettings(schedule, max_experts_per_rank=4, replica_slots=replica_slots)
+        scheduler = InferenceScheduler(settings, 3, profile)
         schedule_layers(layers, scheduler)
         stored = [layer.num_local_experts for layer in layers]
         scheduled = [_forward(layers, x) for _ in range(2)]
@@ -256,3 +261,23 @@ def test_the_scheduled_layers_compute_what_the_static_placement_computes(
         static = [max(plan_loads(popularity_plan([1] * E, world_size, 4), np.array(r["load"]))) for r in counted]
         busiest = [max(r["rank_tokens"]) for r in counted]
         assert all(b <= s for b, s in zip(busiest, static, strict=True)) and busiest != static
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_replica_budget_keeps_each_workers_own_experts_and_at_most_r_copies(world_size: int) -> None:
+    """``replica_slots=1``: each worker computes its own E / W experts and at most one copy of
+    another, the outputs stay the static placement's, and the records count the copies fetched."""
+    results = run_distributed(_scheduled, world_size, "oracle", "skewed", 0.0, None, 1, timeout_s=120)
+    local = E // world_size
+    for result in results:
+        for scheduled in result["scheduled"]:
+            np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
+        assert result["stored"] == [local] * 3
+    records = results[0]["records"]
+    for record in records:
+        for rank, plan in enumerate(record["plan"]):
+            assert set(range(rank * local, (rank + 1) * local)) <= set(plan) and len(plan) <= local + 1
+        assert record["fetched"] == sum(len(plan) - local for plan in record["plan"])
+        assert record["held"] == max(len(plan) for plan in record["plan"]) <= local + 1
+    assert any(record["fetched"] for record in records)  # the skewed load earns copies

@@ -30,10 +30,11 @@ TINY: dict[str, Any] = dict(
 
 
 def _profile(path: Path) -> str:
-    """A profile whose parameters are nearly free to broadcast (so ``auto`` shadows hot experts)
-    with intra- and inter-node all-to-all fits (so the topology gate's ``auto`` finds its share)."""
+    """A profile whose parameters are nearly free to broadcast and whose token exchange is slow on
+    every link (so ``auto`` shadows hot experts), with intra- and inter-node all-to-all fits (so the
+    topology gate's ``auto`` finds its share)."""
     fits = {"alltoall.linear": AlphaBeta(1e-4, 1e-6), "allreduce": AlphaBeta(1e-6, 1e-12),
-            "gemm": AlphaBeta(1e-6, 1e-9), "alltoall.intra_node": AlphaBeta(1e-5, 1e-10),
+            "gemm": AlphaBeta(1e-6, 1e-9), "alltoall.intra_node": AlphaBeta(1e-5, 1e-6),
             "alltoall.inter_node": AlphaBeta(1e-4, 2e-9)}
     ClusterProfile(nodes=1, ranks_per_node=2, fits=fits).save(path)
     return str(path)

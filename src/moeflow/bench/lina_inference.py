@@ -57,6 +57,7 @@ class LinaPoint:
     profile_batches: int = 64  # batches per worker the profile is recorded on
     path_length: int = 3
     max_experts_per_rank: int = 8
+    replica_slots: int | None = None  # a memory budget: own experts plus at most this many copies per worker
 
 
 def hf_shape() -> Any:
@@ -272,7 +273,9 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
     routing = _profile(setup)
     num_layers, top_k = len(setup.layers), setup.layers[0].config.top_k
     settings = {name: SchedulerSettings(name, max_experts_per_rank=point.max_experts_per_rank,
-                                        path_length=point.path_length) for name in SCHEDULES[1:]}
+                                        path_length=point.path_length,
+                                        replica_slots=None if name in ("ideal", "unpadded") else point.replica_slots)
+                for name in SCHEDULES[1:]}
     schedulers = {"lina": InferenceScheduler(settings["lina"], num_layers, routing),
                   "oracle": InferenceScheduler(settings["oracle"], num_layers, keep_routes=True),
                   "ideal": InferenceScheduler(settings["ideal"], num_layers),
@@ -304,10 +307,20 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
           "accuracy": lina["accuracy"], "phase2_rate": lina["phase2_rate"],
           "accuracy_per_layer": [layer["accuracy"] for layer in lina["layers"]],
           "skew_per_layer": np.median(np.array(skews), axis=0).tolist(),
-          "rank_skew_lina": lina["rank_skew"]})
+          "rank_skew_lina": lina["rank_skew"], "replica_slots": point.replica_slots,
+          "fetched_experts_per_forward": lina["fetched_per_forward"] * num_layers,
+          "fetched_mb_per_forward": lina["fetched_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
+          "max_experts_per_worker": lina["max_experts_held"],
+          "own_experts_per_worker": setup.layers[0].config.num_experts // dist.get_world_size()})
     for length, per_layer in accuracy_by_length(routing, forwards, top_k, settings["lina"].compare_top).items():
         emit({"bench": "lina-inference-path-length", **common, "path_length": length,
               "accuracy": float(np.mean(per_layer)), "accuracy_per_layer": per_layer})
+
+
+def _expert_bytes(setup: Any) -> int:
+    """One expert's weights (every parameter of one local expert), in bytes."""
+    experts = setup.layers[0].experts
+    return sum(p[0].numel() * p.element_size() for p in experts.parameters())
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -582,6 +582,9 @@ def _add_lina_inference(benches: Any) -> None:
     parser.add_argument("--batches", type=positive_int, default=20, help="timed batches per schedule (default 20)")
     parser.add_argument("--max-experts-per-rank", type=positive_int, default=8,
                         help="Lina's packing limit (default 8: E=8 on 2 workers leaves room to balance)")
+    parser.add_argument("--replica-slots", type=int, default=None, metavar="R",
+                        help="a memory budget for lina and oracle: each worker keeps its own experts and computes "
+                        "at most R copies of others (default: Lina's packing up to --max-experts-per-rank)")
     parser.add_argument("--plot", metavar="PNG",
                         help="write the Fig. 16-style plot of the times over ideal's to this PNG")
     _add_cluster_layout(parser, 1)
@@ -599,7 +602,8 @@ def run_lina_inference(args: argparse.Namespace) -> int:
     from moeflow.testbed import ClusterError
 
     points = [LinaPoint(model, args.checkpoint or "", args.batch, args.context, args.batches,
-                        max_experts_per_rank=args.max_experts_per_rank) for model in args.models]
+                        max_experts_per_rank=args.max_experts_per_rank, replica_slots=args.replica_slots)
+              for model in args.models]
     try:
         records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit)
     except (ClusterError, RuntimeError) as error:

@@ -54,6 +54,10 @@ def add_parser(commands: Any) -> None:
                           "with (default: routing_profile.safetensors in the model dir)")
     generate.add_argument("--max-experts-per-rank", type=positive_int, default=4,
                           help="--schedule lina|oracle: most experts one worker computes (default 4, as Lina)")
+    generate.add_argument("--replica-slots", type=int, default=None, metavar="R",
+                          help="--schedule lina|oracle: a memory budget: each worker keeps its own experts and "
+                          "computes at most R copies of others (default: Lina's packing up to "
+                          "--max-experts-per-rank)")
     generate.add_argument("--schedule-log", metavar="FILE",
                           help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate "
                           "to this JSON lines file")
@@ -128,7 +132,8 @@ def _schedule(args: argparse.Namespace) -> Any:
     from moeflow.hf.serving import ScheduleRequest
     from moeflow.inference import PROFILE_FILE, RoutingProfile, SchedulerSettings
 
-    settings = SchedulerSettings(args.schedule, max_experts_per_rank=args.max_experts_per_rank)
+    settings = SchedulerSettings(args.schedule, max_experts_per_rank=args.max_experts_per_rank,
+                                 replica_slots=args.replica_slots)
     if args.schedule != "lina":
         return ScheduleRequest(settings)
     profile = args.routing_profile or str(Path(args.hf) / PROFILE_FILE)

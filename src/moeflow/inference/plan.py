@@ -148,6 +148,44 @@ def popularity_placement(
     load_E: Sequence[float], world_size: int, hidden_dim: int, max_experts_per_rank: int = MAX_EXPERTS_PER_RANK
 ) -> ExpertPlacement:
     """:func:`popularity_plan` as a placement whose replicated experts split their tokens."""
-    plan = popularity_plan(load_E, world_size, max_experts_per_rank)
+    return plan_placement(popularity_plan(load_E, world_size, max_experts_per_rank), len(load_E), hidden_dim)
+
+
+def plan_placement(plan: Sequence[Sequence[int]], num_experts: int, hidden_dim: int) -> ExpertPlacement:
+    """Whole experts on each rank as ``plan`` lists them; an expert on several ranks splits its tokens."""
     shards = tuple(tuple(ExpertShard(e, 0, hidden_dim) for e in experts) for experts in plan)
-    return ExpertPlacement(len(load_E), hidden_dim, shards, split_tokens=True)
+    return ExpertPlacement(num_experts, hidden_dim, shards, split_tokens=True)
+
+
+def replica_slot_plan(load_E: Sequence[float], world_size: int, replica_slots: int) -> list[list[int]]:
+    """The experts of every rank under a memory budget: its own E / W experts (expert parallel),
+    plus at most ``replica_slots`` copies of others. Greedy, as long as it unloads the busiest
+    rank: of the experts that can still get a copy, the one with the most load per copy gets one
+    more, on the least loaded rank that has a free slot and lacks it. Loads split evenly over an
+    expert's copies. Owners never change, so only the copies' weights move."""
+    load = np.asarray(load_E, dtype=np.float64)
+    num_experts = len(load)
+    if num_experts % world_size:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over {world_size} ranks")
+    if not isinstance(replica_slots, int) or replica_slots < 0:
+        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
+    own = num_experts // world_size
+    plan = [list(range(rank * own, (rank + 1) * own)) for rank in range(world_size)]
+    copies = np.ones(num_experts)
+    busiest = max(plan_loads(plan, load))
+    while True:
+        loads = plan_loads(plan, load)
+        placed = False
+        for expert in sorted(range(num_experts), key=lambda e: (-load[e] / copies[e], e)):
+            room = [r for r in range(world_size) if len(plan[r]) < own + replica_slots and expert not in plan[r]]
+            if not room or load[expert] == 0:
+                continue
+            target = min(room, key=lambda r: (loads[r], r))
+            trial = [[*held, expert] if r == target else held for r, held in enumerate(plan)]
+            trial_busiest = max(plan_loads(trial, load))
+            if trial_busiest < busiest - _SLACK:
+                plan, busiest, placed = trial, trial_busiest, True
+                copies[expert] += 1
+            break  # one try per round: the expert with the most load per copy that has room
+        if not placed:
+            return [sorted(experts) for experts in plan]

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
-from moeflow.inference.plan import MAX_EXPERTS_PER_RANK, check_max_experts_per_rank, popularity_placement
+from moeflow.inference.plan import (
+    MAX_EXPERTS_PER_RANK,
+    check_max_experts_per_rank,
+    plan_placement,
+    popularity_placement,
+    replica_slot_plan,
+)
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
 from moeflow.routing.selection import ExpertChoice
@@ -39,13 +45,17 @@ COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts
 class SchedulerSettings:
     """How an :class:`InferenceScheduler` schedules: which schedule, the most experts a rank may
     host, the path length l of the estimate, how many top experts must agree with the gate's to
-    skip phase 2, and the fewest profiled tokens a path needs to be used."""
+    skip phase 2, and the fewest profiled tokens a path needs to be used. ``replica_slots`` R, a
+    memory budget: each rank keeps its own experts and computes at most R copies of others
+    (:func:`~moeflow.inference.plan.replica_slot_plan`); None: Lina's replicate-then-pack
+    placement over ``max_experts_per_rank``."""
 
     schedule: str = "lina"
     max_experts_per_rank: int = MAX_EXPERTS_PER_RANK
     path_length: int = PATH_LENGTH
     compare_top: int = COMPARE_TOP
     min_path_tokens: int = MIN_PATH_TOKENS
+    replica_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in INFERENCE_SCHEDULES[1:]:
@@ -55,6 +65,14 @@ class SchedulerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.replica_slots is not None and (not isinstance(self.replica_slots, int) or self.replica_slots < 0):
+            raise ValueError(f"replica_slots must be an integer >= 0 (None: no budget), got {self.replica_slots!r}")
+
+    def placement(self, load_E: np.ndarray, world_size: int, hidden_dim: int) -> ExpertPlacement:
+        """Where the experts run for ``load_E``: within the replica budget, or Lina's packing."""
+        if self.replica_slots is None:
+            return popularity_placement(load_E, world_size, hidden_dim, self.max_experts_per_rank)
+        return plan_placement(replica_slot_plan(load_E, world_size, self.replica_slots), len(load_E), hidden_dim)
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,8 @@ class LayerRecord:
     phase: int  # 1: the estimate's placement ran; 2: re-placed from the gate's counts; 0: no estimate
     plan: list[list[int]]  # experts of each rank
     rank_tokens: list[float]  # each rank's share of the load under the plan
+    fetched: int = 0  # experts copied from their owner (expert-parallel storage) for this forward
+    held: int = 0  # the most experts one rank holds in this forward (its own and the copies)
 
     @property
     def skew(self) -> float:
@@ -122,8 +142,13 @@ class InferenceScheduler:
         return taken
 
     def check_layer(self, num_experts: int, world_size: int) -> None:
-        if world_size > 1:
+        if world_size == 1:
+            return
+        if self.settings.replica_slots is None:
             check_max_experts_per_rank(self.settings.max_experts_per_rank, num_experts, world_size)
+        elif num_experts % world_size:
+            raise ValueError(f"replica_slots keeps each worker's own experts: {num_experts} experts must split "
+                             f"evenly over the {world_size} workers (or leave replica_slots unset)")
 
 
 @dataclass(frozen=True)
@@ -176,13 +201,15 @@ class LayerScheduling:
             accurate = top_experts(estimate_E, settings.compare_top) == top_experts(load, settings.compare_top)
             phase = 1 if accurate else 2
             basis = estimate_E if accurate else load
-            placement = popularity_placement(basis, world_size, hidden_dim, settings.max_experts_per_rank)
+            placement = settings.placement(basis, world_size, hidden_dim)
         else:
-            placement = popularity_placement(load, world_size, hidden_dim, settings.max_experts_per_rank)
+            placement = settings.placement(load, world_size, hidden_dim)
         plan = [[s.expert for s in shards] for shards in placement.shards]
+        own = len(load) // world_size
+        fetched = sum(sum(not rank * own <= e < (rank + 1) * own for e in experts) for rank, experts in enumerate(plan))
         self.scheduler.records.append(LayerRecord(
             self.layer, load.tolist(), None if estimate_E is None else [float(v) for v in estimate_E], accurate,
-            phase, plan, rank_loads(placement, load.tolist()),
+            phase, plan, rank_loads(placement, load.tolist()), fetched, max(map(len, plan)),
         ))
         return placement
 
@@ -202,6 +229,8 @@ def summarize_records(records: list[LayerRecord]) -> dict[str, object]:
             "phase2_rate": float(np.mean([r.phase == 2 for r in group])) if judged else None,
             "skew": float(np.mean([r.skew for r in group])),
             "rank_skew": float(np.mean([_max_over_mean(r.rank_tokens) for r in group])),
+            "fetched_per_forward": float(np.mean([r.fetched for r in group])),
+            "max_experts_held": max(r.held for r in group),
         }
 
     per_layer = []
