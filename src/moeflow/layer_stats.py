@@ -25,6 +25,10 @@ def routing_stats(
     counts_WE = load.counts_WE
     if groups.model is not None:  # MP members hold the same tokens: count them once
         counts_WE = counts_WE[:: dist.get_world_size(groups.model)]
+    if owned.dropped_E is None:
+        dropped_E = (counts_WE - capacity).clamp(min=0).sum(0).tolist()
+    else:  # Parm's partitioned S1: each member dropped by its own partition's capacity
+        capacity, dropped_E = owned.capacity, owned.dropped_E
     plan = ExecutionPlan(
         schedule=label,
         r=chosen.plan.r,
@@ -44,11 +48,10 @@ def routing_stats(
     return RoutingStats(
         num_tokens=int(counts_WE.sum()) // top_k,
         top_k=top_k,
-        capacity=capacity if owned.dropped_E is None else owned.capacity,
+        capacity=capacity,
         capacity_factor=factor,
         tokens_per_expert=counts_WE.sum(0).tolist(),
-        dropped_per_expert=(counts_WE - capacity).clamp(min=0).sum(0).tolist() if owned.dropped_E is None
-        else owned.dropped_E,
+        dropped_per_expert=dropped_E,
         plan=plan,
         timing=timing,
         shadowed_experts=ran.shadowed_experts,

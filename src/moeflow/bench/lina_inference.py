@@ -318,9 +318,9 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
 
 
 def _expert_bytes(setup: Any) -> int:
-    """One expert's weights (every parameter of one local expert), in bytes."""
-    experts = setup.layers[0].experts
-    return sum(p[0].numel() * p.element_size() for p in experts.parameters())
+    """One expert's weights in bytes."""
+    layer = setup.layers[0]
+    return layer.config.dims.expert_parameters * layer.experts.w1.element_size()
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -102,7 +102,9 @@ def _layer_plan(args: argparse.Namespace) -> int:
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
     if args.mp > 1:
-        esp = args.esp or args.mp
+        from moeflow.parallel.parm import shard_count
+
+        esp = shard_count(args.mp, args.esp)
         if world % args.mp or world % esp or args.num_experts % (world // esp) or args.hidden_dim % esp:
             raise fail("plan", f"--mp {args.mp} and --esp {esp} must divide the {world} ranks, --esp the hidden "
                        "size, and leave expert-parallel groups that divide the experts")

@@ -32,6 +32,7 @@ from moeflow.inference.plan import (
     popularity_placement,
     replica_slot_plan,
 )
+from moeflow.parallel.dynamic import fetches
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
 from moeflow.routing.selection import ExpertChoice
@@ -86,8 +87,12 @@ class LayerRecord:
     phase: int  # 1: the estimate's placement ran; 2: re-placed from the gate's counts; 0: no estimate
     plan: list[list[int]]  # experts of each rank
     rank_tokens: list[float]  # each rank's share of the load under the plan
-    fetched: int = 0  # experts copied from their owner (expert-parallel storage) for this forward
-    held: int = 0  # the most experts one rank holds in this forward (its own and the copies)
+    fetched: int = 0  # experts copied from where the layer stores them, for this forward
+
+    @property
+    def held(self) -> int:
+        """The most experts one rank holds in this forward (its own and the copies)."""
+        return max(map(len, self.plan), default=0)
 
     @property
     def skew(self) -> float:
@@ -95,7 +100,8 @@ class LayerRecord:
         return _max_over_mean(self.load)
 
     def to_dict(self) -> dict[str, object]:
-        return {**dataclasses.asdict(self), "skew": self.skew, "rank_skew": _max_over_mean(self.rank_tokens)}
+        return {**dataclasses.asdict(self), "skew": self.skew, "held": self.held,
+                "rank_skew": _max_over_mean(self.rank_tokens)}
 
 
 def _max_over_mean(values: list[int] | list[float]) -> float:
@@ -190,9 +196,12 @@ class LayerScheduling:
                 scheduler.routes.append(np.stack(scheduler._layer_routes, axis=1))
         return choice
 
-    def placement(self, load_E: torch.Tensor, estimate_E: np.ndarray | None, world_size: int,
-                  hidden_dim: int) -> ExpertPlacement:
-        """Phase 1 from the estimate, phase 2 from ``load_E`` (the kept selections of all ranks)."""
+    def placement(
+        self, load_E: torch.Tensor, estimate_E: np.ndarray | None, storage: ExpertPlacement
+    ) -> ExpertPlacement:
+        """Phase 1 from the estimate, phase 2 from ``load_E`` (the kept selections of all ranks);
+        the record counts the experts fetched from ``storage`` (where the layer keeps them)."""
+        world_size, hidden_dim = len(storage.shards), storage.hidden_dim
         load = load_E.to("cpu", torch.long).numpy()
         settings, accurate, phase = self.settings, None, 0
         if settings.schedule in ("ideal", "unpadded") and len(load) % world_size == 0:
@@ -205,11 +214,10 @@ class LayerScheduling:
         else:
             placement = settings.placement(load, world_size, hidden_dim)
         plan = [[s.expert for s in shards] for shards in placement.shards]
-        own = len(load) // world_size
-        fetched = sum(sum(not rank * own <= e < (rank + 1) * own for e in experts) for rank, experts in enumerate(plan))
+        fetched = sum(map(len, fetches(storage, placement).values()))
         self.scheduler.records.append(LayerRecord(
             self.layer, load.tolist(), None if estimate_E is None else [float(v) for v in estimate_E], accurate,
-            phase, plan, rank_loads(placement, load.tolist()), fetched, max(map(len, plan)),
+            phase, plan, rank_loads(placement, load.tolist()), fetched,
         ))
         return placement
 

@@ -196,9 +196,7 @@ class DynamicPlacementSchedule(ModelledSchedule):
         return 1, ("linear",), None
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
-        placement = self.scheduler.placement(
-            ctx.filled_WE.sum(0), ctx.estimate_E, ctx.world_size, ctx.placement.hidden_dim
-        )
+        placement = self.scheduler.placement(ctx.filled_WE.sum(0), ctx.estimate_E, ctx.placement)
         row_map = PlacedRowMap.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
         weights = placed_weights(ctx.weights(), ctx.placement, placement, ctx.rank, ctx.groups.expert)
         experts = PlacedExperts(ctx.experts.compute, weights, placement, row_map, ctx.rank)

@@ -23,7 +23,9 @@ class InferenceHook(Protocol):
         """The gate's choice as the layer will use it (seen by the scheduler)."""
         ...
 
-    def placement(self, load_E: torch.Tensor, estimate_E: np.ndarray | None, world_size: int,
-                  hidden_dim: int) -> ExpertPlacement:
-        """This forward's placement from every rank's kept selections and estimates."""
+    def placement(
+        self, load_E: torch.Tensor, estimate_E: np.ndarray | None, storage: ExpertPlacement
+    ) -> ExpertPlacement:
+        """This forward's placement from every rank's kept selections and estimates, for experts
+        stored as ``storage`` places them (the layer's own placement)."""
         ...

@@ -71,6 +71,11 @@ def check_mp_group(groups: ParallelGroups) -> int:
     return size
 
 
+def shard_count(mp_size: int, esp_size: int | None) -> int:
+    """N_ESP: ``esp_size``, or N_MP where unset (Parm's real models' setting)."""
+    return esp_size or mp_size
+
+
 class _TrackedExchange:
     """Parm's exchanges as one entry each way in the groups' ledger (their all-to-all and the MP
     collectives around it: what a hang report names)."""
@@ -173,7 +178,7 @@ class ParmModel:
 
     @property
     def esp(self) -> int:
-        return self.esp_size or self.mp_size
+        return shard_count(self.mp_size, self.esp_size)
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -257,11 +262,11 @@ class ParmSchedule(ModelledSchedule):
 
     @property
     def esp(self) -> int:
-        return self.esp_size or self.mp_size
+        return shard_count(self.mp_size, self.esp_size)
 
     @property
     def model(self) -> ParmModel:
-        return ParmModel(self.name, self.mp_size, esp_size=self.esp)
+        return ParmModel(self.name, self.mp_size, esp_size=self.esp_size)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         if world_size % self.esp:

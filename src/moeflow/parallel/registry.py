@@ -84,9 +84,9 @@ SCHEDULES: tuple[ScheduleSpec, ...] = (
                  replicated_region, ranked_by_auto=True),
     ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda layout: AdaptiveSchedule(),
                  adaptive_region, ranked_by_auto=True),
-    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda layout: ParmSchedule(layout.mp_size, "s1", layout.esp),
+    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda layout: ParmSchedule(layout.mp_size, "s1", layout.esp_size),
                  s1_region, behind_model_parallel=True),
-    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda layout: ParmSchedule(layout.mp_size, "s2", layout.esp),
+    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda layout: ParmSchedule(layout.mp_size, "s2", layout.esp_size),
                  s2_region, behind_model_parallel=True),
     ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP",
                  lambda layout: BaselineSchedule(layout.mp_size), baseline_region,
@@ -211,7 +211,8 @@ def select_schedule(
     when E is not divisible by the group size). With more ranks than experts (a multiple of them)
     only Tutel's switchable layout fits: ``auto`` is ``adaptive`` there. An int is Tutel's r,
     fixed. Parm's schedules run behind tensor-parallel attention of ``layout.mp_size`` ranks, each
-    expert in ``layout.esp`` hidden shards; behind it ``auto`` is Parm: S1 or S2 chosen per iteration."""
+    expert in ``layout.esp_size`` hidden shards (None: N_MP); behind it ``auto`` is Parm: S1 or S2
+    chosen per iteration."""
     check_parallel(parallel)
     layout = layout or ShardingLayout()
     if isinstance(parallel, int):
@@ -219,7 +220,7 @@ def select_schedule(
     if parallel != AUTO:
         return ScheduleChoice(SCHEDULE_SPECS[parallel].make(layout), "forced")
     if layout.mp_size > 1:
-        return ScheduleChoice(ParmSchedule(layout.mp_size, PARM_AUTO, layout.esp), "mp_group")
+        return ScheduleChoice(ParmSchedule(layout.mp_size, PARM_AUTO, layout.esp_size), "mp_group")
     default = expected_schedule(parallel, num_experts, world_size)
     if default != "expert" or world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
         return ScheduleChoice(SCHEDULE_SPECS[default].make(layout), "layout" if default != "expert" else "default")

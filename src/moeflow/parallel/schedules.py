@@ -48,11 +48,7 @@ class ShardingLayout:
     its real models' setting, where an MP group is also an ESP group."""
 
     mp_size: int = 1
-    esp_size: int | None = None
-
-    @property
-    def esp(self) -> int:
-        return self.esp_size or self.mp_size
+    esp_size: int | None = None  # None: N_MP (moeflow.parallel.parm.shard_count)
 
 
 class ParallelSchedule(Protocol):

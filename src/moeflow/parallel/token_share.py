@@ -157,7 +157,7 @@ class MPTokenShare:
         gathered = torch.stack(parts).cpu()  # (ranks, 1 + E): each rank's partition size and counts
         top_k = expert_idx_TK.shape[1]
         capacity = expert_capacity(capacity_factor, top_k, int(gathered[:, 0].max()), self.num_experts,
-                                   int(gathered[:, 1:].max()) if gathered.numel() else 0)
+                                   int(gathered[:, 1:].max()))
         dropped_E = (gathered[:, 1:] - capacity).clamp(min=0).sum(0).tolist()
         return location_TK, capacity, dropped_E
 

@@ -126,7 +126,10 @@ def rank_compute_load(
     """B_w per rank: the tokens of its un-shadowed experts from every rank, plus its own tokens of
     the shadowed experts (computed where they are)."""
     tokens = np.asarray(tokens_WE, dtype=np.float64)
-    owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
+    return _compute_load(tokens, *_kept_tokens(tokens, owner_E, shadowed))
+
+
+def _compute_load(tokens: np.ndarray, owned_EW: np.ndarray, kept_WE: np.ndarray) -> np.ndarray:
     return kept_WE.sum(0) @ owned_EW + (tokens - kept_WE).sum(1)
 
 
@@ -151,7 +154,7 @@ def shadowed_latency(
     tokens = np.asarray(tokens_WE, dtype=np.float64)
     owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
     sent_WW = kept_WE @ owned_EW * prices.row_bytes  # bytes rank s sends rank d (the diagonal stays home)
-    slowest = max(prices.expert_seconds(float(rows)) for rows in rank_compute_load(tokens, owner_E, shadowed))
+    slowest = max(prices.expert_seconds(float(rows)) for rows in _compute_load(tokens, owned_EW, kept_WE))
     return slowest + 4 * prices.links.exchange_seconds(sent_WW) + len(shadowed) * prices.parameter_seconds
 
 

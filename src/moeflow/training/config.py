@@ -222,6 +222,7 @@ class TrainConfig:
 
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
+        from moeflow.parallel.parm import shard_count
         from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 
         if self.workers % self.mp_size:
@@ -235,7 +236,7 @@ class TrainConfig:
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
-        esp = self.esp_size or self.mp_size
+        esp = shard_count(self.mp_size, self.esp_size)
         if self.workers % esp:
             raise ValueError(f"esp_size={esp} hidden shards per expert must divide workers={self.workers}")
         expert_groups = self.workers // esp
