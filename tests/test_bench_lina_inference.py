@@ -70,9 +70,13 @@ def _point(rank: int, world_size: int) -> list[str]:
     from moeflow.comm import ParallelGroups
     from moeflow.comm.topology import Topology
 
+    from moeflow.perf import AlphaBeta, ClusterProfile
+
     emitted: list[dict[str, Any]] = []
     point = LinaPoint("uniform", batch=2, context=16, batches=2, profile_batches=2, replica_slots=1)
-    measure_point(vars(point), ParallelGroups(dist.group.WORLD, Topology(world_size, 1)), None, 1, emitted.append)
+    cluster = ClusterProfile(nodes=2, ranks_per_node=1, fits={  # the replica budget's cost model prices on it
+        "alltoall.linear": AlphaBeta(1e-4, 1e-9), "gemm": AlphaBeta(1e-5, 1e-11)})
+    measure_point(vars(point), ParallelGroups(dist.group.WORLD, Topology(world_size, 1)), cluster, 1, emitted.append)
     return emitted
 
 
@@ -89,7 +93,11 @@ def test_a_small_point_measures_every_schedule_on_two_workers() -> None:
     assert estimate["phase2_rate"] == pytest.approx(1 - estimate["accuracy"])
     # the budget of one copy per worker: its own 4 experts and at most one more, weights moved reported
     assert estimate["own_experts_per_worker"] == 4 and estimate["max_experts_per_worker"] <= 5
-    assert estimate["fetched_mb_per_forward"] >= 0 and estimate["replica_slots"] == 1
+    assert estimate["fetched_mb_per_forward"] >= 0 and estimate["replica_slots"] == 1 and estimate["cost_model"]
+    moved = estimate["moved_mb_per_forward"]  # phase 2 moves its copies and the dropped early ones
+    assert moved >= estimate["fetched_mb_per_forward"] and moved >= estimate["late_mb_per_forward"]
+    expert_mb = 3 * 256 * 1024 * 4 / 2**20  # the Mixtral-like expert: three 256 x 1024 fp32 projections
+    assert estimate["max_expert_mb_per_worker"] == pytest.approx(estimate["max_experts_per_worker"] * expert_mb)
     assert [r["path_length"] for r in records if r["bench"] == "lina-inference-path-length"] == [1, 2, 3, 4, 5, 6]
 
 

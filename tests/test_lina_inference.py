@@ -27,6 +27,7 @@ from moeflow.inference import (
 from moeflow.inference.plan import plan_loads
 from moeflow.inference.scheduler import balanced_choice, top_experts
 from moeflow.parallel.redundant import rank_loads
+from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.routing.selection import ExpertChoice
 
 from equivalence import FP32_TOLERANCE
@@ -156,9 +157,9 @@ def test_settings_name_the_fix() -> None:
 E, M, H = 8, 6, 10
 
 
-def _layers(groups: ParallelGroups | None, capacity_factor: float) -> list[MoELayer]:
+def _layers(groups: ParallelGroups | None, capacity_factor: float, hidden_dim: int = H) -> list[MoELayer]:
     torch.manual_seed(0)
-    layers = [MoELayer(M, H, E, top_k=2, capacity_factor=capacity_factor, group=groups, parallel="expert")
+    layers = [MoELayer(M, hidden_dim, E, top_k=2, capacity_factor=capacity_factor, group=groups, parallel="expert")
               for _ in range(3)]
     torch.manual_seed(1)
     for layer in layers:
@@ -182,15 +183,16 @@ def _forward(layers: list[MoELayer], x: torch.Tensor) -> torch.Tensor:
 
 
 def _scheduled(rank: int, world_size: int, schedule: str, kind: str, capacity_factor: float,
-               routes: np.ndarray | None, replica_slots: int | None = None) -> dict[str, Any]:
+               routes: np.ndarray | None, replica_slots: int | None = None,
+               cluster: ClusterProfile | None = None, hidden_dim: int = H) -> dict[str, Any]:
     groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 1)) if world_size > 1 else None
-    layers = _layers(groups, capacity_factor)
+    layers = _layers(groups, capacity_factor, hidden_dim)
     x = _inputs(kind, rank)
     with torch.no_grad():
         static = _forward(layers, x)
         profile = None if routes is None else RoutingProfile.from_routes(routes, E, "f", path_length=2)
         settings = SchedulerSettings(schedule, max_experts_per_rank=4, replica_slots=replica_slots)
-        scheduler = InferenceScheduler(settings, 3, profile)
+        scheduler = InferenceScheduler(settings, 3, profile, cost=None if cluster is None else CostModel(cluster))
         schedule_layers(layers, scheduler)
         stored = [layer.num_local_experts for layer in layers]
         scheduled = [_forward(layers, x) for _ in range(2)]
@@ -281,3 +283,68 @@ def test_a_replica_budget_keeps_each_workers_own_experts_and_at_most_r_copies(wo
         assert record["fetched"] == sum(len(plan) - local for plan in record["plan"])
         assert record["held"] == max(len(plan) for plan in record["plan"]) <= local + 1
     assert any(record["fetched"] for record in records)  # the skewed load earns copies
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(("kind", "capacity_factor"), [("skewed", 0.0), ("even", 1.0)])
+def test_lina_places_each_layer_a_layer_ahead_within_the_replica_budget(
+    world_size: int, kind: str, capacity_factor: float
+) -> None:
+    """Lina with ``replica_slots=1``: phase 1 of layer l is planned at layer l - 1 from the path
+    estimate and its copies posted there (``early``); a layer whose estimate was wrong re-plans
+    from the gate and fetches on the critical path (``late``); layer 0 has no layer before it. The
+    outputs stay the static placement's and no rank computes more than its own experts and one copy."""
+    routes = _profile_routes("skewed")
+    results = run_distributed(_scheduled, world_size, "lina", kind, capacity_factor, routes, 1, timeout_s=120)
+    local = E // world_size
+    for result in results:
+        for scheduled in result["scheduled"]:
+            np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
+        assert result["stored"] == [local] * 3
+    records = results[0]["records"]
+    assert all(record == other["records"] for other in results for record in [records])
+    for record in records:
+        for rank, plan in enumerate(record["plan"]):
+            assert set(range(rank * local, (rank + 1) * local)) <= set(plan) and len(plan) <= local + 1
+        if record["layer"] == 0:  # nothing runs before layer 0's gate to fetch its copies under
+            assert record["early"] == 0 and record["late"] == record["fetched"]
+        elif record["phase"] == 1:  # used as posted a layer ahead
+            assert record["early"] == record["fetched"] and record["late"] == 0
+        else:  # re-placed from the gate's counts: its copies fetched now
+            assert record["late"] == record["fetched"]
+    later = [r for r in records if r["layer"] > 0]
+    if world_size > 1 and kind == "skewed":  # the estimate is right (and on 4 workers its copies came early)
+        assert {r["phase"] for r in later} == {1} and any(r["early"] for r in later) == (world_size == 4)
+    if world_size > 1 and kind == "even":  # profiled on other tokens: some layer re-plans
+        assert any(r["phase"] == 2 for r in records)
+
+
+def _cluster(link_seconds_per_byte: float, hidden_dim: int) -> ClusterProfile:
+    """A cluster whose links cost ``link_seconds_per_byte`` and whose experts 1 ms per token."""
+    expert_per_work = 1e-3 / (M * hidden_dim * 2)  # ffn.forward's x is tokens * M * H * projections
+    return ClusterProfile(nodes=4, ranks_per_node=1, fits={
+        "alltoall.linear": AlphaBeta(0.0, link_seconds_per_byte), "ffn.forward": AlphaBeta(0.0, expert_per_work),
+        "gemm": AlphaBeta(0.0, 1e-12)})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["oracle", "lina"])
+def test_a_cost_model_makes_only_the_copies_that_pay(schedule: str) -> None:
+    """With a calibrated cost model, copies are made on a fast link and none on a link so slow that
+    no balance pays for an expert's weights (the plan stays the static one); outputs unchanged.
+    The experts are wide (an expert's weights outweigh the rows a copy keeps off the busiest link:
+    with H = 10 a copy would pay on the exchange alone)."""
+    routes, hidden = _profile_routes("skewed") if schedule == "lina" else None, 200
+    fetched = {}
+    for name, seconds_per_byte in (("fast", 1e-12), ("slow", 1.0)):
+        results = run_distributed(_scheduled, 4, schedule, "skewed", 0.0, routes, 1,
+                                  _cluster(seconds_per_byte, hidden), hidden, timeout_s=120)
+        for result in results:
+            for scheduled in result["scheduled"]:
+                np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
+        fetched[name] = sum(r["fetched"] for r in results[0]["records"])
+        if name == "slow":
+            assert all(plan == list(range(2 * rank, 2 * rank + 2)) for r in results[0]["records"]
+                       for rank, plan in enumerate(r["plan"]))
+    assert fetched == {"fast": fetched["fast"], "slow": 0} and fetched["fast"] > 0

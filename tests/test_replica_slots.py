@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moeflow.inference.cost import ReplicaPrices
 from moeflow.inference.plan import plan_loads, replica_slot_plan
+from moeflow.perf import LinkPrices
 
 
 def test_no_slots_is_expert_parallel() -> None:
@@ -38,3 +40,37 @@ def test_bad_budgets_are_refused() -> None:
         replica_slot_plan([1, 1], 2, -1)
     with pytest.raises(ValueError, match="3 experts cannot be split evenly over 2 ranks"):
         replica_slot_plan([1, 1, 1], 2, 1)
+
+
+# -- whether a copy pays (moeflow.inference.cost) ---------------------------------------------------
+
+def _prices(seconds_per_byte: float) -> ReplicaPrices:
+    """1 ms per token of expert compute, 10-byte rows, 1000-byte experts, one rank per node."""
+    return ReplicaPrices(lambda rows: rows * 1e-3, LinkPrices(1, seconds_per_byte, 0.0), 10, 1000)
+
+
+STORAGE = [[0, 1], [2, 3]]
+LOAD = np.array([30.0, 10.0, 0.0, 0.0])  # rank 0 computes 40 ms, rank 1 nothing
+
+
+def test_the_prices_add_compute_exchange_and_the_copies_beyond_what_hides_them() -> None:
+    prices, copied = _prices(1e-4), [[0, 1], [0, 2, 3]]
+    assert prices.compute_seconds(STORAGE, LOAD) == pytest.approx(0.040)
+    assert prices.compute_seconds(copied, LOAD) == pytest.approx(0.025)  # expert 0's 30 tokens split 15 / 15
+    # static: rank 1 sends half of the 40 tokens to rank 0 and takes them back, 200 bytes each way
+    assert prices.exchange_seconds(STORAGE, LOAD) == pytest.approx(2 * 200 * 1e-4)
+    assert prices.copy_seconds(copied, STORAGE) == pytest.approx(1000 * 1e-4)
+    assert prices.copy_seconds(STORAGE, STORAGE) == 0.0
+    total = prices.seconds(copied, LOAD, STORAGE, hidden_s=0.06)
+    assert total == pytest.approx(0.025 + prices.exchange_seconds(copied, LOAD) + 0.04)
+
+
+@pytest.mark.parametrize(("seconds_per_byte", "hidden_s", "copies"), [
+    (1e-6, 0.0, True),  # a fast link: the copy's 1 ms buys 15 ms of compute
+    (1e-4, 0.0, False),  # a slow link on the critical path: 100 ms for 15 ms, the plan stays static
+    (1e-4, 0.095, True),  # the same copy fetched a layer ahead, under 95 ms of compute: 5 ms for 15 ms
+])
+def test_a_copy_is_made_only_where_it_pays(seconds_per_byte: float, hidden_s: float, copies: bool) -> None:
+    prices = _prices(seconds_per_byte)
+    plan = replica_slot_plan(LOAD, 2, 1, lambda trial: prices.seconds(trial, LOAD, STORAGE, hidden_s))
+    assert plan == ([[0, 1], [0, 2, 3]] if copies else STORAGE)

@@ -273,16 +273,16 @@ class MoELayer(nn.Module):
         self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord
     ) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
-        inference scheduler (the schedule's hook), its load estimate from before the gate; the
-        scheduler also sees the gate's choice. Keeps the aux loss."""
+        inference scheduler (the schedule's hook), which sees the gate's choice, its estimate of the
+        selections ahead (Lina's phase 1 for the next layer). Keeps the aux loss."""
         hook = self.schedule.hook
         with self._memory.routing_bias(record, self.gate.expert_bias, recompute):
             if hook is None:
                 routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit), None
             else:
-                estimate_E = hook.estimate(x_TM.shape[0])
                 observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
                 routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe)
+                estimate_E = hook.estimate(x_TM.shape[0])
         if not recompute:
             self._aux_loss = GraphValue(routing.aux_loss)
         return routing, estimate_E

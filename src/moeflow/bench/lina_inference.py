@@ -267,8 +267,11 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
 
     from moeflow.inference import InferenceScheduler, SchedulerSettings, schedule_layers
     from moeflow.inference.scheduler import summarize_records
+    from moeflow.perf import CostModel
 
     point = LinaPoint(**values)
+    # a replica budget prices its copies on the calibrated cluster (Lina's cost model)
+    cost = None if profile is None or point.replica_slots is None else CostModel(profile)
     setup = _setup(point, groups)
     routing = _profile(setup)
     num_layers, top_k = len(setup.layers), setup.layers[0].config.top_k
@@ -276,8 +279,8 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
                                         path_length=point.path_length,
                                         replica_slots=None if name in ("ideal", "unpadded") else point.replica_slots)
                 for name in SCHEDULES[1:]}
-    schedulers = {"lina": InferenceScheduler(settings["lina"], num_layers, routing),
-                  "oracle": InferenceScheduler(settings["oracle"], num_layers, keep_routes=True),
+    schedulers = {"lina": InferenceScheduler(settings["lina"], num_layers, routing, cost=cost),
+                  "oracle": InferenceScheduler(settings["oracle"], num_layers, keep_routes=True, cost=cost),
                   "ideal": InferenceScheduler(settings["ideal"], num_layers),
                   "unpadded": InferenceScheduler(settings["unpadded"], num_layers)}
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
@@ -310,7 +313,11 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
           "rank_skew_lina": lina["rank_skew"], "replica_slots": point.replica_slots,
           "fetched_experts_per_forward": lina["fetched_per_forward"] * num_layers,
           "fetched_mb_per_forward": lina["fetched_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
+          "moved_mb_per_forward": lina["moved_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
+          "late_mb_per_forward": lina["late_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
           "max_experts_per_worker": lina["max_experts_held"],
+          "max_expert_mb_per_worker": lina["max_experts_held"] * _expert_bytes(setup) / 2**20,
+          "cost_model": cost is not None,
           "own_experts_per_worker": setup.layers[0].config.num_experts // dist.get_world_size()})
     for length, per_layer in accuracy_by_length(routing, forwards, top_k, settings["lina"].compare_top).items():
         emit({"bench": "lina-inference-path-length", **common, "path_length": length,
@@ -353,11 +360,14 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_cluster(points: list[LinaPoint], nodes: int, ranks_per_node: int, inter_gbit: float,
-                master_port: int = 29790, timeout_s: float = 3600) -> list[dict[str, Any]]:
+                profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600) -> list[dict[str, Any]]:
+    """The points on the emulated cluster; calibrated first (or on ``profile``) when a point has a
+    replica budget, whose copies the cost model prices."""
     from moeflow.bench import run_on_cluster
 
+    budget = any(point.replica_slots is not None for point in points)
     return run_on_cluster("moeflow.bench.lina_inference", "lina-inference", points, nodes, ranks_per_node,
-                          inter_gbit, 1, None, master_port, timeout_s, calibrate=False)
+                          inter_gbit, 1, profile, master_port, timeout_s, calibrate=budget)
 
 
 def _rank_main(argv: list[str]) -> None:

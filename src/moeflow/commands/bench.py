@@ -584,7 +584,9 @@ def _add_lina_inference(benches: Any) -> None:
                         help="Lina's packing limit (default 8: E=8 on 2 workers leaves room to balance)")
     parser.add_argument("--replica-slots", type=int, default=None, metavar="R",
                         help="a memory budget for lina and oracle: each worker keeps its own experts and computes "
-                        "at most R copies of others (default: Lina's packing up to --max-experts-per-rank)")
+                        "at most R copies of others, made where the calibrated cost model says they pay (the "
+                        "cluster is calibrated first unless --profile; default: Lina's packing up to "
+                        "--max-experts-per-rank)")
     parser.add_argument("--plot", metavar="PNG",
                         help="write the Fig. 16-style plot of the times over ideal's to this PNG")
     _add_cluster_layout(parser, 1)
@@ -605,7 +607,7 @@ def run_lina_inference(args: argparse.Namespace) -> int:
                         max_experts_per_rank=args.max_experts_per_rank, replica_slots=args.replica_slots)
               for model in args.models]
     try:
-        records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit)
+        records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit, args.profile)
     except (ClusterError, RuntimeError) as error:
         raise fail("bench lina-inference", error) from None
     if args.plot:

@@ -20,7 +20,8 @@ from moeflow.inference.scheduler import (
 )
 from moeflow.layer import MoELayer
 from moeflow.parallel.dynamic import DynamicPlacementSchedule
-from moeflow.parallel.inference_hook import InferenceHook
+from moeflow.parallel.expert_fetch import start_fetch
+from moeflow.parallel.inference_hook import Fetch, InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.registry import check_techniques
 
@@ -42,6 +43,15 @@ def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | 
             scheduler.check_layer(layer.config.num_experts, layer.world_size)
     for index, layer in enumerate(layers):
         schedule_layer(layer, None if scheduler is None else scheduler.hook(index))
+        if scheduler is not None:  # the layer before it may fetch its copies ahead
+            scheduler.attach(index, _fetcher(layer), layer.placement, layer.config.dims,
+                             layer.experts.w1.element_size())
+
+
+def _fetcher(layer: MoELayer) -> Fetch:
+    """Start fetching the weights ``layer`` computes under a placement, from where it stores them."""
+    return lambda placement: start_fetch(layer.experts.weights(), layer.placement, placement, layer.rank,
+                                         layer.groups)
 
 
 def schedule_layer(layer: MoELayer, hook: InferenceHook | None) -> None:

@@ -15,7 +15,7 @@ the same gathered loads, with no coordinator.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -157,35 +157,46 @@ def plan_placement(plan: Sequence[Sequence[int]], num_experts: int, hidden_dim: 
     return ExpertPlacement(num_experts, hidden_dim, shards, split_tokens=True)
 
 
-def replica_slot_plan(load_E: Sequence[float], world_size: int, replica_slots: int) -> list[list[int]]:
-    """The experts of every rank under a memory budget: its own E / W experts (expert parallel),
-    plus at most ``replica_slots`` copies of others. Greedy, as long as it unloads the busiest
-    rank: of the experts that can still get a copy, the one with the most load per copy gets one
-    more, on the least loaded rank that has a free slot and lacks it. Loads split evenly over an
-    expert's copies. Owners never change, so only the copies' weights move."""
-    load = np.asarray(load_E, dtype=np.float64)
-    num_experts = len(load)
+def own_plan(num_experts: int, world_size: int) -> list[list[int]]:
+    """Each rank's own experts, E / W in a row (expert parallel): where the weights are stored."""
     if num_experts % world_size:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world_size} ranks")
+    own = num_experts // world_size
+    return [list(range(rank * own, (rank + 1) * own)) for rank in range(world_size)]
+
+
+def replica_slot_plan(
+    load_E: Sequence[float], world_size: int, replica_slots: int,
+    seconds: Callable[[list[list[int]]], float] | None = None,
+) -> list[list[int]]:
+    """The experts of every rank under a memory budget: its own E / W experts (expert parallel),
+    plus at most ``replica_slots`` copies of others. Greedy, as long as it pays: of the experts
+    that can still get a copy, the one with the most load per copy gets one more, on the least
+    loaded rank that has a free slot and lacks it, while that lowers the plan's ``seconds`` (a
+    cost model's time of the layer under a plan, copies included), or without one the busiest
+    rank's load. Loads split evenly over an expert's copies. Owners never change, so only the
+    copies' weights move."""
+    load = np.asarray(load_E, dtype=np.float64)
     if not isinstance(replica_slots, int) or replica_slots < 0:
         raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
-    own = num_experts // world_size
-    plan = [list(range(rank * own, (rank + 1) * own)) for rank in range(world_size)]
-    copies = np.ones(num_experts)
-    busiest = max(plan_loads(plan, load))
+    plan = own_plan(len(load), world_size)
+    limit = len(plan[0]) + replica_slots
+    price = seconds if seconds is not None else (lambda trial: max(plan_loads(trial, load)))
+    best = price(plan)
+    copies = np.ones(len(load))
     while True:
         loads = plan_loads(plan, load)
-        placed = False
-        for expert in sorted(range(num_experts), key=lambda e: (-load[e] / copies[e], e)):
-            room = [r for r in range(world_size) if len(plan[r]) < own + replica_slots and expert not in plan[r]]
-            if not room or load[expert] == 0:
-                continue
-            target = min(room, key=lambda r: (loads[r], r))
-            trial = [[*held, expert] if r == target else held for r, held in enumerate(plan)]
-            trial_busiest = max(plan_loads(trial, load))
-            if trial_busiest < busiest - _SLACK:
-                plan, busiest, placed = trial, trial_busiest, True
-                copies[expert] += 1
-            break  # one try per round: the expert with the most load per copy that has room
-        if not placed:
-            return [sorted(experts) for experts in plan]
+        movable = [e for e in range(len(load)) if load[e] > 0 and any(
+            len(held) < limit and e not in held for held in plan)]
+        if not movable:
+            break
+        expert = min(movable, key=lambda e: (-load[e] / copies[e], e))  # one try: the most load per copy
+        room = [r for r in range(world_size) if len(plan[r]) < limit and expert not in plan[r]]
+        target = min(room, key=lambda r: (loads[r], r))
+        trial = [[*held, expert] if r == target else held for r, held in enumerate(plan)]
+        trial_price = price(trial)
+        if trial_price >= best - _SLACK * max(1.0, abs(best)):
+            break
+        plan, best = trial, trial_price
+        copies[expert] += 1
+    return [sorted(experts) for experts in plan]

@@ -19,11 +19,14 @@ scheduler.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from moeflow.config import LayerDims
+from moeflow.inference.cost import ReplicaPrices
 from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
 from moeflow.inference.plan import (
     MAX_EXPERTS_PER_RANK,
@@ -32,14 +35,18 @@ from moeflow.inference.plan import (
     popularity_placement,
     replica_slot_plan,
 )
-from moeflow.parallel.dynamic import fetches
+from moeflow.parallel.expert_fetch import ExpertFetch
+from moeflow.parallel.inference_hook import Fetch
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
+from moeflow.perf.cost import CostModel
 from moeflow.routing.selection import ExpertChoice
 
 INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 """The inference schedules; all but ``static`` (the layer's own placement) run an :class:`InferenceScheduler`."""
 COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts are the gate's
+Pricing = Callable[[list[list[int]]], float]
+"""A cost model's seconds of one layer under a plan (the experts of every rank)."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,14 @@ class SchedulerSettings:
         if self.replica_slots is not None and (not isinstance(self.replica_slots, int) or self.replica_slots < 0):
             raise ValueError(f"replica_slots must be an integer >= 0 (None: no budget), got {self.replica_slots!r}")
 
-    def placement(self, load_E: np.ndarray, world_size: int, hidden_dim: int) -> ExpertPlacement:
-        """Where the experts run for ``load_E``: within the replica budget, or Lina's packing."""
+    def placement(self, load_E: np.ndarray, world_size: int, hidden_dim: int,
+                  seconds: Pricing | None = None) -> ExpertPlacement:
+        """Where the experts run for ``load_E``: within the replica budget (copies made while they
+        lower ``seconds``, a cost model's time of the layer under a plan), or Lina's packing."""
         if self.replica_slots is None:
             return popularity_placement(load_E, world_size, hidden_dim, self.max_experts_per_rank)
-        return plan_placement(replica_slot_plan(load_E, world_size, self.replica_slots), len(load_E), hidden_dim)
+        plan = replica_slot_plan(load_E, world_size, self.replica_slots, seconds)
+        return plan_placement(plan, len(load_E), hidden_dim)
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,8 @@ class LayerRecord:
     plan: list[list[int]]  # experts of each rank
     rank_tokens: list[float]  # each rank's share of the load under the plan
     fetched: int = 0  # experts copied from where the layer stores them, for this forward
+    early: int = 0  # copies fetched a layer ahead (phase 1), used or not
+    late: int = 0  # copies fetched on the critical path (phase 2, layer 0, or no layer ahead)
 
     @property
     def held(self) -> int:
@@ -121,18 +133,47 @@ def balanced_choice(choice: ExpertChoice, num_experts: int, rank: int) -> Expert
     return dataclasses.replace(choice, expert_idx_TK=(index + rank * top_k) % num_experts)
 
 
+@dataclass(frozen=True)
+class AttachedLayer:
+    """What the scheduler knows of a layer to place it a layer ahead: how to start fetching its
+    experts' weights, where they are stored, and (with a cost model) what a plan costs there."""
+
+    fetch: Fetch
+    storage: ExpertPlacement
+    prices: ReplicaPrices | None = None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A layer's phase 1, decided at the layer before: every rank's estimate summed, the placement
+    and the fetch of its copies (posted; None: the layer fetches them itself)."""
+
+    estimate_E: np.ndarray
+    placement: ExpertPlacement
+    fetch: ExpertFetch | None
+
+    def fetched(self, fetch: Fetch) -> ExpertFetch:
+        """The placement's weights: posted a layer ahead, or fetched now with ``fetch``."""
+        return self.fetch or fetch(self.placement)
+
+
 @dataclass
 class InferenceScheduler:
-    """The scheduler of one model's MoE layers (their forward order is their index)."""
+    """The scheduler of one model's MoE layers (their forward order is their index). ``cost``, a
+    calibrated profile's cost model: under a replica budget, a copy is made only where it pays
+    (:mod:`moeflow.inference.cost`); None: wherever it unloads the busiest rank."""
 
     settings: SchedulerSettings
     num_layers: int
     profile: RoutingProfile | None = None
     keep_routes: bool = False  # keep every token's choices (profiling): ``routes``, one (T, layers, k) per forward
+    cost: CostModel | None = None
     records: list[LayerRecord] = field(default_factory=list)
     routes: list[np.ndarray] = field(default_factory=list)
     _layer_routes: list[np.ndarray] = field(default_factory=list)
     _history: list[np.ndarray] = field(default_factory=list)  # first choices of this forward's tokens
+    _attached: dict[int, AttachedLayer] = field(default_factory=dict)
+    _ahead: dict[int, Ahead] = field(default_factory=dict)  # phase 1 of the layers ahead, in flight
 
     def __post_init__(self) -> None:
         if self.settings.schedule == "lina" and self.profile is None:
@@ -141,6 +182,40 @@ class InferenceScheduler:
 
     def hook(self, layer: int) -> LayerScheduling:
         return LayerScheduling(self, layer)
+
+    def attach(self, layer: int, fetch: Fetch, storage: ExpertPlacement, dims: LayerDims, element_bytes: int) -> None:
+        """Let the layer before ``layer`` fetch its copies ahead (``fetch`` from ``storage``), and
+        price its plans for ``dims`` in ``element_bytes`` when there is a cost model."""
+        prices = None if self.cost is None else ReplicaPrices.from_cost_model(self.cost, dims, element_bytes)
+        self._attached[layer] = AttachedLayer(fetch, storage, prices)
+
+    def start_forward(self) -> None:
+        """A forward begins at layer 0: fetches left in flight by one that stopped early complete
+        (every rank posted them) and are dropped."""
+        for ahead in self._ahead.values():
+            if ahead.fetch is not None:
+                ahead.fetch.wait()
+        self._ahead.clear()
+        self._history.clear()
+        self._layer_routes.clear()
+
+    def pricing(self, layer: int, load_E: np.ndarray, hidden_s: float = 0.0) -> Pricing | None:
+        """The cost model's seconds of ``layer`` under a plan for ``load_E``, its copies' time
+        beyond ``hidden_s``; None without a cost model (or with no price for that layer)."""
+        attached = self._attached.get(layer)
+        if attached is None or attached.prices is None:
+            return None
+        storage = [[s.expert for s in shards] for shards in attached.storage.shards]
+        prices = attached.prices
+        return lambda plan: prices.seconds(plan, load_E, storage, hidden_s)
+
+    def compute_seconds(self, layer: int, placement: ExpertPlacement, load_E: np.ndarray) -> float:
+        """The predicted expert compute of ``layer`` under ``placement`` (0 without a cost model):
+        the link time a fetch started now can hide under."""
+        attached = self._attached.get(layer)
+        if attached is None or attached.prices is None:
+            return 0.0
+        return attached.prices.compute_seconds([[s.expert for s in shards] for shards in placement.shards], load_E)
 
     def take_records(self) -> list[LayerRecord]:
         """The records since the last call (one per layer per forward)."""
@@ -168,27 +243,13 @@ class LayerScheduling:
     def settings(self) -> SchedulerSettings:
         return self.scheduler.settings
 
-    def estimate(self, num_tokens: int) -> np.ndarray | None:
-        """This rank's expected selections per expert (lina), before the gate runs."""
-        profile = self.scheduler.profile
-        if self.settings.schedule != "lina" or profile is None:
-            return None
-        history = self.scheduler._history[: self.layer] if self.layer else []
-        if len(history) != self.layer or any(h.shape[0] != num_tokens for h in history):
-            raise RuntimeError(f"MoE layer {self.layer} ran before the layers ahead of it in this forward "
-                               "(the scheduler needs every MoE layer called once per forward, in order)")
-        history_TI = np.stack(history, axis=1) if history else np.zeros((num_tokens, 0), dtype=np.int64)
-        return profile.estimate(self.layer, history_TI, profile.top_k, self.settings.min_path_tokens,
-                                self.settings.path_length)
-
     def routed(self, choice: ExpertChoice, num_experts: int, rank: int) -> ExpertChoice:
         """The gate's choice (the ideal gate's instead), the first choices appended to the path."""
         if self.settings.schedule == "ideal":
             choice = balanced_choice(choice, num_experts, rank)
         scheduler, choices_TK = self.scheduler, choice.expert_idx_TK.to("cpu", torch.long).numpy()
         if self.layer == 0:
-            scheduler._history.clear()
-            scheduler._layer_routes.clear()
+            scheduler.start_forward()
         scheduler._history.append(choices_TK[:, 0])
         if scheduler.keep_routes:
             scheduler._layer_routes.append(choices_TK)
@@ -196,30 +257,91 @@ class LayerScheduling:
                 scheduler.routes.append(np.stack(scheduler._layer_routes, axis=1))
         return choice
 
+    def estimate(self, num_tokens: int) -> np.ndarray | None:
+        """After the gate (lina): this rank's expected selections per expert at the next layer, from
+        the paths so far (and at layer 0 its own, from the layer's popularity alone)."""
+        profile, scheduler = self.scheduler.profile, self.scheduler
+        if self.settings.schedule != "lina" or profile is None:
+            return None
+        history = scheduler._history
+        if len(history) != self.layer + 1 or any(h.shape[0] != num_tokens for h in history):
+            raise RuntimeError(f"MoE layer {self.layer} ran before the layers ahead of it in this forward "
+                               "(the scheduler needs every MoE layer called once per forward, in order)")
+        path_TI = np.stack(history, axis=1)
+        layers = ([0] if self.layer == 0 else []) + ([self.layer + 1] if self.layer + 1 < scheduler.num_layers else [])
+        estimates = [profile.estimate(layer, path_TI[:, :layer], profile.top_k, self.settings.min_path_tokens,
+                                      self.settings.path_length) for layer in layers]
+        return np.concatenate(estimates) if estimates else None
+
     def placement(
-        self, load_E: torch.Tensor, estimate_E: np.ndarray | None, storage: ExpertPlacement
-    ) -> ExpertPlacement:
-        """Phase 1 from the estimate, phase 2 from ``load_E`` (the kept selections of all ranks);
-        the record counts the experts fetched from ``storage`` (where the layer keeps them)."""
+        self, load_E: torch.Tensor, estimate: np.ndarray | None, storage: ExpertPlacement, fetch: Fetch
+    ) -> ExpertFetch:
+        """Phase 1 (decided a layer ahead, its copies already on the way) when the estimate's top
+        experts are the gate's, else phase 2 from ``load_E`` (every rank's kept selections); then,
+        from ``estimate``, phase 1 of the next layer, whose copies start moving now."""
         world_size, hidden_dim = len(storage.shards), storage.hidden_dim
         load = load_E.to("cpu", torch.long).numpy()
-        settings, accurate, phase = self.settings, None, 0
+        settings, ahead, accurate = self.settings, None, None
         if settings.schedule in ("ideal", "unpadded") and len(load) % world_size == 0:
-            placement = ExpertPlacement.expert_parallel(len(load), world_size, hidden_dim)
-        elif estimate_E is not None:
-            accurate = top_experts(estimate_E, settings.compare_top) == top_experts(load, settings.compare_top)
-            phase = 1 if accurate else 2
-            basis = estimate_E if accurate else load
-            placement = settings.placement(basis, world_size, hidden_dim)
+            placed = fetch(ExpertPlacement.expert_parallel(len(load), world_size, hidden_dim))
+        elif settings.schedule == "lina":
+            ahead, estimate = self._phase_one(estimate, len(load), storage)
+            accurate = top_experts(ahead.estimate_E, settings.compare_top) == top_experts(load, settings.compare_top)
+            placed = ahead.fetched(fetch) if accurate else self._phase_two(load, ahead, storage, fetch)
+            self._plan_next(estimate, placed, load)
         else:
-            placement = settings.placement(load, world_size, hidden_dim)
-        plan = [[s.expert for s in shards] for shards in placement.shards]
-        fetched = sum(map(len, fetches(storage, placement).values()))
-        self.scheduler.records.append(LayerRecord(
+            placed = fetch(settings.placement(load, world_size, hidden_dim, self.scheduler.pricing(self.layer, load)))
+        self.scheduler.records.append(self._record(load, ahead, accurate, placed))
+        return placed
+
+    def _phase_one(self, carried: np.ndarray | None, num_experts: int,
+                   storage: ExpertPlacement) -> tuple[Ahead, np.ndarray | None]:
+        """This layer's phase 1 (at layer 0 planned now from the carried estimate, whose rest is
+        the next layer's) and the next layer's estimate."""
+        if self.layer > 0:
+            ahead = self.scheduler._ahead.pop(self.layer, None)
+            if ahead is None:
+                raise RuntimeError(f"MoE layer {self.layer} has no phase-1 placement: the layer before it did not "
+                                   "run in this forward (call every MoE layer once per forward, in order)")
+            return ahead, carried
+        assert carried is not None  # lina's layer 0 always carries its own estimate
+        estimate_E = carried[:num_experts]
+        pricing = self.scheduler.pricing(0, estimate_E)
+        placement = self.settings.placement(estimate_E, len(storage.shards), storage.hidden_dim, pricing)
+        return Ahead(estimate_E, placement, None), carried[num_experts:] if len(carried) > num_experts else None
+
+    def _phase_two(self, load: np.ndarray, ahead: Ahead, storage: ExpertPlacement, fetch: Fetch) -> ExpertFetch:
+        """The estimate was wrong: the posted copies finish arriving and are dropped, and the
+        gate's counts' placement fetches its copies on the critical path."""
+        if ahead.fetch is not None:
+            ahead.fetch.wait()
+        pricing = self.scheduler.pricing(self.layer, load)
+        return fetch(self.settings.placement(load, len(storage.shards), storage.hidden_dim, pricing))
+
+    def _plan_next(self, estimate_E: np.ndarray | None, placed: ExpertFetch, load: np.ndarray) -> None:
+        """Phase 1 of the next layer from its estimate; its copies move while this layer computes."""
+        scheduler, upcoming = self.scheduler, self.layer + 1
+        if estimate_E is None or upcoming >= scheduler.num_layers:
+            return
+        attached = scheduler._attached.get(upcoming)
+        hidden_s = scheduler.compute_seconds(self.layer, placed.placement, load)
+        storage = placed.placement if attached is None else attached.storage
+        placement = self.settings.placement(estimate_E, len(storage.shards), storage.hidden_dim,
+                                            scheduler.pricing(upcoming, estimate_E, hidden_s))
+        fetched = None if attached is None else attached.fetch(placement)
+        scheduler._ahead[upcoming] = Ahead(estimate_E, placement, fetched)
+
+    def _record(self, load: np.ndarray, ahead: Ahead | None, accurate: bool | None,
+                placed: ExpertFetch) -> LayerRecord:
+        estimate_E = None if ahead is None else ahead.estimate_E
+        early = 0 if ahead is None or ahead.fetch is None else ahead.fetch.copies
+        late = 0 if ahead is not None and placed is ahead.fetch else placed.copies
+        return LayerRecord(
             self.layer, load.tolist(), None if estimate_E is None else [float(v) for v in estimate_E], accurate,
-            phase, plan, rank_loads(placement, load.tolist()), fetched,
-        ))
-        return placement
+            0 if ahead is None else (1 if accurate else 2),
+            [[s.expert for s in shards] for shards in placed.placement.shards],
+            rank_loads(placed.placement, load.tolist()), placed.copies, early, late,
+        )
 
 
 def summarize_records(records: list[LayerRecord]) -> dict[str, object]:
@@ -238,6 +360,8 @@ def summarize_records(records: list[LayerRecord]) -> dict[str, object]:
             "skew": float(np.mean([r.skew for r in group])),
             "rank_skew": float(np.mean([_max_over_mean(r.rank_tokens) for r in group])),
             "fetched_per_forward": float(np.mean([r.fetched for r in group])),
+            "moved_per_forward": float(np.mean([r.early + r.late for r in group])),
+            "late_per_forward": float(np.mean([r.late for r in group])),
             "max_experts_held": max(r.held for r in group),
         }
 

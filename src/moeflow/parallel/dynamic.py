@@ -3,11 +3,12 @@
 Each rank stores only its own experts (the layer's placement: expert parallel, packed, or any
 placement of whole experts). Per forward, the layer's inference hook chooses a placement; rank r
 computes the experts ``placement.local(r)``, fetching those it does not store from the rank that
-stores them (point-to-point, one message per weight, freed after the forward), so no rank ever
-holds more than its own experts and this forward's. An expert held by several ranks gets its
-tokens split evenly over them (contiguous runs of all ranks' tokens in rank order, as EPLB's
-replicas), and the tokens travel by one all-to-all with unequal splits each way: each rank sends
-each other rank exactly the rows it computes, with no capacity padding.
+stores them (:mod:`moeflow.parallel.expert_fetch`; the hook may have started the fetch a layer
+ahead), so no rank ever holds more than its own experts and the copies of the layers in flight.
+An expert held by several ranks gets its tokens split evenly over them (contiguous runs of all
+ranks' tokens in rank order, as EPLB's replicas), and the tokens travel by one all-to-all with
+unequal splits each way: each rank sends each other rank exactly the rows it computes, with no
+capacity padding.
 
 Lina keeps every expert in every device's host memory and swaps the ones it needs onto the GPU
 (§6.2); moeflow fetches them from their owner instead, because no rank may hold the whole model.
@@ -16,17 +17,18 @@ This schedule only moves rows and weights; it runs in inference only (under ``to
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from moeflow.comm.alltoall import linear_all_to_all
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import FFNCompute, FFNWeights
+from moeflow.experts import FFNCompute
 from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.expert_fetch import ExpertFetch, start_fetch
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -73,61 +75,21 @@ class PlacedRowMap:
 
 @dataclass(frozen=True)
 class PlacedExperts:
-    """This forward's experts as :class:`DynamicPlacementSchedule` needs them: the weights of each
-    expert this rank computes, the placement and the kept tokens of every rank per expert."""
+    """This forward's experts as :class:`DynamicPlacementSchedule` needs them: the placement and the
+    weights of each expert this rank computes (being fetched), the kept tokens' rows."""
 
     compute: FFNCompute
-    placed_weights: dict[int, FFNWeights]  # expert -> its (1, ...) weights, stored here or fetched
-    placement: ExpertPlacement
+    fetch: ExpertFetch  # this forward's placement and its experts' weights, stored here or fetched
     row_map: PlacedRowMap
     rank: int
 
     @property
+    def placement(self) -> ExpertPlacement:
+        return self.fetch.placement
+
+    @property
     def num_experts(self) -> int:
         return self.placement.num_local(self.rank)
-
-
-def fetches(storage: ExpertPlacement, placement: ExpertPlacement) -> dict[tuple[int, int], list[int]]:
-    """(source, destination) -> the experts that destination computes under ``placement`` but does not
-    store, each from the first rank that stores it; every rank derives the same from the two."""
-    plan: dict[tuple[int, int], list[int]] = {}
-    for rank, shards in enumerate(placement.shards):
-        for shard in shards:
-            holders = storage.holders(shard.expert)
-            if rank not in holders:
-                plan.setdefault((holders[0], rank), []).append(shard.expert)
-    return plan
-
-
-def placed_weights(
-    stored: FFNWeights, storage: ExpertPlacement, placement: ExpertPlacement, rank: int,
-    group: dist.ProcessGroup | None,
-) -> dict[int, FFNWeights]:
-    """The weights of the experts ``rank`` computes under ``placement``: views of its stored ones,
-    and the others received from their owners (a collective over ``group``: every rank calls it;
-    the messages go on ``group``'s communicator, which the layer's exchanges have set up)."""
-    local_index = {shard.expert: index for index, shard in enumerate(storage.local(rank))}
-    tensors = stored.as_tuple()
-    result = {e: FFNWeights(*(None if t is None else t[i: i + 1] for t in tensors))
-              for e, i in local_index.items() if any(s.expert == e for s in placement.local(rank))}
-    operations: list[dist.P2POp] = []
-    for (source, destination), experts in sorted(fetches(storage, placement).items()):
-        for expert in experts:
-            if source == rank:
-                operations += [dist.P2POp(dist.isend, t[local_index[expert]], _global(group, destination), group)
-                               for t in tensors if t is not None]
-            elif destination == rank:
-                received = tuple(None if t is None else t.new_empty(t.shape[1:]) for t in tensors)
-                operations += [dist.P2POp(dist.irecv, t, _global(group, source), group)
-                               for t in received if t is not None]
-                result[expert] = FFNWeights(*(None if t is None else t.unsqueeze(0) for t in received))
-    for request in dist.batch_isend_irecv(operations) if operations else []:
-        request.wait()
-    return result
-
-
-def _global(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _exchange(x: torch.Tensor, groups: ParallelGroups, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
@@ -150,12 +112,13 @@ def run_placed(dispatched_ECM: torch.Tensor, experts: PlacedExperts, groups: Par
     order = torch.argsort(row_map.recv_local, stable=True)
     bounds = torch.bincount(row_map.recv_local, minlength=experts.num_experts).cumsum(0).tolist()
     computed = torch.empty_like(received)
+    weights = experts.fetch.wait()  # the copies arrived while the rows moved (or a layer ahead)
     expert_start = time.perf_counter()
     local = experts.placement.local(experts.rank)
     for shard, first, last in zip(local, [0, *bounds[:-1]], bounds, strict=True):
         if last > first:
             rows = order[first:last]
-            one = experts.placed_weights[shard.expert]
+            one = weights[shard.expert].cast(received.dtype)  # fetched as stored
             computed[rows] = experts.compute.forward(received[rows].unsqueeze(0), one)[0][0]
     timing.expert_forward_s += time.perf_counter() - expert_start
     returned = _exchange(computed, groups, row_map.send_splits, row_map.recv_splits)
@@ -196,8 +159,8 @@ class DynamicPlacementSchedule(ModelledSchedule):
         return 1, ("linear",), None
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
-        placement = self.scheduler.placement(ctx.filled_WE.sum(0), ctx.estimate_E, ctx.placement)
-        row_map = PlacedRowMap.of(placement, ctx.filled_WE, ctx.capacity, ctx.rank)
-        weights = placed_weights(ctx.weights(), ctx.placement, placement, ctx.rank, ctx.groups.expert)
-        experts = PlacedExperts(ctx.experts.compute, weights, placement, row_map, ctx.rank)
+        fetch = functools.partial(start_fetch, ctx.experts.weights(), ctx.placement, rank=ctx.rank, groups=ctx.groups)
+        placed = self.scheduler.placement(ctx.filled_WE.sum(0), ctx.estimate_E, ctx.placement, fetch)
+        row_map = PlacedRowMap.of(placed.placement, ctx.filled_WE, ctx.capacity, ctx.rank)
+        experts = PlacedExperts(ctx.experts.compute, placed, row_map, ctx.rank)
         return ScheduleOutput(run_placed(dispatched_ECM, experts, ctx.groups, ctx.timing), row_map.rank_tokens)
