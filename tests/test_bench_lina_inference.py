@@ -69,7 +69,6 @@ def _point(rank: int, world_size: int) -> list[str]:
     from moeflow.bench.lina_inference import measure_point
     from moeflow.comm import ParallelGroups
     from moeflow.comm.topology import Topology
-
     from moeflow.perf import AlphaBeta, ClusterProfile
 
     emitted: list[dict[str, Any]] = []

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from hf_models import greedy_reference, tiny_model, word_tokenizer
 from moeflow.cli import main
 from moeflow.inference import PROFILE_FILE, RoutingProfile
+from moeflow.perf import AlphaBeta, ClusterProfile
 from moeflow.training.launch import run_training
 from test_training import tiny
 
@@ -65,6 +66,12 @@ def test_profiled_lina_and_oracle_generate_the_static_tokens(tmp_path: Path, cap
     assert all(0 <= r["accuracy"] <= 1 and r["phase2_rate"] == pytest.approx(1 - r["accuracy"]) for r in rounds)
     assert [layer["layer"] for layer in rounds[0]["layers"]] == [0, 1] and rounds[0]["layers"][0]["plans"]
     assert _generate(tmp_path, capfd, 1, "--schedule", "lina") == static
+    cluster = tmp_path / "cluster.json"  # a calibrated cluster: the budget's copies are priced on it
+    ClusterProfile(nodes=2, ranks_per_node=1, fits={"alltoall.linear": AlphaBeta(1e-4, 1e-9),
+                                                     "gemm": AlphaBeta(1e-5, 1e-11)}).save(cluster)
+    budget = ["--replica-slots", "1", "--cluster-profile", str(cluster), "--schedule-log", str(log)]
+    assert _generate(tmp_path, capfd, 2, "--schedule", "lina", *budget) == static
+    assert max(r["max_experts_held"] for r in map(json.loads, log.read_text().splitlines())) <= 4 + 1
     assert _generate(tmp_path, capfd, 2, "--schedule", "oracle", "--max-experts-per-rank", "5") == static
 
 
@@ -78,6 +85,8 @@ def test_a_missing_or_foreign_profile_is_refused(tmp_path: Path, capfd: pytest.C
     RoutingProfile.from_routes(np.zeros((4, 2, 2), dtype=np.int64), 8, "not-this-model").save(tmp_path / "p.st")
     assert main([*base, "--routing-profile", str(tmp_path / "p.st")]) == 2
     assert "was recorded on another model" in capfd.readouterr().err
+    assert main([*base, "--cluster-profile", str(tmp_path / "p.st")]) == 2
+    assert "give --replica-slots R too" in capfd.readouterr().err
     assert main(["generate", "--checkpoint", str(tmp_path), "--schedule", "oracle"]) == 2
     assert "--schedule plans where the experts run per batch" in capfd.readouterr().err
     assert main(["profile-routing", "--hf", str(directory)]) == 2

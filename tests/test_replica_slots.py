@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeflow.inference.cost import ReplicaPrices
+from moeflow.inference.cost import PlanPrice, ReplicaPrices
 from moeflow.inference.plan import plan_loads, replica_slot_plan
 from moeflow.perf import LinkPrices
 
@@ -46,7 +46,7 @@ def test_bad_budgets_are_refused() -> None:
 
 def _prices(seconds_per_byte: float) -> ReplicaPrices:
     """1 ms per token of expert compute, 10-byte rows, 1000-byte experts, one rank per node."""
-    return ReplicaPrices(lambda rows: rows * 1e-3, LinkPrices(1, seconds_per_byte, 0.0), 10, 1000)
+    return ReplicaPrices(0.0, 1e-3, LinkPrices(1, seconds_per_byte, 0.0), 10, 1000)
 
 
 STORAGE = [[0, 1], [2, 3]]
@@ -72,5 +72,8 @@ def test_the_prices_add_compute_exchange_and_the_copies_beyond_what_hides_them()
 ])
 def test_a_copy_is_made_only_where_it_pays(seconds_per_byte: float, hidden_s: float, copies: bool) -> None:
     prices = _prices(seconds_per_byte)
-    plan = replica_slot_plan(LOAD, 2, 1, lambda trial: prices.seconds(trial, LOAD, STORAGE, hidden_s))
+    plan = replica_slot_plan(LOAD, 2, 1, PlanPrice(prices, LOAD, STORAGE, hidden_s))
     assert plan == ([[0, 1], [0, 2, 3]] if copies else STORAGE)
+    # the bound that skips the search: the cheapest copy (100 ms on the slow link) against the most
+    # copies could save (compute down to the mean, 20 ms, and the whole 40 ms exchange)
+    assert prices.copy_may_pay(LOAD, STORAGE, hidden_s) == copies

@@ -58,6 +58,10 @@ def add_parser(commands: Any) -> None:
                           help="--schedule lina|oracle: a memory budget: each worker keeps its own experts and "
                           "computes at most R copies of others (default: Lina's packing up to "
                           "--max-experts-per-rank)")
+    generate.add_argument("--cluster-profile", metavar="FILE",
+                          help="--replica-slots: a calibrated profile of the cluster (moeflow calibrate); a copy is "
+                          "then made only where its cost model says it pays (default: wherever it unloads the "
+                          "busiest worker)")
     generate.add_argument("--schedule-log", metavar="FILE",
                           help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate "
                           "to this JSON lines file")
@@ -134,8 +138,15 @@ def _schedule(args: argparse.Namespace) -> Any:
 
     settings = SchedulerSettings(args.schedule, max_experts_per_rank=args.max_experts_per_rank,
                                  replica_slots=args.replica_slots)
+    cluster = args.cluster_profile
+    if cluster is not None:
+        from moeflow.perf import ClusterProfile
+
+        if args.replica_slots is None:
+            raise ValueError("--cluster-profile prices the copies of a memory budget: give --replica-slots R too")
+        ClusterProfile.load(cluster)  # a missing or malformed file fails here, before the workers start
     if args.schedule != "lina":
-        return ScheduleRequest(settings)
+        return ScheduleRequest(settings, cluster_profile_path=cluster)
     profile = args.routing_profile or str(Path(args.hf) / PROFILE_FILE)
     RoutingProfile.load(profile)  # a missing or foreign file fails here, before the workers start
-    return ScheduleRequest(settings, profile)
+    return ScheduleRequest(settings, profile, cluster)

@@ -25,10 +25,12 @@ from moeflow.inference.scheduler import summarize_records
 
 @dataclass(frozen=True)
 class ScheduleRequest:
-    """``--schedule lina|oracle``: the scheduler's settings and (lina) the routing profile's path."""
+    """``--schedule lina|oracle``: the scheduler's settings, (lina) the routing profile's path and
+    (a replica budget's cost model) the calibrated cluster profile's."""
 
     settings: SchedulerSettings
     profile_path: str | None = None
+    cluster_profile_path: str | None = None
 
 
 def attach_schedule(model: Any, request: ScheduleRequest | None) -> InferenceScheduler | None:
@@ -41,7 +43,12 @@ def attach_schedule(model: Any, request: ScheduleRequest | None) -> InferenceSch
         profile = RoutingProfile.load(request.profile_path)
         profile.check_matches(len(layers), layers[0].config.num_experts,
                               routing_fingerprint([layer.gate for layer in layers]), request.profile_path)
-    scheduler = InferenceScheduler(request.settings, len(layers), profile)
+    cost = None
+    if request.cluster_profile_path is not None:
+        from moeflow.perf import ClusterProfile, CostModel
+
+        cost = CostModel(ClusterProfile.load(request.cluster_profile_path))
+    scheduler = InferenceScheduler(request.settings, len(layers), profile, cost=cost)
     schedule_layers(layers, scheduler)
     return scheduler
 

@@ -180,6 +180,8 @@ def replica_slot_plan(
     if not isinstance(replica_slots, int) or replica_slots < 0:
         raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
     plan = own_plan(len(load), world_size)
+    if replica_slots == 0:
+        return plan
     limit = len(plan[0]) + replica_slots
     price = seconds if seconds is not None else (lambda trial: max(plan_loads(trial, load)))
     best = price(plan)

@@ -19,14 +19,13 @@ scheduler.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from moeflow.config import LayerDims
-from moeflow.inference.cost import ReplicaPrices
+from moeflow.inference.cost import PlanPrice, ReplicaPrices
 from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
 from moeflow.inference.plan import (
     MAX_EXPERTS_PER_RANK,
@@ -45,8 +44,6 @@ from moeflow.routing.selection import ExpertChoice
 INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 """The inference schedules; all but ``static`` (the layer's own placement) run an :class:`InferenceScheduler`."""
 COMPARE_TOP = 2  # Lina §7.3.2: the estimate is accurate when its top-2 experts are the gate's
-Pricing = Callable[[list[list[int]]], float]
-"""A cost model's seconds of one layer under a plan (the experts of every rank)."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +74,13 @@ class SchedulerSettings:
             raise ValueError(f"replica_slots must be an integer >= 0 (None: no budget), got {self.replica_slots!r}")
 
     def placement(self, load_E: np.ndarray, world_size: int, hidden_dim: int,
-                  seconds: Pricing | None = None) -> ExpertPlacement:
+                  price: PlanPrice | None = None) -> ExpertPlacement:
         """Where the experts run for ``load_E``: within the replica budget (copies made while they
-        lower ``seconds``, a cost model's time of the layer under a plan), or Lina's packing."""
+        lower ``price``, a cost model's seconds of the layer under a plan), or Lina's packing."""
         if self.replica_slots is None:
             return popularity_placement(load_E, world_size, hidden_dim, self.max_experts_per_rank)
-        plan = replica_slot_plan(load_E, world_size, self.replica_slots, seconds)
+        slots = self.replica_slots if price is None or price.copies_may_pay else 0
+        plan = replica_slot_plan(load_E, world_size, slots, price)
         return plan_placement(plan, len(load_E), hidden_dim)
 
 
@@ -199,15 +197,14 @@ class InferenceScheduler:
         self._history.clear()
         self._layer_routes.clear()
 
-    def pricing(self, layer: int, load_E: np.ndarray, hidden_s: float = 0.0) -> Pricing | None:
+    def pricing(self, layer: int, load_E: np.ndarray, hidden_s: float = 0.0) -> PlanPrice | None:
         """The cost model's seconds of ``layer`` under a plan for ``load_E``, its copies' time
         beyond ``hidden_s``; None without a cost model (or with no price for that layer)."""
         attached = self._attached.get(layer)
         if attached is None or attached.prices is None:
             return None
         storage = [[s.expert for s in shards] for shards in attached.storage.shards]
-        prices = attached.prices
-        return lambda plan: prices.seconds(plan, load_E, storage, hidden_s)
+        return PlanPrice(attached.prices, np.asarray(load_E, dtype=np.float64), storage, hidden_s)
 
     def compute_seconds(self, layer: int, placement: ExpertPlacement, load_E: np.ndarray) -> float:
         """The predicted expert compute of ``layer`` under ``placement`` (0 without a cost model):
