@@ -265,6 +265,22 @@ def test_the_scheduled_layers_compute_what_the_static_placement_computes(
         assert all(b <= s for b, s in zip(busiest, static, strict=True)) and busiest != static
 
 
+def _within_one_slot(results: list[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+    """The records (one plan on every rank), after checking that the outputs are the static
+    placement's, each rank stored its own experts and computed them plus at most one copy."""
+    local = E // world_size
+    for result in results:
+        for scheduled in result["scheduled"]:
+            np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
+        assert result["stored"] == [local] * 3
+    records = results[0]["records"]
+    assert all(other["records"] == records for other in results)
+    for record in records:
+        for rank, plan in enumerate(record["plan"]):
+            assert set(range(rank * local, (rank + 1) * local)) <= set(plan) and len(plan) <= local + 1
+    return records
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_replica_budget_keeps_each_workers_own_experts_and_at_most_r_copies(world_size: int) -> None:
@@ -272,14 +288,8 @@ def test_a_replica_budget_keeps_each_workers_own_experts_and_at_most_r_copies(wo
     another, the outputs stay the static placement's, and the records count the copies fetched."""
     results = run_distributed(_scheduled, world_size, "oracle", "skewed", 0.0, None, 1, timeout_s=120)
     local = E // world_size
-    for result in results:
-        for scheduled in result["scheduled"]:
-            np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
-        assert result["stored"] == [local] * 3
-    records = results[0]["records"]
+    records = _within_one_slot(results, world_size)
     for record in records:
-        for rank, plan in enumerate(record["plan"]):
-            assert set(range(rank * local, (rank + 1) * local)) <= set(plan) and len(plan) <= local + 1
         assert record["fetched"] == sum(len(plan) - local for plan in record["plan"])
         assert record["held"] == max(len(plan) for plan in record["plan"]) <= local + 1
     assert any(record["fetched"] for record in records)  # the skewed load earns copies
@@ -297,16 +307,8 @@ def test_lina_places_each_layer_a_layer_ahead_within_the_replica_budget(
     outputs stay the static placement's and no rank computes more than its own experts and one copy."""
     routes = _profile_routes("skewed")
     results = run_distributed(_scheduled, world_size, "lina", kind, capacity_factor, routes, 1, timeout_s=120)
-    local = E // world_size
-    for result in results:
-        for scheduled in result["scheduled"]:
-            np.testing.assert_allclose(scheduled, result["static"], **FP32_TOLERANCE)
-        assert result["stored"] == [local] * 3
-    records = results[0]["records"]
-    assert all(record == other["records"] for other in results for record in [records])
+    records = _within_one_slot(results, world_size)
     for record in records:
-        for rank, plan in enumerate(record["plan"]):
-            assert set(range(rank * local, (rank + 1) * local)) <= set(plan) and len(plan) <= local + 1
         if record["layer"] == 0:  # nothing runs before layer 0's gate to fetch its copies under
             assert record["early"] == 0 and record["late"] == record["fetched"]
         elif record["phase"] == 1:  # used as posted a layer ahead

@@ -77,3 +77,26 @@ def test_a_copy_is_made_only_where_it_pays(seconds_per_byte: float, hidden_s: fl
     # the bound that skips the search: the cheapest copy (100 ms on the slow link) against the most
     # copies could save (compute down to the mean, 20 ms, and the whole 40 ms exchange)
     assert prices.copy_may_pay(LOAD, STORAGE, hidden_s) == copies
+
+
+@pytest.mark.parametrize("hides_copies", [True, False])
+def test_a_copy_fetched_ahead_hides_under_compute_only_where_the_device_moves_it(hides_copies: bool) -> None:
+    """A GPU moves a layer-ahead copy on its own engine while the layer computes; a CPU rank's
+    core moves it itself, so there the copy is charged in full."""
+    from moeflow.config import LayerDims
+    from moeflow.inference import InferenceScheduler, SchedulerSettings
+    from moeflow.inference.plan import plan_placement
+    from moeflow.parallel.placement import ExpertPlacement
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+
+    cluster = ClusterProfile(nodes=2, ranks_per_node=1, fits={
+        "alltoall.linear": AlphaBeta(0.0, 1e-9), "ffn.forward": AlphaBeta(0.0, 1e-9), "gemm": AlphaBeta(0.0, 1e-12)})
+    scheduler = InferenceScheduler(SchedulerSettings("oracle", replica_slots=1), 2, cost=CostModel(cluster))
+    storage = ExpertPlacement.expert_parallel(4, 2, 8)
+    scheduler.attach(0, lambda placement: None, storage, LayerDims(4, 8, 4, projections=2), 4,  # type: ignore[arg-type,return-value]
+                     hides_copies=hides_copies)
+    placement = plan_placement(STORAGE, 4, 8)
+    compute = scheduler._attached[0].prices.compute_seconds(STORAGE, LOAD)  # type: ignore[union-attr]
+    assert compute > 0
+    assert scheduler.hiding_seconds(0, placement, LOAD) == (compute if hides_copies else 0.0)
+    assert scheduler.pricing(0, LOAD, 0.01).hidden_s == 0.01  # type: ignore[union-attr]

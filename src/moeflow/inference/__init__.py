@@ -44,8 +44,9 @@ def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | 
     for index, layer in enumerate(layers):
         schedule_layer(layer, None if scheduler is None else scheduler.hook(index))
         if scheduler is not None:  # the layer before it may fetch its copies ahead
-            scheduler.attach(index, _fetcher(layer), layer.placement, layer.config.dims,
-                             layer.experts.w1.element_size())
+            weight = layer.experts.w1  # a GPU moves copies on its own engine; a CPU rank's core moves them
+            scheduler.attach(index, _fetcher(layer), layer.placement, layer.config.dims, weight.element_size(),
+                             hides_copies=weight.is_cuda)
 
 
 def _fetcher(layer: MoELayer) -> Fetch:

@@ -7,7 +7,8 @@ the busiest rank's expert compute (each expert's load split evenly over its copi
 per expert), the rows there and back priced per link (FasterMoE's Eq. 2, :class:`LinkPrices`,
 each rank assumed to send 1 / W of every expert's load: the estimate is summed over ranks), and
 the copies' weights over the same links, less the seconds they hide under (phase 1 fetches a
-layer ahead, under that layer's expert compute; phase 2 fetches on the critical path: none). A
+layer ahead, under that layer's expert compute where the device moves them on its own engine, a
+GPU's; a CPU rank's core moves them itself, and phase 2 fetches on the critical path: none). A
 copy that does not lower that total is not made: on a slow link the plan stays the static one.
 """
 

@@ -139,6 +139,7 @@ class AttachedLayer:
     fetch: Fetch
     storage: ExpertPlacement
     prices: ReplicaPrices | None = None
+    hides_copies: bool = False  # copies move while this layer computes without slowing it (a GPU)
 
 
 @dataclass(frozen=True)
@@ -181,11 +182,14 @@ class InferenceScheduler:
     def hook(self, layer: int) -> LayerScheduling:
         return LayerScheduling(self, layer)
 
-    def attach(self, layer: int, fetch: Fetch, storage: ExpertPlacement, dims: LayerDims, element_bytes: int) -> None:
+    def attach(self, layer: int, fetch: Fetch, storage: ExpertPlacement, dims: LayerDims, element_bytes: int,
+               hides_copies: bool = False) -> None:
         """Let the layer before ``layer`` fetch its copies ahead (``fetch`` from ``storage``), and
-        price its plans for ``dims`` in ``element_bytes`` when there is a cost model."""
+        price its plans for ``dims`` in ``element_bytes`` when there is a cost model.
+        ``hides_copies``: the copies fetched while ``layer`` computes cost it nothing (its device
+        moves them on their own engine, as a GPU; a CPU rank's core moves them itself)."""
         prices = None if self.cost is None else ReplicaPrices.from_cost_model(self.cost, dims, element_bytes)
-        self._attached[layer] = AttachedLayer(fetch, storage, prices)
+        self._attached[layer] = AttachedLayer(fetch, storage, prices, hides_copies)
 
     def start_forward(self) -> None:
         """A forward begins at layer 0: fetches left in flight by one that stopped early complete
@@ -206,11 +210,11 @@ class InferenceScheduler:
         storage = [[s.expert for s in shards] for shards in attached.storage.shards]
         return PlanPrice(attached.prices, np.asarray(load_E, dtype=np.float64), storage, hidden_s)
 
-    def compute_seconds(self, layer: int, placement: ExpertPlacement, load_E: np.ndarray) -> float:
-        """The predicted expert compute of ``layer`` under ``placement`` (0 without a cost model):
-        the link time a fetch started now can hide under."""
+    def hiding_seconds(self, layer: int, placement: ExpertPlacement, load_E: np.ndarray) -> float:
+        """The link time a fetch started at ``layer`` hides under: its predicted expert compute
+        under ``placement`` where its device hides copies, else (or without a cost model) 0."""
         attached = self._attached.get(layer)
-        if attached is None or attached.prices is None:
+        if attached is None or attached.prices is None or not attached.hides_copies:
             return 0.0
         return attached.prices.compute_seconds([[s.expert for s in shards] for shards in placement.shards], load_E)
 
@@ -321,7 +325,7 @@ class LayerScheduling:
         if estimate_E is None or upcoming >= scheduler.num_layers:
             return
         attached = scheduler._attached.get(upcoming)
-        hidden_s = scheduler.compute_seconds(self.layer, placed.placement, load)
+        hidden_s = scheduler.hiding_seconds(self.layer, placed.placement, load)
         storage = placed.placement if attached is None else attached.storage
         placement = self.settings.placement(estimate_E, len(storage.shards), storage.hidden_dim,
                                             scheduler.pricing(upcoming, estimate_E, hidden_s))
