@@ -104,6 +104,8 @@ class RoutingProfile:
         load = np.zeros(self.num_experts)
         unresolved = np.ones(history_TI.shape[0], dtype=bool)
         for j in range(longest, -1, -1):
+            if not unresolved.any():
+                break
             table = self.tables[layer][j]
             keys = path_keys(history_TI[unresolved, layer - j: layer], self.num_experts)
             at = np.minimum(np.searchsorted(table.keys, keys), len(table.keys) - 1)

@@ -34,7 +34,7 @@ from moeflow.inference.plan import (
     popularity_placement,
     replica_slot_plan,
 )
-from moeflow.parallel.expert_fetch import ExpertFetch
+from moeflow.parallel.expert_fetch import ExpertFetch, fetches
 from moeflow.parallel.inference_hook import Fetch
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
@@ -329,8 +329,8 @@ class LayerScheduling:
         storage = placed.placement if attached is None else attached.storage
         placement = self.settings.placement(estimate_E, len(storage.shards), storage.hidden_dim,
                                             scheduler.pricing(upcoming, estimate_E, hidden_s))
-        fetched = None if attached is None else attached.fetch(placement)
-        scheduler._ahead[upcoming] = Ahead(estimate_E, placement, fetched)
+        early = attached is not None and bool(fetches(attached.storage, placement))  # copies to move now
+        scheduler._ahead[upcoming] = Ahead(estimate_E, placement, attached.fetch(placement) if early else None)
 
     def _record(self, load: np.ndarray, ahead: Ahead | None, accurate: bool | None,
                 placed: ExpertFetch) -> LayerRecord:
