@@ -150,6 +150,28 @@ def test_shadowing_records_its_weight_all_reduces() -> None:
     assert "backward shadowed gradient all-reduce of layer 3, step 7" in described
 
 
+def _s1_entries(rank: int, world_size: int) -> list[tuple[int, str]]:
+    """Parm's S1 over MP groups of 2: each member routes its own partition."""
+    import torch.distributed as dist
+
+    from moeflow.comm.topology import Topology
+
+    torch.manual_seed(0)
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, world_size), dist.new_subgroups(group_size=2)[0])
+    layer = MoELayer(16, 32, 4, top_k=2, group=groups, parallel="s1", pipeline=1)
+    x = torch.randn(8, 16, requires_grad=True)
+    with groups.ledger.at(step=7, phase="training"):
+        layer(x).sum().backward()
+    return [(entry.seq, entry.describe()) for entry in groups.ledger.entries]
+
+
+def test_parms_s1_records_its_partition_all_gather() -> None:
+    per_rank = run_distributed(_s1_entries, 2)
+    assert per_rank[0] == per_rank[1]
+    described = [text for _, text in per_rank[0]]
+    assert described[:2] == ["forward load all-gather, step 7", "forward S1 partition all-gather, step 7"]
+
+
 def _desynchronized(rank: int, world_size: int, progress: str) -> None:
     """Rank 1 skips a collective the others make: each then waits in a different operation."""
     import torch.distributed as dist

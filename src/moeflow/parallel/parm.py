@@ -283,7 +283,8 @@ class ParmSchedule(ModelledSchedule):
         if plan.schedule != "s1":
             return ALL_TOKENS
         assert groups.model is not None and groups.expert is not None
-        return MPTokenShare(groups.model, groups.expert, num_experts, timing, partitioned=self.name == "s1")
+        return MPTokenShare(groups.model, groups.expert, num_experts, timing, partitioned=self.name == "s1",
+                            ledger=groups.ledger)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The padded kernel: every expert is sharded over its ESP group."""

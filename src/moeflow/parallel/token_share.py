@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from moeflow.capacity import expert_capacity
 from moeflow.comm.groups import group_rank, group_size
+from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
 from moeflow.routing.router import Routing
 from moeflow.routing.slots import assign_slots
@@ -115,6 +116,7 @@ class MPTokenShare:
     num_experts: int
     timing: PipelineTiming
     partitioned: bool = False
+    ledger: CollectiveLedger | None = None  # records the capacity agreement, as every collective of a layer
 
     def own(self, x_TM: torch.Tensor, routing: Routing, capacity: int, capacity_factor: float) -> OwnedTokens:
         began = self.timing.now()
@@ -139,7 +141,8 @@ class MPTokenShare:
             routing.choice.expert_idx_TK, routing.location_TK, capacity, self.num_experts, members, member
         )
         agreed = torch.tensor([own_capacity], device=packed_TK.device)  # other MP groups' tokens differ
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.expert_group)
+        with tracked(self.ledger, "S1 capacity all-reduce", self.expert_group, agreed.numel() * agreed.element_size()):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.expert_group)
         packed_capacity = int(agreed)
         return packed_TK.masked_fill(packed_TK >= own_capacity, packed_capacity), packed_capacity  # dropped stay
 
@@ -153,7 +156,8 @@ class MPTokenShare:
         location_TK, counts_E = assign_slots(expert_idx_TK, self.num_experts, priority_T)
         local = torch.cat([counts_E.new_tensor([stop - start]), counts_E])
         parts = [torch.empty_like(local) for _ in range(group_size(self.expert_group))]
-        dist.all_gather(parts, local, group=self.expert_group)
+        with tracked(self.ledger, "S1 partition all-gather", self.expert_group, local.numel() * local.element_size()):
+            dist.all_gather(parts, local, group=self.expert_group)
         gathered = torch.stack(parts).cpu()  # (ranks, 1 + E): each rank's partition size and counts
         top_k = expert_idx_TK.shape[1]
         capacity = expert_capacity(capacity_factor, top_k, int(gathered[:, 0].max()), self.num_experts,
