@@ -188,23 +188,34 @@ def _all_to_all_with(
     return _PairwiseAllToAll.apply(x.contiguous(), groups.topology, matrix)
 
 
-def exchange(algorithm: str, x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
-    """Equal-split all-to-all over ``groups.expert`` with the named algorithm, outside autograd.
+def exchange(
+    algorithm: str, x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix | None = None
+) -> torch.Tensor:
+    """All-to-all over ``groups.expert`` with the named algorithm, outside autograd: equal splits,
+    or ``matrix[s][d]`` rows from rank s to rank d, known to every rank (no all-gather of splits).
 
-    For code that writes its own backward (the pipeline): with equal splits the adjoint of an
-    exchange is the same exchange, so forward and backward both call this. It runs as an
-    all-to-all of ``groups.traffic`` (what Lina's gradient scheduler yields to).
+    For code that writes its own backward (the pipeline): the adjoint of an exchange is the same
+    exchange over the transposed matrix (:func:`transpose`), so equal splits are their own
+    adjoint. It runs as an all-to-all of ``groups.traffic`` (what Lina's gradient scheduler yields to).
     """
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
     nbytes = x.numel() * x.element_size()
     with torch.no_grad(), groups.traffic.running(), groups.ledger.tracked("all-to-all", group, nbytes):
         if algorithm == "linear":
-            return linear_all_to_all(x, group, None, None)
-        matrix = split_matrix(x, groups.size, None)
+            if matrix is None:
+                return linear_all_to_all(x, group, None, None)
+            me = dist.get_rank(group)
+            return linear_all_to_all(x, group, [row[me] for row in matrix], list(matrix[me]))
+        matrix = split_matrix(x, groups.size, None) if matrix is None else matrix
         if algorithm == "2dh":
             return _alltoall_2dh(x.contiguous(), groups, matrix)
         return _alltoall_pairwise(x.contiguous(), groups.topology, matrix)
+
+
+def transpose(matrix: SplitMatrix) -> SplitMatrix:
+    """The split matrix of an exchange's adjoint: what rank d sent rank s comes back."""
+    return _transpose(matrix)
 
 
 def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:
