@@ -26,7 +26,7 @@ from test_training import TINY, _evaluate_checkpoint
 
 
 def _experts_of(placement: ExpertPlacement) -> list[list[int]]:
-    return [[s.expert for s in shards] for shards in placement.shards]
+    return placement.experts_per_rank()
 
 
 def test_blocks_of_ranks_each_hold_every_expert() -> None:

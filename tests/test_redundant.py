@@ -21,7 +21,7 @@ from moeflow.training.rebalance import rebalance_layer
 
 
 def _experts_of(placement: Any) -> list[list[int]]:
-    return [[s.expert for s in shards] for shards in placement.shards]
+    return placement.experts_per_rank()
 
 
 def test_the_hot_expert_gets_the_extra_slots_up_to_one_per_rank() -> None:

@@ -299,6 +299,7 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
     if dist.get_rank() != 0:
         return
     skew = float(np.median([np.mean(layers) for layers in skews]))
+    expert_mb = _expert_bytes(setup) / 2**20
     ideal = {q: _quantile(times["ideal"], q) for q in (0.5, 0.95)}
     common = {"model": point.model, "workers": dist.get_world_size(), "batch_per_worker": point.batch,
               "context": point.context, "batches": point.batches, "skew": skew}
@@ -312,11 +313,11 @@ def measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: in
           "skew_per_layer": np.median(np.array(skews), axis=0).tolist(),
           "rank_skew_lina": lina["rank_skew"], "replica_slots": point.replica_slots,
           "fetched_experts_per_forward": lina["fetched_per_forward"] * num_layers,
-          "fetched_mb_per_forward": lina["fetched_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
-          "moved_mb_per_forward": lina["moved_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
-          "late_mb_per_forward": lina["late_per_forward"] * num_layers * _expert_bytes(setup) / 2**20,
+          "fetched_mb_per_forward": lina["fetched_per_forward"] * num_layers * expert_mb,
+          "moved_mb_per_forward": lina["moved_per_forward"] * num_layers * expert_mb,
+          "late_mb_per_forward": lina["late_per_forward"] * num_layers * expert_mb,
           "max_experts_per_worker": lina["max_experts_held"],
-          "max_expert_mb_per_worker": lina["max_experts_held"] * _expert_bytes(setup) / 2**20,
+          "max_expert_mb_per_worker": lina["max_experts_held"] * expert_mb,
           "cost_model": cost is not None,
           "own_experts_per_worker": setup.layers[0].config.num_experts // dist.get_world_size()})
     for length, per_layer in accuracy_by_length(routing, forwards, top_k, settings["lina"].compare_top).items():

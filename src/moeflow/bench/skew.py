@@ -176,7 +176,7 @@ def _emit_point(
         "smart_auto_over_off_speedup": medians["off"] / medians["smart+auto"],
         "redundant_over_off_speedup": medians["off"] / medians["redundant"],
         "redundant_over_auto_speedup": medians["auto"] / medians["redundant"],
-        "redundant_slots": [[s.expert for s in shards] for shards in layers["redundant"].placement.shards],
+        "redundant_slots": layers["redundant"].placement.experts_per_rank(),
         "auto_planner_schedule": auto.last_stats.plan.schedule,
         "auto_shadowed": list(auto.last_stats.shadowed_experts),
         "max_over_mean_load_off": layers["off"].last_stats.rank_imbalance,

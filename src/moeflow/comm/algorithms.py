@@ -63,7 +63,8 @@ def _check_algorithm(algorithm: str) -> None:
         raise ValueError(f"unknown alltoall algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
 
 
-def _transpose(matrix: SplitMatrix) -> SplitMatrix:
+def transpose(matrix: SplitMatrix) -> SplitMatrix:
+    """The split matrix of an exchange's adjoint: what rank d sent rank s comes back."""
     return [list(column) for column in zip(*matrix, strict=True)]
 
 
@@ -149,7 +150,7 @@ class _PairwiseAllToAll(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
-        return _alltoall_pairwise(grad.contiguous(), ctx.topology, _transpose(ctx.matrix)), None, None
+        return _alltoall_pairwise(grad.contiguous(), ctx.topology, transpose(ctx.matrix)), None, None
 
 
 # -- entry point ------------------------------------------------------------------------------
@@ -211,11 +212,6 @@ def exchange(
         if algorithm == "2dh":
             return _alltoall_2dh(x.contiguous(), groups, matrix)
         return _alltoall_pairwise(x.contiguous(), groups.topology, matrix)
-
-
-def transpose(matrix: SplitMatrix) -> SplitMatrix:
-    """The split matrix of an exchange's adjoint: what rank d sent rank s comes back."""
-    return _transpose(matrix)
 
 
 def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:

@@ -203,7 +203,7 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
         "predicted_gain_ms": decision.predicted_gain_s * 1e3,
         "max_over_mean_load": max(plain) / np.mean(plain),
         "redundant_max_over_mean_load": max(redundant) / np.mean(redundant),
-        "redundant_slots": [[s.expert for s in shards] for shards in slots.shards],
+        "redundant_slots": slots.experts_per_rank(),
     })
 
 

@@ -207,7 +207,7 @@ class InferenceScheduler:
         attached = self._attached.get(layer)
         if attached is None or attached.prices is None:
             return None
-        storage = [[s.expert for s in shards] for shards in attached.storage.shards]
+        storage = attached.storage.experts_per_rank()
         return PlanPrice(attached.prices, np.asarray(load_E, dtype=np.float64), storage, hidden_s)
 
     def hiding_seconds(self, layer: int, placement: ExpertPlacement, load_E: np.ndarray) -> float:
@@ -216,7 +216,7 @@ class InferenceScheduler:
         attached = self._attached.get(layer)
         if attached is None or attached.prices is None or not attached.hides_copies:
             return 0.0
-        return attached.prices.compute_seconds([[s.expert for s in shards] for shards in placement.shards], load_E)
+        return attached.prices.compute_seconds(placement.experts_per_rank(), load_E)
 
     def take_records(self) -> list[LayerRecord]:
         """The records since the last call (one per layer per forward)."""
@@ -340,7 +340,7 @@ class LayerScheduling:
         return LayerRecord(
             self.layer, load.tolist(), None if estimate_E is None else [float(v) for v in estimate_E], accurate,
             0 if ahead is None else (1 if accurate else 2),
-            [[s.expert for s in shards] for shards in placed.placement.shards],
+            placed.placement.experts_per_rank(),
             rank_loads(placed.placement, load.tolist()), placed.copies, early, late,
         )
 

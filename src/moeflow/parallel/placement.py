@@ -154,6 +154,10 @@ class ExpertPlacement:
     def num_local(self, rank: int) -> int:
         return len(self.shards[rank])
 
+    def experts_per_rank(self) -> list[list[int]]:
+        """The expert of each shard, per rank in local order (a plan, as the planners write them)."""
+        return [[shard.expert for shard in shards] for shards in self.shards]
+
     def holders(self, expert: int) -> tuple[int, ...]:
         return tuple(r for r, shards in enumerate(self.shards) if any(s.expert == expert for s in shards))
 
