@@ -199,6 +199,8 @@ def extra_cases() -> list[Case]:
                                                  "capacity_factor": 0.0}, ranks_per_node=2, tokens_per_rank=20),
         Case("topology-gate-k1-bpr-ragged", {**base, "topology_gate": 0.5, "top_k": 1, "expert_kernel": "ragged",
                                              "batch_prioritized_routing": True}, ranks_per_node=1),
+        # the ragged token exchange: only the kept rows cross the links, each algorithm, pipelined
+        *ragged_exchange_cases(base),
         # the Triton kernels (under TRITON_INTERPRET=1 on CPU): fused encode/decode, ragged grouped GEMMs
         Case("triton-k8-f1-drops", {**base, "kernel_backend": "triton", "top_k": 8}),
         Case("triton-k8-ragged-f0-swiglu", {**base, "kernel_backend": "triton", "expert_kernel": "ragged", "top_k": 8,
@@ -354,6 +356,31 @@ def resolve_r(name: str, num_experts: int, world_size: int) -> int:
     return {"r0": 0, "r1": 1, "rmax": rs[-1], "rmid": rs[len(rs) // 2]}[name]
 
 
+def ragged_exchange_cases(base: dict[str, Any]) -> list[Case]:
+    """The ragged token exchange: dropless and dropping, each algorithm and pipelined (uneven
+    chunks), with the ragged kernel, an empty rank or no token at all, and under FasterMoE's
+    shadows and EPLB's slots (which hand it their own counts)."""
+    ragged = {**base, "token_exchange": "ragged", "parallel": "expert"}
+    return [
+        Case("exchange-ragged-f0", {**ragged, "capacity_factor": 0.0}),
+        Case("exchange-ragged-f05-drops-k3", {**ragged, "capacity_factor": 0.5, "top_k": 3}, tokens_per_rank=24),
+        Case("exchange-ragged-d3-f0-swiglu-ragged-kernel", {**ragged, "pipeline": 3, "capacity_factor": 0.0,
+                                                            "activation": "swiglu", "expert_kernel": "ragged"},
+             tokens_per_rank=30),
+        Case("exchange-ragged-2dh-d2", {**ragged, "pipeline": 2, "alltoall": "2dh"}, tokens_per_rank=24,
+             ranks_per_node=2),
+        Case("exchange-ragged-pairwise-empty-rank", {**ragged, "alltoall": "pairwise", "capacity_factor": 0.0},
+             ranks_per_node=1, empty_ranks=(1,)),
+        Case("exchange-ragged-no-tokens", {**ragged, "capacity_factor": 0.0}, tokens_per_rank=0),
+        Case("exchange-ragged-same-expert-d2", {**ragged, "pipeline": 2}, same_expert=True),
+        Case("exchange-ragged-shadow", {**ragged, "shadowing": [0], "capacity_factor": 0.0}, same_expert=True),
+        Case("exchange-ragged-redundant", {**ragged, "redundant_experts": 4, "capacity_factor": 0.0}, steps=2,
+             rebalance_to=(9.0, 1, 1, 1, 1, 1, 1, 3)),
+        Case("exchange-auto-search", {**base, "token_exchange": "auto", "pipeline": "search", "parallel": "expert"},
+             tokens_per_rank=24, steps=5),
+    ]
+
+
 def pipeline_cases(base: dict[str, Any]) -> list[Case]:
     """Pipeline degrees x all-to-all algorithms (d=8 really makes 8 chunks: capacity 12), plus the
     planner policies; uneven chunks (capacity 5 and f=0), swiglu, k=1 and an empty rank."""
@@ -404,6 +431,7 @@ def bf16_cases() -> list[Case]:
          {"ranks_per_node": 1, "same_expert": True}),
         ("redundant-f0", {"redundant_experts": 4, "capacity_factor": 0.0}, {"steps": 2,
                                                                           "rebalance_to": (9.0, 1, 1, 1, 1, 1, 1, 3)}),
+        ("exchange-ragged-d2-f0", {"token_exchange": "ragged", "pipeline": 2, "capacity_factor": 0.0}, {}),
     ))]
 
 
@@ -448,6 +476,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "alltoall": kwargs.pop("alltoall", "linear"),
         "profile": kwargs.pop("profile", None),
         "pipeline": kwargs.pop("pipeline", "auto"),
+        "token_exchange": kwargs.pop("token_exchange", "auto"),
         "parallel": kwargs.pop("parallel", "expert"),
         "shadowing": kwargs.pop("shadowing", "off"),
         "redundant_experts": kwargs.pop("redundant_experts", 0),

@@ -37,6 +37,7 @@ TURNED_ON: dict[str, dict[str, Any]] = {
     "alltoall": {"alltoall": "2dh"},
     "alltoall='saa'": {"alltoall": "saa"},
     "esp_size": {"esp_size": 2},
+    "token_exchange='ragged'": {"token_exchange": "ragged"},
 }
 """The settings that turn each config-enabled feature on (a new feature adds its line)."""
 RUN_CLASS_NAMES = (*(spec.name for spec in SCHEDULES), "parm", "packed")

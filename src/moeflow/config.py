@@ -47,6 +47,16 @@ PIPELINE_POLICIES = ("auto", "model", "search", "smart")
 candidates), or FasterMoE's smart schedule forced (``smart``); an int forces a capacity-chunk degree."""
 MAX_PIPELINE_DEGREE = 64
 """The largest capacity-chunk degree ``pipeline`` may force."""
+PADDED, RAGGED = "padded", "ragged"
+TOKEN_EXCHANGES = (PADDED, RAGGED)
+"""How tokens travel between ranks: every slot of the capacity (``padded``), or only the kept rows (``ragged``)."""
+TOKEN_EXCHANGE_CHOICES = (*TOKEN_EXCHANGES, "auto")
+"""The ``token_exchange`` setting's values: one of :data:`TOKEN_EXCHANGES`, or ``auto`` (planned per iteration)."""
+
+
+def token_exchanges(setting: str) -> tuple[str, ...]:
+    """The exchanges the planner may run for the ``token_exchange`` setting (``auto``: both)."""
+    return TOKEN_EXCHANGES if setting == "auto" else (setting,)
 
 
 def ffn_projections(activation: str) -> int:
@@ -134,6 +144,7 @@ class MoEConfig:
     kernel_backend: str = "auto"  # who runs encode/decode and the ragged GEMMs: torch, triton, or auto
     alltoall: str = "auto"
     pipeline: int | str = "auto"
+    token_exchange: str = "auto"  # the expert-parallel exchange: "padded", "ragged" (kept rows only) or "auto"
     capacity_bucket: int = 128
     bias: bool = True
     parallel: str | int = "auto"
@@ -162,6 +173,7 @@ class MoEConfig:
         require_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
+        require_choice("token_exchange", self.token_exchange, TOKEN_EXCHANGE_CHOICES)
         require_positive_int("capacity_bucket", self.capacity_bucket)
         validate_parallel(self.parallel)
         object.__setattr__(self, "shadowing", validate_shadowing(self.shadowing, self.num_experts))

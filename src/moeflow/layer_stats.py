@@ -44,6 +44,7 @@ def routing_stats(
         predicted_backward_s=chosen.predicted_backward_s,
         predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
         slots=slots,
+        token_exchange=chosen.plan.exchange,
     )
     return RoutingStats(
         num_tokens=int(counts_WE.sum()) // top_k,

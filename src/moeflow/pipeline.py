@@ -69,6 +69,10 @@ class ChunkExchange(Protocol):
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor: ...
 
+    def chunk(self, start: int, stop: int) -> ChunkExchange:
+        """The exchange of the capacity slots [start, stop) (a ragged one sends only their kept rows)."""
+        ...
+
     def adjoint(self) -> ChunkExchange:
         """The exchange the backward runs: dispatch = the combine's adjoint, and the reverse."""
         ...
@@ -102,6 +106,10 @@ class ExpertExchange:
         """The exchange of the backward: an equal-split exchange is its own adjoint."""
         return self
 
+    def chunk(self, start: int, stop: int) -> ExpertExchange:
+        """Every chunk moves the same way: all its slots."""
+        return self
+
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         if not self.communicates:
             return y_LXM
@@ -121,6 +129,9 @@ class SelfAdjointExchange:
         return True
 
     def adjoint(self) -> Self:
+        return self
+
+    def chunk(self, start: int, stop: int) -> Self:
         return self
 
 
@@ -157,17 +168,17 @@ def run_pipeline(
     is returned as ``compute`` made it, with no copy.
     """
     if len(chunks) == 1 and not chunk_exchange.communicates:
-        out_ECM = compute(0, chunk_exchange.to_experts(buffer_ECM))
+        out_ECM = compute(0, chunk_exchange.chunk(0, buffer_ECM.shape[1]).to_experts(buffer_ECM))
         if after_compute is not None:
             after_compute()
         return out_ECM
     out_ECM = buffer(workspace, buffer_ECM.shape, buffer_ECM)
 
     def send(start: int, stop: int) -> torch.Tensor:
-        return chunk_exchange.to_experts(buffer_ECM[:, start:stop])
+        return chunk_exchange.chunk(start, stop).to_experts(buffer_ECM[:, start:stop])
 
     def receive(y_LXM: torch.Tensor, start: int, stop: int) -> None:
-        out_ECM[:, start:stop] = chunk_exchange.from_experts(y_LXM, stop - start)
+        out_ECM[:, start:stop] = chunk_exchange.chunk(start, stop).from_experts(y_LXM, stop - start)
 
     if len(chunks) == 1 or not chunk_exchange.communicates:
         for index, (start, stop) in enumerate(chunks):

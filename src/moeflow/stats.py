@@ -75,6 +75,7 @@ class ExecutionPlan:
     predicted_backward_s: float | None = None
     predicted_gradient_sync_s: float | None = None
     slots: int | None = None
+    token_exchange: str = "padded"  # how the tokens travelled: every slot, or the kept rows ("ragged")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ class CopyExchange:
     def adjoint(self) -> CopyExchange:
         return self
 
+    def chunk(self, start: int, stop: int) -> CopyExchange:
+        return self
+
 
 @dataclass(frozen=True)
 class OverlapBenchConfig:

@@ -1,5 +1,6 @@
-"""``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | contention |
-train | generate | lina-inference | memory``: each prints one JSON object per measurement and a summary line."""
+"""``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
+contention | train | generate | lina-inference | memory``: each prints one JSON object per measurement and a
+summary line."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ def add_parser(commands: Any) -> None:
     bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
     benches = bench.add_subparsers(dest="bench", required=True)
     for add in (_add_layer, _add_kernels, _add_overlap, _add_alltoall, _add_pipeline, _add_schedules, _add_parallel,
-                _add_skew, _add_contention, _add_train, _add_generate, _add_lina_inference, _add_simulator,
-                _add_papers, _add_memory, _add_faults):
+                _add_skew, _add_exchange, _add_contention, _add_train, _add_generate, _add_lina_inference,
+                _add_simulator, _add_papers, _add_memory, _add_faults):
         add(benches)
 
 
@@ -409,6 +410,61 @@ def run_skew(args: argparse.Namespace) -> int:
             raise fail("bench skew", f"{point.name}: need --top-k <= --num-experts, and --num-experts and "
                        f"--num-experts + --redundant-experts ({redundant}) divisible by the {ranks} ranks")
     return _run_cluster_grid("bench skew", run, summarize, grid, args)
+
+
+def _add_exchange(benches: Any) -> None:
+    exchange = benches.add_parser(
+        "exchange", help="the ragged token exchange against the padded one (and the planner's pick) under set "
+        "routing on an emulated cluster (needs root)",
+        description="One expert-parallel layer with the padded exchange and kernel, the padded exchange with the "
+        "ragged kernel, the ragged exchange and kernel, and token_exchange auto: training steps and "
+        "inference forwards, round-robin, the slowest rank's medians, and each mode's all-to-all bytes. Each point "
+        "is a routing distribution at a capacity factor, given as <skew>@<factor> (e.g. zipf:1.2@0 for dropless). "
+        "Without --profile the ranks calibrate the cluster first.",
+    )
+    _add_cluster_layout(exchange, ranks_per_node=1)
+    exchange.add_argument("--points", nargs="+", default=["uniform@1", "uniform@0", "zipf:1.2@0", "zipf:1.2@1"],
+                          help="<skew>@<capacity factor> points (default: uniform@1 uniform@0 zipf:1.2@0 zipf:1.2@1)")
+    exchange.add_argument("--num-experts", type=positive_int, default=8, help="number of experts E (default 8)")
+    exchange.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
+    exchange.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
+    exchange.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
+    exchange.add_argument("--top-k", type=positive_int, default=2, help="experts each token is routed to (default 2)")
+    exchange.add_argument("--pipeline", type=pipeline_choice, default="auto",
+                          help="every mode's pipeline: a policy, or one degree for all, run with the linear "
+                          "all-to-all, so that only the exchange differs (default auto)")
+    exchange.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    exchange.set_defaults(func=run_exchange)
+
+
+def pipeline_choice(text: str) -> int | str:
+    """A ``pipeline`` setting from the command line: a policy name or a degree."""
+    from moeflow.config import validate_pipeline
+
+    try:
+        return validate_pipeline(int(text) if text.isdigit() else text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_exchange(args: argparse.Namespace) -> int:
+    from moeflow.bench.exchange import ExchangePoint, run, summarize
+    from moeflow.bench.skew import SkewPoint, routing_probabilities
+
+    grid = []
+    for text in args.points:
+        skew, _, factor = text.partition("@")
+        try:
+            routing_probabilities(SkewPoint(skew, args.num_experts))
+            capacity_factor = float(factor or 0.0)
+        except ValueError as error:
+            raise fail("bench exchange", f"--points {text!r}: {error}; write <skew>@<capacity factor>") from None
+        grid.append(ExchangePoint(skew, capacity_factor, args.num_experts, args.hidden_dim, args.tokens,
+                                  args.model_dim, args.top_k, args.pipeline))
+    ranks = args.nodes * args.ranks_per_node
+    if args.top_k > args.num_experts or args.num_experts % ranks:
+        raise fail("bench exchange", f"need --top-k <= --num-experts and --num-experts divisible by the {ranks} ranks")
+    return _run_cluster_grid("bench exchange", run, summarize, grid, args)
 
 
 def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:

@@ -14,7 +14,14 @@ import torch.distributed as dist
 from moeflow.capacity import estimated_needed_capacity
 from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
+from moeflow.config import (
+    ALLTOALL_ALGORITHMS,
+    FASTERMOE_REMOTE_SHARE,
+    SAA,
+    MoEConfig,
+    ffn_projections,
+    token_exchanges,
+)
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
@@ -53,7 +60,7 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
     choice = select_schedule(
         config.parallel, config.num_experts, groups.size, cost_model,
         _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline,
-        ShardingLayout(mp_size, config.esp_size),
+        ShardingLayout(mp_size, config.esp_size, token_exchanges(config.token_exchange)),
     )
     schedule = choice.schedule
     check_techniques(config, schedule.name)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from moeflow.config import SAA, MoEConfig
+from moeflow.config import RAGGED, SAA, MoEConfig
 from moeflow.parallel.adaptive import AdaptiveSchedule
 from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
 from moeflow.parallel.schedules import ExpertParallelSchedule, ParallelSchedule, ReplicatedSchedule, ShardingLayout
@@ -78,8 +78,9 @@ class FeatureSpec:
 
 
 SCHEDULES: tuple[ScheduleSpec, ...] = (
-    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", lambda layout: ExpertParallelSchedule(),
-                 expert_region, ranked_by_auto=True),
+    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined",
+                 lambda layout: ExpertParallelSchedule(token_exchanges=layout.token_exchanges), expert_region,
+                 ranked_by_auto=True),
     ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda layout: ReplicatedSchedule(),
                  replicated_region, ranked_by_auto=True),
     ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda layout: AdaptiveSchedule(),
@@ -121,6 +122,10 @@ FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("expert_kernel='ragged'", "moeflow: dropless ragged expert kernel",
                 f"runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their received slots)",
                 "expert_kernel='bmm'", (*RAGGED_SCHEDULES, "packed"), lambda c: c.expert_kernel == "ragged"),
+    FeatureSpec("token_exchange='ragged'", "Megatron-Core / DeepEP / Tutel 0.3: a ragged token exchange",
+                "sends only the kept rows over the expert-parallel schedule's all-to-all", "token_exchange='auto'",
+                _EXPERT, lambda c: c.token_exchange == RAGGED,
+                excludes=("pipeline='smart'", "expert packing", "inference scheduling")),
     FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",
                 "fixes the all-to-all algorithm", "alltoall='auto' or 'linear'", (*PARALLEL_SCHEDULES, PARM_AUTO),
                 lambda c: c.alltoall not in (AUTO, "linear", SAA)),

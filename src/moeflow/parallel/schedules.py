@@ -26,17 +26,19 @@ from typing import Protocol
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.config import PADDED, RAGGED
 from moeflow.experts import ExpertCompute
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.ragged_exchange import RaggedExpertExchange
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction, RegionShape
 from moeflow.perf.schedules import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
-from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
 
 
@@ -44,11 +46,14 @@ from moeflow.stats import PipelineTiming
 class ShardingLayout:
     """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
     and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
-    the others ignore both). Parm's Table III varies the two independently; N_ESP defaults to N_MP,
-    its real models' setting, where an MP group is also an ESP group."""
+    the others ignore both), and the token exchanges the planner may run (the expert-parallel
+    schedule's; the others send padded chunks). Parm's Table III varies N_MP and N_ESP
+    independently; N_ESP defaults to N_MP, its real models' setting, where an MP group is also an
+    ESP group."""
 
     mp_size: int = 1
     esp_size: int | None = None  # None: N_MP (moeflow.parallel.parm.shard_count)
+    token_exchanges: tuple[str, ...] = (PADDED,)
 
 
 class ParallelSchedule(Protocol):
@@ -110,7 +115,7 @@ class _ModelledSchedule(ModelledSchedule):
         )
         return ScheduleOutput(combined_ECM)
 
-    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
+    def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         raise NotImplementedError
 
     def compute(self, ctx: RunContext) -> ExpertCompute:
@@ -124,17 +129,21 @@ class ExpertParallelSchedule(_ModelledSchedule):
     all-to-all."""
 
     name: str = "expert"
+    token_exchanges: tuple[str, ...] = (PADDED,)
     takes_ragged = True
 
     @property
     def model(self) -> ScheduleModel:
-        return ExpertParallelModel()
+        return ExpertParallelModel(exchanges=self.token_exchanges)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
-    def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
-        return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)  # all-to-all over the group
+    def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
+        """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan)."""
+        if plan.exchange == RAGGED and ctx.world_size > 1:
+            return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE)
+        return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan; reports

@@ -15,11 +15,12 @@ lives in :mod:`moeflow.parallel.schedules`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from moeflow.config import switchable_rs
+from moeflow.config import PADDED, RAGGED, switchable_rs
 from moeflow.perf.cost import CostModel
 from moeflow.perf.pipeline import (
     PlanPrediction,
@@ -39,13 +40,15 @@ SMART_PLAN_ALGORITHM = "pairwise"
 
 @dataclass(frozen=True, order=True)
 class Plan:
-    """What one forward runs: the schedule, the pipeline degree, the all-to-all algorithm, and
-    Tutel's r for the ``adaptive`` schedule (None for the others)."""
+    """What one forward runs: the schedule, the pipeline degree, the all-to-all algorithm,
+    Tutel's r for the ``adaptive`` schedule (None for the others), and how the tokens travel
+    (``padded``: every slot of the capacity; ``ragged``: only the kept rows)."""
 
     schedule: str
     degree: int
     algorithm: str
     r: int | None = None
+    exchange: str = PADDED
 
     @property
     def placement_schedule(self) -> str:
@@ -72,29 +75,51 @@ class ScheduleModel(Protocol):
 
 @dataclass(frozen=True)
 class ExpertParallelModel:
+    """Expert parallelism over capacity chunks (and FasterMoE's smart schedule), its tokens sent
+    by each of ``exchanges``: padded, ragged or both (the planner then picks per iteration)."""
+
     name: str = "expert"
     sends_tokens: bool = True
+    exchanges: tuple[str, ...] = (PADDED,)
 
     def can_predict(self, cost: CostModel) -> bool:
         return "gemm" in cost.profile.fits and any(f.startswith("alltoall.") for f in cost.profile.fits)
 
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
-        return Plan(self.name, degree, algorithm)
+        """The one plan of a forced degree and algorithm: none while the exchange is left to choose."""
+        if len(self.exchanges) > 1 and algorithm != LOCAL:
+            return None
+        return Plan(self.name, degree, algorithm, exchange=self.exchanges[0])
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
     ) -> list[Plan]:
-        """Capacity-chunk plans of every (degree, algorithm), and FasterMoE's smart schedule where
-        the pairwise exchange it is built on is a candidate (several nodes)."""
+        """Capacity-chunk plans of every (exchange, degree, algorithm), and FasterMoE's smart
+        schedule where the pairwise exchange it is built on is a candidate (several nodes) and the
+        padded exchange is (its steps send every slot)."""
         algorithms = list(algorithms)
         usable = usable_degrees(degrees, shape.capacity)
         smart = [Plan(SMART, 1, SMART_PLAN_ALGORITHM)] if SMART_PLAN_ALGORITHM in algorithms else []
-        return [Plan(self.name, d, a) for a in algorithms for d in usable] + smart
+        smart = smart if PADDED in self.exchanges else []  # its pairwise steps send padded slots
+        plans = [Plan(self.name, d, a, exchange=e) for e in self.exchanges for a in algorithms for d in usable]
+        return plans + smart
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         if plan.schedule == SMART:
             return predict_smart(cost, shape, backward)
-        return predict_plan(cost, shape, plan.degree, plan.algorithm, backward)
+        sent = ragged_shape(shape) if plan.exchange == RAGGED else shape
+        return predict_plan(cost, sent, plan.degree, plan.algorithm, backward)
+
+
+def ragged_shape(shape: RegionShape) -> RegionShape:
+    """The region a ragged exchange moves: the kept rows, priced as a balanced load of the rank's
+    routed assignments (k T / E per expert; at most the capacity). Where the tokens are unknown,
+    the capacity (the padded exchange's bytes: it is never priced cheaper than it may run)."""
+    if not shape.tokens:
+        return shape
+    layer = shape.dims
+    mean = -(-layer.top_k * shape.tokens // layer.num_experts)
+    return dataclasses.replace(shape, capacity=min(shape.capacity, mean))
 
 
 def predict_smart(cost: CostModel, shape: RegionShape, backward: bool = True) -> PlanPrediction:

@@ -45,7 +45,7 @@ class StepPlan:
     bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
     mp: int = 1  # N_MP: attention split over this many consecutive ranks (Megatron), Parm's schedules only
     esp: int = 1  # N_ESP: each expert's hidden dimension sharded over this many consecutive ranks
-    padded_backward: bool = False  # dropless experts' backward on the padded buffer (moeflow's CPU ragged kernel)
+    padded_backward: bool = False  # dropless backward on the padded buffer (moeflow's CPU ragged kernel until 11-26)
     shadowed_slots_travel: bool = False  # shadowed experts' slots stay in the exchange, cut (moeflow's shadowing)
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
 

@@ -63,6 +63,7 @@ class TrainConfig:
     activation: str = _MOE.activation
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
+    token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | auto
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
@@ -293,6 +294,8 @@ FIELD_HELP: dict[str, str] = {
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
+    "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
+    "(only the kept tokens) or auto (the planner picks per step)",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
@@ -354,7 +357,7 @@ MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names)
-    "pipeline", "alltoall", "parallel", "shadowing", "topology_gate", "redundant_experts", "esp_size",
+    "pipeline", "alltoall", "token_exchange", "parallel", "shadowing", "topology_gate", "redundant_experts", "esp_size",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 

@@ -1,0 +1,120 @@
+"""The ragged token exchange: only kept tokens cross the links (Megatron-Core's, DeepEP's and Tutel
+0.3's ``all_to_all_v``).
+
+The padded exchange sends every expert's (C, M) block whatever it holds, so its bytes are fixed by the
+capacity: a dropless layer pads every expert to the busiest one, and a technique that moves fewer
+tokens (EPLB's replicas, the topology gate, shadowing) moves the same bytes. Here each rank sends
+each destination exactly its kept rows of that destination's experts: the per-expert counts are
+all-gathered before the exchange already (``filled_WE``), so every rank knows every split and no
+extra collective runs. Capacity is then a cap on kept tokens, not a buffer size.
+
+The layouts on both sides stay those of :class:`~moeflow.pipeline.ExpertExchange`, (E, Cj, M) by
+destination expert and (L, W * Cj, M) by local expert and source rank, so every expert kernel (the
+ragged one skips the empty rows; the padded ones multiply zeros) and the pipeline's chunks run
+unchanged: the rows are gathered before the all-to-all and scattered after it. Tokens fill an
+expert's slots from the front (:func:`moeflow.dispatch.make_dispatch_plan`), so a chunk's rows of
+(s, e) are its first ``clamp(filled[s, e] - start, 0, Cj)`` slots. The combine is the dispatch's
+adjoint (gather, all-to-all over the transposed split matrix, scatter), so the exchange is its own
+adjoint and the backward sends only the kept rows' gradients as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
+from moeflow.comm.groups import ParallelGroups
+from moeflow.pipeline import ExpertExchange, SelfAdjointExchange
+from moeflow.ragged import to_device
+
+
+MIN_SAVING = 0.1
+"""The share of a chunk's slots (over all ranks) that must be empty for it to travel ragged: a nearly
+full chunk goes padded, which skips the gather and scatter (on the 2-core VM a uniform load at
+f = 1 leaves about 1 % of the slots empty, and the padded exchange ran as fast or faster)."""
+
+
+@dataclass(frozen=True)
+class RaggedRoutes:
+    """Where one chunk's kept rows sit on both sides of the exchange, as flat row indices (host)."""
+
+    sent_N: torch.Tensor  # rows of the (E * Cj) dispatch chunk this rank sends, by destination rank
+    received_N: torch.Tensor  # rows of the (L * W * Cj) expert layout it receives, by source rank
+    matrix: SplitMatrix  # matrix[s][d]: rows rank s sends rank d
+    saving: float  # the share of the chunk's slots, over all ranks, that stay home
+
+
+def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) -> RaggedRoutes:
+    """The routes of the chunk of capacity slots [start, start + slots) on ``rank`` of an
+    expert-parallel placement (rank d holds experts [d L, (d + 1) L))."""
+    world, experts = filled_WE.shape
+    local = experts // world
+    rows_WE = (filled_WE - start).clamp(0, slots)
+    position = torch.arange(slots)
+    sent_N = (position < rows_WE[rank].unsqueeze(1)).flatten().nonzero().squeeze(1)  # (e, j): e ascending
+    mine_WL = rows_WE[:, rank * local:(rank + 1) * local]
+    # the expert layout's flat index of (l, s, j) read in the received order (s, l, j)
+    layout_WLc = torch.arange(local * world * slots).view(local, world, slots).transpose(0, 1)
+    received_N = layout_WLc[position < mine_WL.unsqueeze(-1)]
+    matrix = rows_WE.view(world, world, local).sum(2).tolist()
+    saving = 1.0 - int(rows_WE.sum()) / max(1, world * experts * slots)
+    return RaggedRoutes(sent_N, received_N, matrix, saving)
+
+
+def _scatter(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    out = rows_NM.new_zeros(shape)
+    out.view(-1, rows_NM.shape[-1]).index_copy_(0, index_N, rows_NM)
+    return out
+
+
+@dataclass(frozen=True)
+class RaggedExpertExchange(SelfAdjointExchange):
+    """An expert-parallel exchange over ``groups.expert`` that sends only the kept rows of each chunk
+    (a chunk with fewer than ``min_saving`` of its slots empty goes padded). ``filled_WE[s, e]``:
+    rank s's kept tokens of expert e (host, the same on every rank); ``slots`` the chunk's capacity
+    range (set by :meth:`chunk`)."""
+
+    groups: ParallelGroups
+    algorithm: str
+    filled_WE: torch.Tensor
+    slots: tuple[int, int] | None = None
+    min_saving: float = MIN_SAVING
+
+    def chunk(self, start: int, stop: int) -> RaggedExpertExchange:
+        return dataclasses.replace(self, slots=(start, stop))
+
+    def _routes(self, slots: int) -> RaggedRoutes:
+        start = self.slots[0] if self.slots is not None else 0
+        return ragged_routes(self.filled_WE, self.groups.rank, start, slots)
+
+    def _padded(self, routes: RaggedRoutes) -> ExpertExchange | None:
+        """The padded exchange for a chunk that leaves too few slots empty (every rank decides alike)."""
+        if routes.saving >= self.min_saving:
+            return None
+        return ExpertExchange(self.groups, self.algorithm, self.filled_WE.shape[1] // self.groups.size)
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        experts, slots, model_dim = chunk_ECM.shape
+        routes = self._routes(slots)
+        padded = self._padded(routes)
+        if padded is not None:
+            return padded.to_experts(chunk_ECM)
+        sent_NM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(routes.sent_N, chunk_ECM.device))
+        received_NM = exchange(self.algorithm, sent_NM, self.groups, routes.matrix)
+        world = self.groups.size
+        shape = (experts // world, world * slots, model_dim)
+        return _scatter(received_NM, to_device(routes.received_N, chunk_ECM.device), shape)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        local, _, model_dim = y_LXM.shape
+        routes = self._routes(rows)
+        padded = self._padded(routes)
+        if padded is not None:
+            return padded.from_experts(y_LXM, rows)
+        out_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(routes.received_N, y_LXM.device))
+        returned_NM = exchange(self.algorithm, out_NM, self.groups, transpose(routes.matrix))
+        shape = (local * self.groups.size, rows, model_dim)
+        return _scatter(returned_NM, to_device(routes.sent_N, y_LXM.device), shape)
