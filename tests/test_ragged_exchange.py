@@ -73,9 +73,9 @@ def test_the_ragged_chunks_land_where_the_padded_ones_do(world_size: int) -> Non
     assert [failure for rank_failures in results for failure in rank_failures] == []
 
 
-def _sent_bytes(rank: int, world_size: int, token_exchange: str) -> tuple[int, int, str]:
+def _sent_bytes(rank: int, world_size: int, token_exchange: str) -> tuple[int, int, str, int | None, int]:
     torch.manual_seed(0)
-    groups = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, world_size))
+    groups = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, 1))  # a node each
     layer = MoELayer(16, 32, 4, top_k=1, capacity_factor=0.0, parallel="expert", pipeline=2,
                      token_exchange=token_exchange, group=groups)
     x = torch.randn(40, 16)
@@ -84,16 +84,52 @@ def _sent_bytes(rank: int, world_size: int, token_exchange: str) -> tuple[int, i
     groups.ledger.on_enter = lambda entry: entered.append(entry.nbytes if entry.operation == "all-to-all" else 0)
     layer(x).sum().backward()
     sent = sum(entered)
-    kept = sum(layer.last_stats.tokens_per_expert)
-    return sent, kept, layer.last_stats.plan.token_exchange
+    stats = layer.last_stats
+    return sent, sum(stats.tokens_per_expert), stats.plan.token_exchange, stats.cross_node_rows, stats.capacity
 
 
 @pytest.mark.distributed
 def test_a_ragged_layer_sends_only_its_kept_rows() -> None:
     padded = run_distributed(_sent_bytes, 2, "padded", timeout_s=120)
     ragged = run_distributed(_sent_bytes, 2, "ragged", timeout_s=120)
-    assert [plan for _, _, plan in ragged] == ["ragged", "ragged"]
+    assert [result[2] for result in ragged] == ["ragged", "ragged"]
     kept = ragged[0][1]
     # forward dispatch and combine, backward the same: each kept row crosses 4 times, 16 fp32 each
-    assert sum(sent for sent, _, _ in ragged) == 4 * kept * 16 * 4
-    assert sum(sent for sent, _, _ in padded) > 1.5 * sum(sent for sent, _, _ in ragged)
+    assert sum(result[0] for result in ragged) == 4 * kept * 16 * 4
+    assert sum(result[0] for result in padded) > 1.5 * sum(result[0] for result in ragged)
+    # between the two nodes: all of the other rank's 2 experts' slots padded, fewer rows ragged
+    assert padded[0][3] == 2 * 2 * padded[0][4]
+    assert 0 < ragged[0][3] < padded[0][3]
+
+
+def test_cross_node_rows_count_the_rows_for_other_nodes() -> None:
+    from moeflow.parallel.ragged_exchange import cross_node_rows
+
+    filled_WE = torch.tensor([[5, 1, 2, 0], [0, 3, 1, 1], [2, 2, 2, 2], [9, 0, 0, 4]])  # one expert per rank
+    topology = Topology(4, 2)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    assert cross_node_rows(filled_WE, 3, True, topology) == (2 + 0) + (1 + 1) + (2 + 2) + (3 + 0)
+    assert cross_node_rows(filled_WE, 3, False, topology) == 4 * 2 * 3
+
+
+def test_the_planner_prices_both_exchanges_and_the_ragged_one_by_its_kept_rows() -> None:
+    from moeflow.config import LayerDims
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+    from moeflow.perf.pipeline import RegionShape
+    from moeflow.perf.schedules import ExpertParallelModel, Plan
+
+    profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
+        "alltoall.linear": AlphaBeta(1e-4, 1e-8), "alltoall.pairwise": AlphaBeta(1e-4, 1e-8),
+        "gemm": AlphaBeta(1e-5, 1e-11)})
+    cost = CostModel(profile)
+    both = ExpertParallelModel(exchanges=("padded", "ragged"))
+    # dropless under skew: capacity 400 slots per expert for 2 x 100 / 8 = 25 kept rows on average
+    shape = RegionShape(LayerDims(64, 128, 8, 2), 2, 400, 4, tokens=100)
+    plans = both.candidates(shape, (1, 2), ("linear", "pairwise"))
+    assert {plan.exchange for plan in plans if plan.schedule == "expert"} == {"padded", "ragged"}
+    assert both.forced_plan(2, "linear") is None  # the exchange is left to choose
+    padded, ragged = (both.predict(Plan("expert", 1, "linear", exchange=e), cost, shape, True) for e in
+                      ("padded", "ragged"))
+    assert ragged.total_s < padded.total_s / 4
+    only_ragged = ExpertParallelModel(exchanges=("ragged",))
+    assert all(plan.schedule != "smart" for plan in only_ragged.candidates(shape, (1,), ("pairwise",)))
+    assert only_ragged.forced_plan(2, "linear") == Plan("expert", 2, "linear", exchange="ragged")

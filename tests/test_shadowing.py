@@ -81,3 +81,33 @@ def test_bad_shadowing_settings_name_the_fix() -> None:
         MoELayer(8, 12, 4, shadowing=[4])
     with pytest.raises(ValueError, match="shadowing must be 'off', 'auto' or a list"):
         MoELayer(8, 12, 4, shadowing="on")
+
+
+def _collective_order(rank: int, world_size: int, token_exchange: str) -> tuple[list[str], int, int]:
+    torch.manual_seed(3)
+    layer = MoELayer(8, 12, 4, top_k=1, capacity_factor=0.0, parallel="expert", alltoall="linear",
+                     shadowing=[0], token_exchange=token_exchange)
+    with torch.no_grad():  # expert 0 wins the tokens with a positive input
+        layer.gate.weight.zero_()
+        layer.gate.weight[0].fill_(1.0)
+    x = torch.rand(16, 8) + 0.1
+    x[:4] = -x[:4]  # ... and a few go elsewhere, so that something is exchanged
+    entered: list[tuple[str, int]] = []
+    layer.groups.ledger.on_enter = lambda entry: entered.append((entry.operation, entry.nbytes))
+    with torch.no_grad():
+        layer(x)
+    sent = sum(n for op, n in entered if op == "all-to-all")
+    return [operation for operation, _ in entered], sent, sum(layer.last_stats.tokens_per_expert[1:])
+
+
+@pytest.mark.distributed
+def test_the_shadowed_weights_move_while_the_others_tokens_do_and_none_of_their_tokens_travel() -> None:
+    for token_exchange in ("padded", "ragged"):
+        order, _, _ = run_distributed(_collective_order, 2, token_exchange, timeout_s=120)[0]
+        # posted before the exchange, awaited (and entered in the ledger) only once the exchange is done
+        assert order.index("shadowed weight all-reduce") > max(i for i, op in enumerate(order) if op == "all-to-all")
+    padded = run_distributed(_collective_order, 2, "padded", timeout_s=120)
+    ragged = run_distributed(_collective_order, 2, "ragged", timeout_s=120)
+    not_shadowed = ragged[0][2]  # the kept tokens of experts 1-3, over both ranks
+    assert sum(sent for _, sent, _ in ragged) == 2 * not_shadowed * 8 * 4  # dispatch and combine, 8 fp32 each
+    assert sum(sent for _, sent, _ in padded) > sum(sent for _, sent, _ in ragged)

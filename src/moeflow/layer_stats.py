@@ -58,4 +58,5 @@ def routing_stats(
         shadowed_experts=ran.shadowed_experts,
         shadow_predicted_gain_s=ran.shadow_predicted_gain_s,
         rank_tokens=ran.rank_tokens,
+        cross_node_rows=ran.cross_node_rows,
     )

@@ -97,6 +97,7 @@ class RoutingStats:
     shadowed_experts: tuple[int, ...] = ()  # FasterMoE: computed where their tokens are this iteration
     shadow_predicted_gain_s: float | None = None  # Algorithm 1's predicted step saving (None: no profile)
     rank_tokens: tuple[int, ...] = ()  # assignments each rank's experts computed (after capacity)
+    cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)
 
     @property
     def dropped(self) -> int:

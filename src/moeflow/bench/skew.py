@@ -9,13 +9,15 @@ and all-to-all planned per iteration.
 
 Modes, same weights and tokens: ``off`` (no shadowing), ``hottest`` (the most loaded expert
 shadowed every iteration), ``auto`` (FasterMoE's Algorithm 1 on the calibrated profile), all with
-the planner's pipeline (capacity chunks or the smart schedule, per iteration); ``smart`` and
+the planner's pipeline (capacity chunks or the smart schedule, per iteration) and the point's token
+exchange (padded, ragged or auto: :mod:`moeflow.parallel.ragged_exchange`); ``smart`` and
 ``smart+auto``: FasterMoE's smart schedule forced, without and with ``auto`` shadowing;
 ``redundant``: EPLB's redundant slots (one extra per rank unless set), rebalanced once for the load
 of a settled step (what the trainer's rebalancer computes from its recent steps). Each
 first runs until its planner has settled; then one forward + backward per mode, round-robin, the
-slowest rank, medians. Per point the record also gives the max/mean compute load over ranks
-without and with the shadowing ``auto`` chose, and with the redundant slots.
+slowest rank, medians, and one inference forward per mode beside each step. Per point the record
+also gives the max/mean compute load over ranks without and with the shadowing ``auto`` chose, and
+with the redundant slots.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class SkewPoint:
     top_k: int = 1
     probabilities: tuple[float, ...] = field(default=())  # a recorded load (the skew names it)
     redundant_experts: int = 0  # extra slots of the redundant mode; 0: one per rank
+    token_exchange: str = "padded"  # every mode's: padded, ragged (only kept tokens travel) or auto
 
     @property
     def name(self) -> str:
-        return f"{self.skew}-E{self.num_experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}"
+        exchange = "" if self.token_exchange == "padded" else f"-{self.token_exchange}"
+        return f"{self.skew}-E{self.num_experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}" \
+            f"{exchange}"
 
 
 def routing_probabilities(point: SkewPoint) -> Any:
@@ -125,6 +130,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
             point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k, capacity_factor=0.0,
             group=groups, parallel="expert", pipeline=pipeline, expert_kernel="ragged", profile=profile,
             shadowing=shadowing, redundant_experts=redundant_experts,
+            token_exchange="padded" if pipeline == "smart" else point.token_exchange,  # smart steps send padded
         )
         steer_gate(layer)
         return layer
@@ -137,32 +143,38 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     if rebalance_layer(layers["redundant"], layers["redundant"].last_stats.tokens_per_expert):
         settle["redundant"] += settle_planner(layers["redundant"], x)
     samples: dict[str, list[float]] = {name: [] for name in layers}
+    forwards: dict[str, list[float]] = {name: [] for name in layers}
     probe = SpeedProbe()
     for round_index in range(repeats + 1):  # round 0 warms every mode up
         for name, layer in layers.items():
             seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
+            with torch.no_grad():  # an inference forward
+                forward = slowest_rank_seconds(lambda layer=layer: layer(x))
             if round_index:
                 samples[name].append(seconds)
+                forwards[name].append(forward)
         probe.sample()
     if rank == 0:
         emit(probe.record("skew", point.name))
-        _emit_point(point, layers, samples, settle, emit)
+        _emit_point(point, layers, samples, forwards, settle, emit)
 
 
 def _emit_point(
-    point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], settle: dict[str, int],
-    emit: Any,
+    point: SkewPoint, layers: dict[str, Any], samples: dict[str, list[float]], forwards: dict[str, list[float]],
+    settle: dict[str, int], emit: Any,
 ) -> None:
     from moeflow.bench import record_fields
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
+    forward = {name: statistics.median(values) for name, values in forwards.items()}
     auto = layers["auto"]
     fields = {k: v for k, v in record_fields(point).items() if k != "probabilities"}
     for name, layer in layers.items():
         stats = layer.last_stats
         emit({
             "bench": "skew", "config": point.name, **fields,
-            "mode": name, "layer_ms": medians[name] * 1e3, "shadowed": list(stats.shadowed_experts),
+            "mode": name, "layer_ms": medians[name] * 1e3, "forward_ms": forward[name] * 1e3,
+            "shadowed": list(stats.shadowed_experts), "token_exchange": stats.plan.token_exchange,
             "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
             "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,
             "settle_iterations": settle[name], "tokens_per_expert": stats.tokens_per_expert,
@@ -176,6 +188,8 @@ def _emit_point(
         "smart_auto_over_off_speedup": medians["off"] / medians["smart+auto"],
         "redundant_over_off_speedup": medians["off"] / medians["redundant"],
         "redundant_over_auto_speedup": medians["auto"] / medians["redundant"],
+        "redundant_over_off_forward_speedup": forward["off"] / forward["redundant"],
+        "auto_over_off_forward_speedup": forward["off"] / forward["auto"],
         "redundant_slots": layers["redundant"].placement.experts_per_rank(),
         "auto_planner_schedule": auto.last_stats.plan.schedule,
         "auto_shadowed": list(auto.last_stats.shadowed_experts),

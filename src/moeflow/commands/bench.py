@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from moeflow.commands import add_renamed_flag, fail, positive_int, require_testbed
-from moeflow.config import DTYPE_NAMES
+from moeflow.config import DTYPE_NAMES, TOKEN_EXCHANGE_CHOICES
 
 
 def add_parser(commands: Any) -> None:
@@ -381,6 +381,9 @@ def _add_skew(benches: Any) -> None:
     skew.add_argument("--top-k", type=positive_int, default=1, help="experts each token is routed to (default 1)")
     skew.add_argument("--redundant-experts", type=positive_int, default=None,
                       help="extra expert slots of the redundant mode (default: one per rank)")
+    skew.add_argument("--token-exchange", choices=TOKEN_EXCHANGE_CHOICES, default="padded",
+                      help="every mode's token exchange: padded, ragged (only kept tokens travel) or auto "
+                      "(default padded; the smart modes always send padded)")
     skew.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
     skew.set_defaults(func=run_skew)
 
@@ -391,14 +394,14 @@ def run_skew(args: argparse.Namespace) -> int:
     ranks = args.nodes * args.ranks_per_node
     redundant = args.redundant_experts or ranks
     grid = [SkewPoint(name, args.num_experts, args.hidden_dim, args.tokens, args.model_dim, args.top_k,
-                      redundant_experts=redundant) for name in args.skews]
+                      redundant_experts=redundant, token_exchange=args.token_exchange) for name in args.skews]
     if args.trace:
         try:
             loads = recorded_loads(args.trace, args.trace_steps)
         except (OSError, ValueError) as error:
             raise fail("bench skew", f"--trace {args.trace}: {error}") from None
         grid += [SkewPoint(name, len(shares), args.hidden_dim, args.tokens, args.model_dim, args.top_k, shares,
-                           redundant) for name, shares in loads.items()]
+                           redundant, args.token_exchange) for name, shares in loads.items()]
     try:
         for point in grid:
             routing_probabilities(point)

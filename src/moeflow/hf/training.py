@@ -102,7 +102,8 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
     router loss weight); the ragged expert kernel wherever the schedule allows it."""
     options: dict[str, Any] = {
         "pipeline": config.pipeline, "alltoall": config.alltoall, "parallel": config.parallel,
-        "profile": config.profile, "tokens_per_rank_hint": config.batch_size * config.context,
+        "token_exchange": config.token_exchange, "profile": config.profile,
+        "tokens_per_rank_hint": config.batch_size * config.context,
         "aux_loss_weight": info.router_aux_loss_coef if config.aux_loss_weight is None else config.aux_loss_weight,
         "expert_kernel": "ragged" if config.parallel in ("auto", *RAGGED_SCHEDULES) else "bmm",
     }

@@ -93,10 +93,12 @@ class RunContext:
 @dataclass(frozen=True)
 class ScheduleOutput:
     """The combined (E, C, M) buffer and what the schedule reports about its run: the assignments
-    each rank's experts computed (empty when a schedule does not count them) and FasterMoE's
-    shadowed experts with the gain its cost model predicted for them."""
+    each rank's experts computed (empty when a schedule does not count them), FasterMoE's
+    shadowed experts with the gain its cost model predicted for them, and the rows its dispatch
+    sent across nodes (the combine sends them back)."""
 
     combined_ECM: torch.Tensor
     rank_tokens: tuple[int, ...] = ()
     shadowed_experts: tuple[int, ...] = ()
     shadow_predicted_gain_s: float | None = None
+    cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)

@@ -267,9 +267,7 @@ class SlotSchedule(WrappingSchedule):
         slots = ReplicaExperts(ctx.experts.compute, ctx.experts.num_experts, weights)
         mine = tuple(range(ctx.rank * slots.num_experts, (ctx.rank + 1) * slots.num_experts))
         exchanged = dataclasses.replace(ctx, experts=slots, filled_WE=row_map.exchanged_WP, local=mine)
-        exchanged_PCM = self.inner.run(
-            plan, row_map.gather(dispatched_ECM, row_map.exchanged_rows_PC), exchanged
-        ).combined_ECM
+        inner = self.inner.run(plan, row_map.gather(dispatched_ECM, row_map.exchanged_rows_PC), exchanged)
         own = dataclasses.replace(exchanged, filled_WE=row_map.filled_WP).own_compute(mine)
         local_SCM = pipelined_experts(
             row_map.gather(dispatched_ECM, row_map.local_rows_SC), own, weights,
@@ -277,4 +275,5 @@ class SlotSchedule(WrappingSchedule):
         )
         world = ctx.world_size
         rank_tokens = tuple(row_map.filled_WP.view(world, world, -1).sum(dim=(0, 2)).tolist())
-        return ScheduleOutput(row_map.scatter(exchanged_PCM, local_SCM, ctx.placement.num_experts), rank_tokens)
+        combined_ECM = row_map.scatter(inner.combined_ECM, local_SCM, ctx.placement.num_experts)
+        return ScheduleOutput(combined_ECM, rank_tokens, cross_node_rows=inner.cross_node_rows)

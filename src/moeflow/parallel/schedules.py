@@ -32,7 +32,7 @@ from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.ragged_exchange import RaggedExpertExchange
+from moeflow.parallel.ragged_exchange import RaggedExpertExchange, cross_node_rows
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
@@ -156,7 +156,9 @@ class ExpertParallelSchedule(_ModelledSchedule):
             )
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
-        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()))
+        ragged = plan.exchange == RAGGED and plan.schedule != SMART
+        crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
+        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
 
 
 @dataclass(frozen=True)

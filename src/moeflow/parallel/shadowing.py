@@ -4,9 +4,11 @@ A shadowed expert is, for one iteration, replicated: every rank gets its weights
 own tokens for it, which do not travel. The weights come from the owner through a differentiable
 all-reduce (the owner contributes its parameters, the others zeros), whose backward sums every
 rank's weight gradients back into the owner's parameters, which alone hold and update them: the
-broadcast and reduce of the paper, as one collective each way. The other experts run through the
-schedule as usual, over the capacity that their own tokens need (a hot shadowed expert no longer
-sizes the exchange).
+broadcast and reduce of the paper, as one collective each way for all shadowed weights. The forward's
+is posted before the other experts' exchange and awaited only when the shadowed experts compute,
+so the weights move while the tokens do. The other experts run through the schedule as usual, over
+the capacity that their own tokens need (a hot shadowed expert no longer sizes the exchange); with
+the ragged token exchange none of a shadowed expert's tokens travel at all.
 
 Which experts: a fixed list, or Algorithm 1 (:func:`moeflow.perf.shadowing.select_shadowed_experts`)
 on the global counts the layer already exchanges, so every rank picks the same set.
@@ -90,63 +92,91 @@ def decide_shadows(
     return (ShadowPlan.of(experts, filled_WE, capacity) if experts else None), gain
 
 
-def shadow_weights(
+@dataclass(frozen=True)
+class PendingShadows:
+    """The shadowed experts' weights on their way to every rank: the owner's contribution (zeros
+    elsewhere) and one all-reduce of all of them posted asynchronously, so that it moves while the
+    other experts' tokens are exchanged; :meth:`wait` gives the whole weights."""
+
+    stacked: tuple[torch.Tensor | None, ...]  # (S, ...) per weight of FFNWeights, differentiable
+    reduced: torch.Tensor | None  # the flat sum being all-reduced (None: one process)
+    work: dist.Work | None
+    groups: ParallelGroups
+
+    def wait(self) -> FFNWeights:
+        """The (S, ...) weights, differentiable into the owners' parameters (the backward all-reduces
+        the gradients over ``groups.expert``, in its ledger)."""
+        present = [t for t in self.stacked if t is not None]
+        if self.reduced is None:
+            return FFNWeights(*self.stacked)
+        with self.groups.ledger.tracked("shadowed weight all-reduce", self.groups.expert, self.reduced.nbytes):
+            if self.work is not None:
+                self.work.wait()
+        summed = iter(_SumOverRanks.apply(self.reduced, self.groups.expert, self.groups.ledger, *present))
+        return FFNWeights(*(None if t is None else next(summed) for t in self.stacked))
+
+
+def post_shadow_weights(
     weights: FFNWeights, placement: ExpertPlacement, rank: int, experts: tuple[int, ...], groups: ParallelGroups,
-) -> FFNWeights:
-    """The shadowed experts' whole weights on every rank, (S, ...) each, differentiable into the
-    owner's parameters (one all-reduce each way over ``groups.expert``, in its ledger)."""
-    group = groups.expert
+) -> PendingShadows:
+    """Post the all-reduce that brings the shadowed experts' whole weights, (S, ...) each, to every
+    rank (the paper's broadcast from the owner; its backward is the reduce to the owner)."""
     local_index = {shard.expert: index for index, shard in enumerate(placement.local(rank))}
 
-    def gather(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    def stack(tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None:
             return None
         parts = [tensor[local_index[e]] if e in local_index else tensor.new_zeros(tensor.shape[1:]) for e in experts]
         stacked = torch.stack(parts)
         if torch.is_grad_enabled() and not stacked.requires_grad:
             stacked.requires_grad_()  # every rank must run the backward's all-reduce, owner or not
-        return stacked if group is None else _SumOverRanks.apply(stacked, group, groups.ledger)
+        return stacked
 
-    return FFNWeights(gather(weights.w1), gather(weights.b1), gather(weights.w2), gather(weights.b2),
-                      gather(weights.w3))
+    stacked = tuple(stack(tensor) for tensor in weights.as_tuple())
+    if groups.expert is None:
+        return PendingShadows(stacked, None, None, groups)
+    flat = torch.cat([t.detach().reshape(-1) for t in stacked if t is not None])
+    return PendingShadows(stacked, flat, dist.all_reduce(flat, group=groups.expert, async_op=True), groups)
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) whose backward all-reduces the gradient: the owner's contribution is the
+    """The all-reduced weights (their flat sum, reduced already) as differentiable outputs of the
+    stacked contributions; the backward all-reduces the gradients: the owner's contribution is the
     parameters, so its gradient is every rank's gradient summed (the paper's reduce to the owner).
     torch.distributed.nn.functional.all_reduce does this too, but is deprecated."""
 
     @staticmethod
-    def forward(
-        ctx: FunctionCtx, tensor: torch.Tensor, group: dist.ProcessGroup, ledger: CollectiveLedger
-    ) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, reduced: torch.Tensor, group: dist.ProcessGroup, ledger: CollectiveLedger,
+        *stacked: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.ledger = group, ledger  # type: ignore[attr-defined]
-        summed = tensor.clone(memory_format=torch.contiguous_format)
-        with ledger.tracked("shadowed weight all-reduce", group, summed.nbytes):
-            dist.all_reduce(summed, group=group)
-        return summed
+        sizes = [t.numel() for t in stacked]
+        return tuple(part.view_as(t).clone() for part, t in zip(reduced.split(sizes), stacked, strict=True))
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        summed = grad.clone(memory_format=torch.contiguous_format)
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        summed = torch.cat([g.reshape(-1) for g in grads])
         with ctx.ledger.tracked("shadowed gradient all-reduce", ctx.group, summed.nbytes):  # type: ignore[attr-defined]
             dist.all_reduce(summed, group=ctx.group)  # type: ignore[attr-defined]
-        return summed, None, None
+        parts = summed.split([g.numel() for g in grads])
+        return (None, None, None, *(part.view_as(g) for part, g in zip(parts, grads, strict=True)))
 
 
 def run_with_shadows(
-    plan: ShadowPlan, dispatched_ECM: torch.Tensor, shadowed_weights: FFNWeights,
+    plan: ShadowPlan, dispatched_ECM: torch.Tensor, shadows: PendingShadows,
     local_compute: ExpertCompute, run_exchanged: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """The combined (E, C, M) buffer: the shadowed experts' slots computed here, the others by
-    ``run_exchanged`` (the schedule) on the first ``exchanged_slots`` slots."""
-    index = torch.tensor(plan.experts, dtype=torch.long, device=dispatched_ECM.device)
-    local_SCM = pipelined_experts(
-        dispatched_ECM.index_select(0, index), local_compute, shadowed_weights,
-        ExpertExchange(None, LOCAL, len(plan.experts)), 1,
-    )
+    """The combined (E, C, M) buffer: the others by ``run_exchanged`` (the schedule) on the first
+    ``exchanged_slots`` slots while the shadowed weights arrive, then the shadowed experts' slots
+    computed here."""
     exchanged = min(plan.exchanged_slots, dispatched_ECM.shape[1])
     combined_ECM = F.pad(run_exchanged(dispatched_ECM[:, :exchanged]), (0, 0, 0, dispatched_ECM.shape[1] - exchanged))
+    index = torch.tensor(plan.experts, dtype=torch.long, device=dispatched_ECM.device)
+    local_SCM = pipelined_experts(
+        dispatched_ECM.index_select(0, index), local_compute, shadows.wait(),
+        ExpertExchange(None, LOCAL, len(plan.experts)), 1,
+    )
     return combined_ECM.index_copy(0, index, local_SCM)
 
 
@@ -178,11 +208,11 @@ class ShadowedSchedule(WrappingSchedule):
             ran.append(self.inner.run(plan, buffer_ECM, exchanged))
             return ran[-1].combined_ECM
 
-        weights = shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups)
+        shadows = post_shadow_weights(ctx.weights(), ctx.placement, ctx.rank, shadow.experts, ctx.groups)
         combined_ECM = run_with_shadows(
-            shadow, dispatched_ECM, weights, ctx.own_compute(shadow.experts), run_exchanged
+            shadow, dispatched_ECM, shadows, ctx.own_compute(shadow.experts), run_exchanged
         )
         # each rank computes what its owned experts receive (the inner report) and its own shadowed tokens
         own_W = ctx.filled_WE[:, list(shadow.experts)].sum(1).tolist()
         load = tuple(received + own for received, own in zip(ran[-1].rank_tokens, own_W, strict=True))
-        return ScheduleOutput(combined_ECM, load, shadow.experts, gain)
+        return ScheduleOutput(combined_ECM, load, shadow.experts, gain, ran[-1].cross_node_rows)

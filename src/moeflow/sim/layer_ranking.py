@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moeflow.config import DTYPE_BYTES
+from moeflow.config import DTYPE_BYTES, RAGGED
 from moeflow.parallel.registry import SIMULATED_REGIONS
+from moeflow.perf.schedules import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.step import StepPlan, simulate_step, simulated_algorithm
@@ -43,7 +44,8 @@ def step_plan(plan: Plan) -> StepPlan | None:
     algorithm = simulated_algorithm(plan.algorithm)
     if plan.schedule == "adaptive":
         return StepPlan(schedule="adaptive", r=plan.r, degree=plan.degree, algorithm=algorithm)
-    return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm)
+    return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
+                    ragged_exchange=plan.exchange == RAGGED)
 
 
 class SimulatedRanker:
@@ -62,14 +64,16 @@ class SimulatedRanker:
 
     def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None:
         """Every plan with its simulated seconds, fastest first (fewer chunks on ties); None when the
-        twin's ranks are not the layer's or a plan's schedule is not simulated."""
+        twin's ranks are not the layer's or a plan's schedule is not simulated. A ragged plan's
+        region is the kept rows' (:func:`~moeflow.perf.schedules.ragged_shape`)."""
         if shape.world_size != self.twin.world_size or not plans:
             return None
-        model, ranked = region_model(shape), []
+        ranked = []
         for plan in plans:
             simulated = step_plan(plan)
             if simulated is None:
                 return None
+            model = region_model(ragged_shape(shape) if plan.exchange == RAGGED else shape)
             try:
                 seconds = simulate_step(self.twin, model, simulated, training=backward, layer_only=True).step_s
             except ValueError:  # a layout the simulated schedule rejects

@@ -2,7 +2,8 @@
 operations on a :class:`~moeflow.sim.step.StepBuilder`'s timeline. One function per schedule, as
 moeflow's layer has one :class:`ParallelSchedule` per technique:
 
-- ``expert``: expert parallelism, the capacity buffer cut into d chunks (PipeMoE/Tutel pipelining);
+- ``expert``: expert parallelism, the capacity buffer cut into d chunks (PipeMoE/Tutel pipelining),
+  each sent whole or, under a ragged exchange, as its kept rows;
 - ``replicated``: every rank runs every expert on its own tokens (no all-to-all);
 - ``smart``: FasterMoE's schedule, pipelined over the pairwise steps (one per node);
 - ``adaptive``: Tutel's switchable parallelism at its r (0: weights all-gathered, ZeRO-3; r >= 1:
@@ -33,14 +34,15 @@ if TYPE_CHECKING:
 def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
     """Dispatch D1..Dd, chunk i's experts after Di, combines C1..Cd (moeflow's executor order)."""
     capacity = b.capacity(load)
-    chunks = [stop - start for start, stop in capacity_chunks(capacity, b.plan.degree)] or [0]
+    bounds = capacity_chunks(capacity, b.plan.degree) or [(0, 0)]
+    chunks = [stop - start for start, stop in bounds]
     rows = b.expert_rows(load, capacity, backward)
-    travelling = load.counts.shape[1]
-    dispatched = [b.alltoall(b.pair_bytes(chunk, travelling), deps) for chunk in chunks]
+    pairs = [b.chunk_pair_bytes(load, start, stop) for start, stop in bounds]
+    dispatched = [b.alltoall(pair, deps) for pair in pairs]
     slowdown = b.device.overlap_slowdown if len(chunks) > 1 else 1.0  # chunks overlap the next dispatch
     computed = [b.timeline.compute(COMPUTE, slowdown * b.ffn_s(rows * (chunk / max(capacity, 1)), backward), [d],
                                    "experts") for chunk, d in zip(chunks, dispatched, strict=True)]
-    return [b.alltoall(b.pair_bytes(chunk, travelling), [c]) for chunk, c in zip(chunks, computed, strict=True)]
+    return [b.alltoall(pair, [c]) for pair, c in zip(pairs, computed, strict=True)]
 
 
 def replicated_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:

@@ -48,6 +48,7 @@ class StepPlan:
     padded_backward: bool = False  # dropless backward on the padded buffer (moeflow's CPU ragged kernel until 11-26)
     shadowed_slots_travel: bool = False  # shadowed experts' slots stay in the exchange, cut (moeflow's shadowing)
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
+    ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
 
     def __post_init__(self) -> None:
         if self.schedule not in SIMULATED_REGIONS:
@@ -74,8 +75,8 @@ class StepPlan:
                 "smart": "smart pairwise"}.get(self.schedule, self.schedule)
         if self.schedule in MODEL_PARALLEL_SCHEDULES:
             base += (f" d={self.degree}" if self.degree > 1 else "") + f" mp={self.mp} esp={self.esp}"
-        return base + (f" shadow={self.shadowed}" if self.shadowed else "") + \
-            (" prioritized" if self.prioritize_alltoall else "")
+        return base + (" ragged" if self.ragged_exchange else "") + \
+            (f" shadow={self.shadowed}" if self.shadowed else "") + (" prioritized" if self.prioritize_alltoall else "")
 
 
 def simulated_algorithm(name: str | None) -> str:
@@ -151,6 +152,20 @@ class StepBuilder:
         m = self.model
         travelling = num_experts or m.dims.num_experts
         return float(travelling * slots * m.dims.model_dim * m.element_bytes) / self.cluster.world_size
+
+    def chunk_pair_bytes(self, load: LayerLoad, start: int, stop: int) -> float:
+        """Bytes one rank sends another for the chunk of slots [start, stop): all of them, or under a
+        ragged exchange the kept rows, priced as the busiest sender's rows for other ranks spread
+        evenly over its peers (its link is what the all-to-all waits for)."""
+        world = self.cluster.world_size
+        if not self.plan.ragged_exchange or world == 1:
+            return self.pair_bytes(stop - start, load.counts.shape[1])
+        rows = np.clip(load.counts - start, 0, stop - start)
+        owner = np.arange(rows.shape[1]) * world // rows.shape[1]
+        elsewhere = owner[None, :] != np.arange(world)[:, None]
+        busiest = float((rows * elsewhere).sum(axis=1).max())
+        m = self.model
+        return busiest / (world - 1) * m.dims.model_dim * m.element_bytes
 
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received

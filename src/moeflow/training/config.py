@@ -64,6 +64,7 @@ class TrainConfig:
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
     token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | auto
+    expert_kernel: str = _MOE.expert_kernel  # bmm | loop | ragged (only the filled slots compute)
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
@@ -294,6 +295,8 @@ FIELD_HELP: dict[str, str] = {
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
+    "expert_kernel": "the experts' GEMMs: bmm (one batched GEMM over the capacity), loop (one per expert) or "
+    "ragged (only the filled slots, forward and backward: for dropless routing)",
     "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
     "(only the kept tokens) or auto (the planner picks per step)",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
@@ -357,7 +360,8 @@ MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names)
-    "pipeline", "alltoall", "token_exchange", "parallel", "shadowing", "topology_gate", "redundant_experts", "esp_size",
+    "pipeline", "alltoall", "token_exchange", "expert_kernel", "parallel", "shadowing", "topology_gate",
+    "redundant_experts", "esp_size",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 

@@ -35,7 +35,8 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "schedule": stats.plan.schedule if stats.plan else None,
             "r": stats.plan.r if stats.plan else None,
             "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
-            "rank_tokens": list(stats.rank_tokens),
+            "rank_tokens": list(stats.rank_tokens), "cross_node_rows": stats.cross_node_rows,
+            "token_exchange": stats.plan.token_exchange if stats.plan else None,
         })
     return records
 
