@@ -356,6 +356,20 @@ def run_parallel(args: argparse.Namespace) -> int:
     return _run_cluster_grid("bench parallel", run, summarize, grid, args)
 
 
+def _add_routed_layer(
+    parser: argparse.ArgumentParser, num_experts: int, model_dim: int, top_k: int, experts_note: str = ""
+) -> None:
+    """The shape of the one layer the routing benchmarks pin (E, H, M, tokens per rank, k)."""
+    parser.add_argument("--num-experts", type=positive_int, default=num_experts,
+                        help=f"number of experts E (default {num_experts}{experts_note})")
+    parser.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
+    parser.add_argument("--model-dim", type=positive_int, default=model_dim,
+                        help=f"model dimension M (default {model_dim})")
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
+    parser.add_argument("--top-k", type=positive_int, default=top_k,
+                        help=f"experts each token is routed to (default {top_k})")
+
+
 def _add_skew(benches: Any) -> None:
     skew = benches.add_parser(
         "skew", help="FasterMoE's shadowing off / hottest expert / auto under skewed routing on an emulated "
@@ -372,13 +386,8 @@ def _add_skew(benches: Any) -> None:
                       help="a training run's directory or metrics.jsonl: replay each block's recorded load")
     skew.add_argument("--trace-steps", type=positive_int, default=10,
                       help="average the load over this many last recorded steps (default 10)")
-    skew.add_argument("--num-experts", type=positive_int, default=4,
-                      help="number of experts E (default 4; a trace sets its own)")
+    _add_routed_layer(skew, num_experts=4, model_dim=256, top_k=1, experts_note="; a trace sets its own")
     add_renamed_flag(skew, "--experts", "--num-experts", type=positive_int)
-    skew.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
-    skew.add_argument("--model-dim", type=positive_int, default=256, help="model dimension M (default 256)")
-    skew.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
-    skew.add_argument("--top-k", type=positive_int, default=1, help="experts each token is routed to (default 1)")
     skew.add_argument("--redundant-experts", type=positive_int, default=None,
                       help="extra expert slots of the redundant mode (default: one per rank)")
     skew.add_argument("--token-exchange", choices=TOKEN_EXCHANGE_CHOICES, default="padded",
@@ -428,11 +437,7 @@ def _add_exchange(benches: Any) -> None:
     _add_cluster_layout(exchange, ranks_per_node=1)
     exchange.add_argument("--points", nargs="+", default=["uniform@1", "uniform@0", "zipf:1.2@0", "zipf:1.2@1"],
                           help="<skew>@<capacity factor> points (default: uniform@1 uniform@0 zipf:1.2@0 zipf:1.2@1)")
-    exchange.add_argument("--num-experts", type=positive_int, default=8, help="number of experts E (default 8)")
-    exchange.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")
-    exchange.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
-    exchange.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
-    exchange.add_argument("--top-k", type=positive_int, default=2, help="experts each token is routed to (default 2)")
+    _add_routed_layer(exchange, num_experts=8, model_dim=512, top_k=2)
     exchange.add_argument("--pipeline", type=pipeline_choice, default="auto",
                           help="every mode's pipeline: a policy, or one degree for all, run with the linear "
                           "all-to-all, so that only the exchange differs (default auto)")
