@@ -111,7 +111,7 @@ def test_cross_node_rows_count_the_rows_for_other_nodes() -> None:
     assert cross_node_rows(filled_WE, 3, False, topology) == 4 * 2 * 3
 
 
-def test_the_planner_prices_both_exchanges_and_the_ragged_one_by_its_kept_rows() -> None:
+def test_the_planner_prices_a_ragged_plan_by_its_kept_rows() -> None:
     from moeflow.config import LayerDims
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.pipeline import RegionShape
@@ -121,15 +121,14 @@ def test_the_planner_prices_both_exchanges_and_the_ragged_one_by_its_kept_rows()
         "alltoall.linear": AlphaBeta(1e-4, 1e-8), "alltoall.pairwise": AlphaBeta(1e-4, 1e-8),
         "gemm": AlphaBeta(1e-5, 1e-11)})
     cost = CostModel(profile)
-    both = ExpertParallelModel(exchanges=("padded", "ragged"))
     # dropless under skew: capacity 400 slots per expert for 2 x 100 / 8 = 25 kept rows on average
     shape = RegionShape(LayerDims(64, 128, 8, 2), 2, 400, 4, tokens=100)
-    plans = both.candidates(shape, (1, 2), ("linear", "pairwise"))
-    assert {plan.exchange for plan in plans if plan.schedule == "expert"} == {"padded", "ragged"}
-    assert both.forced_plan(2, "linear") is None  # the exchange is left to choose
-    padded, ragged = (both.predict(Plan("expert", 1, "linear", exchange=e), cost, shape, True) for e in
-                      ("padded", "ragged"))
-    assert ragged.total_s < padded.total_s / 4
-    only_ragged = ExpertParallelModel(exchanges=("ragged",))
-    assert all(plan.schedule != "smart" for plan in only_ragged.candidates(shape, (1,), ("pairwise",)))
-    assert only_ragged.forced_plan(2, "linear") == Plan("expert", 2, "linear", exchange="ragged")
+    padded, ragged, auto = (ExpertParallelModel(exchange=e).predict(Plan("expert", 1, "linear", exchange=e), cost,
+                                                                     shape, True) for e in ("padded", "ragged", "auto"))
+    assert ragged.total_s < padded.total_s / 4 and auto.total_s == ragged.total_s
+    automatic = ExpertParallelModel(exchange="auto")
+    assert {plan.exchange for plan in automatic.candidates(shape, (1, 2), ("linear",))} == {"auto"}
+    assert automatic.forced_plan(2, "linear") == Plan("expert", 2, "linear", exchange="auto")
+    forced = ExpertParallelModel(exchange="ragged")  # the smart schedule's steps send padded slots
+    assert all(plan.schedule != "smart" for plan in forced.candidates(shape, (1,), ("pairwise",)))
+    assert any(plan.schedule == "smart" for plan in automatic.candidates(shape, (1,), ("pairwise",)))

@@ -92,20 +92,24 @@ def _collective_order(rank: int, world_size: int, token_exchange: str) -> tuple[
         layer.gate.weight[0].fill_(1.0)
     x = torch.rand(16, 8) + 0.1
     x[:4] = -x[:4]  # ... and a few go elsewhere, so that something is exchanged
-    entered: list[tuple[str, int]] = []
-    layer.groups.ledger.on_enter = lambda entry: entered.append((entry.operation, entry.nbytes))
-    with torch.no_grad():
-        layer(x)
-    sent = sum(n for op, n in entered if op == "all-to-all")
-    return [operation for operation, _ in entered], sent, sum(layer.last_stats.tokens_per_expert[1:])
+    entered: list[tuple[str, int, str]] = []
+    layer.groups.ledger.on_enter = lambda entry: entered.append(
+        (entry.operation, entry.nbytes, entry.location.direction or ""))
+    layer(x).sum().backward()
+    sent = sum(n for op, n, direction in entered if op == "all-to-all" and direction == "forward")
+    return [f"{direction} {op}" for op, _, direction in entered], sent, sum(layer.last_stats.tokens_per_expert[1:])
 
 
 @pytest.mark.distributed
 def test_the_shadowed_weights_move_while_the_others_tokens_do_and_none_of_their_tokens_travel() -> None:
     for token_exchange in ("padded", "ragged"):
         order, _, _ = run_distributed(_collective_order, 2, token_exchange, timeout_s=120)[0]
-        # posted before the exchange, awaited (and entered in the ledger) only once the exchange is done
-        assert order.index("shadowed weight all-reduce") > max(i for i, op in enumerate(order) if op == "all-to-all")
+        # posted before the exchange, awaited (and entered in the ledger) only once the exchange is
+        # done: the weights' in the forward, the gradients' in the backward
+        reduces = (("forward", "shadowed weight all-reduce"), ("backward", "shadowed gradient all-reduce"))
+        for direction, reduce in reduces:
+            exchanged = [i for i, op in enumerate(order) if op == f"{direction} all-to-all"]
+            assert exchanged and order.index(f"{direction} {reduce}") > max(exchanged), order
     padded = run_distributed(_collective_order, 2, "padded", timeout_s=120)
     ragged = run_distributed(_collective_order, 2, "ragged", timeout_s=120)
     not_shadowed = ragged[0][2]  # the kept tokens of experts 1-3, over both ranks

@@ -51,12 +51,8 @@ PADDED, RAGGED = "padded", "ragged"
 TOKEN_EXCHANGES = (PADDED, RAGGED)
 """How tokens travel between ranks: every slot of the capacity (``padded``), or only the kept rows (``ragged``)."""
 TOKEN_EXCHANGE_CHOICES = (*TOKEN_EXCHANGES, "auto")
-"""The ``token_exchange`` setting's values: one of :data:`TOKEN_EXCHANGES`, or ``auto`` (planned per iteration)."""
-
-
-def token_exchanges(setting: str) -> tuple[str, ...]:
-    """The exchanges the planner may run for the ``token_exchange`` setting (``auto``: both)."""
-    return TOKEN_EXCHANGES if setting == "auto" else (setting,)
+"""The ``token_exchange`` setting's values: one of :data:`TOKEN_EXCHANGES`, or ``auto``: each chunk
+ragged where it leaves enough of its slots empty to pay for the gather and scatter, else padded."""
 
 
 def ffn_projections(activation: str) -> int:

@@ -20,7 +20,6 @@ from moeflow.config import (
     SAA,
     MoEConfig,
     ffn_projections,
-    token_exchanges,
 )
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
@@ -60,7 +59,7 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
     choice = select_schedule(
         config.parallel, config.num_experts, groups.size, cost_model,
         _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline,
-        ShardingLayout(mp_size, config.esp_size, token_exchanges(config.token_exchange)),
+        ShardingLayout(mp_size, config.esp_size, config.token_exchange),
     )
     schedule = choice.schedule
     check_techniques(config, schedule.name)

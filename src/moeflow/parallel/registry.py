@@ -79,7 +79,7 @@ class FeatureSpec:
 
 SCHEDULES: tuple[ScheduleSpec, ...] = (
     ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined",
-                 lambda layout: ExpertParallelSchedule(token_exchanges=layout.token_exchanges), expert_region,
+                 lambda layout: ExpertParallelSchedule(token_exchange=layout.token_exchange), expert_region,
                  ranked_by_auto=True),
     ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda layout: ReplicatedSchedule(),
                  replicated_region, ranked_by_auto=True),
@@ -123,7 +123,8 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 f"runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their received slots)",
                 "expert_kernel='bmm'", (*RAGGED_SCHEDULES, "packed"), lambda c: c.expert_kernel == "ragged"),
     FeatureSpec("token_exchange='ragged'", "Megatron-Core / DeepEP / Tutel 0.3: a ragged token exchange",
-                "sends only the kept rows over the expert-parallel schedule's all-to-all", "token_exchange='auto'",
+                "sends only the kept rows over the expert-parallel schedule's all-to-all",
+                "token_exchange='auto' (ragged where a chunk leaves enough slots empty) or 'padded'",
                 _EXPERT, lambda c: c.token_exchange == RAGGED,
                 excludes=("pipeline='smart'", "expert packing", "inference scheduling")),
     FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",

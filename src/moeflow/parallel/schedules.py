@@ -32,7 +32,7 @@ from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.ragged_exchange import RaggedExpertExchange, cross_node_rows
+from moeflow.parallel.ragged_exchange import MIN_SAVING, RaggedExpertExchange, cross_node_rows
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
@@ -46,14 +46,14 @@ from moeflow.stats import PipelineTiming
 class ShardingLayout:
     """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
     and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
-    the others ignore both), and the token exchanges the planner may run (the expert-parallel
-    schedule's; the others send padded chunks). Parm's Table III varies N_MP and N_ESP
+    the others ignore both), and how the expert-parallel schedule's tokens travel (the others send
+    padded chunks). Parm's Table III varies N_MP and N_ESP
     independently; N_ESP defaults to N_MP, its real models' setting, where an MP group is also an
     ESP group."""
 
     mp_size: int = 1
     esp_size: int | None = None  # None: N_MP (moeflow.parallel.parm.shard_count)
-    token_exchanges: tuple[str, ...] = (PADDED,)
+    token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
 
 
 class ParallelSchedule(Protocol):
@@ -129,20 +129,22 @@ class ExpertParallelSchedule(_ModelledSchedule):
     all-to-all."""
 
     name: str = "expert"
-    token_exchanges: tuple[str, ...] = (PADDED,)
+    token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
     takes_ragged = True
 
     @property
     def model(self) -> ScheduleModel:
-        return ExpertParallelModel(exchanges=self.token_exchanges)
+        return ExpertParallelModel(exchange=self.token_exchange)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
-        """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan)."""
-        if plan.exchange == RAGGED and ctx.world_size > 1:
-            return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE)
+        """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under
+        ``auto``, of the chunks that leave enough slots empty)."""
+        if plan.exchange != PADDED and ctx.world_size > 1:
+            min_saving = 0.0 if plan.exchange == RAGGED else MIN_SAVING
+            return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE, min_saving=min_saving)
         return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
@@ -156,7 +158,7 @@ class ExpertParallelSchedule(_ModelledSchedule):
             )
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
-        ragged = plan.exchange == RAGGED and plan.schedule != SMART
+        ragged = plan.exchange != PADDED and plan.schedule != SMART
         crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
         return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
 

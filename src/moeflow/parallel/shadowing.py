@@ -6,7 +6,8 @@ all-reduce (the owner contributes its parameters, the others zeros), whose backw
 rank's weight gradients back into the owner's parameters, which alone hold and update them: the
 broadcast and reduce of the paper, as one collective each way for all shadowed weights. The forward's
 is posted before the other experts' exchange and awaited only when the shadowed experts compute,
-so the weights move while the tokens do. The other experts run through the schedule as usual, over
+so the weights move while the tokens do; the backward's is posted after the shadowed experts'
+backward and awaited after the exchanged experts' backward. The other experts run through the schedule as usual, over
 the capacity that their own tokens need (a hot shadowed expert no longer sizes the exchange); with
 the ragged token exchange none of a shadowed expert's tokens travel at all.
 
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.comm.ledger import CollectiveLedger
 from moeflow.experts import ExpertCompute, FFNWeights
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement
@@ -92,6 +92,15 @@ def decide_shadows(
     return (ShadowPlan.of(experts, filled_WE, capacity) if experts else None), gain
 
 
+@dataclass
+class _GradientReduce:
+    """The backward's gradient all-reduce in flight: posted by :class:`_SumOverRanks`, awaited by
+    :class:`_AwaitGradients` (one per forward)."""
+
+    work: dist.Work | None = None
+    nbytes: int = 0
+
+
 @dataclass(frozen=True)
 class PendingShadows:
     """The shadowed experts' weights on their way to every rank: the owner's contribution (zeros
@@ -102,6 +111,7 @@ class PendingShadows:
     reduced: torch.Tensor | None  # the flat sum being all-reduced (None: one process)
     work: dist.Work | None
     groups: ParallelGroups
+    gradients: _GradientReduce
 
     def wait(self) -> FFNWeights:
         """The (S, ...) weights, differentiable into the owners' parameters (the backward all-reduces
@@ -112,7 +122,7 @@ class PendingShadows:
         with self.groups.ledger.tracked("shadowed weight all-reduce", self.groups.expert, self.reduced.nbytes):
             if self.work is not None:
                 self.work.wait()
-        summed = iter(_SumOverRanks.apply(self.reduced, self.groups.expert, self.groups.ledger, *present))
+        summed = iter(_SumOverRanks.apply(self.reduced, self.groups.expert, self.gradients, *present))
         return FFNWeights(*(None if t is None else next(summed) for t in self.stacked))
 
 
@@ -120,7 +130,10 @@ def post_shadow_weights(
     weights: FFNWeights, placement: ExpertPlacement, rank: int, experts: tuple[int, ...], groups: ParallelGroups,
 ) -> PendingShadows:
     """Post the all-reduce that brings the shadowed experts' whole weights, (S, ...) each, to every
-    rank (the paper's broadcast from the owner; its backward is the reduce to the owner)."""
+    rank (the paper's broadcast from the owner; its backward is the reduce to the owner). Called
+    before the other experts' exchange, so that in the backward the gradients' all-reduce, posted
+    after the shadowed experts' backward, is awaited only after the exchanged experts' backward
+    (autograd runs the later-made node first)."""
     local_index = {shard.expert: index for index, shard in enumerate(placement.local(rank))}
 
     def stack(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -132,34 +145,62 @@ def post_shadow_weights(
             stacked.requires_grad_()  # every rank must run the backward's all-reduce, owner or not
         return stacked
 
-    stacked = tuple(stack(tensor) for tensor in weights.as_tuple())
+    raw = [stack(tensor) for tensor in weights.as_tuple()]
+    gradients = _GradientReduce()
     if groups.expert is None:
-        return PendingShadows(stacked, None, None, groups)
+        return PendingShadows(tuple(raw), None, None, groups, gradients)
+    awaited = iter(_AwaitGradients.apply(gradients, groups, *(t for t in raw if t is not None)))
+    stacked = tuple(None if t is None else next(awaited) for t in raw)
     flat = torch.cat([t.detach().reshape(-1) for t in stacked if t is not None])
-    return PendingShadows(stacked, flat, dist.all_reduce(flat, group=groups.expert, async_op=True), groups)
+    return PendingShadows(stacked, flat, dist.all_reduce(flat, group=groups.expert, async_op=True), groups,
+                          gradients)
+
+
+class _AwaitGradients(torch.autograd.Function):
+    """Identity on the stacked contributions whose backward waits for the gradients' all-reduce
+    that :class:`_SumOverRanks` posted (made before the exchange, it runs after the exchanged
+    experts' backward)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, gradients: _GradientReduce, groups: ParallelGroups, *stacked: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.gradients, ctx.groups = gradients, groups  # type: ignore[attr-defined]
+        return tuple(t.view_as(t) for t in stacked)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        gradients: _GradientReduce = ctx.gradients  # type: ignore[attr-defined]
+        groups: ParallelGroups = ctx.groups  # type: ignore[attr-defined]
+        with groups.ledger.tracked("shadowed gradient all-reduce", groups.expert, gradients.nbytes):
+            if gradients.work is not None:
+                gradients.work.wait()
+        return (None, None, *grads)
 
 
 class _SumOverRanks(torch.autograd.Function):
     """The all-reduced weights (their flat sum, reduced already) as differentiable outputs of the
-    stacked contributions; the backward all-reduces the gradients: the owner's contribution is the
-    parameters, so its gradient is every rank's gradient summed (the paper's reduce to the owner).
-    torch.distributed.nn.functional.all_reduce does this too, but is deprecated."""
+    stacked contributions; the backward posts the all-reduce of the gradients (awaited by
+    :class:`_AwaitGradients`): the owner's contribution is the parameters, so its gradient is every
+    rank's gradient summed (the paper's reduce to the owner). torch.distributed.nn.functional.all_reduce
+    does this too, but is deprecated and synchronous."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx, reduced: torch.Tensor, group: dist.ProcessGroup, ledger: CollectiveLedger,
+        ctx: FunctionCtx, reduced: torch.Tensor, group: dist.ProcessGroup, gradients: _GradientReduce,
         *stacked: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        ctx.group, ctx.ledger = group, ledger  # type: ignore[attr-defined]
+        ctx.group, ctx.gradients = group, gradients  # type: ignore[attr-defined]
         sizes = [t.numel() for t in stacked]
         return tuple(part.view_as(t).clone() for part, t in zip(reduced.split(sizes), stacked, strict=True))
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         summed = torch.cat([g.reshape(-1) for g in grads])
-        with ctx.ledger.tracked("shadowed gradient all-reduce", ctx.group, summed.nbytes):  # type: ignore[attr-defined]
-            dist.all_reduce(summed, group=ctx.group)  # type: ignore[attr-defined]
-        parts = summed.split([g.numel() for g in grads])
+        gradients: _GradientReduce = ctx.gradients  # type: ignore[attr-defined]
+        gradients.nbytes = summed.nbytes
+        gradients.work = dist.all_reduce(summed, group=ctx.group, async_op=True)  # type: ignore[attr-defined]
+        parts = summed.split([g.numel() for g in grads])  # read only once the work is done
         return (None, None, None, *(part.view_as(g) for part, g in zip(parts, grads, strict=True)))
 
 

@@ -42,7 +42,8 @@ SMART_PLAN_ALGORITHM = "pairwise"
 class Plan:
     """What one forward runs: the schedule, the pipeline degree, the all-to-all algorithm,
     Tutel's r for the ``adaptive`` schedule (None for the others), and how the tokens travel
-    (``padded``: every slot of the capacity; ``ragged``: only the kept rows)."""
+    (``padded``: every slot of the capacity; ``ragged``: only the kept rows; ``auto``: ragged where
+    a chunk leaves enough slots empty)."""
 
     schedule: str
     degree: int
@@ -75,39 +76,36 @@ class ScheduleModel(Protocol):
 
 @dataclass(frozen=True)
 class ExpertParallelModel:
-    """Expert parallelism over capacity chunks (and FasterMoE's smart schedule), its tokens sent
-    by each of ``exchanges``: padded, ragged or both (the planner then picks per iteration)."""
+    """Expert parallelism over capacity chunks (and FasterMoE's smart schedule), its tokens sent by
+    ``exchange``: padded, ragged, or auto (ragged where a chunk leaves enough slots empty)."""
 
     name: str = "expert"
     sends_tokens: bool = True
-    exchanges: tuple[str, ...] = (PADDED,)
+    exchange: str = PADDED
 
     def can_predict(self, cost: CostModel) -> bool:
         return "gemm" in cost.profile.fits and any(f.startswith("alltoall.") for f in cost.profile.fits)
 
     def forced_plan(self, degree: int, algorithm: str) -> Plan | None:
-        """The one plan of a forced degree and algorithm: none while the exchange is left to choose."""
-        if len(self.exchanges) > 1 and algorithm != LOCAL:
-            return None
-        return Plan(self.name, degree, algorithm, exchange=self.exchanges[0])
+        return Plan(self.name, degree, algorithm, exchange=self.exchange)
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
     ) -> list[Plan]:
-        """Capacity-chunk plans of every (exchange, degree, algorithm), and FasterMoE's smart
-        schedule where the pairwise exchange it is built on is a candidate (several nodes) and the
-        padded exchange is (its steps send every slot)."""
+        """Capacity-chunk plans of every (degree, algorithm), and FasterMoE's smart schedule where
+        the pairwise exchange it is built on is a candidate (several nodes) and the exchange is not
+        forced ragged (its steps send every slot)."""
         algorithms = list(algorithms)
         usable = usable_degrees(degrees, shape.capacity)
         smart = [Plan(SMART, 1, SMART_PLAN_ALGORITHM)] if SMART_PLAN_ALGORITHM in algorithms else []
-        smart = smart if PADDED in self.exchanges else []  # its pairwise steps send padded slots
-        plans = [Plan(self.name, d, a, exchange=e) for e in self.exchanges for a in algorithms for d in usable]
+        smart = smart if self.exchange != RAGGED else []  # its pairwise steps send padded slots
+        plans = [Plan(self.name, d, a, exchange=self.exchange) for a in algorithms for d in usable]
         return plans + smart
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
         if plan.schedule == SMART:
             return predict_smart(cost, shape, backward)
-        sent = ragged_shape(shape) if plan.exchange == RAGGED else shape
+        sent = ragged_shape(shape) if plan.exchange != PADDED else shape
         return predict_plan(cost, sent, plan.degree, plan.algorithm, backward)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moeflow.config import DTYPE_BYTES, RAGGED
+from moeflow.config import DTYPE_BYTES, PADDED
 from moeflow.parallel.registry import SIMULATED_REGIONS
 from moeflow.perf.schedules import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
@@ -45,7 +45,7 @@ def step_plan(plan: Plan) -> StepPlan | None:
     if plan.schedule == "adaptive":
         return StepPlan(schedule="adaptive", r=plan.r, degree=plan.degree, algorithm=algorithm)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
-                    ragged_exchange=plan.exchange == RAGGED)
+                    ragged_exchange=plan.exchange != PADDED)
 
 
 class SimulatedRanker:
@@ -73,7 +73,7 @@ class SimulatedRanker:
             simulated = step_plan(plan)
             if simulated is None:
                 return None
-            model = region_model(ragged_shape(shape) if plan.exchange == RAGGED else shape)
+            model = region_model(ragged_shape(shape) if plan.exchange != PADDED else shape)
             try:
                 seconds = simulate_step(self.twin, model, simulated, training=backward, layer_only=True).step_s
             except ValueError:  # a layout the simulated schedule rejects
