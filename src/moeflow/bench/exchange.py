@@ -27,6 +27,8 @@ UNIFORM_TOLERANCE = 1.0  # ragged over padded at uniform load with f = 1: never 
 
 @dataclass(frozen=True)
 class ExchangePoint:
+    """One measured point: the routing distribution, the capacity factor (0: dropless) and the layer."""
+
     skew: str  # "uniform", "zipf:<s>", "one-hot", or a name for ``probabilities``
     capacity_factor: float = 0.0
     num_experts: int = 8
