@@ -3,13 +3,12 @@
 The same layer, weights and tokens four ways: ``padded-bmm`` (the padded exchange and the padded
 ``bmm`` kernel: nothing ragged), ``padded`` (the padded exchange with the ragged kernel, forward and
 backward), ``ragged`` (the ragged exchange and kernel: only kept rows travel and compute) and
-``auto`` (the ragged kernel, the planner picking the exchange per iteration). Routing is set as in ``bench skew``
-(uniform, Zipf(s), one-hot, or a recorded load; every rank draws its own tokens), at the point's
-capacity factor (0: dropless). Each mode first runs until its planner has settled; then, round-robin,
-one training step (forward + backward) and one inference forward per mode, the slowest rank,
-medians. Per point: the bytes each mode sent in one training step's all-to-alls (this rank's) and
-the speedups of ragged and auto over padded.
-"""
+``auto`` (the ragged kernel; each chunk ragged where it leaves enough of its slots empty, else
+padded). Routing is set as in ``bench skew`` (uniform, Zipf(s), one-hot, or a recorded load; every
+rank draws its own tokens), at the point's capacity factor (0: dropless). Each mode first runs until
+its planner has settled; then, round-robin, one training step (forward + backward) and one inference
+forward per mode, the slowest rank, medians. Per point: the bytes each mode sent in one training
+step's all-to-alls (this rank's) and the speedups of ragged and auto over padded."""
 
 from __future__ import annotations
 
@@ -71,17 +70,16 @@ def _measure_point(point: ExchangePoint, groups: Any, profile: Any, repeats: int
     import torch.distributed as dist
 
     from moeflow.bench.skew import routed_tokens, steer_gate
-    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
+    from moeflow.bench.timing import round_robin_steps, settle_planner
     from moeflow.layer import MoELayer
-    from moeflow.measure import slowest_rank_seconds
 
     def build(token_exchange: str, expert_kernel: str) -> MoELayer:
         torch.manual_seed(0)
         layer = MoELayer(
             point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k,
             capacity_factor=point.capacity_factor, group=groups, parallel="expert", expert_kernel=expert_kernel,
-            profile=profile, token_exchange=token_exchange, pipeline=point.pipeline, alltoall="linear"
-            if isinstance(point.pipeline, int) else "auto",
+            profile=profile, token_exchange=token_exchange, pipeline=point.pipeline,
+            alltoall="linear" if isinstance(point.pipeline, int) else "auto",  # a fixed degree: one algorithm too
         )
         steer_gate(layer)
         return layer
@@ -90,18 +88,7 @@ def _measure_point(point: ExchangePoint, groups: Any, profile: Any, repeats: int
     x = routed_tokens(_skew_point(point), seed=1000 + dist.get_rank())
     settle = {mode: settle_planner(layer, x) for mode, layer in layers.items()}
     sent = {mode: _sent_bytes(layer, x) for mode, layer in layers.items()}
-    train: dict[str, list[float]] = {mode: [] for mode in layers}
-    infer: dict[str, list[float]] = {mode: [] for mode in layers}
-    probe = SpeedProbe()
-    for round_index in range(repeats + 1):  # round 0 warms every mode up
-        for mode, layer in layers.items():
-            step = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
-            with torch.no_grad():
-                forward = slowest_rank_seconds(lambda layer=layer: layer(x))
-            if round_index:
-                train[mode].append(step)
-                infer[mode].append(forward)
-        probe.sample()
+    train, infer, probe = round_robin_steps(layers, x, repeats)
     if dist.get_rank() == 0:
         emit(probe.record("exchange", point.name))
         _emit_point(point, layers, train, infer, settle, sent, emit)
@@ -136,7 +123,7 @@ def _emit_point(
         "auto_over_padded_train": step["padded"] / step["auto"],
         "auto_over_padded_forward": forward["padded"] / forward["auto"],
         "sent_ragged_over_padded": sent["ragged"] / max(1, sent["padded"]),
-        "auto_chose": layers["auto"].last_stats.plan.token_exchange,
+        "sent_auto_over_padded": sent["auto"] / max(1, sent["padded"]),
     })
 
 
@@ -179,7 +166,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "ragged_over_padded_forward": {r["config"]: r["ragged_over_padded_forward"] for r in compare},
         "ragged_over_padded_bmm_train": {r["config"]: r["ragged_over_padded_bmm_train"] for r in compare},
         "auto_over_padded_train": {r["config"]: r["auto_over_padded_train"] for r in compare},
-        "auto_chose": {r["config"]: r["auto_chose"] for r in compare},
+        "sent_auto_over_padded": {r["config"]: r["sent_auto_over_padded"] for r in compare},
         "uniform_worst_ratio": worst_uniform,
         "uniform_goal_met": None if worst_uniform is None else worst_uniform >= UNIFORM_TOLERANCE,
         "dropless_zipf_train_ratio": skewed_train,

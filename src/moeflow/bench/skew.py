@@ -112,9 +112,8 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
+    from moeflow.bench.timing import round_robin_steps, settle_planner
     from moeflow.layer import MoELayer
-    from moeflow.measure import slowest_rank_seconds
 
     rank = dist.get_rank()
     hottest = int(routing_probabilities(point).argmax())
@@ -142,18 +141,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
 
     if rebalance_layer(layers["redundant"], layers["redundant"].last_stats.tokens_per_expert):
         settle["redundant"] += settle_planner(layers["redundant"], x)
-    samples: dict[str, list[float]] = {name: [] for name in layers}
-    forwards: dict[str, list[float]] = {name: [] for name in layers}
-    probe = SpeedProbe()
-    for round_index in range(repeats + 1):  # round 0 warms every mode up
-        for name, layer in layers.items():
-            seconds = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
-            with torch.no_grad():  # an inference forward
-                forward = slowest_rank_seconds(lambda layer=layer: layer(x))
-            if round_index:
-                samples[name].append(seconds)
-                forwards[name].append(forward)
-        probe.sample()
+    samples, forwards, probe = round_robin_steps(layers, x, repeats)
     if rank == 0:
         emit(probe.record("skew", point.name))
         _emit_point(point, layers, samples, forwards, settle, emit)

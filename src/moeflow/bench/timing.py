@@ -49,3 +49,26 @@ def settle_planner(layer: Any, x: Any, limit: int = 300) -> int:
         if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
             return iteration
     return limit
+
+
+def round_robin_steps(
+    layers: dict[str, Any], x: Any, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], SpeedProbe]:
+    """Each layer's training steps and inference forwards (the slowest rank's seconds), one of each
+    per layer per round, round-robin over ``repeats`` rounds after one that warms every layer up;
+    the speed probe sampled once per round."""
+    import torch
+
+    steps: dict[str, list[float]] = {name: [] for name in layers}
+    forwards: dict[str, list[float]] = {name: [] for name in layers}
+    probe = SpeedProbe()
+    for round_index in range(repeats + 1):
+        for name, layer in layers.items():
+            step = slowest_rank_seconds(lambda layer=layer: layer_training_step(layer, x))
+            with torch.no_grad():
+                forward = slowest_rank_seconds(lambda layer=layer: layer(x))
+            if round_index:
+                steps[name].append(step)
+                forwards[name].append(forward)
+        probe.sample()
+    return steps, forwards, probe

@@ -47,9 +47,8 @@ class ShardingLayout:
     """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
     and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
     the others ignore both), and how the expert-parallel schedule's tokens travel (the others send
-    padded chunks). Parm's Table III varies N_MP and N_ESP
-    independently; N_ESP defaults to N_MP, its real models' setting, where an MP group is also an
-    ESP group."""
+    padded chunks). Parm's Table III varies N_MP and N_ESP independently; N_ESP defaults to N_MP,
+    its real models' setting, where an MP group is also an ESP group."""
 
     mp_size: int = 1
     esp_size: int | None = None  # None: N_MP (moeflow.parallel.parm.shard_count)

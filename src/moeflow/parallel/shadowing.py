@@ -7,9 +7,10 @@ rank's weight gradients back into the owner's parameters, which alone hold and u
 broadcast and reduce of the paper, as one collective each way for all shadowed weights. The forward's
 is posted before the other experts' exchange and awaited only when the shadowed experts compute,
 so the weights move while the tokens do; the backward's is posted after the shadowed experts'
-backward and awaited after the exchanged experts' backward. The other experts run through the schedule as usual, over
-the capacity that their own tokens need (a hot shadowed expert no longer sizes the exchange); with
-the ragged token exchange none of a shadowed expert's tokens travel at all.
+backward and awaited after the exchanged experts' backward. The other experts run through the
+schedule as usual, over the capacity that their own tokens need (a hot shadowed expert no longer
+sizes the exchange); with the ragged token exchange none of a shadowed expert's tokens travel at
+all.
 
 Which experts: a fixed list, or Algorithm 1 (:func:`moeflow.perf.shadowing.select_shadowed_experts`)
 on the global counts the layer already exchanges, so every rank picks the same set.
