@@ -57,6 +57,10 @@ PROFILE_CHEAP_SHADOWS = ClusterProfile(
     nodes=2, ranks_per_node=2,
     fits={"alltoall.linear": AlphaBeta(1e-4, 1e-6), "allreduce": AlphaBeta(1e-6, 1e-12), "gemm": AlphaBeta(1e-6, 1e-9)},
 )
+PROFILE_DEAR_PARAMETERS = ClusterProfile(  # moving an expert's weights costs more than any token exchange
+    nodes=2, ranks_per_node=2,
+    fits={"alltoall.linear": AlphaBeta(1e-4, 1e-8), "allreduce": AlphaBeta(1e-3, 1e-6), "gemm": AlphaBeta(1e-6, 1e-9)},
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Case:
     r_per_step: tuple[str, ...] = ()  # Tutel's r of each step's call ("r0", "r1", "rmid", "rmax")
     mp: int = 1  # tensor-parallel group size (Parm): tokens replicated over consecutive ranks
     rebalance_to: tuple[float, ...] = ()  # redundant experts: before step 1, rebalance for this load
+    rebalance_later: tuple[tuple[float, ...], ...] = ()  # ... and before steps 2, 3, ... for these
     pack_factor: int = 0  # Lina's packing: before step 1, hold this many times E / W experts per rank
 
 
@@ -172,6 +177,15 @@ def extra_cases() -> list[Case]:
              same_expert=True),
         Case("redundant-smart", {**base, "redundant_experts": 4, "pipeline": "smart"}, ranks_per_node=1,
              same_expert=True, steps=2, rebalance_to=(50.0, 40, 1, 1, 1, 1, 1, 1)),
+        # balance='auto': off until the first rebalance, then the cost model's choice for each load
+        # (on the cheap profile, 2 and 4 ranks: the slots, shadowing, then the slots on 2 ranks, off on 4)
+        Case("balance-auto-switches", {**base, "redundant_experts": 4, "balance": "auto", "capacity_factor": 0.0,
+                                       "profile": PROFILE_CHEAP_SHADOWS}, same_expert=True, steps=4,
+             rebalance_to=(90.0, 1, 1, 1, 1, 1, 1, 1), rebalance_later=((60.0, 30, 0, 0, 0, 0, 0, 0), (24.0,) * 8)),
+        Case("balance-auto-stays-off-ragged", {**base, "redundant_experts": 4, "balance": "auto",
+                                               "expert_kernel": "ragged", "capacity_factor": 0.0,
+                                               "profile": PROFILE_DEAR_PARAMETERS}, steps=2,
+             rebalance_to=(5.0, 30, 1, 1, 9, 1, 1, 0)),
         # Lina's expert packing: expert parallel for step 0, then blocks of W / factor ranks holding
         # every expert (4 ranks x2: blocks of 2; 2 ranks x2 and 4 ranks x4: every expert on every rank)
         Case("packed-x2", {**base, "parallel": "expert"}, steps=2, pack_factor=2),
@@ -480,6 +494,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
         "parallel": kwargs.pop("parallel", "expert"),
         "shadowing": kwargs.pop("shadowing", "off"),
         "redundant_experts": kwargs.pop("redundant_experts", 0),
+        "balance": kwargs.pop("balance", "fixed"),
         "esp_size": kwargs.pop("esp_size", None),
         "group": groups,
     }
@@ -556,6 +571,8 @@ def check_case(
     for step in range(case.steps):
         if step == 1 and case.rebalance_to:
             rebalance_layer(layer, case.rebalance_to)
+        if 2 <= step < 2 + len(case.rebalance_later):
+            rebalance_layer(layer, case.rebalance_later[step - 2])
         if step == 1 and case.pack_factor:
             per_rank = min(case.num_experts, case.num_experts // world_size * case.pack_factor)
             pack_layer(layer, per_rank)

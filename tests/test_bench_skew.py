@@ -55,12 +55,17 @@ def test_the_summary_checks_both_goals() -> None:
     records = [
         {"bench": "skew-compare", "config": "u", "skew": "uniform", "auto_over_off_speedup": 0.98,
          "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.0, "redundant_over_off_speedup": 1.0,
-         "max_over_mean_load_redundant": 1.0},
+         "max_over_mean_load_redundant": 1.0, "balance_mode": "off", "balance_over_off_speedup": 1.0,
+         "balance_over_best_speedup": 0.99},
         {"bench": "skew-compare", "config": "z", "skew": "one-hot", "auto_over_off_speedup": 1.5,
          "smart_over_off_speedup": 1.0, "smart_auto_over_off_speedup": 1.4, "redundant_over_off_speedup": 1.6,
-         "max_over_mean_load_redundant": 1.05},
+         "max_over_mean_load_redundant": 1.05, "balance_mode": "redundant", "balance_over_off_speedup": 1.58,
+         "balance_over_best_speedup": 0.99},
     ]
     summary = summarize(records)
     assert summary["strong_skew_goal_met"] and summary["uniform_goal_met"] and summary["redundant_goal_met"]
+    assert summary["balance_goal_met"] and summary["balance_mode"] == {"u": "off", "z": "redundant"}
+    assert not summarize([{**records[0], "balance_over_off_speedup": 0.96}])["balance_goal_met"]
+    assert not summarize([{**records[1], "balance_over_best_speedup": 0.94}])["balance_goal_met"]
     assert not summarize([{**records[1], "max_over_mean_load_redundant": 1.2}])["redundant_goal_met"]
     assert not summarize([{**records[0], "auto_over_off_speedup": 0.9}])["uniform_goal_met"]

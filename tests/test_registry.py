@@ -38,6 +38,7 @@ TURNED_ON: dict[str, dict[str, Any]] = {
     "alltoall='saa'": {"alltoall": "saa"},
     "esp_size": {"esp_size": 2},
     "token_exchange='ragged'": {"token_exchange": "ragged"},
+    "balance='auto'": {"balance": "auto", "redundant_experts": 4},
 }
 """The settings that turn each config-enabled feature on (a new feature adds its line)."""
 RUN_CLASS_NAMES = (*(spec.name for spec in SCHEDULES), "parm", "packed")

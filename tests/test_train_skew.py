@@ -201,6 +201,22 @@ def test_redundant_experts_rebalance_every_step_and_resume_exactly(tmp_path: Pat
             assert sum(layer["rank_tokens"]) == sum(layer["tokens_per_expert"]) - layer["dropped"]
 
 
+@pytest.mark.distributed
+def test_balance_auto_chooses_per_block_and_resumes_exactly(tmp_path: Path) -> None:
+    from moeflow.cli import main
+
+    settings = {**TINY, "steps": 4, "parallel": "expert", "redundant_experts": 2, "balance": "auto",
+                "rebalance_interval": 1, "rebalance_window": 2, "profile": _profile(tmp_path / "profile.json")}
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "whole")), report=False)
+    run_training(TrainConfig(**settings, run_dir=str(tmp_path / "resumed"), stop_at=2), report=False)
+    assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0
+    whole, resumed = list(iterate_records(tmp_path / "whole")), list(iterate_records(tmp_path / "resumed"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]  # bit for bit across the choices
+    assert [[b["balance"] for b in r["moe"]] for r in resumed] == [[b["balance"] for b in r["moe"]] for r in whole]
+    assert whole[0]["moe"][0]["balance"] == "off"  # expert parallelism until the first rebalance
+    assert {b["balance"] for r in whole[1:] for b in r["moe"]} - {"off"}  # the cheap profile's choice balances
+
+
 def test_redundant_slots_must_fit_the_workers() -> None:
     with pytest.raises(ValueError, match="multiple of 2"):
         TrainConfig(**{**TINY, "parallel": "expert", "redundant_experts": 1})

@@ -148,6 +148,7 @@ class MoEConfig:
     shadowing: str | tuple[int, ...] = "off"  # FasterMoE: "off", "auto" or the experts to shadow
     topology_gate: str | float = "off"  # FasterMoE §4.3: "off", "auto" or the share of tokens that may leave the node
     redundant_experts: int = 0  # EPLB: extra expert slots for replicas of hot experts (E + this slots in all)
+    balance: str = "fixed"  # "fixed": the two settings above as given; "auto": off, shadowing or the slots per layer
     esp_size: int | None = None  # Parm: hidden shards per expert (N_ESP) behind an mp_group; None: the mp_group's size
 
     def __post_init__(self) -> None:
@@ -178,6 +179,7 @@ class MoEConfig:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
         validate_redundant_experts(self.redundant_experts)
+        validate_balance(self.balance, self.redundant_experts)
         if self.esp_size is not None:
             require_positive_int("esp_size", self.esp_size)
         if self.tokens_per_rank_hint is not None:
@@ -338,6 +340,21 @@ def validate_redundant_experts(redundant: object) -> None:
     """EPLB's extra slots: a count >= 0 (what they run beside is the registry's rule)."""
     if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
         raise ValueError(f"redundant_experts must be an int >= 0 (extra expert slots), got {redundant!r}")
+
+
+BALANCE_CHOICES = ("fixed", "auto")
+"""The ``balance`` setting's values: ``fixed`` runs ``shadowing`` and ``redundant_experts`` as set;
+``auto`` picks, per layer and each time its recorded load rebalances it, the fastest of no
+balancing, FasterMoE's shadowing (``auto``) and EPLB's ``redundant_experts`` slots (the cost model
+of :mod:`moeflow.perf.balance`)."""
+
+
+def validate_balance(balance: object, redundant: int) -> None:
+    """``auto`` needs the slots it may choose (that it leaves shadowing off is the registry's rule)."""
+    require_choice("balance", balance, BALANCE_CHOICES)
+    if balance == "auto" and redundant < 1:
+        raise ValueError("balance='auto' chooses among off, shadowing and EPLB's redundant slots: set "
+                         "redundant_experts > 0 (the slots it may place), or balance='fixed'")
 
 
 FASTERMOE_REMOTE_SHARE = 0.14

@@ -13,7 +13,9 @@ the planner's pipeline (capacity chunks or the smart schedule, per iteration) an
 exchange (padded, ragged or auto: :mod:`moeflow.parallel.ragged_exchange`); ``smart`` and
 ``smart+auto``: FasterMoE's smart schedule forced, without and with ``auto`` shadowing;
 ``redundant``: EPLB's redundant slots (one extra per rank unless set), rebalanced once for the load
-of a settled step (what the trainer's rebalancer computes from its recent steps). Each
+of a settled step (what the trainer's rebalancer computes from its recent steps); ``balance``:
+``balance='auto'`` with the same slots, rebalanced once for that load, which makes it choose off,
+shadowing or the slots (:mod:`moeflow.parallel.balance`). Each
 first runs until its planner has settled; then one forward + backward per mode, round-robin, the
 slowest rank, medians, and one inference forward per mode beside each step. Per point the record
 also gives the max/mean compute load over ranks without and with the shadowing ``auto`` chose, and
@@ -31,6 +33,10 @@ STRONG_SKEW_GOAL = 1.3  # shadowing at strong skew: at least this much faster th
 UNIFORM_TOLERANCE = 1.03  # at uniform load: no slower than this
 REDUNDANT_BALANCE_GOAL = 1.1  # redundant experts: max/mean rank load at most this (TensorRT-LLM's EPLB figure)
 STEER = 8.0  # the logit margin that pins a token to its drawn expert
+BALANCE = "balance"  # the mode whose layer runs balance='auto'
+BALANCE_CANDIDATES = ("off", "auto", "redundant")  # the modes balance='auto' chooses among (auto: shadowing)
+BALANCE_OFF_TOLERANCE = 1.03  # balance='auto': at most this much slower than off
+BALANCE_BEST_TOLERANCE = 1.05  # ... and than the fastest of the techniques it chooses from
 
 
 @dataclass(frozen=True)
@@ -121,26 +127,28 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     modes: dict[str, tuple[Any, str, int]] = {  # (shadowing, pipeline, redundant experts)
         "off": ("off", "auto", 0), "hottest": ([hottest], "auto", 0), "auto": ("auto", "auto", 0),
         "smart": ("off", "smart", 0), "smart+auto": ("auto", "smart", 0), "redundant": ("off", "auto", redundant),
+        BALANCE: ("off", "auto", redundant),
     }
 
-    def build(shadowing: Any, pipeline: str, redundant_experts: int) -> MoELayer:
+    def build(name: str, shadowing: Any, pipeline: str, redundant_experts: int) -> MoELayer:
         torch.manual_seed(0)
         layer = MoELayer(
             point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k, capacity_factor=0.0,
             group=groups, parallel="expert", pipeline=pipeline, expert_kernel="ragged", profile=profile,
-            shadowing=shadowing, redundant_experts=redundant_experts,
+            shadowing=shadowing, redundant_experts=redundant_experts, balance="auto" if name == BALANCE else "fixed",
             token_exchange="padded" if pipeline == "smart" else point.token_exchange,  # smart steps send padded
         )
         steer_gate(layer)
         return layer
 
-    layers = {name: build(*setting) for name, setting in modes.items()}
+    layers = {name: build(name, *setting) for name, setting in modes.items()}
     x = routed_tokens(point, seed=1000 + rank)
     settle = {name: settle_planner(layer, x) for name, layer in layers.items()}
     from moeflow.training.rebalance import rebalance_layer
 
-    if rebalance_layer(layers["redundant"], layers["redundant"].last_stats.tokens_per_expert):
-        settle["redundant"] += settle_planner(layers["redundant"], x)
+    for name in ("redundant", BALANCE):  # placed (and for balance, chosen) for a settled step's load
+        if rebalance_layer(layers[name], layers[name].last_stats.tokens_per_expert):
+            settle[name] += settle_planner(layers[name], x)
     samples, forwards, probe = round_robin_steps(layers, x, repeats)
     if rank == 0:
         emit(probe.record("skew", point.name))
@@ -184,7 +192,25 @@ def _emit_point(
         "max_over_mean_load_off": layers["off"].last_stats.rank_imbalance,
         "max_over_mean_load_auto": auto.last_stats.rank_imbalance,
         "max_over_mean_load_redundant": layers["redundant"].last_stats.rank_imbalance,
+        **_balance_fields(layers[BALANCE], medians, forward),
     })
+
+
+def _balance_fields(layer: Any, medians: dict[str, float], forward: dict[str, float]) -> dict[str, Any]:
+    """What ``balance='auto'`` chose for the settled load, its prediction per technique, and its
+    measured step against ``off`` and against the fastest of the techniques it chooses from."""
+    from moeflow.parallel.balance import choose_execution
+
+    assert layer.cost_model is not None
+    choice = choose_execution(layer.config, layer.schedule, layer.groups.topology, layer.cost_model,
+                              layer.last_stats.tokens_per_expert).choice
+    best = min(BALANCE_CANDIDATES, key=lambda name: medians[name])
+    return {
+        "balance_mode": choice.mode, "balance_predicted_ms": {k: v * 1e3 for k, v in choice.latency_s.items()},
+        "balance_over_off_speedup": medians["off"] / medians[BALANCE],
+        "balance_over_off_forward_speedup": forward["off"] / forward[BALANCE],
+        "balance_best_mode": best, "balance_over_best_speedup": medians[best] / medians[BALANCE],
+    }
 
 
 def _rank_main(argv: list[str]) -> None:
@@ -228,6 +254,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "redundant_over_off": {r["config"]: r["redundant_over_off_speedup"] for r in compare},
         "redundant_max_over_mean_load": {r["config"]: r["max_over_mean_load_redundant"] for r in compare},
         "redundant_goal_met": all(r["max_over_mean_load_redundant"] <= REDUNDANT_BALANCE_GOAL for r in compare),
+        "balance_mode": {r["config"]: r["balance_mode"] for r in compare},
+        "balance_over_off": {r["config"]: r["balance_over_off_speedup"] for r in compare},
+        "balance_over_best": {r["config"]: r["balance_over_best_speedup"] for r in compare},
+        "balance_goal_met": all(1 / r["balance_over_off_speedup"] <= BALANCE_OFF_TOLERANCE
+                                and 1 / r["balance_over_best_speedup"] <= BALANCE_BEST_TOLERANCE for r in compare),
     }
 
 

@@ -58,7 +58,8 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
     schedule = choice.schedule
     check_techniques(config, schedule.name)
     placement = schedule.placement(config.num_experts, groups.size, config.hidden_dim)
-    if config.redundant_experts:  # EPLB's slots, balanced for an even load until the first rebalance
+    check_balance(config.balance, cost_model)
+    if config.redundant_experts and config.balance == "fixed":  # EPLB's slots, for an even load until rebalanced
         slots = slots_per_rank(config.redundant_experts, config.num_experts, groups.size)
         placement = balanced_placement([1.0] * config.num_experts, slots, groups.topology, config.hidden_dim)
         schedule = SlotSchedule(schedule)
@@ -71,6 +72,16 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
         )
     node_limit = topology_node_limit(config, placement, groups, cost_model)
     return Execution(schedule, choice.reason, placement, algorithms, node_limit)
+
+
+def check_balance(balance: str, cost_model: CostModel | None) -> None:
+    """``balance='auto'`` prices its choice with a calibrated profile; until the first rebalance
+    the layer runs expert parallelism as placed (what the choice gives an even load)."""
+    if balance == "auto" and cost_model is None:
+        raise ValueError(
+            "balance='auto' chooses among off, shadowing and redundant slots with the cost model: pass "
+            "profile=<a calibrated cluster profile> (moeflow calibrate), or balance='fixed'"
+        )
 
 
 def attach_mp_group(groups: ParallelGroups, mp_group: dist.ProcessGroup | None, parallel: str | int) -> None:

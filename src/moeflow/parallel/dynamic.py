@@ -6,9 +6,9 @@ computes the experts ``placement.local(r)``, fetching those it does not store fr
 stores them (:mod:`moeflow.parallel.expert_fetch`; the hook may have started the fetch a layer
 ahead), so no rank ever holds more than its own experts and the copies of the layers in flight.
 An expert held by several ranks gets its tokens split evenly over them (contiguous runs of all
-ranks' tokens in rank order, as EPLB's replicas), and the tokens travel by one all-to-all with
-unequal splits each way: each rank sends each other rank exactly the rows it computes, with no
-capacity padding.
+ranks' tokens in rank order, as the scheduler's cost model assumes), and the tokens travel by one
+all-to-all with unequal splits each way: each rank sends each other rank exactly the rows it
+computes, with no capacity padding.
 
 Lina keeps every expert in every device's host memory and swaps the ones it needs onto the GPU
 (§6.2); moeflow fetches them from their owner instead, because no rank may hold the whole model.
@@ -32,8 +32,8 @@ from moeflow.parallel.expert_fetch import ExpertFetch, start_fetch
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.redundant import split_evenly
 from moeflow.perf import CostModel
+from moeflow.perf.replicas import slot_split
 from moeflow.perf.schedules import ExpertParallelModel, Plan, ScheduleModel
 from moeflow.stats import PipelineTiming
 
@@ -53,13 +53,10 @@ class PlacedRowMap:
     @staticmethod
     def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> PlacedRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
-        world, num_experts = filled.shape
+        world = filled.shape[0]
         slot_rank = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
         slot_expert = np.array([s.expert for shards in placement.shards for s in shards])
-        starts = np.zeros((world, len(slot_expert)), dtype=np.int64)
-        lengths = np.zeros_like(starts)
-        for expert in range(num_experts):
-            split_evenly(filled[:, expert], np.flatnonzero(slot_expert == expert).tolist(), starts, lengths)
+        starts, lengths = slot_split(filled, slot_expert, slot_rank, proportional=False)  # as Lina prices it
         rows = [np.arange(length) + slot_expert[p] * capacity + starts[rank, p]
                 for p, length in enumerate(lengths[rank].tolist())]  # slots in rank-major order
         mine = np.flatnonzero(slot_rank == rank)

@@ -14,8 +14,9 @@ Three pieces, each a plain function of the placement:
   each node the same way, a rank holding an expert at most once where it can.
 - :class:`ReplicaRowMap`: which of a rank's kept tokens of expert e go to which replica, from the
   global counts every rank already has (the same answer everywhere): the tokens of all ranks, in
-  rank order, split into near-equal contiguous runs, one per replica in rank order, so that equal
-  senders keep their tokens on a replica of their own rank where one exists.
+  rank order, split into contiguous runs, one per replica in rank order, each sized so that the
+  replicas' ranks end equally loaded (:mod:`moeflow.perf.replicas`), and equal senders keep their
+  tokens on a replica of their own rank where one exists.
 - :class:`SlotSchedule`: the expert-parallel schedule run over the slots. Their weights move with
   :func:`moeflow.parallel.moves.move_experts`, like any placement change.
 """
@@ -38,6 +39,7 @@ from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule
+from moeflow.perf.replicas import replica_counts, slot_split
 from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 from moeflow.ragged import to_device
@@ -53,19 +55,6 @@ def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:
             f"ranks; choose redundant_experts so that num_experts + redundant_experts is a multiple of {world_size}"
         )
     return slots // world_size
-
-
-def replica_counts(load_E: Sequence[float], num_slots: int, max_per_expert: int) -> list[int]:
-    """How many slots each expert gets: one each, then the next slot to the expert with the highest
-    load per replica (ties: lowest id), up to ``max_per_expert`` copies while any expert is below."""
-    load = np.asarray(load_E, dtype=np.float64)
-    counts = np.ones(len(load), dtype=np.int64)
-    for _ in range(num_slots - len(load)):
-        per_replica = load / counts
-        open_ = counts < max_per_expert
-        pick = int(np.argmax(np.where(open_, per_replica, -np.inf) if open_.any() else per_replica))
-        counts[pick] += 1
-    return counts.tolist()
 
 
 def _pack(items: list[tuple[float, int]], bins: int, room: int) -> list[list[tuple[float, int]]]:
@@ -121,10 +110,8 @@ class ReplicaRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world, num_experts = filled.shape
         slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
-        starts = np.zeros((world, len(slot_experts)), dtype=np.int64)
-        lengths = np.zeros_like(starts)
-        for expert in range(num_experts):
-            split_evenly(filled[:, expert], np.flatnonzero(slot_experts == expert).tolist(), starts, lengths)
+        slot_ranks = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
+        starts, lengths = slot_split(filled, slot_experts, slot_ranks)
         per_rank = len(slot_experts) // world
         own = np.arange(len(slot_experts)) // per_rank == np.arange(world)[:, None]  # (W, P): slot on the source
         exchanged = np.where(own, 0, lengths)
@@ -157,19 +144,6 @@ def _rows(first_P: np.ndarray, length_P: np.ndarray, width: int, pad: int) -> np
     then ``pad``."""
     offsets = np.arange(max(1, width))
     return np.where(offsets < length_P[:, None], first_P[:, None] + offsets, pad).astype(np.int64)
-
-
-def split_evenly(counts_W: np.ndarray, replicas: list[int], starts: np.ndarray, lengths: np.ndarray) -> None:
-    """Split one expert's tokens (all ranks in rank order) into len(replicas) near-equal runs."""
-    total, copies = int(counts_W.sum()), len(replicas)
-    bounds = [j * total // copies for j in range(copies + 1)]
-    offset = 0
-    for source, count in enumerate(counts_W.tolist()):
-        for j, slot in enumerate(replicas):
-            first, last = max(offset, bounds[j]), min(offset + count, bounds[j + 1])
-            if last > first:
-                starts[source, slot], lengths[source, slot] = first - offset, last - first
-        offset += count
 
 
 @dataclass(frozen=True)

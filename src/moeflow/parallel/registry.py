@@ -117,7 +117,11 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 "runs FasterMoE's pairwise steps of the expert-parallel schedule", "pipeline='auto'", _EXPERT,
                 lambda c: c.pipeline == SMART, region=smart_region),
     FeatureSpec("redundant_experts", "EPLB: redundant expert slots", "adds slots to the expert-parallel schedule",
-                "redundant_experts=0", _EXPERT, lambda c: c.redundant_experts > 0,
+                "redundant_experts=0", _EXPERT, lambda c: c.redundant_experts > 0 and c.balance != AUTO,
+                excludes=("shadowing", "topology_gate")),
+    FeatureSpec("balance='auto'", "moeflow: off, shadowing or EPLB's slots, per layer, by the cost model",
+                "chooses the expert-parallel schedule's load balancing (shadowing or redundant_experts' slots) from "
+                "the recorded load", "balance='fixed'", _EXPERT, lambda c: c.balance == AUTO,
                 excludes=("shadowing", "topology_gate")),
     FeatureSpec("expert_kernel='ragged'", "moeflow: dropless ragged expert kernel",
                 f"runs with parallel in {RAGGED_SCHEDULES} (whole local experts on their received slots)",
@@ -138,10 +142,11 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 ("s1", "s2", PARM_AUTO), lambda c: c.esp_size is not None),
     FeatureSpec("expert packing", "Lina §4.2: expert packing",
                 "moves the experts itself and runs the linear all-to-all", "expert packing off", ("expert", "packed"),
-                excludes=("shadowing", "redundant_experts", "topology_gate", "pipeline='smart'", "alltoall")),
+                excludes=("shadowing", "redundant_experts", "topology_gate", "pipeline='smart'", "alltoall",
+                          "balance='auto'")),
     FeatureSpec("inference scheduling", "Lina §5: inference scheduling",
                 "places the experts per batch over whole experts", "no inference scheduling", ("expert", "replicated"),
-                excludes=("shadowing", "redundant_experts", "topology_gate")),
+                excludes=("shadowing", "redundant_experts", "topology_gate", "balance='auto'")),
 )
 """Every technique turned on beside a schedule, one record each."""
 FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})

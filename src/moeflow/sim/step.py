@@ -1,7 +1,8 @@
 """One training step (forward, backward, gradient sync, optimizer) or one inference batch of an MoE
 transformer, written as a :class:`~moeflow.sim.engine.Timeline` and run.
 
-Per layer: attention, gate and encode on the compute stream; the dispatch all-to-all of each of d
+Per layer: attention, gate and encode on the compute stream (with EPLB's ``redundant_slots``, the
+experts' region runs over the slots placed for the layer's load); the dispatch all-to-all of each of d
 capacity chunks on the all-to-all stream (issued D1..Dd, then C1..Cd, as moeflow's executor does);
 each chunk's experts on the compute stream; the combines; decode. The backward mirrors it with the
 device's backward FLOP ratio, then all-reduces the layer's dense gradients on the gradients stream,
@@ -16,8 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS, check_switchable_layout, validate_r
+from moeflow.parallel.redundant import balanced_placement
 from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES, SIMULATED_REGIONS
+from moeflow.perf.balance import slot_tokens
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.engine import ALLTOALL, COMPUTE, GRADIENTS, MODEL_PARALLEL, Timeline, Times
 from moeflow.sim.network import ALLREDUCE_ALGORITHMS, LocalCopy, Network, Step
@@ -49,12 +53,13 @@ class StepPlan:
     shadowed_slots_travel: bool = False  # shadowed experts' slots stay in the exchange, cut (moeflow's shadowing)
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
     ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
+    redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
 
     def __post_init__(self) -> None:
         if self.schedule not in SIMULATED_REGIONS:
             raise ValueError(f"schedule must be one of {', '.join(SIMULATED_REGIONS)}, got {self.schedule!r}")
-        for name in ("degree", "shadowed", "mp", "esp"):
-            value, least = getattr(self, name), 0 if name == "shadowed" else 1
+        for name in ("degree", "shadowed", "mp", "esp", "redundant_slots"):
+            value, least = getattr(self, name), 0 if name in ("shadowed", "redundant_slots") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if (self.mp > 1 or self.esp > 1) and self.schedule not in MODEL_PARALLEL_SCHEDULES:
@@ -76,7 +81,9 @@ class StepPlan:
         if self.schedule in MODEL_PARALLEL_SCHEDULES:
             base += (f" d={self.degree}" if self.degree > 1 else "") + f" mp={self.mp} esp={self.esp}"
         return base + (" ragged" if self.ragged_exchange else "") + \
-            (f" shadow={self.shadowed}" if self.shadowed else "") + (" prioritized" if self.prioritize_alltoall else "")
+            (f" shadow={self.shadowed}" if self.shadowed else "") + \
+            (f" slots+{self.redundant_slots}" if self.redundant_slots else "") + \
+            (" prioritized" if self.prioritize_alltoall else "")
 
 
 def simulated_algorithm(name: str | None) -> str:
@@ -161,8 +168,7 @@ class StepBuilder:
         if not self.plan.ragged_exchange or world == 1:
             return self.pair_bytes(stop - start, load.counts.shape[1])
         rows = np.clip(load.counts - start, 0, stop - start)
-        owner = np.arange(rows.shape[1]) * world // rows.shape[1]
-        elsewhere = owner[None, :] != np.arange(world)[:, None]
+        elsewhere = self.owner_ranks(load)[None, :] != np.arange(world)[:, None]
         busiest = float((rows * elsewhere).sum(axis=1).max())
         m = self.model
         return busiest / (world - 1) * m.dims.model_dim * m.element_bytes
@@ -175,8 +181,14 @@ class StepBuilder:
         if m.capacity_factor != 0 or world > num_experts or (backward and self.plan.padded_backward):
             return float(travelling * capacity)
         received = np.minimum(load.counts, capacity).sum(axis=0)
-        per_rank = np.bincount(load.experts * world // num_experts, weights=received, minlength=world)
+        per_rank = np.bincount(self.owner_ranks(load), weights=received, minlength=world)
         return per_rank if np.ptp(per_rank) > 0 else float(per_rank[0])
+
+    def owner_ranks(self, load: LayerLoad) -> np.ndarray:
+        """The rank computing each column of ``load``: its own, or expert parallelism's."""
+        if load.owners is not None:
+            return load.owners
+        return load.experts * self.cluster.world_size // self.model.dims.num_experts
 
     def local_rows(self, load: LayerLoad, capacity: int) -> Times:
         if self.model.capacity_factor != 0:
@@ -288,6 +300,8 @@ class StepBuilder:
         """The schedule's region; with shadowing, the hottest experts run at home first (their
         weights broadcast in the forward, their gradients all-reduced in the backward)."""
         region = SIMULATED_REGIONS["replicated" if self.cluster.world_size == 1 else self.plan.schedule]
+        if self.plan.redundant_slots and self.cluster.world_size > 1:
+            return self._slot_layer(load, deps, backward)
         if not self.plan.shadowed or self.cluster.world_size == 1:
             return region(self, load, deps, backward)
         hot = shadowed_experts(load, self.plan.shadowed)
@@ -300,6 +314,25 @@ class StepBuilder:
         done = region(self, rest, [home], backward)
         if backward:
             done = [self.allreduce(float(nbytes), done)]
+        return done
+
+    def _slot_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
+        """EPLB's slots, placed for this layer's load: the schedule's region over the slots (each
+        replicated expert's tokens split as the layer splits them, a rank's tokens for its own
+        slots staying home), then in the backward the replicated experts' gradient all-reduce,
+        which the layer waits for."""
+        world, dims = self.cluster.world_size, self.model.dims
+        per_rank = (dims.num_experts + self.plan.redundant_slots) // world
+        topology = Topology(world, self.cluster.gpus_per_node)
+        placement = balanced_placement(load.counts.sum(axis=0).tolist(), per_rank, topology, dims.hidden_dim)
+        slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
+        slot_ranks = np.arange(len(slot_experts)) // per_rank
+        counts_WP = slot_tokens(load.counts, slot_experts, slot_ranks).astype(np.float64)
+        done = SIMULATED_REGIONS[self.plan.schedule](self, LayerLoad(counts_WP, slot_experts, slot_ranks), deps,
+                                                    backward)
+        replicated = int((np.bincount(slot_experts) > 1).sum())
+        if backward and replicated:
+            done = [self.allreduce(float(replicated * dims.expert_parameters * self.model.element_bytes), done)]
         return done
 
     def _attention_flops(self) -> float:
@@ -339,6 +372,11 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
         check_switchable_layout(num_experts, world, model.dims.hidden_dim)
     if plan.schedule in MODEL_PARALLEL_SCHEDULES:
         _check_parm_layout(cluster, model, plan)
+    if plan.redundant_slots and (plan.schedule != "expert" or plan.shadowed):
+        raise ValueError("redundant_slots (EPLB) run on the expert schedule without shadowing")
+    if plan.redundant_slots and (num_experts + plan.redundant_slots) % world:
+        raise ValueError(f"the {num_experts} experts + {plan.redundant_slots} redundant slots must split evenly over "
+                         f"the {world} ranks")
     if plan.shadowed >= num_experts:
         raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {num_experts} experts")
 

@@ -125,10 +125,12 @@ def model_from_toml(text: str, origin: str = "<string>") -> ModelSpec:
 
 @dataclass(frozen=True)
 class LayerLoad:
-    """One layer's routing on the cluster: ``counts[s, e]`` tokens rank s routes to expert e."""
+    """One layer's routing on the cluster: ``counts[s, e]`` tokens rank s routes to expert e (or,
+    over EPLB's slots, to slot e of expert ``experts[e]`` on rank ``owners[e]``)."""
 
     counts: np.ndarray
     experts: np.ndarray | None = None  # the expert id of each column (None: 0..E-1)
+    owners: np.ndarray | None = None  # the rank computing each column (None: expert parallelism's)
 
     def __post_init__(self) -> None:
         if self.experts is None:

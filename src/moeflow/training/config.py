@@ -72,6 +72,7 @@ class TrainConfig:
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
     topology_gate: str | float = "off"  # FasterMoE's topology-aware gate: off | auto (--profile's share) | a share
     redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
+    balance: str = _MOE.balance  # fixed | auto (per layer: off, shadowing or the slots, from the recorded load)
     rebalance_interval: int = 20  # with redundant experts: place the slots every this many steps
     rebalance_window: int = 20  # ... for the load of this many last steps
     expert_packing: str = "off"  # Lina: off | auto (double experts per worker while it pays) | N experts per worker
@@ -190,6 +191,9 @@ class TrainConfig:
         if wanted and self.hf is not None:
             raise ValueError(f"{' and '.join(wanted)}: only moeflow's own model passes these to its MoE layers, not a "
                              "--hf model; drop --hf, or use --shadowing off and --topology-gate off")
+        if self.balance == "auto" and self.profile is None:
+            raise ValueError("--balance auto prices no balancing, shadowing and redundant slots with the cost model: "
+                             "pass --profile <a calibrated cluster profile> (moeflow calibrate) or use --balance fixed")
         if self.shadowing == "auto" and self.profile is None:
             raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
@@ -298,7 +302,7 @@ FIELD_HELP: dict[str, str] = {
     "expert_kernel": "the experts' GEMMs: bmm (one batched GEMM over the capacity), loop (one per expert) or "
     "ragged (only the filled slots, forward and backward: for dropless routing)",
     "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
-    "(only the kept tokens) or auto (the planner picks per step)",
+    "(only the kept tokens) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
@@ -314,6 +318,9 @@ FIELD_HELP: dict[str, str] = {
     f"{FASTERMOE_REMOTE_SHARE}). Was --gate plain|topology",
     "redundant_experts": "EPLB: this many extra expert slots per MoE layer, holding replicas of the hot experts "
     "(the expert-parallel schedule; experts + this a multiple of --workers)",
+    "balance": "fixed (--shadowing and --redundant-experts as set) or auto: at every rebalance each MoE layer "
+    "runs the fastest of no balancing, shadowing and its --redundant-experts slots for its recorded load, by the "
+    "cost model (needs --profile and --redundant-experts)",
     "rebalance_interval": "with --redundant-experts: place the slots for the recorded load every this many steps",
     "rebalance_window": "with --redundant-experts: the load of this many last steps decides the placement",
     "expert_packing": "Lina's expert packing: off; auto (after --packing-warmup steps, and every --packing-interval "
@@ -361,7 +368,7 @@ MODEL_SETTINGS = (
     "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names)
     "pipeline", "alltoall", "token_exchange", "expert_kernel", "parallel", "shadowing", "topology_gate",
-    "redundant_experts", "esp_size",
+    "redundant_experts", "balance", "esp_size",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 

@@ -11,6 +11,7 @@ from typing import Any
 from moeflow.comm.traffic import TimelineEvent
 from moeflow.files import json_text
 from moeflow.models import TrainableLM
+from moeflow.parallel.balance import balance_mode
 
 METRICS = "metrics.jsonl"
 
@@ -21,7 +22,8 @@ TIMELINE = "timeline.json"  # one step's communication and compute events (rank 
 
 def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
     """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
-    FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile)."""
+    FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile),
+    and the load balancing it runs (off, shadowing or redundant slots: ``balance='auto'`` changes it)."""
     records = []
     for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):
         stats = layer.last_stats
@@ -37,6 +39,7 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
             "rank_tokens": list(stats.rank_tokens), "cross_node_rows": stats.cross_node_rows,
             "token_exchange": stats.plan.token_exchange if stats.plan else None,
+            "balance": balance_mode(layer.schedule),
         })
     return records
 

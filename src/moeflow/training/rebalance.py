@@ -1,6 +1,8 @@
 """EPLB in training: every ``interval`` steps, each MoE layer with redundant slots is placed for the
 load its router gave over the last ``window`` steps, moving weights and optimizer state once per
 change. The loads are global (every rank records the same), so every rank places the same way.
+A layer with ``balance='auto'`` first chooses, for that load, among no balancing, shadowing and
+the slots (:mod:`moeflow.parallel.balance`).
 
 Its state (the recorded window and the load each layer was last placed for) goes into the
 checkpoint: a resumed run places its layers for the same load and continues exactly.
@@ -17,6 +19,7 @@ import torch
 
 from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
+from moeflow.parallel.balance import choose_execution
 from moeflow.parallel.redundant import balanced_placement
 
 
@@ -26,6 +29,7 @@ class ExpertRebalancer:
     window: int
     history: dict[int, deque[list[int]]] = field(default_factory=dict)  # block -> recent tokens_per_expert
     placed_for: dict[int, list[int]] = field(default_factory=dict)  # block -> the load of its placement
+    placed_steps: dict[int, int] = field(default_factory=dict)  # block -> the steps that load covers
 
     def record(self, model: TrainableLM) -> None:
         """Append this step's load of every layer with redundant slots."""
@@ -44,24 +48,26 @@ class ExpertRebalancer:
             if not window:
                 continue
             load = [sum(column) for column in zip(*window, strict=True)]
-            if rebalance_layer(layer, load, optimizer):
+            if rebalance_layer(layer, load, optimizer, steps=len(window)):
                 changed.append(block)
-            self.placed_for[block] = load
+            self.placed_for[block], self.placed_steps[block] = load, len(window)
         return changed
 
     def state(self) -> dict[str, Any]:
         return {
             "history": {str(b): list(h) for b, h in self.history.items()},
             "placed_for": {str(b): load for b, load in self.placed_for.items()},
+            "placed_steps": {str(b): steps for b, steps in self.placed_steps.items()},
         }
 
     def restore(self, state: dict[str, Any], model: TrainableLM, optimizer: torch.optim.Optimizer) -> None:
         """Back to a checkpoint's state: the window, and each layer placed for its saved load."""
         self.history = {int(b): deque(h, maxlen=self.window) for b, h in state.get("history", {}).items()}
         self.placed_for = {int(b): list(load) for b, load in state.get("placed_for", {}).items()}
+        self.placed_steps = {int(b): int(steps) for b, steps in state.get("placed_steps", {}).items()}
         for block, layer in _redundant_layers(model):
             if block in self.placed_for:
-                rebalance_layer(layer, self.placed_for[block], optimizer)
+                rebalance_layer(layer, self.placed_for[block], optimizer, steps=self.placed_steps.get(block, 1))
 
 
 def _redundant_layers(model: TrainableLM) -> list[tuple[int, Any]]:
@@ -69,17 +75,27 @@ def _redundant_layers(model: TrainableLM) -> list[tuple[int, Any]]:
             if layer.config.redundant_experts]
 
 
-def rebalance_layer(layer: MoELayer, load_E: Sequence[float], optimizer: torch.optim.Optimizer | None = None) -> bool:
-    """EPLB: place a layer's slots for ``load_E`` (tokens per expert, the same on every rank, e.g.
-    the recorded ``tokens_per_expert`` of the last steps) and move the weights and ``optimizer``'s
-    state once if the placement changed; return whether it did (a collective)."""
+def rebalance_layer(
+    layer: MoELayer, load_E: Sequence[float], optimizer: torch.optim.Optimizer | None = None, steps: int = 1
+) -> bool:
+    """EPLB: place a layer's slots for ``load_E`` (tokens per expert over ``steps`` steps, the same
+    on every rank, e.g. the recorded ``tokens_per_expert`` of the last steps) and move the weights
+    and ``optimizer``'s state once if the placement changed; return whether the layer changed (a
+    collective). Under ``balance='auto'`` the layer first chooses its technique for that load."""
     config = layer.config
     if not config.redundant_experts:
         raise ValueError("rebalancing places redundant experts: build the layer with redundant_experts > 0")
     if len(load_E) != config.num_experts:
         raise ValueError(f"load_E has {len(load_E)} entries; it needs one per expert ({config.num_experts})")
-    new = balanced_placement(load_E, layer.num_local_experts, layer.groups.topology, config.hidden_dim)
-    if new == layer.placement:
+    if config.balance == "auto":
+        assert layer.cost_model is not None  # the layer's build requires a profile for balance='auto'
+        chosen = choose_execution(config, layer.schedule, layer.groups.topology, layer.cost_model,
+                                  [load / max(1, steps) for load in load_E])
+        schedule, new = chosen.schedule, chosen.placement
+    else:
+        schedule = layer.schedule
+        new = balanced_placement(load_E, layer.num_local_experts, layer.groups.topology, config.hidden_dim)
+    if new == layer.placement and schedule == layer.schedule:
         return False
-    layer.switch(layer.schedule, new, optimizer)
+    layer.switch(schedule, new, optimizer)
     return True

@@ -296,6 +296,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
             run.scaler.step(run.optimizer)
         run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
+    moe = moe_records(model)  # how this step ran, before a rebalance changes the layers
     rebalanced = []
     if run.rebalancer is not None:  # EPLB: the slots follow the recorded load every few steps
         run.rebalancer.record(model)
@@ -317,7 +318,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
         "skipped": skipped,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
         "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
-        "moe": moe_records(model),
+        "moe": moe,
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
         **({"packing": packing} if packing is not None else {}),
         **({"loss_scale": run.scaler.get_scale()} if run.scaler is not None else {}),
