@@ -32,17 +32,20 @@ def test_latency_without_shadowing_is_eq7_on_the_busiest_rank() -> None:
 
 def test_latency_with_a_shadowed_expert_computes_its_tokens_where_they_are() -> None:
     # rank 1 computes its 90 tokens of expert 0 and all 20 of expert 1, receiving 10: 110 + 4,
-    # plus one expert's parameter broadcast and gradient reduce
-    assert shadowed_latency(SKEWED, OWNERS, {0}, _prices(20.0)) == pytest.approx(114.0 + 20.0)
+    # plus one expert's parameter broadcast and gradient reduce beyond what hides behind the
+    # exchanged expert's 20 tokens on rank 1
+    assert shadowed_latency(SKEWED, OWNERS, {0}, _prices(20.0)) == pytest.approx(114.0)
+    assert shadowed_latency(SKEWED, OWNERS, {0}, _prices(50.0)) == pytest.approx(114.0 + 30.0)
+    # nothing left to exchange: nothing hides the two experts' parameters
     assert shadowed_latency(SKEWED, OWNERS, {0, 1}, _prices(20.0)) == pytest.approx(100.0 + 40.0)
 
 
 def test_algorithm1_shadows_the_hot_expert_and_stops_at_the_first_that_does_not_help() -> None:
-    decision = select_shadowed_experts(SKEWED, OWNERS, _prices(20.0))
-    assert decision.experts == (0,)  # adding expert 1 (140) is worse than 134: the search stops
+    decision = select_shadowed_experts(SKEWED, OWNERS, _prices(50.0))
+    assert decision.experts == (0,)  # adding expert 1 (200) is worse than 144: the search stops
     assert decision.latency_without_s == pytest.approx(216.0)
-    assert decision.latency_with_s == pytest.approx(134.0)
-    assert decision.predicted_gain_s == pytest.approx(82.0)
+    assert decision.latency_with_s == pytest.approx(144.0)
+    assert decision.predicted_gain_s == pytest.approx(72.0)
 
 
 def test_no_shadowing_when_parameters_cost_more_than_the_imbalance() -> None:
@@ -63,9 +66,13 @@ def test_several_experts_per_rank_limit_and_parameter_price() -> None:
     # free parameters: every step lowers the busiest rank (136, 128, 114, 100), so all are shadowed
     assert select_shadowed_experts(tokens, owners, _prices(0.0)).experts == (0, 1, 2, 3)
     assert select_shadowed_experts(tokens, owners, _prices(0.0), limit=1).experts == (0,)
-    # at 10 s per expert: {0} costs 136 + 10, {0, 1} 128 + 20: the second does not help
+    # at 50 s per expert: {0} costs 136 (its 50 s hide behind rank 0's 80 exchanged tokens),
+    # {0, 1} 128 + 100 - 40: the second does not help
+    decision = select_shadowed_experts(tokens, owners, _prices(50.0))
+    assert decision.experts == (0,) and decision.latency_with_s == pytest.approx(136.0)
+    # at 10 s: {0, 1, 2} costs 114 + 30 - 20 (expert 3's 20 tokens still hide some), {0, 1, 2, 3} 100 + 40
     decision = select_shadowed_experts(tokens, owners, _prices(10.0))
-    assert decision.experts == (0,) and decision.latency_with_s == pytest.approx(146.0)
+    assert decision.experts == (0, 1, 2) and decision.latency_with_s == pytest.approx(124.0)
 
 
 def test_prices_from_a_calibrated_profile() -> None:

@@ -454,7 +454,8 @@ def test_validation_pairs_measured_settings_with_the_twin_and_scores_the_pick(tm
 def test_validation_retimes_the_twin_to_the_speed_probe_and_predicts_skew_modes(tmp_path) -> None:
     """A benchmark whose probe ran twice as slow as the fits predict is compared with a twin at half
     the compute rate (the twin as calibrated is kept beside it); skew modes are simulated on the
-    load they recorded, shadowing and the smart schedule included, EPLB's redundant slots not."""
+    load they recorded, shadowing, the smart schedule and EPLB's slots included, and bench
+    exchange's modes over the token exchange they sent."""
     from moeflow.bench.sim_validation import compare, summarize
     from moeflow.perf.alphabeta import AlphaBeta
     from moeflow.perf.profile import ClusterProfile
@@ -481,8 +482,20 @@ def test_validation_retimes_the_twin_to_the_speed_probe_and_predicts_skew_modes(
              for m, s, h in (("off", "expert", []), ("auto", "expert", [0]), ("smart", "smart", []),
                              ("redundant", "expert", []))]
     scored = {r["setting"]: r["simulated_ms"] for r in compare(modes, path, "2x1", 1.0)}
-    assert set(scored) == {"skew-off", "skew-auto", "skew-smart"}
+    assert set(scored) == {"skew-off", "skew-auto", "skew-smart"}  # a record without its slots is skipped
     assert scored["skew-auto"] < scored["skew-off"]  # the hot expert's tokens stay home
+    # records that carry their slots and token exchange: EPLB's slots and balance='auto' as it chose
+    ragged = [{**mode, "token_exchange": "ragged", "slots": 4 if mode["mode"] != "redundant" else 6}
+              for mode in modes if mode["mode"] != "smart"]
+    ragged.append({**ragged[0], "mode": "balance", "slots": 6})
+    scored = {r["setting"]: r["simulated_ms"] for r in compare(ragged, path, "2x1", 1.0)}
+    assert set(scored) == {"skew-off", "skew-auto", "skew-redundant", "skew-balance"}
+    assert scored["skew-balance"] == scored["skew-redundant"] < scored["skew-off"]
+    exchange = {"bench": "exchange", "config": "x", **skew, "capacity_factor": 0.0, "train_step_ms": 80.0}
+    sent = {r["setting"]: r["simulated_ms"] for r in compare(
+        [{**exchange, "mode": m, "token_exchange": t} for m, t in (("padded", "padded"), ("ragged", "ragged"),
+                                                                   ("padded-bmm", "padded"))], path, "2x1", 1.0)}
+    assert set(sent) == {"exchange-padded", "exchange-ragged"} and sent["exchange-ragged"] < sent["exchange-padded"]
 
 
 def test_plan_command_runs_the_joint_planner_and_needs_one_source(capsys) -> None:

@@ -35,6 +35,7 @@ from moeflow.perf import ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import (
     LOCAL,
+    MIN_GAIN,
     SMART,
     SMART_PLAN_ALGORITHM,
     ExpertParallelModel,
@@ -49,8 +50,6 @@ SEARCH_DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the online search times."""
 MAX_MODEL_DEGREE = 16
 """The largest pipeline degree the cost model ranks."""
-MIN_GAIN = 0.05
-"""The fraction by which a plan with more chunks must beat the simpler ones to be chosen."""
 ReduceMax = Callable[[Sequence[float]], list[float]]
 
 

@@ -111,6 +111,7 @@ def _emit_point(
             "token_exchange": plan.token_exchange, "expert_kernel": plan.expert_kernel,
             "degree": plan.requested_degree, "alltoall": plan.alltoall,
             "settle_iterations": settle[mode], "dropped": sum(layer.last_stats.dropped_per_expert),
+            "tokens_per_expert": layer.last_stats.tokens_per_expert,
         })
     emit({
         "bench": "exchange-compare", "config": point.name, "skew": point.skew,

@@ -11,8 +11,11 @@ twin predicts the same runs:
   holds an MP group (2x2), under Parm's S1, S2 with SAA and the DeepSpeed-MoE baseline behind
   MP = 2 (N_ESP = N_MP, moeflow's layout);
 - ``bench skew``: the dropless layer under Zipf-skewed routing, with and without FasterMoE's
-  shadowing and smart schedule (at the degree, algorithm and shadowed experts each mode ran, on
-  the per-expert load it recorded); EPLB's redundant slots are not simulated.
+  shadowing and smart schedule, with EPLB's redundant slots, and under ``balance='auto'`` (as the
+  technique it chose), over the padded and the ragged exchange (at the degree, algorithm and
+  shadowed experts each mode ran, on the per-expert load it recorded);
+- ``bench exchange``: the layer over the padded, ragged and ``auto`` token exchange (the ragged
+  kernel in each), dropless at Zipf(1.2) and at f = 1 under uniform load.
 
 Each benchmark also times a speed probe (the reference FFN) in every round: the machine's rate
 then over its rate at calibration re-times the twin's device (``simulated_ms``); the prediction of
@@ -33,6 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from moeflow.bench.exchange import ExchangePoint
 from moeflow.bench.parallel import ParallelPoint
 from moeflow.bench.pipeline import GridPoint
 from moeflow.bench.schedules import SchedulePoint
@@ -47,8 +51,11 @@ SCHEDULE_GRID = (SchedulePoint(4, 256), SchedulePoint(8, 1024))
 PARALLEL_GRID = (ParallelPoint(1, 256, 1.0), ParallelPoint(1, 2048, 1.0), ParallelPoint(2, 256, 4.0),
                  ParallelPoint(2, 2048, 4.0))
 PARM_GRID = (ParallelPoint(2, 256, 1.0, mp=2), ParallelPoint(2, 1024, 2.0, mp=2))
-SKEW_GRID = (SkewPoint("zipf:1.5"),)
-SIMULATED_SKEW_MODES = ("off", "hottest", "auto", "smart", "smart+auto")  # not EPLB's redundant slots
+SKEW_GRID = (SkewPoint("zipf:1.5"), SkewPoint("zipf:1.2", 8, 1024, 2048, 512, 2, token_exchange="ragged"))
+SIMULATED_SKEW_MODES = ("off", "hottest", "auto", "smart", "smart+auto", "redundant", "balance")
+EXCHANGE_GRID = (ExchangePoint("zipf:1.2"), ExchangePoint("uniform", 1.0))
+SIMULATED_EXCHANGE_MODES = ("padded", "ragged", "auto")  # not padded-bmm: the simulator runs f = 0 on real rows
+BENCHES = ("pipeline", "schedules", "parallel", "skew", "exchange")
 SIMULATED_PARM_MODES = {"s1": "s1", "s2-saa": "s2", "ds-baseline": "ds-baseline"}  # the sim's S2 is with SAA
 MEASURED = "measured.jsonl"
 CALIBRATIONS = 3  # the twin is built from their median
@@ -126,28 +133,49 @@ def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
 
 
 def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
-    """The dropless layer on the load the mode recorded (every rank's share of it), at the schedule,
-    degree, algorithm and number of shadowed experts the mode ran, as moeflow runs them: the
-    ragged kernel's forward on the real rows, its backward on the padded buffer
-    (``moeflow.ragged``), and the shadowed experts' slots kept in the equal-split exchange, cut to
-    the others' capacity (``moeflow.parallel.shadowing``)."""
+    """The dropless layer on the load the mode recorded (every rank's share of it), as the mode ran:
+    its schedule, degree, algorithm and shadowed experts, its token exchange (a shadowed expert's
+    slots travel, cut to the others' capacity, only in the padded one: ``moeflow.parallel.shadowing``)
+    and EPLB's slots where it ran them (the redundant mode, or what ``balance='auto'`` chose)."""
+    if record.get("mode") not in SIMULATED_SKEW_MODES:
+        return []
+    ragged = record.get("token_exchange") == "ragged"
+    slots = int(record.get("slots") or record["experts"]) - record["experts"]
+    if record.get("mode") == "redundant" and not slots:
+        return []  # recorded before the records carried the slots
+    plan = {"schedule": "smart" if record["schedule"] == "smart" else "expert", **_pipeline_ran(record),
+            "shadowed": len(record["shadowed"]), "shadowed_slots_travel": not ragged, "ragged_exchange": ragged,
+            "redundant_slots": slots,
+            "padded_backward": "slots" not in record}  # recorded before 11-27: the kernel's padded backward
+    return [(f"skew-{record['mode']}", record["layer_ms"], _dropless_layer_ms(cluster, record, plan))]
+
+
+def _exchange(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """A training step of the layer over the token exchange the mode sent (the ragged kernel), on
+    the load it recorded."""
+    if record.get("mode") not in SIMULATED_EXCHANGE_MODES or "tokens_per_expert" not in record:
+        return []
+    plan = {**_pipeline_ran(record), "ragged_exchange": record["token_exchange"] == "ragged"}
+    return [(f"exchange-{record['mode']}", record["train_step_ms"], _dropless_layer_ms(cluster, record, plan))]
+
+
+def _dropless_layer_ms(cluster: Any, record: dict[str, Any], plan: dict[str, Any]) -> float:
+    """The layer's forward + backward (ms) at the record's shape, capacity factor and recorded load
+    (every rank's share of it), under ``plan``'s StepPlan settings."""
     import numpy as np
 
     from moeflow.sim import LayerLoad, ModelSpec, StepPlan, simulate_step
 
-    if record.get("mode") not in SIMULATED_SKEW_MODES:
-        return []
-    model = ModelSpec(name=record["config"], layers=1, dims=_recorded_dims(record), capacity_factor=0.0,
-                      tokens_per_rank=record["tokens"], dtype="fp32")
+    model = ModelSpec(name=record["config"], layers=1, dims=_recorded_dims(record),
+                      capacity_factor=float(record.get("capacity_factor", 0.0)), tokens_per_rank=record["tokens"],
+                      dtype="fp32")
     counts = np.asarray(record["tokens_per_expert"], dtype=np.float64) / cluster.world_size
-    plan = StepPlan(schedule="smart" if record["schedule"] == "smart" else "expert", **_pipeline_ran(record),
-                    shadowed=len(record["shadowed"]), padded_backward=True, shadowed_slots_travel=True)
     load = LayerLoad(np.broadcast_to(counts, (cluster.world_size, model.dims.num_experts)))
-    seconds = simulate_step(cluster, model, plan, loads=[load], layer_only=True).step_s
-    return [(f"skew-{record['mode']}", record["layer_ms"], seconds * 1e3)]
+    return simulate_step(cluster, model, StepPlan(**plan), loads=[load], layer_only=True).step_s * 1e3
 
 
-PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel, "skew": _skew}
+PREDICTORS = {"pipeline": _pipeline, "schedules": _schedules, "parallel": _parallel, "skew": _skew,
+              "exchange": _exchange}
 
 
 def compare(measured: list[dict[str, Any]], profile: Path, layout: str, gbit: float) -> list[dict[str, Any]]:
@@ -238,8 +266,9 @@ def calibrated(folder: Path, layout: str, nodes: int, per_node: int, gbit: float
 
 
 def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], grid: list[GridPoint], repeats: int,
-        folder: Path, emit: Any) -> list[dict[str, Any]]:
-    """Measure and simulate every (layout, bandwidth); profiles and measurements are kept in ``folder``."""
+        folder: Path, emit: Any, benches: tuple[str, ...] = BENCHES) -> list[dict[str, Any]]:
+    """Measure and simulate ``benches`` on every (layout, bandwidth); profiles and measurements are
+    kept in ``folder``."""
     from moeflow.bench import run_on_cluster
 
     records: list[dict[str, Any]] = []
@@ -248,8 +277,9 @@ def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], gri
         profile = calibrated(folder, layout, nodes, per_node, gbit)
         measured = []
         parallel = PARALLEL_GRID + (PARM_GRID if per_node % 2 == 0 else ())  # an MP group inside a node
-        benches = (("pipeline", grid), ("schedules", SCHEDULE_GRID), ("parallel", parallel), ("skew", SKEW_GRID))
-        for module, points in benches:
+        grids = {"pipeline": grid, "schedules": SCHEDULE_GRID, "parallel": parallel, "skew": SKEW_GRID,
+                 "exchange": EXCHANGE_GRID}
+        for module, points in ((name, grids[name]) for name in benches):
             measured += run_on_cluster(f"moeflow.bench.{module}", module, list(points), nodes, per_node, gbit,
                                        repeats, str(profile), 29760, 3600)
         with (folder / MEASURED).open("a") as sink:
@@ -269,7 +299,8 @@ def scatter(records: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.0, 5.2))
-    colors = {"pipeline": "#4C72B0", "schedules": "#DD8452", "parallel": "#55A868", "skew": "#C44E52"}
+    colors = {"pipeline": "#4C72B0", "schedules": "#DD8452", "parallel": "#55A868", "skew": "#C44E52",
+              "exchange": "#8172B3"}
     for bench, color in colors.items():
         for layout, marker in (("2x1", "o"), ("2x2", "^")):
             chosen = [r for r in records if r.get("measured_by", "pipeline") == bench and r["layout"] == layout]

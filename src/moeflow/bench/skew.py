@@ -160,6 +160,7 @@ def _emit_point(
     settle: dict[str, int], emit: Any,
 ) -> None:
     from moeflow.bench import record_fields
+    from moeflow.parallel.balance import balance_mode
 
     medians = {name: statistics.median(values) for name, values in samples.items()}
     forward = {name: statistics.median(values) for name, values in forwards.items()}
@@ -170,6 +171,7 @@ def _emit_point(
         emit({
             "bench": "skew", "config": point.name, **fields,
             "mode": name, "layer_ms": medians[name] * 1e3, "forward_ms": forward[name] * 1e3,
+            "balance": balance_mode(layer.schedule), "slots": layer.num_local_experts * layer.world_size,
             "shadowed": list(stats.shadowed_experts), "token_exchange": stats.plan.token_exchange,
             "predicted_gain_ms": None if stats.shadow_predicted_gain_s is None else stats.shadow_predicted_gain_s * 1e3,
             "schedule": stats.plan.schedule, "degree": stats.plan.requested_degree, "alltoall": stats.plan.alltoall,

@@ -1,15 +1,20 @@
-"""moeflow's MoELayer against Tutel's (its CPU build) on the same weights and tokens.
+"""moeflow's MoELayer against Tutel's (its CPU build) or DeepSpeed-MoE's on the same weights and tokens.
 
     PYTHONPATH=<tutel> python -m moeflow.bench.vs_tutel                  # one process
     PYTHONPATH=<tutel> python -m moeflow.bench.vs_tutel --workers 2      # two gloo processes, loopback
     moeflow launch --nodes 2 --ranks-per-node 1 --inter-gbit 1 -- python -m moeflow.bench.vs_tutel
+    DS_ACCELERATOR=cpu PYTHONPATH=<deepspeed> python -m moeflow.bench.vs_tutel --against deepspeed --workers 2
 
 Dropless (capacity factor 0), top-2, gelu experts with biases, fp32, one intra-op thread per rank,
 forward+backward of sum(y * upstream). moeflow runs its defaults (the planner picks the pipeline
 degree and the all-to-all; its online trials settle during the warm-up); Tutel runs its defaults
-(overlap degree 1). The two run round-robin; each timing is the slowest rank's, medians. The first
-line per shape checks that both compute the same function (max abs difference of the outputs).
-Tutel is not a dependency of moeflow: build it from its sources (NO_CUDA=1 pip install --target).
+(overlap degree 1); DeepSpeed-MoE (``deepspeed.moe.layer.MoE``, its sparse routes) runs dropless
+(``drop_tokens=False``) with the deterministic top-2 (no random token selection, no sampled second
+expert), its experts one ``nn.Module`` each. The two run round-robin; each timing is the slowest
+rank's, medians. The first line per shape checks that both compute the same function (max abs
+difference of the outputs). Neither is a dependency of moeflow: build Tutel from its sources
+(NO_CUDA=1 pip install --target), install DeepSpeed with DS_BUILD_OPS=0 and run it with
+DS_ACCELERATOR=cpu.
 """
 
 from __future__ import annotations
@@ -42,23 +47,33 @@ def _full_weights(num_experts: int, model_dim: int, hidden_dim: int) -> dict[str
     }
 
 
-def _layers(shape: tuple[int, int, int, int], rank: int, world: int, pipeline: int | str) -> tuple[Any, Any]:
-    import torch.distributed as dist
-    from tutel import moe as tutel_moe
-
+def _layers(
+    shape: tuple[int, int, int, int], rank: int, world: int, pipeline: int | str, against: str = "tutel",
+    kernel: dict[str, str] | None = None,
+) -> tuple[Any, Any]:
     from moeflow import MoELayer
 
     _, model_dim, hidden_dim, local = shape
     num_experts = local * world
     full = _full_weights(num_experts, model_dim, hidden_dim)
     ours = MoELayer(model_dim, hidden_dim, num_experts, top_k=2, capacity_factor=0.0, activation="gelu",
-                    aux_loss_weight=0.0, pipeline=pipeline, **_groups(world))
+                    aux_loss_weight=0.0, pipeline=pipeline, **_groups(world), **(kernel or {}))
     if hasattr(ours, "load_full_state_dict"):
         ours.load_full_state_dict({**ours.state_dict(), **full})
     else:  # moeflow before the placement seam (for side-by-side runs of older commits)
         from moeflow.experts import shard_expert_state
 
         ours.load_state_dict(shard_expert_state({**ours.state_dict(), **full}, rank, world))
+    mine = slice(rank * local, (rank + 1) * local)
+    build = _deepspeed_layer if against == "deepspeed" else _tutel_layer
+    return ours, build(full, mine, model_dim, hidden_dim, world)
+
+
+def _tutel_layer(full: dict[str, torch.Tensor], mine: slice, model_dim: int, hidden_dim: int, world: int) -> Any:
+    import torch.distributed as dist
+    from tutel import moe as tutel_moe
+
+    local = mine.stop - mine.start
     group = dist.group.WORLD if dist.is_initialized() else None
     tutel = tutel_moe.moe_layer(
         gate_type={"type": "top", "k": 2, "capacity_factor": 0.0, "fp32_gate": True}, model_dim=model_dim,
@@ -66,14 +81,55 @@ def _layers(shape: tuple[int, int, int, int], rank: int, world: int, pipeline: i
                  "activation_fn": lambda x: F.gelu(x)},
         group=group,
     )
-    mine = slice(rank * local, (rank + 1) * local)
     with torch.no_grad():
         tutel.gates[0].wg.weight.copy_(full["gate.weight"])
         tutel.experts.batched_fc1_w.copy_(full["experts.w1"][mine].transpose(1, 2))
         tutel.experts.batched_fc1_bias.copy_(full["experts.b1"][mine])
         tutel.experts.batched_fc2_w.copy_(full["experts.w2"][mine])
         tutel.experts.batched_fc2_bias.copy_(full["experts.b2"][mine])
-    return ours, tutel
+    return tutel
+
+
+class _GeluFFN(torch.nn.Module):
+    """One DeepSpeed expert: fc2(gelu(fc1(x))), with biases."""
+
+    def __init__(self, model_dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(model_dim, hidden_dim), torch.nn.Linear(hidden_dim, model_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _OutputOnly(torch.nn.Module):
+    """DeepSpeed's MoE returns (output, l_aux, counts); the benchmark's step takes the output."""
+
+    def __init__(self, moe: torch.nn.Module) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0]
+
+
+def _deepspeed_layer(full: dict[str, torch.Tensor], mine: slice, model_dim: int, hidden_dim: int, world: int) -> Any:
+    import deepspeed.comm as ds_comm
+    from deepspeed.moe.layer import MoE
+
+    ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # wraps the initialised group
+    num_experts = full["gate.weight"].shape[0]
+    moe = MoE(model_dim, _GeluFFN(model_dim, hidden_dim), num_experts, ep_size=world, k=2, capacity_factor=1.0,
+              drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(full["gate.weight"])
+        experts = moe.deepspeed_moe.experts.deepspeed_experts
+        for expert, index in zip(experts, range(mine.start, mine.stop), strict=True):
+            expert.fc1.weight.copy_(full["experts.w1"][index].T)
+            expert.fc1.bias.copy_(full["experts.b1"][index])
+            expert.fc2.weight.copy_(full["experts.w2"][index].T)
+            expert.fc2.bias.copy_(full["experts.b2"][index])
+    return _OutputOnly(moe)
 
 
 def _groups(world: int) -> dict[str, Any]:
@@ -114,12 +170,14 @@ def _slowest(fn: Any) -> float:
 
 
 def measure(
-    rank: int, world: int, shapes: list[tuple[int, int, int, int]], repeats: int, pipeline: int | str = "auto"
+    rank: int, world: int, shapes: list[tuple[int, int, int, int]], repeats: int, pipeline: int | str = "auto",
+    against: str = "tutel", expert_kernel: str | None = None,
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     records = []
+    kernel = {} if expert_kernel is None else {"expert_kernel": expert_kernel}  # None: moeflow's default
     for shape in shapes:
-        ours, tutel = _layers(shape, rank, world, pipeline)
+        ours, tutel = _layers(shape, rank, world, pipeline, against, kernel)
         generator = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(shape[0], shape[1], generator=generator)
         upstream = torch.randn(shape[0], shape[1], generator=generator)
@@ -127,7 +185,7 @@ def measure(
         for _ in range(16):  # warm-up; moeflow's planner settles its online trials here
             _step(ours, x, upstream)
             _step(tutel, x, upstream)
-        samples: dict[str, list[float]] = {"moeflow": [], "tutel": []}
+        samples: dict[str, list[float]] = {"moeflow": [], "tutel": []}  # "tutel": the baseline
         for _ in range(repeats):
             for name, layer in (("moeflow", ours), ("tutel", tutel)):
                 samples[name].append(_slowest(lambda layer=layer, x=x, upstream=upstream: _step(layer, x, upstream)))
@@ -136,11 +194,13 @@ def measure(
         if isinstance(plan, dict):  # older commits kept the plan as a dict
             plan = argparse.Namespace(**plan)
         records.append({
-            "bench": "vs_tutel", "tokens": shape[0], "model_dim": shape[1], "hidden_dim": shape[2],
+            "bench": "vs_tutel", "against": against, "tokens": shape[0], "model_dim": shape[1], "hidden_dim": shape[2],
             "experts_per_rank": shape[3], "ranks": world, "max_abs_difference": difference,
-            "moeflow_ms": medians["moeflow"] * 1e3, "tutel_ms": medians["tutel"] * 1e3,
+            "moeflow_ms": medians["moeflow"] * 1e3, f"{against}_ms": medians["tutel"] * 1e3,
             "speedup": medians["tutel"] / medians["moeflow"],
             "moeflow_plan": f"d{plan.pipeline_degree}-{plan.alltoall}" if plan else None,
+            "moeflow_kernel": getattr(plan, "expert_kernel", None),
+            "token_exchange": getattr(plan, "token_exchange", None),
         })
     return records
 
@@ -148,7 +208,8 @@ def measure(
 def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     speedups = [r["speedup"] for r in records]
     geomean = statistics.geometric_mean(speedups)
-    return {"summary": "vs_tutel", "ranks": records[0]["ranks"], "geomean_speedup": geomean,
+    return {"summary": "vs_tutel", "against": records[0]["against"], "ranks": records[0]["ranks"],
+            "geomean_speedup": geomean,
             "worst_speedup": min(speedups), "max_abs_difference": max(r["max_abs_difference"] for r in records)}
 
 
@@ -157,6 +218,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="gloo processes to spawn when not launched")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per layer (medians)")
     parser.add_argument("--pipeline", default="auto", help="moeflow's pipeline setting: auto (default) or a degree")
+    parser.add_argument("--expert-kernel", default=None, help="moeflow's expert_kernel (default: its default)")
+    parser.add_argument("--against", choices=("tutel", "deepspeed"), default="tutel",
+                        help="the other MoE layer: Tutel's (default) or DeepSpeed-MoE's")
     args = parser.parse_args()
     pipeline = int(args.pipeline) if args.pipeline.isdigit() else args.pipeline
     if "RANK" in os.environ:  # a rank of moeflow launch or torchrun
@@ -165,16 +229,17 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-        records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats, pipeline)
+        records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats, pipeline, args.against,
+                          args.expert_kernel)
         rank = dist.get_rank()
         dist.destroy_process_group()
-    elif args.workers > 1:
+    elif args.workers > 1 or args.against == "deepspeed":  # DeepSpeed's gate all-reduces even on one rank
         from moeflow.distributed import run_distributed
 
-        records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, pipeline,
-                                           timeout_s=3600)[0], 0
+        records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, pipeline, args.against,
+                                        args.expert_kernel, timeout_s=3600)[0], 0
     else:
-        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline), 0
+        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline, args.against, args.expert_kernel), 0
     if rank == 0:
         for record in records:
             print(json.dumps(record), flush=True)

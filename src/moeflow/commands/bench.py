@@ -683,6 +683,8 @@ def run_lina_inference(args: argparse.Namespace) -> int:
 
 
 def _add_simulator(benches: Any) -> None:
+    from moeflow.bench.sim_validation import BENCHES as SIMULATOR_BENCHES  # no torch: the parser stays light
+
     sim = benches.add_parser(
         "simulator", help="the simulator's MoE layer times against measurement on emulated clusters (needs root)",
         description="Per layout and bandwidth: calibrate, measure every fixed (degree, all-to-all) of bench "
@@ -697,6 +699,8 @@ def _add_simulator(benches: Any) -> None:
                      help="folder that keeps the calibrated profiles and measured.jsonl (default: temporary)")
     sim.add_argument("--plot", default=None, metavar="PNG",
                      help="write the scatter plot of simulated vs measured to this PNG")
+    sim.add_argument("--benches", default=",".join(SIMULATOR_BENCHES),
+                     help=f"the benchmarks to measure, comma list (default {','.join(SIMULATOR_BENCHES)})")
     sim.add_argument("--replay", default=None, metavar="FOLDER",
                      help="score a recorded run again (its measured.jsonl and profiles) instead of measuring")
     sim.set_defaults(func=run_simulator)
@@ -707,7 +711,7 @@ def run_simulator(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from moeflow.bench import print_json
-    from moeflow.bench.sim_validation import GRID, run, summarize
+    from moeflow.bench.sim_validation import BENCHES, GRID, run, summarize
     from moeflow.testbed import ClusterError
 
     if args.replay:
@@ -728,11 +732,14 @@ def run_simulator(args: argparse.Namespace) -> int:
         bandwidths = tuple(float(word) for word in args.bandwidths.split(","))
     except ValueError:
         raise fail("bench simulator", "--layouts takes NxG,NxG (e.g. 2x1,2x2) and --bandwidths numbers") from None
+    benches = tuple(args.benches.split(","))
+    if set(benches) - set(BENCHES):
+        raise fail("bench simulator", f"--benches takes a comma list of {', '.join(BENCHES)}")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.profiles or scratch)
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json)
+            records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json, benches)
         except (ClusterError, RuntimeError) as error:
             raise fail("bench simulator", error) from None
     _simulator_plot(records, args.plot)

@@ -14,7 +14,9 @@ backward) on the (W, E) tokens each rank routes to each expert:
 
 The same :class:`~moeflow.perf.shadowing.ShadowPrices` price all three, so their differences are
 what each technique changes: which rank computes which tokens, what crosses the links, and which
-parameters move. Ties go to the simpler technique (off, then shadowing).
+parameters move. The choice is the simplest technique (off, then shadowing, then the slots) within
+:data:`~moeflow.perf.schedules.MIN_GAIN` of the fastest, as the planner chooses its plans: a
+technique that moves weights must predict more than the model's noise to be worth it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeflow.perf.replicas import slot_split
+from moeflow.perf.schedules import MIN_GAIN
 from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
 
 OFF, SHADOWING, REDUNDANT = "off", "shadowing", "redundant"
@@ -81,5 +84,6 @@ def choose_balance(
         SHADOWING: shadowed.latency_with_s,
         REDUNDANT: redundant_latency(tokens, slot_experts, slot_ranks, prices),
     }
-    best = min(BALANCE_MODES, key=lambda mode: (latency[mode], BALANCE_MODES.index(mode)))
-    return BalanceChoice(best, latency)
+    fastest = min(latency.values())
+    chosen = next(mode for mode in BALANCE_MODES if latency[mode] <= fastest * (1 + MIN_GAIN))
+    return BalanceChoice(chosen, latency)

@@ -31,6 +31,10 @@ from moeflow.perf.pipeline import (
     usable_degrees,
 )
 
+MIN_GAIN = 0.05
+"""The fraction by which a more involved choice (a plan with more chunks, a load-balancing technique
+that moves more) must beat the simpler ones to be taken: inside it, measurement and model noise
+decide, and the simpler one costs nothing to keep."""
 LOCAL = "none"  # the algorithm of a plan that sends nothing
 SMART = "smart"
 """FasterMoE's smart schedule (§4.2): a plan of the expert-parallel schedule that pipelines over the

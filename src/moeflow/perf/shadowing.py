@@ -11,10 +11,13 @@ Generalised from the paper's one expert per worker to E experts over W ranks:
   their un-shadowed experts, summed on every node's network link (each way) and every rank's link
   to its node peers, the busiest link's traffic at that link's calibrated seconds per byte
   (:class:`LinkPrices`); on one rank per node that is the larger of what a rank sends and receives;
-- ``latency(S) = max_w compute(B_w) + 4 exchange + |S| parameter sync``: at S = {} that is Eq. 7
-  (forward and backward, 4 all-to-alls); with S it is Eq. 8 plus the tokens of the experts that
-  still travel (Eq. 8 drops them: with one expert per worker in the paper, a shadowed hot expert
-  leaves little else to send).
+- ``latency(S) = max_w compute(B_w) + 4 exchange + max(0, |S| parameter sync - hidden)``: at
+  S = {} that is Eq. 7 (forward and backward, 4 all-to-alls); with S it is Eq. 8 plus the tokens
+  of the experts that still travel (Eq. 8 drops them: with one expert per worker in the paper, a
+  shadowed hot expert leaves little else to send), and minus what moeflow hides of the parameter
+  sync: the weights' all-reduce is posted before the exchange and awaited only when the shadowed
+  experts compute (the gradients' likewise around the exchanged experts' backward), so it runs
+  while the slowest rank computes its exchanged experts' tokens (``hidden``).
 
 Pricing the exchange per link replaced one all-to-all fit on each rank's moved bytes, and the
 parameters are priced as the two all-reduces moeflow runs (see :meth:`ShadowPrices.from_cost_model`);
@@ -155,7 +158,10 @@ def shadowed_latency(
     owned_EW, kept_WE = _kept_tokens(tokens, owner_E, shadowed)
     sent_WW = kept_WE @ owned_EW * prices.row_bytes  # bytes rank s sends rank d (the diagonal stays home)
     slowest = max(prices.expert_seconds(float(rows)) for rows in _compute_load(tokens, owned_EW, kept_WE))
-    return slowest + 4 * prices.links.exchange_seconds(sent_WW) + len(shadowed) * prices.parameter_seconds
+    # the weights move while the exchanged experts compute (posted before, awaited after them)
+    hidden = max(prices.expert_seconds(float(rows)) for rows in kept_WE.sum(0) @ owned_EW) if shadowed else 0.0
+    parameters = max(0.0, len(shadowed) * prices.parameter_seconds - hidden)
+    return slowest + 4 * prices.links.exchange_seconds(sent_WW) + parameters
 
 
 def select_shadowed_experts(
