@@ -109,6 +109,28 @@ def small_disk(tmp_path: Path) -> Path:
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+def test_a_full_disk_hidden_in_torch_saves_zip_error_is_still_named(tmp_path: Path, monkeypatch) -> None:
+    """``torch.save``'s zip writer reports running out of space as a RuntimeError ("unexpected
+    pos"), which DCP gathers from the rank: with the device (nearly) full, it is a full disk."""
+    import collections
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from moeflow.training import checkpoint
+
+    root = tmp_path / "checkpoints"
+    partial = root / ".step-000004.tmp"
+    partial.mkdir(parents=True)
+    gathered = CheckpointException("save", {1: (RuntimeError("unexpected pos 704 vs 598"), None)})
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(2 << 20, 2 << 20, 4096))
+    error = checkpoint._save_failed(gathered, partial, root)
+    assert isinstance(error, OSError) and "no space left on the device for checkpoint step-000004" in str(error)
+    assert not partial.exists()
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(2 << 30, 0, 2 << 30))
+    assert checkpoint._save_failed(gathered, root, root) is gathered  # room left: some other failure
+
+
 def test_a_full_disk_gives_a_clear_error_and_keeps_the_previous_checkpoint(small_disk: Path) -> None:
     run_dir = small_disk / "run"
     with pytest.raises(WorkerError, match="no space left on the device for checkpoint step-000004") as raised:

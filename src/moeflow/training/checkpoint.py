@@ -92,13 +92,21 @@ def save_checkpoint(
     return final
 
 
+LOW_SPACE_BYTES = 1 << 20
+"""Below this much free space on the checkpoint's device, a failed save is taken for a full disk."""
+
+
 def _save_failed(error: OSError | CheckpointException, temporary: Path, root: Path) -> BaseException:
     """The error of a failed save, after its partial folder is removed (the previous checkpoint
-    stays the newest): a full disk (on any rank: DCP gathers the ranks' failures) says so."""
-    shutil.rmtree(temporary, ignore_errors=True)
+    stays the newest): a full disk (on any rank: DCP gathers the ranks' failures) says so. A full
+    disk is an ENOSPC, or any failure with under :data:`LOW_SPACE_BYTES` left on the device:
+    ``torch.save``'s zip writer reports running out of space as a RuntimeError ("unexpected pos")."""
     gathered = isinstance(error, CheckpointException)
     failures = [failure for failure, _ in error.failures.values()] if gathered else [error]
-    if not any(isinstance(failure, OSError) and failure.errno == errno.ENOSPC for failure in failures):
+    full = any(isinstance(failure, OSError) and failure.errno == errno.ENOSPC for failure in failures) or \
+        shutil.disk_usage(root).free < LOW_SPACE_BYTES
+    shutil.rmtree(temporary, ignore_errors=True)
+    if not full:
         return error
     kept = latest_checkpoint(root.parent)
     keeps = f"the previous checkpoint {kept.name} is intact" if kept else "no earlier checkpoint exists"
