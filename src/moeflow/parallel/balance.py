@@ -65,9 +65,7 @@ def choose_execution(
     prices = ShadowPrices.from_cost_model(cost, config.model_dim, config.hidden_dim,
                                           ffn_projections(config.activation))
     choice = choose_balance(
-        tokens_WE, [expert_parallel.holders(e)[0] for e in range(num_experts)],
-        [s.expert for shards in slots.shards for s in shards],
-        [rank for rank, shards in enumerate(slots.shards) for _ in shards], prices,
+        tokens_WE, [expert_parallel.holders(e)[0] for e in range(num_experts)], *slots.slots(), prices
     )
     if choice.mode == REDUNDANT:
         return BalancedExecution(SlotSchedule(base), slots, choice)

@@ -54,8 +54,7 @@ class PlacedRowMap:
     def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> PlacedRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world = filled.shape[0]
-        slot_rank = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
-        slot_expert = np.array([s.expert for shards in placement.shards for s in shards])
+        slot_expert, slot_rank = (np.array(column) for column in placement.slots())
         starts, lengths = slot_split(filled, slot_expert, slot_rank, proportional=False)  # as Lina prices it
         rows = [np.arange(length) + slot_expert[p] * capacity + starts[rank, p]
                 for p, length in enumerate(lengths[rank].tolist())]  # slots in rank-major order

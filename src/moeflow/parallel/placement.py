@@ -158,6 +158,11 @@ class ExpertPlacement:
         """The expert of each shard, per rank in local order (a plan, as the planners write them)."""
         return [[shard.expert for shard in shards] for shards in self.shards]
 
+    def slots(self) -> tuple[list[int], list[int]]:
+        """Every slot's expert and rank, rank-major (what a replicated expert's tokens split over)."""
+        return ([shard.expert for shards in self.shards for shard in shards],
+                [rank for rank, shards in enumerate(self.shards) for _ in shards])
+
     def holders(self, expert: int) -> tuple[int, ...]:
         return tuple(r for r, shards in enumerate(self.shards) if any(s.expert == expert for s in shards))
 

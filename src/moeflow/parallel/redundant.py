@@ -109,8 +109,7 @@ class ReplicaRowMap:
     def of(placement: ExpertPlacement, filled_WE: torch.Tensor, capacity: int, rank: int) -> ReplicaRowMap:
         filled = filled_WE.to("cpu", torch.long).numpy()
         world, num_experts = filled.shape
-        slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
-        slot_ranks = np.array([r for r, shards in enumerate(placement.shards) for _ in shards])
+        slot_experts, slot_ranks = (np.array(column) for column in placement.slots())
         starts, lengths = slot_split(filled, slot_experts, slot_ranks)
         per_rank = len(slot_experts) // world
         own = np.arange(len(slot_experts)) // per_rank == np.arange(world)[:, None]  # (W, P): slot on the source
@@ -191,7 +190,7 @@ class ReplicaGradSum(torch.autograd.Function):
 
 def replicated_experts(placement: ExpertPlacement) -> list[int]:
     """The experts held in more than one slot."""
-    slot_experts = [s.expert for shards in placement.shards for s in shards]
+    slot_experts = placement.slots()[0]
     return sorted({e for e in slot_experts if slot_experts.count(e) > 1})
 
 

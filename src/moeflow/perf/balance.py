@@ -28,7 +28,7 @@ import numpy as np
 
 from moeflow.perf.replicas import slot_split
 from moeflow.perf.schedules import MIN_GAIN
-from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
+from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts
 
 OFF, SHADOWING, REDUNDANT = "off", "shadowing", "redundant"
 BALANCE_MODES = (OFF, SHADOWING, REDUNDANT)
@@ -80,7 +80,7 @@ def choose_balance(
     tokens = np.asarray(tokens_WE, dtype=np.float64)
     shadowed = select_shadowed_experts(tokens, owner_E, prices)
     latency = {
-        OFF: shadowed_latency(tokens, owner_E, set(), prices),
+        OFF: shadowed.latency_without_s,  # Eq. 7, which Algorithm 1 prices first
         SHADOWING: shadowed.latency_with_s,
         REDUNDANT: redundant_latency(tokens, slot_experts, slot_ranks, prices),
     }

@@ -19,7 +19,7 @@ import numpy as np
 
 from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS, check_switchable_layout, validate_r
-from moeflow.parallel.redundant import balanced_placement
+from moeflow.parallel.redundant import balanced_placement, replicated_experts
 from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES, SIMULATED_REGIONS
 from moeflow.perf.balance import slot_tokens
 from moeflow.sim.cluster import Cluster
@@ -325,12 +325,11 @@ class StepBuilder:
         per_rank = (dims.num_experts + self.plan.redundant_slots) // world
         topology = Topology(world, self.cluster.gpus_per_node)
         placement = balanced_placement(load.counts.sum(axis=0).tolist(), per_rank, topology, dims.hidden_dim)
-        slot_experts = np.array([s.expert for shards in placement.shards for s in shards])
-        slot_ranks = np.arange(len(slot_experts)) // per_rank
+        slot_experts, slot_ranks = (np.array(column) for column in placement.slots())
         counts_WP = slot_tokens(load.counts, slot_experts, slot_ranks).astype(np.float64)
         done = SIMULATED_REGIONS[self.plan.schedule](self, LayerLoad(counts_WP, slot_experts, slot_ranks), deps,
                                                     backward)
-        replicated = int((np.bincount(slot_experts) > 1).sum())
+        replicated = len(replicated_experts(placement))
         if backward and replicated:
             done = [self.allreduce(float(replicated * dims.expert_parameters * self.model.element_bytes), done)]
         return done
