@@ -30,3 +30,9 @@ def estimated_needed_capacity(top_k: int, num_tokens: int, num_experts: int) -> 
     ceil(k * T / E). The layer plans with the measured value; ``moeflow plan`` and the
     benchmarks, which plan before a forward runs, use this."""
     return math.ceil(top_k * num_tokens / num_experts)
+
+
+def never_drops(capacity_factor: float, top_k: int, num_tokens: int, num_experts: int) -> bool:
+    """Whether this capacity drops no assignment whatever the routing: a token picks an expert at
+    most once, so no expert gets more than T of one rank's assignments, and C >= T keeps them all."""
+    return expert_capacity(capacity_factor, top_k, num_tokens, num_experts, needed=num_tokens) >= num_tokens

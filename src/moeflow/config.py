@@ -416,6 +416,19 @@ def validate_r(r: int, num_experts: int, world_size: int) -> int:
     return r
 
 
+def validate_call_r(r: object, takes_r: bool, schedule: str, num_experts: int, world_size: int) -> int:
+    """A forward's ``r`` (Tutel's adaptive_r): only a switchable schedule takes one, and it must
+    be one of :func:`switchable_rs`."""
+    if not takes_r:
+        raise ValueError(
+            f"r={r!r} switches Tutel's parallelism, which needs MoELayer(..., parallel='adaptive' or an int r); "
+            f"this layer runs parallel={schedule!r}"
+        )
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise ValueError(f"r must be an integer, got {r!r}")
+    return validate_r(r, num_experts, world_size)
+
+
 def validate_capacity_factor(capacity_factor: object) -> float:
     """``capacity_factor`` as a float; a non-number or a non-finite value raises."""
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):

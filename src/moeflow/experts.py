@@ -380,6 +380,14 @@ class ExpertFFN(nn.Module):
         return _ExpertFFNFunction.apply(x_LCM.contiguous(), self.compute, *weights.as_tuple())
 
 
+def shared_output(x_TM: torch.Tensor, shared: ExpertFFN, gate: nn.Linear | None) -> torch.Tensor:
+    """The dense shared experts' summed output for every token (Qwen2-MoE: times its sigmoid gate)."""
+    shared_TM = shared(x_TM.unsqueeze(0).expand(shared.num_experts, -1, -1)).sum(dim=0)
+    if gate is None:
+        return shared_TM
+    return torch.sigmoid(torch.nn.functional.linear(x_TM, gate.weight.to(x_TM.dtype))) * shared_TM
+
+
 def expert_seed(seed: int, expert: int) -> int:
     """The generator seed of global expert ``expert`` in a layer seeded with ``seed``."""
     return (seed * 1_000_003 + expert) % (1 << 63)

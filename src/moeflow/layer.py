@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from moeflow.capacity import never_drops
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import (
@@ -25,21 +25,22 @@ from moeflow.config import (
     MoEConfig,
     config_from_arguments,
     resolve_normalize_gate,
+    validate_call_r,
     validate_capacity_factor,
     validate_expert_groups,
-    validate_r,
     validate_top_k,
 )
+from moeflow.direct import direct_experts, direct_stats
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
-from moeflow.experts import ExpertFFN
+from moeflow.experts import ExpertFFN, shared_output
 from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, recomputing
 from moeflow.kernels import resolve_backend
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.moves import move_experts
-from moeflow.parallel.placement import ExpertPlacement, expert_kind, gather_full, shard_expert_state
+from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf import ClusterProfile, CostModel
@@ -137,7 +138,7 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
         self._aux_loss = GraphValue(torch.zeros(()))
-        self.last_stats: RoutingStats | None = None
+        self._stats: RoutingStats | Callable[[], RoutingStats] | None = None
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
 
@@ -219,8 +220,10 @@ class MoELayer(nn.Module):
             self.switch(self.schedule, self.placement)
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
-        routing, estimate_E = self._route(x_TM, k, recompute, record)
-
+        direct = self._computes_directly(x_TM.shape[0], k, factor)  # one rank, every expert, no backward
+        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=not direct)
+        if direct:
+            return self._direct(x, x_TM, routing, k, factor)
         # agree the load and capacity -> plan
         load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
         capacity = expert_capacity(factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity)
@@ -251,18 +254,37 @@ class MoELayer(nn.Module):
             self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
+    def _computes_directly(self, num_tokens: int, k: int, factor: float) -> bool:
+        """Whether this forward takes :mod:`moeflow.direct`: no backward, no other rank, no selection
+        bias to move, and a capacity that cannot drop (so both paths compute the same function)."""
+        return (not torch.is_grad_enabled() and self.world_size == 1 and not self._moves_bias
+                and self.schedule.computes_locally(self.placement, self.rank)
+                and never_drops(factor, k, num_tokens, self.config.num_experts))
+
+    def _direct(self, x: torch.Tensor, x_TM: torch.Tensor, routing: Routing, k: int, factor: float) -> torch.Tensor:
+        self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
+        choice, config, weights = routing.choice, self.config, self.experts.weights().cast(x_TM.dtype)
+        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, weights,
+                              config.activation, resolve_backend(config.kernel_backend, x_TM.device))
+        self._stats = functools.partial(direct_stats, routing.counts_E, k, factor, self.schedule.name, config.pipeline)
+        return self._with_shared_experts(x_TM, y_TM).view(x.shape)
+
+    @property
+    def last_stats(self) -> RoutingStats | None:
+        """The last forward's :class:`~moeflow.stats.RoutingStats` (a direct forward's on first read)."""
+        if callable(self._stats):
+            self._stats = self._stats()
+        return self._stats
+
     def _after_forward(
         self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
         owned: OwnedTokens, ran: ScheduleOutput,
     ) -> None:
         """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
-        config = self.config
         if self._moves_bias:
-            update_expert_bias(self.gate, load.counts_WE.sum(0), config.expert_bias_update_rate)
-        self.last_stats = routing_stats(
-            config, self.groups, load, capacity, k, factor, chosen, timing, self.schedule.plan_label(chosen.plan),
-            owned, ran,
-        )
+            update_expert_bias(self.gate, load.counts_WE.sum(0), self.config.expert_bias_update_rate)
+        self._stats = routing_stats(self.config, self.groups, load, capacity, k, factor, chosen, timing,
+                                    self.schedule.plan_label(chosen.plan), owned, ran)
 
     @property
     def _moves_bias(self) -> bool:
@@ -270,7 +292,7 @@ class MoELayer(nn.Module):
         return self.config.expert_bias_update_rate > 0 and self.training
 
     def _route(
-        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord
+        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord, slots: bool = True
     ) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
         inference scheduler (the schedule's hook), which sees the gate's choice, its estimate of the
@@ -278,7 +300,7 @@ class MoELayer(nn.Module):
         hook = self.schedule.hook
         with self._memory.routing_bias(record, self.gate.expert_bias, recompute):
             if hook is None:
-                routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit), None
+                routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit, slots=slots), None
             else:
                 observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
                 routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe)
@@ -314,7 +336,7 @@ class MoELayer(nn.Module):
         """This call's k and capacity factor, checked, and its r (only for Tutel's switchable schedule)."""
         config = self.config
         if r is not None:
-            self._check_call_r(r)
+            validate_call_r(r, self.schedule.takes_r, self.schedule.name, config.num_experts, self.world_size)
         k = validate_top_k(config.top_k if top_k is None else top_k, config.num_experts)
         validate_expert_groups(config.expert_groups, config.top_groups, config.num_experts, k)
         factor = validate_capacity_factor(config.capacity_factor if capacity_factor is None else capacity_factor)
@@ -322,13 +344,8 @@ class MoELayer(nn.Module):
 
     def _with_shared_experts(self, x_TM: torch.Tensor, y_TM: torch.Tensor) -> torch.Tensor:
         """Add the dense shared experts' output (Qwen2-MoE: times its sigmoid gate)."""
-        if self.shared_experts is None:
-            return y_TM
-        shared_input_STM = x_TM.unsqueeze(0).expand(self.shared_experts.num_experts, -1, -1)
-        shared_TM = self.shared_experts(shared_input_STM).sum(dim=0)
-        if self.shared_expert_gate is not None:
-            shared_TM = torch.sigmoid(F.linear(x_TM, self.shared_expert_gate.weight.to(x_TM.dtype))) * shared_TM
-        return y_TM + shared_TM
+        return y_TM if self.shared_experts is None else y_TM + shared_output(x_TM, self.shared_experts,
+                                                                             self.shared_expert_gate)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -351,16 +368,6 @@ class MoELayer(nn.Module):
         return x if self.world_size == 1 else mark_backward_window(x, self.groups.traffic, entering,
                                                                      self.groups.ledger, self.index)
 
-    def _check_call_r(self, r: object) -> None:
-        if not self.schedule.takes_r:
-            raise ValueError(
-                f"r={r!r} switches Tutel's parallelism, which needs MoELayer(..., parallel='adaptive' or an int r); "
-                f"this layer runs parallel={self.schedule.name!r}"
-            )
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise ValueError(f"r must be an integer, got {r!r}")
-        validate_r(r, self.config.num_experts, self.world_size)
-
     def _reduce_max(self) -> Callable[[Sequence[float]], list[float]]:
         """The slowest rank's times, for the planner (which imports no torch.distributed)."""
         groups = self.groups
@@ -382,14 +389,7 @@ class MoELayer(nn.Module):
         """The state with all E experts, on every rank: an explicit opt-in (tests, conversions, small
         models), since it holds every rank's experts at once; a collective over the expert group (each
         rank contributes its primary shards, one all-reduce per expert tensor)."""
-        full: dict[str, torch.Tensor] = {}
-        for name, tensor in self.state_dict().items():
-            kind = expert_kind(name)
-            if kind is None:
-                full[name] = tensor.detach().clone()
-                continue
-            full[name] = gather_full(tensor, self.placement, kind, self.rank, self.groups.expert)
-        return full
+        return gather_full_state(self.state_dict(), self.placement, self.rank, self.groups.expert)
 
     def extra_repr(self) -> str:
         c = self.config

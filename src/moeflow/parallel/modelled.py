@@ -35,6 +35,11 @@ class ModelledSchedule:
         """A per-forward placement's scheduler, which sees the routing (Lina's inference); None."""
         return None
 
+    def computes_locally(self, placement: ExpertPlacement, rank: int) -> bool:
+        """Whether a forward of ``rank`` may skip the dispatch and compute its tokens on its own
+        experts (:mod:`moeflow.direct`): it holds every expert whole and no hook sees the routing."""
+        return self.hook is None and placement.holds_every_expert(rank)
+
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
     ) -> list[Plan]:

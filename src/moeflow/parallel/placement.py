@@ -20,6 +20,7 @@ none: every shard of an expert holds it, and only the shard that starts at hidde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -186,6 +187,15 @@ class ExpertPlacement:
         packed = ExpertPlacement.packed(self.num_experts, self.world_size, group_size, self.hidden_dim)
         return group_size if self == packed else None
 
+    def holds_every_expert(self, rank: int) -> bool:
+        """``rank`` holds all E experts whole, in expert order (its tokens need no other rank)."""
+        return rank in self._ranks_holding_every_expert
+
+    @functools.cached_property
+    def _ranks_holding_every_expert(self) -> frozenset[int]:  # asked every forward: computed once
+        every = tuple(ExpertShard(expert, 0, self.hidden_dim) for expert in range(self.num_experts))
+        return frozenset(rank for rank, shards in enumerate(self.shards) if shards == every)
+
     @property
     def holds_whole_experts(self) -> bool:
         """Every shard is a whole expert (no hidden slices)."""
@@ -343,6 +353,18 @@ def gather_full(
     placement.write_primary(kind, tensor.detach(), rank, full)
     if group is not None and placement.world_size > 1:
         dist.all_reduce(full, group=group)
+    return full
+
+
+def gather_full_state(
+    state: Mapping[str, torch.Tensor], placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """A layer's state with all E experts from every rank's part (a collective over ``group``): its
+    expert tensors gathered (:func:`gather_full`), the others copied."""
+    full: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        kind = expert_kind(name)
+        full[name] = tensor.detach().clone() if kind is None else gather_full(tensor, placement, kind, rank, group)
     return full
 
 

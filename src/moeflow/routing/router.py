@@ -25,17 +25,18 @@ class Routing:
 
     choice: ExpertChoice
     aux_loss: torch.Tensor
-    location_TK: torch.Tensor
+    location_TK: torch.Tensor | None  # None: slots not assigned (the direct path)
     counts_E: torch.Tensor
     priority_T: torch.Tensor | None = None  # batch-prioritized routing's order key (None: token order)
 
 
 def route(
     gate: nn.Module, x_TM: torch.Tensor, top_k: int, config: MoEConfig, node_limit: NodeLimit | None = None,
-    observe: Callable[[ExpertChoice], ExpertChoice] | None = None,
+    observe: Callable[[ExpertChoice], ExpertChoice] | None = None, slots: bool = True,
 ) -> Routing:
     """Route ``x_TM`` to ``top_k`` experts each; ``observe`` sees (and may replace) the choice
-    before slots are assigned (an inference scheduler)."""
+    before slots are assigned (an inference scheduler). ``slots=False`` leaves the capacity slots
+    unassigned (``location_TK`` None): for a forward with no capacity buffer."""
     normalize = config.normalize_gate if config.normalize_gate is not None else top_k > 1
     logits_TE = gate(x_TM)
     choice = select_experts(
@@ -45,7 +46,10 @@ def route(
     if observe is not None:
         choice = observe(choice)
     priority_T = choice.scores_TE.detach().max(dim=1).values if config.batch_prioritized_routing else None  # Tutel's
-    location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
+    if slots:
+        location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
+    else:
+        location_TK, counts_E = None, torch.bincount(choice.expert_idx_TK.flatten(), minlength=config.num_experts)
     return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E, priority_T)
 
 
