@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moeflow import MoELayer
 from moeflow.capacity import never_drops
 from moeflow.direct import SOURCE
+from moeflow.experts import ExpertFFN
+from moeflow.ragged import CACHE_RESIDENT_BYTES, FilledRows, packed_ffn, packed_ffn_output
 from moeflow.reference import ReferenceMoE
 
 M, H, E = 16, 24, 8
@@ -124,3 +126,20 @@ def test_one_token_runs_its_experts_gemms_and_few_other_ops() -> None:
     assert few["aten.mm"] == 2 * 3 + 1  # w1, w3, w2 of the two experts picked, and the gate
     assert few == many
     assert sum(few.values()) <= 50, few
+
+
+@pytest.mark.parametrize(("activation", "bias"), [("gelu", True), ("swiglu", False), ("relu", True)])
+def test_the_per_expert_loop_for_large_intermediates_equals_the_grouped_steps(activation: str, bias: bool) -> None:
+    """Above CACHE_RESIDENT_BYTES of intermediate the no-grad FFN runs expert by expert: same rows out."""
+    experts = ExpertFFN(4, 8, 256, activation, bias=bias)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_()
+    counts = torch.tensor([500, 0, 350, 250])
+    x_NM = torch.randn(int(counts.sum()), 8)
+    assert x_NM.shape[0] * 256 * 4 > CACHE_RESIDENT_BYTES
+    rows = FilledRows.counted(torch.arange(x_NM.shape[0]), counts)
+    with torch.no_grad():
+        looped = packed_ffn_output(x_NM, rows, experts.weights(), activation)
+        grouped = packed_ffn(x_NM, rows, experts.weights(), activation)[0]
+    torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
