@@ -143,3 +143,20 @@ def test_the_per_expert_loop_for_large_intermediates_equals_the_grouped_steps(ac
         looped = packed_ffn_output(x_NM, rows, experts.weights(), activation)
         grouped = packed_ffn(x_NM, rows, experts.weights(), activation)[0]
     torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_new_weights_reach_the_next_direct_forward() -> None:
+    """A load in place, a replaced parameter and a dtype change all reach the next direct forward."""
+    layer, _ = _pair(top_k=2, capacity_factor=0.0, activation="swiglu", bias=False)
+    x = torch.randn(3, M)
+    with torch.no_grad():
+        layer(x)
+        other = ReferenceMoE(M, H, E, top_k=2, capacity_factor=0.0, activation="swiglu", bias=False)
+        layer.load_full_state_dict(other.state_dict())  # copies in place
+        torch.testing.assert_close(layer(x), other(x), rtol=1e-5, atol=1e-6)
+        layer.experts.w2 = torch.nn.Parameter(layer.experts.w2 * 2)  # a new parameter
+        other.experts.w2.mul_(2)
+        torch.testing.assert_close(layer(x), other(x), rtol=1e-5, atol=1e-6)
+        layer.double()
+        assert layer(x.double()).dtype == torch.float64
+        torch.testing.assert_close(layer(x.double()), other.double()(x.double()), rtol=1e-9, atol=1e-12)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.capacity import expert_capacity
-from moeflow.experts import FFNWeights
+from moeflow.experts import ExpertFFN
 from moeflow.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import ExecutionPlan, RoutingStats
 
@@ -47,15 +47,16 @@ class DirectRows:
 
 def direct_experts(
     x_TM: torch.Tensor, expert_idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor,
-    experts: FFNWeights, activation: str, backend: str = "torch",
+    experts: ExpertFFN, backend: str = "torch",
 ) -> torch.Tensor:
     """y_t = sum over token t's k choices of weight * expert(x_t), with every expert on this rank
-    (``experts`` in global expert order, whole; ``counts_E`` the choices per expert)."""
+    (``experts`` in global expert order, whole; ``counts_E`` the choices per expert), in x's dtype."""
     if x_TM.shape[0] == 0:
         return torch.zeros_like(x_TM)
+    weights = experts.weights().cast(x_TM.dtype)
     packed = DirectRows.of(expert_idx_TK, counts_E)
     x_NM = x_TM.index_select(0, packed.token_N)
-    y_NM = packed_ffn_output(x_NM, packed.rows, experts, activation, backend)
+    y_NM = packed_ffn_output(x_NM, packed.rows, weights, experts.activation, backend)
     return F.embedding_bag(packed.row_TK, y_NM, mode="sum", per_sample_weights=weights_TK.to(y_NM.dtype))
 
 

@@ -34,7 +34,7 @@ from moeflow.direct import direct_experts, direct_stats
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
-from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, recomputing
+from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
 from moeflow.kernels import resolve_backend
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
@@ -128,7 +128,6 @@ class MoELayer(nn.Module):
         seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
         self.experts.reset_by_expert(self.placement.local_slices(self.rank), seed, c.hidden_dim)
         mark_expert_parameters(self.experts)  # so that data parallelism leaves them alone
-        self._checked_data_parallel: int | None = None
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
         self.shared_experts = (
             ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias)
@@ -137,8 +136,7 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
-        self._aux_loss = GraphValue(torch.zeros(()))
-        self._stats: RoutingStats | Callable[[], RoutingStats] | None = None
+        self._last = LastForward(GraphValue(torch.zeros(())))  # aux loss and statistics, for reading
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
 
@@ -150,7 +148,7 @@ class MoELayer(nn.Module):
     @property
     def aux_loss(self) -> torch.Tensor:
         """The last forward's weighted balance (+ z) loss, in its graph: add it to the loss."""
-        return self._aux_loss.value
+        return self._last.aux_loss.value
 
     def _planner(self, schedule: ParallelSchedule) -> PipelinePlanner:
         """The per-iteration planner of ``schedule`` (degree and all-to-all) in the space it allows."""
@@ -214,8 +212,8 @@ class MoELayer(nn.Module):
         config = self.config
         k, factor = self._call_settings(top_k, capacity_factor, r)
         x_TM = self._backward_window(self._tokens(x), entering=True)
-        self._checked_data_parallel = refuse_averaging_data_parallel(
-            self.experts, self.placement, self._checked_data_parallel)
+        self._last.checked_data_parallel = refuse_averaging_data_parallel(
+            self.experts, self.placement, self._last.checked_data_parallel)
         if not self._replicas_equal:
             self.switch(self.schedule, self.placement)
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
@@ -263,18 +261,19 @@ class MoELayer(nn.Module):
 
     def _direct(self, x: torch.Tensor, x_TM: torch.Tensor, routing: Routing, k: int, factor: float) -> torch.Tensor:
         self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
-        choice, config, weights = routing.choice, self.config, self.experts.weights().cast(x_TM.dtype)
-        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, weights,
-                              config.activation, resolve_backend(config.kernel_backend, x_TM.device))
-        self._stats = functools.partial(direct_stats, routing.counts_E, k, factor, self.schedule.name, config.pipeline)
+        choice, config = routing.choice, self.config
+        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, self.experts,
+                              resolve_backend(config.kernel_backend, x_TM.device))
+        self._last.stats = functools.partial(direct_stats, routing.counts_E, k, factor, self.schedule.name,
+                                             config.pipeline)
         return self._with_shared_experts(x_TM, y_TM).view(x.shape)
 
     @property
     def last_stats(self) -> RoutingStats | None:
         """The last forward's :class:`~moeflow.stats.RoutingStats` (a direct forward's on first read)."""
-        if callable(self._stats):
-            self._stats = self._stats()
-        return self._stats
+        if callable(self._last.stats):
+            self._last.stats = self._last.stats()
+        return self._last.stats
 
     def _after_forward(
         self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
@@ -283,8 +282,8 @@ class MoELayer(nn.Module):
         """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
         if self._moves_bias:
             update_expert_bias(self.gate, load.counts_WE.sum(0), self.config.expert_bias_update_rate)
-        self._stats = routing_stats(self.config, self.groups, load, capacity, k, factor, chosen, timing,
-                                    self.schedule.plan_label(chosen.plan), owned, ran)
+        self._last.stats = routing_stats(self.config, self.groups, load, capacity, k, factor, chosen, timing,
+                                         self.schedule.plan_label(chosen.plan), owned, ran)
 
     @property
     def _moves_bias(self) -> bool:
@@ -306,7 +305,7 @@ class MoELayer(nn.Module):
                 routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe)
                 estimate_E = hook.estimate(x_TM.shape[0])
         if not recompute:
-            self._aux_loss = GraphValue(routing.aux_loss)
+            self._last.aux_loss = GraphValue(routing.aux_loss)
         return routing, estimate_E
 
     def _step_workspace(self, recompute: bool = False) -> Workspace | None:

@@ -193,16 +193,18 @@ def packed_ffn_output(
     if backend == "triton" or x_NM.device.type != "cpu" or grouped:
         return packed_ffn(x_NM, rows, weights, activation, backend)[0]
     y_NM = x_NM.new_empty((x_NM.shape[0], weights.w2.shape[2]))
+    tensors = weights.as_tuple()
     for expert, x_RM, y_RM in zip(rows.experts, x_NM.split(rows.counts), y_NM.split(rows.counts), strict=True):
-        h_RH = torch.mm(x_RM, weights.w1[expert])
-        if weights.b1 is not None:
-            h_RH += weights.b1[expert]
+        w1, b1, w2, b2, w3 = (None if w is None else w[expert] for w in tensors)
+        h_RH = torch.mm(x_RM, w1)
+        if b1 is not None:
+            h_RH += b1
         a_RH = activate_(activation, h_RH)
-        if weights.w3 is not None:
-            a_RH *= torch.mm(x_RM, weights.w3[expert])
-        torch.mm(a_RH, weights.w2[expert], out=y_RM)
-        if weights.b2 is not None:
-            y_RM += weights.b2[expert]
+        if w3 is not None:
+            a_RH *= torch.mm(x_RM, w3)
+        torch.mm(a_RH, w2, out=y_RM)
+        if b2 is not None:
+            y_RM += b2
     return y_NM
 
 
