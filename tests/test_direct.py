@@ -160,3 +160,18 @@ def test_new_weights_reach_the_next_direct_forward() -> None:
         layer.double()
         assert layer(x.double()).dtype == torch.float64
         torch.testing.assert_close(layer(x.double()), other.double()(x.double()), rtol=1e-9, atol=1e-12)
+
+
+def test_the_hf_block_bench_compares_the_same_function() -> None:
+    pytest.importorskip("transformers")
+    from moeflow.bench.hf_block import measure
+
+    threads = torch.get_num_threads()
+    try:
+        records = measure([1, 3], repeats=2, experts=8, top_k=2, model_dim=64, hidden_dim=32)
+    finally:
+        torch.set_num_threads(threads)  # the bench pins one thread, as its entry point would
+    assert [r["tokens"] for r in records] == [1, 3]
+    for record in records:
+        assert record["plan_source"] == SOURCE and record["max_abs_difference"] < 1e-5
+        assert record["gemms_ms"] > 0 and record["fastest_over_moeflow"] > 0

@@ -24,7 +24,7 @@ from moeflow.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import ExecutionPlan, RoutingStats
 
 SOURCE = "direct"
-"""The plan source (and all-to-all) the statistics name for a forward that took the direct path."""
+"""The plan source the statistics name for a forward that took the direct path."""
 
 
 @dataclass(frozen=True)
