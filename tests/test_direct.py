@@ -14,9 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
 from moeflow.capacity import never_drops
-from moeflow.direct import SOURCE
-from moeflow.experts import ExpertFFN
-from moeflow.ragged import CACHE_RESIDENT_BYTES, FilledRows, packed_ffn, packed_ffn_output
+from moeflow.direct import CACHE_RESIDENT_BYTES, SOURCE
 from moeflow.reference import ReferenceMoE
 
 M, H, E = 16, 24, 8
@@ -129,20 +127,21 @@ def test_one_token_runs_its_experts_gemms_and_few_other_ops() -> None:
 
 
 @pytest.mark.parametrize(("activation", "bias"), [("gelu", True), ("swiglu", False), ("relu", True)])
-def test_the_per_expert_loop_for_large_intermediates_equals_the_grouped_steps(activation: str, bias: bool) -> None:
-    """Above CACHE_RESIDENT_BYTES of intermediate the no-grad FFN runs expert by expert: same rows out."""
-    experts = ExpertFFN(4, 8, 256, activation, bias=bias)
+def test_expert_by_expert_for_large_intermediates_equals_the_capacity_path(activation: str, bias: bool) -> None:
+    """Above CACHE_RESIDENT_BYTES of intermediate each expert gathers and adds back its own rows."""
+    torch.manual_seed(0)
+    hidden, tokens = 256, 600
+    reference = ReferenceMoE(M, hidden, E, top_k=2, capacity_factor=0.0, activation=activation, bias=bias)
+    layer = MoELayer(M, hidden, E, top_k=2, capacity_factor=0.0, activation=activation, bias=bias)
+    layer.load_full_state_dict(reference.state_dict())
+    assert tokens * 2 * hidden * 4 > CACHE_RESIDENT_BYTES
+    x = torch.randn(tokens, M)
     with torch.no_grad():
-        for parameter in experts.parameters():
-            parameter.normal_()
-    counts = torch.tensor([500, 0, 350, 250])
-    x_NM = torch.randn(int(counts.sum()), 8)
-    assert x_NM.shape[0] * 256 * 4 > CACHE_RESIDENT_BYTES
-    rows = FilledRows.counted(torch.arange(x_NM.shape[0]), counts)
-    with torch.no_grad():
-        looped = packed_ffn_output(x_NM, rows, experts.weights(), activation)
-        grouped = packed_ffn(x_NM, rows, experts.weights(), activation)[0]
-    torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
+        direct = layer(x)
+        assert layer.last_stats.plan.source == SOURCE
+        expected = reference(x)
+    torch.testing.assert_close(direct, layer(x).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(direct, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_new_weights_reach_the_next_direct_forward() -> None:

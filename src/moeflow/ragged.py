@@ -174,37 +174,35 @@ def packed_ffn(
     return y_NM, h_NH, a_NH, up_NH
 
 
-CACHE_RESIDENT_BYTES = 1 << 20
-"""An intermediate (rows x hidden) up to this size stays in a core's cache between the grouped
-steps, which then issue fewer ops than a loop over many experts (E = 64, 8 tokens: 40 experts hit,
-1.01x transformers' grouped GEMM against 0.95x looped)."""
+def expert_rows_ffn(
+    x_RM: torch.Tensor, weights: FFNWeights, expert: int, activation: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One expert's FFN on its rows without autograd, all its steps before the next expert's (its
+    intermediates stay in cache), the activation in place; into ``out`` when given."""
+    w1, b1, w2, b2, w3 = (None if w is None else w[expert] for w in weights.as_tuple())
+    h_RH = torch.mm(x_RM, w1)
+    if b1 is not None:
+        h_RH += b1
+    a_RH = activate_(activation, h_RH)
+    if w3 is not None:
+        a_RH *= torch.mm(x_RM, w3)
+    y_RM = torch.mm(a_RH, w2) if out is None else torch.mm(a_RH, w2, out=out)
+    if b2 is not None:
+        y_RM += b2
+    return y_RM
 
 
 def packed_ffn_output(
     x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, activation: str, backend: str = "torch",
 ) -> torch.Tensor:
-    """The FFN's output alone (no backward will read h, a or up). On CPU, with few experts hit or
-    large intermediates, one expert at a time, all its steps before the next expert's: its
-    intermediates stay in cache, where the grouped steps of :func:`packed_ffn` write each
-    intermediate for all rows to memory first (E = 64, 8192 rows, M = 512, H = 256: the grouped
-    steps ran 1.2x the GEMMs' time), and a few experts' loop issues fewer ops."""
-    intermediate_bytes = x_NM.shape[0] * weights.w1.shape[2] * x_NM.element_size()
-    grouped = len(rows.experts) * SPARSE_FILL > rows.counts_L.numel() and intermediate_bytes <= CACHE_RESIDENT_BYTES
-    if backend == "triton" or x_NM.device.type != "cpu" or grouped:
+    """The FFN's output alone (no backward will read h, a or up): the grouped steps of
+    :func:`packed_ffn` where many experts hold rows, else one expert after the other (on CPU a few
+    experts' loop issues fewer ops)."""
+    if backend == "triton" or x_NM.device.type != "cpu" or len(rows.experts) * SPARSE_FILL > rows.counts_L.numel():
         return packed_ffn(x_NM, rows, weights, activation, backend)[0]
     y_NM = x_NM.new_empty((x_NM.shape[0], weights.w2.shape[2]))
-    tensors = weights.as_tuple()
     for expert, x_RM, y_RM in zip(rows.experts, x_NM.split(rows.counts), y_NM.split(rows.counts), strict=True):
-        w1, b1, w2, b2, w3 = (None if w is None else w[expert] for w in tensors)
-        h_RH = torch.mm(x_RM, w1)
-        if b1 is not None:
-            h_RH += b1
-        a_RH = activate_(activation, h_RH)
-        if w3 is not None:
-            a_RH *= torch.mm(x_RM, w3)
-        torch.mm(a_RH, w2, out=y_RM)
-        if b2 is not None:
-            y_RM += b2
+        expert_rows_ffn(x_RM, weights, expert, activation, out=y_RM)
     return y_NM
 
 
