@@ -55,6 +55,11 @@ class FilledRows:
         """The local expert of every packed row (to add per-expert biases)."""
         return torch.repeat_interleave(torch.arange(self.counts_L.numel(), device=self.counts_L.device), self.counts_L)
 
+    @property
+    def few_filled(self) -> bool:
+        """At most 1/:data:`SPARSE_FILL` of the experts hold rows: a loop over them beats the grouped GEMM."""
+        return len(self.experts) * SPARSE_FILL <= self.counts_L.numel()
+
     def offsets(self) -> torch.Tensor:
         """Where each expert's rows end (``torch._grouped_mm``'s ``offs``)."""
         return torch.cumsum(self.counts_L, 0).to(torch.int32)
@@ -129,7 +134,7 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend
         from moeflow.kernels.triton_gemm import grouped_mm
 
         return grouped_mm(a_NK, b_LKJ, rows.counts_L)
-    if len(rows.experts) * SPARSE_FILL > rows.counts_L.numel() and torch_grouped_mm_runs(a_NK, b_LKJ):
+    if not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ):
         return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets())
     return looped_mm(a_NK, b_LKJ, rows)
 
@@ -198,7 +203,7 @@ def packed_ffn_output(
     """The FFN's output alone (no backward will read h, a or up): the grouped steps of
     :func:`packed_ffn` where many experts hold rows, else one expert after the other (on CPU a few
     experts' loop issues fewer ops)."""
-    if backend == "triton" or x_NM.device.type != "cpu" or len(rows.experts) * SPARSE_FILL > rows.counts_L.numel():
+    if backend == "triton" or x_NM.device.type != "cpu" or not rows.few_filled:
         return packed_ffn(x_NM, rows, weights, activation, backend)[0]
     y_NM = x_NM.new_empty((x_NM.shape[0], weights.w2.shape[2]))
     for expert, x_RM, y_RM in zip(rows.experts, x_NM.split(rows.counts), y_NM.split(rows.counts), strict=True):
