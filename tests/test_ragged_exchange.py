@@ -103,7 +103,7 @@ def test_a_ragged_layer_sends_only_its_kept_rows() -> None:
 
 
 def test_cross_node_rows_count_the_rows_for_other_nodes() -> None:
-    from moeflow.parallel.ragged_exchange import cross_node_rows
+    from moeflow.comm.topology import cross_node_rows
 
     filled_WE = torch.tensor([[5, 1, 2, 0], [0, 3, 1, 1], [2, 2, 2, 2], [9, 0, 0, 4]])  # one expert per rank
     topology = Topology(4, 2)  # ranks 0, 1 on node 0; 2, 3 on node 1

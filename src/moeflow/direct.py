@@ -21,9 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.capacity import expert_capacity
+from moeflow.comm.topology import Topology, cross_node_rows
 from moeflow.experts import ExpertFFN, FFNWeights
 from moeflow.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-from moeflow.stats import ExecutionPlan, RoutingStats
+from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
+
+DIRECT_LOCAL = "local"
+"""A schedule's direct path (``ParallelSchedule.direct_path``) on a rank that holds every expert: this module."""
+DIRECT_EXCHANGE = "exchange"
+"""A schedule's direct path where each expert has one holder: :mod:`moeflow.direct_exchange`."""
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that took the direct path."""
@@ -92,16 +98,23 @@ def _expert_by_expert(
 
 
 def direct_stats(
-    counts_E: torch.Tensor, top_k: int, capacity_factor: float, schedule: str, policy: int | str,
+    counts_WE: torch.Tensor, top_k: int, capacity_factor: float, schedule: str, policy: int | str,
+    topology: Topology | None = None, timing: PipelineTiming | None = None,
 ) -> RoutingStats:
-    """What a direct forward reports (on first read of ``MoELayer.last_stats``): its own counts,
-    nothing dropped, one local "chunk" with no all-to-all."""
-    tokens_per_expert = counts_E.tolist()
-    num_tokens = sum(tokens_per_expert) // top_k
-    capacity = expert_capacity(capacity_factor, top_k, num_tokens, len(tokens_per_expert), max(tokens_per_expert))
-    plan = ExecutionPlan(schedule=schedule, alltoall="none", pipeline_degree=1, requested_degree=1, policy=policy,
-                         source=SOURCE, world_size=1, expert_kernel="ragged", slots=capacity,
-                         token_exchange="none")
-    return RoutingStats(num_tokens=num_tokens, top_k=top_k, capacity=capacity, capacity_factor=capacity_factor,
-                        tokens_per_expert=tokens_per_expert, dropped_per_expert=[0] * len(tokens_per_expert),
-                        plan=plan, rank_tokens=(sum(tokens_per_expert),), cross_node_rows=0)
+    """What a direct forward reports (on first read of ``MoELayer.last_stats``): every rank's counts
+    (``counts_WE``; one row on one rank), nothing dropped, one "chunk", and on W > 1 ranks one ragged
+    all-to-all each way over ``topology`` (:mod:`moeflow.direct_exchange`), in ``timing``."""
+    world, experts = counts_WE.shape
+    tokens_per_expert = counts_WE.sum(0).tolist()
+    capacity = expert_capacity(capacity_factor, top_k, int(counts_WE.sum(1).max()) // top_k, experts,
+                               int(counts_WE.max()))
+    exchange = "none" if world == 1 else "ragged"
+    plan = ExecutionPlan(schedule=schedule, alltoall="none" if world == 1 else "linear", pipeline_degree=1,
+                         requested_degree=1, policy=policy, source=SOURCE, world_size=world, expert_kernel="ragged",
+                         slots=capacity, token_exchange=exchange)
+    return RoutingStats(num_tokens=sum(tokens_per_expert) // top_k, top_k=top_k, capacity=capacity,
+                        capacity_factor=capacity_factor, tokens_per_expert=tokens_per_expert,
+                        dropped_per_expert=[0] * experts, plan=plan,
+                        rank_tokens=tuple(counts_WE.sum(0).view(world, -1).sum(1).tolist()),
+                        cross_node_rows=0 if topology is None else cross_node_rows(counts_WE, capacity, True, topology),
+                        timing=PipelineTiming() if timing is None else timing)

@@ -23,14 +23,12 @@ from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import (
     TUTEL_POSITIONAL,
     MoEConfig,
+    call_settings,
     config_from_arguments,
     resolve_normalize_gate,
-    validate_call_r,
-    validate_capacity_factor,
-    validate_expert_groups,
-    validate_top_k,
 )
-from moeflow.direct import direct_experts, direct_stats
+from moeflow.direct import DIRECT_EXCHANGE, DIRECT_LOCAL, direct_stats
+from moeflow.direct_exchange import direct_output, exchanges_directly
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
@@ -210,21 +208,21 @@ class MoELayer(nn.Module):
         self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None
     ) -> torch.Tensor:
         config = self.config
-        k, factor = self._call_settings(top_k, capacity_factor, r)
+        k, factor = call_settings(config, top_k, capacity_factor, r, (self.schedule.name, self.schedule.takes_r),
+                                  self.world_size)
         x_TM = self._backward_window(self._tokens(x), entering=True)
-        self._last.checked_data_parallel = refuse_averaging_data_parallel(
-            self.experts, self.placement, self._last.checked_data_parallel)
-        if not self._replicas_equal:
-            self.switch(self.schedule, self.placement)
+        self._ready()
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
-        direct = self._computes_directly(x_TM.shape[0], k, factor)  # one rank, every expert, no backward
-        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=not direct)
-        if direct:
+        direct = self._direct_path(x_TM.shape[0], k, factor)  # a no-grad forward that may skip the buffer
+        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=direct is None)
+        if direct == DIRECT_LOCAL:  # one rank, every expert
             return self._direct(x, x_TM, routing, k, factor)
         # agree the load and capacity -> plan
         load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
         capacity = expert_capacity(factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity)
+        if direct == DIRECT_EXCHANGE and exchanges_directly(load, k, capacity):
+            return self._direct(x, x_TM, routing, k, factor, load.counts_WE)
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         prepared = self.schedule.prepare(capacity, filled_WE, self.placement, self.rank)
         region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
@@ -235,7 +233,7 @@ class MoELayer(nn.Module):
             timing.synced_device = str(x_TM.device)
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
         share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
-        owned = share.own(x_TM, routing, capacity, factor)
+        owned = share.own(x_TM, routing.slotted(config.num_experts), capacity, factor)
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
@@ -252,20 +250,33 @@ class MoELayer(nn.Module):
             self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
-    def _computes_directly(self, num_tokens: int, k: int, factor: float) -> bool:
-        """Whether this forward takes :mod:`moeflow.direct`: no backward, no other rank, no selection
-        bias to move, and a capacity that cannot drop (so both paths compute the same function)."""
-        return (not torch.is_grad_enabled() and self.world_size == 1 and not self._moves_bias
-                and self.schedule.computes_locally(self.placement, self.rank)
-                and never_drops(factor, k, num_tokens, self.config.num_experts))
+    def _ready(self) -> None:
+        """Refuse a data-parallel wrapper that would average the experts; replicas copy their primary."""
+        self._last.checked_data_parallel = refuse_averaging_data_parallel(
+            self.experts, self.placement, self._last.checked_data_parallel)
+        if not self._replicas_equal:
+            self.switch(self.schedule, self.placement)
 
-    def _direct(self, x: torch.Tensor, x_TM: torch.Tensor, routing: Routing, k: int, factor: float) -> torch.Tensor:
+    def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
+        """The schedule's direct path for a forward with no backward and no bias to move: on one rank
+        where the capacity cannot drop (both paths then compute the same function); else the load decides."""
+        if torch.is_grad_enabled() or self._moves_bias:
+            return None
+        path = self.schedule.direct_path(self.placement, self.rank)
+        if path != DIRECT_LOCAL:
+            return path
+        # on several ranks each would decide on its own token count: none may skip a collective
+        return path if self.world_size == 1 and never_drops(factor, k, num_tokens, self.config.num_experts) else None
+
+    def _direct(self, x: torch.Tensor, x_TM: torch.Tensor, routing: Routing, k: int, factor: float,
+                counts_WE: torch.Tensor | None = None) -> torch.Tensor:
+        """The direct path: on this rank's experts, or exchanged (``counts_WE``: every rank's counts)."""
         self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
-        choice, config = routing.choice, self.config
-        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, self.experts,
-                              resolve_backend(config.kernel_backend, x_TM.device))
-        self._last.stats = functools.partial(direct_stats, routing.counts_E, k, factor, self.schedule.name,
-                                             config.pipeline)
+        counts_WE, timing = routing.counts_E.unsqueeze(0) if counts_WE is None else counts_WE, PipelineTiming()
+        y_TM = direct_output(x_TM, routing.choice, counts_WE, self.experts, self.groups,
+                             resolve_backend(self.config.kernel_backend, x_TM.device), timing)
+        self._last.stats = functools.partial(direct_stats, counts_WE, k, factor, self.schedule.name,
+                                             self.config.pipeline, self.groups.topology, timing)
         return self._with_shared_experts(x_TM, y_TM).view(x.shape)
 
     @property
@@ -330,16 +341,6 @@ class MoELayer(nn.Module):
             self.experts, dtype, self.groups, self.placement, timing, workspace, filled_WE, local, capacity,
             self.config.expert_kernel, backend, estimate_E, prepared,
         )
-
-    def _call_settings(self, top_k: int | None, capacity_factor: float | None, r: int | None) -> tuple[int, float]:
-        """This call's k and capacity factor, checked, and its r (only for Tutel's switchable schedule)."""
-        config = self.config
-        if r is not None:
-            validate_call_r(r, self.schedule.takes_r, self.schedule.name, config.num_experts, self.world_size)
-        k = validate_top_k(config.top_k if top_k is None else top_k, config.num_experts)
-        validate_expert_groups(config.expert_groups, config.top_groups, config.num_experts, k)
-        factor = validate_capacity_factor(config.capacity_factor if capacity_factor is None else capacity_factor)
-        return k, factor
 
     def _with_shared_experts(self, x_TM: torch.Tensor, y_TM: torch.Tensor) -> torch.Tensor:
         """Add the dense shared experts' output (Qwen2-MoE: times its sigmoid gate)."""

@@ -135,7 +135,7 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend
 
         return grouped_mm(a_NK, b_LKJ, rows.counts_L)
     if not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ):
-        return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets())
+        return torch._grouped_mm(a_NK, b_LKJ, offs=to_device(rows.offsets(), a_NK.device))
     return looped_mm(a_NK, b_LKJ, rows)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -37,6 +38,16 @@ class Topology:
 
     def rank_of(self, node: int, local_rank: int) -> int:
         return node * self.ranks_per_node + local_rank
+
+
+def cross_node_rows(filled_WE: torch.Tensor, slots: int, ragged: bool, topology: Topology) -> int:
+    """Token rows an expert-parallel dispatch of ``slots`` per column sends between nodes, over all
+    ranks: the kept rows of the columns held on another node (ragged), or all their slots (padded)."""
+    world, columns = filled_WE.shape
+    node = torch.tensor([topology.node_of(rank) for rank in range(world)])
+    elsewhere_WP = node.unsqueeze(1) != node.repeat_interleave(columns // world).unsqueeze(0)
+    rows_WP = filled_WE.clamp(max=slots) if ragged else torch.full_like(filled_WE, slots)
+    return int((rows_WP * elsewhere_WP).sum())
 
 
 def topology_from_environment(environment: Mapping[str, str], world_size: int) -> Topology:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.direct import DIRECT_LOCAL
 from moeflow.parallel.context import Prepared
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
@@ -35,10 +36,11 @@ class ModelledSchedule:
         """A per-forward placement's scheduler, which sees the routing (Lina's inference); None."""
         return None
 
-    def computes_locally(self, placement: ExpertPlacement, rank: int) -> bool:
-        """Whether a forward of ``rank`` may skip the dispatch and compute its tokens on its own
-        experts (:mod:`moeflow.direct`): it holds every expert whole and no hook sees the routing."""
-        return self.hook is None and placement.holds_every_expert(rank)
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+        """``"local"`` where ``rank`` holds every expert whole and no hook sees the routing: its
+        forward may skip the dispatch and compute its tokens on its own experts
+        (:mod:`moeflow.direct`). No other direct path unless the schedule declares one."""
+        return DIRECT_LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None

@@ -167,7 +167,7 @@ class ExpertPlacement:
     def holders(self, expert: int) -> tuple[int, ...]:
         return tuple(r for r, shards in enumerate(self.shards) if any(s.expert == expert for s in shards))
 
-    @property
+    @functools.cached_property  # asked every no-grad forward (ParallelSchedule.direct_path): computed once
     def is_expert_parallel(self) -> bool:
         """Each expert whole on exactly one rank, ranks holding consecutive experts in equal numbers:
         the layout the equal-split all-to-all exchange assumes (expert e's slots go to rank e // L)."""

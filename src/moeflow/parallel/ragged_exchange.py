@@ -27,7 +27,6 @@ import torch
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
-from moeflow.comm.topology import Topology
 from moeflow.pipeline import ExpertExchange, SelfAdjointExchange
 from moeflow.ragged import to_device
 
@@ -62,16 +61,6 @@ def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) ->
     matrix = rows_WE.view(world, world, local).sum(2).tolist()
     saving = 1.0 - int(rows_WE.sum()) / max(1, world * experts * slots)
     return RaggedRoutes(sent_N, received_N, matrix, saving)
-
-
-def cross_node_rows(filled_WE: torch.Tensor, slots: int, ragged: bool, topology: Topology) -> int:
-    """Token rows an expert-parallel dispatch of ``slots`` per column sends between nodes, over all
-    ranks: the kept rows of the columns held on another node (ragged), or all their slots (padded)."""
-    world, columns = filled_WE.shape
-    node = torch.tensor([topology.node_of(rank) for rank in range(world)])
-    elsewhere_WP = node.unsqueeze(1) != node.repeat_interleave(columns // world).unsqueeze(0)
-    rows_WP = filled_WE.clamp(max=slots) if ragged else torch.full_like(filled_WE, slots)
-    return int((rows_WP * elsewhere_WP).sum())
 
 
 def _scatter(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -26,13 +26,15 @@ from typing import Protocol
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import cross_node_rows
 from moeflow.config import PADDED, RAGGED
+from moeflow.direct import DIRECT_EXCHANGE
 from moeflow.experts import ExpertCompute
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.ragged_exchange import MIN_SAVING, RaggedExpertExchange, cross_node_rows
+from moeflow.parallel.ragged_exchange import MIN_SAVING, RaggedExpertExchange
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
@@ -74,7 +76,11 @@ class ParallelSchedule(Protocol):
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement: ...
 
-    def computes_locally(self, placement: ExpertPlacement, rank: int) -> bool: ...
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+        """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
+        experts (:mod:`moeflow.direct`), ``"exchange"`` with each expert's one holder
+        (:mod:`moeflow.direct_exchange`), or None (the schedule's own run)."""
+        ...
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
@@ -139,6 +145,11 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
+
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+        """Its own placement (each expert whole on one rank) exchanges the rows directly."""
+        local = super().direct_path(placement, rank)
+        return local if local is not None or not placement.is_expert_parallel else DIRECT_EXCHANGE
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under

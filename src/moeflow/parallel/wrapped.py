@@ -48,8 +48,8 @@ class WrappingSchedule:
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return self.inner.placement(num_experts, world_size, hidden_dim)
 
-    def computes_locally(self, placement: ExpertPlacement, rank: int) -> bool:
-        return self.inner.computes_locally(placement, rank)
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+        return self.inner.direct_path(placement, rank)
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None

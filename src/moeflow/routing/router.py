@@ -6,6 +6,7 @@ its state-dict names; everything else here is a function of it, the layer's sett
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,13 @@ class Routing:
     location_TK: torch.Tensor | None  # None: slots not assigned (the direct path)
     counts_E: torch.Tensor
     priority_T: torch.Tensor | None = None  # batch-prioritized routing's order key (None: token order)
+
+    def slotted(self, num_experts: int) -> Routing:
+        """This routing with its capacity slots assigned (those of ``route(..., slots=False)`` now)."""
+        if self.location_TK is not None:
+            return self
+        location_TK, _ = assign_slots(self.choice.expert_idx_TK, num_experts, self.priority_T)
+        return dataclasses.replace(self, location_TK=location_TK)
 
 
 def route(

@@ -1,0 +1,97 @@
+"""The direct exchange: a small no-grad forward under expert parallelism, with no capacity buffer.
+
+A decode step routes a handful of tokens (batch x k rows per rank), yet the capacity path builds
+an (E, C, M) buffer, plans a pipeline, exchanges every slot (or gathers the kept ones out of the
+buffer and scatters them back on both sides of each all-to-all) and decodes through the buffer:
+a few hundred small ops around two all-to-alls of a few rows. Here the k choices of every token
+are sorted by expert once, which under the expert-parallel placement (rank d holds experts
+[d L, (d + 1) L)) also orders them by destination rank. The rows go out in one ragged
+all-to-all: the splits come from the load all-gather every forward runs anyway (the per-expert
+counts of every rank), so no split exchange is added. Each rank runs its experts over what it
+received, sends the outputs back over the transposed splits, and every token sums its k rows with
+its combine weights in one ``embedding_bag``, as :mod:`moeflow.direct` does on one rank.
+
+It runs where the capacity path would keep every token (capacity >= the busiest expert's count
+on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows: both are
+read from the load every rank holds, so every rank decides alike and none skips a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.comm.algorithms import exchange, transpose
+from moeflow.comm.groups import ParallelGroups
+from moeflow.direct import DirectRows, direct_experts
+from moeflow.experts import ExpertFFN
+from moeflow.ragged import FilledRows, packed_ffn_output, to_device
+from moeflow.routing.load import GlobalLoad
+from moeflow.routing.selection import ExpertChoice
+from moeflow.stats import PipelineTiming
+
+DIRECT_EXCHANGE_ROWS = 256
+"""The most rows (tokens x k) one rank may route for a no-grad forward to take the direct exchange.
+Above it the capacity path's pipeline, which overlaps the all-to-alls with the experts, pays for
+its bookkeeping."""
+
+
+def exchanges_directly(load: GlobalLoad, top_k: int, capacity: int) -> bool:
+    """Whether this forward (no grad, expert-parallel) takes the direct exchange: small enough, and
+    the capacity path would drop nothing, so both compute the same function. Every rank holds the
+    same load (the all-gather) and capacity, so every rank decides alike."""
+    return load.max_tokens_per_rank * top_k <= DIRECT_EXCHANGE_ROWS and capacity >= load.needed_capacity
+
+
+def direct_output(
+    x_TM: torch.Tensor, choice: ExpertChoice, counts_WE: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
+    backend: str = "torch", timing: PipelineTiming | None = None,
+) -> torch.Tensor:
+    """The routed experts' output by the direct path: on this rank (``counts_WE`` one row, its
+    counts) or exchanged with the other ranks' experts (``counts_WE``: every rank's counts), whose
+    region (exchanges and experts) ``timing`` measures."""
+    if counts_WE.shape[0] == 1:
+        return direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_WE[0], experts, backend)
+    return exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_WE, experts, groups, backend,
+                             timing)
+
+
+def exchanged_experts(
+    x_TM: torch.Tensor, expert_idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_WE: torch.Tensor,
+    experts: ExpertFFN, groups: ParallelGroups, backend: str = "torch", timing: PipelineTiming | None = None,
+) -> torch.Tensor:
+    """y_t = sum over token t's k choices of weight * expert(x_t), expert e held whole by rank
+    e // L of ``groups.expert`` (``experts``: this rank's L). ``counts_WE[s, e]``: the choices rank
+    s routes to expert e (host, the same on every rank). ``timing``: the exchange-to-exchange region
+    (``forward_s``) and its experts (``expert_forward_s``), as the pipeline reports them."""
+    timing = PipelineTiming() if timing is None else timing
+    start = timing.now()
+    world, rank = groups.size, groups.rank
+    local = counts_WE.shape[1] // world
+    packed = DirectRows.of(expert_idx_TK, counts_WE[rank])
+    matrix = counts_WE.view(world, world, local).sum(2).tolist()  # matrix[s][d]: rows s sends d
+    received_RM = exchange("linear", x_TM.index_select(0, packed.token_N), groups, matrix)
+    experts_start = timing.now()
+    y_RM = _local_experts(received_RM, counts_WE[:, rank * local:(rank + 1) * local], experts, backend)
+    timing.expert_forward_s = timing.now() - experts_start
+    returned_NM = exchange("linear", y_RM, groups, transpose(matrix))
+    timing.forward_s = timing.now() - start
+    return F.embedding_bag(packed.row_of_choice().view_as(expert_idx_TK), returned_NM, mode="sum",
+                           per_sample_weights=weights_TK.to(returned_NM.dtype))
+
+
+def _local_experts(
+    received_RM: torch.Tensor, counts_WL: torch.Tensor, experts: ExpertFFN, backend: str
+) -> torch.Tensor:
+    """This rank's experts over the rows it received (by source rank, then local expert), the
+    outputs in the received order: the rows are regrouped expert-major for the kernel and back."""
+    local = counts_WL.shape[1]
+    if received_RM.shape[0] == 0:
+        return received_RM  # nothing to compute: an empty (0, M) output
+    expert_R = torch.arange(local).repeat(counts_WL.shape[0]).repeat_interleave(counts_WL.flatten())
+    order_R = torch.argsort(expert_R, stable=True)  # stable: each expert's rows by source rank
+    rows = FilledRows.counted(order_R, counts_WL.sum(0))
+    order_R = to_device(order_R, received_RM.device)
+    weights = experts.weights().cast(received_RM.dtype)
+    y_RM = packed_ffn_output(received_RM.index_select(0, order_R), rows, weights, experts.activation, backend)
+    return torch.empty_like(y_RM).index_copy_(0, order_R, y_RM)
