@@ -10,26 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
 from moeflow.capacity import never_drops
 from moeflow.direct import CACHE_RESIDENT_BYTES, SOURCE
 from moeflow.reference import ReferenceMoE
+from op_count import OpCount
 
 M, H, E = 16, 24, 8
-
-
-class _OpCount(TorchDispatchMode):
-    """Counts the aten ops a block of code dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _pair(**settings: Any) -> tuple[MoELayer, ReferenceMoE]:
@@ -112,7 +100,7 @@ def _ops_of_one_token(num_experts: int) -> collections.Counter[str]:
     x = torch.randn(1, M)
     with torch.no_grad():
         layer(x)
-        with _OpCount() as count:
+        with OpCount() as count:
             layer(x)
     return count.counts
 

@@ -5,13 +5,10 @@ alike (uneven and empty ranks included), and it is taken only where it may be.""
 
 from __future__ import annotations
 
-import collections
 import inspect
-from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
@@ -21,6 +18,7 @@ from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS, exchanges_directly
 from moeflow.distributed import run_distributed
 from moeflow.reference import ReferenceMoE
 from moeflow.routing.load import GlobalLoad
+from op_count import OpCount
 
 M, H, E = 16, 24, 8
 
@@ -30,16 +28,6 @@ CASES = {
                          "num_shared_experts": 1},
     "k2-relu-f4": {"top_k": 2, "capacity_factor": 4.0, "activation": "relu"},  # C >= T: drops nothing
 }
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_small_dropless_loads_exchange_directly() -> None:
@@ -125,7 +113,7 @@ def _ops_of_one_token(rank: int, world_size: int) -> tuple[int, int]:
     x = torch.randn(1, M)
     with torch.no_grad():
         layer(x)
-        with _OpCount() as count:
+        with OpCount() as count:
             layer(x)
     return sum(count.counts.values()), count.counts["aten.mm"]
 

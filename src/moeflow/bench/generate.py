@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from moeflow.config import LayerDims
+from moeflow.direct import SOURCE as DIRECT_SOURCE
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm")  # batched_mm pads every expert to all tokens: 10x slower here
 MOEFLOW = "moeflow"
@@ -339,7 +340,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_cluster_point(values: dict[str, Any], groups: Any, profile: Any, repeats: int, emit: Any) -> None:
     """Every rank: decode with the experts split over the ranks, pipeline degrees 1 and 2 in turn;
-    rank 0 reports the slowest rank's step and the all-to-all share of it."""
+    rank 0 reports the slowest rank's step, the all-to-all share of it and the share of MoE forwards
+    that took the direct exchange (which runs no pipeline, so both degrees run it alike)."""
     import torch.distributed as dist
 
     from moeflow.comm.groups import max_over_ranks
@@ -359,23 +361,26 @@ def measure_cluster_point(values: dict[str, Any], groups: Any, profile: Any, rep
                 samples[degree] += [tuple(max_over_ranks(list(step), dist.group.WORLD)) for step in steps]
     if rank == 0:
         for degree, values_ in samples.items():
-            step_s = statistics.median(s for s, _ in values_)
+            step_s = statistics.median(s for s, _, _ in values_)
             emit({"bench": "generate-expert-parallel", "model": shape.name, "batch_per_worker": point.batch,
                   "workers": dist.get_world_size(), "pipeline": degree, "decode_p50_ms": step_s * 1e3,
                   "decode_tokens_per_s": point.batch * dist.get_world_size() / step_s,
-                  "alltoall_ms": statistics.median(a for _, a in values_) * 1e3,
-                  "alltoall_share": statistics.median(a / s for s, a in values_)})
+                  "alltoall_ms": statistics.median(a for _, a, _ in values_) * 1e3,
+                  "alltoall_share": statistics.median(a / s for s, a, _ in values_),
+                  "direct_share": statistics.mean(d for _, _, d in values_)})
 
 
 def _cluster_steps(
     model: nn.Module, blocks: list[Any], prompts: torch.Tensor, new_tokens: int
-) -> list[tuple[float, float]]:
-    """(step seconds, seconds of all-to-all not hidden by expert compute) of each decode step."""
-    forwards: list[tuple[float, float]] = []
+) -> list[tuple[float, float, float]]:
+    """(step seconds, seconds of all-to-all not hidden by expert compute, share of the step's MoE
+    forwards that took the direct path) of each decode step."""
+    forwards: list[tuple[float, float, float]] = []
 
     def record(elapsed: float) -> None:
-        timings = [b.moe.last_stats.timing for b in blocks]
-        forwards.append((elapsed, sum(t.total_s - t.expert_total_s for t in timings)))
+        stats = [b.moe.last_stats for b in blocks]
+        direct = sum(s.plan.source == DIRECT_SOURCE for s in stats) / len(stats)
+        forwards.append((elapsed, sum(s.timing.total_s - s.timing.expert_total_s for s in stats), direct))
 
     greedy_generation(model, prompts, new_tokens, record)
     return forwards[1:]  # the prefill left out
