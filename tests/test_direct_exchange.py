@@ -1,7 +1,8 @@
-"""The direct exchange (moeflow.direct_exchange): a small no-grad forward under expert parallelism
-sends each choice's row straight to its expert's rank and back, with no capacity buffer. On 2 and
-4 gloo processes it computes what the capacity path and the reference compute, every rank decides
-alike (uneven and empty ranks included), and it is taken only where it may be."""
+"""The expert-parallel direct paths: a small no-grad forward sends each choice's row straight to its
+expert's rank and back (moeflow.direct_exchange), and a tiny one's tokens ride the load all-gather
+(moeflow.direct_gather), with no capacity buffer. On 2 and 4 gloo processes both compute what the
+capacity path and the reference compute, every rank decides alike (uneven and empty ranks
+included), and each is taken only where it may be."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.direct import SOURCE
-from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS, exchanges_directly
+from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS
+from moeflow.direct_gather import GATHER_TOKENS, GATHERED
 from moeflow.distributed import run_distributed
 from moeflow.reference import ReferenceMoE
-from moeflow.routing.load import GlobalLoad
+from moeflow.stats import RoutingStats
 from op_count import OpCount
 
 M, H, E = 16, 24, 8
@@ -28,14 +30,6 @@ CASES = {
                          "num_shared_experts": 1},
     "k2-relu-f4": {"top_k": 2, "capacity_factor": 4.0, "activation": "relu"},  # C >= T: drops nothing
 }
-
-
-def test_small_dropless_loads_exchange_directly() -> None:
-    load = GlobalLoad(torch.tensor([[3, 1], [0, 2]]), max_tokens_per_rank=2)
-    assert exchanges_directly(load, top_k=2, capacity=3)
-    assert not exchanges_directly(load, top_k=2, capacity=2)  # the capacity path would drop one
-    big = GlobalLoad(load.counts_WE, max_tokens_per_rank=DIRECT_EXCHANGE_ROWS // 2 + 1)
-    assert not exchanges_directly(big, top_k=2, capacity=3)
 
 
 def _pair(world_size: int, settings: dict) -> tuple[MoELayer, ReferenceMoE]:
@@ -49,40 +43,92 @@ def _pair(world_size: int, settings: dict) -> tuple[MoELayer, ReferenceMoE]:
 
 
 def _equivalence(rank: int, world_size: int, settings: dict, tokens: tuple[int, ...]) -> list[str]:
+    """Three no-grad forwards: the first gathers the load alone (its bucket is empty) and exchanges
+    the rows; the next two carry their tokens in the gather. Each against the capacity path."""
     layer, reference = _pair(world_size, settings)
-    x = torch.randn(tokens[rank], M, generator=torch.Generator().manual_seed(rank + 7))
-    with torch.no_grad():
-        direct = layer(x)
-        stats = layer.last_stats
-        expected = reference(x)
-    capacity_path = layer(x).detach()  # grad enabled: the capacity path
+    failures = []
+    for step, exchange in enumerate(("ragged", GATHERED, GATHERED)):
+        x = torch.randn(tokens[rank], M, generator=torch.Generator().manual_seed(rank + 7 * step))
+        with torch.no_grad():
+            direct = layer(x)
+            stats = layer.last_stats
+            expected = reference(x)
+        capacity_path = layer(x).detach()  # grad enabled: the capacity path
+        failures += [f"step {step} rank {rank}: {failure}" for failure in _differences(
+            layer, stats, exchange, tokens, direct, capacity_path, expected, tokens[rank])]
+    return failures
+
+
+def _differences(
+    layer: MoELayer, stats: RoutingStats, exchange: str, tokens: tuple[int, ...], direct: torch.Tensor,
+    capacity_path: torch.Tensor, expected: torch.Tensor, mine: int,
+) -> list[str]:
     failures = []
     if stats.plan.source != SOURCE or layer.last_stats.plan.source == SOURCE:
-        failures.append(f"rank {rank}: sources {stats.plan.source}, {layer.last_stats.plan.source}")
-    if stats.plan.world_size != world_size or stats.plan.token_exchange != "ragged" or stats.dropped:
-        failures.append(f"rank {rank}: stats {stats.plan}")
-    if not 0 < stats.timing.expert_forward_s < stats.timing.forward_s and tokens[rank]:
-        failures.append(f"rank {rank}: timing {stats.timing}")
+        failures.append(f"sources {stats.plan.source}, {layer.last_stats.plan.source}")
+    if stats.plan.world_size != layer.world_size or stats.plan.token_exchange != exchange or stats.dropped:
+        failures.append(f"stats {stats.plan}, expected the {exchange} exchange")
+    if not 0 < stats.timing.expert_forward_s < stats.timing.forward_s and mine:
+        failures.append(f"timing {stats.timing}")
     if stats.num_tokens != sum(tokens) or sum(stats.rank_tokens) != sum(tokens) * layer.config.top_k:
-        failures.append(f"rank {rank}: counted {stats.num_tokens} tokens, {stats.rank_tokens}")
+        failures.append(f"counted {stats.num_tokens} tokens, {stats.rank_tokens}")
     if stats.tokens_per_expert != layer.last_stats.tokens_per_expert:
-        failures.append(f"rank {rank}: counts {stats.tokens_per_expert} vs {layer.last_stats.tokens_per_expert}")
-    if stats.cross_node_rows != layer.last_stats.cross_node_rows and layer.last_stats.plan.token_exchange == "ragged":
-        failures.append(f"rank {rank}: cross-node rows {stats.cross_node_rows}")
+        failures.append(f"counts {stats.tokens_per_expert} vs {layer.last_stats.tokens_per_expert}")
+    if exchange == "ragged" and stats.cross_node_rows != layer.last_stats.cross_node_rows:
+        failures.append(f"cross-node rows {stats.cross_node_rows} vs {layer.last_stats.cross_node_rows}")
     if not torch.allclose(direct, capacity_path, rtol=0, atol=1e-6):
-        failures.append(f"rank {rank}: differs from the capacity path by {(direct - capacity_path).abs().max()}")
+        failures.append(f"differs from the capacity path by {(direct - capacity_path).abs().max()}")
     if not torch.allclose(direct, expected, rtol=1e-5, atol=1e-6):
-        failures.append(f"rank {rank}: differs from the reference by {(direct - expected).abs().max()}")
+        failures.append(f"differs from the reference by {(direct - expected).abs().max()}")
     return failures
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_direct_exchange_equals_the_capacity_path_and_the_reference(world_size: int, case: str) -> None:
-    tokens = (1, 5, 0, 3)[:world_size] if world_size == 4 else (1, 6)  # uneven, one rank with none
+def test_the_direct_paths_equal_the_capacity_path_and_the_reference(world_size: int, case: str) -> None:
+    tokens = (1, 5, 0, 3) if world_size == 4 else (1, 6)  # uneven, one rank with none
     results = run_distributed(_equivalence, world_size, CASES[case], tokens, timeout_s=180, collective_timeout_s=60)
     assert [failure for failures in results for failure in failures] == []
+
+
+def _bucket_changes(rank: int, world_size: int) -> list[tuple[str, int | None]]:
+    """Token counts that outgrow the bucket, or any gather: every rank takes the same path each forward."""
+    layer, reference = _pair(world_size, {"top_k": 2, "capacity_factor": 0.0})
+    seen = []
+    for step, count in enumerate((2, 2, 3 if rank == 0 else 1, 3, GATHER_TOKENS + 1, GATHER_TOKENS + 1)):
+        x = torch.randn(count, M, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            y = layer(x)
+            if not torch.allclose(y, reference(x), rtol=1e-5, atol=1e-6):
+                return [("differs", step)]
+        seen.append((layer.last_stats.plan.token_exchange, layer.last_stats.cross_node_rows))
+    return seen
+
+
+@pytest.mark.distributed
+def test_a_rank_outgrowing_the_bucket_sends_every_rank_to_the_exchange() -> None:
+    first, second = run_distributed(_bucket_changes, 2, timeout_s=120, collective_timeout_s=60)
+    assert first == second
+    # bucket 0, then 2; rank 0's 3 tokens outgrow it (the exchange), then the bucket is 3; 9 tokens
+    # never fit: exchanged (and the bucket is emptied)
+    assert [exchange for exchange, _ in first] == ["ragged", GATHERED, "ragged", GATHERED, "ragged", "ragged"]
+    assert first[1][1] == 2 + 2  # a node each: every gathered token crosses once
+
+
+def _gathered_cross_node_rows(rank: int, world_size: int) -> int | None:
+    layer, _ = _pair(world_size, {"top_k": 2, "capacity_factor": 0.0})  # 2 nodes of 2 ranks
+    with torch.no_grad():
+        for _ in range(2):
+            layer(torch.randn(rank + 1, M))
+    return layer.last_stats.cross_node_rows if layer.last_stats.plan.token_exchange == GATHERED else None
+
+
+@pytest.mark.distributed
+def test_gathered_tokens_count_the_rows_sent_to_the_other_node() -> None:
+    # ranks 0, 1 on node 0 with 1 and 2 tokens, ranks 2, 3 on node 1 with 3 and 4: each token goes
+    # to the two ranks of the other node
+    assert run_distributed(_gathered_cross_node_rows, 4, timeout_s=120) == [2 * (1 + 2 + 3 + 4)] * 4
 
 
 def _kept_capacity_path(rank: int, world_size: int) -> list[str]:
@@ -107,7 +153,7 @@ def test_a_large_or_dropping_forward_keeps_the_capacity_path() -> None:
     assert [failure for failures in results for failure in failures] == []
 
 
-def _ops_of_one_token(rank: int, world_size: int) -> tuple[int, int]:
+def _ops_of_one_token(rank: int, world_size: int) -> tuple[int, int, int, str]:
     layer, _ = _pair(world_size, {"top_k": 2, "capacity_factor": 0.0, "activation": "swiglu", "bias": False,
                                   "aux_loss_weight": 0.0})
     x = torch.randn(1, M)
@@ -115,12 +161,15 @@ def _ops_of_one_token(rank: int, world_size: int) -> tuple[int, int]:
         layer(x)
         with OpCount() as count:
             layer(x)
-    return sum(count.counts.values()), count.counts["aten.mm"]
+    collectives = sum(n for op, n in count.counts.items() if op.startswith("c10d."))
+    return sum(count.counts.values()), count.counts["aten.mm"], collectives, layer.last_stats.plan.token_exchange
 
 
 @pytest.mark.distributed
-def test_one_token_on_two_workers_runs_few_ops() -> None:
-    """The capacity path ran about 180 ops per forward on 2 workers at one token; the direct exchange
-    runs the gate's and the picked experts' GEMMs and a few dozen others."""
-    for ops, gemms in run_distributed(_ops_of_one_token, 2, timeout_s=120, collective_timeout_s=60):
-        assert gemms <= 1 + 2 * 3 and ops <= 80, (ops, gemms)
+def test_one_token_on_two_workers_runs_few_ops_and_two_collectives() -> None:
+    """The capacity path ran about 180 ops and three collectives per forward on 2 workers at one
+    token; gathered, a forward runs the gate's and the picked experts' GEMMs, a few dozen other ops,
+    the load all-gather (with the token) and one all-to-all back."""
+    for ops, gemms, collectives, exchange in run_distributed(_ops_of_one_token, 2, timeout_s=120):
+        assert exchange == GATHERED and collectives == 2, (exchange, collectives)
+        assert gemms <= 1 + 2 * 3 and ops <= 90, (ops, gemms)

@@ -11,19 +11,27 @@ counts of every rank), so no split exchange is added. Each rank runs its experts
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
 its combine weights in one ``embedding_bag``, as :mod:`moeflow.direct` does on one rank.
 
-It runs where the capacity path would keep every token (capacity >= the busiest expert's count
-on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows: both are
-read from the load every rank holds, so every rank decides alike and none skips a collective.
+:func:`run_direct` is the one entry of the direct paths. Under expert parallelism the load
+all-gather runs first and may carry the tokens (:mod:`moeflow.direct_gather`, tiny batches: two
+collectives per layer). Where it did not, the direct exchange runs, up to
+:data:`DIRECT_EXCHANGE_ROWS` rows on the largest rank. Both run only where the capacity path would
+keep every token (capacity >= the busiest expert's count on every rank). Every input of the
+decision comes from the load every rank holds, so every rank decides alike and none skips a
+collective.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
-from moeflow.direct import DirectRows, direct_experts
+from moeflow.config import RAGGED
+from moeflow.direct import DIRECT_LOCAL, DirectRows, direct_experts
+from moeflow.direct_gather import GATHERED, gather_load, gathered_output
 from moeflow.experts import ExpertFFN
 from moeflow.ragged import FilledRows, packed_ffn_output, to_device
 from moeflow.routing.load import GlobalLoad
@@ -39,24 +47,43 @@ on a slow link the capacity path's pipeline may hide part of a large exchange, w
 exchange does not, so the bound stays at the sizes measured on the emulated cluster."""
 
 
-def exchanges_directly(load: GlobalLoad, top_k: int, capacity: int) -> bool:
-    """Whether this forward (no grad, expert-parallel) takes the direct exchange: small enough, and
-    the capacity path would drop nothing, so both compute the same function. Every rank holds the
-    same load (the all-gather) and capacity, so every rank decides alike."""
-    return load.max_tokens_per_rank * top_k <= DIRECT_EXCHANGE_ROWS and capacity >= load.needed_capacity
+@dataclass(frozen=True)
+class DirectRun:
+    """A no-grad forward's direct path: its output, or None where it declined (the capacity path then
+    runs with ``load``, which every rank holds alike); how the tokens travelled (``"none"`` on one
+    rank, ``"gathered"`` or ``"ragged"``); and the bucket the layer's next gather carries."""
+
+    y_TM: torch.Tensor | None
+    load: GlobalLoad
+    exchange: str = "none"
+    next_bucket: int = 0
 
 
-def direct_output(
-    x_TM: torch.Tensor, choice: ExpertChoice, counts_WE: torch.Tensor, experts: ExpertFFN, groups: ParallelGroups,
-    backend: str = "torch", timing: PipelineTiming | None = None,
-) -> torch.Tensor:
-    """The routed experts' output by the direct path: on this rank (``counts_WE`` one row, its
-    counts) or exchanged with the other ranks' experts (``counts_WE``: every rank's counts), whose
-    region (exchanges and experts) ``timing`` measures."""
-    if counts_WE.shape[0] == 1:
-        return direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_WE[0], experts, backend)
-    return exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_WE, experts, groups, backend,
-                             timing)
+def run_direct(
+    path: str, x_TM: torch.Tensor, choice: ExpertChoice, counts_E: torch.Tensor, top_k: int, capacity_factor: float,
+    experts: ExpertFFN, groups: ParallelGroups, backend: str, bucket: int, timing: PipelineTiming,
+) -> DirectRun:
+    """The schedule's direct ``path`` (``ParallelSchedule.direct_path``): on one rank with every
+    expert, the local experts (the layer took it only where nothing can drop). Under expert
+    parallelism the load all-gather (carrying up to ``bucket`` tokens per rank) comes first; where
+    the capacity path would drop nothing, tokens that all came along run gathered
+    (:mod:`moeflow.direct_gather`), and up to :data:`DIRECT_EXCHANGE_ROWS` rows per rank run the
+    direct exchange. ``timing`` gets the region's time."""
+    if path == DIRECT_LOCAL:
+        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, experts, backend)
+        return DirectRun(y_TM, GlobalLoad(counts_E.unsqueeze(0), x_TM.shape[0]))
+    gathered = gather_load(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, groups, bucket)
+    load, following = gathered.load, gathered.next_bucket
+    if load.capacity(capacity_factor, top_k) < load.needed_capacity:  # it would drop: the same function only there
+        return DirectRun(None, load, next_bucket=following)
+    if gathered.tokens is not None:
+        y_TM = gathered_output(gathered.tokens, load.counts_WE, experts, groups, backend, timing)
+        return DirectRun(y_TM, load, GATHERED, following)
+    if load.max_tokens_per_rank * top_k <= DIRECT_EXCHANGE_ROWS:
+        y_TM = exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, experts, groups,
+                                 backend, timing)
+        return DirectRun(y_TM, load, RAGGED, following)
+    return DirectRun(None, load, next_bucket=following)
 
 
 def exchanged_experts(

@@ -27,8 +27,8 @@ from moeflow.config import (
     config_from_arguments,
     resolve_normalize_gate,
 )
-from moeflow.direct import DIRECT_EXCHANGE, DIRECT_LOCAL, direct_stats
-from moeflow.direct_exchange import direct_output, exchanges_directly
+from moeflow.direct import DIRECT_LOCAL, direct_stats
+from moeflow.direct_exchange import run_direct
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
@@ -43,8 +43,8 @@ from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf import ClusterProfile, CostModel
 from moeflow.planner import PipelinePlanner, PlanChoice
-from moeflow.precision import compute_dtype
-from moeflow.routing import build_gate, expert_capacity
+from moeflow.precision import checked_tokens, compute_dtype
+from moeflow.routing import build_gate
 from moeflow.routing.load import GlobalLoad, exchange_load
 from moeflow.routing.router import Routing, route, update_expert_bias
 from moeflow.sim.layer_ranking import SimulatedRanker
@@ -210,19 +210,17 @@ class MoELayer(nn.Module):
         config = self.config
         k, factor = call_settings(config, top_k, capacity_factor, r, (self.schedule.name, self.schedule.takes_r),
                                   self.world_size)
-        x_TM = self._backward_window(self._tokens(x), entering=True)
+        x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
         direct = self._direct_path(x_TM.shape[0], k, factor)  # a no-grad forward that may skip the buffer
         routing, estimate_E = self._route(x_TM, k, recompute, record, slots=direct is None)
-        if direct == DIRECT_LOCAL:  # one rank, every expert
-            return self._direct(x, x_TM, routing, k, factor)
-        # agree the load and capacity -> plan
-        load = exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
-        capacity = expert_capacity(factor, k, load.max_tokens_per_rank, config.num_experts, load.needed_capacity)
-        if direct == DIRECT_EXCHANGE and exchanges_directly(load, k, capacity):
-            return self._direct(x, x_TM, routing, k, factor, load.counts_WE)
+        # a small no-grad forward's direct path, or the load every rank agrees -> capacity -> plan
+        y_TM, load = self._direct_or_load(x_TM, routing, k, factor, direct, estimate_E)
+        if y_TM is not None:
+            return y_TM.view(x.shape)
+        capacity = load.capacity(factor, k)
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         prepared = self.schedule.prepare(capacity, filled_WE, self.placement, self.rank)
         region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
@@ -268,16 +266,24 @@ class MoELayer(nn.Module):
         # on several ranks each would decide on its own token count: none may skip a collective
         return path if self.world_size == 1 and never_drops(factor, k, num_tokens, self.config.num_experts) else None
 
-    def _direct(self, x: torch.Tensor, x_TM: torch.Tensor, routing: Routing, k: int, factor: float,
-                counts_WE: torch.Tensor | None = None) -> torch.Tensor:
-        """The direct path: on this rank's experts, or exchanged (``counts_WE``: every rank's counts)."""
+    def _direct_or_load(
+        self, x_TM: torch.Tensor, routing: Routing, k: int, factor: float, direct: str | None,
+        estimate_E: np.ndarray | None,
+    ) -> tuple[torch.Tensor | None, GlobalLoad]:
+        """The direct path's output (:mod:`moeflow.direct_exchange`), or the load every rank agrees
+        for the capacity path (a direct path that declines has gathered it already)."""
+        if direct is None:
+            return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
+        timing, backend = PipelineTiming(), resolve_backend(self.config.kernel_backend, x_TM.device)
+        ran = run_direct(direct, x_TM, routing.choice, routing.counts_E, k, factor, self.experts, self.groups, backend,
+                         self._last.gather_bucket, timing)
+        self._last.gather_bucket = ran.next_bucket
+        if ran.y_TM is None:
+            return None, ran.load
         self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
-        counts_WE, timing = routing.counts_E.unsqueeze(0) if counts_WE is None else counts_WE, PipelineTiming()
-        y_TM = direct_output(x_TM, routing.choice, counts_WE, self.experts, self.groups,
-                             resolve_backend(self.config.kernel_backend, x_TM.device), timing)
-        self._last.stats = functools.partial(direct_stats, counts_WE, k, factor, self.schedule.name,
-                                             self.config.pipeline, self.groups.topology, timing)
-        return self._with_shared_experts(x_TM, y_TM).view(x.shape)
+        self._last.stats = functools.partial(direct_stats, ran.load.counts_WE, k, factor, self.schedule.name,
+                                             self.config.pipeline, self.groups.topology, timing, ran.exchange)
+        return self._with_shared_experts(x_TM, ran.y_TM), ran.load
 
     @property
     def last_stats(self) -> RoutingStats | None:
@@ -348,19 +354,6 @@ class MoELayer(nn.Module):
                                                                              self.shared_expert_gate)
 
     # -- steps ---------------------------------------------------------------------------------
-
-    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """Validate x and flatten it to (T, M)."""
-        model_dim = self.config.model_dim
-        if x.dim() < 1 or x.shape[-1] != model_dim:
-            raise ValueError(
-                f"x has shape {tuple(x.shape)}; its last dimension must be model_dim={model_dim}"
-            )
-        if not x.is_floating_point():
-            raise ValueError(f"x has dtype {x.dtype}; MoELayer needs a floating-point input")
-        if self.config.check_finite and not bool(torch.isfinite(x).all()):
-            raise ValueError("x contains NaN or inf values (check_finite=True)")
-        return x.reshape(-1, model_dim)
 
     def _backward_window(self, x: torch.Tensor, entering: bool) -> torch.Tensor:
         """Between the backward of the output (the combine) and of the input, this layer's

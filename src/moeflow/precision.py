@@ -30,3 +30,15 @@ def compute_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype:
         f"x has dtype {dtype} but the layer's parameters are {param_dtype}; cast one to the other "
         f"(layer.to({dtype}) or x.to({param_dtype})); bf16/fp16 inputs may run over fp32 parameters"
     )
+
+
+def checked_tokens(x: torch.Tensor, model_dim: int, check_finite: bool) -> torch.Tensor:
+    """A layer's input, checked (its last dimension, a floating dtype, finite values when asked),
+    flattened to (T, M)."""
+    if x.dim() < 1 or x.shape[-1] != model_dim:
+        raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be model_dim={model_dim}")
+    if not x.is_floating_point():
+        raise ValueError(f"x has dtype {x.dtype}; MoELayer needs a floating-point input")
+    if check_finite and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf values (check_finite=True)")
+    return x.reshape(-1, model_dim)

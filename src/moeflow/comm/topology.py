@@ -50,6 +50,13 @@ def cross_node_rows(filled_WE: torch.Tensor, slots: int, ragged: bool, topology:
     return int((rows_WP * elsewhere_WP).sum())
 
 
+def gathered_cross_node_rows(tokens_W: list[int], topology: Topology) -> int:
+    """Token rows an all-gather of every rank's tokens sends between nodes: each of rank s's
+    ``tokens_W[s]`` rows to every rank on another node."""
+    node = [topology.node_of(rank) for rank in range(len(tokens_W))]
+    return sum(tokens * sum(other != node[source] for other in node) for source, tokens in enumerate(tokens_W))
+
+
 def topology_from_environment(environment: Mapping[str, str], world_size: int) -> Topology:
     """The topology a launcher describes: ``LOCAL_WORLD_SIZE`` ranks per node (default: one node).
     Entry points pass ``os.environ``; library code receives the resulting :class:`Topology`."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.capacity import expert_capacity
 from moeflow.comm.groups import ParallelGroups
 
 
@@ -22,6 +23,11 @@ class GlobalLoad:
     @property
     def needed_capacity(self) -> int:
         return int(self.counts_WE.max()) if self.counts_WE.numel() else 0
+
+    def capacity(self, capacity_factor: float, top_k: int) -> int:
+        """The slots per expert per rank this load gets (the same on every rank)."""
+        return expert_capacity(capacity_factor, top_k, self.max_tokens_per_rank, self.counts_WE.shape[1],
+                               self.needed_capacity)
 
 
 def exchange_load(
