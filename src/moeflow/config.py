@@ -417,13 +417,13 @@ def validate_r(r: int, num_experts: int, world_size: int) -> int:
 
 
 def call_settings(
-    config: MoEConfig, top_k: int | None, capacity_factor: float | None, r: int | None,
-    schedule: tuple[str, bool], world_size: int,
+    config: MoEConfig, top_k: int | None, capacity_factor: float | None, r: int | None, schedule: str,
+    takes_r: bool, world_size: int,
 ) -> tuple[int, float]:
     """A forward's k and capacity factor (the config's unless given), checked, and its r: only for a
-    schedule (its name, and whether it takes r) that takes one (Tutel's switchable parallelism)."""
+    ``schedule`` that ``takes_r`` (Tutel's switchable parallelism)."""
     if r is not None:
-        validate_call_r(r, schedule[1], schedule[0], config.num_experts, world_size)
+        validate_call_r(r, takes_r, schedule, config.num_experts, world_size)
     k = validate_top_k(config.top_k if top_k is None else top_k, config.num_experts)
     validate_expert_groups(config.expert_groups, config.top_groups, config.num_experts, k)
     return k, validate_capacity_factor(config.capacity_factor if capacity_factor is None else capacity_factor)

@@ -20,11 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeflow.capacity import expert_capacity
-from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
 from moeflow.experts import ExpertFFN, FFNWeights
 from moeflow.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 DIRECT_LOCAL = "local"
 """A schedule's direct path (``ParallelSchedule.direct_path``) on a rank that holds every expert: this module."""
@@ -32,7 +29,9 @@ DIRECT_EXCHANGE = "exchange"
 """A schedule's direct path where each expert has one holder: :mod:`moeflow.direct_exchange`."""
 
 SOURCE = "direct"
-"""The plan source the statistics name for a forward that took the direct path."""
+"""The plan source the statistics name for a forward that took a direct path."""
+STAYS_HOME = "none"
+"""The token exchange the statistics name for a forward whose tokens never left their rank."""
 
 
 CACHE_RESIDENT_BYTES = 1 << 20
@@ -95,35 +94,3 @@ def _expert_by_expert(
         y_RM = expert_rows_ffn(x_TM.index_select(0, token_R), weights, expert, activation)
         y_TM.index_add_(0, token_R, y_RM.mul_(weight_R))
     return y_TM
-
-
-def direct_stats(
-    counts_WE: torch.Tensor, top_k: int, capacity_factor: float, schedule: str, policy: int | str,
-    topology: Topology | None = None, timing: PipelineTiming | None = None, exchange: str = "none",
-) -> RoutingStats:
-    """What a direct forward reports (on first read of ``MoELayer.last_stats``): every rank's counts
-    (``counts_WE``; one row on one rank), nothing dropped, one "chunk", and on W > 1 ranks the
-    tokens' ``exchange`` (``"ragged"``: :mod:`moeflow.direct_exchange`; ``"gathered"``:
-    :mod:`moeflow.direct_gather`) over ``topology``, in ``timing``."""
-    world, experts = counts_WE.shape
-    tokens_per_expert = counts_WE.sum(0).tolist()
-    tokens_W = (counts_WE.sum(1) // top_k).tolist()
-    capacity = expert_capacity(capacity_factor, top_k, max(tokens_W), experts, int(counts_WE.max()))
-    plan = ExecutionPlan(schedule=schedule, alltoall="none" if world == 1 else "linear", pipeline_degree=1,
-                         requested_degree=1, policy=policy, source=SOURCE, world_size=world, expert_kernel="ragged",
-                         slots=capacity, token_exchange=exchange)
-    return RoutingStats(num_tokens=sum(tokens_W), top_k=top_k, capacity=capacity, capacity_factor=capacity_factor,
-                        tokens_per_expert=tokens_per_expert, dropped_per_expert=[0] * experts, plan=plan,
-                        rank_tokens=tuple(counts_WE.sum(0).view(world, -1).sum(1).tolist()),
-                        cross_node_rows=_cross_node_rows(counts_WE, tokens_W, capacity, topology, exchange),
-                        timing=PipelineTiming() if timing is None else timing)
-
-
-def _cross_node_rows(
-    counts_WE: torch.Tensor, tokens_W: list[int], capacity: int, topology: Topology | None, exchange: str
-) -> int:
-    if topology is None or exchange == "none":
-        return 0
-    if exchange == "gathered":
-        return gathered_cross_node_rows(tokens_W, topology)
-    return cross_node_rows(counts_WE, capacity, True, topology)

@@ -11,31 +11,22 @@ counts of every rank), so no split exchange is added. Each rank runs its experts
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
 its combine weights in one ``embedding_bag``, as :mod:`moeflow.direct` does on one rank.
 
-:func:`run_direct` is the one entry of the direct paths. Under expert parallelism the load
-all-gather runs first and may carry the tokens (:mod:`moeflow.direct_gather`, tiny batches: two
-collectives per layer). Where it did not, the direct exchange runs, up to
-:data:`DIRECT_EXCHANGE_ROWS` rows on the largest rank. Both run only where the capacity path would
-keep every token (capacity >= the busiest expert's count on every rank). Every input of the
-decision comes from the load every rank holds, so every rank decides alike and none skips a
-collective.
+It runs where the capacity path would keep every token (capacity >= the busiest expert's count
+on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows, and its
+tokens did not come with the load all-gather (:mod:`moeflow.direct_gather`); the decision is
+:func:`moeflow.direct_paths.run_direct`'s, from the load every rank holds alike.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import RAGGED
-from moeflow.direct import DIRECT_LOCAL, DirectRows, direct_experts
-from moeflow.direct_gather import GATHERED, gather_load, gathered_output
+from moeflow.direct import DirectRows
 from moeflow.experts import ExpertFFN
 from moeflow.ragged import FilledRows, packed_ffn_output, to_device
-from moeflow.routing.load import GlobalLoad
-from moeflow.routing.selection import ExpertChoice
 from moeflow.stats import PipelineTiming
 
 DIRECT_EXCHANGE_ROWS = 256
@@ -45,45 +36,6 @@ M = 512, swiglu) the direct exchange ran faster than the capacity path at every 
 to 2048 rows (6.1 against 7.3 ms at 8 rows, 19.0 against 22.5 at 256, 49.1 against 59.9 at 2048);
 on a slow link the capacity path's pipeline may hide part of a large exchange, which the direct
 exchange does not, so the bound stays at the sizes measured on the emulated cluster."""
-
-
-@dataclass(frozen=True)
-class DirectRun:
-    """A no-grad forward's direct path: its output, or None where it declined (the capacity path then
-    runs with ``load``, which every rank holds alike); how the tokens travelled (``"none"`` on one
-    rank, ``"gathered"`` or ``"ragged"``); and the bucket the layer's next gather carries."""
-
-    y_TM: torch.Tensor | None
-    load: GlobalLoad
-    exchange: str = "none"
-    next_bucket: int = 0
-
-
-def run_direct(
-    path: str, x_TM: torch.Tensor, choice: ExpertChoice, counts_E: torch.Tensor, top_k: int, capacity_factor: float,
-    experts: ExpertFFN, groups: ParallelGroups, backend: str, bucket: int, timing: PipelineTiming,
-) -> DirectRun:
-    """The schedule's direct ``path`` (``ParallelSchedule.direct_path``): on one rank with every
-    expert, the local experts (the layer took it only where nothing can drop). Under expert
-    parallelism the load all-gather (carrying up to ``bucket`` tokens per rank) comes first; where
-    the capacity path would drop nothing, tokens that all came along run gathered
-    (:mod:`moeflow.direct_gather`), and up to :data:`DIRECT_EXCHANGE_ROWS` rows per rank run the
-    direct exchange. ``timing`` gets the region's time."""
-    if path == DIRECT_LOCAL:
-        y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, experts, backend)
-        return DirectRun(y_TM, GlobalLoad(counts_E.unsqueeze(0), x_TM.shape[0]))
-    gathered = gather_load(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, groups, bucket)
-    load, following = gathered.load, gathered.next_bucket
-    if load.capacity(capacity_factor, top_k) < load.needed_capacity:  # it would drop: the same function only there
-        return DirectRun(None, load, next_bucket=following)
-    if gathered.tokens is not None:
-        y_TM = gathered_output(gathered.tokens, load.counts_WE, experts, groups, backend, timing)
-        return DirectRun(y_TM, load, GATHERED, following)
-    if load.max_tokens_per_rank * top_k <= DIRECT_EXCHANGE_ROWS:
-        y_TM = exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, experts, groups,
-                                 backend, timing)
-        return DirectRun(y_TM, load, RAGGED, following)
-    return DirectRun(None, load, next_bucket=following)
 
 
 def exchanged_experts(

@@ -12,7 +12,7 @@ crosses to each rank once, not once per expert it picked there (DeepEP's dedupli
 simplest form).
 
 An all-gather needs one size on every rank, and no rank knows the others' token counts beforehand.
-The buffer carries :attr:`GatheredLoad.next_bucket` tokens: the largest rank's count of the layer's
+The buffer carries :func:`bucket_after` tokens: the largest rank's count of the layer's
 previous gathered forward, which every rank holds alike (a decode step repeats its batch). A rank
 with more tokens than the bucket sends only its counts; every rank sees that in the counts and the
 forward goes on by the direct exchange or the capacity path, with no further collective for the load.
@@ -40,7 +40,6 @@ GATHERED = "gathered"
 """The token exchange the statistics name for a forward whose tokens came with the load all-gather."""
 
 
-
 @dataclass(frozen=True)
 class GatheredTokens:
     """Every rank's tokens of one forward, padded to the bucket: rank s's first ``tokens_W[s]`` rows."""
@@ -53,34 +52,38 @@ class GatheredTokens:
 
 @dataclass(frozen=True)
 class GatheredLoad:
-    """What the all-gather brought: every rank's load, and its tokens where each rank's fit the bucket."""
+    """What the all-gather brought: every rank's load, whether every rank asked for a direct path
+    (a no-grad forward), and every rank's tokens where all asked and each rank's fit the bucket."""
 
     load: GlobalLoad
+    all_direct: bool
     tokens: GatheredTokens | None
 
-    @property
-    def next_bucket(self) -> int:
-        """The tokens the layer's next gathered forward carries per rank: this one's largest rank, if
-        at most :data:`GATHER_TOKENS` (the same on every rank: it comes from the gathered counts)."""
-        largest = self.load.max_tokens_per_rank
-        return largest if largest <= GATHER_TOKENS else 0
+
+def bucket_after(load: GlobalLoad) -> int:
+    """The tokens per rank the layer's next load all-gather carries: this forward's largest rank, if
+    at most :data:`GATHER_TOKENS` (the same on every rank: it comes from the gathered counts)."""
+    return load.max_tokens_per_rank if load.max_tokens_per_rank <= GATHER_TOKENS else 0
 
 
 def gather_load(
     x_TM: torch.Tensor, expert_idx_TK: torch.Tensor, weights_TK: torch.Tensor, counts_E: torch.Tensor,
-    groups: ParallelGroups, bucket: int,
+    groups: ParallelGroups, bucket: int, direct: bool,
 ) -> GatheredLoad:
-    """All-gather every rank's counts and, where this rank has at most ``bucket`` tokens, its tokens
-    (every rank passes the same ``bucket``). One float buffer carries all of it: at least fp32, which
-    holds the counts and expert indices exactly (below 2**24) and x's dtype without loss."""
+    """All-gather every rank's counts, whether it asks for a direct path (``direct``: grad mode is
+    each rank's own, so the ranks agree on it here), and, where it asks and has at most ``bucket``
+    tokens, its tokens (every rank passes the same ``bucket``). One float buffer carries it all: fp64
+    when it carries no tokens; otherwise at least fp32, which holds x's dtype without loss and the
+    counts and expert indices exactly below 2**24."""
     tokens, k = expert_idx_TK.shape
     experts, model_dim = counts_E.shape[0], x_TM.shape[1]
-    sizes = [experts + 1] + ([] if not bucket else [bucket * k, bucket * k, bucket * model_dim])
-    local = torch.zeros(sum(sizes), dtype=torch.promote_types(x_TM.dtype, torch.float32), device=x_TM.device)
+    sizes = [experts + 2] + ([] if not bucket else [bucket * k, bucket * k, bucket * model_dim])
+    dtype = torch.promote_types(x_TM.dtype, torch.float32) if bucket else torch.float64
+    local = torch.zeros(sum(sizes), dtype=dtype, device=x_TM.device)
     header, *fields = local.split(sizes)
     header[:experts] = counts_E
-    header[experts] = tokens
-    if bucket and tokens <= bucket:
+    header[experts:] = torch.tensor([tokens, int(direct)], dtype=dtype)
+    if direct and 0 < tokens <= bucket:
         for field, values in zip(fields, (expert_idx_TK, weights_TK, x_TM), strict=True):
             field[:values.numel()] = values.flatten()
     every = local.new_empty(groups.size * local.numel())
@@ -90,10 +93,11 @@ def gather_load(
     header_WE = header_WE.cpu().long()
     load = GlobalLoad(counts_WE=header_WE[:, :experts].to(counts_E.dtype),
                       max_tokens_per_rank=int(header_WE[:, experts].max()))
-    if not bucket or load.max_tokens_per_rank > bucket:
-        return GatheredLoad(load, None)
+    all_direct = bool(header_WE[:, experts + 1].all())
+    if not all_direct or not bucket or load.max_tokens_per_rank > bucket:
+        return GatheredLoad(load, all_direct, None)
     world = groups.size
-    return GatheredLoad(load, GatheredTokens(
+    return GatheredLoad(load, all_direct, GatheredTokens(
         header_WE[:, experts].tolist(), fields[2].view(world, bucket, model_dim).to(x_TM.dtype),
         fields[0].view(world, bucket, k).long(), fields[1].view(world, bucket, k)))
 
@@ -111,15 +115,16 @@ def gathered_output(
     local = counts_WE.shape[1] // world
     x_WBM = gathered.x_WBM
     bucket, model_dim = x_WBM.shape[1], x_WBM.shape[2]
-    partial_NM = x_WBM.new_zeros((world * bucket, model_dim))
+    # the partial sums in fp32 at least: rounded once, at the end, as the capacity path's combine rounds
+    partial_NM = x_WBM.new_zeros((world * bucket, model_dim), dtype=torch.promote_types(x_WBM.dtype, torch.float32))
     counts_L = counts_WE[:, rank * local:(rank + 1) * local].sum(0)
     if int(counts_L.sum()):
         choice_N, token_N, rows = _local_choices(gathered, rank * local, counts_L)
         weights = experts.weights().cast(x_WBM.dtype)
         y_NM = packed_ffn_output(x_WBM.reshape(-1, model_dim).index_select(0, token_N), rows, weights,
                                  experts.activation, backend)
-        y_NM *= gathered.weights_WBK.flatten().index_select(0, choice_N).to(y_NM.dtype).unsqueeze(1)
-        partial_NM.index_add_(0, token_N, y_NM)
+        weight_N = gathered.weights_WBK.flatten().index_select(0, choice_N).to(partial_NM.dtype)
+        partial_NM.index_add_(0, token_N, y_NM.to(partial_NM.dtype).mul_(weight_N.unsqueeze(1)))
     timing.expert_forward_s = timing.now() - start
     tokens_W = gathered.tokens_W
     if min(tokens_W) < bucket:  # only each rank's own rows go back to it
@@ -128,7 +133,7 @@ def gathered_output(
     matrix = [list(tokens_W) for _ in range(world)]  # every rank sends rank d its tokens_W[d] rows
     received_NM = exchange("linear", partial_NM, groups, matrix)
     timing.forward_s = timing.now() - start
-    return received_NM.view(world, tokens_W[rank], model_dim).sum(0)
+    return received_NM.view(world, tokens_W[rank], model_dim).sum(0).to(x_WBM.dtype)
 
 
 def _local_choices(

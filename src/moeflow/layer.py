@@ -27,8 +27,8 @@ from moeflow.config import (
     config_from_arguments,
     resolve_normalize_gate,
 )
-from moeflow.direct import DIRECT_LOCAL, direct_stats
-from moeflow.direct_exchange import run_direct
+from moeflow.direct import DIRECT_LOCAL
+from moeflow.direct_paths import direct_stats, run_direct
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
@@ -208,7 +208,7 @@ class MoELayer(nn.Module):
         self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None
     ) -> torch.Tensor:
         config = self.config
-        k, factor = call_settings(config, top_k, capacity_factor, r, (self.schedule.name, self.schedule.takes_r),
+        k, factor = call_settings(config, top_k, capacity_factor, r, self.schedule.name, self.schedule.takes_r,
                                   self.world_size)
         x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
@@ -256,15 +256,20 @@ class MoELayer(nn.Module):
             self.switch(self.schedule, self.placement)
 
     def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
-        """The schedule's direct path for a forward with no backward and no bias to move: on one rank
-        where the capacity cannot drop (both paths then compute the same function); else the load decides."""
-        if torch.is_grad_enabled() or self._moves_bias:
-            return None
+        """The schedule's direct path: on one rank for a no-grad forward (no bias to move) where the
+        capacity cannot drop (both paths then compute the same function); the exchange for every
+        forward, since the ranks agree on it in the load all-gather (:mod:`moeflow.direct_paths`)."""
         path = self.schedule.direct_path(self.placement, self.rank)
         if path != DIRECT_LOCAL:
             return path
         # on several ranks each would decide on its own token count: none may skip a collective
-        return path if self.world_size == 1 and never_drops(factor, k, num_tokens, self.config.num_experts) else None
+        drops = not never_drops(factor, k, num_tokens, self.config.num_experts)
+        return None if self.world_size > 1 or not self._asks_direct or drops else path
+
+    @property
+    def _asks_direct(self) -> bool:
+        """Whether this forward may take a direct path: no backward, and no selection bias to move."""
+        return not torch.is_grad_enabled() and not self._moves_bias
 
     def _direct_or_load(
         self, x_TM: torch.Tensor, routing: Routing, k: int, factor: float, direct: str | None,
@@ -276,12 +281,12 @@ class MoELayer(nn.Module):
             return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
         timing, backend = PipelineTiming(), resolve_backend(self.config.kernel_backend, x_TM.device)
         ran = run_direct(direct, x_TM, routing.choice, routing.counts_E, k, factor, self.experts, self.groups, backend,
-                         self._last.gather_bucket, timing)
+                         self._last.gather_bucket, timing, self._asks_direct)
         self._last.gather_bucket = ran.next_bucket
         if ran.y_TM is None:
             return None, ran.load
         self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
-        self._last.stats = functools.partial(direct_stats, ran.load.counts_WE, k, factor, self.schedule.name,
+        self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
                                              self.config.pipeline, self.groups.topology, timing, ran.exchange)
         return self._with_shared_experts(x_TM, ran.y_TM), ran.load
 

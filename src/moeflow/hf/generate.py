@@ -101,8 +101,10 @@ class ExpertParallelGenerator:
         """The largest ``value`` of all workers (every worker must call this at the same point)."""
         return value if self.group is None else int(max_over_ranks([value], self.group)[0])
 
+    @torch.no_grad()
     def _join_empty(self) -> None:
-        """One model forward's worth of MoE calls with zero tokens: keeps the all-to-alls in step."""
+        """One model forward's worth of MoE calls with zero tokens: keeps the all-to-alls in step (with no
+        grad, as the other workers' steps run, so that every worker takes the same path)."""
         for block in self.blocks:
             config = block.moe.config
             block.moe(torch.empty((0, config.model_dim), dtype=block.moe.experts.w1.dtype))

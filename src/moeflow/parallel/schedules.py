@@ -78,8 +78,8 @@ class ParallelSchedule(Protocol):
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
-        experts (:mod:`moeflow.direct`), ``"exchange"`` with each expert's one holder
-        (:mod:`moeflow.direct_exchange`), or None (the schedule's own run)."""
+        experts (:mod:`moeflow.direct`), ``"exchange"`` with each expert's one holder (gathered or
+        exchanged, :mod:`moeflow.direct_paths`), or None (the schedule's own run)."""
         ...
 
     def candidates(
@@ -149,7 +149,9 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """Its own placement (each expert whole on one rank) exchanges the rows directly."""
         local = super().direct_path(placement, rank)
-        return local if local is not None or not placement.is_expert_parallel else DIRECT_EXCHANGE
+        if local is not None or self.hook is not None or not placement.is_expert_parallel:
+            return local
+        return DIRECT_EXCHANGE
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under

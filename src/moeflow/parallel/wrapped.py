@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.direct import DIRECT_LOCAL
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
@@ -49,7 +50,11 @@ class WrappingSchedule:
         return self.inner.placement(num_experts, world_size, hidden_dim)
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
-        return self.inner.direct_path(placement, rank)
+        """The inner schedule's on a rank that holds every expert (nothing travels, so there is no
+        load to balance); none where tokens travel, which is what the wrapper's technique reshapes
+        (shadowing, slots) and what the user turned it on for."""
+        path = self.inner.direct_path(placement, rank)
+        return path if path == DIRECT_LOCAL else None
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
