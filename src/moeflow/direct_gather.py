@@ -49,6 +49,17 @@ class GatheredTokens:
     expert_idx_WBK: torch.Tensor
     weights_WBK: torch.Tensor
 
+    @property
+    def padded(self) -> bool:
+        """Some rank had fewer tokens than the bucket: its padding rows (zeros, expert 0) must be
+        neither computed nor sent back."""
+        return min(self.tokens_W) < self.x_WBM.shape[1]
+
+    def real_WB(self) -> torch.Tensor:
+        """Which of the (W, bucket) rows hold a token, on the tokens' device."""
+        real = torch.arange(self.x_WBM.shape[1]) < torch.tensor(self.tokens_W).unsqueeze(1)
+        return to_device(real, self.x_WBM.device)
+
 
 @dataclass(frozen=True)
 class GatheredLoad:
@@ -127,9 +138,8 @@ def gathered_output(
         partial_NM.index_add_(0, token_N, y_NM.to(partial_NM.dtype).mul_(weight_N.unsqueeze(1)))
     timing.expert_forward_s = timing.now() - start
     tokens_W = gathered.tokens_W
-    if min(tokens_W) < bucket:  # only each rank's own rows go back to it
-        rows_N = torch.cat([torch.arange(s * bucket, s * bucket + tokens_W[s]) for s in range(world)])
-        partial_NM = partial_NM.index_select(0, to_device(rows_N, x_WBM.device))
+    if gathered.padded:  # only each rank's real rows go back to it
+        partial_NM = partial_NM.view(world, bucket, model_dim)[gathered.real_WB()]
     matrix = [list(tokens_W) for _ in range(world)]  # every rank sends rank d its tokens_W[d] rows
     received_NM = exchange("linear", partial_NM, groups, matrix)
     timing.forward_s = timing.now() - start
@@ -142,11 +152,10 @@ def _local_choices(
     """The gathered choices of this rank's experts, ordered by expert: their flat (s, b, j) index,
     their flat (s, b) token row, and the packed rows' layout."""
     expert_WBK = gathered.expert_idx_WBK
-    _, bucket, k = expert_WBK.shape
+    k = expert_WBK.shape[2]
     local_WBK = (expert_WBK >= first_expert) & (expert_WBK < first_expert + counts_L.numel())
-    if min(gathered.tokens_W) < bucket:  # a padding row's zeros would pick expert 0
-        valid_WB = torch.arange(bucket) < torch.tensor(gathered.tokens_W).unsqueeze(1)
-        local_WBK &= to_device(valid_WB, expert_WBK.device).unsqueeze(2)
+    if gathered.padded:  # a padding row's zeros would pick expert 0
+        local_WBK &= gathered.real_WB().unsqueeze(2)
     choice_N = local_WBK.flatten().nonzero().squeeze(1)
     order_N = torch.argsort(expert_WBK.flatten().index_select(0, choice_N), stable=True)
     choice_N = choice_N.index_select(0, order_N)
