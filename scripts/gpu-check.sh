@@ -3,7 +3,8 @@
 # that docs/guides/gpu.md lists, and the suite's single-process tests, each bounded in time, all
 # within one ~9-minute command. Logs go to $OUT (the device tool's folder) or /tmp/moeflow-gpu-check.
 # Run from the repository root with the machine's own python3 (torch with CUDA): no install needed.
-#   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer overlap suite (default all)
+#   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer profile calibrate overlap suite
+#                                             (default: all but overlap)
 # BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs. The suite's
 # xdist workers run one intra-op thread each (with torch's default of one per core, 12 workers on 16 cores
 # oversubscribed the CPU and two CPU-heavy tests hit their 120 s timeout).
@@ -22,7 +23,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run bounded by LIMIT_S and the deadlin
     if ((limit < 10)); then echo "== $name skipped: out of time"; return; fi
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name rc=$? $((SECONDS - t0))s (limit ${limit}s)"
-    grep -E '"summary"|passed|failed|error|Error' "$OUT/$name.log" | tail -n "${TAIL:-12}"
+    grep -E "${PATTERN:-\"summary\"|passed|failed|error|Error}" "$OUT/$name.log" | tail -n "${TAIL:-12}"
 }
 
 bench() { step "$1" "$2" "$PY" -m moeflow bench "${@:3}"; }
@@ -33,13 +34,19 @@ run_step() {
            "$PY" -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__,
                      torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'
          } 2>&1 | tee "$OUT/env.log" ;;
-    tests) step tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_kernels.py \
-               tests/test_streams.py tests/test_pipeline.py -k "cuda or triton or gpu or nccl or grouped or encode" ;;
+    tests) step tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_kernels.py \
+               tests/test_gpu_calibrate.py tests/test_triton_kernels.py tests/test_streams.py tests/test_pipeline.py \
+               -k "cuda or triton or gpu or nccl or grouped or encode or packed or auto or calibrate" ;;
     kernels) bench kernels 80 kernels --device cuda --dtype bf16 ;;
-    layer) bench layer-mixtral 110 layer --device cuda --dtype bf16 --activation swiglu --num-experts 8 \
-               --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 ${LAYER_ARGS:-}
-           bench layer-qwen 90 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
-               --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 ${LAYER_ARGS:-} ;;
+    layer) for kernel in ${EXPERT_KERNELS:-ragged bmm}; do
+               bench "layer-mixtral-$kernel" 90 layer --device cuda --dtype bf16 --activation swiglu --num-experts 8 \
+                   --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 --expert-kernel "$kernel" ${LAYER_ARGS:-}
+               bench "layer-qwen-$kernel" 75 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
+                   --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 --expert-kernel "$kernel" ${LAYER_ARGS:-}
+           done ;;
+    profile) PATTERN=. TAIL=70 step profile 60 "$PY" scripts/gpu_profile_layer.py ;;
+    calibrate) step calibrate 90 bash -c "$PY -m moeflow calibrate --device cuda --out $OUT/profile-cuda.json \
+                   && $PY -m moeflow plan --profile $OUT/profile-cuda.json ${PLAN_ARGS:-}" ;;
     overlap) bench overlap 60 overlap --device cuda --degrees 1 2 4 8 ;;
     suite) OMP_NUM_THREADS=1 step suite 600 "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -m "not distributed" \
                --timeout 120 ;;
@@ -48,5 +55,5 @@ run_step() {
 }
 
 steps=("$@")
-((${#steps[@]})) || steps=(env tests kernels layer overlap suite)
+((${#steps[@]})) || steps=(env tests kernels layer profile calibrate suite)
 for name in "${steps[@]}"; do run_step "$name"; done

@@ -21,9 +21,11 @@ from moeflow.config import RAGGED
 from moeflow.direct import DIRECT_LOCAL, SOURCE, STAYS_HOME, direct_experts
 from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS, exchanged_experts
 from moeflow.direct_gather import GATHERED, bucket_after, gather_load, gathered_output
+from moeflow.direct_packed import DIRECT_PACKED, packed_experts_output
 from moeflow.experts import ExpertFFN
+from moeflow.kernels.choice import KernelChoice
 from moeflow.routing.load import GlobalLoad
-from moeflow.routing.selection import ExpertChoice
+from moeflow.routing.router import Routing
 from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 
@@ -40,20 +42,26 @@ class DirectRun:
 
 
 def run_direct(
-    path: str, x_TM: torch.Tensor, choice: ExpertChoice, counts_E: torch.Tensor, top_k: int, capacity_factor: float,
-    experts: ExpertFFN, groups: ParallelGroups, backend: str, bucket: int, timing: PipelineTiming,
-    direct: bool = True,
+    path: str, x_TM: torch.Tensor, routing: Routing, top_k: int, capacity_factor: float, experts: ExpertFFN,
+    groups: ParallelGroups, kernels: KernelChoice, bucket: int, timing: PipelineTiming, direct: bool = True,
 ) -> DirectRun:
     """The schedule's direct ``path``: on one rank with every expert, the local experts (the layer
-    took it only for a no-grad forward where nothing can drop). Under expert parallelism every
+    took it only for a no-grad forward where nothing can drop), or their packed path (a forward with
+    backward under the ragged kernel, :mod:`moeflow.direct_packed`). Under expert parallelism every
     forward's load all-gather goes through here, carrying whether this rank asks for a direct path
     (``direct``: a no-grad forward) and up to ``bucket`` tokens per rank. Where every rank asked and
     the capacity path would drop nothing, tokens that all came along run gathered, and up to
     :data:`DIRECT_EXCHANGE_ROWS` rows per rank run the direct exchange. ``timing`` gets the region's
-    time."""
+    time. The ragged GEMMs run on ``kernels.gemm``."""
+    choice, counts_E, backend = routing.choice, routing.counts_E, kernels.gemm
     if path == DIRECT_LOCAL:
         y_TM = direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, experts, backend)
         return DirectRun(y_TM, GlobalLoad(counts_E.unsqueeze(0), x_TM.shape[0]))
+    if path == DIRECT_PACKED:
+        load = GlobalLoad(counts_E.cpu().unsqueeze(0), x_TM.shape[0])
+        capacity = load.capacity(capacity_factor, top_k)
+        return DirectRun(packed_experts_output(x_TM, routing.slotted(counts_E.numel()), capacity, experts, kernels),
+                         load)
     gathered = gather_load(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, groups, bucket, direct)
     load = gathered.load
     if not gathered.all_direct or load.capacity(capacity_factor, top_k) < load.needed_capacity:
@@ -72,20 +80,23 @@ def run_direct(
 def direct_stats(
     load: GlobalLoad, top_k: int, capacity_factor: float, schedule: str, policy: int | str,
     topology: Topology | None = None, timing: PipelineTiming | None = None, exchange: str = STAYS_HOME,
+    kernels: dict[str, str] | None = None,
 ) -> RoutingStats:
     """What a direct forward reports (on first read of ``MoELayer.last_stats``): every rank's counts
-    (one row on one rank), nothing dropped, one "chunk", and how the tokens travelled (``exchange``)
-    over ``topology``, in ``timing``."""
-    counts_WE = load.counts_WE
-    world, experts = counts_WE.shape
+    (one row on one rank), the assignments beyond capacity (only the packed path keeps fewer than
+    all), one "chunk", how the tokens travelled (``exchange``) over ``topology``, in ``timing``, and
+    the ``kernels`` that ran."""
+    counts_WE = load.counts_WE.cpu()
+    world = counts_WE.shape[0]
     capacity = load.capacity(capacity_factor, top_k)
     plan = ExecutionPlan(schedule=schedule, alltoall="none" if world == 1 else "linear", pipeline_degree=1,
                          requested_degree=1, policy=policy, source=SOURCE, world_size=world, expert_kernel="ragged",
-                         slots=capacity, token_exchange=exchange)
+                         slots=capacity, token_exchange=exchange, kernels=kernels or {})
     tokens_W = (counts_WE.sum(1) // top_k).tolist()
+    dropped_E = (counts_WE - capacity).clamp(min=0).sum(0).tolist()
     return RoutingStats(num_tokens=sum(tokens_W), top_k=top_k, capacity=capacity, capacity_factor=capacity_factor,
-                        tokens_per_expert=counts_WE.sum(0).tolist(), dropped_per_expert=[0] * experts, plan=plan,
-                        rank_tokens=tuple(counts_WE.sum(0).view(world, -1).sum(1).tolist()),
+                        tokens_per_expert=counts_WE.sum(0).tolist(), dropped_per_expert=dropped_E, plan=plan,
+                        rank_tokens=tuple(counts_WE.clamp(max=capacity).sum(0).view(world, -1).sum(1).tolist()),
                         cross_node_rows=_cross_node_rows(counts_WE, tokens_W, capacity, topology, exchange),
                         timing=PipelineTiming() if timing is None else timing)
 

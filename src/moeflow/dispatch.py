@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatch_plan import DispatchPlan, make_dispatch_plan
+from moeflow.dispatch_plan import DispatchPlan, make_dispatch_plan, make_packed_plan
 from moeflow.workspace import Workspace, buffer
 
-__all__ = ["DispatchPlan", "decode", "encode", "make_dispatch_plan"]
+__all__ = ["DispatchPlan", "decode", "encode", "make_dispatch_plan", "make_packed_plan"]
 
 
 def _bag_sum(
@@ -44,7 +44,10 @@ ROW_DOT_BLOCK = 256  # rows per block: a (256, M) product stays in cache
 
 def _row_dots(a_SM: torch.Tensor, b_SM: torch.Tensor) -> torch.Tensor:
     """Row-wise dot products, a block of rows at a time: ``vecdot`` materializes the whole (S, M)
-    product, a fresh multi-MB buffer that cost 4-5x the arithmetic in page faults and cache misses."""
+    product, a fresh multi-MB buffer that cost 4-5x the arithmetic in page faults and cache misses.
+    On a GPU, where that loop is hundreds of launches, one batched product of (1, M) by (M, 1)."""
+    if a_SM.device.type != "cpu":
+        return torch.bmm(a_SM.unsqueeze(1), b_SM.unsqueeze(2)).view(-1)
     num_rows = a_SM.shape[0]
     out_S = a_SM.new_empty(num_rows)
     block = a_SM.new_empty((min(ROW_DOT_BLOCK, num_rows), a_SM.shape[1]))
@@ -97,7 +100,8 @@ class _FastDecode(torch.autograd.Function):
 def encode(
     x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None, backend: str = "torch"
 ) -> torch.Tensor:
-    """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero.
+    """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero. A packed
+    plan (:func:`~moeflow.dispatch_plan.make_packed_plan`) gives the (N, M) kept rows instead.
     ``backend="triton"`` runs the fused Triton kernels (:mod:`moeflow.kernels.triton_dispatch`)."""
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonEncode
@@ -105,6 +109,8 @@ def encode(
         buffer_SM = TritonEncode.apply(x_TM.contiguous(), plan)
     else:
         buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan, workspace)
+    if plan.packed_slots is not None:
+        return buffer_SM
     return buffer_SM.view(plan.num_experts, plan.capacity, x_TM.shape[1])
 
 

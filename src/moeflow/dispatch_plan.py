@@ -30,10 +30,11 @@ class DispatchPlan:
     num_tokens: int
     num_experts: int
     capacity: int
+    packed_slots: int | None = None  # a packed plan's kept rows (:func:`make_packed_plan`); None: E * C
 
     @property
     def num_slots(self) -> int:
-        return self.num_experts * self.capacity
+        return self.num_experts * self.capacity if self.packed_slots is None else self.packed_slots
 
     def per_slot(self, weight_N: torch.Tensor) -> torch.Tensor:
         """(S,): each slot's gate weight, 0 for an empty slot (decode's backward scales by it)."""
@@ -43,26 +44,53 @@ class DispatchPlan:
 def make_dispatch_plan(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int
 ) -> DispatchPlan:
+    """The plan of the (E, C) buffer: expert e's slots begin at e * C."""
+    first_slot_E = torch.arange(num_experts, device=expert_idx_TK.device) * capacity
+    return _plan(expert_idx_TK, location_TK, num_experts, capacity, first_slot_E, None)
+
+
+def make_packed_plan(
+    expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, counts_E: torch.Tensor, capacity: int
+) -> DispatchPlan:
+    """The plan of a packed buffer that holds only the kept rows, expert after expert (no empty
+    slot): what the ragged GEMMs read directly, with no capacity padding to gather them out of.
+    ``counts_E``: the assignments per expert before capacity, on the host."""
+    kept_E = counts_E.clamp(max=capacity)
+    first_slot_E = (torch.cumsum(kept_E, 0) - kept_E).to(expert_idx_TK.device, non_blocking=True)
+    return _plan(expert_idx_TK, location_TK, counts_E.numel(), capacity, first_slot_E, int(kept_E.sum()))
+
+
+def _plan(
+    expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int,
+    first_slot_E: torch.Tensor, packed_slots: int | None,
+) -> DispatchPlan:
     num_tokens, top_k = expert_idx_TK.shape
     device = expert_idx_TK.device
     kept_TK = location_TK < capacity
-    token_TK = torch.arange(num_tokens, device=device).unsqueeze(1).expand(-1, top_k)
-    token_idx_N = token_TK[kept_TK]
-    slot_idx_N = (expert_idx_TK * capacity + location_TK)[kept_TK]
+    if packed_slots is None:
+        kept_N = kept_TK.flatten().nonzero().squeeze(1)
+    else:  # the kept count is known on the host: no device sync for the boolean index's size
+        kept_N = torch.nonzero_static(kept_TK.flatten(), size=packed_slots).squeeze(1)
+    token_idx_N = kept_N.div(top_k, rounding_mode="floor")
+    slot_idx_N = (first_slot_E[expert_idx_TK] + location_TK).flatten().index_select(0, kept_N)
     kept_per_token = kept_TK.sum(dim=1)
-    num_slots = num_experts * capacity
+    num_slots = num_experts * capacity if packed_slots is None else packed_slots
     slot_token_S = torch.zeros(num_slots, dtype=torch.int64, device=device)
     slot_token_S.index_copy_(0, slot_idx_N, token_idx_N)
-    occupied_S = torch.zeros(num_slots, dtype=torch.bool, device=device)
-    occupied_S.index_fill_(0, slot_idx_N, True)
+    if packed_slots is None:
+        occupied_S = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        empty_slots = torch.nonzero(~occupied_S.index_fill_(0, slot_idx_N, True)).squeeze(1)
+    else:  # every packed slot holds a kept row
+        empty_slots = torch.zeros(0, dtype=torch.int64, device=device)
     return DispatchPlan(
         token_idx_N=token_idx_N,
         slot_idx_N=slot_idx_N,
         choice_mask_TK=kept_TK,
         offsets_T=torch.cumsum(kept_per_token, 0) - kept_per_token,
         slot_token_S=slot_token_S,
-        empty_slots=torch.nonzero(~occupied_S).squeeze(1),
+        empty_slots=empty_slots,
         num_tokens=num_tokens,
         num_experts=num_experts,
         capacity=capacity,
+        packed_slots=packed_slots,
     )

@@ -28,12 +28,13 @@ from moeflow.config import (
     resolve_normalize_gate,
 )
 from moeflow.direct import DIRECT_LOCAL
+from moeflow.direct_packed import DIRECT_PACKED
 from moeflow.direct_paths import direct_stats, run_direct
 from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
 from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
-from moeflow.kernels import resolve_backend
+from moeflow.kernels.choice import KernelTable
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
 from moeflow.parallel.context import RunContext, ScheduleOutput
@@ -134,6 +135,7 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.model_dim, 1, bias=False) if c.shared_expert_gate else None
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
+        self.kernel_table = KernelTable()  # kernel_backend="auto"'s measured choices (see share_kernel_table)
         self._last = LastForward(GraphValue(torch.zeros(())))  # aux loss and statistics, for reading
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
@@ -236,16 +238,17 @@ class MoELayer(nn.Module):
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         workspace = self._step_workspace(recompute)
-        backend = resolve_backend(config.kernel_backend, x_TM.device)
-        dispatched_ECM = encode(owned.x_TM, plan, workspace, backend)
-        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, backend, load.estimate_E, prepared.state,
+        kernels = self.kernel_table.resolve(config.kernel_backend, x_TM.device, x_TM.dtype)
+        dispatched_ECM = encode(owned.x_TM, plan, workspace, kernels.encode)
+        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, kernels.gemm, load.estimate_E, prepared.state,
                                workspace)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
-        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, backend), x_TM.shape[0])
+        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, kernels.decode),
+                            x_TM.shape[0])
         y_TM = self._with_shared_experts(x_TM, y_TM)
 
         if not recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran)
+            self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran, kernels.as_dict())
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
     def _ready(self) -> None:
@@ -257,14 +260,16 @@ class MoELayer(nn.Module):
 
     def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
         """The schedule's direct path: on one rank for a no-grad forward (no bias to move) where the
-        capacity cannot drop (both paths then compute the same function); the exchange for every
-        forward, since the ranks agree on it in the load all-gather (:mod:`moeflow.direct_paths`)."""
+        capacity cannot drop (both paths then compute the same function), else under the ragged
+        kernel the packed path (:mod:`moeflow.direct_packed`: it keeps the capacity path's slots);
+        the exchange for every forward, since the ranks agree on it in the load all-gather."""
         path = self.schedule.direct_path(self.placement, self.rank)
-        if path != DIRECT_LOCAL:
-            return path
         # on several ranks each would decide on its own token count: none may skip a collective
-        drops = not never_drops(factor, k, num_tokens, self.config.num_experts)
-        return None if self.world_size > 1 or not self._asks_direct or drops else path
+        if path != DIRECT_LOCAL or self.world_size > 1:
+            return path if path != DIRECT_LOCAL else None
+        if self._asks_direct and never_drops(factor, k, num_tokens, self.config.num_experts):
+            return path
+        return DIRECT_PACKED if self.config.expert_kernel == "ragged" and not self._moves_bias else None
 
     @property
     def _asks_direct(self) -> bool:
@@ -279,15 +284,18 @@ class MoELayer(nn.Module):
         for the capacity path (a direct path that declines has gathered it already)."""
         if direct is None:
             return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
-        timing, backend = PipelineTiming(), resolve_backend(self.config.kernel_backend, x_TM.device)
-        ran = run_direct(direct, x_TM, routing.choice, routing.counts_E, k, factor, self.experts, self.groups, backend,
-                         self._last.gather_bucket, timing, self._asks_direct)
+        timing, kernels = PipelineTiming(), self.kernel_table.resolve(self.config.kernel_backend, x_TM.device,
+                                                                      x_TM.dtype)
+        ran = run_direct(direct, x_TM, routing, k, factor, self.experts, self.groups, kernels, self._last.gather_bucket,
+                         timing, self._asks_direct)
         self._last.gather_bucket = ran.next_bucket
         if ran.y_TM is None:
             return None, ran.load
-        self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
+        if not torch.is_grad_enabled():
+            self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
         self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
-                                             self.config.pipeline, self.groups.topology, timing, ran.exchange)
+                                             self.config.pipeline, self.groups.topology, timing, ran.exchange,
+                                             kernels.as_dict())
         return self._with_shared_experts(x_TM, ran.y_TM), ran.load
 
     @property
@@ -299,13 +307,13 @@ class MoELayer(nn.Module):
 
     def _after_forward(
         self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
-        owned: OwnedTokens, ran: ScheduleOutput,
+        owned: OwnedTokens, ran: ScheduleOutput, kernels: dict[str, str],
     ) -> None:
         """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
         if self._moves_bias:
             update_expert_bias(self.gate, load.counts_WE.sum(0), self.config.expert_bias_update_rate)
         self._last.stats = routing_stats(self.config, self.groups, load, capacity, k, factor, chosen, timing,
-                                         self.schedule.plan_label(chosen.plan), owned, ran)
+                                         self.schedule.plan_label(chosen.plan), owned, ran, kernels)
 
     @property
     def _moves_bias(self) -> bool:

@@ -18,9 +18,11 @@ from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 def routing_stats(
     config: MoEConfig, groups: ParallelGroups, load: GlobalLoad, capacity: int, top_k: int, factor: float,
     chosen: PlanChoice, timing: PipelineTiming, label: str, owned: OwnedTokens, ran: ScheduleOutput,
+    kernels: dict[str, str] | None = None,
 ) -> RoutingStats:
     """``label``: the schedule's name for the plan that ran; ``owned``: the tokens this rank
-    encoded (Parm's S1: its MP member's share, whose buffer and, partitioned, drops are its own)."""
+    encoded (Parm's S1: its MP member's share, whose buffer and, partitioned, drops are its own);
+    ``kernels``: who ran encode, decode and the ragged GEMMs."""
     slots = owned.capacity
     counts_WE = load.counts_WE
     if groups.model is not None:  # MP members hold the same tokens: count them once
@@ -45,6 +47,7 @@ def routing_stats(
         predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
         slots=slots,
         token_exchange=chosen.plan.exchange,
+        kernels=kernels or {},
     )
     return RoutingStats(
         num_tokens=int(counts_WE.sum()) // top_k,

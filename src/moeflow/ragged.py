@@ -129,14 +129,23 @@ def torch_grouped_mm_runs(a_NK: torch.Tensor, b_LKJ: torch.Tensor) -> bool:
 
 
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend: str = "torch") -> torch.Tensor:
-    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J)."""
+    """Rows of expert l (``rows.counts_L[l]`` of them, in order) times ``b_LKJ[l]``, as (N, J).
+    ``backend``: one of :data:`moeflow.kernels.choice.GEMM_BACKENDS`."""
     if backend == "triton":
         from moeflow.kernels.triton_gemm import grouped_mm
 
         return grouped_mm(a_NK, b_LKJ, rows.counts_L)
-    if not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ):
+    grouped = (backend == "grouped_mm" and grouped_mm_layouts(a_NK, b_LKJ)) or (
+        not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ))
+    if grouped:
         return torch._grouped_mm(a_NK, b_LKJ, offs=to_device(rows.offsets(), a_NK.device))
     return looped_mm(a_NK, b_LKJ, rows)
+
+
+def grouped_mm_layouts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether both operands and the output suit ``torch._grouped_mm`` (the device and dtype were
+    checked when the backend was chosen, :func:`moeflow.kernels.choice.grouped_mm_works`)."""
+    return _grouped_mm_layout(a) and _grouped_mm_layout(b) and b.shape[-1] % (16 // b.element_size()) == 0
 
 
 def looped_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows) -> torch.Tensor:
@@ -155,6 +164,12 @@ def ragged_weight_grad(
         from moeflow.kernels.triton_gemm import grouped_weight_grad
 
         return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
+    if backend == "grouped_mm" and grouped_mm_layouts(a_NK.t(), g_NJ):
+        out = torch._grouped_mm(a_NK.t(), g_NJ, offs=to_device(rows.offsets(), a_NK.device))
+        if len(rows.experts) < rows.counts_L.numel():  # an expert with no rows: zeros, whatever the kernel left
+            empty = [e for e, count in enumerate(rows.counts_L.tolist()) if not count]
+            out[to_device(torch.tensor(empty), out.device)] = 0
+        return out
     out = a_NK.new_zeros((rows.counts_L.numel(), a_NK.shape[1], g_NJ.shape[1]))
     for expert, a, g in zip(rows.experts, a_NK.split(rows.counts), g_NJ.split(rows.counts), strict=True):
         torch.mm(a.t(), g, out=out[expert])
@@ -170,12 +185,12 @@ def packed_ffn(
     expert_N = to_device(rows.expert_of_rows(), x_NM.device) if has_bias else None
     h_NH = ragged_mm(x_NM, weights.w1, rows, backend)
     if weights.b1 is not None:
-        h_NH = h_NH + weights.b1[expert_N]
+        h_NH.add_(weights.b1.index_select(0, expert_N))  # h is the GEMM's own new tensor
     a_NH = activate(activation, h_NH, torch.empty_like(h_NH))
     up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows, backend)
     y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows, backend)
     if weights.b2 is not None and adds_output_bias:
-        y_NM = y_NM + weights.b2[expert_N]
+        y_NM.add_(weights.b2.index_select(0, expert_N))
     return y_NM, h_NH, a_NH, up_NH
 
 
@@ -212,8 +227,10 @@ def packed_ffn_output(
 
 
 def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
-    out = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[1]))
-    return out.index_add_(0, to_device(rows.expert_of_rows(), values_NX.device), values_NX)
+    """Each expert's rows summed, zeros for an expert with none: a segmented sum (``index_add_``
+    into E rows made every row of an expert contend for one, in atomics on a GPU)."""
+    lengths = to_device(rows.counts_L, values_NX.device)
+    return torch.segment_reduce(values_NX, "sum", lengths=lengths, axis=0)
 
 
 @dataclass(frozen=True)
@@ -221,7 +238,7 @@ class RaggedSaved:
     """The packed activations of one chunk (what a ragged backward reads) and where its rows sit."""
 
     rows: FilledRows
-    padded_shape: tuple[int, int, int]  # (L, W*c, M) of the chunk
+    padded_shape: tuple[int, int, int] | None  # (L, W*c, M) of the chunk; None: the rows were packed already
     x_NM: torch.Tensor
     h_NH: torch.Tensor
     a_NH: torch.Tensor
@@ -296,8 +313,7 @@ class RaggedFFNCompute:
         rows = self._rows(width)
         index_N = to_device(rows.index_N, x_LCM.device)
         x_NM = x_LCM.reshape(-1, model).index_select(0, index_N)
-        y_NM, h_NH, a_NH, up_NH = packed_ffn(x_NM, rows, weights, self.base.activation, self.backend,
-                                             self.base.adds_output_bias)
+        y_NM, saved = packed_forward(self.base, x_NM, rows, weights, self.backend)
 
         def padded(values_NX: torch.Tensor) -> torch.Tensor:
             out = values_NX.new_zeros((experts, width, values_NX.shape[1]))
@@ -306,7 +322,7 @@ class RaggedFFNCompute:
 
         if not self.keeps_activations:
             return padded(y_NM), FFNSaved(x_LCM, x_LCM, x_LCM, None)  # placeholders no backward reads
-        return padded(y_NM), RaggedSaved(rows, (experts, width, model), x_NM, h_NH, a_NH, up_NH)
+        return padded(y_NM), dataclasses.replace(saved, padded_shape=(experts, width, model))
 
     def backward_input(
         self, saved: FFNSaved | RaggedSaved, grad_y_LCM: torch.Tensor, weights: FFNWeights,
@@ -317,21 +333,10 @@ class RaggedFFNCompute:
         rows = saved.rows
         index_N = to_device(rows.index_N, grad_y_LCM.device)
         grad_y_NM = grad_y_LCM.reshape(-1, grad_y_LCM.shape[-1]).index_select(0, index_N)
-        hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * saved.up_NH
-        grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, self.backend)
-        grad_up_NH = None
-        if saved.up_NH is not None:
-            grad_up_NH = grad_a_NH * saved.a_NH
-            grad_a_NH = grad_a_NH * saved.up_NH
-        grad_h_NH = activation_grad(self.base.activation, grad_a_NH, saved.h_NH, torch.empty_like(grad_a_NH))
-        grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, self.backend)
-        if grad_up_NH is not None:
-            assert weights.w3 is not None
-            grad_x_NM = grad_x_NM + ragged_mm(grad_up_NH, weights.w3.transpose(1, 2), rows, self.backend)
+        grad_x_NM, inputs = packed_backward_input(self.base.activation, saved, grad_y_NM, weights, self.backend)
+        assert saved.padded_shape is not None
         grad_x_LCM = grad_x_NM.new_zeros(saved.padded_shape)
         grad_x_LCM.view(-1, grad_x_NM.shape[1]).index_copy_(0, index_N, grad_x_NM)
-        inputs = RaggedWeightGradInputs(rows.expert_of_rows(), saved.x_NM, hidden_NH, grad_y_NM, grad_h_NH,
-                                        grad_up_NH, rows.counts_L.numel())
         return grad_x_LCM, inputs
 
     def weight_grads(
@@ -340,11 +345,47 @@ class RaggedFFNCompute:
     ) -> list[torch.Tensor | None]:
         if not isinstance(inputs, RaggedWeightGradInputs):
             return self.base.weight_grads(inputs, weights, workspace)
-        rows = FilledRows.of_experts(inputs.expert_N, inputs.num_experts)
-        grad_w1 = ragged_weight_grad(inputs.x_NM, inputs.grad_h_NH, rows, self.backend)
-        grad_w2 = ragged_weight_grad(inputs.hidden_NH, inputs.grad_y_NM, rows, self.backend)
-        grad_w3 = None
-        if inputs.grad_up_NH is not None:
-            grad_w3 = ragged_weight_grad(inputs.x_NM, inputs.grad_up_NH, rows, self.backend)
-        return self.base.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_NX: _per_expert_sum(rows_NX, rows),
-                                   inputs.grad_h_NH, inputs.grad_y_NM)
+        return packed_weight_grads(self.base, inputs, FilledRows.of_experts(inputs.expert_N, inputs.num_experts),
+                                   weights, self.backend)
+
+
+def packed_forward(
+    base: FFNCompute, x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, backend: str
+) -> tuple[torch.Tensor, RaggedSaved]:
+    """The FFN of packed rows ordered by expert, and what its backward reads."""
+    y_NM, h_NH, a_NH, up_NH = packed_ffn(x_NM, rows, weights, base.activation, backend, base.adds_output_bias)
+    return y_NM, RaggedSaved(rows, None, x_NM, h_NH, a_NH, up_NH)
+
+
+def packed_backward_input(
+    activation: str, saved: RaggedSaved, grad_y_NM: torch.Tensor, weights: FFNWeights, backend: str
+) -> tuple[torch.Tensor, RaggedWeightGradInputs]:
+    """The packed rows' input gradient, and what their weight gradients read."""
+    rows = saved.rows
+    hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * saved.up_NH
+    grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, backend)
+    grad_up_NH = None
+    if saved.up_NH is not None:
+        grad_up_NH = grad_a_NH * saved.a_NH
+        grad_a_NH = grad_a_NH * saved.up_NH
+    grad_h_NH = activation_grad(activation, grad_a_NH, saved.h_NH, torch.empty_like(grad_a_NH))
+    grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, backend)
+    if grad_up_NH is not None:
+        assert weights.w3 is not None
+        grad_x_NM = grad_x_NM + ragged_mm(grad_up_NH, weights.w3.transpose(1, 2), rows, backend)
+    inputs = RaggedWeightGradInputs(rows.expert_of_rows(), saved.x_NM, hidden_NH, grad_y_NM, grad_h_NH,
+                                    grad_up_NH, rows.counts_L.numel())
+    return grad_x_NM, inputs
+
+
+def packed_weight_grads(
+    base: FFNCompute, inputs: RaggedWeightGradInputs, rows: FilledRows, weights: FFNWeights, backend: str
+) -> list[torch.Tensor | None]:
+    """[grad w1, b1, w2, b2, w3] of packed rows ordered by expert (``rows``)."""
+    grad_w1 = ragged_weight_grad(inputs.x_NM, inputs.grad_h_NH, rows, backend)
+    grad_w2 = ragged_weight_grad(inputs.hidden_NH, inputs.grad_y_NM, rows, backend)
+    grad_w3 = None
+    if inputs.grad_up_NH is not None:
+        grad_w3 = ragged_weight_grad(inputs.x_NM, inputs.grad_up_NH, rows, backend)
+    return base.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_NX: _per_expert_sum(rows_NX, rows),
+                          inputs.grad_h_NH, inputs.grad_y_NM)

@@ -76,6 +76,7 @@ class ExecutionPlan:
     predicted_gradient_sync_s: float | None = None
     slots: int | None = None
     token_exchange: str = "padded"  # how the tokens travelled: every slot, or the kept rows ("ragged")
+    kernels: dict[str, str] = field(default_factory=dict)  # who ran encode, decode, the GEMMs (KernelChoice.as_dict)
 
 
 @dataclass(frozen=True)

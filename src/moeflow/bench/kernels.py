@@ -2,13 +2,14 @@
 
 In one run, side by side (round-robin, medians): a large matmul in the benchmark's dtype (the
 device's measured compute peak) and a large copy (its measured memory bandwidth); then for each
-kernel backend, encode and decode forward (GB/s: the rows they read and write) and the grouped
-GEMM of the local experts on ragged per-expert row counts (TFLOP/s), with a plain loop of ``mm``
-over the experts (``loop``) and torch's own grouped GEMM (``torch._grouped_mm``) beside them where
-this torch has one for the device and dtype (the torch backend runs it on CPU, measured no slower
-there, and the loop elsewhere). Each figure
-is also given as a share of the measured peak. CUDA timings synchronize before and after each
-sample. On a CPU the Triton kernels run only under the interpreter, so they are timed only on CUDA.
+backend that runs here, encode and decode forward (GB/s: the rows they read and write) and the
+grouped GEMM of the local experts on ragged per-expert row counts (TFLOP/s): ``torch`` (on CPU
+torch's grouped GEMM, elsewhere a loop of ``mm``), ``grouped_mm`` (``torch._grouped_mm`` where
+it runs on the device and dtype), ``triton``, and a plain loop of ``mm`` (``loop``). Each figure
+is also given as a share of the measured peak. On CUDA it also reports what
+``kernel_backend="auto"`` picks (:mod:`moeflow.kernels.choice`, measured at its own probe shape)
+and whether that is the fastest here. CUDA timings synchronize before and after each sample. On a
+CPU the Triton kernels run only under the interpreter, so they are timed only on CUDA.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import torch
 
 from moeflow.bench import record_fields
 from moeflow.dispatch import decode, encode, make_dispatch_plan
-from moeflow.kernels import triton_installed
+from moeflow.kernels.choice import KernelTable, candidates
 from moeflow.measure import device_medians
 from moeflow.precision import DTYPES
 from moeflow.ragged import FilledRows, looped_mm, ragged_mm
 from moeflow.routing import assign_slots, expert_capacity
 from moeflow.workspace import Workspace
 
+AUTO_KERNELS = {"encode": "encode", "decode": "decode", "grouped_gemm": "gemm"}  # bench kernel -> KernelChoice field
 ENCODE_DECODE_TARGET = 0.70  # of the measured memory bandwidth, for large token counts (GPU)
 
 
@@ -49,10 +51,6 @@ class KernelBenchConfig:
     warmup: int = 1
 
 
-def _backends(device: torch.device) -> list[str]:
-    return ["torch", "triton"] if device.type == "cuda" and triton_installed() else ["torch"]
-
-
 def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torch.Tensor]:
     """Uniform random top-k routing of every token, dropless: the dispatch plan and tokens per expert."""
     generator = torch.Generator().manual_seed(0)
@@ -62,19 +60,6 @@ def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torc
     capacity = expert_capacity(0.0, config.top_k, config.tokens, config.num_experts, int(counts_E.max()))
     plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), config.num_experts, capacity)
     return plan, counts_E
-
-
-def _grouped_mm_op(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
-    """torch's grouped GEMM where this build has one that runs on this device and dtype."""
-    op = getattr(torch, "_grouped_mm", None)
-    if op is None:
-        return None
-    try:
-        a, b = torch.zeros(32, 16, device=device, dtype=dtype), torch.zeros(2, 16, 16, device=device, dtype=dtype)
-        op(a, b, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
-    except (RuntimeError, TypeError, NotImplementedError):
-        return None
-    return op
 
 
 def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
@@ -103,19 +88,22 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
         workspace.start_step()
         return encode(x_TM, plan, workspace, backend)
 
-    for backend in _backends(device):
+    dispatch_backends, gemm_backends = candidates(device, dtype)
+    for backend in dispatch_backends:
         buffer = encode(x_TM, plan, backend=backend)
         fns[f"encode.{backend}"] = lambda backend=backend: encode_step(backend)
         fns[f"decode.{backend}"] = lambda backend=backend, buffer=buffer: decode(buffer, weights_TK, plan,
                                                                                  backend=backend)
+    for backend in gemm_backends:
         fns[f"grouped_gemm.{backend}"] = lambda backend=backend: ragged_mm(packed_NM, w_EMH, rows, backend)
     fns["grouped_gemm.loop"] = lambda: looped_mm(packed_NM, w_EMH, rows)
-    grouped_op = _grouped_mm_op(device, dtype)
-    if grouped_op is not None:
-        offsets = torch.cumsum(counts_E, 0).to(device=device, dtype=torch.int32)
-        fns["grouped_gemm.torch_grouped_mm"] = lambda: grouped_op(packed_NM, w_EMH, offs=offsets)
     medians = device_medians(fns, device, config.repeats, config.warmup)
-    return _records(config, medians, plan, int(counts_E.sum()), element_bytes)
+    records = _records(config, medians, plan, int(counts_E.sum()), element_bytes)
+    if device.type == "cuda":  # what kernel_backend="auto" picks here, measured at its own probe shape
+        choice = KernelTable().resolve("auto", device, dtype)
+        records.append({"bench": "kernels", **record_fields(config), "kernel": "auto", **choice.as_dict(),
+                        "probe_ms": choice.timings_ms})
+    return records
 
 
 def _records(config: KernelBenchConfig, medians: dict[str, float], plan: Any, assignments: int,
@@ -146,6 +134,7 @@ def _records(config: KernelBenchConfig, medians: dict[str, float], plan: Any, as
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Best backend per kernel, and the encode/decode bandwidth target where it applies (CUDA)."""
     best: dict[str, dict[str, Any]] = {}
+    auto = next((record for record in records if record["kernel"] == "auto"), None)
     for record in records:
         if "backend" not in record:
             continue
@@ -157,6 +146,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     shares = [best[k]["share"] for k in ("encode", "decode") if k in best]
     return {
         "summary": "kernels", "device": device, "best": best,
+        "auto": None if auto is None else {kernel: auto[key] for kernel, key in AUTO_KERNELS.items()},
+        "auto_is_best": None if auto is None else all(
+            best[kernel]["backend"] == auto[key] for kernel, key in AUTO_KERNELS.items() if kernel in best),
         "peak_tflops": next(r["tflops"] for r in records if r["kernel"] == "matmul"),
         "bandwidth_gb_per_s": next(r["gb_per_s"] for r in records if r["kernel"] == "copy"),
         "encode_decode_target": ENCODE_DECODE_TARGET,

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from moeflow.commands import add_renamed_flag, fail, positive_int, require_testbed
-from moeflow.config import DTYPE_NAMES, TOKEN_EXCHANGE_CHOICES
+from moeflow.config import DTYPE_NAMES, EXPERT_KERNELS, TOKEN_EXCHANGE_CHOICES
 
 
 def add_parser(commands: Any) -> None:
@@ -53,6 +53,9 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    layer.add_argument("--expert-kernel", default="bmm", choices=EXPERT_KERNELS,
+                       help="the layer's expert kernel: bmm (padded), loop, or ragged (dropless; on one process "
+                            "the packed path with no capacity buffer) (default bmm)")
     layer.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (one process; default cpu)")
     layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
@@ -95,7 +98,7 @@ def run_layer(args: argparse.Namespace) -> int:
         config = LayerBenchConfig(
             dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
-            device=str(device), dtype=args.dtype, matmul_size=args.matmul_size,
+            device=str(device), dtype=args.dtype, matmul_size=args.matmul_size, expert_kernel=args.expert_kernel,
         )
         if args.workers == 1:
             torch.set_num_threads(1)

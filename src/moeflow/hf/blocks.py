@@ -21,6 +21,7 @@ from torch import nn
 from moeflow.comm.groups import ParallelGroups
 from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family_of, routing_settings
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
+from moeflow.kernels.choice import share_kernel_table
 from moeflow.layer import MoELayer
 from moeflow.phases import PhaseClock
 from moeflow.workspace import share_workspace
@@ -159,6 +160,7 @@ def _replace_blocks(model: nn.Module, build: Callable[[nn.Module], HFMoEBlock]) 
     for name, module in targets:
         model.set_submodule(name, build(module))
     share_workspace(block.moe for block in moe_blocks(model))
+    share_kernel_table(block.moe for block in moe_blocks(model))
     return model
 
 

@@ -30,6 +30,7 @@ from moeflow.config import (
     validate_capacity_factor,
 )
 from moeflow.experts import ExpertFFN
+from moeflow.kernels.choice import share_kernel_table
 from moeflow.layer import MoELayer
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
@@ -196,6 +197,7 @@ class MoETransformer(nn.Module):
         )
         self.ln_final = nn.LayerNorm(config.model_dim)
         share_workspace(self.moe_layers())  # one set of backward buffers for all the layers
+        share_kernel_table(self.moe_layers())  # kernel_backend="auto" measures once for all of them
         for index, layer in zip(self.moe_block_indices(), self.moe_layers(), strict=True):
             layer.index = index  # what a hang report calls it
         self.clock = PhaseClock(enabled=False)

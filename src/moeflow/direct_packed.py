@@ -1,0 +1,68 @@
+"""The packed path: a forward with backward on a rank that holds every expert, with no capacity buffer.
+
+Under ``expert_kernel="ragged"`` the capacity path pays for its padded (E, C, M) layout three
+times over: encode scatters the kept rows into it, the ragged kernel gathers the filled slots back
+out (and scatters its output in again), and decode gathers once more; the backward repeats each
+step. Where one rank holds every expert nothing needs that layout. Here the kept rows go straight
+into a packed (N, M) matrix ordered by expert (:func:`~moeflow.dispatch_plan.make_packed_plan`:
+the same encode and decode kernels, over a buffer with no empty slot), the experts run as grouped
+GEMMs on those rows forward and backward, and decode sums each token's rows. It computes the
+capacity path's function exactly: the same slots are kept (the routing's own slot assignment and
+capacity), the same products are summed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from moeflow.dispatch import decode, encode
+from moeflow.dispatch_plan import make_packed_plan
+from moeflow.experts import FFNCompute, FFNWeights, LocalExperts
+from moeflow.kernels.choice import KernelChoice
+from moeflow.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
+from moeflow.routing.router import Routing
+
+DIRECT_PACKED = "packed"
+"""The layer's direct path for a forward with backward on one rank under the ragged kernel: this module."""
+
+
+def packed_experts_output(
+    x_TM: torch.Tensor, routing: Routing, capacity: int, experts: LocalExperts, kernels: KernelChoice
+) -> torch.Tensor:
+    """y_t = sum over token t's kept choices of weight * expert(x_t), differentiable in x, the
+    combine weights and the experts' parameters. ``routing`` has its slots assigned
+    (:meth:`Routing.slotted`), ``experts`` are all E, in x's dtype after the cast."""
+    counts_E = routing.counts_E.cpu()
+    choice = routing.choice
+    plan = make_packed_plan(choice.expert_idx_TK, routing.location_TK, counts_E, capacity)
+    rows = FilledRows.counted(torch.arange(plan.num_slots), counts_E.clamp(max=capacity))
+    x_NM = encode(x_TM, plan, backend=kernels.encode)
+    weights = experts.weights().cast(x_TM.dtype)
+    y_NM = _PackedExperts.apply(x_NM, rows, experts.compute, kernels.gemm, *weights.as_tuple())
+    return decode(y_NM, choice.weights_TK, plan, backend=kernels.decode)
+
+
+class _PackedExperts(torch.autograd.Function):
+    """The experts over packed rows ordered by expert, as one autograd node (the ragged kernel's
+    forward and backward without the gathers out of and scatters into the padded layout)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x_NM: torch.Tensor, rows: FilledRows, base: FFNCompute, backend: str, w1: torch.Tensor,
+        b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None,
+    ) -> torch.Tensor:
+        y_NM, saved = packed_forward(base, x_NM, rows, FFNWeights(w1, b1, w2, b2, w3), backend)
+        ctx.save_for_backward(w1, b1, w2, b2, w3, saved.x_NM, saved.h_NH, saved.a_NH, saved.up_NH)
+        ctx.rows, ctx.base, ctx.backend = rows, base, backend
+        return y_NM
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_y_NM: torch.Tensor):  # type: ignore[override]
+        w1, b1, w2, b2, w3, x_NM, h_NH, a_NH, up_NH = ctx.saved_tensors
+        weights = FFNWeights(w1, b1, w2, b2, w3)
+        saved = RaggedSaved(ctx.rows, None, x_NM, h_NH, a_NH, up_NH)
+        grad_x_NM, inputs = packed_backward_input(ctx.base.activation, saved, grad_y_NM.contiguous(), weights,
+                                                  ctx.backend)
+        return grad_x_NM, None, None, None, *packed_weight_grads(ctx.base, inputs, ctx.rows, weights, ctx.backend)

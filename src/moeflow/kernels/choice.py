@@ -1,0 +1,229 @@
+"""Which implementation runs each kernel: encode, decode and the ragged grouped GEMM, chosen apart.
+
+The H200 record of 2026-11-26 showed why one backend for all three is wrong: there torch's encode
+(0.44 of copy bandwidth) beat Triton's (0.25), ``torch._grouped_mm`` (0.71 of the matmul peak)
+beat Triton's grouped GEMM (0.16), and only Triton's decode won (0.17 against 0.10). So
+``kernel_backend="auto"`` measures: once per device name and dtype, a micro-benchmark times every
+implementation that runs there (forward and backward, at one representative MoE shape,
+:data:`PROBE_SHAPE`) and keeps the fastest of each kernel. A :class:`KernelTable` holds the
+results, one per model (:func:`share_kernel_table`), so its layers measure once between them.
+
+On a CPU nothing is measured: Triton runs there only under its interpreter (a test tool), and the
+grouped GEMM keeps the rule measured on CPUs (:func:`moeflow.ragged.ragged_mm`). An explicit
+``"torch"`` or ``"triton"`` runs that backend's kernels everywhere, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+ENCODE_BACKENDS = ("torch", "triton")
+GEMM_BACKENDS = ("torch", "grouped_mm", "triton")
+"""``torch``: on CPU torch's grouped GEMM where many experts hold rows, else one ``mm`` per expert
+with rows (:func:`moeflow.ragged.ragged_mm`); ``grouped_mm``: ``torch._grouped_mm`` on any device
+(the loop where an operand's layout does not suit it); ``triton``: :mod:`moeflow.kernels.triton_gemm`."""
+
+MEASURED, FIXED, HOST = "measured", "fixed", "host"  # how a choice was made
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The implementation of each kernel for one device and dtype, and how it was chosen."""
+
+    encode: str
+    decode: str
+    gemm: str
+    source: str = FIXED
+    timings_ms: dict[str, float] = field(default_factory=dict, compare=False)  # what a measurement saw
+
+    def as_dict(self) -> dict[str, str]:
+        """What ``last_stats`` reports."""
+        return {"encode": self.encode, "decode": self.decode, "gemm": self.gemm, "source": self.source}
+
+    @staticmethod
+    def uniform(backend: str) -> KernelChoice:
+        """One backend's kernels for all three (``kernel_backend="torch"`` or ``"triton"``)."""
+        return KernelChoice(backend, backend, backend, FIXED)
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """The MoE shape the choice is measured at: many experts, 16K rows of a 1K model dimension
+    (32 MiB in bf16), large enough that no kernel is launch-bound and small enough that a layer
+    built alone measures in tens of milliseconds once Triton has compiled."""
+
+    tokens: int = 4096
+    model_dim: int = 1024
+    hidden_dim: int = 1024
+    num_experts: int = 16
+    top_k: int = 4
+    repeats: int = 3
+
+
+PROBE_SHAPE = ProbeShape()
+
+
+class Measurer(Protocol):
+    def __call__(self, device: torch.device, dtype: torch.dtype) -> KernelChoice: ...
+
+
+@dataclass
+class KernelTable:
+    """The choices of ``kernel_backend="auto"`` per (device name, dtype), each measured on first use
+    by ``measure`` (:func:`measure_choice`; tests pass a stand-in)."""
+
+    measure: Measurer | None = None
+    choices: dict[tuple[str, str], KernelChoice] = field(default_factory=dict)
+
+    def resolve(self, setting: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
+        """The kernels for tensors of ``dtype`` on ``device`` under ``kernel_backend=setting``."""
+        from moeflow.kernels import resolve_backend
+
+        backend = resolve_backend(setting, device)  # validates the setting and an explicit triton
+        if setting != "auto" or device.type != "cuda":
+            return KernelChoice.uniform(backend) if setting != "auto" else KernelChoice("torch", "torch", "torch", HOST)
+        key = (device_name(device), str(dtype).removeprefix("torch."))
+        if key not in self.choices:
+            self.choices[key] = (self.measure or measure_choice)(device, dtype)
+        return self.choices[key]
+
+
+def device_name(device: torch.device) -> str:
+    """The name choices are cached under: the GPU's model, so that every GPU of one kind shares them."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+class _HasKernelTable(Protocol):
+    kernel_table: KernelTable
+
+
+def share_kernel_table(layers: Iterable[_HasKernelTable]) -> KernelTable:
+    """Give ``layers`` (the MoE layers of one model) one table, so the choice is measured once."""
+    shared = KernelTable()
+    for layer in layers:
+        layer.kernel_table = shared
+    return shared
+
+
+def candidates(device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[str]]:
+    """The encode/decode backends and the GEMM backends that run on ``device`` in ``dtype``."""
+    from moeflow.kernels import triton_installed
+
+    triton = device.type == "cuda" and triton_installed()
+    gemms = ["torch"] + (["grouped_mm"] if grouped_mm_works(device, dtype) else []) + (["triton"] if triton else [])
+    return (["torch", "triton"] if triton else ["torch"]), gemms
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here, in both forms the ragged kernel uses (rows x
+    per-expert weights, and the per-expert weight gradient), and agrees with a loop of ``mm``: a
+    build may have the op but no kernel for this device, dtype or architecture."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    a_NK = torch.randn(48, 32, generator=generator).to(device, dtype)
+    b_LKJ = torch.randn(3, 32, 16, generator=generator).to(device, dtype)
+    g_NJ = torch.randn(48, 16, generator=generator).to(device, dtype)
+    counts = [5, 0, 43]  # uneven, as routing leaves them, and one expert with no rows
+    offs = torch.tensor([5, 5, 48], device=device, dtype=torch.int32)
+    try:
+        forward = torch._grouped_mm(a_NK, b_LKJ, offs=offs)
+        weight = torch._grouped_mm(a_NK.t(), g_NJ, offs=offs)
+    except (RuntimeError, TypeError, NotImplementedError, ValueError):
+        return False
+    expected_fwd = torch.cat([a @ b_LKJ[e] for e, a in zip((0, 2), a_NK.split([5, 43]), strict=True)])
+    expected_w = torch.stack([a.t() @ g for a, g in zip(a_NK.split(counts), g_NJ.split(counts), strict=True)])
+    tolerance = {"atol": 0.1, "rtol": 0.05} if dtype != torch.float32 else {"atol": 1e-3, "rtol": 1e-3}
+    return (torch.allclose(forward.float(), expected_fwd.float(), **tolerance)
+            and torch.allclose(weight.float(), expected_w.float(), **tolerance))
+
+
+def measure_choice(device: torch.device, dtype: torch.dtype, shape: ProbeShape = PROBE_SHAPE) -> KernelChoice:
+    """Time every implementation of encode, decode (each forward and backward) and the grouped GEMM
+    (rows x weights and the weight gradient) at ``shape`` on ``device`` and keep the fastest of each."""
+    from moeflow.measure import device_medians
+
+    dispatch_backends, gemm_backends = candidates(device, dtype)
+    steps = _probe_steps(device, dtype, shape)
+    fns: dict[str, Callable[[], object]] = {}
+    for backend in dispatch_backends:
+        fns[f"encode.{backend}"] = steps.encode(backend)
+        fns[f"decode.{backend}"] = steps.decode(backend)
+    for backend in gemm_backends:
+        fns[f"gemm.{backend}"] = steps.gemm(backend)
+    medians = device_medians(fns, device, shape.repeats, warmup=2)
+
+    def fastest(kernel: str, backends: list[str]) -> str:
+        return min(backends, key=lambda backend: medians[f"{kernel}.{backend}"])
+
+    timings = {name: round(seconds * 1e3, 4) for name, seconds in medians.items()}
+    return KernelChoice(fastest("encode", dispatch_backends), fastest("decode", dispatch_backends),
+                        fastest("gemm", gemm_backends), MEASURED, timings)
+
+
+@dataclass(frozen=True)
+class _ProbeSteps:
+    """The probe's tensors and a step per (kernel, backend)."""
+
+    x_TM: torch.Tensor
+    weights_TK: torch.Tensor
+    plan: object
+    packed_NM: torch.Tensor
+    grad_NH: torch.Tensor
+    w_EMH: torch.Tensor
+    rows: object
+
+    def encode(self, backend: str) -> Callable[[], None]:
+        from moeflow.dispatch import encode
+
+        def step() -> None:
+            x = self.x_TM.detach().requires_grad_()
+            buffer = encode(x, self.plan, backend=backend)  # type: ignore[arg-type]
+            buffer.backward(buffer)
+        return step
+
+    def decode(self, backend: str) -> Callable[[], None]:
+        from moeflow.dispatch import decode
+
+        def step() -> None:
+            rows = self.packed_NM.detach().requires_grad_()
+            weights = self.weights_TK.detach().requires_grad_()
+            y_TM = decode(rows, weights, self.plan, backend=backend)  # type: ignore[arg-type]
+            y_TM.backward(self.x_TM)
+        return step
+
+    def gemm(self, backend: str) -> Callable[[], None]:
+        from moeflow.ragged import ragged_mm, ragged_weight_grad
+
+        def step() -> None:
+            ragged_mm(self.packed_NM, self.w_EMH, self.rows, backend)  # type: ignore[arg-type]
+            ragged_weight_grad(self.packed_NM, self.grad_NH, self.rows, backend)  # type: ignore[arg-type]
+        return step
+
+
+def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> _ProbeSteps:
+    """Uniform random routing of ``shape.tokens`` tokens, dropless, packed by expert (as the direct
+    path lays the rows out, :func:`moeflow.dispatch_plan.make_packed_plan`)."""
+    from moeflow.dispatch_plan import make_packed_plan
+    from moeflow.ragged import FilledRows
+    from moeflow.routing import assign_slots
+
+    generator = torch.Generator().manual_seed(0)
+    s = shape
+    expert_idx_TK = torch.rand(s.tokens, s.num_experts, generator=generator).topk(s.top_k, dim=1).indices
+    location_TK, counts_E = assign_slots(expert_idx_TK, s.num_experts)
+    plan = make_packed_plan(expert_idx_TK.to(device), location_TK.to(device), counts_E, int(counts_E.max()))
+    rows = FilledRows.counted(torch.arange(int(counts_E.sum())), counts_E)
+    return _ProbeSteps(
+        x_TM=torch.randn(s.tokens, s.model_dim, generator=generator).to(device, dtype),
+        weights_TK=torch.rand(s.tokens, s.top_k, generator=generator).to(device, dtype),
+        plan=plan,
+        packed_NM=torch.randn(s.tokens * s.top_k, s.model_dim, generator=generator).to(device, dtype),
+        grad_NH=torch.randn(s.tokens * s.top_k, s.hidden_dim, generator=generator).to(device, dtype),
+        w_EMH=(torch.randn(s.num_experts, s.model_dim, s.hidden_dim, generator=generator) * 0.02).to(device, dtype),
+        rows=rows,
+    )
