@@ -372,7 +372,7 @@ def packed_backward_input(
     grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, backend)
     if grad_up_NH is not None:
         assert weights.w3 is not None
-        grad_x_NM = grad_x_NM + ragged_mm(grad_up_NH, weights.w3.transpose(1, 2), rows, backend)
+        grad_x_NM.add_(ragged_mm(grad_up_NH, weights.w3.transpose(1, 2), rows, backend))  # a new tensor: in place
     inputs = RaggedWeightGradInputs(rows.expert_of_rows(), saved.x_NM, hidden_NH, grad_y_NM, grad_h_NH,
                                     grad_up_NH, rows.counts_L.numel())
     return grad_x_NM, inputs
