@@ -227,10 +227,12 @@ def packed_ffn_output(
 
 
 def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
-    """Each expert's rows summed, zeros for an expert with none: a segmented sum (``index_add_``
-    into E rows made every row of an expert contend for one, in atomics on a GPU)."""
-    lengths = to_device(rows.counts_L, values_NX.device)
-    return torch.segment_reduce(values_NX, "sum", lengths=lengths, axis=0)
+    """Each expert's rows summed, zeros for an expert with none: one column sum per expert with rows
+    (``index_add_`` into E rows made every row of an expert contend for one, in atomics on a GPU)."""
+    out = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[1]))
+    for expert, values in zip(rows.experts, values_NX.split(rows.counts), strict=True):
+        torch.sum(values, dim=0, out=out[expert])
+    return out
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ from typing import Protocol
 
 import torch
 
-ENCODE_BACKENDS = ("torch", "triton")
+ENCODE_BACKENDS = ("torch", "gather", "triton")
+"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.dispatch`); ``gather``: the same
+with each bag sum (encode's backward, decode's forward) as a gather of every token's K rows and one
+batched product; ``triton``: :mod:`moeflow.kernels.triton_dispatch`."""
 GEMM_BACKENDS = ("torch", "grouped_mm", "triton")
 """``torch``: on CPU torch's grouped GEMM where many experts hold rows, else one ``mm`` per expert
 with rows (:func:`moeflow.ragged.ragged_mm`); ``grouped_mm``: ``torch._grouped_mm`` on any device
@@ -115,7 +118,7 @@ def candidates(device: torch.device, dtype: torch.dtype) -> tuple[list[str], lis
 
     triton = device.type == "cuda" and triton_installed()
     gemms = ["torch"] + (["grouped_mm"] if grouped_mm_works(device, dtype) else []) + (["triton"] if triton else [])
-    return (["torch", "triton"] if triton else ["torch"]), gemms
+    return (["torch", "gather", "triton"] if triton else ["torch", "gather"]), gemms
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -207,7 +210,8 @@ class _ProbeSteps:
 
 def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> _ProbeSteps:
     """Uniform random routing of ``shape.tokens`` tokens, dropless, packed by expert (as the direct
-    path lays the rows out, :func:`moeflow.dispatch_plan.make_packed_plan`)."""
+    path lays the rows out, :func:`moeflow.dispatch_plan.make_packed_plan`); the tensors are drawn on
+    the device (drawn on the host, they cost a layer built alone half a second)."""
     from moeflow.dispatch_plan import make_packed_plan
     from moeflow.ragged import FilledRows
     from moeflow.routing import assign_slots
@@ -215,15 +219,15 @@ def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) ->
     generator = torch.Generator().manual_seed(0)
     s = shape
     expert_idx_TK = torch.rand(s.tokens, s.num_experts, generator=generator).topk(s.top_k, dim=1).indices
+    generator = torch.Generator(device).manual_seed(0)
     location_TK, counts_E = assign_slots(expert_idx_TK, s.num_experts)
     plan = make_packed_plan(expert_idx_TK.to(device), location_TK.to(device), counts_E, int(counts_E.max()))
     rows = FilledRows.counted(torch.arange(int(counts_E.sum())), counts_E)
+    def draw(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(size, generator=generator, device=device) * scale).to(dtype)
+
     return _ProbeSteps(
-        x_TM=torch.randn(s.tokens, s.model_dim, generator=generator).to(device, dtype),
-        weights_TK=torch.rand(s.tokens, s.top_k, generator=generator).to(device, dtype),
-        plan=plan,
-        packed_NM=torch.randn(s.tokens * s.top_k, s.model_dim, generator=generator).to(device, dtype),
-        grad_NH=torch.randn(s.tokens * s.top_k, s.hidden_dim, generator=generator).to(device, dtype),
-        w_EMH=(torch.randn(s.num_experts, s.model_dim, s.hidden_dim, generator=generator) * 0.02).to(device, dtype),
-        rows=rows,
+        x_TM=draw(s.tokens, s.model_dim), weights_TK=draw(s.tokens, s.top_k).abs(), plan=plan,
+        packed_NM=draw(s.tokens * s.top_k, s.model_dim), grad_NH=draw(s.tokens * s.top_k, s.hidden_dim),
+        w_EMH=draw(s.num_experts, s.model_dim, s.hidden_dim, scale=0.02), rows=rows,
     )
