@@ -25,6 +25,13 @@ from moeflow.perf import (
     median_relative_error,
 )
 from moeflow.perf.pipeline import RegionShape
+from moeflow.perf.profile import NOT_MEASURED, ProfileDevice, median_profile
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_fit_recovers_an_exact_line_and_scores_noise_lower() -> None:
@@ -94,6 +101,61 @@ def test_profile_round_trip_and_errors(tmp_path: Path) -> None:
         ClusterProfile.load(tmp_path / "missing.json")
 
 
+def test_profile_records_the_device_and_older_profiles_load_as_cpu(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    gpu = ProfileDevice(kind="cuda", name="NVIDIA H200", dtype="bf16", collectives=NOT_MEASURED)
+    profile = ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0.0, 1e-12)}, device=gpu)
+    profile.save(path)
+    assert json.loads(path.read_text())["device"] == {"kind": "cuda", "name": "NVIDIA H200", "dtype": "bf16",
+                                                      "collectives": NOT_MEASURED}
+    assert ClusterProfile.load(path) == profile and ClusterProfile.load(path).device.label() == "cuda (NVIDIA H200)"
+    older = json.loads(path.read_text())  # a profile saved before the device was recorded: same version
+    del older["device"]
+    path.write_text(json.dumps(older))
+    assert ClusterProfile.load(path).device == ProfileDevice("cpu", "cpu", "fp32", NOT_MEASURED)  # one rank
+    _profile().save(path)
+    older = json.loads(path.read_text())
+    del older["device"]
+    path.write_text(json.dumps(older))
+    assert ClusterProfile.load(path).device == ProfileDevice("cpu", "cpu", "fp32", "gloo")  # 4 ranks over gloo
+    with pytest.raises(ValueError, match="different devices"):
+        median_profile([_profile(), ClusterProfile(2, 2, _profile().fits, device=gpu)])
+    assert median_profile([profile, profile]).device == gpu
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="checks the error of a machine without CUDA")
+def test_calibrate_on_cuda_without_cuda_says_so_and_how_to_fix(tmp_path: Path) -> None:
+    from moeflow.cli import main
+
+    with pytest.raises(SystemExit, match=r"moeflow calibrate: --device cuda: no CUDA device .* --device cpu"):
+        main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "profile.json")])
+    assert not (tmp_path / "profile.json").exists()
+
+
+def test_calibrate_on_cuda_runs_one_process_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA (stood in for here): several local workers are refused, naming torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.commands.calibrate import cuda_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert cuda_problem(launched=False, workers=None) is None and cuda_problem(launched=True, workers=4) is None
+    assert "torchrun --nproc-per-node 2 -m moeflow calibrate --device cuda" in cuda_problem(launched=False, workers=2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert "no NCCL" in cuda_problem(launched=False, workers=None)
+
+
+def test_calibration_config_names_bad_devices_and_dtypes() -> None:
+    from moeflow.calibrate import CalibrationConfig
+
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        CalibrationConfig(device="mps")
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        CalibrationConfig(dtype="fp8")
+
+
 def test_perf_and_the_planner_import_numpy_only() -> None:
     """The cost models and the planner are plain math: importing them loads no torch at all."""
     probe = (
@@ -148,7 +210,8 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
     assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
                                  "allgather", "reducescatter", "alltoall.intra_node",  # one node: no inter-node
                                  "allgather.intra_node", "alltoall.saa", "ffn.forward", "ffn.backward",
-                                 "layer.forward", "layer.backward"}
+                                 "encode", "decode", "layer.forward", "layer.backward"}
+    assert profile.device == ProfileDevice("cpu", "cpu", "fp32", "gloo")
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
     assert CostModel(profile).layer_times(RegionShape.for_tokens(LayerDims(32, 64, 4), 256))["serial_s"] > 0

@@ -202,7 +202,7 @@ def exchange(
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
     nbytes = x.numel() * x.element_size()
-    with torch.no_grad(), groups.traffic.running(), groups.ledger.tracked("all-to-all", group, nbytes):
+    with torch.no_grad(), groups.traffic.running(x.device), groups.ledger.tracked("all-to-all", group, nbytes):
         if algorithm == "linear":
             if matrix is None:
                 return linear_all_to_all(x, group, None, None)

@@ -5,12 +5,15 @@ scheduler can hold its all-reduce micro-ops while an all-to-all is imminent, que
 One :class:`AllToAllTraffic` belongs to a job's :class:`~moeflow.comm.ParallelGroups`: every MoE
 layer of the job and the trainer's gradient synchronization see the same one. The scheduling is
 local to the process (Lina §6.1): no rank asks another.
+
+On CUDA tensors an all-to-all's time is read from CUDA events around it (:mod:`moeflow.comm.clock`)
+once it has run, and its timeline event is placed on the host clock through the device's anchor;
+on CPU tensors both are the host clock.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,17 +21,21 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.clock import DeviceClock, Span
 from moeflow.comm.ledger import CollectiveLedger
 
 EVENT_KINDS = ("alltoall", "allreduce", "experts", "forward", "backward")
 """What a timeline event is: an all-to-all, an all-reduce (micro-op or bucket), an expert chunk's
 compute, or a step's forward and backward spans."""
 
+_UNREAD_SPANS = 256
+"""All-to-all spans kept unread before those that have run are added up (bounds their events)."""
+
 
 @dataclass(frozen=True)
 class TimelineEvent:
     kind: str
-    start_s: float  # time.perf_counter()
+    start_s: float  # time.perf_counter() (a device span: placed on it through the device's anchor)
     stop_s: float
 
     @property
@@ -37,11 +44,12 @@ class TimelineEvent:
 
 
 class Timeline:
-    """Events recorded from any thread while ``enabled``; :meth:`take` hands them over and clears."""
+    """Events recorded from any thread while ``enabled``; :meth:`take` hands them over and clears
+    (a device span's times are read there, once its work has run)."""
 
     def __init__(self) -> None:
         self.enabled = False
-        self._events: list[TimelineEvent] = []
+        self._events: list[TimelineEvent | tuple[str, Span]] = []
         self._lock = threading.Lock()
 
     def record(self, kind: str, start_s: float, stop_s: float) -> None:
@@ -49,10 +57,17 @@ class Timeline:
             with self._lock:
                 self._events.append(TimelineEvent(kind, start_s, stop_s))
 
+    def record_span(self, kind: str, span: Span) -> None:
+        """A span of :class:`~moeflow.comm.clock.DeviceClock` (host or device), read at :meth:`take`."""
+        if self.enabled:
+            with self._lock:
+                self._events.append((kind, span))
+
     def take(self) -> list[TimelineEvent]:
         with self._lock:
             events, self._events = self._events, []
-        return events
+        return [event if isinstance(event, TimelineEvent) else TimelineEvent(event[0], *event[1].interval())
+                for event in events]
 
 
 class AllToAllTraffic:
@@ -65,15 +80,31 @@ class AllToAllTraffic:
       next chunk's all-to-all, so the whole of a layer's backward counts as imminent here;
     - :meth:`enqueue` / :meth:`running`: an all-to-all waits on the worker / moves bytes;
     - :meth:`wait_until_clear`: block until none is imminent, queued or running.
+
+    :attr:`alltoall_seconds` and :attr:`alltoall_ops` count every all-to-all since the job began
+    (Lina's packing reads them): host time on CPU tensors, device time (CUDA events) on CUDA ones.
     """
 
     def __init__(self) -> None:
         self.timeline = Timeline()
+        self.clock = DeviceClock()  # one host clock for this job's spans, device ones included
         self._changed = threading.Condition()
         self._busy = 0
         self._imminent = False
-        self.alltoall_seconds = 0.0  # every all-to-all's, since the job began (Lina's packing reads it)
+        self._alltoall_seconds = 0.0
+        self._unread: list[Span] = []  # spans of finished all-to-alls whose device time is not read yet
         self.alltoall_ops = 0
+
+    @property
+    def alltoall_seconds(self) -> float:
+        """Every all-to-all's seconds since the job began; on CUDA this waits for the last ones'
+        end events (not for the device)."""
+        with self._changed:
+            unread, self._unread = self._unread, []
+        seconds = sum(span.seconds() for span in unread)
+        with self._changed:
+            self._alltoall_seconds += seconds
+            return self._alltoall_seconds
 
     @property
     def clear(self) -> bool:
@@ -97,15 +128,17 @@ class AllToAllTraffic:
         self._leave()
 
     @contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self, device: torch.device | None = None) -> Iterator[None]:
+        """An all-to-all moves bytes in this block, on tensors of ``device`` (None: the host clock).
+        On CUDA its time is that of events recorded on the current stream around the block."""
         self._enter()
-        began = time.perf_counter()
+        span = self.clock.start(device)
         try:
             yield
         finally:
-            stopped = time.perf_counter()
-            self.timeline.record("alltoall", began, stopped)
-            self._leave(stopped - began)
+            span.stop()
+            self.timeline.record_span("alltoall", span)
+            self._leave(span)
 
     def wait_until_clear(self, unless: Callable[[], bool] = lambda: False) -> None:
         """Block until the links are free of all-to-alls, or ``unless()`` holds (checked again on
@@ -122,12 +155,16 @@ class AllToAllTraffic:
         with self._changed:
             self._busy += 1
 
-    def _leave(self, alltoall_seconds: float | None = None) -> None:
+    def _leave(self, alltoall: Span | None = None) -> None:
         with self._changed:
             self._busy -= 1
-            if alltoall_seconds is not None:
-                self.alltoall_seconds += alltoall_seconds
+            if alltoall is not None:
+                self._unread.append(alltoall)
                 self.alltoall_ops += 1
+                if len(self._unread) > _UNREAD_SPANS:  # nobody reads the total: fold what has run
+                    finished = [span.done() for span in self._unread]
+                    self._alltoall_seconds += sum(s.seconds() for s, f in zip(self._unread, finished, strict=True) if f)
+                    self._unread = [s for s, f in zip(self._unread, finished, strict=True) if not f]
             self._changed.notify_all()
 
 

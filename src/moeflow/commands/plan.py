@@ -129,6 +129,7 @@ def _layer_plan(args: argparse.Namespace) -> int:
         "ideal_fraction_of_peak": roofline["ideal_fraction_of_peak"],
         "semi_ideal_fraction_of_peak": roofline["semi_ideal_fraction_of_peak"],
         "world_size": model.world_size, "capacity": region.capacity, "backward": backward,
+        "profile_device": profile.device.to_dict(),  # where the fits were measured (calibrate --device)
     })
     return 0
 

@@ -85,9 +85,10 @@ def run_steps(
     out_by_dest = out_ECM.view(world, rows, model_dim)
 
     ledger, group, step_bytes = steps.groups.ledger, steps.groups.expert, buffer_ECM.nbytes // steps.count
+    device = buffer_ECM.device  # Lina's all-to-all times: CUDA events on CUDA tensors
 
     def send(step: int) -> torch.Tensor:
-        with steps.groups.traffic.running(), ledger.tracked("pairwise all-to-all step", group, step_bytes):
+        with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
             received = pairwise_step(by_dest, steps.topology, matrix, step)
         parts = [received[source].view(local, capacity, model_dim) for source in steps.sources(step)]
         return torch.cat(parts, dim=1)  # (L, sources * C, M), source-major like the all-to-all layout
@@ -98,7 +99,7 @@ def run_steps(
         back = [by_dest[0]] * world  # only the entries of this step's sources are sent
         for index, source in enumerate(sources):
             back[source] = by_source[index].reshape(rows, model_dim)
-        with steps.groups.traffic.running(), ledger.tracked("pairwise all-to-all step", group, step_bytes):
+        with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
             returned = pairwise_step(back, steps.topology, matrix, (steps.count - step) % steps.count)
         for dest, rows_back in returned.items():
             out_by_dest[dest].copy_(rows_back)

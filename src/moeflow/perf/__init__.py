@@ -6,7 +6,7 @@ Plain math on numbers: nothing here imports torch.distributed, so planners and s
 
 from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_error
 from moeflow.perf.cost import CostModel
-from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile
+from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile, ProfileDevice
 from moeflow.perf.roofline import Roofline, communication_latency, link_loads
 from moeflow.perf.shadowing import LinkPrices, ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
 
@@ -16,6 +16,7 @@ __all__ = [
     "ClusterProfile",
     "CostModel",
     "LinkPrices",
+    "ProfileDevice",
     "Roofline",
     "ShadowDecision",
     "ShadowPrices",

@@ -23,6 +23,41 @@ whole call ``moeflow calibrate`` times over these token counts: at this size a c
 no GEMM or byte count explains (gate, top-k, capacity bookkeeping, the load exchange, Python,
 autograd), which the simulated twin takes as a fixed cost per layer call."""
 
+NOT_MEASURED = "not measured: one rank"
+""":attr:`ProfileDevice.collectives` of a one-rank profile: no collective fit (the planner prices a
+one-rank layer, which moves no bytes)."""
+
+
+@dataclass(frozen=True)
+class ProfileDevice:
+    """Where a profile was measured: ``kind`` ``cpu`` or ``cuda``, ``name`` the GPU's model (``cpu``
+    on a CPU), ``dtype`` of the compute fits (GEMM, encode/decode, FFN, layer probe), and
+    ``collectives`` the backend the collective fits ran over (``gloo``, ``nccl``) or
+    :data:`NOT_MEASURED`. A profile saved before this record loads as a CPU one in fp32."""
+
+    kind: str = "cpu"
+    name: str = "cpu"
+    dtype: str = "fp32"
+    collectives: str = "gloo"
+
+    def label(self) -> str:
+        return self.name if self.kind == "cpu" else f"{self.kind} ({self.name})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "name": self.name, "dtype": self.dtype, "collectives": self.collectives}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | str | None, world_size: int) -> ProfileDevice:
+        """The saved record; ``None`` (a profile from before it): the CPU over gloo, whose
+        collectives were measured where the job had more than one rank."""
+        collectives = "gloo" if world_size > 1 else NOT_MEASURED
+        if values is None:
+            return cls(collectives=collectives)
+        if isinstance(values, str):  # a hand-written "device": "cpu" or "cuda"
+            return cls(kind="cuda" if values.startswith("cuda") else "cpu", name=values, collectives=collectives)
+        return cls(kind=str(values.get("kind", "cpu")), name=str(values.get("name", values.get("kind", "cpu"))),
+                   dtype=str(values.get("dtype", "fp32")), collectives=str(values.get("collectives", collectives)))
+
 
 @dataclass(frozen=True)
 class ClusterProfile:
@@ -31,8 +66,9 @@ class ClusterProfile:
     ``allgather.intra_node`` (over one node: Parm's MP group), ``alltoall.saa`` (Parm's S2 combine
     with SAA, x = its all-to-all's bytes) (x = bytes each rank contributes), ``ffn.forward`` and
     ``ffn.backward`` (x = m*M*H*projections), ``layer.forward`` and ``layer.backward`` (one call of
-    :data:`LAYER_PROBE`'s layer, x = its tokens per rank). ``interference`` is the
-    slowdown factor of a GEMM that runs while an all-to-all is in flight (>= 1)."""
+    :data:`LAYER_PROBE`'s layer, x = its tokens per rank), ``encode`` and ``decode`` (forward, x =
+    bytes of the routed rows). ``interference`` is the slowdown factor of a GEMM that runs while an
+    all-to-all is in flight (>= 1). ``device``: where it was measured (:class:`ProfileDevice`)."""
 
     nodes: int
     ranks_per_node: int
@@ -40,6 +76,7 @@ class ClusterProfile:
     interference: float = 1.0
     machine: dict[str, Any] = field(default_factory=dict)
     quality: dict[str, Any] = field(default_factory=dict)
+    device: ProfileDevice = field(default_factory=ProfileDevice)
 
     def fit(self, name: str) -> AlphaBeta:
         if name not in self.fits:
@@ -58,6 +95,7 @@ class ClusterProfile:
             "version": PROFILE_VERSION, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
             "fits": {name: fit.to_dict() for name, fit in self.fits.items()},
             "interference": self.interference, "machine": self.machine, "quality": self.quality,
+            "device": self.device.to_dict(),
         }
 
     @classmethod
@@ -66,11 +104,13 @@ class ClusterProfile:
             raise ValueError(
                 f"profile version {values.get('version')!r} is not {PROFILE_VERSION}; re-run moeflow calibrate"
             )
+        nodes, ranks_per_node = int(values["nodes"]), int(values["ranks_per_node"])
         return cls(
-            nodes=int(values["nodes"]), ranks_per_node=int(values["ranks_per_node"]),
+            nodes=nodes, ranks_per_node=ranks_per_node,
             fits={name: AlphaBeta.from_dict(fit) for name, fit in values["fits"].items()},
             interference=float(values.get("interference", 1.0)), machine=dict(values.get("machine", {})),
             quality=dict(values.get("quality", {})),
+            device=ProfileDevice.from_dict(values.get("device"), nodes * ranks_per_node),
         )
 
     def save(self, path: str | Path) -> None:
@@ -101,6 +141,8 @@ def median_profile(profiles: list[ClusterProfile]) -> ClusterProfile:
     first = profiles[0]
     if any((p.nodes, p.ranks_per_node) != (first.nodes, first.ranks_per_node) for p in profiles):
         raise ValueError("median_profile: the profiles are of different layouts (nodes x ranks per node)")
+    if any(p.device != first.device for p in profiles):
+        raise ValueError("median_profile: the profiles were measured on different devices or dtypes")
     fits = {}
     for name in dict.fromkeys(n for p in profiles for n in p.fits):
         have = [p.fits[name] for p in profiles if name in p.fits]
@@ -108,4 +150,4 @@ def median_profile(profiles: list[ClusterProfile]) -> ClusterProfile:
                                statistics.median(f.r2 for f in have), have[0].unit)
     return ClusterProfile(first.nodes, first.ranks_per_node, fits,
                           statistics.median(p.interference for p in profiles), dict(first.machine),
-                          {"median_of": len(profiles)})
+                          {"median_of": len(profiles)}, first.device)

@@ -22,7 +22,6 @@ the same values; bitwise where the reduction order agrees, e.g. on 2 workers).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -199,7 +198,8 @@ class GradientScheduler:
             self._reduce_now(piece, grads)
 
     def _reduce_now(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
-        began = time.perf_counter()
+        # Lina's timeline: on CUDA, events on the stream the all-reduce is issued on (current here)
+        span = self.traffic.clock.start(grads[0].device)  # type: ignore[union-attr]
         if len(piece.spans) == 1:  # a micro-op: in place on its part of the gradient
             (_, start, stop), grad = piece.spans[0], grads[0]
             dist.all_reduce(grad.view(-1)[start:stop], group=self.group)
@@ -210,7 +210,8 @@ class GradientScheduler:
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))  # type: ignore[union-attr]
                 offset += grad.numel()  # type: ignore[union-attr]
-        self.traffic.timeline.record("allreduce", began, time.perf_counter())
+        span.stop()
+        self.traffic.timeline.record_span("allreduce", span)
 
 
 def gradient_scheduler(
