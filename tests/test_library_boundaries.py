@@ -123,9 +123,9 @@ def test_moeflow_has_no_import_cycle() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
-    ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_paths",
-     "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision", "phases", "reference",
-     "measure", "distributed"),
+    ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_packed",
+     "direct_paths", "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision",
+     "phases", "reference", "measure", "distributed"),
     ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
     # simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it

@@ -55,6 +55,12 @@ DEVICES = ("cpu", "cuda")
 """What ``moeflow calibrate --device`` measures on: the CPU, or each rank's GPU."""
 
 
+DEVICE_DIMS = {"cpu": (512, 1024), "cuda": (4096, 8192)}
+"""The default (model, hidden) dimensions of the GEMMs timed on each device: on an H200 a 512 x 1024
+GEMM of up to 6144 tokens takes microseconds, launch-bound, and the fits came out flat (a negative
+slope at 256 x 512, 2026-11-27); 4096 x 8192 puts every point in the compute-bound range."""
+
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     """What ``moeflow calibrate`` measures: the expert's dimensions, the token counts and message

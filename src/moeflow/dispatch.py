@@ -129,7 +129,7 @@ class _GatherDecode(torch.autograd.Function):
         slot_TK = _slot_of_choice(plan)
         grad_weight = None
         if ctx.needs_input_grad[1]:  # <grad y_t, rows[slot_tj]> for every choice (dropped ones are masked outside)
-            gathered_TKM = buffer_SM.index_select(0, slot_TK.flatten()).view(*slot_TK.shape, -1)
+            gathered_TKM = buffer_SM.index_select(0, slot_TK.flatten()).view(*slot_TK.shape, buffer_SM.shape[1])
             grad_weight = torch.bmm(gathered_TKM, grad_TM.unsqueeze(2)).squeeze(2).to(weight_TK.dtype)
         weight_S = weight_TK.new_zeros(plan.num_slots).index_put_((slot_TK.flatten(),), weight_TK.flatten(),
                                                                   accumulate=True)  # dropped: 0 into slot 0

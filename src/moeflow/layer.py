@@ -20,13 +20,7 @@ from torch import nn
 from moeflow.capacity import never_drops
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
-from moeflow.config import (
-    TUTEL_POSITIONAL,
-    MoEConfig,
-    call_settings,
-    config_from_arguments,
-    resolve_normalize_gate,
-)
+from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_from_arguments, resolve_normalize_gate
 from moeflow.direct import DIRECT_LOCAL
 from moeflow.direct_packed import DIRECT_PACKED
 from moeflow.direct_paths import direct_stats, run_direct
@@ -34,7 +28,7 @@ from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
 from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
-from moeflow.kernels.choice import KernelTable
+from moeflow.kernels.choice import KernelChoice, KernelTable
 from moeflow.layer_stats import routing_stats
 from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
 from moeflow.parallel.context import RunContext, ScheduleOutput
@@ -238,13 +232,12 @@ class MoELayer(nn.Module):
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         workspace = self._step_workspace(recompute)
-        kernels = self.kernel_table.resolve(config.kernel_backend, x_TM.device, x_TM.dtype)
+        kernels = self._kernels(x_TM)
         dispatched_ECM = encode(owned.x_TM, plan, workspace, kernels.encode)
         ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, kernels.gemm, load.estimate_E, prepared.state,
                                workspace)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
-        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, kernels.decode),
-                            x_TM.shape[0])
+        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, kernels.decode), len(x_TM))
         y_TM = self._with_shared_experts(x_TM, y_TM)
 
         if not recompute:  # the balancing bias moves, the statistics are this forward's
@@ -259,10 +252,9 @@ class MoELayer(nn.Module):
             self.switch(self.schedule, self.placement)
 
     def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
-        """The schedule's direct path: on one rank for a no-grad forward (no bias to move) where the
-        capacity cannot drop (both paths then compute the same function), else under the ragged
-        kernel the packed path (:mod:`moeflow.direct_packed`: it keeps the capacity path's slots);
-        the exchange for every forward, since the ranks agree on it in the load all-gather."""
+        """The schedule's direct path: on one rank for a no-grad forward (no bias to move) that cannot
+        drop, else under the ragged kernel the packed path (:mod:`moeflow.direct_packed`, the capacity
+        path's slots); the exchange for every forward (the ranks agree in the load all-gather)."""
         path = self.schedule.direct_path(self.placement, self.rank)
         # on several ranks each would decide on its own token count: none may skip a collective
         if path != DIRECT_LOCAL or self.world_size > 1:
@@ -270,6 +262,9 @@ class MoELayer(nn.Module):
         if self._asks_direct and never_drops(factor, k, num_tokens, self.config.num_experts):
             return path
         return DIRECT_PACKED if self.config.expert_kernel == "ragged" and not self._moves_bias else None
+
+    def _kernels(self, x_TM: torch.Tensor) -> KernelChoice:
+        return self.kernel_table.resolve(self.config.kernel_backend, x_TM.device, x_TM.dtype)
 
     @property
     def _asks_direct(self) -> bool:
@@ -284,15 +279,13 @@ class MoELayer(nn.Module):
         for the capacity path (a direct path that declines has gathered it already)."""
         if direct is None:
             return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
-        timing, kernels = PipelineTiming(), self.kernel_table.resolve(self.config.kernel_backend, x_TM.device,
-                                                                      x_TM.dtype)
+        timing, kernels = PipelineTiming(), self._kernels(x_TM)
         ran = run_direct(direct, x_TM, routing, k, factor, self.experts, self.groups, kernels, self._last.gather_bucket,
                          timing, self._asks_direct)
         self._last.gather_bucket = ran.next_bucket
         if ran.y_TM is None:
             return None, ran.load
-        if not torch.is_grad_enabled():
-            self._step_workspace()  # a no-grad forward: the training buffers no tensor uses go back
+        self._step_workspace()  # a step begins (without grad: the training buffers no tensor uses go back)
         self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
                                              self.config.pipeline, self.groups.topology, timing, ran.exchange,
                                              kernels.as_dict())

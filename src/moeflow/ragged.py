@@ -227,8 +227,14 @@ def packed_ffn_output(
 
 
 def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
-    """Each expert's rows summed, zeros for an expert with none: one column sum per expert with rows
-    (``index_add_`` into E rows made every row of an expert contend for one, in atomics on a GPU)."""
+    """Each expert's rows summed, zeros for an expert with none. On a GPU one (L, N) one-hot product
+    (a column sum per expert took 22 µs each on an H200, 2.9 ms of a 64-expert layer's step); on a
+    CPU one column sum per expert with rows (the product would multiply L times the work)."""
+    if values_NX.device.type != "cpu":
+        expert_N = to_device(rows.expert_of_rows(), values_NX.device)
+        one_hot_LN = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[0]))
+        one_hot_LN.scatter_(0, expert_N.unsqueeze(0), 1)
+        return one_hot_LN @ values_NX
     out = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[1]))
     for expert, values in zip(rows.experts, values_NX.split(rows.counts), strict=True):
         torch.sum(values, dim=0, out=out[expert])

@@ -25,10 +25,10 @@ def add_parser(commands: Any) -> None:
                            help="dtype of the compute fits (default fp32)")
     calibrate.add_argument("--workers", type=positive_int, default=None,
                            help="gloo workers to spawn when not launched (default 2; --device cuda: 1, one GPU)")
-    calibrate.add_argument("--model-dim", type=positive_int, default=512,
-                           help="model dimension of the GEMMs timed (default 512)")
-    calibrate.add_argument("--hidden-dim", type=positive_int, default=1024,
-                           help="hidden dimension of the GEMMs timed (default 1024)")
+    calibrate.add_argument("--model-dim", type=positive_int, default=None,
+                           help="model dimension of the GEMMs timed (default 512 on cpu, 4096 on cuda)")
+    calibrate.add_argument("--hidden-dim", type=positive_int, default=None,
+                           help="hidden dimension of the GEMMs timed (default 1024 on cpu, 8192 on cuda)")
     calibrate.add_argument("--repeats", type=positive_int, default=5, help="timings per point, medians (default 5)")
     calibrate.set_defaults(func=run)
 
@@ -56,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from moeflow.bench import print_json
-    from moeflow.calibrate import CalibrationConfig, calibrate_from_env, calibrate_in_process, calibrate_rank
+    from moeflow.calibrate import (
+        DEVICE_DIMS,
+        CalibrationConfig,
+        calibrate_from_env,
+        calibrate_in_process,
+        calibrate_rank,
+    )
     from moeflow.distributed import run_distributed
     from moeflow.perf import ClusterProfile
 
@@ -67,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise fail("calibrate", problem)
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if launched else "cuda"
+    model_dim, hidden_dim = DEVICE_DIMS[args.device]
     config = CalibrationConfig(
-        model_dim=args.model_dim, hidden_dim=args.hidden_dim, repeats=args.repeats, device=device, dtype=args.dtype,
+        model_dim=args.model_dim or model_dim, hidden_dim=args.hidden_dim or hidden_dim, repeats=args.repeats,
+        device=device, dtype=args.dtype,
         latency_emulated=os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED"),
     )
     if launched:

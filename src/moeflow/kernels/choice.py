@@ -55,16 +55,17 @@ class KernelChoice:
 
 @dataclass(frozen=True)
 class ProbeShape:
-    """The MoE shape the choice is measured at: many experts, 16K rows of a 1K model dimension
-    (32 MiB in bf16), large enough that no kernel is launch-bound and small enough that a layer
-    built alone measures in tens of milliseconds once Triton has compiled."""
+    """The MoE shape the choice is measured at: many experts, 32K rows of a 2K model dimension
+    (128 MiB in bf16), each kernel a few hundred microseconds. At 16K rows of 1K (2026-11-27, an
+    H200) the samples were too short to rank the backends: decode picked torch's ``embedding_bag``,
+    the slowest at the layer's shape."""
 
-    tokens: int = 4096
-    model_dim: int = 1024
+    tokens: int = 8192
+    model_dim: int = 2048
     hidden_dim: int = 1024
-    num_experts: int = 16
+    num_experts: int = 32
     top_k: int = 4
-    repeats: int = 3
+    repeats: int = 5
 
 
 PROBE_SHAPE = ProbeShape()
@@ -125,8 +126,8 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs here, in both forms the ragged kernel uses (rows x
     per-expert weights, and the per-expert weight gradient), and agrees with a loop of ``mm``: a
     build may have the op but no kernel for this device, dtype or architecture."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
+    if not hasattr(torch, "_grouped_mm") or (device.type == "cuda" and dtype != torch.bfloat16):
+        return False  # on CUDA other dtypes run a host loop that waits for the device (seen on an H200)
     generator = torch.Generator().manual_seed(0)
     a_NK = torch.randn(48, 32, generator=generator).to(device, dtype)
     b_LKJ = torch.randn(3, 32, 16, generator=generator).to(device, dtype)
