@@ -91,23 +91,6 @@ def _gathered_bag_sum(rows_SM: torch.Tensor, plan: DispatchPlan, weight_TK: torc
     return torch.bmm(weight_TK.to(rows_SM.dtype).unsqueeze(1), gathered_TKM).squeeze(1)
 
 
-class _GatherEncode(torch.autograd.Function):
-    """Encode as the torch backend does; its backward sums each token's slots as a gathered bag."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None
-    ) -> torch.Tensor:
-        ctx.plan = plan
-        return _rows_per_slot(x_TM, plan, workspace).index_fill_(0, plan.empty_slots, 0)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        plan: DispatchPlan = ctx.plan
-        return _gathered_bag_sum(grad_SM.contiguous(), plan, plan.choice_mask_TK), None, None
-
-
 class _GatherDecode(torch.autograd.Function):
     """Decode as a gathered bag (``weight_TK``: the combine weights, 0 where a choice was dropped)."""
 
@@ -135,6 +118,16 @@ class _GatherDecode(torch.autograd.Function):
                                                                   accumulate=True)  # dropped: 0 into slot 0
         grad_buffer = _rows_per_slot(grad_TM, plan, ctx.workspace).mul_(weight_S.to(grad_TM.dtype).unsqueeze(1))
         return grad_buffer, grad_weight, None, None
+
+
+class _GatherEncode(_FastEncode):
+    """Encode as the torch backend does; its backward sums each token's slots as a gathered bag."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
+        plan: DispatchPlan = ctx.plan
+        return _gathered_bag_sum(grad_SM.contiguous(), plan, plan.choice_mask_TK), None, None
 
 
 class _FastDecode(torch.autograd.Function):
