@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from moeflow import MoELayer
 from moeflow.direct import SOURCE
@@ -107,8 +107,14 @@ def test_activation_checkpointing_recomputes_the_packed_path() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return checkpoint(self.inner, x, use_reentrant=False)
 
-    recomputed = _forward_backward(Checkpointed(), x, upstream)
-    assert layer.last_stats.plan.source == SOURCE
+    wrapped = Checkpointed()
+    leaf = x.detach().requires_grad_()
+    with set_checkpoint_early_stop(False):  # the recompute runs the whole forward, stats included
+        y = wrapped(leaf)
+    stats = layer.last_stats  # the forward's, read before the backward recomputes it
+    (y * upstream).sum().backward()
+    assert layer.last_stats is stats and stats.plan.source == SOURCE  # the recompute counted nothing
+    recomputed = _forward_backward(wrapped, x, upstream)
     for name, value in plain.items():
         torch.testing.assert_close(recomputed.get(name, recomputed.get(f"inner.{name}")), value, rtol=0, atol=0,
                                    msg=name)
@@ -137,3 +143,12 @@ def test_the_packed_plan_holds_the_capacity_buffers_filled_slots_in_order() -> N
     assert plan.num_slots == int(kept.sum()) == packed_NM.shape[0] and plan.empty_slots.numel() == 0
     expected = torch.cat([padded_ECM[e, : int(kept[e])] for e in range(E)])
     torch.testing.assert_close(packed_NM, expected, rtol=0, atol=0)
+
+
+def test_a_forward_with_no_tokens_takes_the_packed_path() -> None:
+    layer, _ = _pair(top_k=2, capacity_factor=1.0, activation="swiglu")
+    x = torch.randn(0, M, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, M) and x.grad.shape == (0, M) and layer.last_stats.plan.source == SOURCE
+    assert layer.last_stats.num_tokens == 0 and float(layer.experts.w1.grad.abs().sum()) == 0.0

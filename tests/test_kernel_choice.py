@@ -181,3 +181,21 @@ def test_the_packed_path_with_each_measured_choice_equals_the_reference(encode_d
     assert layer.last_stats.plan.kernels["encode"] == encode_decode and layer.last_stats.dropped > 0
     for ours, expected in zip(*outputs, strict=True):
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_measurement_runs_under_a_callers_no_grad_or_inference_mode(mode: str) -> None:
+    """A layer's first forward may be an evaluation: the probe's own backward must still run."""
+    with getattr(torch, mode)():
+        choice = measure_choice(CPU, torch.float32, TINY)
+    assert choice.source == "measured" and choice.timings_ms
+
+
+def test_a_candidate_that_fails_is_left_out_and_torch_must_run() -> None:
+    def broken() -> None:
+        raise RuntimeError("a kernel that does not compile")
+
+    kept = choice_module._running({"encode.torch": lambda: None, "encode.triton": broken})
+    assert list(kept) == ["encode.torch"]
+    with pytest.raises(RuntimeError, match="does not compile"):
+        choice_module._running({"encode.torch": broken})

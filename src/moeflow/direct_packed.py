@@ -28,12 +28,13 @@ DIRECT_PACKED = "packed"
 
 
 def packed_experts_output(
-    x_TM: torch.Tensor, routing: Routing, capacity: int, experts: LocalExperts, kernels: KernelChoice
+    x_TM: torch.Tensor, routing: Routing, counts_E: torch.Tensor, capacity: int, experts: LocalExperts,
+    kernels: KernelChoice,
 ) -> torch.Tensor:
     """y_t = sum over token t's kept choices of weight * expert(x_t), differentiable in x, the
     combine weights and the experts' parameters. ``routing`` has its slots assigned
-    (:meth:`Routing.slotted`), ``experts`` are all E, in x's dtype after the cast."""
-    counts_E = routing.counts_E.cpu()
+    (:meth:`Routing.slotted`), ``counts_E`` are its assignments per expert on the host, ``experts``
+    are all E, in x's dtype after the cast."""
     choice = routing.choice
     plan = make_packed_plan(choice.expert_idx_TK, routing.location_TK, counts_E, capacity)
     rows = FilledRows.counted(torch.arange(plan.num_slots), counts_E.clamp(max=capacity))

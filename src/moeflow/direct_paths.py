@@ -60,8 +60,8 @@ def run_direct(
     if path == DIRECT_PACKED:
         load = GlobalLoad(counts_E.cpu().unsqueeze(0), x_TM.shape[0])
         capacity = load.capacity(capacity_factor, top_k)
-        return DirectRun(packed_experts_output(x_TM, routing.slotted(counts_E.numel()), capacity, experts, kernels),
-                         load)
+        slotted = routing.slotted(counts_E.numel())
+        return DirectRun(packed_experts_output(x_TM, slotted, load.counts_WE[0], capacity, experts, kernels), load)
     gathered = gather_load(x_TM, choice.expert_idx_TK, choice.weights_TK, counts_E, groups, bucket, direct)
     load = gathered.load
     if not gathered.all_direct or load.capacity(capacity_factor, top_k) < load.needed_capacity:

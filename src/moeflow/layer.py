@@ -213,7 +213,7 @@ class MoELayer(nn.Module):
         direct = self._direct_path(x_TM.shape[0], k, factor)  # a no-grad forward that may skip the buffer
         routing, estimate_E = self._route(x_TM, k, recompute, record, slots=direct is None)
         # a small no-grad forward's direct path, or the load every rank agrees -> capacity -> plan
-        y_TM, load = self._direct_or_load(x_TM, routing, k, factor, direct, estimate_E)
+        y_TM, load = self._direct_or_load(x_TM, routing, k, factor, direct, estimate_E, recompute)
         if y_TM is not None:
             return y_TM.view(x.shape)
         capacity = load.capacity(factor, k)
@@ -271,24 +271,24 @@ class MoELayer(nn.Module):
         """Whether this forward may take a direct path: no backward, and no selection bias to move."""
         return not torch.is_grad_enabled() and not self._moves_bias
 
-    def _direct_or_load(
-        self, x_TM: torch.Tensor, routing: Routing, k: int, factor: float, direct: str | None,
-        estimate_E: np.ndarray | None,
-    ) -> tuple[torch.Tensor | None, GlobalLoad]:
-        """The direct path's output (:mod:`moeflow.direct_exchange`), or the load every rank agrees
-        for the capacity path (a direct path that declines has gathered it already)."""
+    def _direct_or_load(self, x_TM: torch.Tensor, routing: Routing, k: int, factor: float, direct: str | None,
+                        estimate_E: np.ndarray | None, recompute: bool) -> tuple[torch.Tensor | None, GlobalLoad]:
+        """The direct path's output (:mod:`moeflow.direct_paths`), or the load every rank agrees for
+        the capacity path (a direct path that declines has gathered it already). A recompute (of the
+        packed path) repeats its forward: it moves, resets and counts nothing."""
         if direct is None:
             return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
         timing, kernels = PipelineTiming(), self._kernels(x_TM)
         ran = run_direct(direct, x_TM, routing, k, factor, self.experts, self.groups, kernels, self._last.gather_bucket,
                          timing, self._asks_direct)
-        self._last.gather_bucket = ran.next_bucket
+        self._last.gather_bucket = ran.next_bucket if not recompute else self._last.gather_bucket
         if ran.y_TM is None:
             return None, ran.load
-        self._step_workspace()  # a step begins (without grad: the training buffers no tensor uses go back)
-        self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
-                                             self.config.pipeline, self.groups.topology, timing, ran.exchange,
-                                             kernels.as_dict())
+        if not recompute:
+            self._step_workspace()  # a step begins (without grad: the training buffers no tensor uses go back)
+            self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
+                                                 self.config.pipeline, self.groups.topology, timing, ran.exchange,
+                                                 kernels.as_dict())
         return self._with_shared_experts(x_TM, ran.y_TM), ran.load
 
     @property

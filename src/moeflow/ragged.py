@@ -135,8 +135,8 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend
         from moeflow.kernels.triton_gemm import grouped_mm
 
         return grouped_mm(a_NK, b_LKJ, rows.counts_L)
-    grouped = (backend == "grouped_mm" and grouped_mm_layouts(a_NK, b_LKJ)) or (
-        not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ))
+    grouped = a_NK.shape[0] > 0 and ((backend == "grouped_mm" and grouped_mm_layouts(a_NK, b_LKJ)) or (
+        not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ)))
     if grouped:
         return torch._grouped_mm(a_NK, b_LKJ, offs=to_device(rows.offsets(), a_NK.device))
     return looped_mm(a_NK, b_LKJ, rows)
@@ -164,7 +164,7 @@ def ragged_weight_grad(
         from moeflow.kernels.triton_gemm import grouped_weight_grad
 
         return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
-    if backend == "grouped_mm" and grouped_mm_layouts(a_NK.t(), g_NJ):
+    if backend == "grouped_mm" and a_NK.shape[0] > 0 and grouped_mm_layouts(a_NK.t(), g_NJ):
         out = torch._grouped_mm(a_NK.t(), g_NJ, offs=to_device(rows.offsets(), a_NK.device))
         if len(rows.experts) < rows.counts_L.numel():  # an expert with no rows: zeros, whatever the kernel left
             empty = [e for e, count in enumerate(rows.counts_L.tolist()) if not count]

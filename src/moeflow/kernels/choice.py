@@ -15,6 +15,7 @@ grouped GEMM keeps the rule measured on CPUs (:func:`moeflow.ragged.ragged_mm`).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -148,7 +149,17 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 def measure_choice(device: torch.device, dtype: torch.dtype, shape: ProbeShape = PROBE_SHAPE) -> KernelChoice:
     """Time every implementation of encode, decode (each forward and backward) and the grouped GEMM
-    (rows x weights and the weight gradient) at ``shape`` on ``device`` and keep the fastest of each."""
+    (rows x weights and the weight gradient) at ``shape`` on ``device`` and keep the fastest of each.
+
+    It runs in a thread of its own: grad mode, inference mode, autocast and saved-tensor hooks are
+    thread-local, so a first forward under ``no_grad``, ``inference_mode`` or activation
+    checkpointing reaches none of them. A candidate that fails (a kernel that does not compile, a
+    probe out of memory) is left out; torch's own always runs."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(_measure, device, dtype, shape).result()
+
+
+def _measure(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> KernelChoice:
     from moeflow.measure import device_medians
 
     dispatch_backends, gemm_backends = candidates(device, dtype)
@@ -159,14 +170,29 @@ def measure_choice(device: torch.device, dtype: torch.dtype, shape: ProbeShape =
         fns[f"decode.{backend}"] = steps.decode(backend)
     for backend in gemm_backends:
         fns[f"gemm.{backend}"] = steps.gemm(backend)
-    medians = device_medians(fns, device, shape.repeats, warmup=2)
+    medians = device_medians(_running(fns), device, shape.repeats, warmup=2)
 
     def fastest(kernel: str, backends: list[str]) -> str:
-        return min(backends, key=lambda backend: medians[f"{kernel}.{backend}"])
+        return min((b for b in backends if f"{kernel}.{b}" in medians), key=lambda b: medians[f"{kernel}.{b}"])
 
     timings = {name: round(seconds * 1e3, 4) for name, seconds in medians.items()}
     return KernelChoice(fastest("encode", dispatch_backends), fastest("decode", dispatch_backends),
                         fastest("gemm", gemm_backends), MEASURED, timings)
+
+
+def _running(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
+    """The steps that run once without an error; torch's own must (its error is the caller's)."""
+    kept = {}
+    for name, fn in fns.items():
+        if name.endswith(".torch"):
+            fn()
+        else:
+            try:
+                fn()
+            except Exception:  # whatever broke, this candidate is left out and torch's runs
+                continue
+        kept[name] = fn
+    return kept
 
 
 @dataclass(frozen=True)
