@@ -5,6 +5,7 @@ so ``--help`` is fast. ``moeflow --help`` lists the subcommands by group (:data:
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import textwrap
@@ -63,11 +64,31 @@ def grouped_commands(helps: dict[str, str], width: int | None = None) -> str:
     return "\n".join(lines)
 
 
+class _PercentSafeHelp(argparse.HelpFormatter):
+    """Help text is prose: a lone '%' ("10 % of its slots") is a percent sign, not a format field
+    (argparse expands help with %-formatting, and "% o" crashed ``moeflow train --help``). Only
+    argparse's own ``%(name)s`` fields are expanded."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        return None if text is None else re.sub(r"%(?!\()", "%%", text)
+
+
+class MoeflowParser(argparse.ArgumentParser):
+    """Every moeflow parser and subparser (subparsers take their parent's class): percent-safe help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _PercentSafeHelp)
+        super().__init__(*args, **kwargs)
+
+
+class _RootHelp(_PercentSafeHelp, argparse.RawDescriptionHelpFormatter):
+    """The top level's: its epilog (the grouped command list) is laid out already."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="moeflow", description="Fast distributed Mixture-of-Experts training and inference.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = MoeflowParser(prog="moeflow", description="Fast distributed Mixture-of-Experts training and inference.",
+                           formatter_class=_RootHelp)
     commands = _Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                                help="the subcommand to run (listed below by group)"))
     for command in COMMANDS:
