@@ -409,25 +409,28 @@ def _renamed_gate(values: dict[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
+def _parsed(text: str, suffix: str, path: str) -> Any:
+    """The file's values by its suffix; a syntax error names the file (the parsers name only a line)."""
+    import tomllib
+
+    import yaml
+
+    parsers = {".toml": tomllib.loads, ".yaml": lambda t: yaml.safe_load(t) or {},
+               ".yml": lambda t: yaml.safe_load(t) or {}, ".json": json.loads}
+    if suffix not in parsers:
+        raise ValueError(f"config file {path!r} must end in .toml, .yaml, .yml or .json")
+    try:
+        return parsers[suffix](text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as error:
+        raise ValueError(f"config file {path!r} is not valid {suffix[1:].upper()}: {error}") from None
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     """Keys and values of a TOML, YAML or JSON file (a ``[train]`` table or the top level)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml, .yaml or .json file")
-    text = file.read_text()
-    suffix = file.suffix.lower()
-    if suffix == ".toml":
-        import tomllib
-
-        values = tomllib.loads(text)
-    elif suffix in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(text) or {}
-    elif suffix == ".json":
-        values = json.loads(text)
-    else:
-        raise ValueError(f"config file {path!r} must end in .toml, .yaml, .yml or .json")
+    values = _parsed(file.read_text(), file.suffix.lower(), path)
     if not isinstance(values, dict):
         raise ValueError(f"config file {path!r} must hold a table of keys, got {type(values).__name__}")
     if set(values) == {"train"} and isinstance(values["train"], dict):
