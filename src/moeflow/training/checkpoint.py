@@ -67,9 +67,10 @@ def save_checkpoint(
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:06d}"
     temporary = root / f".step-{step:06d}.tmp"
-    if rank == 0:  # before DCP's first collective: no rank writes before this
+    if rank == 0:  # before DCP's first collective: no rank writes a file before this
         shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
+        # exist_ok: another rank's DCP writer may create the (still empty) folder meanwhile (seen in CI)
+        temporary.mkdir(parents=True, exist_ok=True)
     try:
         save_sharded(temporary, model_and_optimizer_state(model, optimizer, rank, primary_only=True), group)
         if rank != 0:
