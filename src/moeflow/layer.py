@@ -281,7 +281,8 @@ class MoELayer(nn.Module):
         timing, kernels = PipelineTiming(), self._kernels(x_TM)
         ran = run_direct(direct, x_TM, routing, k, factor, self.experts, self.groups, kernels, self._last.gather_bucket,
                          timing, self._asks_direct)
-        self._last.gather_bucket = ran.next_bucket if not recompute else self._last.gather_bucket
+        if not recompute:
+            self._last.gather_bucket = ran.next_bucket
         if ran.y_TM is None:
             return None, ran.load
         if not recompute:

@@ -116,16 +116,12 @@ def _grouped_mm_layout(tensor: torch.Tensor) -> bool:
 
 
 def torch_grouped_mm_runs(a_NK: torch.Tensor, b_LKJ: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` computes this product: on CPU only (measured there; on CUDA
-    the Triton kernel is the choice), on a torch with its CPU kernel, in the dtypes and layouts it
-    takes, with rows of the output that span 16 bytes (so it is contiguous, like the loop's). Like
-    the loop's ``mm(out=)`` it is not differentiated: it runs inside the experts' autograd function."""
-    on_cpu = all(
-        operand.device.type == "cpu" and operand.dtype in GROUPED_MM_DTYPES and _grouped_mm_layout(operand)
-        for operand in (a_NK, b_LKJ)
-    )
-    aligned_output = b_LKJ.shape[-1] % (16 // b_LKJ.element_size()) == 0
-    return on_cpu and aligned_output and _HAS_CPU_GROUPED_MM
+    """Whether the ``torch`` backend runs ``torch._grouped_mm`` for this product: on CPU only
+    (measured there; on CUDA ``kernel_backend="auto"`` measures it as the ``grouped_mm`` backend), on
+    a torch with its CPU kernel, in the dtypes and layouts it takes. Like the loop's ``mm(out=)`` it
+    is not differentiated: it runs inside the experts' autograd function."""
+    on_cpu = all(operand.device.type == "cpu" and operand.dtype in GROUPED_MM_DTYPES for operand in (a_NK, b_LKJ))
+    return on_cpu and _HAS_CPU_GROUPED_MM and grouped_mm_layouts(a_NK, b_LKJ)
 
 
 def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend: str = "torch") -> torch.Tensor:
@@ -143,8 +139,9 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend
 
 
 def grouped_mm_layouts(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether both operands and the output suit ``torch._grouped_mm`` (the device and dtype were
-    checked when the backend was chosen, :func:`moeflow.kernels.choice.grouped_mm_works`)."""
+    """Whether both operands suit ``torch._grouped_mm`` and the output's rows span 16 bytes (so it is
+    contiguous, like the loop's); the device and dtype are the caller's to check
+    (:func:`moeflow.kernels.choice.grouped_mm_works`, :func:`torch_grouped_mm_runs`)."""
     return _grouped_mm_layout(a) and _grouped_mm_layout(b) and b.shape[-1] % (16 // b.element_size()) == 0
 
 

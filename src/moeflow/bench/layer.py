@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import LayerDims, ffn_projections
+from moeflow.direct import SOURCE
 from moeflow.dispatch import decode, encode, make_dispatch_plan, make_packed_plan
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.layer import MoELayer
@@ -111,11 +112,11 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     fns: dict[str, Callable[[], object]] = {
         "moeflow": lambda: _forward_backward(layer, x, upstream),
         "reference": lambda: _forward_backward(reference, x, upstream),
-        "encode_decode": _encode_decode_step(layer, x, upstream, c, packed=stats_source(layer, x) == "direct"),
     }
-    layer(x)  # routing stats and the capacity used, for the expert-kernel shapes
+    layer(x)  # a training forward (the parameters need grad): its routing stats, capacity and path
     stats = layer.last_stats
-    assert stats is not None
+    assert stats is not None and stats.plan is not None
+    fns["encode_decode"] = _encode_decode_step(layer, x, upstream, c, packed=stats.plan.source == SOURCE)
     if c.measure_kernels:
         expert_tokens = world_size * stats.capacity
         for kernel in KERNELS:
@@ -153,13 +154,6 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
             k: medians[f"experts_{k}"] * 1e3 for k in KERNELS
         }
     return result
-
-
-def stats_source(layer: MoELayer, x: torch.Tensor) -> str | None:
-    """Where a training forward of ``x`` plans from: ``"direct"`` where it takes the packed path."""
-    layer(x.detach().requires_grad_())
-    stats = layer.last_stats
-    return stats.plan.source if stats is not None and stats.plan is not None else None
 
 
 def _encode_decode_step(

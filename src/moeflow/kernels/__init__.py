@@ -20,11 +20,13 @@ def triton_installed() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``torch`` or ``triton`` for tensors on ``device``; an unusable explicit choice raises."""
+    """The one backend of a setting: ``torch`` or ``triton`` (``auto`` where nothing is measured:
+    torch's; on CUDA :class:`moeflow.kernels.choice.KernelTable` measures each kernel); an unknown or
+    unusable choice raises."""
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"kernel_backend={backend!r} is unknown; choose one of {', '.join(KERNEL_BACKENDS)}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_installed() else "torch"
+        return "torch"
     if backend == "triton" and not triton_installed():
         raise ValueError(
             "kernel_backend='triton' needs the optional dependency triton: pip install 'moeflow[triton]' "

@@ -89,8 +89,10 @@ class KernelTable:
         from moeflow.kernels import resolve_backend
 
         backend = resolve_backend(setting, device)  # validates the setting and an explicit triton
-        if setting != "auto" or device.type != "cuda":
-            return KernelChoice.uniform(backend) if setting != "auto" else KernelChoice("torch", "torch", "torch", HOST)
+        if setting != "auto":
+            return KernelChoice.uniform(backend)
+        if device.type != "cuda":
+            return KernelChoice(backend, backend, backend, HOST)
         key = (device_name(device), str(dtype).removeprefix("torch."))
         if key not in self.choices:
             self.choices[key] = (self.measure or measure_choice)(device, dtype)
