@@ -5,7 +5,8 @@
 # Run from the repository root with the machine's own python3 (torch with CUDA): no install needed.
 #   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer profile calibrate overlap suite
 #                                             (default: all but overlap)
-# BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs. The suite's
+# BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs, SHAPES picks
+# the layer step's shapes (default "mixtral qwen"), TEST_FILES the tests step's files. The suite's
 # xdist workers run one intra-op thread each (with torch's default of one per core, 12 workers on 16 cores
 # oversubscribed the CPU and two CPU-heavy tests hit their 120 s timeout).
 set -u
@@ -35,17 +36,23 @@ run_step() {
                      torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'
          } 2>&1 | tee "$OUT/env.log" ;;
     tests) local files=() f
-           for f in tests/test_gpu.py tests/test_gpu_kernels.py tests/test_gpu_calibrate.py tests/test_triton_kernels.py \
-                    tests/test_streams.py tests/test_pipeline.py; do [[ -f $f ]] && files+=("$f"); done
+           for f in ${TEST_FILES:-tests/test_gpu.py tests/test_gpu_kernels.py tests/test_gpu_calibrate.py \
+                    tests/test_triton_kernels.py tests/test_streams.py tests/test_pipeline.py}; do
+               [[ -f $f ]] && files+=("$f"); done
            step tests 180 "$PY" -m pytest -q -p no:cacheprovider "${files[@]}" \
                -k "cuda or triton or gpu or nccl or grouped or encode or packed or auto or calibrate" ;;
     kernels) bench kernels 80 kernels --device cuda --dtype bf16 ;;
-    layer) for kernel in ${EXPERT_KERNELS:-ragged bmm}; do
-               bench "layer-mixtral-$kernel" 90 layer --device cuda --dtype bf16 --activation swiglu --num-experts 8 \
-                   --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 --expert-kernel "$kernel" ${LAYER_ARGS:-}
-               bench "layer-qwen-$kernel" 75 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
-                   --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 --expert-kernel "$kernel" ${LAYER_ARGS:-}
-           done ;;
+    layer) local shape
+           for kernel in ${EXPERT_KERNELS:-ragged bmm}; do for shape in ${SHAPES:-mixtral qwen}; do
+               case $shape in
+               mixtral) bench "layer-mixtral-$kernel" 90 layer --device cuda --dtype bf16 --activation swiglu \
+                            --num-experts 8 --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 \
+                            --expert-kernel "$kernel" ${LAYER_ARGS:-} ;;
+               qwen) bench "layer-qwen-$kernel" 75 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
+                         --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 --expert-kernel "$kernel" \
+                         ${LAYER_ARGS:-} ;;
+               esac
+           done; done ;;
     profile) PATTERN=. TAIL=70 step profile 60 "$PY" scripts/gpu_profile_layer.py ;;
     calibrate) step calibrate 90 bash -c "$PY -m moeflow calibrate --device cuda --out $OUT/profile-cuda.json \
                    && $PY -m moeflow plan --profile $OUT/profile-cuda.json ${PLAN_ARGS:-}" ;;

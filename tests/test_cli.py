@@ -151,11 +151,14 @@ def test_every_train_setting_has_its_help() -> None:
     assert all(len(text) > 10 for text in FIELD_HELP.values())
 
 
-def test_bench_layer_in_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("bias", [[], ["--no-bias"]])
+def test_bench_layer_in_bf16(bias: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "layer", "--tokens", "32", "--model-dim", "16", "--num-experts", "4", "--hidden-dim", "16",
-                 "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels", "--matmul-size", "64"]) == 0
+                 "--repeats", "1", "--warmup", "0", "--dtype", "bf16", "--no-kernels", "--matmul-size", "64",
+                 *bias]) == 0
     first = json.loads(capsys.readouterr().out.splitlines()[0])
     assert first["dtype"] == "bf16" and first["ratio_to_gemm_floor"] > 0
+    assert first["bias"] is not bool(bias)  # the real models' experts have none: --no-bias times them so
 
 
 def test_bench_kernels_reports_rates_against_the_measured_peak(capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,7 +76,8 @@ class _FastEncode(torch.autograd.Function):
 def _slot_of_choice(plan: DispatchPlan) -> torch.Tensor:
     """(T, K): the slot of every kept choice, 0 for a dropped one (whose weight is 0 where it is read)."""
     slot_TK = torch.zeros(plan.choice_mask_TK.shape, dtype=torch.int64, device=plan.slot_idx_N.device)
-    return slot_TK.masked_scatter_(plan.choice_mask_TK, plan.slot_idx_N)
+    slot_TK.view(-1).index_copy_(0, plan.choice_idx_N, plan.slot_idx_N)
+    return slot_TK
 
 
 def _gathered_bag_sum(rows_SM: torch.Tensor, plan: DispatchPlan, weight_TK: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,7 @@ def decode(
     if backend == "gather":
         kept_weights_TK = weights_TK * plan.choice_mask_TK  # a dropped choice's weight (and gradient) is 0
         return _GatherDecode.apply(buffer_SM, kept_weights_TK.to(buffer_SM.dtype), plan, workspace)
-    weight_N = weights_TK[plan.choice_mask_TK].to(buffer_ECM.dtype)
+    weight_N = weights_TK.flatten().index_select(0, plan.choice_idx_N).to(buffer_ECM.dtype)  # no boolean index: no sync
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonDecode
 

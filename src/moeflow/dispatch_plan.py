@@ -23,6 +23,7 @@ class DispatchPlan:
 
     token_idx_N: torch.Tensor
     slot_idx_N: torch.Tensor
+    choice_idx_N: torch.Tensor  # the flat (token * K + choice) index of each kept assignment
     choice_mask_TK: torch.Tensor  # True where the (token, choice) was kept
     offsets_T: torch.Tensor  # first kept assignment of each token
     slot_token_S: torch.Tensor  # token held by each slot (0 for an empty slot)
@@ -42,11 +43,14 @@ class DispatchPlan:
 
 
 def make_dispatch_plan(
-    expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int
+    expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int,
+    kept: int | None = None,
 ) -> DispatchPlan:
-    """The plan of the (E, C) buffer: expert e's slots begin at e * C."""
+    """The plan of the (E, C) buffer: expert e's slots begin at e * C. ``kept``: the number of
+    kept assignments where the host knows it (the routing counts every rank agreed): then the plan
+    is built with no device sync (on a GPU each boolean-sized index waits for the queue to drain)."""
     first_slot_E = torch.arange(num_experts, device=expert_idx_TK.device) * capacity
-    return _plan(expert_idx_TK, location_TK, num_experts, capacity, first_slot_E, None)
+    return _plan(expert_idx_TK, location_TK, num_experts, capacity, first_slot_E, None, kept)
 
 
 def make_packed_plan(
@@ -57,20 +61,18 @@ def make_packed_plan(
     ``counts_E``: the assignments per expert before capacity, on the host."""
     kept_E = counts_E.clamp(max=capacity)
     first_slot_E = (torch.cumsum(kept_E, 0) - kept_E).to(expert_idx_TK.device, non_blocking=True)
-    return _plan(expert_idx_TK, location_TK, counts_E.numel(), capacity, first_slot_E, int(kept_E.sum()))
+    kept = int(kept_E.sum())
+    return _plan(expert_idx_TK, location_TK, counts_E.numel(), capacity, first_slot_E, kept, kept)
 
 
 def _plan(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int,
-    first_slot_E: torch.Tensor, packed_slots: int | None,
+    first_slot_E: torch.Tensor, packed_slots: int | None, kept: int | None,
 ) -> DispatchPlan:
     num_tokens, top_k = expert_idx_TK.shape
     device = expert_idx_TK.device
     kept_TK = location_TK < capacity
-    if packed_slots is None:
-        kept_N = kept_TK.flatten().nonzero().squeeze(1)
-    else:  # the kept count is known on the host: no device sync for the boolean index's size
-        kept_N = torch.nonzero_static(kept_TK.flatten(), size=packed_slots).squeeze(1)
+    kept_N = _true_indices(kept_TK.flatten(), kept)
     token_idx_N = kept_N.div(top_k, rounding_mode="floor")
     slot_idx_N = (first_slot_E[expert_idx_TK] + location_TK).flatten().index_select(0, kept_N)
     kept_per_token = kept_TK.sum(dim=1)
@@ -79,12 +81,14 @@ def _plan(
     slot_token_S.index_copy_(0, slot_idx_N, token_idx_N)
     if packed_slots is None:
         occupied_S = torch.zeros(num_slots, dtype=torch.bool, device=device)
-        empty_slots = torch.nonzero(~occupied_S.index_fill_(0, slot_idx_N, True)).squeeze(1)
+        empty = None if kept is None else num_slots - kept
+        empty_slots = _true_indices(~occupied_S.index_fill_(0, slot_idx_N, True), empty)
     else:  # every packed slot holds a kept row
         empty_slots = torch.zeros(0, dtype=torch.int64, device=device)
     return DispatchPlan(
         token_idx_N=token_idx_N,
         slot_idx_N=slot_idx_N,
+        choice_idx_N=kept_N,
         choice_mask_TK=kept_TK,
         offsets_T=torch.cumsum(kept_per_token, 0) - kept_per_token,
         slot_token_S=slot_token_S,
@@ -94,3 +98,10 @@ def _plan(
         capacity=capacity,
         packed_slots=packed_slots,
     )
+
+
+def _true_indices(mask: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Where ``mask`` is True; with its ``count`` known on the host, without a device sync."""
+    if count is None:
+        return mask.nonzero().squeeze(1)
+    return torch.nonzero_static(mask, size=count).squeeze(1)

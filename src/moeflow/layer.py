@@ -228,7 +228,8 @@ class MoELayer(nn.Module):
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
         share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
         owned = share.own(x_TM, routing.slotted(config.num_experts), capacity, factor)
-        plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity)
+        plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
+                                  share.kept_count(filled_WE, self.rank))
 
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         workspace = self._step_workspace(recompute)

@@ -18,9 +18,8 @@ padding in either direction: on the 2-core VM, forward + backward of 4 experts x
 (100/60/35/25 %) and 3.2-3.7x at 30 %. Until 2026-11-26 the torch backend's backward was the
 padded one (the simulator's ``padded_backward`` plan flag models it for the records of then).
 
-The row indices are built on the host from the exchanged counts (host tensors) and sent with
-``non_blocking``, so torch does not synchronize the stream after the copy: a chunk on CUDA issues no
-host sync of torch's (the driver stages a small pageable copy, and may wait while it does).
+The row indices are built on the host from the exchanged counts (host tensors) and sent from
+pinned memory with ``non_blocking`` (:func:`to_device`): a chunk on CUDA issues no host sync.
 """
 
 from __future__ import annotations
@@ -50,6 +49,8 @@ class FilledRows:
     counts_L: torch.Tensor  # rows per local expert
     experts: list[int]  # the local experts that have rows, in order
     counts: list[int]  # their row counts
+    _on_device: dict[tuple[str, str], torch.Tensor] = dataclasses.field(default_factory=dict, repr=False,
+                                                                         compare=False)  # host values, copied
 
     def expert_of_rows(self) -> torch.Tensor:
         """The local expert of every packed row (to add per-expert biases)."""
@@ -63,6 +64,13 @@ class FilledRows:
     def offsets(self) -> torch.Tensor:
         """Where each expert's rows end (``torch._grouped_mm``'s ``offs``)."""
         return torch.cumsum(self.counts_L, 0).to(torch.int32)
+
+    def offsets_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`offsets` on ``device``, copied once per rows (a step's nine grouped GEMMs share them)."""
+        key = ("offsets", str(device))
+        if key not in self._on_device:
+            self._on_device[key] = to_device(self.offsets(), device)
+        return self._on_device[key]
 
     @staticmethod
     def of(filled_LW: torch.Tensor, start: int, stop: int) -> FilledRows:
@@ -84,8 +92,12 @@ class FilledRows:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` with no stream sync after the copy (safe host-to-device: the
-    driver has staged the pageable source when the call returns)."""
+    """A host tensor on ``device``, queued without waiting: copied from pinned memory. From pageable
+    memory the driver stages the copy and may first wait for the stream to drain, a sync that
+    torch's sync debug mode does not report (on an H200, 2026-11-27, the packed path's step spent
+    3.7 ms in such copies). Torch's pinned allocator keeps the block until the copy is done."""
+    if device.type == "cuda" and host.device.type == "cpu":
+        host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 
@@ -134,7 +146,7 @@ def ragged_mm(a_NK: torch.Tensor, b_LKJ: torch.Tensor, rows: FilledRows, backend
     grouped = a_NK.shape[0] > 0 and ((backend == "grouped_mm" and grouped_mm_layouts(a_NK, b_LKJ)) or (
         not rows.few_filled and torch_grouped_mm_runs(a_NK, b_LKJ)))
     if grouped:
-        return torch._grouped_mm(a_NK, b_LKJ, offs=to_device(rows.offsets(), a_NK.device))
+        return torch._grouped_mm(a_NK, b_LKJ, offs=rows.offsets_on(a_NK.device))
     return looped_mm(a_NK, b_LKJ, rows)
 
 
@@ -162,10 +174,10 @@ def ragged_weight_grad(
 
         return grouped_weight_grad(a_NK, g_NJ, rows.counts_L)
     if backend == "grouped_mm" and a_NK.shape[0] > 0 and grouped_mm_layouts(a_NK.t(), g_NJ):
-        out = torch._grouped_mm(a_NK.t(), g_NJ, offs=to_device(rows.offsets(), a_NK.device))
+        out = torch._grouped_mm(a_NK.t(), g_NJ, offs=rows.offsets_on(a_NK.device))
         if len(rows.experts) < rows.counts_L.numel():  # an expert with no rows: zeros, whatever the kernel left
             empty = [e for e, count in enumerate(rows.counts_L.tolist()) if not count]
-            out[to_device(torch.tensor(empty), out.device)] = 0
+            out.index_fill_(0, to_device(torch.tensor(empty), out.device), 0)  # an indexed store syncs
         return out
     out = a_NK.new_zeros((rows.counts_L.numel(), a_NK.shape[1], g_NJ.shape[1]))
     for expert, a, g in zip(rows.experts, a_NK.split(rows.counts), g_NJ.split(rows.counts), strict=True):

@@ -64,7 +64,7 @@ class LayerBenchConfig:
         return {"tokens": self.tokens, "model_dim": d.model_dim, "hidden_dim": d.hidden_dim, "experts": d.num_experts,
                 "top_k": d.top_k, "capacity_factor": self.capacity_factor, "activation": self.activation,
                 "repeats": self.repeats, "warmup": self.warmup, "device": self.device, "dtype": self.dtype,
-                "matmul_size": self.matmul_size, "expert_kernel": self.expert_kernel}
+                "matmul_size": self.matmul_size, "expert_kernel": self.expert_kernel, "bias": d.bias}
 
 
 # The two shapes of the targets: few large experts, many small ones.

@@ -53,6 +53,8 @@ def _add_layer(benches: Any) -> None:
     layer.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
     layer.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     layer.add_argument("--no-kernels", action="store_true", help="skip timing each expert kernel alone")
+    layer.add_argument("--no-bias", action="store_true",
+                       help="experts without biases, as Mixtral's and Qwen-MoE's (default: with biases)")
     layer.add_argument("--expert-kernel", default="bmm", choices=EXPERT_KERNELS,
                        help="the layer's expert kernel: bmm (padded), loop, or ragged (dropless; on one process "
                             "the packed path with no capacity buffer) (default bmm)")
@@ -94,7 +96,8 @@ def run_layer(args: argparse.Namespace) -> int:
         raise fail("bench layer", f"--device {args.device} runs one process: leave --workers at 1")
     results = []
     for num_experts, hidden_dim in _layer_shapes(args):
-        dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation))
+        dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation),
+                         bias=not args.no_bias)
         config = LayerBenchConfig(
             dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,

@@ -97,7 +97,7 @@ def bag_sum(rows_SM: torch.Tensor, plan: DispatchPlan, weight_N: torch.Tensor | 
     out = rows_SM.new_empty((plan.num_tokens, columns))
     if plan.num_tokens == 0 or columns == 0:
         return out.zero_()
-    bounds = torch.cat([plan.offsets_T, plan.offsets_T.new_tensor([plan.slot_idx_N.shape[0]])])
+    bounds = torch.nn.functional.pad(plan.offsets_T, (0, 1), value=plan.slot_idx_N.shape[0])  # no host tensor: no copy
     block = _block(columns)
     _bag_sum_kernel[(plan.num_tokens, triton.cdiv(columns, block))](
         rows_SM, plan.slot_idx_N, bounds, weight_N if weight_N is not None else rows_SM, out, columns,

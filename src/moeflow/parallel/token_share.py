@@ -59,6 +59,11 @@ class TokenShare(Protocol):
 
     def output(self, y_TM: torch.Tensor, num_tokens: int) -> torch.Tensor: ...
 
+    def kept_count(self, filled_WE: torch.Tensor, rank: int) -> int | None:
+        """How many choices :meth:`own`'s tokens keep, where the agreed load (``filled_WE``: every
+        rank's kept assignments per expert, on the host) tells it: the plan then needs no device sync."""
+        ...
+
 
 class AllTokens:
     """The rank handles every token it routed."""
@@ -69,6 +74,9 @@ class AllTokens:
 
     def output(self, y_TM: torch.Tensor, num_tokens: int) -> torch.Tensor:
         return y_TM
+
+    def kept_count(self, filled_WE: torch.Tensor, rank: int) -> int | None:
+        return int(filled_WE[rank].sum())
 
 
 ALL_TOKENS = AllTokens()
@@ -170,3 +178,6 @@ class MPTokenShare:
         y_TM = gather_rows(y_TM, num_tokens, self.group)
         self.timing.gather_s += self.timing.now() - began
         return y_TM
+
+    def kept_count(self, filled_WE: torch.Tensor, rank: int) -> int | None:
+        return None  # a member's share of the rows is not in the load the ranks agreed

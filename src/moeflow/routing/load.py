@@ -35,12 +35,14 @@ def exchange_load(
 ) -> GlobalLoad:
     """Every rank learns every rank's routing counts: capacity must agree across ranks. An
     inference hook's estimate rides along (as float64, which holds the counts exactly)."""
+    if groups.expert is None:  # one copy to the host (the sync capacity needs), the rest built there
+        counts_E = counts_E.cpu()
     local = torch.cat([counts_E, counts_E.new_tensor([num_tokens])])
     if estimate_E is not None:
         estimate = torch.from_numpy(np.asarray(estimate_E, dtype=np.float64))
         local = torch.cat([local.double(), estimate.to(local.device)])
     if groups.expert is None:
-        gathered = local.unsqueeze(0).cpu()
+        gathered = local.unsqueeze(0)
     else:
         parts = [torch.empty_like(local) for _ in range(groups.size)]
         with groups.ledger.tracked("load all-gather", groups.expert, local.numel() * local.element_size()):

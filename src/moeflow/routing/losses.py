@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moeflow.routing.slots import expert_counts
+
 
 def load_balancing_loss(
     scores_TE: torch.Tensor, expert_idx_TK: torch.Tensor, score_function: str = "softmax"
@@ -20,7 +22,7 @@ def load_balancing_loss(
     probs_TE = scores_TE
     if score_function == "sigmoid":
         probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-    counts_E = torch.bincount(expert_idx_TK.reshape(-1), minlength=num_experts)
+    counts_E = expert_counts(expert_idx_TK, num_experts)
     fraction_E = counts_E.to(probs_TE.dtype) / expert_idx_TK.numel()
     return num_experts * torch.sum(fraction_E * probs_TE.mean(dim=0))
 

@@ -16,7 +16,7 @@ from torch import nn
 from moeflow.config import MoEConfig
 from moeflow.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
 from moeflow.routing.selection import ExpertChoice, NodeLimit, select_experts
-from moeflow.routing.slots import assign_slots
+from moeflow.routing.slots import assign_slots, expert_counts
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def route(
     if slots:
         location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
     else:
-        location_TK, counts_E = None, torch.bincount(choice.expert_idx_TK.flatten(), minlength=config.num_experts)
+        location_TK, counts_E = None, expert_counts(choice.expert_idx_TK, config.num_experts)
     return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E, priority_T)
 
 

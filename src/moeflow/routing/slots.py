@@ -30,7 +30,7 @@ def assign_slots(
     fill_order_KT = token_order.expand(top_k, num_tokens)
     expert_in_fill_order = expert_idx_TK.t().gather(1, fill_order_KT).reshape(-1)
 
-    counts_E = torch.bincount(expert_in_fill_order, minlength=num_experts)
+    counts_E = expert_counts(expert_in_fill_order, num_experts)
     order = torch.sort(expert_in_fill_order, stable=True).indices
     first_of_expert_E = torch.cumsum(counts_E, 0) - counts_E
     rank_within_expert = (
@@ -42,3 +42,12 @@ def assign_slots(
     location_KT = torch.empty((top_k, num_tokens), dtype=torch.int64, device=device)
     location_KT.scatter_(1, fill_order_KT, location_in_fill_order.view(top_k, num_tokens))
     return location_KT.t(), counts_E
+
+
+def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64: how often each expert is named. ``torch.bincount`` on CUDA reads its input's
+    maximum back to the host to size its output, a device sync in every routing; a scatter-add into
+    E counters does not."""
+    flat = expert_idx.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts_E.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
