@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.moeflow-installed
 DOCS_STAMP := $(VENV)/.moeflow-docs-installed
 
-.PHONY: setup run test lint docs bench clean
+.PHONY: setup run test test-fast lint docs bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The edit-test loop: the single-process tests under two seconds and one distributed case per family
+# (about a minute on 2 cores); CI runs the whole suite.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "(not distributed and not slow) or smoke"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples docs/conf.py

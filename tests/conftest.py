@@ -16,6 +16,27 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def worker_pools() -> Iterator[None]:
+    """End the distributed tests' persistent gloo workers (tests/pool.py) with the run."""
+    yield
+    from pool import close_pools
+
+    close_pools()
+
+
+@pytest.fixture(autouse=True)
+def pooled_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's own spawns (training, generation, benchmarks run in the test's process) go to
+    the persistent workers too, unless the test is marked ``fresh_workers`` (it measures a whole
+    process: its peak memory). A ``moeflow`` subprocess and tests/test_distributed.py still spawn."""
+    if request.node.get_closest_marker("fresh_workers") is None:
+        import moeflow.distributed
+        from pool import run_distributed
+
+        monkeypatch.setattr(moeflow.distributed, "run_distributed", run_distributed)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def corpus_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Keep the tokenized corpora of the tests out of the user's cache (spawned workers inherit it)."""
     cache = tmp_path_factory.mktemp("moeflow-cache")

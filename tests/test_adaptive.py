@@ -10,12 +10,12 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.config import LayerDims, check_switchable_layout, switchable_rs
-from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
 from moeflow.planner import PipelinePlanner, ternary_next_r
 from moeflow.reference import ReferenceMoE
+from pool import run_distributed
 
 
 def _train(rank: int, world: int, num_experts: int, rs: list[int], steps: int) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with, exchange, pairwise_peers, split_matrix, transpose
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology, topology_from_environment
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 SPLIT_KINDS = ("equal", "uneven", "empty")
 

@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 from moeflow.bench.lina_inference import HF_MODELS, LinaPoint, accuracy_by_length, hf_model, summarize
 from moeflow.bench.lina_plot import plot_lina_inference
-from moeflow.distributed import run_distributed
 from moeflow.hf import moe_blocks
 from moeflow.inference import RoutingProfile
+from pool import run_distributed
 
 
 def _skew(skew: float, colocated: bool = False) -> float:
@@ -27,6 +27,7 @@ def _skew(skew: float, colocated: bool = False) -> float:
     return float(np.mean([load.max() / load.mean() for load in loads]))
 
 
+@pytest.mark.slow
 def test_the_random_models_routers_set_the_skew() -> None:
     assert _skew(*HF_MODELS["uniform"]) < 1.3 < 2.0 < _skew(*HF_MODELS["skewed"])
     assert _skew(*HF_MODELS["colocated"]) > 2.0

@@ -42,6 +42,7 @@ def _check_record(record: dict[str, Any]) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.fresh_workers  # each worker's peak memory is its own process's high-water mark
 def test_bench_memory_reports_every_worker_and_its_share_shrinks_with_workers(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -21,7 +21,7 @@ from moeflow.data_parallel import (
     expert_fully_shard,
     expert_parameter_names,
 )
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 M, H, ROWS, STEPS, MAX_NORM = 8, 16, 32, 4, 0.3
 

@@ -18,10 +18,10 @@ from moeflow.comm.topology import Topology
 from moeflow.direct import SOURCE
 from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS
 from moeflow.direct_gather import GATHER_TOKENS, GATHERED
-from moeflow.distributed import run_distributed
 from moeflow.reference import ReferenceMoE
 from moeflow.stats import RoutingStats
 from op_count import OpCount
+from pool import run_distributed
 
 M, H, E = 16, 24, 8
 

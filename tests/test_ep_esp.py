@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 CAPACITY, MODEL_DIM, LOCAL = 3, 4, 2
 

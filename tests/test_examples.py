@@ -41,6 +41,7 @@ def test_every_example_is_tested_and_says_how_to_run_it() -> None:
         assert f"examples/{name}" in docstring, f"{name}'s docstring does not say how to run it"
 
 
+@pytest.mark.slow
 def test_train_loop_as_one_process() -> None:
     summary = run_example("examples/train_loop.py", *TINY_TRAINING)
     assert summary["example"] == "train_loop" and summary["world_size"] == 1 and summary["steps"] == 12
@@ -58,6 +59,7 @@ def test_train_loop_under_torchrun_on_two_processes(script: str) -> None:
     assert summary["stdout"].count('"example"') == 1  # rank 0 alone reports
 
 
+@pytest.mark.slow
 def test_convert_hf_matches_transformers_and_generates() -> None:
     pytest.importorskip("transformers")
     for family in ("mixtral", "qwen3_moe"):
@@ -67,6 +69,7 @@ def test_convert_hf_matches_transformers_and_generates() -> None:
         assert summary["same_tokens"] and summary["new_tokens"] == 4
 
 
+@pytest.mark.slow
 def test_plan_cluster_names_the_best_plan() -> None:
     summary = run_example("examples/plan_cluster.py", "--cluster", "fastermoe-johnny", "--model", "fastermoe-gpt",
                           "--layers", "2", "--top", "2")

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.distributed import run_distributed
 from moeflow.experts import ExpertFFN
+from pool import run_distributed
 
 M, H = 8, 16
 

@@ -39,6 +39,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=lambda d: f"{d.kind}-{d.worker}-{d.phase}-{d.grad_sync}")
+@pytest.mark.slow
 def test_a_fault_ends_the_job_within_the_timeout_and_keeps_a_resumable_checkpoint(
     drill: Drill, trained: Path, tmp_path: Path
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
         resumable_checkpoint(path.parent)  # named itself: no silent fallback
 
 
+@pytest.mark.slow
 def test_resume_from_a_damaged_checkpoint_warns_naming_the_file_and_continues(trained: Path, tmp_path: Path) -> None:
     run_dir, path = _damaged_copy(trained, tmp_path, "__0_0.distcp", "corrupt")
     result = subprocess.run(

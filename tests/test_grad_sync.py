@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from moeflow.comm.traffic import AllToAllTraffic, TimelineEvent, contention_seconds
-from moeflow.distributed import run_distributed
 from moeflow.models import MoETransformer, TransformerConfig
 from moeflow.training.grad_sync import buckets, gradient_scheduler, micro_ops
 from moeflow.training.gradients import replicated_parameters, synchronize_gradients
+from pool import run_distributed
 
 MODES = ("after", "overlap", "lina")
 DEGREES = (1, 2, 4)

@@ -13,10 +13,10 @@ pytest.importorskip("transformers")
 from hf_checks import FAMILIES, whole_model_logits
 from hf_models import as_v4_block, greedy_reference, tiny_model, word_tokenizer
 from moeflow.cli import main
-from moeflow.distributed import run_distributed
 from moeflow.hf import HFMoEBlock, from_hf_block, moe_blocks, replace_moe_blocks, to_hf
 from moeflow.hf.families import family_of
 from moeflow.hf.generate import SamplingSettings
+from pool import run_distributed
 
 TIGHT = {"atol": 1e-12, "rtol": 1e-10}
 
@@ -68,7 +68,7 @@ def test_whole_model_logits_and_weights_round_trip(family: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.smoke), 4])
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_expert_parallel_model_equals_transformers(family: str, world_size: int) -> None:
     """Experts spread over the workers (E / W each), every worker's own batch, logits as transformers'."""
@@ -168,6 +168,7 @@ def test_generate_cli_bad_input(tmp_path, capsys) -> None:
         SamplingSettings(max_new_tokens=0)
 
 
+@pytest.mark.slow
 def test_bench_generate_compares_implementations_on_the_same_weights(capsys) -> None:
     """A short run of the benchmark: every implementation's record, the comparison with identical
     greedy tokens, the floor, and the summary line."""

@@ -16,10 +16,10 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from hf_models import tiny_model
-from moeflow.distributed import run_distributed
 from moeflow.hf import moe_blocks, replace_moe_blocks
 from moeflow.hf.loading import load_hf_model, load_whole
 from moeflow.hf.safetensors_files import SafetensorsCheckpoint
+from pool import run_distributed
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 

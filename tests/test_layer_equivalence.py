@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 from equivalence import all_cases, check_cases
 
@@ -16,13 +16,14 @@ def _assert_no_failures(results: list[tuple[int, list[str]]], expected_cases: in
     assert not failures, f"{len(failures)} mismatches:\n" + "\n".join(failures[:40])
 
 
+@pytest.mark.slow
 def test_single_process_without_process_group_matches_reference() -> None:
     cases = all_cases()
     _assert_no_failures([check_cases(0, 1, cases)], len(cases))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_expert_parallel_matches_reference(world_size: int) -> None:
     cases = all_cases()
     results = run_distributed(check_cases, world_size, cases, timeout_s=300, collective_timeout_s=60)

@@ -14,8 +14,9 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import RING_ENTRIES, CollectiveError, CollectiveLedger, ProgressBeacon, process_state
-from moeflow.distributed import WorkerError, run_distributed
+from moeflow.distributed import WorkerError
 from moeflow.training.faults import FaultPlan, WorkerFault
+from pool import run_distributed
 
 
 def _failing(ledger: CollectiveLedger, operation: str) -> str:
@@ -132,6 +133,7 @@ def _layer_entries(rank: int, world_size: int, settings: dict[str, object]) -> l
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_the_layer_records_its_collectives_alike_on_every_rank(world_size: int) -> None:
     per_rank = run_distributed(_layer_entries, world_size, {"pipeline": 2})
     assert all(entries == per_rank[0] for entries in per_rank)  # the same numbers for the same collectives
@@ -185,6 +187,7 @@ def _desynchronized(rank: int, world_size: int, progress: str) -> None:
             dist.all_reduce(torch.ones(2))
 
 
+@pytest.mark.slow
 def test_workers_in_different_collectives_are_reported_as_a_desync(tmp_path: Path) -> None:
     with pytest.raises(WorkerError) as raised:
         run_distributed(_desynchronized, 2, str(tmp_path), collective_timeout_s=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import moeflow
 
 SOURCE = Path(moeflow.__file__).parent
-ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "distributed.py",
+ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "distributed.py", "worker_pool.py",
                 "testbed/", "bench/")
 
 
@@ -125,7 +125,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
     ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_packed",
      "direct_paths", "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision",
-     "phases", "reference", "measure", "distributed"),
+     "phases", "reference", "measure", "distributed", "worker_pool"),
     ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
     # simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it

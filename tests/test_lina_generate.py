@@ -75,6 +75,7 @@ def test_profiled_lina_and_oracle_generate_the_static_tokens(tmp_path: Path, cap
     assert _generate(tmp_path, capfd, 2, "--schedule", "oracle", "--max-experts-per-rank", "5") == static
 
 
+@pytest.mark.slow
 def test_a_missing_or_foreign_profile_is_refused(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     directory = _model_dir(tmp_path)
     base = ["generate", "--hf", str(directory), "--prompts", str(tmp_path / "prompts.jsonl"), "--schedule", "lina"]
@@ -128,6 +129,6 @@ def _scheduled_logits(rank: int, world_size: int, schedule: str) -> float:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("schedule", ["lina", "oracle"])
 def test_scheduled_logits_equal_transformers(world_size: int, schedule: str) -> None:
-    from moeflow.distributed import run_distributed
+    from pool import run_distributed
 
     assert max(run_distributed(_scheduled_logits, world_size, schedule, timeout_s=180)) < 1e-10

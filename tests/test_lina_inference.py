@@ -14,7 +14,6 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.distributed import run_distributed
 from moeflow.inference import (
     InferenceScheduler,
     RoutingProfile,
@@ -29,6 +28,7 @@ from moeflow.inference.scheduler import balanced_choice, top_experts
 from moeflow.parallel.redundant import rank_loads
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.routing.selection import ExpertChoice
+from pool import run_distributed
 
 from equivalence import FP32_TOLERANCE
 

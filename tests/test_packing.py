@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.distributed import run_distributed
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import gather_full
 from moeflow.training import TrainConfig
@@ -22,6 +21,7 @@ from moeflow.training.checkpoint import latest_checkpoint, read_state
 from moeflow.training.launch import run_training
 from moeflow.training.metrics import iterate_records
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, pack_layer, parse_packing
+from pool import run_distributed
 from test_training import TINY, _evaluate_checkpoint
 
 

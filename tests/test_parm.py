@@ -15,12 +15,12 @@ from moeflow.comm import ParallelGroups
 from moeflow.comm.mp import member_rows
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.distributed import run_distributed
 from moeflow.parallel.parm import BaselineModel, ParmModel
 from moeflow.parallel.token_share import packed_locations
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import Plan
+from pool import run_distributed
 
 
 def _error(build) -> str:

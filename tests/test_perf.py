@@ -201,7 +201,7 @@ def test_layer_capacity_matches_perf_after_a_forward() -> None:
 @pytest.mark.distributed
 def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> None:
     from moeflow.calibrate import CalibrationConfig, calibrate_rank
-    from moeflow.distributed import run_distributed
+    from pool import run_distributed
 
     config = CalibrationConfig(model_dim=32, hidden_dim=64, gemm_tokens=(64, 128, 256, 512),
                                collective_bytes=(4096, 16384, 65536, 262144), repeats=1, layer_repeats=1)

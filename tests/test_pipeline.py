@@ -16,7 +16,6 @@ import torch.distributed as dist
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.distributed import run_distributed
 from moeflow.experts import ExpertFFN
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
@@ -31,6 +30,7 @@ from moeflow.perf.pipeline import (
 from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
 from moeflow.planner import PipelinePlanner
 from moeflow.stats import PipelineTiming, region_clock
+from pool import run_distributed
 
 # -- chunking and the model ---------------------------------------------------------------------
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.distributed import run_distributed
 from moeflow.parallel import ExpertPlacement, ExpertShard
 from moeflow.reference import ReferenceMoE
+from pool import run_distributed
 
 E, M, H = 4, 3, 8
 

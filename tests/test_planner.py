@@ -15,11 +15,11 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.distributed import run_distributed
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import RegionShape, rank_plans
 from moeflow.perf.schedules import ExpertParallelModel, Plan, rank_schedule_plans
 from moeflow.planner import MIN_GAIN, simplest_within
+from pool import run_distributed
 
 PROFILE = ClusterProfile(
     nodes=2, ranks_per_node=1,

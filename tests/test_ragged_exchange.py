@@ -11,9 +11,9 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.distributed import run_distributed
 from moeflow.parallel.ragged_exchange import RaggedExpertExchange, ragged_routes
 from moeflow.pipeline import ExpertExchange
+from pool import run_distributed
 
 
 def test_routes_of_a_chunk() -> None:

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.distributed import run_distributed
 from moeflow.parallel.redundant import ReplicaRowMap, balanced_placement, rank_loads, replica_counts
 from moeflow.training.rebalance import rebalance_layer
+from pool import run_distributed
 
 
 def _experts_of(placement: Any) -> list[list[int]]:
@@ -101,6 +101,7 @@ def _train(rank: int, world_size: int, redundant: int, loads: list[list[float]])
     return {name: tensor.numpy() for name, tensor in layer.full_state_dict().items()}
 
 
+@pytest.mark.slow
 def test_training_across_rebalances_continues_as_without_redundant_experts() -> None:
     loads = [[1.0, 2, 90, 3], [60.0, 1, 1, 50]]  # replicas of experts 2, 3 then 0, 3 (0, 1 at first)
     plain = run_distributed(_train, 2, 0, loads, timeout_s=180)
@@ -153,6 +154,7 @@ def _uneven(rank: int, world_size: int) -> None:
              redundant_experts=1)
 
 
+@pytest.mark.slow
 def test_slots_must_split_evenly_over_the_ranks() -> None:
     with pytest.raises(Exception, match="multiple of 2"):
         run_distributed(_uneven, 2, timeout_s=60)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.saa import simultaneous_alltoall_allgather
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 
 def _groups(world: int, a2a_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

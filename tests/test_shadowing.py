@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.distributed import run_distributed
 from moeflow.parallel.shadowing import ShadowPlan
 from moeflow.perf import AlphaBeta, ClusterProfile
+from pool import run_distributed
 
 
 def _profile(allreduce_beta: float) -> ClusterProfile:
@@ -47,6 +47,7 @@ def _shadow_stats(rank: int, world_size: int, shadowing: object, allreduce_beta:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_auto_shadows_the_hot_expert_when_parameters_are_cheap(world_size: int) -> None:
     results = run_distributed(_shadow_stats, world_size, "auto", 1e-12, timeout_s=180)
     assert all(r["shadowed"][:1] == (0,) for r in results), results  # the same choice on every rank

@@ -215,6 +215,7 @@ def test_step_speed_at_2048_ranks_and_64_layers() -> None:
     assert math.isfinite(result.step_s) and result.operations > 64 * 10
 
 
+@pytest.mark.slow
 def test_simulate_command_prints_a_line_per_plan_and_the_best() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "moeflow", "simulate", "--cluster", "tutel-a100", "--nodes", "4", "--layers", "2",

@@ -39,6 +39,7 @@ def _our_namespaces() -> set[str]:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_launch_runs_every_rank_with_torchrun_environment_and_tears_down() -> None:
     before = _our_namespaces()
     out = io.StringIO()
@@ -54,6 +55,7 @@ def test_launch_runs_every_rank_with_torchrun_environment_and_tears_down() -> No
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_job_with_its_exit_code() -> None:
     script = "import os, sys, time\nif os.environ['RANK'] == '3': sys.exit(7)\ntime.sleep(60)"
     before = _our_namespaces()
@@ -68,6 +70,7 @@ def test_a_failing_rank_stops_the_job_with_its_exit_code() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_timeout_stops_every_rank() -> None:
     code = launch(ClusterSpec(nodes=1, ranks_per_node=2), [sys.executable, "-c", "import time; time.sleep(60)"],
                   master_port=29613, timeout_s=2, sink=io.StringIO())
@@ -75,6 +78,7 @@ def test_timeout_stops_every_rank() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_inter_node_link_is_shaped_and_intra_node_is_not() -> None:
     """8 MiB over a 1 Gbit/s link needs >= 67 ms. A lower bound only: a busy machine can only make
     it slower, so the test fails only when the link is not shaped."""
@@ -151,18 +155,21 @@ def _run_test_module_on_2x2(module: str, master_port: int, timeout_s: float) -> 
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_alltoall_algorithms_equal_linear_on_the_emulated_2x2_cluster() -> None:
     output = _run_test_module_on_2x2("test_alltoall_algorithms", master_port=29616, timeout_s=180)
     assert output.count("all algorithms equal linear") == 4
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_pipeline_equals_degree_one_and_the_reference_on_the_emulated_2x2_cluster() -> None:
     output = _run_test_module_on_2x2("test_pipeline", master_port=29617, timeout_s=300)
     assert output.count("pipeline equals d=1 and the reference") == 4
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_bench_pipeline_measures_every_setting_and_summarizes() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "pipeline", "--tokens", "64", "--model-dims", "32",
@@ -192,6 +199,7 @@ def _bench_parallel(*flags: str) -> list[dict]:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
     records = _bench_parallel("--num-experts", "1")
     modes = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
@@ -210,6 +218,7 @@ def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "schedules", "--num-experts", "2", "--hidden-dims", "32",
@@ -227,6 +236,7 @@ def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "alltoall", "--layouts", "1x2", "--sizes", "1024", "--repeats", "1"],
@@ -240,6 +250,7 @@ def test_bench_alltoall_prints_every_algorithm_and_a_summary() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_cluster_command_probes_both_links() -> None:
     """`moeflow cluster` runs moeflow.testbed.probe on every rank; rank 0 reports both links."""
     result = subprocess.run(
@@ -255,6 +266,7 @@ def test_cluster_command_probes_both_links() -> None:
 
 
 @needs_testbed
+@pytest.mark.slow
 def test_train_runs_inside_the_emulated_cluster(tmp_path: Path) -> None:
     """`moeflow train` started by `moeflow launch` on 2 emulated nodes: each rank in its namespace."""
     json_package = Path(json.__file__).parent

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
-from moeflow.distributed import WorkerError, run_distributed
+from moeflow.distributed import WorkerError
 from moeflow.models import MoETransformer, TransformerConfig
 from moeflow.phases import PhaseClock
 from moeflow.training import TrainConfig
@@ -30,6 +30,7 @@ from moeflow.training.gradients import synchronize_gradients
 from moeflow.training.launch import run_training
 from moeflow.training.metrics import iterate_records
 from moeflow.training.sharded_checkpoint import saved_tensors
+from pool import run_distributed
 
 DATA = str(stdlib_directory() / "json")
 TINY: dict[str, Any] = dict(
@@ -146,7 +147,7 @@ def _synced_gradients(rank: int, world_size: int, config: TransformerConfig) -> 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", ["expert", "replicated", 0, "adaptive"])
+@pytest.mark.parametrize("parallel", [pytest.param("expert", marks=pytest.mark.smoke), "replicated", 0, "adaptive"])
 def test_two_workers_give_the_gradient_of_one_worker_on_the_whole_batch(parallel: str | int) -> None:
     # no token dropped and no balance loss: the global mean loss is then exactly the one-worker loss;
     # replicated experts are summed by the trainer's all-reduce, expert-parallel ones by the all-to-all

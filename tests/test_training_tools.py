@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from moeflow import MoELayer
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 M, H, E = 16, 32, 4
 
@@ -132,6 +132,7 @@ def test_deepcopy_after_a_forward_gives_an_independent_equal_layer() -> None:
     assert layer.experts.w1.grad is not None and twin.experts.w1.grad is None
 
 
+@pytest.mark.slow
 def test_torch_compile_runs_and_matches() -> None:
     """Graph breaks (data-dependent shapes of capacity routing, host reads, the planner's timing)
     are listed in the guide; here: the compiled layer (AOT autograd, no code generation, to keep

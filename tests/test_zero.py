@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.zero import gather_shards
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 SHARD_SHAPE = (2, 3, 4)
 

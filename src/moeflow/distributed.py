@@ -51,9 +51,23 @@ def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
     results: Any, threads: int, collective_timeout_s: float,
 ) -> None:
+    prepare_worker_process()
+    torch.set_num_threads(threads)
+    run_in_group(rank, world_size, port, fn, args, results, collective_timeout_s)
+
+
+def prepare_worker_process() -> None:
+    """What a gloo worker process sets once: the loopback interface, the allocator's tuning."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     tune_cpu_allocator(tuning_requested(os.environ))
-    torch.set_num_threads(threads)
+
+
+def run_in_group(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
+    collective_timeout_s: float,
+) -> None:
+    """Join a new gloo group at ``port``, put ``(rank, ok, fn's value or the traceback)`` on
+    ``results``, and destroy every group the call made."""
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -97,34 +111,40 @@ def run_distributed(
     for worker in workers:
         worker.start()
     collected: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        grace_polls = 0
-        while len(collected) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = _first_dead(workers, collected)
-                if dead is not None:
-                    grace_polls += 1  # its result may still be in the pipe: poll a little longer
-                    if grace_polls > 10:
-                        raise WorkerError(
-                            f"worker {dead} of {world_size} died with exit code "
-                            f"{workers[dead].exitcode} before returning"
-                        ) from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in collected]
-                    raise WorkerError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
-                continue
-            if not ok:
-                raise WorkerError(_failure_message(workers, collected, rank, value))
-            collected[rank] = value
+        collect_results(workers, results, timeout_s, collected)
     finally:
-        _stop_workers(workers, wait_s=5 if len(collected) == world_size else 0.1)
+        stop_workers(workers, wait_s=5 if len(collected) == world_size else 0.1)
     return [collected[rank] for rank in range(world_size)]
 
 
-def _stop_workers(workers: list[Any], wait_s: float, grace_s: float = 3.0) -> None:
+def collect_results(workers: list[Any], results: Any, timeout_s: float, collected: dict[int, Any]) -> None:
+    """Fill ``collected`` with each worker's ``(rank, ok, value)`` from ``results``; raise
+    :class:`WorkerError` naming the worker at the first that raised, died or ran past ``timeout_s``."""
+    world_size = len(workers)
+    deadline = time.monotonic() + timeout_s
+    grace_polls = 0
+    while len(collected) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = _first_dead(workers, collected)
+            if dead is not None:
+                grace_polls += 1  # its result may still be in the pipe: poll a little longer
+                if grace_polls > 10:
+                    raise WorkerError(
+                        f"worker {dead} of {world_size} died with exit code {workers[dead].exitcode} before returning"
+                    ) from None
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in collected]
+                raise WorkerError(f"workers {missing} did not finish within {timeout_s:.0f} s") from None
+            continue
+        if not ok:
+            raise WorkerError(_failure_message(workers, collected, rank, value))
+        collected[rank] = value
+
+
+def stop_workers(workers: list[Any], wait_s: float, grace_s: float = 3.0) -> None:
     """End every worker: those still running after ``wait_s`` get SIGTERM, then SIGCONT (a stopped
     process, by SIGSTOP or a debugger, only acts on the SIGTERM once continued), and those still
     there ``grace_s`` later SIGKILL."""

@@ -230,7 +230,6 @@ class MoELayer(nn.Module):
         owned = share.own(x_TM, routing.slotted(config.num_experts), capacity, factor)
         plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
                                   share.kept_count(filled_WE, self.rank))
-
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         workspace = self._step_workspace(recompute)
         kernels = self._kernels(x_TM)

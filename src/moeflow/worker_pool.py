@@ -1,0 +1,110 @@
+"""Gloo worker processes kept for many short jobs: each world size spawns once.
+
+Spawning a worker starts an interpreter that imports torch and moeflow, seconds on a small machine;
+a test suite that ran a hundred distributed jobs paid it a hundred times. A :class:`WorkerPool`
+spawns its processes once and sends them jobs. Each job still starts as a fresh worker would:
+
+- a new process group, joined at a port of its own and destroyed after the job, every group the
+  job made with it;
+- the caller's environment and working directory at the time of the call;
+- torch's first seed, grad mode on, the default dtype fp32, the pool's intra-op thread count.
+
+It fails as :func:`~moeflow.distributed.run_distributed` does. A job that raises, dies or runs past
+its deadline raises :class:`~moeflow.distributed.WorkerError` naming the worker. The pool's
+processes end with it, and the next job spawns new ones.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from moeflow.distributed import collect_results, free_port, prepare_worker_process, run_in_group, stop_workers
+
+
+class WorkerPool:
+    """``world_size`` gloo processes, one intra-op thread each unless told otherwise, that run
+    one job at a time (:meth:`run`) until :meth:`close`."""
+
+    def __init__(self, world_size: int, threads_per_worker: int = 1) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.threads_per_worker = world_size, threads_per_worker
+        self._workers: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, collective_timeout_s: float = 60.0,
+    ) -> list[Any]:
+        """``fn(rank, world_size, *args)`` on every worker; the results by rank (as
+        :func:`~moeflow.distributed.run_distributed`, whose arguments these are)."""
+        job = bytes(ForkingPickler.dumps((fn, args)))  # here, so a value that does not pickle fails in the caller
+        if not self._workers or not all(worker.is_alive() for worker in self._workers):
+            self._start()
+        port, environment = free_port(), dict(os.environ)
+        for tasks in self._tasks:
+            tasks.put((port, job, collective_timeout_s, environment, os.getcwd()))
+        collected: dict[int, Any] = {}
+        try:
+            collect_results(self._workers, self._results, timeout_s, collected)
+        except BaseException:
+            self.close(wait_s=0.1)  # a failed job leaves its processes in an unknown state
+            raise
+        return [collected[rank] for rank in range(self.world_size)]
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """End the processes (a job that is still running is stopped)."""
+        for tasks in self._tasks:
+            tasks.put(None)
+        stop_workers(self._workers, wait_s=wait_s)
+        self._workers, self._tasks, self._results = [], [], None
+
+    def _start(self) -> None:
+        self.close(wait_s=0.1)
+        context = mp.get_context("spawn")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(self.world_size)]
+        self._workers = [
+            context.Process(target=_serve, args=(rank, self.world_size, tasks, self._results, self.threads_per_worker),
+                            daemon=True)
+            for rank, tasks in enumerate(self._tasks)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+
+def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int) -> None:
+    """A pool process: run jobs until told to stop, each from a fresh worker's state."""
+    prepare_worker_process()
+    first_seed = torch.initial_seed()
+    while (task := tasks.get()) is not None:
+        port, job, collective_timeout_s, environment, cwd = task
+        _fresh_state(environment, cwd, threads, first_seed)
+        run_in_group(rank, world_size, port, _call, (job,), results, collective_timeout_s)
+        gc.collect()
+
+
+def _call(rank: int, world_size: int, job: bytes) -> Any:
+    """Unpickled inside the group's try, so a job that does not load reports its traceback."""
+    fn, args = pickle.loads(job)
+    return fn(rank, world_size, *args)
+
+
+def _fresh_state(environment: dict[str, str], cwd: str, threads: int, first_seed: int) -> None:
+    """What a job may have changed in the process, as a newly spawned worker has it."""
+    os.environ.clear()
+    os.environ.update(environment)
+    prepare_worker_process()
+    os.chdir(cwd)
+    torch.set_num_threads(threads)
+    torch.manual_seed(first_seed)
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)

@@ -1,0 +1,99 @@
+"""The persistent gloo workers behind the suite's distributed tests: a job runs as on fresh workers
+(its own group, the caller's environment, the first seed) and fails as run_distributed fails."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow.distributed import WorkerError, run_distributed
+from moeflow.worker_pool import WorkerPool
+
+pytestmark = pytest.mark.distributed
+
+
+def _state(rank: int, world_size: int, note: str) -> dict[str, object]:
+    """What a job sees, then changes that must not reach the next job."""
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    seen = {"pid": os.getpid(), "sum": total.item(), "world": dist.get_world_size(), "note": os.environ.get("NOTE"),
+            "draw": torch.rand(3).tolist(), "grad": torch.is_grad_enabled(), "threads": torch.get_num_threads(),
+            "leaked": os.environ.get("LEAKED")}
+    dist.new_group([0])  # a group of the job's own: destroyed with it
+    os.environ["LEAKED"] = note
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(2)
+    torch.rand(5)
+    return seen
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one's own error")
+    dist.barrier()
+
+
+def _exit_on_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def _sleep(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_jobs_run_on_the_same_processes_each_as_on_fresh_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = WorkerPool(2)
+    try:
+        monkeypatch.setenv("NOTE", "first")
+        first = pool.run(_state, "one")
+        monkeypatch.setenv("NOTE", "second")  # set after the pool spawned: the job still sees it
+        second = pool.run(_state, "two")
+    finally:
+        pool.close()
+    fresh = run_distributed(_state, 2, "fresh")
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]  # no new interpreter
+    for results, note in ((first, "first"), (second, "second"), (fresh, "second")):
+        for seen in results:
+            assert (seen["sum"], seen["world"], seen["note"]) == (3.0, 2, note)
+            assert (seen["grad"], seen["threads"], seen["leaked"]) == (True, 1, None)
+    assert [r["draw"] for r in second] == [r["draw"] for r in first]  # each job from the process's first seed
+
+
+def test_a_failed_job_names_its_worker_and_the_next_job_gets_new_processes() -> None:
+    pool = WorkerPool(2)
+    try:
+        before = [seen["pid"] for seen in pool.run(_state, "before")]
+        with pytest.raises(WorkerError, match=r"(?s)worker 1 of 2 failed:.*rank one's own error"):
+            pool.run(_raise_on_rank_one)
+        with pytest.raises(WorkerError, match="worker 0 of 2 died with exit code 3"):
+            pool.run(_exit_on_rank_zero)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"workers \[0, 1\] did not finish within 2 s"):
+            pool.run(_sleep, 60.0, timeout_s=2)
+        assert time.monotonic() - started < 20  # the hung job is stopped, not waited for
+        after = [seen["pid"] for seen in pool.run(_state, "after")]
+    finally:
+        pool.close()
+    assert not set(before) & set(after)
+
+
+def test_a_job_that_does_not_pickle_fails_in_the_caller() -> None:
+    pool = WorkerPool(1)
+    try:
+        with pytest.raises((AttributeError, TypeError, ValueError, pickle_error())):
+            pool.run(lambda rank, world_size: rank)
+        assert pool.run(_sleep, 0.0) == [None]
+    finally:
+        pool.close()
+
+
+def pickle_error() -> type[Exception]:
+    import pickle
+
+    return pickle.PicklingError
