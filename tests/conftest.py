@@ -27,13 +27,17 @@ def worker_pools() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def pooled_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library's own spawns (training, generation, benchmarks run in the test's process) go to
-    the persistent workers too, unless the test is marked ``fresh_workers`` (it measures a whole
-    process: its peak memory). A ``moeflow`` subprocess and tests/test_distributed.py still spawn."""
-    if request.node.get_closest_marker("fresh_workers") is None:
-        import moeflow.distributed
-        from pool import run_distributed
+    the persistent workers too, unless the test is marked ``fresh_workers``: it measures the whole
+    process (its peak memory, the children it leaves behind), so the pools end before it and its
+    workers are spawned fresh. A ``moeflow`` subprocess and tests/test_distributed.py still spawn."""
+    from pool import close_pools, run_distributed
 
-        monkeypatch.setattr(moeflow.distributed, "run_distributed", run_distributed)
+    if request.node.get_closest_marker("fresh_workers") is not None:
+        close_pools()
+        return
+    import moeflow.distributed
+
+    monkeypatch.setattr(moeflow.distributed, "run_distributed", run_distributed)
 
 
 @pytest.fixture(scope="session", autouse=True)

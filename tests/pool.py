@@ -28,6 +28,10 @@ def run_distributed(
 
 
 def close_pools() -> None:
+    """End every pool, all told at once; one still exiting after a second is terminated (an idle
+    worker has nothing to lose, and a torch process's orderly exit took seconds)."""
     for pool in _POOLS.values():
-        pool.close()
+        pool.stop_soon()
+    for pool in _POOLS.values():
+        pool.close(wait_s=1.0)
     _POOLS.clear()

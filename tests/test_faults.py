@@ -40,6 +40,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("drill", DRILLS, ids=lambda d: f"{d.kind}-{d.worker}-{d.phase}-{d.grad_sync}")
 @pytest.mark.slow
+@pytest.mark.fresh_workers  # a drill counts the processes the job leaves behind: none of the suite's may be there
 def test_a_fault_ends_the_job_within_the_timeout_and_keeps_a_resumable_checkpoint(
     drill: Drill, trained: Path, tmp_path: Path
 ) -> None:

@@ -60,10 +60,15 @@ class WorkerPool:
             raise
         return [collected[rank] for rank in range(self.world_size)]
 
-    def close(self, wait_s: float = 5.0) -> None:
-        """End the processes (a job that is still running is stopped)."""
+    def stop_soon(self) -> None:
+        """Tell the processes to end once idle, without waiting for them (:meth:`close` waits):
+        several pools end together."""
         for tasks in self._tasks:
             tasks.put(None)
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """End the processes (a job that is still running is stopped)."""
+        self.stop_soon()
         stop_workers(self._workers, wait_s=wait_s)
         self._workers, self._tasks, self._results = [], [], None
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moeflow.distributed import run_distributed
 from moeflow.hf.blocks import moe_blocks
 from moeflow.hf.generate import ExpertParallelGenerator, SamplingSettings
 from moeflow.hf.loading import load_hf_model, load_hf_tokenizer, special_tokens
@@ -108,6 +107,8 @@ def generate_hf(
             prompt_ids.append(tokenizer(prompt["prompt"])["input_ids"])
         if not prompt_ids[-1]:
             raise ValueError(f"prompt {number} has no token")
+    from moeflow.distributed import run_distributed  # at the call, as the library's other spawns: light to import
+
     results = run_distributed(
         generate_worker, workers, path, prompt_ids, batch_size, dtype, settings, schedule, timeout_s=24 * 3600.0,
     )
