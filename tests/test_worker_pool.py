@@ -47,6 +47,25 @@ def _sleep(rank: int, world_size: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _speak(rank: int, world_size: int, word: str) -> None:
+    print(f"{word} from {rank}")
+    os.write(2, f"{word} on fd 2 from {rank}\n".encode())  # what a library writes below Python
+
+
+def test_each_jobs_output_reaches_the_callers_streams(capfd: pytest.CaptureFixture[str]) -> None:
+    """A pool spawned during an earlier test holds that test's descriptors: the output is forwarded."""
+    pool = WorkerPool(2)
+    try:
+        pool.run(_speak, "first")
+        first = capfd.readouterr()
+        pool.run(_speak, "second")
+        second = capfd.readouterr()
+    finally:
+        pool.close()
+    assert first.out == "first from 0\nfirst from 1\n" and first.err == "first on fd 2 from 0\nfirst on fd 2 from 1\n"
+    assert second.out == "second from 0\nsecond from 1\n" and "first" not in second.err
+
+
 def test_jobs_run_on_the_same_processes_each_as_on_fresh_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = WorkerPool(2)
     try:

@@ -7,7 +7,11 @@ spawns its processes once and sends them jobs. Each job still starts as a fresh 
 - a new process group, joined at a port of its own and destroyed after the job, every group the
   job made with it;
 - the caller's environment and working directory at the time of the call;
-- torch's first seed, grad mode on, the default dtype fp32, the pool's intra-op thread count.
+- torch's first seed, grad mode on, the default dtype fp32, the pool's intra-op thread count;
+- its output: what each rank writes to its stdout and stderr (file descriptors 1 and 2) during the
+  job is written to the caller's ``sys.stdout`` and ``sys.stderr`` when the job ends, rank by rank
+  (a spawned process would write to the descriptors it inherited, which a pool spawned earlier
+  holds from then).
 
 It fails as :func:`~moeflow.distributed.run_distributed` does. A job that raises, dies or runs past
 its deadline raises :class:`~moeflow.distributed.WorkerError` naming the worker. The pool's
@@ -16,11 +20,16 @@ processes end with it, and the next job spawns new ones.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
-from collections.abc import Callable
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +49,7 @@ class WorkerPool:
         self._workers: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
+        self._output: Path | None = None  # each rank's stdout and stderr of the current job
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, collective_timeout_s: float = 60.0,
@@ -56,9 +66,22 @@ class WorkerPool:
         try:
             collect_results(self._workers, self._results, timeout_s, collected)
         except BaseException:
+            self._forward_output()
             self.close(wait_s=0.1)  # a failed job leaves its processes in an unknown state
             raise
+        self._forward_output()
         return [collected[rank] for rank in range(self.world_size)]
+
+    def _forward_output(self) -> None:
+        """Write what the job's ranks wrote to this process's streams, rank by rank."""
+        assert self._output is not None
+        for rank in range(self.world_size):
+            for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                path = self._output / f"{rank}.{name}"
+                if path.exists() and path.stat().st_size:
+                    stream.write(path.read_text(errors="replace"))
+                    stream.flush()
+                    path.write_bytes(b"")
 
     def stop_soon(self) -> None:
         """Tell the processes to end once idle, without waiting for them (:meth:`close` waits):
@@ -70,37 +93,65 @@ class WorkerPool:
         """End the processes (a job that is still running is stopped)."""
         self.stop_soon()
         stop_workers(self._workers, wait_s=wait_s)
-        self._workers, self._tasks, self._results = [], [], None
+        if self._output is not None:
+            shutil.rmtree(self._output, ignore_errors=True)
+        self._workers, self._tasks, self._results, self._output = [], [], None, None
 
     def _start(self) -> None:
         self.close(wait_s=0.1)
         context = mp.get_context("spawn")
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
+        self._output = Path(tempfile.mkdtemp(prefix="moeflow-pool-"))
         self._workers = [
-            context.Process(target=_serve, args=(rank, self.world_size, tasks, self._results, self.threads_per_worker),
-                            daemon=True)
+            context.Process(target=_serve, args=(rank, self.world_size, tasks, self._results, self.threads_per_worker,
+                                                 str(self._output)), daemon=True)
             for rank, tasks in enumerate(self._tasks)
         ]
         for worker in self._workers:
             worker.start()
 
 
-def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int) -> None:
+def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int, output: str) -> None:
     """A pool process: run jobs until told to stop, each from a fresh worker's state."""
     prepare_worker_process()
     first_seed = torch.initial_seed()
     while (task := tasks.get()) is not None:
         port, job, collective_timeout_s, environment, cwd = task
         _fresh_state(environment, cwd, threads, first_seed)
-        run_in_group(rank, world_size, port, _call, (job,), results, collective_timeout_s)
+        with _written_to(Path(output) / f"{rank}.out", Path(output) / f"{rank}.err"):
+            run_in_group(rank, world_size, port, _call, (job,), results, collective_timeout_s)
         gc.collect()
 
 
 def _call(rank: int, world_size: int, job: bytes) -> Any:
-    """Unpickled inside the group's try, so a job that does not load reports its traceback."""
-    fn, args = pickle.loads(job)
-    return fn(rank, world_size, *args)
+    """Unpickled inside the group's try, so a job that does not load reports its traceback. The
+    streams are flushed before the result is sent: the caller reads the output once it has them all."""
+    try:
+        fn, args = pickle.loads(job)
+        return fn(rank, world_size, *args)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _written_to(stdout: Path, stderr: Path) -> Iterator[None]:
+    """File descriptors 1 and 2 (Python's prints and a library's own writes alike) into these files."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with stdout.open("ab") as out, stderr.open("ab") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
 
 
 def _fresh_state(environment: dict[str, str], cwd: str, threads: int, first_seed: int) -> None:
