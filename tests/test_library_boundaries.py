@@ -125,7 +125,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
     ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_packed",
      "direct_paths", "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision",
-     "phases", "reference", "measure", "distributed", "worker_pool"),
+     "phases", "reference", "measure", "distributed", "worker_pool", "device_copy"),
     ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
     # simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import pytest
@@ -105,14 +106,8 @@ def test_a_failed_job_names_its_worker_and_the_next_job_gets_new_processes() -> 
 def test_a_job_that_does_not_pickle_fails_in_the_caller() -> None:
     pool = WorkerPool(1)
     try:
-        with pytest.raises((AttributeError, TypeError, ValueError, pickle_error())):
+        with pytest.raises((AttributeError, TypeError, ValueError, pickle.PicklingError)):
             pool.run(lambda rank, world_size: rank)
         assert pool.run(_sleep, 0.0) == [None]
     finally:
         pool.close()
-
-
-def pickle_error() -> type[Exception]:
-    import pickle
-
-    return pickle.PicklingError

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
+from moeflow.device_copy import to_device
 from moeflow.direct import DirectRows
 from moeflow.experts import ExpertFFN
-from moeflow.ragged import FilledRows, packed_ffn_output, to_device
+from moeflow.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import PipelineTiming
 
 DIRECT_EXCHANGE_ROWS = 256

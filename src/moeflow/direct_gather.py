@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
+from moeflow.device_copy import to_device
 from moeflow.experts import ExpertFFN
-from moeflow.ragged import FilledRows, packed_ffn_output, to_device
+from moeflow.ragged import FilledRows, packed_ffn_output
 from moeflow.routing.load import GlobalLoad
 from moeflow.stats import PipelineTiming
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class DispatchPlan:
@@ -60,7 +62,7 @@ def make_packed_plan(
     slot): what the ragged GEMMs read directly, with no capacity padding to gather them out of.
     ``counts_E``: the assignments per expert before capacity, on the host."""
     kept_E = counts_E.clamp(max=capacity)
-    first_slot_E = (torch.cumsum(kept_E, 0) - kept_E).to(expert_idx_TK.device, non_blocking=True)
+    first_slot_E = to_device(torch.cumsum(kept_E, 0) - kept_E, expert_idx_TK.device)
     kept = int(kept_E.sum())
     return _plan(expert_idx_TK, location_TK, counts_E.numel(), capacity, first_slot_E, kept, kept)
 

@@ -19,16 +19,18 @@ padding in either direction: on the 2-core VM, forward + backward of 4 experts x
 padded one (the simulator's ``padded_backward`` plan flag models it for the records of then).
 
 The row indices are built on the host from the exchanged counts (host tensors) and sent from
-pinned memory with ``non_blocking`` (:func:`to_device`): a chunk on CUDA issues no host sync.
+pinned memory with ``non_blocking`` (:func:`~moeflow.device_copy.to_device`): a chunk on CUDA issues no host sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from moeflow.device_copy import to_device
 from moeflow.experts import (
     FFNCompute,
     FFNSaved,
@@ -67,9 +69,16 @@ class FilledRows:
 
     def offsets_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`offsets` on ``device``, copied once per rows (a step's nine grouped GEMMs share them)."""
-        key = ("offsets", str(device))
+        return self._copied("offsets", self.offsets, device)
+
+    def expert_of_rows_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`expert_of_rows` on ``device``, copied once per rows (the biases' adds and gradients)."""
+        return self._copied("expert_of_rows", self.expert_of_rows, device)
+
+    def _copied(self, name: str, host: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+        key = (name, str(device))
         if key not in self._on_device:
-            self._on_device[key] = to_device(self.offsets(), device)
+            self._on_device[key] = to_device(host(), device)
         return self._on_device[key]
 
     @staticmethod
@@ -89,16 +98,6 @@ class FilledRows:
     def counted(index_N: torch.Tensor, counts_L: torch.Tensor) -> FilledRows:
         filled = [(expert, count) for expert, count in enumerate(counts_L.tolist()) if count]
         return FilledRows(index_N, counts_L, [e for e, _ in filled], [c for _, c in filled])
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``, queued without waiting: copied from pinned memory. From pageable
-    memory the driver stages the copy and may first wait for the stream to drain, a sync that
-    torch's sync debug mode does not report (on an H200, 2026-11-27, the packed path's step spent
-    3.7 ms in such copies). Torch's pinned allocator keeps the block until the copy is done."""
-    if device.type == "cuda" and host.device.type == "cpu":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
@@ -191,7 +190,7 @@ def packed_ffn(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The FFN of packed rows ordered by expert: y, and h, a and up (what a backward reads)."""
     has_bias = weights.b1 is not None or weights.b2 is not None
-    expert_N = to_device(rows.expert_of_rows(), x_NM.device) if has_bias else None
+    expert_N = rows.expert_of_rows_on(x_NM.device) if has_bias else None
     h_NH = ragged_mm(x_NM, weights.w1, rows, backend)
     if weights.b1 is not None:
         h_NH.add_(weights.b1.index_select(0, expert_N))  # h is the GEMM's own new tensor
@@ -240,7 +239,7 @@ def _per_expert_sum(values_NX: torch.Tensor, rows: FilledRows) -> torch.Tensor:
     (a column sum per expert took 22 µs each on an H200, 2.9 ms of a 64-expert layer's step); on a
     CPU one column sum per expert with rows (the product would multiply L times the work)."""
     if values_NX.device.type != "cpu":
-        expert_N = to_device(rows.expert_of_rows(), values_NX.device)
+        expert_N = rows.expert_of_rows_on(values_NX.device)
         one_hot_LN = values_NX.new_zeros((rows.counts_L.numel(), values_NX.shape[0]))
         one_hot_LN.scatter_(0, expert_N.unsqueeze(0), 1)
         return one_hot_LN @ values_NX

@@ -113,8 +113,7 @@ class WorkerPool:
 
 
 def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int, output: str) -> None:
-    """A pool process: run jobs until told to stop, each from a fresh worker's state."""
-    prepare_worker_process()
+    """A pool process: run jobs until told to stop, each from a fresh worker's state (set per job)."""
     first_seed = torch.initial_seed()
     while (task := tasks.get()) is not None:
         port, job, collective_timeout_s, environment, cwd = task

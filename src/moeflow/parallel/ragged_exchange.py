@@ -27,8 +27,8 @@ import torch
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
+from moeflow.device_copy import to_device
 from moeflow.pipeline import ExpertExchange, SelfAdjointExchange
-from moeflow.ragged import to_device
 
 MIN_SAVING = 0.1
 """The share of a chunk's slots (over all ranks) that must be empty for it to travel ragged: a nearly

@@ -35,6 +35,7 @@ from torch.autograd.function import FunctionCtx
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
+from moeflow.device_copy import to_device
 from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
@@ -42,7 +43,6 @@ from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf.replicas import replica_counts, slot_split
 from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.pipeline import ExpertExchange, pipelined_experts
-from moeflow.ragged import to_device
 
 
 def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:
