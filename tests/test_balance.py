@@ -20,7 +20,7 @@ from moeflow.parallel.shadowing import ShadowedSchedule
 from moeflow.perf import CostModel
 from moeflow.perf.balance import OFF, REDUNDANT, SHADOWING
 from moeflow.perf.replicas import replica_shares, slot_split, water_fill
-from moeflow.sim import LayerLoad, ModelSpec, StepPlan, simulate_step
+from moeflow.sim import LayerLoad, ModelSpec, StepPlan, plan_label, simulate_step
 from moeflow.sim.calibrated import load_cluster
 from moeflow.training.config import TrainConfig
 
@@ -102,7 +102,7 @@ def test_the_simulator_prices_redundant_slots_against_the_load() -> None:
     # skewed: the slots even out the ranks; uniform: only the replicas' gradient all-reduce is added
     assert _simulated_ms(slots, "zipf:1.2") < 0.9 * _simulated_ms(off, "zipf:1.2")
     assert _simulated_ms(slots, "uniform") > _simulated_ms(off, "uniform")
-    assert "slots+16" in slots.label()
+    assert "slots+16" in plan_label(slots)
 
 
 def test_the_simulators_slots_refuse_what_the_layer_refuses() -> None:

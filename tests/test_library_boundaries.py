@@ -40,16 +40,12 @@ def test_the_check_sees_a_reader() -> None:
 
 
 def _imports(path: Path, module: str) -> set[str]:
-    """The moeflow modules ``module`` imports anywhere in its file (inside functions too), but not
-    under ``if TYPE_CHECKING:`` (never executed: annotations only)."""
+    """The moeflow modules ``module`` imports anywhere in its file: inside functions too, and under
+    ``if TYPE_CHECKING:`` (an annotation that needs a module above is a dependency on it all the same)."""
     tree = ast.parse(path.read_text())
-    guards = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
-    skipped = {id(n) for guard in guards for n in ast.walk(guard)}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -122,7 +118,8 @@ def test_moeflow_has_no_import_cycle() -> None:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
-    ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.regions", "sim.parm_regions"),
+    ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder", "sim.technique",
+     "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
     ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_packed",
      "direct_paths", "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision",
      "phases", "reference", "measure", "distributed", "worker_pool", "device_copy"),
@@ -172,10 +169,11 @@ def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
     (package / "a.py").write_text("from moeflow.sub import b\n")
     (package / "sub" / "__init__.py").write_text("")
     (package / "sub" / "b.py").write_text("def f():\n    from moeflow import a\n")
-    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moeflow import a\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moeflow import d\n")
+    (package / "d.py").write_text("from moeflow import c\n")
     graph = import_graph(package)
-    assert graph["moeflow.c"] == set()
-    assert import_cycles(graph) == [["moeflow.a", "moeflow.sub.b"]]
+    assert "moeflow.d" in graph["moeflow.c"]
+    assert sorted(import_cycles(graph)) == [["moeflow.a", "moeflow.sub.b"], ["moeflow.c", "moeflow.d"]]
 
 
 def test_the_layer_is_glue() -> None:

@@ -15,11 +15,11 @@ from moeflow.comm import ParallelGroups
 from moeflow.comm.mp import member_rows
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.parallel.parm import BaselineModel, ParmModel
 from moeflow.parallel.token_share import packed_locations
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.pipeline import RegionShape
+from moeflow.perf.parm import BaselineModel, ParmModel
 from moeflow.perf.schedules import Plan
+from moeflow.perf.shape import RegionShape
 from pool import run_distributed
 
 

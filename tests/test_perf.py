@@ -24,8 +24,8 @@ from moeflow.perf import (
     link_loads,
     median_relative_error,
 )
-from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.profile import NOT_MEASURED, ProfileDevice, median_profile
+from moeflow.perf.shape import RegionShape
 
 
 def torch_cuda_available() -> bool:

@@ -19,7 +19,6 @@ from moeflow.config import LayerDims
 from moeflow.experts import ExpertFFN
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
-    RegionShape,
     capacity_chunks,
     pipeline_makespan,
     predict_plan,
@@ -27,6 +26,7 @@ from moeflow.perf.pipeline import (
     theorem1_degree,
     theorem1_for_shape,
 )
+from moeflow.perf.shape import RegionShape
 from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
 from moeflow.planner import PipelinePlanner
 from moeflow.stats import PipelineTiming, region_clock

@@ -114,8 +114,8 @@ def test_cross_node_rows_count_the_rows_for_other_nodes() -> None:
 def test_the_planner_prices_a_ragged_plan_by_its_kept_rows() -> None:
     from moeflow.config import LayerDims
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-    from moeflow.perf.pipeline import RegionShape
     from moeflow.perf.schedules import ExpertParallelModel, Plan
+    from moeflow.perf.shape import RegionShape
 
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
         "alltoall.linear": AlphaBeta(1e-4, 1e-8), "alltoall.pairwise": AlphaBeta(1e-4, 1e-8),

@@ -16,12 +16,12 @@ from moeflow.parallel.registry import (
     PARALLEL_CHOICES,
     RAGGED_SCHEDULES,
     SCHEDULES,
-    SIMULATED_REGIONS,
+    SIMULATED,
+    ShardingLayout,
     check_techniques,
     expected_schedule,
 )
-from moeflow.parallel.schedules import ShardingLayout
-from moeflow.sim import StepPlan
+from moeflow.sim import StepPlan, plan_label
 from moeflow.training.config import TrainConfig
 
 TINY_RUN: dict[str, Any] = dict(
@@ -57,10 +57,12 @@ def test_every_schedule_runs_is_priced_and_is_simulated_under_its_name() -> None
     for spec in SCHEDULES:
         schedule = spec.make(ShardingLayout(2))
         assert schedule.name == spec.name and schedule.model.name == spec.name
-        assert SIMULATED_REGIONS[spec.name] is spec.region
+        assert schedule.takes_ragged == spec.takes_ragged  # the record says what its run class does
+        assert SIMULATED[spec.name].simulated is spec.simulated
         parallel = 2 if spec.behind_model_parallel else 1
-        assert StepPlan(schedule=spec.name, mp=parallel, esp=parallel, r=1 if spec.name == "adaptive" else None)
-    assert set(SIMULATED_REGIONS) == {*(spec.name for spec in SCHEDULES), "smart"}
+        plan = StepPlan(schedule=spec.name, mp=parallel, esp=parallel, r=1 if spec.takes_r else None)
+        assert plan_label(plan).startswith(spec.name)
+    assert set(SIMULATED) == {*(spec.name for spec in SCHEDULES), "smart"}
     assert RAGGED_SCHEDULES == ("expert", "replicated")
 
 

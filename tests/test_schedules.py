@@ -9,8 +9,8 @@ import pytest
 from moeflow.config import LayerDims
 from moeflow.parallel.registry import select_schedule
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import ExpertParallelModel, Plan, ReplicatedModel
+from moeflow.perf.shape import RegionShape
 
 
 def _cost(alltoall_beta: float, allreduce_beta: float) -> CostModel:

@@ -27,6 +27,7 @@ from moeflow.sim import (
     fair_rates,
     load_cluster,
     named_clusters,
+    plan_label,
     routing_loads,
     simulate_step,
 )
@@ -283,7 +284,7 @@ def test_adaptive_r1_on_whole_experts_is_the_expert_schedule_and_r0_sends_no_tok
     with pytest.raises(ValueError, match="not a valid r"):
         simulate_step(cluster, MODEL, StepPlan("adaptive", r=3))
     with pytest.raises(ValueError, match="adaptive schedule needs an r"):
-        StepPlan("adaptive")
+        simulate_step(cluster, MODEL, StepPlan("adaptive"))
 
 
 def test_shadowing_the_hot_expert_removes_the_straggler() -> None:
@@ -306,7 +307,7 @@ def test_joint_planner_ranks_every_mode_and_returns_the_fastest_first() -> None:
 
     cluster = toy()
     plans = candidate_plans(cluster, MODEL)
-    labels = {plan.label() for plan in plans}
+    labels = {plan_label(plan) for plan in plans}
     assert {"expert d=4 2dh", "smart pairwise", "replicated", "adaptive r=0", "expert d=1 linear shadow=2"} <= labels
     top = search(cluster, MODEL, top=3)
     exhaustive = min(simulate_step(cluster, MODEL, plan).step_s for plan in plans)
@@ -330,10 +331,10 @@ def test_calibrated_twin_reproduces_the_primitive_fits() -> None:
     inter = Network(cluster.resized(2, 1)).alltoall("linear", x / 2)[0]
     assert inter.alone_s == pytest.approx(fits["alltoall.inter_node"](x))
     # one expert FFN call on m rows costs the ffn.forward fit, alpha paid once per call (not per kernel)
-    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.step import step_builder
 
     m, model = 1000, ModelSpec(dims=dims(64, 128, 4))
-    builder = StepBuilder(cluster, model, StepPlan(), layer_only=True)
+    builder = step_builder(cluster, model, StepPlan(), layer_only=True)
     assert builder.ffn_s(m, backward=False, local_experts=1) == pytest.approx(fits["ffn.forward"](m * 64 * 128 * 2))
     with pytest.raises(ValueError, match=r"neither alltoall\.intra_node nor alltoall\.inter_node"):
         cluster_from_profile(ClusterProfile(nodes=1, ranks_per_node=1, fits={"gemm": AlphaBeta(0, 1e-12)}))
@@ -584,7 +585,7 @@ def test_parm_schedules_pipeline_over_capacity_chunks(schedule: str) -> None:
     assert runs[4].busy_s["experts"] == pytest.approx(runs[1].busy_s["experts"], rel=0.05)
     assert runs[4].busy_s["alltoall"] >= runs[1].busy_s["alltoall"] * 0.999
     assert runs[4].step_s < runs[1].step_s
-    assert StepPlan(schedule=schedule, degree=4, mp=2, esp=2).label().endswith("d=4 mp=2 esp=2")
+    assert plan_label(StepPlan(schedule=schedule, degree=4, mp=2, esp=2)).endswith("d=4 mp=2 esp=2")
 
 
 def test_packed_s1_sends_only_occupied_slots() -> None:
@@ -601,7 +602,7 @@ def test_packed_s1_sends_only_occupied_slots() -> None:
 
 def test_parm_plans_reject_layouts_they_cannot_run() -> None:
     with pytest.raises(ValueError, match="mp and esp > 1 go with Parm's schedules"):
-        StepPlan(mp=2)
+        simulate_step(toy(), PARM_MODEL, StepPlan(mp=2))
     with pytest.raises(ValueError, match=r"esp \(3\) must divide the 4 GPUs per node"):
         simulate_step(toy(), PARM_MODEL, StepPlan(schedule="s1", esp=3))
     with pytest.raises(ValueError, match="experts do not divide over the 8 EP ranks"):
@@ -637,7 +638,7 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
     profile without all-to-all link fits keeps the cost model's ranking."""
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-    from moeflow.perf.pipeline import RegionShape
+    from moeflow.perf.shape import RegionShape
     from moeflow.planner import PipelinePlanner
     from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan
 

@@ -14,8 +14,9 @@ from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.pipeline import RegionShape, pipeline_makespan, predict_plan
+from moeflow.perf.pipeline import pipeline_makespan, predict_plan
 from moeflow.perf.schedules import SMART, ExpertParallelModel, Plan, predict_smart
+from moeflow.perf.shape import RegionShape
 from pool import run_distributed
 
 SHAPE = RegionShape(LayerDims(model_dim=64, hidden_dim=128, num_experts=4), world_size=2, capacity=256)

@@ -32,7 +32,6 @@ from typing import Any, Protocol
 
 from moeflow.config import validate_pipeline
 from moeflow.perf import ClusterProfile, CostModel
-from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import (
     LOCAL,
     MIN_GAIN,
@@ -44,6 +43,7 @@ from moeflow.perf.schedules import (
     ScheduleModel,
     rank_schedule_plans,
 )
+from moeflow.perf.shape import RegionShape
 from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)

@@ -148,7 +148,7 @@ def lina_contention() -> Iterator[Row]:
     import numpy as np
 
     from moeflow.sim import ModelSpec, StepPlan, load_cluster, routing_loads
-    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.step import step_builder
 
     cluster = load_cluster("lina-a100")
     model = ModelSpec(layers=12, dims=LayerDims(768, 3072, 16, bias=False), tokens_per_rank=2048,
@@ -156,7 +156,7 @@ def lina_contention() -> Iterator[Row]:
     loads = routing_loads(model, cluster.world_size)
     runs = {}
     for prioritized in (False, True):
-        builder = StepBuilder(cluster, model, StepPlan(prioritize_alltoall=prioritized, bucket_mb=DDP_BUCKET_MB))
+        builder = step_builder(cluster, model, StepPlan(prioritize_alltoall=prioritized, bucket_mb=DDP_BUCKET_MB))
         timeline = builder.build(loads).run()
         ops = [i for i, op in enumerate(timeline.ops) if i >= builder.forward_ops and op.category == "alltoall"]
         runs[prioritized] = (timeline.makespan(), np.array([float(timeline.finish[i]) - float(timeline.start[i])

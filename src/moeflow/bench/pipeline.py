@@ -65,7 +65,7 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
     from moeflow.config import LayerDims
     from moeflow.experts import ExpertFFN
     from moeflow.measure import slowest_rank_seconds
-    from moeflow.perf.pipeline import RegionShape
+    from moeflow.perf.shape import RegionShape
 
     num_experts = point.experts_per_rank * world
     dims = LayerDims(point.model_dim, point.hidden_dim, num_experts, point.top_k)

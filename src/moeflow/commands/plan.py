@@ -60,7 +60,7 @@ def _joint_plan(args: argparse.Namespace) -> int:
     --num-experts, ...) describe --profile's one layer and do not apply here."""
     import json
 
-    from moeflow.sim import ClusterFileError, load_cluster, load_model
+    from moeflow.sim import ClusterFileError, load_cluster, load_model, plan_label
     from moeflow.sim.planner import SearchSpace, search
 
     try:
@@ -74,7 +74,7 @@ def _joint_plan(args: argparse.Namespace) -> int:
     for rank, result in enumerate(results, 1):
         print(json.dumps({"rank": rank, **result.to_dict(), "step_ms": round(result.step_s * 1e3, 4)}), flush=True)
     best = results[0]
-    print(f"# {cluster.name} ({cluster.world_size} ranks), {model.name}: best plan {best.plan.label()} at "
+    print(f"# {cluster.name} ({cluster.world_size} ranks), {model.name}: best plan {plan_label(best.plan)} at "
           f"{best.step_s * 1e3:.4g} ms per {'batch' if args.forward_only else 'step'}")
     return 0
 
@@ -83,7 +83,8 @@ def _layer_plan(args: argparse.Namespace) -> int:
     from moeflow.bench import print_json
     from moeflow.config import LayerDims
     from moeflow.perf import ClusterProfile, CostModel
-    from moeflow.perf.pipeline import RegionShape, predict_plan, rank_plans
+    from moeflow.perf.pipeline import predict_plan, rank_plans
+    from moeflow.perf.shape import RegionShape
 
     try:
         profile = ClusterProfile.load(args.profile)
@@ -102,7 +103,7 @@ def _layer_plan(args: argparse.Namespace) -> int:
     algorithms = [a for a in _algorithms() if f"alltoall.{a}" in profile.fits] if model.world_size > 1 else ["linear"]
     backward = not args.forward_only
     if args.mp > 1:
-        from moeflow.parallel.parm import shard_count
+        from moeflow.perf.parm import shard_count
 
         esp = shard_count(args.mp, args.esp)
         if world % args.mp or world % esp or args.num_experts % (world // esp) or args.hidden_dim % esp:
@@ -248,10 +249,10 @@ def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
 
 def _print_parm_plans(model: Any, region: Any, mp: int, esp: int, max_degree: int, backward: bool) -> None:
     """Per Parm mode (baseline, S1, S2, S2 + SAA) its best degree and prediction, then the choice
-    of ``parallel='auto'`` behind an mp_group (:class:`moeflow.parallel.parm.ParmModel`) and the
+    of ``parallel='auto'`` behind an mp_group (:class:`moeflow.perf.parm.ParmModel`) and the
     unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
     from moeflow.bench import print_json
-    from moeflow.parallel.parm import BaselineModel, ParmModel
+    from moeflow.perf.parm import BaselineModel, ParmModel
     from moeflow.perf.schedules import rank_schedule_plans
 
     parm = ParmModel("parm", mp, esp_size=esp)

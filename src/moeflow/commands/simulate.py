@@ -71,11 +71,12 @@ def run(args: argparse.Namespace) -> int:
                           esp=args.esp)
                  for schedule, degree, algorithm in itertools.product(
                      _words(args.schedule), [_degree(d) for d in _words(args.degree)], _words(args.algorithm))]
+        plans = _unique(plans)
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("simulate", error) from None
     if args.scaling:
         return _scaling(cluster, model, plans[0])
-    results = [_simulate(cluster, model, plan, not args.inference) for plan in _unique(plans)]
+    results = [_simulate(cluster, model, plan, not args.inference) for plan in plans]
     best = min(results, key=lambda r: r["step_ms"])
     print(f"# {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} ranks, {model.name} "
           f"{model.layers} layers; best {best['plan']} at {best['step_ms']:.4g} ms per "
@@ -132,10 +133,13 @@ def _degree(text: str) -> int:
 
 
 def _unique(plans: list[Any]) -> list[Any]:
-    """The replicated schedule has no degree or algorithm: simulate it once."""
+    """Each plan once, by its label (a schedule without a degree or algorithm, like the replicated
+    one, is simulated once); a plan its schedule's record refuses raises here."""
+    from moeflow.sim import plan_label
+
     seen, out = set(), []
     for plan in plans:
-        key = plan.label()
+        key = plan_label(plan)
         if key not in seen:
             seen.add(key)
             out.append(plan)

@@ -26,7 +26,7 @@ from moeflow.hf.loading import check_model_dir, load_hf_model
 from moeflow.layer import MoELayer
 from moeflow.models.transformer import total_aux_loss
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
-from moeflow.parallel.registry import RAGGED_SCHEDULES
+from moeflow.parallel.registry import AUTO, RAGGED_SCHEDULES, REPLICATING_SCHEDULES, experts_must_divide
 from moeflow.phases import PhaseClock
 from moeflow.training.config import TrainConfig
 
@@ -74,10 +74,10 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--hf {info.directory!r} has no {TOKENIZER_FILE}: fine-tuning tokenizes the corpus with the "
             "model's own (fast) tokenizer; save one with tokenizer.save_pretrained(DIR)"
         )
-    if config.parallel != "replicated" and info.num_experts % config.workers:
+    if experts_must_divide(config.parallel) and info.num_experts % config.workers:
         raise ValueError(
             f"the model has {info.num_experts} experts per MoE block, not divisible by workers={config.workers}: "
-            f"use a worker count that divides {info.num_experts}, or --parallel replicated"
+            f"use a worker count that divides {info.num_experts}, or --parallel {' or '.join(REPLICATING_SCHEDULES)}"
         )
     if info.max_positions is not None and config.context > info.max_positions:
         raise ValueError(f"context={config.context} exceeds the model's max_position_embeddings="
@@ -105,7 +105,7 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
         "token_exchange": config.token_exchange, "profile": config.profile,
         "tokens_per_rank_hint": config.batch_size * config.context,
         "aux_loss_weight": info.router_aux_loss_coef if config.aux_loss_weight is None else config.aux_loss_weight,
-        "expert_kernel": "ragged" if config.parallel in ("auto", *RAGGED_SCHEDULES) else "bmm",
+        "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) else "bmm",
     }
     if config.capacity_factor is not None:
         options["capacity_factor"] = config.capacity_factor

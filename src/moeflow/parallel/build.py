@@ -18,12 +18,12 @@ from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoE
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
-from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, check_techniques, select_schedule
-from moeflow.parallel.schedules import ParallelSchedule, ShardingLayout
+from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, ShardingLayout, check_techniques, select_schedule
+from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import RegionShape
+from moeflow.perf.shape import RegionShape
 from moeflow.routing import NodeLimit, expert_capacity
 
 

@@ -15,8 +15,9 @@ from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import PlanPrediction, RegionShape
+from moeflow.perf.pipeline import PlanPrediction
 from moeflow.perf.schedules import Plan, ScheduleModel
+from moeflow.perf.shape import RegionShape
 from moeflow.stats import PipelineTiming
 
 

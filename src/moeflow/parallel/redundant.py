@@ -40,7 +40,7 @@ from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule
-from moeflow.perf.replicas import replica_counts, slot_split
+from moeflow.perf.replicas import balanced_slots, slot_split
 from moeflow.perf.schedules import LOCAL, Plan
 from moeflow.pipeline import ExpertExchange, pipelined_experts
 
@@ -57,32 +57,14 @@ def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:
     return slots // world_size
 
 
-def _pack(items: list[tuple[float, int]], bins: int, room: int) -> list[list[tuple[float, int]]]:
-    """Greedy longest-first packing of (load, expert) items into ``bins`` of ``room`` items each:
-    each item onto the lightest bin with room that does not hold its expert yet (else any with room)."""
-    packed: list[list[tuple[float, int]]] = [[] for _ in range(bins)]
-    totals = [0.0] * bins
-    for load, expert in sorted(items, key=lambda item: (-item[0], item[1])):
-        open_bins = [b for b in range(bins) if len(packed[b]) < room]
-        fresh = [b for b in open_bins if all(e != expert for _, e in packed[b])] or open_bins
-        target = min(fresh, key=lambda b: (totals[b], b))
-        packed[target].append((load, expert))
-        totals[target] += load
-    return packed
-
-
 def balanced_placement(
     load_E: Sequence[float], slots_per_rank: int, topology: Topology, hidden_dim: int
 ) -> ExpertPlacement:
-    """EPLB's hierarchical placement of len(load_E) experts in slots_per_rank x W slots."""
-    num_experts, world = len(load_E), topology.world_size
-    counts = replica_counts(load_E, slots_per_rank * world, max_per_expert=world)
-    items = [(float(load_E[e]) / counts[e], e) for e in range(num_experts) for _ in range(counts[e])]
-    ranks: list[tuple[ExpertShard, ...]] = []
-    for node_items in _pack(items, topology.num_nodes, slots_per_rank * topology.ranks_per_node):
-        for rank_items in _pack(node_items, topology.ranks_per_node, slots_per_rank):
-            ranks.append(tuple(ExpertShard(e, 0, hidden_dim) for e in sorted(e for _, e in rank_items)))
-    return ExpertPlacement(num_experts, hidden_dim, tuple(ranks), split_tokens=True)
+    """EPLB's hierarchical placement of len(load_E) experts in slots_per_rank x W slots
+    (:func:`moeflow.perf.replicas.balanced_slots`), each slot a whole expert."""
+    slots = balanced_slots(load_E, slots_per_rank, topology.world_size, topology.ranks_per_node)
+    ranks = tuple(tuple(ExpertShard(e, 0, hidden_dim) for e in experts) for experts in slots)
+    return ExpertPlacement(len(load_E), hidden_dim, ranks, split_tokens=True)
 
 
 def rank_loads(placement: ExpertPlacement, load_E: Sequence[float]) -> list[float]:

@@ -24,21 +24,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from moeflow.config import RAGGED, SAA, MoEConfig
-from moeflow.parallel.adaptive import AdaptiveSchedule
-from moeflow.parallel.parm import BaselineSchedule, ParmSchedule
-from moeflow.parallel.schedules import ExpertParallelSchedule, ParallelSchedule, ReplicatedSchedule, ShardingLayout
+from moeflow.config import PADDED, RAGGED, SAA, MoEConfig
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import RegionShape
 from moeflow.perf.schedules import SMART, rank_schedule_plans
-from moeflow.sim.parm_regions import baseline_region, s1_region, s2_region
-from moeflow.sim.regions import adaptive_region, expert_region, replicated_region, smart_region
+from moeflow.perf.shape import RegionShape
+from moeflow.sim import parm_regions, regions
+from moeflow.sim.technique import SimulatedSchedule
 
 if TYPE_CHECKING:
-    from moeflow.sim.step import StepBuilder
-    from moeflow.sim.workload import LayerLoad
-
-    Region = Callable[[StepBuilder, LayerLoad, list[int], bool], list[int]]
+    from moeflow.parallel.schedules import ParallelSchedule
 
 AUTO = "auto"
 """The ``parallel`` setting that lets moeflow choose the schedule."""
@@ -47,19 +41,32 @@ PARM_AUTO = "parm"
 
 
 @dataclass(frozen=True)
+class ShardingLayout:
+    """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
+    and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
+    the others ignore both), and how the expert-parallel schedule's tokens travel (the others send
+    padded chunks). Parm's Table III varies N_MP and N_ESP independently; N_ESP defaults to N_MP,
+    its real models' setting, where an MP group is also an ESP group."""
+
+    mp_size: int = 1
+    esp_size: int | None = None  # None: N_MP (moeflow.perf.parm.shard_count)
+    token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
+
+
+@dataclass(frozen=True)
 class ScheduleSpec:
-    """A technique the layer's ``parallel`` setting names."""
+    """A technique the layer's ``parallel`` setting names. ``make`` imports its run class when
+    called, so the records (and the simulator and planner, which read them) load without torch."""
 
     name: str
     paper: str
     make: Callable[[ShardingLayout], ParallelSchedule]  # its run class, behind the layout's tensor-parallel group
-    region: Region  # its expert region in the simulator (moeflow.sim)
+    simulated: SimulatedSchedule  # its expert region, checks and plan space in the simulator (moeflow.sim)
+    takes_ragged: bool = False  # run() uses the ragged kernel where the layer asks for it
     behind_model_parallel: bool = False  # runs behind tensor-parallel attention (needs an mp_group)
     ranked_by_auto: bool = False  # parallel='auto' ranks it with the cost model
-
-    @property
-    def takes_ragged(self) -> bool:
-        return self.make(ShardingLayout()).takes_ragged
+    replicates_experts: bool = False  # every expert on every rank: the experts need not divide over the ranks
+    takes_r: bool = False  # runs at Tutel's r (an int ``parallel`` is this schedule at that r)
 
 
 @dataclass(frozen=True)
@@ -74,26 +81,62 @@ class FeatureSpec:
     runs_on: tuple[str, ...]  # the schedules it works with (their run class's name)
     enabled: Callable[[MoEConfig], bool] | None = None
     excludes: tuple[str, ...] = ()  # features it cannot run beside (either side may declare it)
-    region: Region | None = None  # a simulator mode of its own
+    simulated: SimulatedSchedule | None = None  # a simulator mode of its own ...
+    simulated_as: str = ""  # ... under this name
+
+
+@dataclass(frozen=True)
+class SimulatedSpec:
+    """What the simulator reads of a record (a schedule's, or a feature's with a mode of its own)."""
+
+    simulated: SimulatedSchedule
+    behind_model_parallel: bool = False
+    replicates_experts: bool = False
+    takes_r: bool = False
+
+
+def _expert(layout: ShardingLayout) -> ParallelSchedule:
+    from moeflow.parallel.schedules import ExpertParallelSchedule
+    return ExpertParallelSchedule(token_exchange=layout.token_exchange)
+
+
+def _replicated(layout: ShardingLayout) -> ParallelSchedule:
+    from moeflow.parallel.schedules import ReplicatedSchedule
+    return ReplicatedSchedule()
+
+
+def _adaptive(layout: ShardingLayout, r: int | None = None) -> ParallelSchedule:
+    from moeflow.parallel.adaptive import AdaptiveSchedule
+    return AdaptiveSchedule(r)
+
+
+def _parm(name: str) -> Callable[[ShardingLayout], ParallelSchedule]:
+    def make(layout: ShardingLayout) -> ParallelSchedule:
+        from moeflow.parallel.parm import ParmSchedule
+        return ParmSchedule(layout.mp_size, name, layout.esp_size)
+    return make
+
+
+def _baseline(layout: ShardingLayout) -> ParallelSchedule:
+    from moeflow.parallel.parm import BaselineSchedule
+    return BaselineSchedule(layout.mp_size)
 
 
 SCHEDULES: tuple[ScheduleSpec, ...] = (
-    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined",
-                 lambda layout: ExpertParallelSchedule(token_exchange=layout.token_exchange), expert_region,
-                 ranked_by_auto=True),
-    ScheduleSpec("replicated", "every expert on every rank (data parallel)", lambda layout: ReplicatedSchedule(),
-                 replicated_region, ranked_by_auto=True),
-    ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", lambda layout: AdaptiveSchedule(),
-                 adaptive_region, ranked_by_auto=True),
-    ScheduleSpec("s1", "Parm §III-B: schedule S1", lambda layout: ParmSchedule(layout.mp_size, "s1", layout.esp_size),
-                 s1_region, behind_model_parallel=True),
-    ScheduleSpec("s2", "Parm §III-B: schedule S2", lambda layout: ParmSchedule(layout.mp_size, "s2", layout.esp_size),
-                 s2_region, behind_model_parallel=True),
-    ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP",
-                 lambda layout: BaselineSchedule(layout.mp_size), baseline_region,
+    ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", _expert, regions.EXPERT,
+                 takes_ragged=True, ranked_by_auto=True),
+    ScheduleSpec("replicated", "every expert on every rank (data parallel)", _replicated, regions.REPLICATED,
+                 takes_ragged=True, ranked_by_auto=True, replicates_experts=True),
+    ScheduleSpec("adaptive", "Tutel §3.1: switchable parallelism, r per iteration", _adaptive, regions.ADAPTIVE,
+                 ranked_by_auto=True, takes_r=True),
+    ScheduleSpec("s1", "Parm §III-B: schedule S1", _parm("s1"), parm_regions.S1, behind_model_parallel=True),
+    ScheduleSpec("s2", "Parm §III-B: schedule S2", _parm("s2"), parm_regions.S2, behind_model_parallel=True),
+    ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP", _baseline, parm_regions.BASELINE,
                  behind_model_parallel=True),
 )
 """Every schedule the ``parallel`` setting names, one record each."""
+ONE_RANK_SCHEDULE = "replicated"
+"""What every schedule is on one rank (nothing travels): the simulator runs its region there."""
 SCHEDULE_SPECS = MappingProxyType({spec.name: spec for spec in SCHEDULES})
 """The schedule records by name."""
 PARALLEL_SCHEDULES = tuple(SCHEDULE_SPECS)
@@ -115,7 +158,7 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 lambda c: c.topology_gate != "off"),
     FeatureSpec("pipeline='smart'", "FasterMoE §4.2: smart fine-grained schedule",
                 "runs FasterMoE's pairwise steps of the expert-parallel schedule", "pipeline='auto'", _EXPERT,
-                lambda c: c.pipeline == SMART, region=smart_region),
+                lambda c: c.pipeline == SMART, simulated=regions.SMART, simulated_as=SMART),
     FeatureSpec("redundant_experts", "EPLB: redundant expert slots", "adds slots to the expert-parallel schedule",
                 "redundant_experts=0", _EXPERT, lambda c: c.redundant_experts > 0 and c.balance != AUTO,
                 excludes=("shadowing", "topology_gate")),
@@ -151,11 +194,13 @@ FEATURES: tuple[FeatureSpec, ...] = (
 """Every technique turned on beside a schedule, one record each."""
 FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})
 """The feature records by name."""
-SIMULATED_REGIONS = MappingProxyType({
-    **{spec.name: spec.region for spec in SCHEDULES},
-    **{SMART: FEATURE_SPECS["pipeline='smart'"].region},
+SIMULATED = MappingProxyType({
+    **{spec.name: SimulatedSpec(spec.simulated, spec.behind_model_parallel, spec.replicates_experts, spec.takes_r)
+       for spec in SCHEDULES},
+    **{f.simulated_as: SimulatedSpec(f.simulated) for f in FEATURES if f.simulated is not None},
 })
-"""The simulator's modes: every schedule, and FasterMoE's smart schedule."""
+"""The simulator's modes by name: every schedule, and the features with a mode of their own
+(FasterMoE's smart schedule)."""
 
 
 def check_parallel(parallel: str | int) -> None:
@@ -167,6 +212,21 @@ def check_parallel(parallel: str | int) -> None:
     raise ValueError(
         f"parallel must be one of {', '.join(PARALLEL_CHOICES)} or Tutel's r (an integer >= 0), got {parallel!r}"
     )
+
+
+def experts_must_divide(parallel: str | int) -> bool:
+    """Whether ``parallel`` splits whole experts over the ranks (``auto`` may): every schedule but
+    those that hold every expert on every rank."""
+    return isinstance(parallel, int) or parallel == AUTO or not SCHEDULE_SPECS[parallel].replicates_experts
+
+
+def is_switchable(parallel: str | int) -> bool:
+    """Whether ``parallel`` may run Tutel's switchable layout (an r, a schedule that takes one, or ``auto``)."""
+    return isinstance(parallel, int) or parallel == AUTO or SCHEDULE_SPECS[parallel].takes_r
+
+
+REPLICATING_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.replicates_experts)
+"""The schedules that hold every expert on every rank (any number of experts fits)."""
 
 
 def check_techniques(config: MoEConfig, schedule: str, applied: tuple[str, ...] = ()) -> None:
@@ -227,11 +287,11 @@ def select_schedule(
     check_parallel(parallel)
     layout = layout or ShardingLayout()
     if isinstance(parallel, int):
-        return ScheduleChoice(AdaptiveSchedule(parallel), "forced")
+        return ScheduleChoice(_adaptive(layout, parallel), "forced")
     if parallel != AUTO:
         return ScheduleChoice(SCHEDULE_SPECS[parallel].make(layout), "forced")
     if layout.mp_size > 1:
-        return ScheduleChoice(ParmSchedule(layout.mp_size, PARM_AUTO, layout.esp_size), "mp_group")
+        return ScheduleChoice(_parm(PARM_AUTO)(layout), "mp_group")
     default = expected_schedule(parallel, num_experts, world_size)
     if default != "expert" or world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
         return ScheduleChoice(SCHEDULE_SPECS[default].make(layout), "layout" if default != "expert" else "default")

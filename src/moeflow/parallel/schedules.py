@@ -38,23 +38,11 @@ from moeflow.parallel.ragged_exchange import MIN_SAVING, RaggedExpertExchange
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import PlanPrediction, RegionShape
+from moeflow.perf.pipeline import PlanPrediction
 from moeflow.perf.schedules import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
+from moeflow.perf.shape import RegionShape
 from moeflow.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
 from moeflow.stats import PipelineTiming
-
-
-@dataclass(frozen=True)
-class ShardingLayout:
-    """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
-    and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
-    the others ignore both), and how the expert-parallel schedule's tokens travel (the others send
-    padded chunks). Parm's Table III varies N_MP and N_ESP independently; N_ESP defaults to N_MP,
-    its real models' setting, where an MP group is also an ESP group."""
-
-    mp_size: int = 1
-    esp_size: int | None = None  # None: N_MP (moeflow.parallel.parm.shard_count)
-    token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
 
 
 class ParallelSchedule(Protocol):

@@ -8,7 +8,7 @@ from moeflow.perf.profile import ClusterProfile
 from moeflow.perf.roofline import Roofline
 
 if TYPE_CHECKING:  # perf.pipeline builds on this module
-    from moeflow.perf.pipeline import RegionShape
+    from moeflow.perf.shape import RegionShape
 
 
 class CostModel:

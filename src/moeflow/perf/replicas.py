@@ -33,6 +33,34 @@ def replica_counts(load_E: Sequence[float], num_slots: int, max_per_expert: int)
     return counts.tolist()
 
 
+def _pack(items: list[tuple[float, int]], bins: int, room: int) -> list[list[tuple[float, int]]]:
+    """Greedy longest-first packing of (load, expert) items into ``bins`` of ``room`` items each:
+    each item onto the lightest bin with room that does not hold its expert yet (else any with room)."""
+    packed: list[list[tuple[float, int]]] = [[] for _ in range(bins)]
+    totals = [0.0] * bins
+    for load, expert in sorted(items, key=lambda item: (-item[0], item[1])):
+        open_bins = [b for b in range(bins) if len(packed[b]) < room]
+        fresh = [b for b in open_bins if all(e != expert for _, e in packed[b])] or open_bins
+        target = min(fresh, key=lambda b: (totals[b], b))
+        packed[target].append((load, expert))
+        totals[target] += load
+    return packed
+
+
+def balanced_slots(
+    load_E: Sequence[float], slots_per_rank: int, world_size: int, ranks_per_node: int
+) -> list[list[int]]:
+    """EPLB's hierarchical placement: the experts of each rank's ``slots_per_rank`` slots. Replica
+    counts first (:func:`replica_counts`), then the replicas packed over the nodes (equal slots per
+    node, heaviest first onto the lightest node), then over each node's ranks the same way."""
+    counts = replica_counts(load_E, slots_per_rank * world_size, max_per_expert=world_size)
+    items = [(float(load_E[e]) / counts[e], e) for e in range(len(load_E)) for _ in range(counts[e])]
+    ranks: list[list[int]] = []
+    for node_items in _pack(items, world_size // ranks_per_node, slots_per_rank * ranks_per_node):
+        ranks += [sorted(e for _, e in rank_items) for rank_items in _pack(node_items, ranks_per_node, slots_per_rank)]
+    return ranks
+
+
 def water_fill(total: int, level_R: np.ndarray) -> np.ndarray:
     """``total`` whole tokens over R bins that already hold ``level_R``: each bin filled up to one
     common level, the rounding remainder to the lowest bins first (ties: lowest index)."""

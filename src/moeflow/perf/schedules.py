@@ -22,14 +22,8 @@ from typing import Protocol
 
 from moeflow.config import PADDED, RAGGED, switchable_rs
 from moeflow.perf.cost import CostModel
-from moeflow.perf.pipeline import (
-    PlanPrediction,
-    RegionShape,
-    chunk_costs,
-    pipeline_makespan,
-    predict_plan,
-    usable_degrees,
-)
+from moeflow.perf.pipeline import PlanPrediction, chunk_costs, pipeline_makespan, predict_plan, usable_degrees
+from moeflow.perf.shape import RegionShape
 
 MIN_GAIN = 0.05
 """The fraction by which a more involved choice (a plan with more chunks, a load-balancing technique

@@ -15,12 +15,13 @@ _HOMES = {
     **dict.fromkeys(("Cluster", "ClusterFileError", "Device", "Link", "named_clusters"), "cluster"),
     **dict.fromkeys(("Timeline", "fair_rates"), "engine"),
     **dict.fromkeys(("Network", "Transfer"), "network"),
-    **dict.fromkeys(("StepPlan", "StepResult", "simulate_step", "simulated_ms"), "step"),
+    "StepPlan": "plan",
+    **dict.fromkeys(("StepResult", "plan_label", "simulate_step", "simulated_ms"), "step"),
     **dict.fromkeys(("LayerLoad", "ModelSpec", "load_model", "model_from_toml", "named_models", "routing_loads"),
                     "workload"),
 }
 """Where each public name lives: loaded on first use, so that importing one submodule (the
-registry imports the regions) does not import the step builder, which imports the registry."""
+registry imports the regions) does not import the step, which reads the registry."""
 
 
 def __getattr__(name: str) -> Any:
@@ -47,6 +48,7 @@ __all__ = [
     "model_from_toml",
     "named_clusters",
     "named_models",
+    "plan_label",
     "routing_loads",
     "simulate_step",
     "simulated_ms",

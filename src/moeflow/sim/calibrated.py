@@ -21,9 +21,10 @@ from pathlib import Path
 from moeflow.config import ALLTOALL_ALGORITHMS, LayerDims
 from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
+from moeflow.sim.builder import ffn_kernels
 from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
 from moeflow.sim.network import LocalCopy, Network
-from moeflow.sim.step import ffn_kernels, simulate_step
+from moeflow.sim.step import simulate_step
 from moeflow.sim.workload import ModelSpec
 
 PROBE_BYTES = 1 << 20

@@ -12,17 +12,18 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moeflow.config import DTYPE_BYTES, PADDED
-from moeflow.parallel.registry import SIMULATED_REGIONS
+from moeflow.parallel.registry import SIMULATED
 from moeflow.perf.schedules import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.step import StepPlan, simulate_step, simulated_algorithm
+from moeflow.sim.plan import StepPlan, simulated_algorithm
+from moeflow.sim.step import simulate_step
 from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
-    from moeflow.perf.pipeline import RegionShape
     from moeflow.perf.profile import ClusterProfile
     from moeflow.perf.schedules import Plan
+    from moeflow.perf.shape import RegionShape
 
 DTYPE_OF_BYTES = {size: name for name, size in reversed(DTYPE_BYTES.items())}  # 2 bytes: bf16
 
@@ -39,11 +40,11 @@ def region_model(shape: RegionShape) -> ModelSpec:
 
 def step_plan(plan: Plan) -> StepPlan | None:
     """The simulator's plan for a layer plan, or None for a schedule it does not model."""
-    if plan.schedule not in SIMULATED_REGIONS:
+    if plan.schedule not in SIMULATED:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
-    if plan.schedule == "adaptive":
-        return StepPlan(schedule="adaptive", r=plan.r, degree=plan.degree, algorithm=algorithm)
+    if SIMULATED[plan.schedule].takes_r:
+        return StepPlan(schedule=plan.schedule, r=plan.r, degree=plan.degree, algorithm=algorithm)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
                     ragged_exchange=plan.exchange != PADDED)
 

@@ -28,17 +28,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from moeflow.perf.pipeline import capacity_chunks
+from moeflow.sim.cluster import Cluster
 from moeflow.sim.engine import ALLTOALL, COMPUTE, MODEL_PARALLEL
+from moeflow.sim.plan import StepPlan
+from moeflow.sim.technique import PlanSpace, SimulatedSchedule
+from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
-    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.builder import StepBuilder
     from moeflow.sim.workload import LayerLoad
 
-
-
-def gated_share(schedule: str, mp: int, esp: int) -> float:
-    """Tokens each rank gates (and encodes and decodes), as a share of its MP group's tokens."""
-    return {"s1": 1.0 / mp, "ds-baseline": float(esp)}.get(schedule, 1.0)
 
 
 def _experts(b: StepBuilder, buffer: float, deps: list[int], backward: bool, slowdown: float = 1.0) -> int:
@@ -128,3 +127,34 @@ def baseline_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
 
     return _pipelined(b, b.capacity(load), gathered, [inputs], backward, exchange, reduce)[1]
 
+
+def check_parm_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
+    """MP and ESP groups are consecutive ranks inside one node, and the EP groups share the experts."""
+    for name in ("mp", "esp"):
+        size = getattr(plan, name)
+        if cluster.gpus_per_node % size:
+            raise ValueError(f"{name} ({size}) must divide the {cluster.gpus_per_node} GPUs per node: "
+                             f"its groups are consecutive ranks inside a node")
+    peers = cluster.world_size // plan.esp
+    if model.dims.num_experts % peers:
+        raise ValueError(f"{model.dims.num_experts} experts do not divide over the {peers} EP ranks (world / esp); "
+                         "use a multiple of that many experts or another esp")
+
+
+def _plans(esps: Callable[[int], tuple[int, ...]]) -> Callable[[str, PlanSpace], list[StepPlan]]:
+    """At every pipeline degree behind the space's MP group, for each N_ESP ``esps(mp)`` gives,
+    where the experts divide over the EP ranks (world / esp)."""
+    def plans(name: str, space: PlanSpace) -> list[StepPlan]:
+        world, num_experts = space.cluster.world_size, space.model.dims.num_experts
+        return [StepPlan(name, degree, mp=space.mp, esp=esp, prioritize_alltoall=space.prioritize_alltoall)
+                for esp in esps(space.mp) for degree in space.degrees if num_experts % (world // esp) == 0]
+    return plans
+
+
+WHOLE_OR_SHARDED = _plans(lambda mp: (1, mp))  # experts whole, or sharded over the MP group (moeflow's layout)
+S1 = SimulatedSchedule(s1_region, WHOLE_OR_SHARDED, check_parm_layout, gated_share=lambda plan: 1.0 / plan.mp)
+S2 = SimulatedSchedule(s2_region, WHOLE_OR_SHARDED, check_parm_layout)
+BASELINE = SimulatedSchedule(baseline_region, _plans(lambda mp: (mp,)), check_parm_layout,
+                             gated_share=lambda plan: float(plan.esp))
+"""DeepSpeed-MoE's layout: every expert sharded over the ESP group (= the MP group), the experts
+divided over the EP ranks."""

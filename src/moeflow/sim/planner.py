@@ -5,12 +5,13 @@ full depth, so a 2,048-rank search takes seconds."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-from moeflow.config import switchable_rs
+from moeflow.parallel.registry import SIMULATED
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.step import StepPlan, StepResult, simulate_step
+from moeflow.sim.plan import StepPlan
+from moeflow.sim.step import StepResult, simulate_step
+from moeflow.sim.technique import PlanSpace
 from moeflow.sim.workload import ModelSpec, routing_loads
 
 DEGREES = (1, 2, 4, 8)
@@ -39,39 +40,20 @@ def algorithms_for(cluster: Cluster) -> list[str]:
     return out
 
 
-def parm_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace) -> list[StepPlan]:
-    """Behind MP attention: S1 and S2 with experts whole or sharded over the MP group (moeflow's
-    layout), and the DeepSpeed-MoE baseline, where the experts divide over the EP ranks; each at
-    every pipeline degree."""
-    mp, lina = space.mp, space.prioritize_alltoall
-    plans = [StepPlan(schedule, degree, mp=mp, esp=esp, prioritize_alltoall=lina)
-             for schedule, esp in (("s1", 1), ("s2", 1), ("s1", mp), ("s2", mp), ("ds-baseline", mp))
-             for degree in space.degrees]
-    if cluster.gpus_per_node % mp:
-        raise ValueError(f"--mp {mp} must divide the {cluster.gpus_per_node} GPUs per node (MP groups stay in a node)")
-    return [p for p in plans if model.dims.num_experts % (cluster.world_size // p.esp) == 0]
-
-
 def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
-    """Every plan the search simulates for ``model`` on ``cluster``: each schedule whose layout fits,
-    at each pipeline degree, all-to-all algorithm and number of shadowed experts in ``space``."""
+    """Every plan the search simulates for ``model`` on ``cluster``: each simulated technique's own
+    plans (its record's), behind tensor-parallel attention when ``space.mp`` > 1 and beside it
+    otherwise, at the pipeline degrees, all-to-all algorithms and shadowed experts in ``space``."""
     world, num_experts = cluster.world_size, model.dims.num_experts
-    if space.mp > 1:
-        return parm_plans(cluster, model, space)
-    lina = space.prioritize_alltoall
-    shadows = [s for s in space.shadowed if s < num_experts] if world > 1 else [0]
-    plans: list[StepPlan] = []
-    if num_experts % world == 0:
-        for degree, algorithm, shadow in itertools.product(space.degrees, algorithms_for(cluster), shadows):
-            plans.append(StepPlan("expert", degree, algorithm, prioritize_alltoall=lina, shadowed=shadow))
-        if cluster.nodes > 1:
-            plans += [StepPlan("smart", prioritize_alltoall=lina, shadowed=s) for s in shadows]
-    plans.append(StepPlan("replicated", prioritize_alltoall=lina))
-    for r in switchable_rs(num_experts, world):
-        if r == 1 and world <= num_experts:
-            continue  # r = 1 on whole experts is the expert schedule at d = 1
-        plans.append(StepPlan("adaptive", prioritize_alltoall=lina, r=r))
-    return plans
+    behind = space.mp > 1
+    if behind and cluster.gpus_per_node % space.mp:
+        raise ValueError(f"--mp {space.mp} must divide the {cluster.gpus_per_node} GPUs per node "
+                         "(MP groups stay in a node)")
+    shadows = tuple(s for s in space.shadowed if s < num_experts) if world > 1 else (0,)
+    plan_space = PlanSpace(cluster, model, space.degrees, tuple(algorithms_for(cluster)), shadows,
+                           space.prioritize_alltoall, space.mp)
+    return [plan for name, spec in SIMULATED.items() if spec.behind_model_parallel == behind
+            for plan in spec.simulated.plans(name, plan_space)]
 
 
 def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int = 5, proxy_layers: int = 2,

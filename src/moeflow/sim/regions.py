@@ -19,15 +19,19 @@ schedules and their DeepSpeed-MoE baseline live in :mod:`moeflow.sim.parm_region
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from moeflow.config import check_switchable_layout, switchable_rs, validate_r
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.sim.engine import ALLTOALL, COMPUTE, Times
+from moeflow.sim.cluster import Cluster
+from moeflow.sim.engine import ALLTOALL, COMPUTE
+from moeflow.sim.plan import StepPlan
+from moeflow.sim.technique import PlanSpace, SimulatedSchedule
+from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
-    from moeflow.sim.step import StepBuilder
+    from moeflow.sim.builder import StepBuilder
     from moeflow.sim.workload import LayerLoad
 
 
@@ -93,12 +97,44 @@ def adaptive_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: 
     return done
 
 
-def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:
-    """The ``count`` experts with the most tokens (FasterMoE shadows the hottest)."""
-    return np.argsort(-load.counts.sum(axis=0), kind="stable")[:count]
+def _whole_experts(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
+    world, num_experts = cluster.world_size, model.dims.num_experts
+    if num_experts % world:
+        raise ValueError(f"the {plan.schedule} schedule needs experts ({num_experts}) divisible by the {world} "
+                         "ranks; use more experts, fewer ranks, or the adaptive schedule")
 
 
-def shadowed_rows(load: LayerLoad, hot: np.ndarray) -> Times:
-    """Tokens each rank computes at home for the shadowed experts."""
-    own = load.counts[:, hot].sum(axis=1)
-    return own if np.ptp(own) > 0 else float(own[0])
+def _expert_plans(name: str, space: PlanSpace) -> list[StepPlan]:
+    """Every degree, all-to-all algorithm and number of shadowed experts, where whole experts divide."""
+    if not space.experts_divide:
+        return []
+    return [StepPlan(name, degree, algorithm, prioritize_alltoall=space.prioritize_alltoall, shadowed=shadowed)
+            for degree, algorithm, shadowed in itertools.product(space.degrees, space.algorithms, space.shadowed)]
+
+
+def _smart_plans(name: str, space: PlanSpace) -> list[StepPlan]:
+    """Pairwise steps need several nodes to differ from the expert schedule."""
+    if not space.experts_divide or space.cluster.nodes == 1:
+        return []
+    return [StepPlan(name, prioritize_alltoall=space.prioritize_alltoall, shadowed=s) for s in space.shadowed]
+
+
+def _adaptive_plans(name: str, space: PlanSpace) -> list[StepPlan]:
+    """Every valid r, but r = 1 on whole experts, which is the expert schedule at d = 1."""
+    world, num_experts = space.cluster.world_size, space.model.dims.num_experts
+    return [StepPlan(name, prioritize_alltoall=space.prioritize_alltoall, r=r)
+            for r in switchable_rs(num_experts, world) if r != 1 or world > num_experts]
+
+
+def _switchable_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> None:
+    validate_r(plan.r, model.dims.num_experts, cluster.world_size)
+    check_switchable_layout(model.dims.num_experts, cluster.world_size, model.dims.hidden_dim)
+
+
+EXPERT = SimulatedSchedule(expert_region, _expert_plans, _whole_experts,
+                           lambda plan: f"{plan.schedule} d={plan.degree} {plan.algorithm}")
+REPLICATED = SimulatedSchedule(
+    replicated_region, lambda name, space: [StepPlan(name, prioritize_alltoall=space.prioritize_alltoall)])
+SMART = SimulatedSchedule(smart_region, _smart_plans, _whole_experts, lambda plan: f"{plan.schedule} pairwise")
+ADAPTIVE = SimulatedSchedule(adaptive_region, _adaptive_plans, _switchable_layout,
+                             lambda plan: f"{plan.schedule} r={plan.r}")

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from moeflow.sim.cluster import Cluster
-from moeflow.sim.step import StepPlan, simulate_step
+from moeflow.sim.plan import StepPlan
+from moeflow.sim.step import plan_label, simulate_step
 from moeflow.sim.workload import ModelSpec
 
 SCALING_NODES = (4, 16, 64, 256)
@@ -27,7 +28,7 @@ def scaling_runs(cluster: Cluster, model: ModelSpec, plan: StepPlan, nodes: tupl
         deep = model.with_overrides(layers=layer_count)
         began = time.perf_counter()
         result = simulate_step(sized, deep, plan)
-        yield {"bench": "sim-speed", "ranks": sized.world_size, "layers": layer_count, "plan": plan.label(),
+        yield {"bench": "sim-speed", "ranks": sized.world_size, "layers": layer_count, "plan": plan_label(plan),
                "operations": result.operations, "step_ms": round(result.step_s * 1e3, 3),
                "wall_s": round(time.perf_counter() - began, 3)}
 

@@ -154,7 +154,14 @@ class TrainConfig:
 
     def _check_parallel(self) -> None:
         """The MoE layers' schedule fits the workers (and the tensor-parallel attention, if any)."""
-        from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES, check_parallel
+        from moeflow.parallel.registry import (
+            MODEL_PARALLEL_SCHEDULES,
+            PARALLEL_SCHEDULES,
+            REPLICATING_SCHEDULES,
+            check_parallel,
+            experts_must_divide,
+            is_switchable,
+        )
 
         check_parallel(self.parallel)
         if self.mp_size > 1:
@@ -166,18 +173,18 @@ class TrainConfig:
         if self.parallel in MODEL_PARALLEL_SCHEDULES:
             raise ValueError(
                 f"--parallel {self.parallel} runs behind tensor-parallel attention: add --mp-size N (N > 1 "
-                "workers per attention group), or use expert, replicated, adaptive, auto or an int r"
+                f"workers per attention group), or use auto, an int r or one of "
+                f"{', '.join(name for name in PARALLEL_SCHEDULES if name not in MODEL_PARALLEL_SCHEDULES)}"
             )
-        switchable = self.parallel in ("adaptive", "auto") or isinstance(self.parallel, int)
-        if switchable and self.workers > self.num_experts:
+        if is_switchable(self.parallel) and self.workers > self.num_experts:
             check_switchable_layout(self.num_experts, self.workers, self.hidden_dim)
         if isinstance(self.parallel, int):
             validate_r(self.parallel, self.num_experts, self.workers)
-        elif self.num_experts % self.workers and self.parallel != "replicated":
+        elif self.num_experts % self.workers and experts_must_divide(self.parallel):
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
                 f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
-                "--parallel replicated"
+                f"--parallel {' or '.join(REPLICATING_SCHEDULES)}"
             )
 
     def _check_fastermoe(self, moe: MoEConfig) -> None:
@@ -228,8 +235,8 @@ class TrainConfig:
 
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
-        from moeflow.parallel.parm import shard_count
-        from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
+        from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES
+        from moeflow.perf.parm import shard_count
 
         if self.workers % self.mp_size:
             raise ValueError(f"workers={self.workers} is not a multiple of mp_size={self.mp_size}; "
@@ -237,7 +244,7 @@ class TrainConfig:
         if self.heads % self.mp_size:
             raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
                              "that divides the heads")
-        if self.parallel not in ("auto", *MODEL_PARALLEL_SCHEDULES):
+        if self.parallel not in (AUTO, *MODEL_PARALLEL_SCHEDULES):
             raise ValueError(
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"

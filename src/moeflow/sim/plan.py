@@ -1,0 +1,62 @@
+"""The knobs of one simulated step (:class:`StepPlan`), checked on their own. Which schedule a plan
+names, and whether the cluster can run it, is the technique's record's to check
+(:func:`moeflow.sim.step.technique_of`): this module imports no record, so the regions that
+write plans and the builder that reads them stay below the registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.config import ALLTOALL_ALGORITHMS
+from moeflow.sim.network import ALLREDUCE_ALGORITHMS
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The knobs of one step: parallel schedule (with Tutel's ``r`` for the schedules that take
+    one), pipeline degree and all-to-all algorithm, the hottest experts FasterMoE shadows per
+    layer, the gradient all-reduce's algorithm, whether all-to-alls take the links first (Lina), and
+    for the schedules behind tensor-parallel attention (Parm's) the tensor-parallel (``mp``) and
+    expert-sharding (``esp``) group sizes."""
+
+    schedule: str = "expert"
+    degree: int = 1
+    algorithm: str = "linear"
+    allreduce: str = "auto"
+    prioritize_alltoall: bool = False
+    r: int | None = None
+    shadowed: int = 0
+    bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
+    mp: int = 1  # N_MP: attention split over this many consecutive ranks (Megatron), Parm's schedules only
+    esp: int = 1  # N_ESP: each expert's hidden dimension sharded over this many consecutive ranks
+    padded_backward: bool = False  # dropless backward on the padded buffer (moeflow's CPU ragged kernel until 11-26)
+    shadowed_slots_travel: bool = False  # shadowed experts' slots stay in the exchange, cut (moeflow's shadowing)
+    packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
+    ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
+    redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
+
+    def __post_init__(self) -> None:
+        for name in ("degree", "shadowed", "mp", "esp", "redundant_slots"):
+            value, least = getattr(self, name), 0 if name in ("shadowed", "redundant_slots") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.algorithm not in ALLTOALL_ALGORITHMS:
+            raise ValueError(
+                f"all-to-all algorithm must be one of {', '.join(ALLTOALL_ALGORITHMS)}, got {self.algorithm!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, int | float) or self.bucket_mb < 0:
+            raise ValueError(f"bucket_mb must be a number >= 0 (0: one all-reduce per layer), got {self.bucket_mb!r}")
+        if self.allreduce not in (*ALLREDUCE_ALGORITHMS, "auto"):
+            raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
+
+    def options_label(self) -> str:
+        """The label's tail that every schedule shares: the exchange, shadowing, slots, priority."""
+        return (" ragged" if self.ragged_exchange else "") + \
+            (f" shadow={self.shadowed}" if self.shadowed else "") + \
+            (f" slots+{self.redundant_slots}" if self.redundant_slots else "") + \
+            (" prioritized" if self.prioritize_alltoall else "")
+
+
+def simulated_algorithm(name: str | None) -> str:
+    """The all-to-all algorithm the simulator prices for a layer's: its own, or linear for the
+    names it has no model of ("none": nothing sent; Parm's fused combines)."""
+    return name if name in ALLTOALL_ALGORITHMS else "linear"
