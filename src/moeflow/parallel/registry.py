@@ -24,12 +24,19 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from moeflow.config import PADDED, RAGGED, SAA, MoEConfig
+from moeflow.config import RAGGED, SAA, MoEConfig
+from moeflow.parallel.records import (
+    FeatureSpec,
+    ScheduleSpec,
+    ShardingLayout,
+    SimulatedSpec,
+    check_unique_names,
+    installed_records,
+)
 from moeflow.perf import CostModel
 from moeflow.perf.schedules import SMART, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
 from moeflow.sim import parm_regions, regions
-from moeflow.sim.technique import SimulatedSchedule
 
 if TYPE_CHECKING:
     from moeflow.parallel.schedules import ParallelSchedule
@@ -38,61 +45,6 @@ AUTO = "auto"
 """The ``parallel`` setting that lets moeflow choose the schedule."""
 PARM_AUTO = "parm"
 """The schedule ``parallel='auto'`` runs behind tensor-parallel attention: Parm's S1 or S2, chosen per iteration."""
-
-
-@dataclass(frozen=True)
-class ShardingLayout:
-    """What every schedule's factory is given: the tensor-parallel attention's group size (N_MP)
-    and the hidden shards of each expert (N_ESP) for the schedules that run behind it (Parm's;
-    the others ignore both), and how the expert-parallel schedule's tokens travel (the others send
-    padded chunks). Parm's Table III varies N_MP and N_ESP independently; N_ESP defaults to N_MP,
-    its real models' setting, where an MP group is also an ESP group."""
-
-    mp_size: int = 1
-    esp_size: int | None = None  # None: N_MP (moeflow.perf.parm.shard_count)
-    token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """A technique the layer's ``parallel`` setting names. ``make`` imports its run class when
-    called, so the records (and the simulator and planner, which read them) load without torch."""
-
-    name: str
-    paper: str
-    make: Callable[[ShardingLayout], ParallelSchedule]  # its run class, behind the layout's tensor-parallel group
-    simulated: SimulatedSchedule  # its expert region, checks and plan space in the simulator (moeflow.sim)
-    takes_ragged: bool = False  # run() uses the ragged kernel where the layer asks for it
-    behind_model_parallel: bool = False  # runs behind tensor-parallel attention (needs an mp_group)
-    ranked_by_auto: bool = False  # parallel='auto' ranks it with the cost model
-    replicates_experts: bool = False  # every expert on every rank: the experts need not divide over the ranks
-    takes_r: bool = False  # runs at Tutel's r (an int ``parallel`` is this schedule at that r)
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """A technique turned on beside the schedule. ``enabled`` reads it from a layer's config;
-    None for one a function applies to a built layer (packing, inference scheduling)."""
-
-    name: str  # how messages name it: the setting, e.g. "shadowing"
-    paper: str
-    does: str  # what it does, completing "<name> ..."
-    off: str  # the setting that turns it off
-    runs_on: tuple[str, ...]  # the schedules it works with (their run class's name)
-    enabled: Callable[[MoEConfig], bool] | None = None
-    excludes: tuple[str, ...] = ()  # features it cannot run beside (either side may declare it)
-    simulated: SimulatedSchedule | None = None  # a simulator mode of its own ...
-    simulated_as: str = ""  # ... under this name
-
-
-@dataclass(frozen=True)
-class SimulatedSpec:
-    """What the simulator reads of a record (a schedule's, or a feature's with a mode of its own)."""
-
-    simulated: SimulatedSchedule
-    behind_model_parallel: bool = False
-    replicates_experts: bool = False
-    takes_r: bool = False
 
 
 def _expert(layout: ShardingLayout) -> ParallelSchedule:
@@ -122,7 +74,7 @@ def _baseline(layout: ShardingLayout) -> ParallelSchedule:
     return BaselineSchedule(layout.mp_size)
 
 
-SCHEDULES: tuple[ScheduleSpec, ...] = (
+BUILTIN_SCHEDULES: tuple[ScheduleSpec, ...] = (
     ScheduleSpec("expert", "Tutel/PipeMoE: expert parallelism, pipelined", _expert, regions.EXPERT,
                  takes_ragged=True, ranked_by_auto=True),
     ScheduleSpec("replicated", "every expert on every rank (data parallel)", _replicated, regions.REPLICATED,
@@ -134,7 +86,15 @@ SCHEDULES: tuple[ScheduleSpec, ...] = (
     ScheduleSpec("ds-baseline", "Parm's baseline: DeepSpeed-MoE's MP+EP+ESP", _baseline, parm_regions.BASELINE,
                  behind_model_parallel=True),
 )
+"""moeflow's own schedules, one record each."""
+INSTALLED = installed_records()
+"""The records other packages install (:mod:`moeflow.parallel.records`), read once."""
+SCHEDULES = (*BUILTIN_SCHEDULES, *(record for record in INSTALLED if isinstance(record, ScheduleSpec)))
 """Every schedule the ``parallel`` setting names, one record each."""
+DEFAULT_SCHEDULE = "expert"
+"""The plain expert-parallel schedule: what ``auto`` keeps without a profile (the fewest weights per rank)."""
+SWITCHABLE_SCHEDULE = "adaptive"
+"""What an int ``parallel`` (Tutel's r) runs, and what ``auto`` runs with more ranks than experts."""
 ONE_RANK_SCHEDULE = "replicated"
 """What every schedule is on one rank (nothing travels): the simulator runs its region there."""
 SCHEDULE_SPECS = MappingProxyType({spec.name: spec for spec in SCHEDULES})
@@ -149,7 +109,7 @@ RAGGED_SCHEDULES = tuple(spec.name for spec in SCHEDULES if spec.takes_ragged)
 """The ``parallel`` choices that run whole local experts on their received slots (the ragged kernel)."""
 
 _EXPERT = ("expert",)
-FEATURES: tuple[FeatureSpec, ...] = (
+BUILTIN_FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("shadowing", "FasterMoE §4.1: dynamic shadowing",
                 "replicates hot experts of the expert-parallel schedule", "shadowing='off'", _EXPERT,
                 lambda c: c.shadowing != "off"),
@@ -191,7 +151,10 @@ FEATURES: tuple[FeatureSpec, ...] = (
                 "places the experts per batch over whole experts", "no inference scheduling", ("expert", "replicated"),
                 excludes=("shadowing", "redundant_experts", "topology_gate", "balance='auto'")),
 )
+"""moeflow's own techniques turned on beside a schedule, one record each."""
+FEATURES = (*BUILTIN_FEATURES, *(record for record in INSTALLED if isinstance(record, FeatureSpec)))
 """Every technique turned on beside a schedule, one record each."""
+check_unique_names((*SCHEDULES, *FEATURES))
 FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})
 """The feature records by name."""
 SIMULATED = MappingProxyType({
@@ -251,12 +214,12 @@ def expected_schedule(parallel: str | int, num_experts: int, world_size: int, mp
     """The run class's name the layer builds for ``parallel`` without a cost model (what a
     launcher checks its settings against before the workers exist)."""
     if isinstance(parallel, int):
-        return "adaptive"
+        return SWITCHABLE_SCHEDULE
     if parallel != AUTO:
         return parallel
     if mp_size > 1:
         return PARM_AUTO
-    return "adaptive" if world_size > num_experts and world_size % num_experts == 0 else "expert"
+    return SWITCHABLE_SCHEDULE if world_size > num_experts and world_size % num_experts == 0 else DEFAULT_SCHEDULE
 
 
 @dataclass(frozen=True)
@@ -293,8 +256,10 @@ def select_schedule(
     if layout.mp_size > 1:
         return ScheduleChoice(_parm(PARM_AUTO)(layout), "mp_group")
     default = expected_schedule(parallel, num_experts, world_size)
-    if default != "expert" or world_size == 1 or num_experts % world_size or cost_model is None or shape is None:
-        return ScheduleChoice(SCHEDULE_SPECS[default].make(layout), "layout" if default != "expert" else "default")
+    unpriced = cost_model is None or shape is None
+    if default != DEFAULT_SCHEDULE or world_size == 1 or num_experts % world_size or unpriced:
+        reason = "layout" if default != DEFAULT_SCHEDULE else "default"
+        return ScheduleChoice(SCHEDULE_SPECS[default].make(layout), reason)
     degrees = (pipeline,) if isinstance(pipeline, int) else (1,)
     ranked_specs = {spec.name: spec for spec in SCHEDULES if spec.ranked_by_auto}
     models = tuple(spec.make(layout).model for spec in ranked_specs.values())

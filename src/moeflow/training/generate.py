@@ -13,6 +13,7 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.data import PreparedCorpus, load_tokenizer
 from moeflow.models import MoETransformer
+from moeflow.parallel.registry import DEFAULT_SCHEDULE
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.config import TrainConfig, checked_keys
 from moeflow.training.corpus import prepared_corpus
@@ -37,8 +38,8 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
     # the plain expert-parallel layer: no pipelining, all-to-all choice or re-placed experts
     workers = 1 if groups is None else groups.size
     plain = {"workers": workers, "pipeline": 1, "alltoall": "linear", "profile": None, "shadowing": "off",
-             "topology_gate": "off", "redundant_experts": 0, "balance": "fixed", "parallel": "expert", "mp_size": 1,
-             "esp_size": None, "expert_packing": "off"}
+             "topology_gate": "off", "redundant_experts": 0, "balance": "fixed", "parallel": DEFAULT_SCHEDULE,
+             "mp_size": 1, "esp_size": None, "expert_packing": "off"}
     config = TrainConfig(**checked_keys(state["config"], "checkpoint")).updated(plain)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=groups)
