@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from moeflow.sim import StepPlan, load_cluster, load_model, simulate_step
+from moeflow.sim import StepPlan, load_cluster, load_model, plan_label, simulate_step
 from moeflow.sim.planner import search
 
 
@@ -52,17 +52,17 @@ def main() -> None:
           f"routing {model.routing}")
 
     baseline = simulate_step(cluster, model, StepPlan("expert", 1, "linear"), training)
-    print(f"baseline  {baseline.plan.label():<32} {baseline.step_s * 1e3:10.2f} ms per {unit}")
+    print(f"baseline  {plan_label(baseline.plan):<32} {baseline.step_s * 1e3:10.2f} ms per {unit}")
 
     results = search(cluster, model, training=training, top=args.top)  # fastest first
     for place, result in enumerate(results, 1):
         largest = sorted(result.busy_s.items(), key=lambda item: -item[1])[:3]  # where the time goes
         busy = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in largest)
-        print(f"plan {place}    {result.plan.label():<32} {result.step_s * 1e3:10.2f} ms per {unit}  (busiest: {busy})")
+        print(f"plan {place}    {plan_label(result.plan):<32} {result.step_s * 1e3:10.2f} ms per {unit}  (busiest: {busy})")
 
     best = results[0]
     print(json.dumps({"example": "plan_cluster", "cluster": cluster.name, "model": model.name,
-                      "best_plan": best.plan.label(), "best_ms": round(best.step_s * 1e3, 4),
+                      "best_plan": plan_label(best.plan), "best_ms": round(best.step_s * 1e3, 4),
                       "baseline_ms": round(baseline.step_s * 1e3, 4),
                       "speedup": round(baseline.step_s / best.step_s, 3)}))
 

@@ -13,7 +13,8 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.capacity import never_drops
-from moeflow.direct import CACHE_RESIDENT_BYTES, SOURCE
+from moeflow.dispatchers.local import CACHE_RESIDENT_BYTES
+from moeflow.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from op_count import OpCount
 

@@ -15,9 +15,9 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.direct import SOURCE
-from moeflow.direct_exchange import DIRECT_EXCHANGE_ROWS
-from moeflow.direct_gather import GATHER_TOKENS, GATHERED
+from moeflow.dispatchers.agreement import GATHER_TOKENS
+from moeflow.dispatchers.rows import DIRECT_EXCHANGE_ROWS
+from moeflow.dispatchers.stats import GATHERED, SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.stats import RoutingStats
 from op_count import OpCount

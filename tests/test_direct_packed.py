@@ -11,8 +11,8 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from moeflow import MoELayer
-from moeflow.direct import SOURCE
 from moeflow.dispatch import encode, make_dispatch_plan, make_packed_plan
+from moeflow.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.direct import SOURCE
-from moeflow.direct_packed import _PackedExperts
+from moeflow.dispatchers.packed import _PackedExperts
+from moeflow.dispatchers.stats import SOURCE
 from moeflow.experts import ExpertFFN
 from moeflow.kernels import triton_installed
 from moeflow.kernels.choice import candidates, grouped_mm_works, measure_choice

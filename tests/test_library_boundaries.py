@@ -120,13 +120,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder", "sim.technique",
      "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
-    ("comm", "kernels", "dispatch", "dispatch_plan", "direct", "direct_exchange", "direct_gather", "direct_packed",
-     "direct_paths", "experts", "ragged", "pipeline", "routing", "workspace", "saved_activations", "precision",
+    ("comm", "kernels", "dispatch", "dispatch_plan", "dispatchers", "experts", "ragged", "pipeline", "routing",
+     "workspace", "saved_activations", "precision",
      "phases", "reference", "measure", "distributed", "worker_pool", "device_copy"),
     ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
     # simulated ranker passed in
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
-    ("layer", "layer_stats"),
+    ("layer", "layer_stats", "dispatchers.capacity"),  # the capacity dispatcher runs the layer's schedule
     ("models", "hf", "inference", "data", "data_parallel"),
     ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
     ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
@@ -187,3 +187,17 @@ def test_the_layer_is_glue() -> None:
     name_tests = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare) and any(
         isinstance(side, ast.Attribute) and side.attr == "name" for side in [node.left, *node.comparators])]
     assert not name_tests, f"layer.py tests a schedule's name on lines {name_tests}"
+
+
+def test_the_simulator_and_the_joint_planner_run_without_torch() -> None:
+    """A 2,048-rank plan search reads the technique records, whose run classes load only when made:
+    nothing imports torch (nor so torch.distributed)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom moeflow.sim import load_cluster, load_model\nfrom moeflow.sim.planner import search\n"
+              "import moeflow.perf, moeflow.parallel.registry\n"
+              "search(load_cluster('tutel-a100').resized(256, 8), load_model(None).with_overrides(layers=2), top=1)\n"
+              "print(sorted(name for name in sys.modules if name.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]"

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.parallel.redundant import ReplicaRowMap, balanced_placement, rank_loads, replica_counts
+from moeflow.parallel.redundant import ReplicaRowMap, balanced_placement, rank_loads
+from moeflow.perf.replicas import replica_counts
 from moeflow.training.rebalance import rebalance_layer
 from pool import run_distributed
 

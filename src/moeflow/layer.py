@@ -1,6 +1,7 @@
-"""MoELayer: the public entry point. It reads top to bottom as the data flow of DESIGN.md:
+"""MoELayer: the public entry point. Its forward reads as the data flow of DESIGN.md:
 
-route -> encode -> schedule.run (dispatch, experts, combine) -> decode.
+route -> agree (the load, one all-gather) -> the dispatcher: plan -> dispatch -> experts -> combine
+-> record.
 
 Shapes: T tokens on this rank, M model dim, E experts, L local experts (E / W under expert
 parallelism, E when replicated), W ranks in the group, C capacity (slots per expert per rank), K top-k.
@@ -17,30 +18,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.capacity import never_drops
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_from_arguments, resolve_normalize_gate
-from moeflow.direct import DIRECT_LOCAL
-from moeflow.direct_packed import DIRECT_PACKED
-from moeflow.direct_paths import direct_stats, run_direct
-from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.dispatchers.capacity import CapacityDispatcher, run_context
+from moeflow.dispatchers.choice import Agreed, CallFacts, agree, direct_path
+from moeflow.dispatchers.protocol import DispatchCall
+from moeflow.dispatchers.stats import DirectLabels
 from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
 from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
 from moeflow.kernels.choice import KernelChoice, KernelTable
-from moeflow.layer_stats import routing_stats
-from moeflow.parallel.build import attach_mp_group, build_execution, region_shape
-from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.build import attach_mp_group, build_execution
+from moeflow.parallel.context import RunContext
 from moeflow.parallel.moves import move_experts
 from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
-from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf import ClusterProfile, CostModel
-from moeflow.planner import PipelinePlanner, PlanChoice
+from moeflow.planner import PipelinePlanner
 from moeflow.precision import checked_tokens, compute_dtype
 from moeflow.routing import build_gate
-from moeflow.routing.load import GlobalLoad, exchange_load
 from moeflow.routing.router import Routing, route, update_expert_bias
 from moeflow.sim.layer_ranking import SimulatedRanker
 from moeflow.stats import PipelineTiming, RoutingStats
@@ -210,38 +207,15 @@ class MoELayer(nn.Module):
         self._ready()
         recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
-        direct = self._direct_path(x_TM.shape[0], k, factor)  # a no-grad forward that may skip the buffer
-        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=direct is None)
-        # a small no-grad forward's direct path, or the load every rank agrees -> capacity -> plan
-        y_TM, load = self._direct_or_load(x_TM, routing, k, factor, direct, estimate_E, recompute)
-        if y_TM is not None:
-            return y_TM.view(x.shape)
-        capacity = load.capacity(factor, k)
-        filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
-        prepared = self.schedule.prepare(capacity, filled_WE, self.placement, self.rank)
-        region = region_shape(config, self.world_size, prepared.capacity, x_TM.element_size(), load.max_tokens_per_rank,
-                              load.needed_capacity)
-        chosen, timing = self._memory.plan(
-            record, recompute, lambda: self.planner.choose(region, backward=torch.is_grad_enabled(), r=r))
-        if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
-            timing.synced_device = str(x_TM.device)
-        # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
-        share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
-        owned = share.own(x_TM, routing.slotted(config.num_experts), capacity, factor)
-        plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
-                                  share.kept_count(filled_WE, self.rank))
-        # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
-        workspace = self._step_workspace(recompute)
-        kernels = self._kernels(x_TM)
-        dispatched_ECM = encode(owned.x_TM, plan, workspace, kernels.encode)
-        ctx = self.run_context(x_TM.dtype, timing, filled_WE, capacity, kernels.gemm, load.estimate_E, prepared.state,
-                               workspace)
-        ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
-        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, workspace, kernels.decode), len(x_TM))
-        y_TM = self._with_shared_experts(x_TM, y_TM)
-
+        path = self._direct_path(x_TM.shape[0], k, factor)  # what this call may skip (the capacity buffer)
+        # route -> agree on the load (one all-gather) -> the dispatcher: plan, dispatch, experts, combine
+        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=path is None)
+        call = DispatchCall(x_TM, routing, k, factor, self._kernels(x_TM), recompute)
+        agreed = self._agree(path, call, estimate_E, record, r)
+        done = agreed.dispatcher.run(call, agreed.load)
+        y_TM = self._with_shared_experts(x_TM, done.y_TM)
         if not recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(load, capacity, k, factor, chosen, timing, owned, ran, kernels.as_dict())
+            self._after_forward(agreed, done.stats)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
     def _ready(self) -> None:
@@ -252,16 +226,23 @@ class MoELayer(nn.Module):
             self.switch(self.schedule, self.placement)
 
     def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
-        """The schedule's direct path: on one rank for a no-grad forward (no bias to move) that cannot
-        drop, else under the ragged kernel the packed path (:mod:`moeflow.direct_packed`, the capacity
-        path's slots); the exchange for every forward (the ranks agree in the load all-gather)."""
-        path = self.schedule.direct_path(self.placement, self.rank)
-        # on several ranks each would decide on its own token count: none may skip a collective
-        if path != DIRECT_LOCAL or self.world_size > 1:
-            return path if path != DIRECT_LOCAL else None
-        if self._asks_direct and never_drops(factor, k, num_tokens, self.config.num_experts):
-            return path
-        return DIRECT_PACKED if self.config.expert_kernel == "ragged" and not self._moves_bias else None
+        """The dispatcher this call may take besides the capacity path, from the schedule's direct path
+        (:func:`moeflow.dispatchers.choice.direct_path`)."""
+        facts = CallFacts(num_tokens, k, factor, self._asks_direct, self._moves_bias,
+                          self.config.expert_kernel == "ragged")
+        declared = self.schedule.direct_path(self.placement, self.rank)
+        return direct_path(declared, self.world_size, self.config.num_experts, facts)
+
+    def _agree(
+        self, path: str | None, call: DispatchCall, estimate_E: np.ndarray | None, record: ForwardRecord, r: int | None
+    ) -> Agreed:
+        """The load every rank agrees and the dispatcher that runs on it (the capacity path's over
+        this layer's schedule, planner and workspace, unless ``path`` takes the call)."""
+        capacity = CapacityDispatcher(self.schedule, self.placement, self.groups, self.config, self.experts,
+                                      self.planner, self._memory, record, self._step_workspace(call.recompute), r)
+        labels = DirectLabels(self.schedule.name, self.config.pipeline, self.groups.topology)
+        return agree(path, call, self.groups, estimate_E, self._last.gather_bucket, self._asks_direct, capacity,
+                     self.experts, labels)
 
     def _kernels(self, x_TM: torch.Tensor) -> KernelChoice:
         return self.kernel_table.resolve(self.config.kernel_backend, x_TM.device, x_TM.dtype)
@@ -271,27 +252,6 @@ class MoELayer(nn.Module):
         """Whether this forward may take a direct path: no backward, and no selection bias to move."""
         return not torch.is_grad_enabled() and not self._moves_bias
 
-    def _direct_or_load(self, x_TM: torch.Tensor, routing: Routing, k: int, factor: float, direct: str | None,
-                        estimate_E: np.ndarray | None, recompute: bool) -> tuple[torch.Tensor | None, GlobalLoad]:
-        """The direct path's output (:mod:`moeflow.direct_paths`), or the load every rank agrees for
-        the capacity path (a direct path that declines has gathered it already). A recompute (of the
-        packed path) repeats its forward: it moves, resets and counts nothing."""
-        if direct is None:
-            return None, exchange_load(routing.counts_E, x_TM.shape[0], estimate_E, self.groups)
-        timing, kernels = PipelineTiming(), self._kernels(x_TM)
-        ran = run_direct(direct, x_TM, routing, k, factor, self.experts, self.groups, kernels, self._last.gather_bucket,
-                         timing, self._asks_direct)
-        if not recompute:
-            self._last.gather_bucket = ran.next_bucket
-        if ran.y_TM is None:
-            return None, ran.load
-        if not recompute:
-            self._step_workspace()  # a step begins (without grad: the training buffers no tensor uses go back)
-            self._last.stats = functools.partial(direct_stats, ran.load, k, factor, self.schedule.name,
-                                                 self.config.pipeline, self.groups.topology, timing, ran.exchange,
-                                                 kernels.as_dict())
-        return self._with_shared_experts(x_TM, ran.y_TM), ran.load
-
     @property
     def last_stats(self) -> RoutingStats | None:
         """The last forward's :class:`~moeflow.stats.RoutingStats` (a direct forward's on first read)."""
@@ -299,15 +259,14 @@ class MoELayer(nn.Module):
             self._last.stats = self._last.stats()
         return self._last.stats
 
-    def _after_forward(
-        self, load: GlobalLoad, capacity: int, k: int, factor: float, chosen: PlanChoice, timing: PipelineTiming,
-        owned: OwnedTokens, ran: ScheduleOutput, kernels: dict[str, str],
-    ) -> None:
-        """A forward (not a recompute) moves the loss-free balancing bias and records its statistics."""
+    def _after_forward(self, agreed: Agreed, stats: RoutingStats | Callable[[], RoutingStats] | None) -> None:
+        """A forward (not a recompute) moves the loss-free balancing bias, keeps its statistics and
+        the tokens the next load agreement carries."""
         if self._moves_bias:
-            update_expert_bias(self.gate, load.counts_WE.sum(0), self.config.expert_bias_update_rate)
-        self._last.stats = routing_stats(self.config, self.groups, load, capacity, k, factor, chosen, timing,
-                                         self.schedule.plan_label(chosen.plan), owned, ran, kernels)
+            update_expert_bias(self.gate, agreed.load.counts_WE.sum(0), self.config.expert_bias_update_rate)
+        self._last.stats = stats
+        if agreed.next_bucket is not None:
+            self._last.gather_bucket = agreed.next_bucket
 
     @property
     def _moves_bias(self) -> bool:
@@ -349,11 +308,8 @@ class MoELayer(nn.Module):
         estimate_E: np.ndarray | None = None, prepared: object | None = None, workspace: Workspace | None = None,
     ) -> RunContext:
         """What this layer's schedule runs with: its experts over its placement, the kept counts."""
-        local = tuple(shard.expert for shard in self.placement.local(self.rank))
-        return RunContext(
-            self.experts, dtype, self.groups, self.placement, timing, workspace, filled_WE, local, capacity,
-            self.config.expert_kernel, backend, estimate_E, prepared,
-        )
+        return run_context(self.experts, self.placement, self.groups, self.config, dtype, timing, filled_WE, capacity,
+                           backend, estimate_E, prepared, workspace)
 
     def _with_shared_experts(self, x_TM: torch.Tensor, y_TM: torch.Tensor) -> torch.Tensor:
         """Add the dense shared experts' output (Qwen2-MoE: times its sigmoid gate)."""

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import LayerDims, ffn_projections
-from moeflow.direct import SOURCE
 from moeflow.dispatch import decode, encode, make_dispatch_plan, make_packed_plan
+from moeflow.dispatchers.stats import SOURCE
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.layer import MoELayer
 from moeflow.measure import device_medians

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.direct import DIRECT_LOCAL
+from moeflow.dispatchers.choice import DIRECT_LOCAL
 from moeflow.parallel.context import Prepared
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement

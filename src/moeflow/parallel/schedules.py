@@ -28,7 +28,7 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import cross_node_rows
 from moeflow.config import PADDED, RAGGED
-from moeflow.direct import DIRECT_EXCHANGE
+from moeflow.dispatchers.choice import DIRECT_EXCHANGE
 from moeflow.experts import ExpertCompute
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.direct import DIRECT_LOCAL
+from moeflow.dispatchers.choice import DIRECT_LOCAL
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement

@@ -1,4 +1,4 @@
-"""The packed path: a forward with backward on a rank that holds every expert, with no capacity buffer.
+"""The packed dispatcher: a forward with backward on a rank that holds every expert, with no capacity buffer.
 
 Under ``expert_kernel="ragged"`` the capacity path pays for its padded (E, C, M) layout three
 times over: encode scatters the kept rows into it, the ragged kernel gathers the filled slots back
@@ -13,18 +13,22 @@ capacity), the same products are summed.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.dispatch import decode, encode
 from moeflow.dispatch_plan import make_packed_plan
+from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
 from moeflow.experts import FFNCompute, FFNWeights, LocalExperts
 from moeflow.kernels.choice import KernelChoice
 from moeflow.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
 from moeflow.routing.router import Routing
-
-DIRECT_PACKED = "packed"
-"""The layer's direct path for a forward with backward on one rank under the ragged kernel: this module."""
+from moeflow.stats import PipelineTiming
 
 
 def packed_experts_output(
@@ -42,6 +46,23 @@ def packed_experts_output(
     weights = experts.weights().cast(x_TM.dtype)
     y_NM = _PackedExperts.apply(x_NM, rows, experts.compute, kernels.gemm, *weights.as_tuple())
     return decode(y_NM, choice.weights_TK, plan, backend=kernels.decode)
+
+
+@dataclass(frozen=True)
+class PackedDispatcher:
+    """One rank under the ragged kernel, with a backward: the capacity path's kept slots, packed
+    (:func:`packed_experts_output`)."""
+
+    experts: LocalExperts
+    labels: DirectLabels
+
+    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
+        capacity = load.capacity(call.capacity_factor, call.top_k)
+        slotted = call.routing.slotted(load.counts_WE.shape[1])
+        y_TM = packed_experts_output(call.x_TM, slotted, load.counts_WE[0], capacity, self.experts, call.kernels)
+        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
+                                                        self.labels, PipelineTiming(), STAYS_HOME,
+                                                        call.kernels.as_dict()))
 
 
 class _PackedExperts(torch.autograd.Function):

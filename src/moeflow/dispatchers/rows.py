@@ -1,4 +1,4 @@
-"""The direct exchange: a small no-grad forward under expert parallelism, with no capacity buffer.
+"""The row-exchange dispatcher: a small no-grad forward under expert parallelism, with no capacity buffer.
 
 A decode step routes a handful of tokens (batch x k rows per rank), yet the capacity path builds
 an (E, C, M) buffer, plans a pipeline, exchanges every slot (or gathers the kept ones out of the
@@ -9,23 +9,30 @@ are sorted by expert once, which under the expert-parallel placement (rank d hol
 all-to-all: the splits come from the load all-gather every forward runs anyway (the per-expert
 counts of every rank), so no split exchange is added. Each rank runs its experts over what it
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
-its combine weights in one ``embedding_bag``, as :mod:`moeflow.direct` does on one rank.
+its combine weights in one ``embedding_bag``, as :mod:`moeflow.dispatchers.local` does on one rank.
 
 It runs where the capacity path would keep every token (capacity >= the busiest expert's count
 on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows, and its
-tokens did not come with the load all-gather (:mod:`moeflow.direct_gather`); the decision is
-:func:`moeflow.direct_paths.run_direct`'s, from the load every rank holds alike.
+tokens did not come with the load agreement (:mod:`moeflow.dispatchers.gathered`); the decision is
+:func:`moeflow.dispatchers.choice.agree`'s, from the load every rank holds alike.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
+from moeflow.config import RAGGED
 from moeflow.device_copy import to_device
-from moeflow.direct import DirectRows
+from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.local import DirectRows
+from moeflow.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.dispatchers.stats import DirectLabels, direct_stats
 from moeflow.experts import ExpertFFN
 from moeflow.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import PipelineTiming
@@ -37,6 +44,22 @@ M = 512, swiglu) the direct exchange ran faster than the capacity path at every 
 to 2048 rows (6.1 against 7.3 ms at 8 rows, 19.0 against 22.5 at 256, 49.1 against 59.9 at 2048);
 on a slow link the capacity path's pipeline may hide part of a large exchange, which the direct
 exchange does not, so the bound stays at the sizes measured on the emulated cluster."""
+
+
+@dataclass(frozen=True)
+class RowExchangeDispatcher:
+    """Only the routed rows travel, one ragged all-to-all each way (:func:`exchanged_experts`)."""
+
+    experts: ExpertFFN
+    groups: ParallelGroups
+    labels: DirectLabels
+
+    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
+        choice, timing = call.routing.choice, PipelineTiming()
+        y_TM = exchanged_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, self.experts,
+                                 self.groups, call.kernels.gemm, timing)
+        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
+                                                        self.labels, timing, RAGGED, call.kernels.as_dict()))
 
 
 def exchanged_experts(

@@ -1,4 +1,4 @@
-"""The direct path: a forward on a rank that holds every expert, with no capacity buffer.
+"""The local dispatcher: a forward on a rank that holds every expert, with no capacity buffer.
 
 Where a forward needs no other rank and runs no backward (generation or evaluation on one
 process), the capacity layout is only overhead. Encode scatters the tokens into an (E, C, M)
@@ -15,24 +15,18 @@ summed over a token's choices in expert order rather than choice order on the la
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
 from moeflow.experts import ExpertFFN, FFNWeights
 from moeflow.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-
-DIRECT_LOCAL = "local"
-"""A schedule's direct path (``ParallelSchedule.direct_path``) on a rank that holds every expert: this module."""
-DIRECT_EXCHANGE = "exchange"
-"""A schedule's direct path where each expert has one holder: :mod:`moeflow.direct_exchange`."""
-
-SOURCE = "direct"
-"""The plan source the statistics name for a forward that took a direct path."""
-STAYS_HOME = "none"
-"""The token exchange the statistics name for a forward whose tokens never left their rank."""
-
+from moeflow.stats import PipelineTiming
 
 CACHE_RESIDENT_BYTES = 1 << 20
 """Above this much intermediate (rows x hidden) on CPU, the direct path never builds the packed
@@ -94,3 +88,18 @@ def _expert_by_expert(
         y_RM = expert_rows_ffn(x_TM.index_select(0, token_R), weights, expert, activation)
         y_TM.index_add_(0, token_R, y_RM.mul_(weight_R))
     return y_TM
+
+
+@dataclass(frozen=True)
+class LocalDispatcher:
+    """Every expert on this rank and nothing to drop: the tokens stay home (:func:`direct_experts`)."""
+
+    experts: ExpertFFN
+    labels: DirectLabels
+
+    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
+        choice, timing = call.routing.choice, PipelineTiming()
+        y_TM = direct_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, call.routing.counts_E, self.experts,
+                              call.kernels.gemm)
+        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
+                                                        self.labels, timing, STAYS_HOME, call.kernels.as_dict()))
