@@ -58,7 +58,8 @@ def main() -> None:
     for place, result in enumerate(results, 1):
         largest = sorted(result.busy_s.items(), key=lambda item: -item[1])[:3]  # where the time goes
         busy = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in largest)
-        print(f"plan {place}    {plan_label(result.plan):<32} {result.step_s * 1e3:10.2f} ms per {unit}  (busiest: {busy})")
+        label = plan_label(result.plan)
+        print(f"plan {place}    {label:<32} {result.step_s * 1e3:10.2f} ms per {unit}  (busiest: {busy})")
 
     best = results[0]
     print(json.dumps({"example": "plan_cluster", "cluster": cluster.name, "model": model.name,

@@ -43,7 +43,7 @@ from torch import nn
 from moeflow import MoEConfig, MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import topology_from_environment
-from moeflow.data_parallel import clip_grad_norm_, expert_data_parallel
+from moeflow.training.data_parallel import clip_grad_norm_, expert_data_parallel
 
 
 class TinyMoEModel(nn.Module):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 from train_loop import parse_args, train  # the same model, data and loop, next to this file
 
-from moeflow.data_parallel import expert_fully_shard
+from moeflow.training.data_parallel import expert_fully_shard
 
 
 def shard(model: nn.Module) -> nn.Module:

@@ -1,6 +1,6 @@
 """The suite's distributed runs: ``run_distributed`` as the library's, on persistent gloo workers.
 
-One :class:`~moeflow.worker_pool.WorkerPool` per world size and thread count serves every test of a
+One :class:`~moeflow.testbed.worker_pool.WorkerPool` per world size and thread count serves every test of a
 run, so a test pays a new process group, not a new interpreter. The tests of
 :func:`moeflow.distributed.run_distributed` itself (tests/test_distributed.py) and those that
 measure a whole process (its peak memory, its signals) call the library's directly.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moeflow.worker_pool import WorkerPool
+from moeflow.testbed.worker_pool import WorkerPool
 
 _POOLS: dict[tuple[int, int], WorkerPool] = {}  # this test run's pools, closed by conftest at the end
 

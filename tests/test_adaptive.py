@@ -10,10 +10,10 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.config import LayerDims, check_switchable_layout, switchable_rs
+from moeflow.parallel.planner import PipelinePlanner, ternary_next_r
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
 from moeflow.perf.shape import RegionShape
-from moeflow.planner import PipelinePlanner, ternary_next_r
 from moeflow.reference import ReferenceMoE
 from pool import run_distributed
 

@@ -88,7 +88,7 @@ def test_bench_layer_config_keeps_its_record_keys() -> None:
 
 
 def test_interleaved_medians_time_round_robin_and_skip_warmup() -> None:
-    from moeflow.measure import interleaved_medians
+    from moeflow.timing.measure import interleaved_medians
 
     calls: list[str] = []
     medians = interleaved_medians(

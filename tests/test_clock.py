@@ -11,7 +11,7 @@ import torch
 
 from moeflow.comm.clock import DeviceClock, DeviceSpan, HostSpan, start_span
 from moeflow.comm.traffic import AllToAllTraffic, contention_seconds
-from moeflow.measure import device_medians, sample_seconds
+from moeflow.timing.measure import device_medians, sample_seconds
 
 
 class FakeDevice:

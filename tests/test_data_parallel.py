@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow import MoELayer
-from moeflow.data_parallel import (
+from moeflow.training.data_parallel import (
     clip_grad_norm_,
     expert_data_parallel,
     expert_fully_shard,

@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from moeflow import MoELayer
-from moeflow.dispatch import encode, make_dispatch_plan, make_packed_plan
+from moeflow.dispatchers.encoding import encode, make_dispatch_plan, make_packed_plan
 from moeflow.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots

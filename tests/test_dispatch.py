@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.routing import assign_slots
 
 

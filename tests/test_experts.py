@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.experts import ExpertFFN, ffn_flops
+from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad, torch_grouped_mm_runs
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import shard_expert_state
-from moeflow.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad, torch_grouped_mm_runs
 
 
 def dense_ffn(experts: ExpertFFN, e: int, x: torch.Tensor) -> torch.Tensor:

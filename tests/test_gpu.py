@@ -8,7 +8,7 @@ import torch
 from moeflow import MoELayer
 from moeflow.distributed import free_port
 from moeflow.experts import ExpertFFN
-from moeflow.ragged import RaggedFFNCompute
+from moeflow.kernels.ragged import RaggedFFNCompute
 from moeflow.reference import ReferenceMoE
 
 from equivalence import all_cases, check_cases

@@ -11,7 +11,7 @@ from moeflow.dispatchers.stats import SOURCE
 from moeflow.experts import ExpertFFN
 from moeflow.kernels import triton_installed
 from moeflow.kernels.choice import candidates, grouped_mm_works, measure_choice
-from moeflow.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
+from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
 from moeflow.reference import ReferenceMoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -21,8 +21,8 @@ from moeflow.kernels.choice import (
     measure_choice,
     share_kernel_table,
 )
+from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
 from moeflow.models.transformer import MoETransformer, TransformerConfig
-from moeflow.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TINY = ProbeShape(tokens=128, model_dim=32, hidden_dim=32, num_experts=8, top_k=2, repeats=2)
@@ -137,7 +137,7 @@ class FixedTable:
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_gathered_bags_equal_the_torch_kernels_forward_and_backward(packed: bool) -> None:
-    from moeflow.dispatch import decode, encode, make_dispatch_plan, make_packed_plan
+    from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan, make_packed_plan
     from moeflow.routing import assign_slots
 
     generator = torch.Generator().manual_seed(5)

@@ -10,8 +10,7 @@ from pathlib import Path
 import moeflow
 
 SOURCE = Path(moeflow.__file__).parent
-ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "distributed.py", "worker_pool.py",
-                "testbed/", "bench/")
+ENTRY_POINTS = ("cli.py", "__main__.py", "commands/", "training/launch.py", "distributed.py", "testbed/", "bench/")
 
 
 def _reads_environment(tree: ast.AST) -> list[int]:
@@ -117,17 +116,14 @@ def test_moeflow_has_no_import_cycle() -> None:
 
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch.distributed
+    ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder", "sim.technique",
      "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
-    ("comm", "kernels", "dispatch", "dispatch_plan", "dispatchers", "experts", "ragged", "pipeline", "routing",
-     "workspace", "saved_activations", "precision",
-     "phases", "reference", "measure", "distributed", "worker_pool", "device_copy"),
-    ("parallel", "planner", "expert_parameters", "forward_memory"),  # the schedules; the planner gets its
-    # simulated ranker passed in
+    ("comm", "kernels", "dispatchers", "experts", "pipeline", "routing", "reference", "distributed", "timing"),
+    ("parallel",),  # the schedules, the per-iteration planner (its simulated ranker passed in)
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
-    ("layer", "layer_stats", "dispatchers.capacity"),  # the capacity dispatcher runs the layer's schedule
-    ("models", "hf", "inference", "data", "data_parallel"),
+    ("layer", "dispatchers.capacity", "dispatchers.capacity_stats"),  # the capacity dispatcher runs the schedule
+    ("models", "hf", "inference", "data", "training.data_parallel"),
     ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
     ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
 )

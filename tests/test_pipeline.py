@@ -17,6 +17,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
 from moeflow.experts import ExpertFFN
+from moeflow.parallel.planner import PipelinePlanner
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
     capacity_chunks,
@@ -28,7 +29,6 @@ from moeflow.perf.pipeline import (
 )
 from moeflow.perf.shape import RegionShape
 from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
-from moeflow.planner import PipelinePlanner
 from moeflow.stats import PipelineTiming, region_clock
 from pool import run_distributed
 

@@ -15,11 +15,11 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
+from moeflow.parallel.planner import MIN_GAIN, simplest_within
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import rank_plans
 from moeflow.perf.schedules import ExpertParallelModel, Plan, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
-from moeflow.planner import MIN_GAIN, simplest_within
 from pool import run_distributed
 
 PROFILE = ClusterProfile(
@@ -168,8 +168,8 @@ def test_a_restored_planner_makes_the_choices_the_interrupted_one_would_have_mad
     restored from :meth:`state_dict` (through JSON, as the trainer writes it) continues exactly."""
     import json
 
+    from moeflow.parallel.planner import PipelinePlanner
     from moeflow.perf.shape import RegionShape
-    from moeflow.planner import PipelinePlanner
 
     def planner() -> PipelinePlanner:
         return PipelinePlanner("search", ("linear", "pairwise"), None, reduce_max=list)

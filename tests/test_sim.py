@@ -637,9 +637,9 @@ def test_parm_table4_is_reproduced_within_a_third() -> None:
 def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
     profile without all-to-all link fits keeps the cost model's ranking."""
+    from moeflow.parallel.planner import PipelinePlanner
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.shape import RegionShape
-    from moeflow.planner import PipelinePlanner
     from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan
 
     fits = {"gemm": AlphaBeta(2e-5, 1.3e-11), "ffn.forward": AlphaBeta(1e-4, 1.3e-11),

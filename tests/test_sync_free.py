@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
-from moeflow.dispatch_plan import make_dispatch_plan
+from moeflow.dispatchers.dispatch_plan import make_dispatch_plan
 from moeflow.kernels.choice import KernelChoice
 from moeflow.routing import assign_slots
 from moeflow.routing.slots import expert_counts

@@ -22,7 +22,7 @@ import torch
 from moeflow.data import corpus_files, is_validation_document, prepare_corpus, stdlib_directory
 from moeflow.distributed import WorkerError
 from moeflow.models import MoETransformer, TransformerConfig
-from moeflow.phases import PhaseClock
+from moeflow.timing.phases import PhaseClock
 from moeflow.training import TrainConfig
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
 from moeflow.training.evaluation import evaluate

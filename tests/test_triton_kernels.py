@@ -10,9 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.kernels import resolve_backend
-from moeflow.ragged import FilledRows, ragged_mm, ragged_weight_grad
+from moeflow.kernels.ragged import FilledRows, ragged_mm, ragged_weight_grad
 from moeflow.routing import assign_slots
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.distributed import WorkerError, run_distributed
-from moeflow.worker_pool import WorkerPool
+from moeflow.testbed.worker_pool import WorkerPool
 
 pytestmark = pytest.mark.distributed
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from moeflow import MoELayer
+from moeflow.kernels.workspace import Workspace, share_workspace
 from moeflow.reference import ReferenceMoE
-from moeflow.workspace import Workspace, share_workspace
 
 
 def _pair(**kwargs: object) -> tuple[ReferenceMoE, MoELayer]:

@@ -46,10 +46,10 @@ from moeflow.comm.topology import Topology
 from moeflow.config import DTYPE_NAMES
 from moeflow.distributed import destroy_process_groups, free_port
 from moeflow.kernels.choice import KernelTable, device_name
-from moeflow.measure import device_medians, slowest_rank_medians
+from moeflow.kernels.precision import DTYPES
 from moeflow.perf import ClusterProfile, ProfileDevice, fit_alpha_beta, median_relative_error
 from moeflow.perf.profile import LAYER_PROBE, NOT_MEASURED
-from moeflow.precision import DTYPES
+from moeflow.timing.measure import device_medians, slowest_rank_medians
 
 DEVICES = ("cpu", "cuda")
 """What ``moeflow calibrate --device`` measures on: the CPU, or each rank's GPU."""
@@ -138,7 +138,7 @@ def _dispatch_points(config: CalibrationConfig, kernels: KernelTable) -> dict[st
     the kernels ``kernel_backend="auto"`` picks on this device and dtype, over m tokens routed
     uniformly at random to ``dispatch_top_k`` of ``dispatch_experts`` (capacity factor 1);
     x = m * k * M * element bytes, the routed rows."""
-    from moeflow.dispatch import decode, encode, make_dispatch_plan
+    from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
     from moeflow.routing import assign_slots, expert_capacity
 
     device, dtype = config.torch_device, config.torch_dtype

@@ -27,7 +27,7 @@ EXPERT_KERNELS = ("bmm", "loop", "ragged")
 or the dropless ragged grouped GEMM over the received slots (``ragged``)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """The one dtype table: moeflow's names and their bytes per element (torch's dtypes:
-:data:`moeflow.precision.DTYPES`)."""
+:data:`moeflow.kernels.precision.DTYPES`)."""
 DTYPE_NAMES = tuple(DTYPE_BYTES)
 """The compute dtypes a command line names (``--dtype``): fp32, or bf16/fp16 over fp32 master weights."""
 KERNEL_BACKENDS = ("auto", "torch", "triton")

@@ -24,8 +24,8 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
-from moeflow.workspace import Workspace
-from moeflow.workspace import buffer as _buffer
+from moeflow.kernels.workspace import Workspace
+from moeflow.kernels.workspace import buffer as _buffer
 
 KERNELS = EXPERT_KERNELS
 

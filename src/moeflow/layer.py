@@ -25,23 +25,23 @@ from moeflow.dispatchers.capacity import CapacityDispatcher, run_context
 from moeflow.dispatchers.choice import Agreed, CallFacts, agree, direct_path
 from moeflow.dispatchers.protocol import DispatchCall
 from moeflow.dispatchers.stats import DirectLabels
-from moeflow.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.experts import ExpertFFN, shared_output
-from moeflow.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
 from moeflow.kernels.choice import KernelChoice, KernelTable
+from moeflow.kernels.precision import checked_tokens, compute_dtype
+from moeflow.kernels.workspace import Workspace
 from moeflow.parallel.build import attach_mp_group, build_execution
 from moeflow.parallel.context import RunContext
+from moeflow.parallel.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
+from moeflow.parallel.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
 from moeflow.parallel.moves import move_experts
 from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
+from moeflow.parallel.planner import PipelinePlanner
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
-from moeflow.planner import PipelinePlanner
-from moeflow.precision import checked_tokens, compute_dtype
 from moeflow.routing import build_gate
 from moeflow.routing.router import Routing, route, update_expert_bias
 from moeflow.sim.layer_ranking import SimulatedRanker
 from moeflow.stats import PipelineTiming, RoutingStats
-from moeflow.workspace import Workspace
 
 
 class MoELayer(nn.Module):
@@ -61,7 +61,7 @@ class MoELayer(nn.Module):
     it) ``"s1"``, ``"s2"`` and ``"ds-baseline"`` are Parm's schedules and the DeepSpeed-MoE
     baseline, and ``"auto"`` chooses S1 or S2 per iteration. Under the expert schedule, dispatch ->
     experts -> combine runs pipelined over ``pipeline`` capacity chunks with the ``alltoall``
-    algorithm, both planned per forward (:mod:`moeflow.planner`): ``"auto"`` ranks the candidates
+    algorithm, both planned per forward (:mod:`moeflow.parallel.planner`): ``"auto"`` ranks the candidates
     with the profile and times the best few online, ``"model"`` trusts the profile, ``"search"``
     times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
     algorithm name forces it.
@@ -190,7 +190,7 @@ class MoELayer(nn.Module):
         """``r`` (Tutel's ``adaptive_r``) runs this call with that r, on a layer whose ``parallel`` is
         ``"adaptive"`` or an int: switching moves no weight. Every rank must pass the same r. Under
         autocast (or with bf16/fp16 x over fp32 parameters) the experts compute in that dtype and
-        the router in fp32 (:mod:`moeflow.precision`)."""
+        the router in fp32 (:mod:`moeflow.kernels.precision`)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
         dtype = compute_dtype(x, self.experts.w1.dtype) if x.is_floating_point() else x.dtype

@@ -37,10 +37,10 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import CommunicationWorker, ParallelGroups
 from moeflow.comm.streams import overlap_on_streams
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.kernels.saved_activations import save_with_records, saved_with_records
+from moeflow.kernels.workspace import Workspace, buffer
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.saved_activations import save_with_records, saved_with_records
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace, buffer
 
 __all__ = [
     "ChunkExchange",

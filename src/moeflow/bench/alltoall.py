@@ -30,7 +30,7 @@ def _rank_main(argv: list[str]) -> None:
     from moeflow.comm.groups import ParallelGroups
     from moeflow.comm.topology import topology_from_environment
     from moeflow.distributed import destroy_process_groups
-    from moeflow.measure import slowest_rank_seconds
+    from moeflow.timing.measure import slowest_rank_seconds
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES))

@@ -87,7 +87,7 @@ def _measure_links(point: ContentionPoint, groups: Any, repeats: int, emit: Any)
     import torch
     import torch.distributed as dist
 
-    from moeflow.measure import slowest_rank_seconds
+    from moeflow.timing.measure import slowest_rank_seconds
     from moeflow.training.grad_sync import gradient_scheduler
 
     world = dist.get_world_size()
@@ -170,7 +170,7 @@ def _measure_steps(point: ContentionPoint, groups: Any, repeats: int, emit: Any)
     """Training steps per mode, round-robin, each mode its own copy of the same weights."""
     import torch.distributed as dist
 
-    from moeflow.measure import slowest_rank_seconds
+    from moeflow.timing.measure import slowest_rank_seconds
     from moeflow.training.trainer import _train_step
 
     modes = step_modes(point, dist.get_world_size())

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from moeflow.bench import record_fields
-from moeflow.dispatch import decode, encode, make_dispatch_plan
+from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.kernels.choice import KernelTable, candidates
-from moeflow.measure import device_medians
-from moeflow.precision import DTYPES
-from moeflow.ragged import FilledRows, looped_mm, ragged_mm
+from moeflow.kernels.precision import DTYPES
+from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm
+from moeflow.kernels.workspace import Workspace
 from moeflow.routing import assign_slots, expert_capacity
-from moeflow.workspace import Workspace
+from moeflow.timing.measure import device_medians
 
 AUTO_KERNELS = {"encode": "encode", "decode": "decode", "grouped_gemm": "gemm"}  # bench kernel -> KernelChoice field
 ENCODE_DECODE_TARGET = 0.70  # of the measured memory bandwidth, for large token counts (GPU)

@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import LayerDims, ffn_projections
-from moeflow.dispatch import decode, encode, make_dispatch_plan, make_packed_plan
+from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan, make_packed_plan
 from moeflow.dispatchers.stats import SOURCE
 from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
+from moeflow.kernels.precision import DTYPES
 from moeflow.layer import MoELayer
-from moeflow.measure import device_medians
-from moeflow.precision import DTYPES
 from moeflow.reference import ReferenceMoE
 from moeflow.routing import assign_slots, expert_capacity, select_experts
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
+from moeflow.timing.measure import device_medians
 
 DEFAULT_DIMS = LayerDims(512, 2048, 8, top_k=2)  # E=8, H=2048: the first target shape
 

@@ -18,10 +18,10 @@ import torch
 from moeflow.bench import record_fields
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import FFNCompute, FFNWeights
-from moeflow.measure import device_medians
+from moeflow.kernels.precision import DTYPES
 from moeflow.perf.schedules import LOCAL
 from moeflow.pipeline import ExpertExchange, pipelined_experts
-from moeflow.precision import DTYPES
+from moeflow.timing.measure import device_medians
 
 
 @dataclass

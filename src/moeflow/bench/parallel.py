@@ -76,8 +76,8 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
     from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
     from moeflow.config import switchable_rs
     from moeflow.layer import MoELayer
-    from moeflow.measure import slowest_rank_seconds
     from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
+    from moeflow.timing.measure import slowest_rank_seconds
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if point.mp > 1 and groups.model is None:

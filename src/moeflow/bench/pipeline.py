@@ -64,8 +64,8 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
     from moeflow.comm.algorithms import distinct_algorithms, exchange
     from moeflow.config import LayerDims
     from moeflow.experts import ExpertFFN
-    from moeflow.measure import slowest_rank_seconds
     from moeflow.perf.shape import RegionShape
+    from moeflow.timing.measure import slowest_rank_seconds
 
     num_experts = point.experts_per_rank * world
     dims = LayerDims(point.model_dim, point.hidden_dim, num_experts, point.top_k)

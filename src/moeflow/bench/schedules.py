@@ -75,7 +75,7 @@ def _measure_point(point: SchedulePoint, groups: Any, profile: Any, repeats: int
 
     from moeflow.bench import record_fields
     from moeflow.bench.timing import SpeedProbe
-    from moeflow.measure import slowest_rank_seconds
+    from moeflow.timing.measure import slowest_rank_seconds
 
     rank = dist.get_rank()
     auto = _model(point, "auto", groups, profile)

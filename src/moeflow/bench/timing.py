@@ -1,11 +1,11 @@
-"""Benchmark helpers around :mod:`moeflow.measure`: the machine's speed probe, and layer steps."""
+"""Benchmark helpers around :mod:`moeflow.timing.measure`: the machine's speed probe, and layer steps."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from moeflow.measure import slowest_rank_seconds
+from moeflow.timing.measure import slowest_rank_seconds
 
 
 class SpeedProbe:

@@ -161,7 +161,7 @@ def _slowest(fn: Any) -> float:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        from moeflow.measure import slowest_rank_seconds
+        from moeflow.timing.measure import slowest_rank_seconds
 
         return slowest_rank_seconds(fn)
     start = time.perf_counter()

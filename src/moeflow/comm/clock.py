@@ -8,7 +8,7 @@ work depends on that was queued before (on the same stream) is not in the span: 
 bracket what ran on that stream in between, including a collective's wait on its own stream.
 
 Used by Lina's all-to-all accounting (:mod:`moeflow.comm.traffic`), the gradient all-reduces of
-the trainer and the calibration's timers (:mod:`moeflow.measure`).
+the trainer and the calibration's timers (:mod:`moeflow.timing.measure`).
 """
 
 from __future__ import annotations

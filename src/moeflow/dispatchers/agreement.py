@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moeflow.capacity import expert_capacity
 from moeflow.comm.groups import ParallelGroups
-from moeflow.device_copy import to_device
+from moeflow.kernels.device_copy import to_device
 
 GATHER_TOKENS = 8
 """The most tokens per rank the load all-gather carries (decode batches). Above it, a rank's tokens

@@ -15,19 +15,19 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
-from moeflow.dispatch import decode, encode, make_dispatch_plan
 from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.capacity_stats import routing_stats
+from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.experts import ExpertFFN
-from moeflow.forward_memory import ForwardMemory, ForwardRecord
-from moeflow.layer_stats import routing_stats
+from moeflow.kernels.workspace import Workspace
 from moeflow.parallel.context import RunContext
+from moeflow.parallel.forward_memory import ForwardMemory, ForwardRecord
 from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.planner import PipelinePlanner
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf.shape import RegionShape
-from moeflow.planner import PipelinePlanner
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from moeflow.dispatchers.agreement import GatheredTokens, GlobalLoad
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.dispatchers.stats import GATHERED, DirectLabels, direct_stats
 from moeflow.experts import ExpertFFN
-from moeflow.ragged import FilledRows, packed_ffn_output
+from moeflow.kernels.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import PipelineTiming
 
 

@@ -5,7 +5,7 @@ process), the capacity layout is only overhead. Encode scatters the tokens into 
 buffer, the ragged kernel gathers the filled slots out of it and scatters its output back, and
 decode gathers once more, while the load exchange and the planner plan a pipeline of one chunk.
 Here the k choices of every token are sorted by expert once and their rows gathered straight from
-x. The experts run over their rows (:func:`moeflow.ragged.packed_ffn_output`, which never reads an
+x. The experts run over their rows (:func:`moeflow.kernels.ragged.packed_ffn_output`, which never reads an
 empty expert's weights), and each token sums its k rows with its combine weights in one
 ``embedding_bag``, as decode does. With large intermediates each expert instead gathers and adds
 back its own rows (:data:`CACHE_RESIDENT_BYTES`). It computes the same function as the capacity
@@ -25,7 +25,7 @@ from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
 from moeflow.experts import ExpertFFN, FFNWeights
-from moeflow.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
+from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
 from moeflow.stats import PipelineTiming
 
 CACHE_RESIDENT_BYTES = 1 << 20

@@ -4,7 +4,7 @@ Under ``expert_kernel="ragged"`` the capacity path pays for its padded (E, C, M)
 times over: encode scatters the kept rows into it, the ragged kernel gathers the filled slots back
 out (and scatters its output in again), and decode gathers once more; the backward repeats each
 step. Where one rank holds every expert nothing needs that layout. Here the kept rows go straight
-into a packed (N, M) matrix ordered by expert (:func:`~moeflow.dispatch_plan.make_packed_plan`:
+into a packed (N, M) matrix ordered by expert (:func:`~moeflow.dispatchers.dispatch_plan.make_packed_plan`:
 the same encode and decode kernels, over a buffer with no empty slot), the experts run as grouped
 GEMMs on those rows forward and backward, and decode sums each token's rows. It computes the
 capacity path's function exactly: the same slots are kept (the routing's own slot assignment and
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatch import decode, encode
-from moeflow.dispatch_plan import make_packed_plan
 from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.dispatch_plan import make_packed_plan
+from moeflow.dispatchers.encoding import decode, encode
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
 from moeflow.experts import FFNCompute, FFNWeights, LocalExperts
 from moeflow.kernels.choice import KernelChoice
-from moeflow.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
+from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
 from moeflow.routing.router import Routing
 from moeflow.stats import PipelineTiming
 

@@ -28,13 +28,13 @@ import torch.nn.functional as F
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import RAGGED
-from moeflow.device_copy import to_device
 from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.dispatchers.local import DirectRows
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.dispatchers.stats import DirectLabels, direct_stats
 from moeflow.experts import ExpertFFN
-from moeflow.ragged import FilledRows, packed_ffn_output
+from moeflow.kernels.device_copy import to_device
+from moeflow.kernels.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import PipelineTiming
 
 DIRECT_EXCHANGE_ROWS = 256

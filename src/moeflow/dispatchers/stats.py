@@ -1,5 +1,5 @@
 """What a forward that skipped the capacity buffer reports: the statistics of the local, packed,
-gathered and row-exchange dispatchers (the capacity dispatcher's are :mod:`moeflow.layer_stats`)."""
+gathered and row-exchange dispatchers (the capacity dispatcher's are :mod:`moeflow.dispatchers.capacity_stats`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from moeflow.hf.blocks import Group, replace_moe_blocks
 from moeflow.hf.families import family_for_model_type
 from moeflow.hf.lazy import load_lazily
 from moeflow.hf.safetensors_files import INDEX, SINGLE, has_safetensors
-from moeflow.precision import DTYPES
+from moeflow.kernels.precision import DTYPES
 
 
 def _require_transformers() -> Any:

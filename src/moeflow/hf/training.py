@@ -27,7 +27,7 @@ from moeflow.layer import MoELayer
 from moeflow.models.transformer import total_aux_loss
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.parallel.registry import AUTO, RAGGED_SCHEDULES, REPLICATING_SCHEDULES, experts_must_divide
-from moeflow.phases import PhaseClock
+from moeflow.timing.phases import PhaseClock
 from moeflow.training.config import TrainConfig
 
 TOKENIZER_FILE = "tokenizer.json"

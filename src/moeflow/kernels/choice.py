@@ -9,7 +9,7 @@ implementation that runs there (forward and backward, at one representative MoE 
 results, one per model (:func:`share_kernel_table`), so its layers measure once between them.
 
 On a CPU nothing is measured: Triton runs there only under its interpreter (a test tool), and the
-grouped GEMM keeps the rule measured on CPUs (:func:`moeflow.ragged.ragged_mm`). An explicit
+grouped GEMM keeps the rule measured on CPUs (:func:`moeflow.kernels.ragged.ragged_mm`). An explicit
 ``"torch"`` or ``"triton"`` runs that backend's kernels everywhere, as before.
 """
 
@@ -23,12 +23,12 @@ from typing import Protocol
 import torch
 
 ENCODE_BACKENDS = ("torch", "gather", "triton")
-"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.dispatch`); ``gather``: the same
+"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.dispatchers.encoding`); ``gather``: the same
 with each bag sum (encode's backward, decode's forward) as a gather of every token's K rows and one
 batched product; ``triton``: :mod:`moeflow.kernels.triton_dispatch`."""
 GEMM_BACKENDS = ("torch", "grouped_mm", "triton")
 """``torch``: on CPU torch's grouped GEMM where many experts hold rows, else one ``mm`` per expert
-with rows (:func:`moeflow.ragged.ragged_mm`); ``grouped_mm``: ``torch._grouped_mm`` on any device
+with rows (:func:`moeflow.kernels.ragged.ragged_mm`); ``grouped_mm``: ``torch._grouped_mm`` on any device
 (the loop where an operand's layout does not suit it); ``triton``: :mod:`moeflow.kernels.triton_gemm`."""
 
 MEASURED, FIXED, HOST = "measured", "fixed", "host"  # how a choice was made
@@ -162,7 +162,7 @@ def measure_choice(device: torch.device, dtype: torch.dtype, shape: ProbeShape =
 
 
 def _measure(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> KernelChoice:
-    from moeflow.measure import device_medians
+    from moeflow.timing.measure import device_medians
 
     dispatch_backends, gemm_backends = candidates(device, dtype)
     steps = _probe_steps(device, dtype, shape)
@@ -210,7 +210,7 @@ class _ProbeSteps:
     rows: object
 
     def encode(self, backend: str) -> Callable[[], None]:
-        from moeflow.dispatch import encode
+        from moeflow.dispatchers.encoding import encode
 
         def step() -> None:
             x = self.x_TM.detach().requires_grad_()
@@ -219,7 +219,7 @@ class _ProbeSteps:
         return step
 
     def decode(self, backend: str) -> Callable[[], None]:
-        from moeflow.dispatch import decode
+        from moeflow.dispatchers.encoding import decode
 
         def step() -> None:
             rows = self.packed_NM.detach().requires_grad_()
@@ -229,7 +229,7 @@ class _ProbeSteps:
         return step
 
     def gemm(self, backend: str) -> Callable[[], None]:
-        from moeflow.ragged import ragged_mm, ragged_weight_grad
+        from moeflow.kernels.ragged import ragged_mm, ragged_weight_grad
 
         def step() -> None:
             ragged_mm(self.packed_NM, self.w_EMH, self.rows, backend)  # type: ignore[arg-type]
@@ -239,10 +239,10 @@ class _ProbeSteps:
 
 def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> _ProbeSteps:
     """Uniform random routing of ``shape.tokens`` tokens, dropless, packed by expert (as the direct
-    path lays the rows out, :func:`moeflow.dispatch_plan.make_packed_plan`); the tensors are drawn on
+    path lays the rows out, :func:`moeflow.dispatchers.dispatch_plan.make_packed_plan`); the tensors are drawn on
     the device (drawn on the host, they cost a layer built alone half a second)."""
-    from moeflow.dispatch_plan import make_packed_plan
-    from moeflow.ragged import FilledRows
+    from moeflow.dispatchers.dispatch_plan import make_packed_plan
+    from moeflow.kernels.ragged import FilledRows
     from moeflow.routing import assign_slots
 
     generator = torch.Generator().manual_seed(0)

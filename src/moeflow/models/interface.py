@@ -13,7 +13,7 @@ from torch import nn
 from moeflow.comm.groups import ParallelGroups
 from moeflow.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter
-from moeflow.phases import PhaseClock
+from moeflow.timing.phases import PhaseClock
 
 
 class TrainableLM(Protocol):

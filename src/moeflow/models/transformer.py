@@ -31,11 +31,11 @@ from moeflow.config import (
 )
 from moeflow.experts import ExpertFFN
 from moeflow.kernels.choice import share_kernel_table
+from moeflow.kernels.workspace import share_workspace
 from moeflow.layer import MoELayer
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
-from moeflow.phases import PhaseClock
-from moeflow.workspace import share_workspace
+from moeflow.timing.phases import PhaseClock
 
 if TYPE_CHECKING:
     from moeflow.models.interface import TrainableLM

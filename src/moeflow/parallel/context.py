@@ -17,10 +17,10 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.experts import ExpertCompute, FFNWeights, LocalExperts
+from moeflow.kernels.ragged import RaggedFFNCompute
+from moeflow.kernels.workspace import Workspace
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.ragged import RaggedFFNCompute
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from torch.autograd.function import FunctionCtx
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
-from moeflow.device_copy import to_device
 from moeflow.experts import FFNCompute, FFNWeights
+from moeflow.kernels.device_copy import to_device
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule

@@ -34,11 +34,11 @@ from moeflow.comm.algorithms import pairwise_peers, pairwise_step
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.kernels.saved_activations import save_with_records, saved_with_records
+from moeflow.kernels.workspace import Workspace
 from moeflow.perf.schedules import SMART
 from moeflow.pipeline import overlap
-from moeflow.saved_activations import save_with_records, saved_with_records
 from moeflow.stats import PipelineTiming
-from moeflow.workspace import Workspace
 
 
 @dataclass(frozen=True)

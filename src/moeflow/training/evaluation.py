@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moeflow.kernels.precision import DTYPES
 from moeflow.models import TrainableLM
-from moeflow.precision import DTYPES
 from moeflow.training.batches import token_windows, validation_windows
 from moeflow.training.config import TrainConfig
 from moeflow.training.gradients import all_reduce_sum

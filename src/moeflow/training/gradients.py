@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from moeflow.comm.groups import group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
-from moeflow.expert_parameters import squared_norm_share
 from moeflow.models import TrainableLM
+from moeflow.parallel.expert_parameters import squared_norm_share
 from moeflow.parallel.placement import PlacedParameter
 from moeflow.training.grad_sync import GradientScheduler
 

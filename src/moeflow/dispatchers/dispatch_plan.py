@@ -1,6 +1,6 @@
 """Where each routed assignment goes in the (E, C) slot buffer: one immutable plan per buffer,
 built once from the routing and read by encode, decode and their kernels (the torch ones in
-:mod:`moeflow.dispatch`, the Triton ones in :mod:`moeflow.kernels.triton_dispatch`).
+:mod:`moeflow.dispatchers.encoding`, the Triton ones in :mod:`moeflow.kernels.triton_dispatch`).
 
 Shapes: T tokens, K top-k, N kept (token, expert) assignments, E experts, C capacity, S = E*C slots.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.device_copy import to_device
+from moeflow.kernels.device_copy import to_device
 
 
 @dataclass(frozen=True)

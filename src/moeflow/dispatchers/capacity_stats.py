@@ -9,9 +9,9 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
 from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.parallel.context import ScheduleOutput
+from moeflow.parallel.planner import PlanChoice
 from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.planner import PlanChoice
 from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 

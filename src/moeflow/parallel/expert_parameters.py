@@ -7,7 +7,7 @@ another rank's expert. Under the expert-parallel exchange an expert's gradient a
 tokens of every rank that sent it some, so it is only scaled to the mean over the data-parallel
 replicas; copies of an expert (replicated experts, Lina's packed blocks) each sum their own ranks'
 tokens, so the copies add up first. One module holds these rules for the trainer and for the
-helpers a user's own loop calls (:mod:`moeflow.data_parallel`).
+helpers a user's own loop calls (:mod:`moeflow.training.data_parallel`).
 
 The marker is Tutel's: ``skip_allreduce = True`` on every expert parameter (and DeepSpeed-MoE's
 ``allreduce = False``), so that other frameworks' data parallelism can find them too.
@@ -90,7 +90,7 @@ def refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacemen
             "a moeflow MoELayer runs inside a DistributedDataParallel that treats its experts as replicated "
             "weights: DDP copied rank 0's experts over every other rank's when it was built and averages each "
             "expert's gradient with other ranks' different experts, so the model would train E/W distinct experts. "
-            "Wrap the model with moeflow.data_parallel.expert_data_parallel(model) instead (DDP for the other "
+            "Wrap the model with moeflow.training.data_parallel.expert_data_parallel(model) instead (DDP for the other "
             "weights, on a process group of its own, each expert reduced over its own copies)."
         )
     return id(ddp)

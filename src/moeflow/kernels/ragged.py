@@ -19,7 +19,8 @@ padding in either direction: on the 2-core VM, forward + backward of 4 experts x
 padded one (the simulator's ``padded_backward`` plan flag models it for the records of then).
 
 The row indices are built on the host from the exchanged counts (host tensors) and sent from
-pinned memory with ``non_blocking`` (:func:`~moeflow.device_copy.to_device`): a chunk on CUDA issues no host sync.
+pinned memory with ``non_blocking`` (:func:`~moeflow.kernels.device_copy.to_device`): a chunk on
+CUDA issues no host sync.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.device_copy import to_device
 from moeflow.experts import (
     FFNCompute,
     FFNSaved,
@@ -40,7 +40,8 @@ from moeflow.experts import (
     activate_,
     activation_grad,
 )
-from moeflow.workspace import Workspace
+from moeflow.kernels.device_copy import to_device
+from moeflow.kernels.workspace import Workspace
 
 
 @dataclass(frozen=True)

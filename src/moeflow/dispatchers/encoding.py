@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatch_plan import DispatchPlan, make_dispatch_plan, make_packed_plan
-from moeflow.workspace import Workspace, buffer
+from moeflow.dispatchers.dispatch_plan import DispatchPlan, make_dispatch_plan, make_packed_plan
+from moeflow.kernels.workspace import Workspace, buffer
 
 __all__ = ["DispatchPlan", "decode", "encode", "make_dispatch_plan", "make_packed_plan"]
 
@@ -159,7 +159,7 @@ def encode(
     x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None, backend: str = "torch"
 ) -> torch.Tensor:
     """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero. A packed
-    plan (:func:`~moeflow.dispatch_plan.make_packed_plan`) gives the (N, M) kept rows instead.
+    plan (:func:`~moeflow.dispatchers.dispatch_plan.make_packed_plan`) gives the (N, M) kept rows instead.
     ``backend="triton"`` runs the fused Triton kernels (:mod:`moeflow.kernels.triton_dispatch`)."""
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonEncode

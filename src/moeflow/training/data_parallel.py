@@ -5,7 +5,7 @@ whole, with the experts left out of it; ``expert_fully_shard(model)`` is FSDP2's
 on those weights, as torchtitan composes it. In both, each expert's gradient is made the gradient
 of the mean loss over the data-parallel replicas by a hook on its parameter
 (:func:`reduce_experts_in_backward`): scaled, and summed over its copies where it has some
-(:mod:`moeflow.expert_parameters` holds the rules). ``clip_grad_norm_`` clips by the norm of the
+(:mod:`moeflow.parallel.expert_parameters` holds the rules). ``clip_grad_norm_`` clips by the norm of the
 whole model's gradient, each expert counted once, where ``torch.nn.utils.clip_grad_norm_`` on a
 rank's own parameters would see only that rank's experts.
 
@@ -28,12 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.groups import group_size
-from moeflow.expert_parameters import (
+from moeflow.layer import MoELayer
+from moeflow.parallel.expert_parameters import (
     is_expert_parameter,
     reduce_expert_gradient,
     squared_norm_share,
 )
-from moeflow.layer import MoELayer
 
 __all__ = ["clip_grad_norm_", "expert_data_parallel", "expert_fully_shard", "expert_parameter_names",
            "reduce_experts_in_backward"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.planner import PlanChoice
+from moeflow.parallel.planner import PlanChoice
 from moeflow.stats import PipelineTiming, RoutingStats
 
 #: Plans and biases a recompute can find: enough for a layer called this often in one step.
