@@ -35,3 +35,9 @@ def finite_or_null(value: Any) -> Any:
 def json_text(value: Any, **options: Any) -> str:
     """Strict JSON: a non-finite float becomes null, never the ``NaN`` a strict parser refuses."""
     return json.dumps(finite_or_null(value), allow_nan=False, **options)
+
+
+def print_json(obj: dict[str, Any]) -> None:
+    """One JSON line on stdout (a benchmark's measurement, a plan): floats keep 4 significant
+    digits, so tiny fitted slopes stay visible."""
+    print(json_text({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)

@@ -10,11 +10,6 @@ from typing import Any
 from moeflow.files import json_text
 
 
-def print_json(obj: dict[str, Any]) -> None:
-    """One JSON line; floats keep 4 significant digits (so tiny fitted slopes stay visible)."""
-    print(json_text({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in obj.items()}), flush=True)
-
-
 def record_fields(point: Any) -> dict[str, Any]:
     """A benchmark point's (dataclass) fields under the keys of its JSON records: ``num_experts`` is
     ``experts`` there, the key that dated records and the simulator's validation read."""

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeflow.bench import print_json
 from moeflow.comm.ledger import ProgressBeacon
 from moeflow.data import stdlib_directory
 from moeflow.distributed import WorkerError
+from moeflow.files import print_json
 from moeflow.training.checkpoint import latest_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.faults import FAULT_KINDS, FaultPlan, WorkerFault

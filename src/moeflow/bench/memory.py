@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moeflow.bench import print_json
+from moeflow.files import print_json
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeflow.bench import print_json
+from moeflow.files import print_json
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.config import TrainConfig
 from moeflow.training.metrics import iterate_records

@@ -84,10 +84,10 @@ def _layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
 def run_layer(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench import print_json
     from moeflow.bench.layer import LayerBenchConfig, measure_layer, slowest_worker, summarize
     from moeflow.config import LayerDims, ffn_projections
     from moeflow.distributed import run_distributed
+    from moeflow.files import print_json
 
     if args.tokens < 0:
         raise fail("bench layer", f"--tokens must be >= 0, got {args.tokens}")
@@ -155,8 +155,8 @@ def _add_kernels(benches: Any) -> None:
 def run_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench import print_json
     from moeflow.bench.kernels import KernelBenchConfig, measure_kernels, summarize
+    from moeflow.files import print_json
 
     device = _device(args.device, "bench kernels")
     if args.top_k > args.num_experts:
@@ -205,8 +205,8 @@ def _add_overlap(benches: Any) -> None:
 def run_overlap(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench import print_json
     from moeflow.bench.overlap import OverlapBenchConfig, measure_overlap, summarize
+    from moeflow.files import print_json
 
     device = _device(args.device, "bench overlap")
     degrees = tuple(args.degrees)
@@ -244,8 +244,8 @@ def _add_alltoall(benches: Any) -> None:
 
 
 def run_alltoall(args: argparse.Namespace) -> int:
-    from moeflow.bench import print_json
     from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
+    from moeflow.files import print_json
     from moeflow.testbed import ClusterError
 
     layouts = []
@@ -483,7 +483,7 @@ def run_exchange(args: argparse.Namespace) -> int:
 
 def _run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:
     """Launch the emulated cluster for a grid benchmark and print its summary."""
-    from moeflow.bench import print_json
+    from moeflow.files import print_json
     from moeflow.testbed import ClusterError
 
     require_testbed(command)
@@ -600,8 +600,8 @@ def _add_generate(benches: Any) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.bench import print_json
     from moeflow.bench.generate import GeneratePoint, measure_point, read_bandwidth, run_cluster, summarize
+    from moeflow.files import print_json
 
     if args.new_tokens < 2:
         raise fail("bench generate", f"--new-tokens {args.new_tokens} leaves no decode step to time; use 2 or more")
@@ -664,8 +664,8 @@ def _add_lina_inference(benches: Any) -> None:
 
 
 def run_lina_inference(args: argparse.Namespace) -> int:
-    from moeflow.bench import print_json
     from moeflow.bench.lina_inference import LinaPoint, run_cluster, summarize
+    from moeflow.files import print_json
 
     if "trained" in args.models and args.checkpoint is None:
         raise fail("bench lina-inference", "the trained model needs --checkpoint RUN_DIR (a moeflow train run), or "
@@ -716,8 +716,8 @@ def run_simulator(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from moeflow.bench import print_json
     from moeflow.bench.sim_validation import BENCHES, GRID, run, summarize
+    from moeflow.files import print_json
     from moeflow.testbed import ClusterError
 
     if args.replay:
@@ -756,8 +756,8 @@ def run_simulator(args: argparse.Namespace) -> int:
 def _simulator_plot(records: list[dict[str, Any]], plot: str | None) -> None:
     from pathlib import Path
 
-    from moeflow.bench import print_json
     from moeflow.bench.sim_validation import scatter
+    from moeflow.files import print_json
 
     if plot and records:
         print_json({"plot": str(scatter(records, Path(plot)))})
@@ -780,8 +780,8 @@ def _add_papers(benches: Any) -> None:
 def run_papers(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moeflow.bench import print_json
     from moeflow.bench.paper_trends import TRENDS, plot, summarize
+    from moeflow.files import print_json
 
     rows = []
     for name in args.only or TRENDS:

@@ -55,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
     import os
     from dataclasses import replace
 
-    from moeflow.bench import print_json
     from moeflow.calibrate import (
         DEVICE_DIMS,
         CalibrationConfig,
@@ -64,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate_rank,
     )
     from moeflow.distributed import run_distributed
+    from moeflow.files import print_json
     from moeflow.perf import ClusterProfile
 
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ  # ranks of moeflow launch / torchrun

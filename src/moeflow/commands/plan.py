@@ -80,8 +80,8 @@ def _joint_plan(args: argparse.Namespace) -> int:
 
 
 def _layer_plan(args: argparse.Namespace) -> int:
-    from moeflow.bench import print_json
     from moeflow.config import LayerDims
+    from moeflow.files import print_json
     from moeflow.perf import ClusterProfile, CostModel
     from moeflow.perf.pipeline import predict_plan, rank_plans
     from moeflow.perf.shape import RegionShape
@@ -145,7 +145,7 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
                                  backward: bool) -> None:
     """One line per (algorithm, degree), Theorem 1's choice per algorithm, and FasterMoE's smart
     schedule (pipelined over the pairwise steps) where the pairwise all-to-all is calibrated."""
-    from moeflow.bench import print_json
+    from moeflow.files import print_json
     from moeflow.perf.pipeline import predict_plan, theorem1_for_shape, usable_degrees
     from moeflow.perf.schedules import SMART_PLAN_ALGORITHM, predict_smart
 
@@ -166,10 +166,10 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
 
 
 def _skew_shares(args: argparse.Namespace) -> Any:
-    from moeflow.bench.skew import SkewPoint, routing_probabilities
+    from moeflow.sim.workload import skew_shares
 
     try:
-        return routing_probabilities(SkewPoint(args.skew, args.num_experts))
+        return skew_shares(args.skew, args.num_experts)
     except ValueError as error:
         raise fail("plan", f"--skew: {error}") from None
 
@@ -180,9 +180,9 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
     rank load of EPLB's slots beside expert parallelism's."""
     import numpy as np
 
-    from moeflow.bench import print_json
     from moeflow.comm.topology import Topology
     from moeflow.config import ffn_projections
+    from moeflow.files import print_json
     from moeflow.parallel.placement import ExpertPlacement
     from moeflow.parallel.redundant import balanced_placement, rank_loads
     from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
@@ -212,7 +212,7 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
 def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_degree: int, backward: bool) -> None:
     """Per Tutel r, the best (degree, algorithm) of the adaptive schedule and its prediction (Tutel
     §3.1, Table 4; :class:`moeflow.perf.schedules.AdaptiveModel`)."""
-    from moeflow.bench import print_json
+    from moeflow.files import print_json
     from moeflow.perf.schedules import AdaptiveModel, rank_schedule_plans
 
     if not AdaptiveModel().can_predict(model):
@@ -233,7 +233,7 @@ def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_de
 def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
     """The replicated schedule's line (with the gradient all-reduce it adds to training), or None
     when the profile cannot price it."""
-    from moeflow.bench import print_json
+    from moeflow.files import print_json
     from moeflow.perf.schedules import ReplicatedModel
 
     schedule = ReplicatedModel()
@@ -251,7 +251,7 @@ def _print_parm_plans(model: Any, region: Any, mp: int, esp: int, max_degree: in
     """Per Parm mode (baseline, S1, S2, S2 + SAA) its best degree and prediction, then the choice
     of ``parallel='auto'`` behind an mp_group (:class:`moeflow.perf.parm.ParmModel`) and the
     unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
-    from moeflow.bench import print_json
+    from moeflow.files import print_json
     from moeflow.perf.parm import BaselineModel, ParmModel
     from moeflow.perf.schedules import rank_schedule_plans
 
