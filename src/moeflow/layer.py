@@ -238,8 +238,9 @@ class MoELayer(nn.Module):
     ) -> Agreed:
         """The load every rank agrees and the dispatcher that runs on it (the capacity path's over
         this layer's schedule, planner and workspace, unless ``path`` takes the call)."""
-        capacity = CapacityDispatcher(self.schedule, self.placement, self.groups, self.config, self.experts,
-                                      self.planner, self._memory, record, self._step_workspace(call.recompute), r)
+        capacity = functools.partial(CapacityDispatcher, self.schedule, self.placement, self.groups, self.config,
+                                     self.experts, self.planner, self._memory, record,
+                                     self._step_workspace(call.recompute), r)
         labels = DirectLabels(self.schedule.name, self.config.pipeline, self.groups.topology)
         return agree(path, call, self.groups, estimate_E, self._last.gather_bucket, self._asks_direct, capacity,
                      self.experts, labels)

@@ -9,6 +9,7 @@ every rank then holds alike, so no rank skips a collective another runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,9 +71,10 @@ class Agreed:
 
 def agree(
     path: str | None, call: DispatchCall, groups: ParallelGroups, estimate_E: np.ndarray | None, bucket: int,
-    asks_direct: bool, capacity: Dispatcher, experts: ExpertFFN, labels: DirectLabels,
+    asks_direct: bool, capacity: Callable[[], Dispatcher], experts: ExpertFFN, labels: DirectLabels,
 ) -> Agreed:
-    """The dispatcher of ``path`` and its load: the local and packed ones on this rank's counts alone;
+    """The dispatcher of ``path`` and its load (``capacity`` makes the capacity dispatcher, only where
+    it runs): the local and packed ones on this rank's counts alone;
     the capacity path and the row paths after the one load all-gather, which under the row paths
     carries whether this rank asks for one (``asks_direct``) and up to ``bucket`` tokens per rank.
     Where every rank asked and the capacity path would drop nothing, tokens that all came along run
@@ -83,16 +85,16 @@ def agree(
     if path == DIRECT_PACKED:
         return Agreed(PackedDispatcher(experts, labels), GlobalLoad(counts_E.cpu().unsqueeze(0), num_tokens))
     if path is None:
-        return Agreed(capacity, agree_load(counts_E, num_tokens, groups, estimate_E).load)
+        return Agreed(capacity(), agree_load(counts_E, num_tokens, groups, estimate_E).load)
     choice = call.routing.choice
     carried = CarriedTokens(call.x_TM, choice.expert_idx_TK, choice.weights_TK, bucket)
     agreement = agree_load(counts_E, num_tokens, groups, asks_direct=asks_direct, carried=carried)
     load = agreement.load
     if not agreement.all_direct or load.capacity(call.capacity_factor, call.top_k) < load.needed_capacity:
-        return Agreed(capacity, load, 0)  # the next agreement carries no tokens it could not use
+        return Agreed(capacity(), load, 0)  # the next agreement carries no tokens it could not use
     following = bucket_after(load)
     if agreement.tokens is not None:
         return Agreed(GatheredDispatcher(agreement.tokens, experts, groups, labels), load, following)
     if load.max_tokens_per_rank * call.top_k <= DIRECT_EXCHANGE_ROWS:
         return Agreed(RowExchangeDispatcher(experts, groups, labels), load, following)
-    return Agreed(capacity, load, following)
+    return Agreed(capacity(), load, following)
