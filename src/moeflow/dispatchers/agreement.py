@@ -107,18 +107,19 @@ def agree_load(
     process no collective runs: the counts go to the host once (the sync capacity needs)."""
     if groups.expert is None:
         counts_E = counts_E.cpu()
-        estimate = None if estimate_E is None else np.asarray(estimate_E, dtype=np.float64)
+        estimate = None if estimate_E is None else np.array(estimate_E, dtype=np.float64)
         return Agreement(GlobalLoad(counts_E.unsqueeze(0), num_tokens, estimate), asks_direct)
     experts = counts_E.shape[0]
     bucket = 0 if carried is None else carried.bucket
     estimate = None if estimate_E is None else torch.from_numpy(np.asarray(estimate_E, dtype=np.float64))
     extra = [] if estimate is None else [estimate.numel()]
-    sizes = [experts + 2, *extra] + ([] if not bucket else _token_sizes(carried))
+    header = experts + (1 if carried is None else 2)  # the row paths' ask for a direct path, after the count
+    sizes = [header, *extra] + ([] if not bucket else _token_sizes(carried))
     dtype = torch.promote_types(carried.x_TM.dtype, torch.float32) if bucket else torch.float64
     local = torch.zeros(sum(sizes), dtype=dtype, device=counts_E.device)
-    header, *fields = local.split(sizes)
-    header[:experts] = counts_E
-    header[experts:] = torch.tensor([num_tokens, int(asks_direct)], dtype=dtype)
+    row, *fields = local.split(sizes)
+    row[:experts] = counts_E
+    row[experts:] = torch.tensor([num_tokens, int(asks_direct)][:header - experts], dtype=dtype)
     if estimate is not None:
         fields.pop(0).copy_(estimate)
     if carried is not None and asks_direct and 0 < num_tokens <= bucket:
@@ -145,7 +146,7 @@ def _agreement(
     estimate = fields.pop(0).sum(0).numpy() if estimated else None  # no tokens ride beside an estimate
     header_WE = header_WE.cpu().long()
     load = GlobalLoad(header_WE[:, :experts].to(counts_E.dtype), int(header_WE[:, experts].max()), estimate)
-    all_direct = bool(header_WE[:, experts + 1].all())
+    all_direct = carried is not None and bool(header_WE[:, experts + 1].all())
     if carried is None or not carried.bucket or not all_direct or load.max_tokens_per_rank > carried.bucket:
         return Agreement(load, all_direct)
     world, bucket = header_WE.shape[0], carried.bucket

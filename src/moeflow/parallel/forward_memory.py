@@ -54,7 +54,7 @@ class LastForward:
     aux_loss: GraphValue
     stats: RoutingStats | Callable[[], RoutingStats] | None = None  # a callable: computed on first read
     checked_data_parallel: int | None = None  # the data-parallel wrapper already checked (its id)
-    gather_bucket: int = 0  # tokens per rank the next load all-gather carries (moeflow.direct_gather)
+    gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.dispatchers.agreement)
 
 
 @dataclass

@@ -40,7 +40,7 @@ class ModelledSchedule:
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """``"local"`` where ``rank`` holds every expert whole and no hook sees the routing: its
         forward may skip the dispatch and compute its tokens on its own experts
-        (:mod:`moeflow.direct`). No other direct path unless the schedule declares one."""
+        (:mod:`moeflow.dispatchers.local`). No other direct path unless the schedule declares one."""
         return DIRECT_LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(

@@ -158,12 +158,14 @@ check_unique_names((*SCHEDULES, *FEATURES))
 FEATURE_SPECS = MappingProxyType({spec.name: spec for spec in FEATURES})
 """The feature records by name."""
 SIMULATED = MappingProxyType({
-    **{spec.name: SimulatedSpec(spec.simulated, spec.behind_model_parallel, spec.replicates_experts, spec.takes_r)
-       for spec in SCHEDULES},
-    **{f.simulated_as: SimulatedSpec(f.simulated) for f in FEATURES if f.simulated is not None},
+    name: spec for schedule in SCHEDULES for name, spec in (
+        (schedule.name, SimulatedSpec(schedule.simulated, schedule.behind_model_parallel, schedule.replicates_experts,
+                                      schedule.takes_r)),
+        *((f.simulated_as, SimulatedSpec(f.simulated)) for f in FEATURES
+          if f.simulated is not None and f.runs_on[0] == schedule.name))
 })
-"""The simulator's modes by name: every schedule, and the features with a mode of their own
-(FasterMoE's smart schedule)."""
+"""The simulator's modes by name: every schedule, each followed by the features that run on it with
+a mode of their own (FasterMoE's smart schedule after the expert schedule)."""
 
 
 def check_parallel(parallel: str | int) -> None:

@@ -66,8 +66,8 @@ class ParallelSchedule(Protocol):
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
-        experts (:mod:`moeflow.direct`), ``"exchange"`` with each expert's one holder (gathered or
-        exchanged, :mod:`moeflow.direct_paths`), or None (the schedule's own run)."""
+        experts (:mod:`moeflow.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
+        or exchanged rows, :mod:`moeflow.dispatchers.choice`), or None (the capacity dispatcher)."""
         ...
 
     def candidates(

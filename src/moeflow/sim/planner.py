@@ -52,8 +52,9 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
     shadows = tuple(s for s in space.shadowed if s < num_experts) if world > 1 else (0,)
     plan_space = PlanSpace(cluster, model, space.degrees, tuple(algorithms_for(cluster)), shadows,
                            space.prioritize_alltoall, space.mp)
-    return [plan for name, spec in SIMULATED.items() if spec.behind_model_parallel == behind
-            for plan in spec.simulated.plans(name, plan_space)]
+    plans = [plan for name, spec in SIMULATED.items() if spec.behind_model_parallel == behind
+             for plan in spec.simulated.plans(name, plan_space)]
+    return sorted(plans, key=lambda plan: plan.esp)  # behind MP: whole experts first, then sharded
 
 
 def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int = 5, proxy_layers: int = 2,

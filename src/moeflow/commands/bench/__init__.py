@@ -1,0 +1,38 @@
+"""``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
+contention | train | generate | lina-inference | simulator | papers | memory | faults``: each prints one JSON
+object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeflow.commands.bench import (
+    alltoall,
+    contention,
+    exchange,
+    faults,
+    generate,
+    kernels,
+    layer,
+    lina_inference,
+    memory,
+    overlap,
+    papers,
+    parallel,
+    pipeline,
+    schedules,
+    simulator,
+    skew,
+    train,
+)
+
+BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
+            generate, lina_inference, simulator, papers, memory, faults)
+"""Every benchmark, in the order ``moeflow bench --help`` lists them."""
+
+
+def add_parser(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="run a benchmark (prints JSON lines and a summary)")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for module in BENCHES:
+        module.add(benches)
