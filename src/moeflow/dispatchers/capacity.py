@@ -71,10 +71,10 @@ class CapacityDispatcher:
         y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, self.workspace, call.kernels.decode),
                             len(x_TM))
         if call.recompute:  # activation checkpointing's repeat: nothing to report twice
-            return Dispatched(y_TM, load, None)
+            return Dispatched(y_TM, None)
         stats = routing_stats(config, self.groups, load, capacity, call.top_k, call.capacity_factor, chosen, timing,
                               self.schedule.plan_label(chosen.plan), owned, ran, call.kernels.as_dict())
-        return Dispatched(y_TM, load, stats)
+        return Dispatched(y_TM, stats)
 
 
 def run_context(

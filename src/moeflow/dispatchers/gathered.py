@@ -14,7 +14,6 @@ layer instead of three, and a token crosses to each rank once, not once per expe
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.dispatchers.agreement import GatheredTokens, GlobalLoad
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import GATHERED, DirectLabels, direct_stats
+from moeflow.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
 from moeflow.experts import ExpertFFN
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
 from moeflow.stats import PipelineTiming
@@ -41,8 +40,7 @@ class GatheredDispatcher:
     def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
         timing = PipelineTiming()
         y_TM = gathered_output(self.tokens, load.counts_WE, self.experts, self.groups, call.kernels.gemm, timing)
-        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
-                                                        self.labels, timing, GATHERED, call.kernels.as_dict()))
+        return skipped_buffer(y_TM, call, load, self.labels, timing, GATHERED)
 
 
 def gathered_output(

@@ -15,7 +15,6 @@ summed over a token's choices in expert order rather than choice order on the la
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
+from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
 from moeflow.experts import ExpertFFN, FFNWeights
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
 from moeflow.stats import PipelineTiming
@@ -101,5 +100,4 @@ class LocalDispatcher:
         choice, timing = call.routing.choice, PipelineTiming()
         y_TM = direct_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, call.routing.counts_E, self.experts,
                               call.kernels.gemm)
-        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
-                                                        self.labels, timing, STAYS_HOME, call.kernels.as_dict()))
+        return skipped_buffer(y_TM, call, load, self.labels, timing, STAYS_HOME)

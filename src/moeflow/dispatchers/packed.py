@@ -13,7 +13,6 @@ capacity), the same products are summed.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.dispatchers.dispatch_plan import make_packed_plan
 from moeflow.dispatchers.encoding import decode, encode
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, direct_stats
+from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
 from moeflow.experts import FFNCompute, FFNWeights, LocalExperts
 from moeflow.kernels.choice import KernelChoice
 from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
@@ -60,9 +59,7 @@ class PackedDispatcher:
         capacity = load.capacity(call.capacity_factor, call.top_k)
         slotted = call.routing.slotted(load.counts_WE.shape[1])
         y_TM = packed_experts_output(call.x_TM, slotted, load.counts_WE[0], capacity, self.experts, call.kernels)
-        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
-                                                        self.labels, PipelineTiming(), STAYS_HOME,
-                                                        call.kernels.as_dict()))
+        return skipped_buffer(y_TM, call, load, self.labels, PipelineTiming(), STAYS_HOME)
 
 
 class _PackedExperts(torch.autograd.Function):

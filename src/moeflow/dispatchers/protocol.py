@@ -49,12 +49,10 @@ class DispatchCall:
 
 @dataclass(frozen=True)
 class Dispatched:
-    """A dispatcher's result: the routed experts' output (T, M), the load it ran on (the one every
-    rank agreed), and the call's statistics (a callable: computed on first read; None on a recompute,
-    which reports nothing twice)."""
+    """A dispatcher's result: the routed experts' output (T, M) and the call's statistics (a
+    callable: computed on first read; None on a recompute, which reports nothing twice)."""
 
     y_TM: torch.Tensor
-    load: GlobalLoad
     stats: RoutingStats | Callable[[], RoutingStats] | None
 
 

@@ -19,7 +19,6 @@ tokens did not come with the load agreement (:mod:`moeflow.dispatchers.gathered`
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,7 @@ from moeflow.config import RAGGED
 from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.dispatchers.local import DirectRows
 from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import DirectLabels, direct_stats
+from moeflow.dispatchers.stats import DirectLabels, skipped_buffer
 from moeflow.experts import ExpertFFN
 from moeflow.kernels.device_copy import to_device
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
@@ -58,8 +57,7 @@ class RowExchangeDispatcher:
         choice, timing = call.routing.choice, PipelineTiming()
         y_TM = exchanged_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, self.experts,
                                  self.groups, call.kernels.gemm, timing)
-        return Dispatched(y_TM, load, functools.partial(direct_stats, load, call.top_k, call.capacity_factor,
-                                                        self.labels, timing, RAGGED, call.kernels.as_dict()))
+        return skipped_buffer(y_TM, call, load, self.labels, timing, RAGGED)
 
 
 def exchanged_experts(

@@ -3,12 +3,14 @@ gathered and row-exchange dispatchers (the capacity dispatcher's are :mod:`moefl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
 from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 SOURCE = "direct"
@@ -27,6 +29,16 @@ class DirectLabels:
     schedule: str
     policy: int | str
     topology: Topology | None = None
+
+
+def skipped_buffer(
+    y_TM: torch.Tensor, call: DispatchCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
+    exchange: str,
+) -> Dispatched:
+    """A dispatcher's result that skipped the capacity buffer: ``y_TM`` and its :func:`direct_stats`,
+    computed on first read."""
+    return Dispatched(y_TM, functools.partial(direct_stats, load, call.top_k, call.capacity_factor, labels, timing,
+                                              exchange, call.kernels.as_dict()))
 
 
 def direct_stats(
