@@ -10,9 +10,9 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.config import LayerDims, check_switchable_layout, switchable_rs
-from moeflow.parallel.planner import PipelinePlanner, ternary_next_r
+from moeflow.moe.planning import OnlinePlanner, ternary_next_r
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
+from moeflow.perf.schedule_models import LOCAL, AdaptiveModel, Plan
 from moeflow.perf.shape import RegionShape
 from moeflow.reference import ReferenceMoE
 from pool import run_distributed
@@ -125,7 +125,7 @@ def test_cost_of_r_trades_alltoall_volume_for_weight_gathers() -> None:
 
 
 def test_planner_searches_r_with_the_degree_and_keeps_the_fastest() -> None:
-    planner = PipelinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
+    planner = OnlinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
     shape = RegionShape(LayerDims(8, 16, 2), 4, 64)
     seen = set()
     for _ in range(60):
@@ -149,7 +149,7 @@ def test_ternary_search_over_r_finds_the_minimum_of_a_convex_cost() -> None:
 def test_planner_runs_tutels_ternary_search_over_r_when_s_has_many_divisors() -> None:
     """W = 12, E = 1: S = 12, r in {0, 1, 2, 3, 4, 6, 12}; the time is convex in r with its minimum
     at r = 3: the search times r = 0, r = 12 and only part of the interior, and keeps r = 3."""
-    planner = PipelinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
+    planner = OnlinePlanner("search", ("linear",), None, lambda values: list(values), schedule=AdaptiveModel())
     shape = RegionShape(LayerDims(8, 48, 1, top_k=1), 12, 64)
     seen = set()
     for _ in range(400):

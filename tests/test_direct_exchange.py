@@ -15,11 +15,11 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.dispatchers.agreement import GATHER_TOKENS
-from moeflow.dispatchers.rows import DIRECT_EXCHANGE_ROWS
-from moeflow.dispatchers.stats import GATHERED, SOURCE
+from moeflow.moe.agreement import GATHER_TOKENS
+from moeflow.moe.dispatchers.rows import DIRECT_EXCHANGE_ROWS
+from moeflow.moe.dispatchers.stats import GATHERED, SOURCE
+from moeflow.moe.stats import RoutingStats
 from moeflow.reference import ReferenceMoE
-from moeflow.stats import RoutingStats
 from op_count import OpCount
 from pool import run_distributed
 

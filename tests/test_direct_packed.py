@@ -11,10 +11,10 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from moeflow import MoELayer
-from moeflow.dispatchers.encoding import encode, make_dispatch_plan, make_packed_plan
-from moeflow.dispatchers.stats import SOURCE
+from moeflow.moe.dispatchers.encoding import encode, make_packed_slot_map, make_slot_map
+from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.moe.routing import assign_slots
 from moeflow.reference import ReferenceMoE
-from moeflow.routing import assign_slots
 
 M, H, E = 16, 24, 8
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
@@ -136,8 +136,8 @@ def test_the_packed_plan_holds_the_capacity_buffers_filled_slots_in_order() -> N
     expert_idx_TK = torch.rand(30, E, generator=generator).topk(2, dim=1).indices
     location_TK, counts_E = assign_slots(expert_idx_TK, E)
     capacity = 7
-    padded_ECM = encode(x_TM, make_dispatch_plan(expert_idx_TK, location_TK, E, capacity))
-    plan = make_packed_plan(expert_idx_TK, location_TK, counts_E, capacity)
+    padded_ECM = encode(x_TM, make_slot_map(expert_idx_TK, location_TK, E, capacity))
+    plan = make_packed_slot_map(expert_idx_TK, location_TK, counts_E, capacity)
     packed_NM = encode(x_TM, plan)
     kept = counts_E.clamp(max=capacity)
     assert plan.num_slots == int(kept.sum()) == packed_NM.shape[0] and plan.empty_slots.numel() == 0

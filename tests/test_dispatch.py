@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
-from moeflow.routing import assign_slots
+from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+from moeflow.moe.routing import assign_slots
 
 
 def _plan(tokens: int, experts: int, k: int, capacity: int, seed: int = 0):
@@ -13,7 +13,7 @@ def _plan(tokens: int, experts: int, k: int, capacity: int, seed: int = 0):
     rows = [torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)]
     expert_idx = torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int64)
     location, _ = assign_slots(expert_idx, experts)
-    return expert_idx, location, make_dispatch_plan(expert_idx, location, experts, capacity)
+    return expert_idx, location, make_slot_map(expert_idx, location, experts, capacity)
 
 
 def test_encode_decode_equal_the_dense_one_hot_form() -> None:

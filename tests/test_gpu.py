@@ -7,8 +7,8 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.distributed import free_port
-from moeflow.experts import ExpertFFN
 from moeflow.kernels.ragged import RaggedFFNCompute
+from moeflow.moe.experts import ExpertFFN
 from moeflow.reference import ReferenceMoE
 
 from equivalence import all_cases, check_cases

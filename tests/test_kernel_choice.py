@@ -137,8 +137,8 @@ class FixedTable:
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_gathered_bags_equal_the_torch_kernels_forward_and_backward(packed: bool) -> None:
-    from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan, make_packed_plan
-    from moeflow.routing import assign_slots
+    from moeflow.moe.dispatchers.encoding import decode, encode, make_packed_slot_map, make_slot_map
+    from moeflow.moe.routing import assign_slots
 
     generator = torch.Generator().manual_seed(5)
     x_TM, upstream_TM = torch.randn(2, 40, 12, generator=generator).unbind(0)
@@ -146,8 +146,8 @@ def test_the_gathered_bags_equal_the_torch_kernels_forward_and_backward(packed: 
     weights_TK = torch.rand(40, 3, generator=generator)
     location_TK, counts_E = assign_slots(expert_idx_TK, 6)
     capacity = 14  # drops some choices
-    plan = (make_packed_plan(expert_idx_TK, location_TK, counts_E, capacity) if packed
-            else make_dispatch_plan(expert_idx_TK, location_TK, 6, capacity))
+    plan = (make_packed_slot_map(expert_idx_TK, location_TK, counts_E, capacity) if packed
+            else make_slot_map(expert_idx_TK, location_TK, 6, capacity))
     assert not bool(plan.choice_mask_TK.all())
     results = {}
     for backend in ("torch", "gather"):

@@ -116,13 +116,14 @@ def test_moeflow_has_no_import_cycle() -> None:
 
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "capacity", "stats", "files", "perf", "runtime"),  # settings and formulas, no torch
+    ("config", "moe", "moe.capacity", "moe.stats", "files", "perf", "runtime"),  # settings and formulas, no torch
     ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder", "sim.technique",
      "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
-    ("comm", "kernels", "dispatchers", "experts", "pipeline", "routing", "reference", "distributed", "timing"),
-    ("parallel",),  # the schedules, the per-iteration planner (its simulated ranker passed in)
+    ("comm", "kernels", "moe.routing", "moe.agreement", "moe.dispatchers", "moe.experts", "moe.pipeline", "reference",
+     "distributed", "timing"),
+    ("parallel", "moe.planning"),  # the schedules, the per-iteration planner (its simulated ranker passed in)
     ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
-    ("layer", "dispatchers.capacity", "dispatchers.capacity_stats"),  # the capacity dispatcher runs the schedule
+    ("moe.layer", "moe.dispatchers.capacity", "moe.dispatchers.capacity_stats"),  # capacity: runs the schedule
     ("models", "hf", "inference", "data", "training.data_parallel"),
     ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
     ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
@@ -151,11 +152,12 @@ def test_modules_import_only_from_their_layer_and_below() -> None:
 
 def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     package = tmp_path / "moeflow"
-    package.mkdir()
+    (package / "moe").mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "config.py").write_text("def f():\n    from moeflow.layer import MoELayer\n")
-    (package / "layer.py").write_text("from moeflow.config import f\n")
-    assert upward_imports(import_graph(package)) == ["moeflow.config -> moeflow.layer"]
+    (package / "moe" / "__init__.py").write_text("")
+    (package / "config.py").write_text("def f():\n    from moeflow.moe.layer import MoELayer\n")
+    (package / "moe" / "layer.py").write_text("from moeflow.config import f\n")
+    assert upward_imports(import_graph(package)) == ["moeflow.config -> moeflow.moe.layer"]
 
 
 def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
@@ -175,7 +177,7 @@ def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
 def test_the_layer_is_glue() -> None:
     """The layer assembles what the other modules decide: it stays short, its forward reads as the
     data flow on one screen, and it never asks which schedule or placement it runs."""
-    path = SOURCE / "layer.py"
+    path = SOURCE / "moe" / "layer.py"
     tree = ast.parse(path.read_text())
     assert len(path.read_text().splitlines()) <= 400
     (forward,) = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "_forward"]
@@ -207,3 +209,12 @@ def test_only_the_bench_command_imports_the_benchmarks() -> None:
                       if layer_of(target) == layer_of("moeflow.bench") and target.startswith("moeflow.bench")
                       and not module.startswith(("moeflow.bench", "moeflow.commands.bench")))
     assert reaching == []
+
+
+def test_the_package_top_stays_small() -> None:
+    """Modules live in the package of the concept they serve (the layer's wing in ``moe/``): the top
+    of ``src/moeflow`` keeps only settings, entry points and the few helpers every layer shares."""
+    top = sorted(path.name for path in SOURCE.glob("*.py"))
+    assert len(top) <= 15, top
+    wing = ("routing", "agreement", "planning", "dispatchers", "experts", "pipeline", "layer")
+    assert all((SOURCE / "moe" / name).exists() or (SOURCE / "moe" / f"{name}.py").exists() for name in wing)

@@ -25,9 +25,9 @@ from moeflow.inference import (
 )
 from moeflow.inference.plan import plan_loads
 from moeflow.inference.scheduler import balanced_choice, top_experts
+from moeflow.moe.routing.selection import ExpertChoice
 from moeflow.parallel.redundant import rank_loads
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.routing.selection import ExpertChoice
 from pool import run_distributed
 
 from equivalence import FP32_TOLERANCE

@@ -16,8 +16,10 @@ import torch.distributed as dist
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.experts import ExpertFFN
-from moeflow.parallel.planner import PipelinePlanner
+from moeflow.moe.experts import ExpertFFN
+from moeflow.moe.pipeline import ExpertExchange, pipelined_experts, run_pipeline
+from moeflow.moe.planning import OnlinePlanner
+from moeflow.moe.stats import PipelineTiming, region_clock
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
     capacity_chunks,
@@ -28,8 +30,6 @@ from moeflow.perf.pipeline import (
     theorem1_for_shape,
 )
 from moeflow.perf.shape import RegionShape
-from moeflow.pipeline import ExpertExchange, pipelined_experts, run_pipeline
-from moeflow.stats import PipelineTiming, region_clock
 from pool import run_distributed
 
 # -- chunking and the model ---------------------------------------------------------------------
@@ -127,7 +127,7 @@ def test_theorem1_on_the_planners_costs_is_the_model_policys_degree(profile: str
     for model_dim, hidden_dim, experts in [(1024, 4096, 16), (8, 16, 16), (4, 8192, 16), (2, 65536, 16)]:
         dims = LayerDims(model_dim=model_dim, hidden_dim=hidden_dim, num_experts=experts)
         shape = RegionShape(dims, world_size=world, capacity=LCM_1_TO_16)
-        planner = PipelinePlanner("model", ("linear",), cost, reduce_max=list)
+        planner = OnlinePlanner("model", ("linear",), cost, reduce_max=list)
         chosen = planner.choose(shape, backward=False)[0].plan.degree
         theorem = theorem1_for_shape(cost, shape, "linear", 16)
         forward = predict_plan(cost, shape, theorem.degree, "linear", backward=False).forward_s

@@ -15,10 +15,10 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.parallel.planner import MIN_GAIN, simplest_within
+from moeflow.moe.planning import MIN_GAIN, simplest_within
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import rank_plans
-from moeflow.perf.schedules import ExpertParallelModel, Plan, rank_schedule_plans
+from moeflow.perf.schedule_models import ExpertParallelModel, Plan, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
 from pool import run_distributed
 
@@ -168,13 +168,13 @@ def test_a_restored_planner_makes_the_choices_the_interrupted_one_would_have_mad
     restored from :meth:`state_dict` (through JSON, as the trainer writes it) continues exactly."""
     import json
 
-    from moeflow.parallel.planner import PipelinePlanner
+    from moeflow.moe.planning import OnlinePlanner
     from moeflow.perf.shape import RegionShape
 
-    def planner() -> PipelinePlanner:
-        return PipelinePlanner("search", ("linear", "pairwise"), None, reduce_max=list)
+    def planner() -> OnlinePlanner:
+        return OnlinePlanner("search", ("linear", "pairwise"), None, reduce_max=list)
 
-    def drive(p: PipelinePlanner, shapes: list[RegionShape]) -> list[tuple[str, int, str]]:
+    def drive(p: OnlinePlanner, shapes: list[RegionShape]) -> list[tuple[str, int, str]]:
         choices = []
         for shape in shapes:
             choice, timing = p.choose(shape, backward=True)

@@ -11,8 +11,8 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.moe.pipeline import ExpertExchange
 from moeflow.parallel.ragged_exchange import RaggedExpertExchange, ragged_routes
-from moeflow.pipeline import ExpertExchange
 from pool import run_distributed
 
 
@@ -114,7 +114,7 @@ def test_cross_node_rows_count_the_rows_for_other_nodes() -> None:
 def test_the_planner_prices_a_ragged_plan_by_its_kept_rows() -> None:
     from moeflow.config import LayerDims
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-    from moeflow.perf.schedules import ExpertParallelModel, Plan
+    from moeflow.perf.schedule_models import ExpertParallelModel, Plan
     from moeflow.perf.shape import RegionShape
 
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={

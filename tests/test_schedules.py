@@ -9,7 +9,7 @@ import pytest
 from moeflow.config import LayerDims
 from moeflow.parallel.registry import select_schedule
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.schedules import ExpertParallelModel, Plan, ReplicatedModel
+from moeflow.perf.schedule_models import ExpertParallelModel, Plan, ReplicatedModel
 from moeflow.perf.shape import RegionShape
 
 

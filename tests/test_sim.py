@@ -637,7 +637,7 @@ def test_parm_table4_is_reproduced_within_a_third() -> None:
 def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
     profile without all-to-all link fits keeps the cost model's ranking."""
-    from moeflow.parallel.planner import PipelinePlanner
+    from moeflow.moe.planning import OnlinePlanner
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.shape import RegionShape
     from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan
@@ -648,7 +648,7 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits=fits)
     shape = RegionShape(LayerDims(256, 512, 8), world_size=2, capacity=512)
     assert region_model(shape).tokens_per_rank * region_model(shape).dims.top_k // 8 == 512  # the capacity
-    planner = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list,
+    planner = OnlinePlanner("auto", ("linear", "pairwise"), CostModel(profile), reduce_max=list,
                               ranker=SimulatedRanker.from_profile)
     assert planner._simulator is not None
     ranked = planner._simulated(shape, range(1, 17), backward=True)
@@ -659,7 +659,7 @@ def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     (search,) = planner._searches.values()
     assert search.candidates[:3] == [p for p, _ in ranked[:3]]
     links_only = {k: v for k, v in fits.items() if k != "alltoall.inter_node"}
-    fallback = PipelinePlanner("auto", ("linear", "pairwise"), CostModel(replace(profile, fits=links_only)),
+    fallback = OnlinePlanner("auto", ("linear", "pairwise"), CostModel(replace(profile, fits=links_only)),
                                reduce_max=list, ranker=SimulatedRanker.from_profile)
     assert fallback._simulator is None and fallback._simulated(shape, range(1, 17), True) is None
 

@@ -15,7 +15,7 @@ from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import pipeline_makespan, predict_plan
-from moeflow.perf.schedules import SMART, ExpertParallelModel, Plan, predict_smart
+from moeflow.perf.schedule_models import SMART, ExpertParallelModel, Plan, predict_smart
 from moeflow.perf.shape import RegionShape
 from pool import run_distributed
 
@@ -72,7 +72,7 @@ def test_smart_needs_the_expert_schedule() -> None:
 
 def test_parallel_auto_runs_the_expert_schedule_when_a_smart_plan_ranks_first() -> None:
     from moeflow.parallel.registry import select_schedule
-    from moeflow.perf.schedules import AdaptiveModel, ReplicatedModel, rank_schedule_plans
+    from moeflow.perf.schedule_models import AdaptiveModel, ReplicatedModel, rank_schedule_plans
 
     profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
         **_profile().fits, "alltoall.linear": AlphaBeta(1e-3, 1e-7), "allreduce": AlphaBeta(1.0, 1e-6),

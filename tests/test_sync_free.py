@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
-from moeflow.dispatchers.dispatch_plan import make_dispatch_plan
 from moeflow.kernels.choice import KernelChoice
-from moeflow.routing import assign_slots
-from moeflow.routing.slots import expert_counts
+from moeflow.moe.dispatchers.slot_map import make_slot_map
+from moeflow.moe.routing import assign_slots
+from moeflow.moe.routing.slots import expert_counts
 
 SYNCING = {"aten.nonzero.default", "aten.bincount.default", "aten.masked_select.default",
            "aten.masked_scatter.default", "aten.masked_scatter_.default", "aten.unique_consecutive.default"}
@@ -81,7 +81,7 @@ def test_a_plan_built_from_the_host_count_equals_the_one_that_counts_on_the_devi
     expert_idx = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
     location, counts = assign_slots(expert_idx, experts)
     kept = int(counts.clamp(max=capacity).sum())
-    counted, told = (make_dispatch_plan(expert_idx, location, experts, capacity, kept=n) for n in (None, kept))
+    counted, told = (make_slot_map(expert_idx, location, experts, capacity, kept=n) for n in (None, kept))
     for field in ("token_idx_N", "slot_idx_N", "choice_idx_N", "choice_mask_TK", "offsets_T", "slot_token_S",
                   "empty_slots"):
         assert torch.equal(getattr(counted, field), getattr(told, field)), field

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
+from moeflow.moe.routing import NodeLimit, node_limited, select_experts
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.reference import ReferenceMoE
-from moeflow.routing import NodeLimit, node_limited, select_experts
 
 LOCAL = torch.tensor([True, True, False, False])  # experts 0 and 1 are on this rank's node
 

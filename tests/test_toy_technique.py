@@ -18,7 +18,7 @@ import pytest
 
 from moeflow.parallel.records import ENTRY_POINT_GROUP, ScheduleSpec, ShardingLayout
 from moeflow.perf.pipeline import PlanPrediction
-from moeflow.perf.schedules import Plan, ReplicatedModel
+from moeflow.perf.schedule_models import Plan, ReplicatedModel
 from moeflow.sim.builder import StepBuilder
 from moeflow.sim.plan import StepPlan
 from moeflow.sim.technique import PlanSpace, SimulatedSchedule

@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 
-from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.kernels import resolve_backend
 from moeflow.kernels.ragged import FilledRows, ragged_mm, ragged_weight_grad
-from moeflow.routing import assign_slots
+from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+from moeflow.moe.routing import assign_slots
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -41,7 +41,7 @@ def _plan(tokens: int, experts: int, k: int, capacity: int, seed: int, hot: int 
         expert_idx_TK = torch.arange(hot, hot + k).remainder(experts).repeat(tokens, 1)
     location_TK, _ = assign_slots(expert_idx_TK.reshape(tokens, k), experts, None)
     expert_idx_TK, location_TK = on_device(expert_idx_TK.reshape(tokens, k), location_TK)
-    return make_dispatch_plan(expert_idx_TK, location_TK, experts, capacity)
+    return make_slot_map(expert_idx_TK, location_TK, experts, capacity)
 
 
 def _encode_decode(backend: str, x_TM: torch.Tensor, weights_TK: torch.Tensor, plan, upstream_TM: torch.Tensor):

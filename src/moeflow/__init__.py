@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moeflow.config import MoEConfig
-    from moeflow.layer import MoELayer
-    from moeflow.stats import RoutingStats
+    from moeflow.moe.layer import MoELayer
+    from moeflow.moe.stats import RoutingStats
 
 __all__ = ["MoEConfig", "MoELayer", "RoutingStats"]
 __version__ = "0.1.0"
 
-_HOMES = {"MoEConfig": "moeflow.config", "MoELayer": "moeflow.layer", "RoutingStats": "moeflow.stats"}
+_HOMES = {"MoEConfig": "moeflow.config", "MoELayer": "moeflow.moe.layer", "RoutingStats": "moeflow.moe.stats"}
 
 
 def __getattr__(name: str) -> Any:

@@ -119,7 +119,7 @@ def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]
     """One expert FFN (gelu, M x H) on m tokens, forward and backward timed whole: what the cost
     model's ``t_ffn`` prices (the GEMMs, bias, activation, input and weight gradients);
     x = m * M * H * 2 projections."""
-    from moeflow.experts import ExpertFFN
+    from moeflow.moe.experts import ExpertFFN
 
     device, dtype = config.torch_device, config.torch_dtype
     ffn = ExpertFFN(1, config.model_dim, config.hidden_dim).to(device=device, dtype=dtype)
@@ -138,8 +138,8 @@ def _dispatch_points(config: CalibrationConfig, kernels: KernelTable) -> dict[st
     the kernels ``kernel_backend="auto"`` picks on this device and dtype, over m tokens routed
     uniformly at random to ``dispatch_top_k`` of ``dispatch_experts`` (capacity factor 1);
     x = m * k * M * element bytes, the routed rows."""
-    from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
-    from moeflow.routing import assign_slots, expert_capacity
+    from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+    from moeflow.moe.routing import assign_slots, expert_capacity
 
     device, dtype = config.torch_device, config.torch_dtype
     experts, top_k = config.dispatch_experts, config.dispatch_top_k
@@ -151,7 +151,7 @@ def _dispatch_points(config: CalibrationConfig, kernels: KernelTable) -> dict[st
         expert_idx_TK = torch.rand(m, experts, generator=generator).topk(top_k, dim=1).indices
         location_TK, counts_E = assign_slots(expert_idx_TK, experts)
         capacity = expert_capacity(1.0, top_k, m, experts, int(counts_E.max()))
-        plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), experts, capacity)
+        plan = make_slot_map(expert_idx_TK.to(device), location_TK.to(device), experts, capacity)
         x_TM = torch.randn(m, config.model_dim, generator=generator).to(device, dtype)
         weights_TK = torch.rand(m, top_k, generator=generator).to(device, dtype)
         buffer = encode(x_TM, plan, backend=choice.encode)
@@ -167,7 +167,7 @@ def _layer_points(config: CalibrationConfig, world: int, kernels: KernelTable) -
     """One call of :data:`LAYER_PROBE`'s layer (expert-parallel over the job, no pipelining, linear
     all-to-all) per token count, forward and backward; x = tokens per rank. On a GPU the layer's
     parameters stay fp32 and its input is ``dtype`` (the layer's mixed precision)."""
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
 
     probe = LAYER_PROBE
     device, dtype = config.torch_device, config.torch_dtype

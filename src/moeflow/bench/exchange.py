@@ -71,7 +71,7 @@ def _measure_point(point: ExchangePoint, groups: Any, profile: Any, repeats: int
 
     from moeflow.bench.skew import routed_tokens, steer_gate
     from moeflow.bench.timing import round_robin_steps, settle_planner
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
 
     def build(token_exchange: str, expert_kernel: str) -> MoELayer:
         torch.manual_seed(0)

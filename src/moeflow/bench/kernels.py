@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from moeflow.bench import record_fields
-from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
 from moeflow.kernels.choice import KernelTable, candidates
 from moeflow.kernels.precision import DTYPES
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm
 from moeflow.kernels.workspace import Workspace
-from moeflow.routing import assign_slots, expert_capacity
+from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+from moeflow.moe.routing import assign_slots, expert_capacity
 from moeflow.timing.measure import device_medians
 
 AUTO_KERNELS = {"encode": "encode", "decode": "decode", "grouped_gemm": "gemm"}  # bench kernel -> KernelChoice field
@@ -58,7 +58,7 @@ def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torc
     expert_idx_TK = scores.topk(config.top_k, dim=1).indices
     location_TK, counts_E = assign_slots(expert_idx_TK, config.num_experts)
     capacity = expert_capacity(0.0, config.top_k, config.tokens, config.num_experts, int(counts_E.max()))
-    plan = make_dispatch_plan(expert_idx_TK.to(device), location_TK.to(device), config.num_experts, capacity)
+    plan = make_slot_map(expert_idx_TK.to(device), location_TK.to(device), config.num_experts, capacity)
     return plan, counts_E
 
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import LayerDims, ffn_projections
-from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan, make_packed_plan
-from moeflow.dispatchers.stats import SOURCE
-from moeflow.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.kernels.precision import DTYPES
-from moeflow.layer import MoELayer
+from moeflow.moe.dispatchers.encoding import decode, encode, make_packed_slot_map, make_slot_map
+from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.moe.experts import KERNELS, ExpertFFN, ffn_flops
+from moeflow.moe.layer import MoELayer
+from moeflow.moe.routing import assign_slots, expert_capacity, select_experts
 from moeflow.reference import ReferenceMoE
-from moeflow.routing import assign_slots, expert_capacity, select_experts
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 from moeflow.timing.measure import device_medians
 
@@ -168,9 +168,9 @@ def _encode_decode_step(
     counts = counts.cpu()
     capacity = expert_capacity(c.capacity_factor, d.top_k, c.tokens, d.num_experts, int(counts.max()))
     if packed:
-        plan = make_packed_plan(choice.expert_idx_TK, location, counts, capacity)
+        plan = make_packed_slot_map(choice.expert_idx_TK, location, counts, capacity)
     else:
-        plan = make_dispatch_plan(choice.expert_idx_TK, location, d.num_experts, capacity)
+        plan = make_slot_map(choice.expert_idx_TK, location, d.num_experts, capacity)
     weights = choice.weights_TK.detach()
 
     kernels = layer.kernel_table.resolve(layer.config.kernel_backend, x.device, x.dtype)

@@ -196,7 +196,7 @@ def _expert_numel(placement: Any, kind: str, local: torch.Tensor, rank: int | No
 def held_parameters(model: nn.Module) -> HeldParameters:
     """Count ``model``'s local parameters: the non-expert ones as they are, the experts as each MoE
     layer's placement gives this rank (what it must hold, whatever its tensors hold)."""
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
 
     layers = [module for module in model.modules() if isinstance(module, MoELayer)]
     experts = {id(p): (layer, kind, p) for layer in layers for kind, p in layer.experts.named_parameters()}

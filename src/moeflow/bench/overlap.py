@@ -17,10 +17,10 @@ import torch
 
 from moeflow.bench import record_fields
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.kernels.precision import DTYPES
-from moeflow.perf.schedules import LOCAL
-from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.moe.experts import FFNCompute, FFNWeights
+from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
+from moeflow.perf.schedule_models import LOCAL
 from moeflow.timing.measure import device_medians
 
 

@@ -47,8 +47,8 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     with the plan the layer last ran. S1's region is the packed slots its own tokens held plus the MP
     all-gather of the token rows (and its backward, the split's all-gather)."""
     from moeflow.comm.mp import gather_rows, split_rows
-    from moeflow.perf.schedules import Plan
-    from moeflow.stats import PipelineTiming
+    from moeflow.moe.stats import PipelineTiming
+    from moeflow.perf.schedule_models import Plan
 
     ran = layer.last_stats.plan
     plan = Plan(ran.schedule, ran.requested_degree, ran.alltoall, ran.r)
@@ -75,7 +75,7 @@ def _measure_point(point: ParallelPoint, groups: Any, profile: Any, repeats: int
 
     from moeflow.bench.timing import SpeedProbe, layer_training_step, settle_planner
     from moeflow.config import switchable_rs
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
     from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
     from moeflow.timing.measure import slowest_rank_seconds
 

@@ -63,7 +63,7 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
 
     from moeflow.comm.algorithms import distinct_algorithms, exchange
     from moeflow.config import LayerDims
-    from moeflow.experts import ExpertFFN
+    from moeflow.moe.experts import ExpertFFN
     from moeflow.perf.shape import RegionShape
     from moeflow.timing.measure import slowest_rank_seconds
 
@@ -103,7 +103,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     from moeflow.comm.algorithms import distinct_algorithms
     from moeflow.comm.groups import ParallelGroups, max_over_ranks
     from moeflow.comm.topology import topology_from_environment
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = ParallelGroups(dist.group.WORLD, topology_from_environment(os.environ, world))

@@ -119,7 +119,7 @@ def _measure_point(point: SkewPoint, groups: Any, profile: Any, repeats: int, em
     import torch.distributed as dist
 
     from moeflow.bench.timing import round_robin_steps, settle_planner
-    from moeflow.layer import MoELayer
+    from moeflow.moe.layer import MoELayer
 
     rank = dist.get_rank()
     hottest = int(routing_probabilities(point).argmax())

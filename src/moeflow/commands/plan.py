@@ -147,7 +147,7 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
     schedule (pipelined over the pairwise steps) where the pairwise all-to-all is calibrated."""
     from moeflow.files import print_json
     from moeflow.perf.pipeline import predict_plan, theorem1_for_shape, usable_degrees
-    from moeflow.perf.schedules import SMART_PLAN_ALGORITHM, predict_smart
+    from moeflow.perf.schedule_models import SMART_PLAN_ALGORITHM, predict_smart
 
     if model.world_size > 1 and SMART_PLAN_ALGORITHM in algorithms:
         p = predict_smart(model, region, backward)
@@ -211,9 +211,9 @@ def _print_skew_plans(model: Any, args: argparse.Namespace) -> None:
 
 def _print_adaptive_plans(model: Any, region: Any, algorithms: list[str], max_degree: int, backward: bool) -> None:
     """Per Tutel r, the best (degree, algorithm) of the adaptive schedule and its prediction (Tutel
-    §3.1, Table 4; :class:`moeflow.perf.schedules.AdaptiveModel`)."""
+    §3.1, Table 4; :class:`moeflow.perf.schedule_models.AdaptiveModel`)."""
     from moeflow.files import print_json
-    from moeflow.perf.schedules import AdaptiveModel, rank_schedule_plans
+    from moeflow.perf.schedule_models import AdaptiveModel, rank_schedule_plans
 
     if not AdaptiveModel().can_predict(model):
         return
@@ -234,7 +234,7 @@ def _print_replicated_plan(model: Any, region: Any, backward: bool) -> Any:
     """The replicated schedule's line (with the gradient all-reduce it adds to training), or None
     when the profile cannot price it."""
     from moeflow.files import print_json
-    from moeflow.perf.schedules import ReplicatedModel
+    from moeflow.perf.schedule_models import ReplicatedModel
 
     schedule = ReplicatedModel()
     if not schedule.can_predict(model):
@@ -253,7 +253,7 @@ def _print_parm_plans(model: Any, region: Any, mp: int, esp: int, max_degree: in
     unpipelined forward of S1 and S2 that Parm's Algorithm 1 compares."""
     from moeflow.files import print_json
     from moeflow.perf.parm import BaselineModel, ParmModel
-    from moeflow.perf.schedules import rank_schedule_plans
+    from moeflow.perf.schedule_models import rank_schedule_plans
 
     parm = ParmModel("parm", mp, esp_size=esp)
     models = (*((BaselineModel(mp_size=mp),) if esp == mp else ()), ParmModel("s1", mp, esp_size=esp),

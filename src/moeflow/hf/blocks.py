@@ -23,7 +23,7 @@ from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.kernels.choice import share_kernel_table
 from moeflow.kernels.workspace import share_workspace
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 from moeflow.timing.phases import PhaseClock
 
 Group = ParallelGroups | dist.ProcessGroup | None

@@ -23,7 +23,7 @@ from torch import nn
 from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
 from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
 from moeflow.hf.weights import PER_EXPERT_NAMES
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 
 _RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
 """Checkpoint names transformers v5 renames on load (its conversion mapping) for our families."""

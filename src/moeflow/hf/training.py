@@ -23,8 +23,8 @@ from moeflow.data import PreparedCorpus, PretrainedTokenizer, prepare_corpus
 from moeflow.hf.blocks import HFMoEBlock, moe_blocks
 from moeflow.hf.families import family_for_model_type
 from moeflow.hf.loading import check_model_dir, load_hf_model
-from moeflow.layer import MoELayer
 from moeflow.models.transformer import total_aux_loss
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.parallel.registry import AUTO, RAGGED_SCHEDULES, REPLICATING_SCHEDULES, experts_must_divide
 from moeflow.timing.phases import PhaseClock

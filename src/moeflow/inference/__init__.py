@@ -18,7 +18,7 @@ from moeflow.inference.scheduler import (
     LayerScheduling,
     SchedulerSettings,
 )
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.dynamic import DynamicPlacementSchedule
 from moeflow.parallel.expert_fetch import start_fetch
 from moeflow.parallel.inference_hook import Fetch, InferenceHook

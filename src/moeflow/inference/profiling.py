@@ -11,7 +11,7 @@ import torch
 from moeflow.inference import schedule_layers
 from moeflow.inference.paths import PATH_LENGTH, RoutingProfile, routing_fingerprint
 from moeflow.inference.scheduler import InferenceScheduler, SchedulerSettings
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 
 
 def token_batches(ids: np.ndarray, context: int, batch_size: int, max_tokens: int) -> list[torch.Tensor]:

@@ -34,12 +34,12 @@ from moeflow.inference.plan import (
     popularity_placement,
     replica_slot_plan,
 )
+from moeflow.moe.routing.selection import ExpertChoice
 from moeflow.parallel.expert_fetch import ExpertFetch, fetches
 from moeflow.parallel.inference_hook import Fetch
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import rank_loads
 from moeflow.perf.cost import CostModel
-from moeflow.routing.selection import ExpertChoice
 
 INFERENCE_SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 """The inference schedules; all but ``static`` (the layer's own placement) run an :class:`InferenceScheduler`."""

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 ENCODE_BACKENDS = ("torch", "gather", "triton")
-"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.dispatchers.encoding`); ``gather``: the same
+"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.moe.dispatchers.encoding`); ``gather``: the same
 with each bag sum (encode's backward, decode's forward) as a gather of every token's K rows and one
 batched product; ``triton``: :mod:`moeflow.kernels.triton_dispatch`."""
 GEMM_BACKENDS = ("torch", "grouped_mm", "triton")
@@ -210,7 +210,7 @@ class _ProbeSteps:
     rows: object
 
     def encode(self, backend: str) -> Callable[[], None]:
-        from moeflow.dispatchers.encoding import encode
+        from moeflow.moe.dispatchers.encoding import encode
 
         def step() -> None:
             x = self.x_TM.detach().requires_grad_()
@@ -219,7 +219,7 @@ class _ProbeSteps:
         return step
 
     def decode(self, backend: str) -> Callable[[], None]:
-        from moeflow.dispatchers.encoding import decode
+        from moeflow.moe.dispatchers.encoding import decode
 
         def step() -> None:
             rows = self.packed_NM.detach().requires_grad_()
@@ -239,18 +239,18 @@ class _ProbeSteps:
 
 def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> _ProbeSteps:
     """Uniform random routing of ``shape.tokens`` tokens, dropless, packed by expert (as the direct
-    path lays the rows out, :func:`moeflow.dispatchers.dispatch_plan.make_packed_plan`); the tensors are drawn on
+    path lays the rows out, :func:`moeflow.moe.dispatchers.slot_map.make_packed_slot_map`); the tensors are drawn on
     the device (drawn on the host, they cost a layer built alone half a second)."""
-    from moeflow.dispatchers.dispatch_plan import make_packed_plan
     from moeflow.kernels.ragged import FilledRows
-    from moeflow.routing import assign_slots
+    from moeflow.moe.dispatchers.slot_map import make_packed_slot_map
+    from moeflow.moe.routing import assign_slots
 
     generator = torch.Generator().manual_seed(0)
     s = shape
     expert_idx_TK = torch.rand(s.tokens, s.num_experts, generator=generator).topk(s.top_k, dim=1).indices
     generator = torch.Generator(device).manual_seed(0)
     location_TK, counts_E = assign_slots(expert_idx_TK, s.num_experts)
-    plan = make_packed_plan(expert_idx_TK.to(device), location_TK.to(device), counts_E, int(counts_E.max()))
+    plan = make_packed_slot_map(expert_idx_TK.to(device), location_TK.to(device), counts_E, int(counts_E.max()))
     rows = FilledRows.counted(torch.arange(int(counts_E.sum())), counts_E)
     def draw(*size: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(size, generator=generator, device=device) * scale).to(dtype)

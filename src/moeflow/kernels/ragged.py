@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.experts import (
+from moeflow.kernels.device_copy import to_device
+from moeflow.kernels.workspace import Workspace
+from moeflow.moe.experts import (
     FFNCompute,
     FFNSaved,
     FFNWeightGradInputs,
@@ -40,8 +42,6 @@ from moeflow.experts import (
     activate_,
     activation_grad,
 )
-from moeflow.kernels.device_copy import to_device
-from moeflow.kernels.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class RaggedWeightGradInputs:
 
 @dataclass(frozen=True)
 class RaggedFFNCompute:
-    """An :class:`~moeflow.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
+    """An :class:`~moeflow.moe.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
     is how many of source rank w's slots of local expert l hold a token (over the whole capacity);
     ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`). Without
     ``keeps_activations`` (no backward will run) no saved activations are built."""

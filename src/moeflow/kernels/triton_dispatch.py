@@ -1,5 +1,5 @@
 """Fused encode/decode in Triton (Tutel 4.2's sparse kernels): the same functions as
-:mod:`moeflow.dispatchers.encoding`, with no (S, M) intermediate anywhere.
+:mod:`moeflow.moe.dispatchers.encoding`, with no (S, M) intermediate anywhere.
 
 Three kernels cover both directions and their gradients:
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatchers.dispatch_plan import DispatchPlan
+from moeflow.moe.dispatchers.slot_map import SlotMap
 
 COLUMN_BLOCK = 256  # columns per program: a row of M <= 256 is one program
 
@@ -91,7 +91,7 @@ def gather_rows(src_RM: torch.Tensor, index_S: torch.Tensor, scale_S: torch.Tens
     return out
 
 
-def bag_sum(rows_SM: torch.Tensor, plan: DispatchPlan, weight_N: torch.Tensor | None = None) -> torch.Tensor:
+def bag_sum(rows_SM: torch.Tensor, plan: SlotMap, weight_N: torch.Tensor | None = None) -> torch.Tensor:
     """(T, M): y_t = sum over token t's kept assignments n of (weight_n *) rows[slot_n]."""
     columns = rows_SM.shape[1]
     out = rows_SM.new_empty((plan.num_tokens, columns))
@@ -119,14 +119,14 @@ def pair_dots(a_XM: torch.Tensor, a_index_N: torch.Tensor, b_YM: torch.Tensor, b
     return out
 
 
-def slot_sources(plan: DispatchPlan) -> torch.Tensor:
+def slot_sources(plan: SlotMap) -> torch.Tensor:
     """The token of every slot, -1 for the empty ones (which the kernels fill with zeros)."""
     return plan.slot_token_S.clone().index_fill_(0, plan.empty_slots, -1)
 
 
 class TritonEncode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, plan: SlotMap) -> torch.Tensor:
         ctx.plan = plan
         return gather_rows(x_TM, slot_sources(plan))
 
@@ -138,7 +138,7 @@ class TritonEncode(torch.autograd.Function):
 
 class TritonDecode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: SlotMap) -> torch.Tensor:
         ctx.plan = plan
         ctx.save_for_backward(buffer_SM, weight_N)
         return bag_sum(buffer_SM, plan, weight_N)
@@ -147,7 +147,7 @@ class TritonDecode(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_N = ctx.saved_tensors
-        plan: DispatchPlan = ctx.plan
+        plan: SlotMap = ctx.plan
         grad_TM = grad_TM.contiguous()
         grad_weight = None
         if ctx.needs_input_grad[1]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter
 from moeflow.timing.phases import PhaseClock
 

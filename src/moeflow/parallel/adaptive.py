@@ -30,12 +30,8 @@ from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
 from moeflow.config import check_switchable_layout, validate_r
-from moeflow.experts import FFNWeights
-from moeflow.parallel.context import RunContext, ScheduleOutput
-from moeflow.parallel.modelled import ModelledSchedule
-from moeflow.parallel.placement import ExpertPlacement
-from moeflow.perf.schedules import LOCAL, AdaptiveModel, Plan
-from moeflow.pipeline import (
+from moeflow.moe.experts import FFNWeights
+from moeflow.moe.pipeline import (
     ChunkExchange,
     ExpertExchange,
     SelfAdjointExchange,
@@ -43,7 +39,11 @@ from moeflow.pipeline import (
     padded_slots,
     pipelined_experts,
 )
-from moeflow.stats import PipelineTiming, region_clock
+from moeflow.moe.stats import PipelineTiming, region_clock
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.modelled import ModelledSchedule
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.perf.schedule_models import LOCAL, AdaptiveModel, Plan
 
 
 def switchable_placement(num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeflow.capacity import estimated_needed_capacity
 from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
+from moeflow.moe.capacity import estimated_needed_capacity
+from moeflow.moe.routing import NodeLimit, expert_capacity
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
@@ -24,7 +25,6 @@ from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
 from moeflow.perf import CostModel
 from moeflow.perf.shape import RegionShape
-from moeflow.routing import NodeLimit, expert_capacity
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import ExpertCompute, FFNWeights, LocalExperts
 from moeflow.kernels.ragged import RaggedFFNCompute
 from moeflow.kernels.workspace import Workspace
+from moeflow.moe.experts import ExpertCompute, FFNWeights, LocalExperts
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.stats import PipelineTiming
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ import torch
 
 from moeflow.comm.alltoall import linear_all_to_all
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import FFNCompute
+from moeflow.moe.experts import FFNCompute
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.expert_fetch import ExpertFetch, start_fetch
 from moeflow.parallel.inference_hook import InferenceHook
@@ -34,8 +35,7 @@ from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.perf import CostModel
 from moeflow.perf.replicas import slot_split
-from moeflow.perf.schedules import ExpertParallelModel, Plan, ScheduleModel
-from moeflow.stats import PipelineTiming
+from moeflow.perf.schedule_models import ExpertParallelModel, Plan, ScheduleModel
 
 
 @dataclass(frozen=True)

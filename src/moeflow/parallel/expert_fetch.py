@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
-from moeflow.experts import FFNWeights
+from moeflow.moe.experts import FFNWeights
 from moeflow.parallel.placement import ExpertPlacement
 
 

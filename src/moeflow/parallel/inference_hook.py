@@ -8,9 +8,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from moeflow.moe.routing.selection import ExpertChoice
 from moeflow.parallel.expert_fetch import ExpertFetch
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.routing.selection import ExpertChoice
 
 Fetch = Callable[[ExpertPlacement], ExpertFetch]
 """Start fetching the weights a placement needs from where a layer stores them (a collective)."""

@@ -9,20 +9,20 @@ from collections.abc import Iterable
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.dispatchers.choice import DIRECT_LOCAL
+from moeflow.moe.dispatchers.choice import DIRECT_LOCAL
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import Prepared
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction
-from moeflow.perf.schedules import Plan, ScheduleModel
+from moeflow.perf.schedule_models import Plan, ScheduleModel
 from moeflow.perf.shape import RegionShape
-from moeflow.stats import PipelineTiming
 
 
 class ModelledSchedule:
-    """Mixin for a schedule with a ``model`` property (:class:`moeflow.perf.schedules.ScheduleModel`)."""
+    """Mixin for a schedule with a ``model`` property (:class:`moeflow.perf.schedule_models.ScheduleModel`)."""
 
     name: str
     takes_ragged = False  # whether run() uses the ragged kernel where the layer asks for it
@@ -40,7 +40,7 @@ class ModelledSchedule:
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """``"local"`` where ``rank`` holds every expert whole and no hook sees the routing: its
         forward may skip the dispatch and compute its tokens on its own experts
-        (:mod:`moeflow.dispatchers.local`). No other direct path unless the schedule declares one."""
+        (:mod:`moeflow.moe.dispatchers.local`). No other direct path unless the schedule declares one."""
         return DIRECT_LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.experts import ExpertFFN
+from moeflow.moe.experts import ExpertFFN
 from moeflow.parallel.placement import ExpertPlacement, gather_full
 
 

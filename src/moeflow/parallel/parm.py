@@ -37,14 +37,14 @@ import torch.distributed as dist
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
+from moeflow.moe.pipeline import SelfAdjointExchange, pad_slots, padded_slots, pipelined_experts
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, MPTokenShare, TokenShare
 from moeflow.perf.parm import BaselineModel, ParmModel, shard_count
-from moeflow.perf.schedules import Plan
-from moeflow.pipeline import SelfAdjointExchange, pad_slots, padded_slots, pipelined_experts
-from moeflow.stats import PipelineTiming
+from moeflow.perf.schedule_models import Plan
 
 
 def check_mp_group(groups: ParallelGroups) -> int:

@@ -35,14 +35,14 @@ from torch.autograd.function import FunctionCtx
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
-from moeflow.experts import FFNCompute, FFNWeights
 from moeflow.kernels.device_copy import to_device
+from moeflow.moe.experts import FFNCompute, FFNWeights
+from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf.replicas import balanced_slots, slot_split
-from moeflow.perf.schedules import LOCAL, Plan
-from moeflow.pipeline import ExpertExchange, pipelined_experts
+from moeflow.perf.schedule_models import LOCAL, Plan
 
 
 def slots_per_rank(redundant: int, num_experts: int, world_size: int) -> int:

@@ -34,7 +34,7 @@ from moeflow.parallel.records import (
     installed_records,
 )
 from moeflow.perf import CostModel
-from moeflow.perf.schedules import SMART, rank_schedule_plans
+from moeflow.perf.schedule_models import SMART, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
 from moeflow.sim import parm_regions, regions
 

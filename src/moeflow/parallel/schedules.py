@@ -1,7 +1,7 @@
 """Parallel schedules: how a dispatched (E, C, M) buffer becomes the combined one.
 
 A schedule owns a placement rule (where the expert weights live), the model half (candidate plans
-and their predicted cost, :mod:`moeflow.perf.schedules`) and ``run``. ``MoELayer.forward`` calls
+and their predicted cost, :mod:`moeflow.perf.schedule_models`) and ``run``. ``MoELayer.forward`` calls
 ``schedule.run`` between encode and decode; a new technique is a new schedule, not a new path
 through the layer.
 
@@ -28,8 +28,10 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import cross_node_rows
 from moeflow.config import PADDED, RAGGED
-from moeflow.dispatchers.choice import DIRECT_EXCHANGE
-from moeflow.experts import ExpertCompute
+from moeflow.moe.dispatchers.choice import DIRECT_EXCHANGE
+from moeflow.moe.experts import ExpertCompute
+from moeflow.moe.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
@@ -39,10 +41,8 @@ from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction
-from moeflow.perf.schedules import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
+from moeflow.perf.schedule_models import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
 from moeflow.perf.shape import RegionShape
-from moeflow.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
-from moeflow.stats import PipelineTiming
 
 
 class ParallelSchedule(Protocol):
@@ -66,8 +66,8 @@ class ParallelSchedule(Protocol):
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
-        experts (:mod:`moeflow.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
-        or exchanged rows, :mod:`moeflow.dispatchers.choice`), or None (the capacity dispatcher)."""
+        experts (:mod:`moeflow.moe.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
+        or exchanged rows, :mod:`moeflow.moe.dispatchers.choice`), or None (the capacity dispatcher)."""
         ...
 
     def candidates(

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.experts import ExpertCompute, FFNWeights
+from moeflow.moe.experts import ExpertCompute, FFNWeights
+from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.wrapped import WrappingSchedule
 from moeflow.perf import CostModel
-from moeflow.perf.schedules import LOCAL, Plan
+from moeflow.perf.schedule_models import LOCAL, Plan
 from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts, shadowed_latency
-from moeflow.pipeline import ExpertExchange, pipelined_experts
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ ends, which is the paper's schedule. The backward runs the same steps on the out
 the experts' backward (an equal-split exchange is its own adjoint); weight gradients are one
 deferred GEMM over all steps.
 
-How it relates to the capacity-chunk pipeline (:mod:`moeflow.pipeline`): both overlap the same
+How it relates to the capacity-chunk pipeline (:mod:`moeflow.moe.pipeline`): both overlap the same
 dispatch -> experts -> combine region, along different axes. The capacity pipeline cuts every
 expert's slots into d chunks and runs a whole all-to-all per chunk, so its first computation waits
 for one chunk's full exchange; the smart schedule cuts by source node, so its first computation
@@ -33,12 +33,12 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.comm.algorithms import pairwise_peers, pairwise_step
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace
-from moeflow.perf.schedules import SMART
-from moeflow.pipeline import overlap
-from moeflow.stats import PipelineTiming
+from moeflow.moe.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.moe.pipeline import overlap
+from moeflow.moe.stats import PipelineTiming
+from moeflow.perf.schedule_models import SMART
 
 
 @dataclass(frozen=True)

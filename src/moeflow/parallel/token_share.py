@@ -28,13 +28,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from moeflow.capacity import expert_capacity
 from moeflow.comm.groups import group_rank, group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
-from moeflow.routing.router import Routing
-from moeflow.routing.slots import assign_slots
-from moeflow.stats import PipelineTiming
+from moeflow.moe.capacity import expert_capacity
+from moeflow.moe.routing.router import Routing
+from moeflow.moe.routing.slots import assign_slots
+from moeflow.moe.stats import PipelineTiming
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.dispatchers.choice import DIRECT_LOCAL
+from moeflow.moe.dispatchers.choice import DIRECT_LOCAL
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
@@ -18,9 +19,8 @@ from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
 from moeflow.perf.pipeline import PlanPrediction
-from moeflow.perf.schedules import Plan, ScheduleModel
+from moeflow.perf.schedule_models import Plan, ScheduleModel
 from moeflow.perf.shape import RegionShape
-from moeflow.stats import PipelineTiming
 
 
 @dataclass(frozen=True)

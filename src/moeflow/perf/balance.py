@@ -15,7 +15,7 @@ backward) on the (W, E) tokens each rank routes to each expert:
 The same :class:`~moeflow.perf.shadowing.ShadowPrices` price all three, so their differences are
 what each technique changes: which rank computes which tokens, what crosses the links, and which
 parameters move. The choice is the simplest technique (off, then shadowing, then the slots) within
-:data:`~moeflow.perf.schedules.MIN_GAIN` of the fastest, as the planner chooses its plans: a
+:data:`~moeflow.perf.schedule_models.MIN_GAIN` of the fastest, as the planner chooses its plans: a
 technique that moves weights must predict more than the model's noise to be worth it.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeflow.perf.replicas import slot_split
-from moeflow.perf.schedules import MIN_GAIN
+from moeflow.perf.schedule_models import MIN_GAIN
 from moeflow.perf.shadowing import ShadowPrices, select_shadowed_experts
 
 OFF, SHADOWING, REDUNDANT = "off", "shadowing", "redundant"

@@ -1,6 +1,6 @@
 """Parm's cost model (Parm §III-B, Algorithm 1, Eq. 13-14) and that of the DeepSpeed-MoE
 baseline it replaces (Eq. 1), each per capacity chunk in PipeMoE's recurrence: the numpy half of
-the schedules in :mod:`moeflow.parallel.parm`, beside the others' in :mod:`moeflow.perf.schedules`.
+the schedules in :mod:`moeflow.parallel.parm`, beside the others' in :mod:`moeflow.perf.schedule_models`.
 Plain math on numbers; no torch."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from moeflow.perf.cost import CostModel
 from moeflow.perf.pipeline import PlanPrediction, capacity_chunks, pipeline_makespan, usable_degrees
-from moeflow.perf.schedules import Plan
+from moeflow.perf.schedule_models import Plan
 from moeflow.perf.shape import RegionShape
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeflow.capacity import estimated_needed_capacity, expert_capacity
 from moeflow.config import LayerDims
+from moeflow.moe.capacity import estimated_needed_capacity, expert_capacity
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class RegionShape:
         bytes_per_element: int = 4, needed: int | None = None,
     ) -> RegionShape:
         """The region of ``tokens`` tokens per rank at the capacity the layer itself would size
-        (:func:`moeflow.capacity.expert_capacity`), so a plan for a token count matches the run.
+        (:func:`moeflow.moe.capacity.expert_capacity`), so a plan for a token count matches the run.
         ``needed`` is the largest per-expert load of the iteration (what f <= 0 sizes the capacity
         from); None assumes the balanced load ceil(k T / E)."""
         load = estimated_needed_capacity(dims.top_k, tokens, dims.num_experts) if needed is None else needed

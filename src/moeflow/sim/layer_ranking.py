@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from moeflow.config import DTYPE_BYTES, PADDED
 from moeflow.parallel.registry import SIMULATED
-from moeflow.perf.schedules import ragged_shape
+from moeflow.perf.schedule_models import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan, simulated_algorithm
@@ -22,7 +22,7 @@ from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
     from moeflow.perf.profile import ClusterProfile
-    from moeflow.perf.schedules import Plan
+    from moeflow.perf.schedule_models import Plan
     from moeflow.perf.shape import RegionShape
 
 DTYPE_OF_BYTES = {size: name for name, size in reversed(DTYPE_BYTES.items())}  # 2 bytes: bf16
@@ -66,7 +66,7 @@ class SimulatedRanker:
     def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None:
         """Every plan with its simulated seconds, fastest first (fewer chunks on ties); None when the
         twin's ranks are not the layer's or a plan's schedule is not simulated. A ragged plan's
-        region is the kept rows' (:func:`~moeflow.perf.schedules.ragged_shape`)."""
+        region is the kept rows' (:func:`~moeflow.perf.schedule_models.ragged_shape`)."""
         if shape.world_size != self.twin.world_size or not plans:
             return None
         ranked = []

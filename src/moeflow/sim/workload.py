@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.capacity import expert_capacity
 from moeflow.config import DTYPE_BYTES, LayerDims, renamed_settings
+from moeflow.moe.capacity import expert_capacity
 from moeflow.sim.cluster import read_toml_source, shipped_names
 
 DEFAULT_DIMS = LayerDims(1024, 4096, 64, top_k=2, projections=2, bias=False)

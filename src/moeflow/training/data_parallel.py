@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.groups import group_size
-from moeflow.layer import MoELayer
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.expert_parameters import (
     is_expert_parameter,
     reduce_expert_gradient,

@@ -21,8 +21,8 @@ import torch
 from moeflow.comm.groups import max_over_ranks
 from moeflow.comm.traffic import AllToAllTraffic
 from moeflow.config import MoEConfig
-from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.registry import check_techniques
 from moeflow.parallel.schedules import packed_schedule

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from moeflow.layer import MoELayer
 from moeflow.models import TrainableLM
+from moeflow.moe.layer import MoELayer
 from moeflow.parallel.balance import choose_execution
 from moeflow.parallel.redundant import balanced_placement
 

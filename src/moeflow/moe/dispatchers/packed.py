@@ -4,7 +4,7 @@ Under ``expert_kernel="ragged"`` the capacity path pays for its padded (E, C, M)
 times over: encode scatters the kept rows into it, the ragged kernel gathers the filled slots back
 out (and scatters its output in again), and decode gathers once more; the backward repeats each
 step. Where one rank holds every expert nothing needs that layout. Here the kept rows go straight
-into a packed (N, M) matrix ordered by expert (:func:`~moeflow.dispatchers.dispatch_plan.make_packed_plan`:
+into a packed (N, M) matrix ordered by expert (:func:`~moeflow.moe.dispatchers.slot_map.make_packed_slot_map`:
 the same encode and decode kernels, over a buffer with no empty slot), the experts run as grouped
 GEMMs on those rows forward and backward, and decode sums each token's rows. It computes the
 capacity path's function exactly: the same slots are kept (the routing's own slot assignment and
@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatchers.agreement import GlobalLoad
-from moeflow.dispatchers.dispatch_plan import make_packed_plan
-from moeflow.dispatchers.encoding import decode, encode
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
-from moeflow.experts import FFNCompute, FFNWeights, LocalExperts
 from moeflow.kernels.choice import KernelChoice
 from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
-from moeflow.routing.router import Routing
-from moeflow.stats import PipelineTiming
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.encoding import decode, encode
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.dispatchers.slot_map import make_packed_slot_map
+from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.experts import FFNCompute, FFNWeights, LocalExperts
+from moeflow.moe.routing.router import Routing
+from moeflow.moe.stats import PipelineTiming
 
 
 def packed_experts_output(
@@ -39,7 +39,7 @@ def packed_experts_output(
     (:meth:`Routing.slotted`), ``counts_E`` are its assignments per expert on the host, ``experts``
     are all E, in x's dtype after the cast."""
     choice = routing.choice
-    plan = make_packed_plan(choice.expert_idx_TK, routing.location_TK, counts_E, capacity)
+    plan = make_packed_slot_map(choice.expert_idx_TK, routing.location_TK, counts_E, capacity)
     rows = FilledRows.counted(torch.arange(plan.num_slots), counts_E.clamp(max=capacity))
     x_NM = encode(x_TM, plan, backend=kernels.encode)
     weights = experts.weights().cast(x_TM.dtype)

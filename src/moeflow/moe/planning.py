@@ -1,5 +1,5 @@
 """Chooses the plan of one MoE layer per iteration: the schedule's pipeline degree d and all-to-all
-algorithm (a :class:`~moeflow.perf.schedules.Plan`), ranked across schedules with one cost model.
+algorithm (a :class:`~moeflow.perf.schedule_models.Plan`), ranked across schedules with one cost model.
 
 Policies (``pipeline=``):
 
@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from moeflow.config import validate_pipeline
+from moeflow.moe.stats import PipelineTiming
 from moeflow.perf import ClusterProfile, CostModel
-from moeflow.perf.schedules import (
+from moeflow.perf.schedule_models import (
     LOCAL,
     MIN_GAIN,
     SMART,
@@ -44,7 +45,6 @@ from moeflow.perf.schedules import (
     rank_schedule_plans,
 )
 from moeflow.perf.shape import RegionShape
-from moeflow.stats import PipelineTiming
 
 SEARCH_DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the online search times."""
@@ -96,7 +96,7 @@ class PlanRanker(Protocol):
     def rank(self, shape: RegionShape, plans: list[Plan], backward: bool) -> list[tuple[Plan, float]] | None: ...
 
 
-class PipelinePlanner:
+class OnlinePlanner:
     """One per layer: owns the dictionary of best plans and the trials in progress.
 
     ``schedule`` is the model of the schedule whose plans are ranked (the layer's placement fixes

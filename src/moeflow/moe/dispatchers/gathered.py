@@ -2,8 +2,8 @@
 the load agreement.
 
 At a decode step the agreement's all-gather and the two all-to-alls of the row exchange
-(:mod:`moeflow.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
-agreement's all-gather carries the tokens as well (:mod:`moeflow.dispatchers.agreement`): each
+(:mod:`moeflow.moe.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
+agreement's all-gather carries the tokens as well (:mod:`moeflow.moe.agreement`): each
 rank's rows, its k experts and combine weights, in one fixed-size buffer. Every rank then holds
 every token. It runs its own experts over the choices that picked them, sums each token's weighted
 outputs per token (a partial sum over this rank's experts), and sends each rank the partial sums of
@@ -20,12 +20,12 @@ import torch
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
-from moeflow.dispatchers.agreement import GatheredTokens, GlobalLoad
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
-from moeflow.experts import ExpertFFN
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.stats import PipelineTiming
+from moeflow.moe.agreement import GatheredTokens, GlobalLoad
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
+from moeflow.moe.experts import ExpertFFN
+from moeflow.moe.stats import PipelineTiming
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.routing.slots import expert_counts
+from moeflow.moe.routing.slots import expert_counts
 
 
 def load_balancing_loss(

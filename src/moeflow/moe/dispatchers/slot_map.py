@@ -1,6 +1,6 @@
 """Where each routed assignment goes in the (E, C) slot buffer: one immutable plan per buffer,
 built once from the routing and read by encode, decode and their kernels (the torch ones in
-:mod:`moeflow.dispatchers.encoding`, the Triton ones in :mod:`moeflow.kernels.triton_dispatch`).
+:mod:`moeflow.moe.dispatchers.encoding`, the Triton ones in :mod:`moeflow.kernels.triton_dispatch`).
 
 Shapes: T tokens, K top-k, N kept (token, expert) assignments, E experts, C capacity, S = E*C slots.
 """
@@ -15,7 +15,7 @@ from moeflow.kernels.device_copy import to_device
 
 
 @dataclass(frozen=True)
-class DispatchPlan:
+class SlotMap:
     """Where each kept assignment comes from (token) and goes to (slot = expert * C + location).
 
     Kept assignments are listed token-major, so the assignments of token t form the bag
@@ -33,7 +33,7 @@ class DispatchPlan:
     num_tokens: int
     num_experts: int
     capacity: int
-    packed_slots: int | None = None  # a packed plan's kept rows (:func:`make_packed_plan`); None: E * C
+    packed_slots: int | None = None  # a packed plan's kept rows (:func:`make_packed_slot_map`); None: E * C
 
     @property
     def num_slots(self) -> int:
@@ -44,10 +44,10 @@ class DispatchPlan:
         return weight_N.new_zeros(self.num_slots).index_copy_(0, self.slot_idx_N, weight_N)
 
 
-def make_dispatch_plan(
+def make_slot_map(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int,
     kept: int | None = None,
-) -> DispatchPlan:
+) -> SlotMap:
     """The plan of the (E, C) buffer: expert e's slots begin at e * C. ``kept``: the number of
     kept assignments where the host knows it (the routing counts every rank agreed): then the plan
     is built with no device sync (on a GPU each boolean-sized index waits for the queue to drain)."""
@@ -55,9 +55,9 @@ def make_dispatch_plan(
     return _plan(expert_idx_TK, location_TK, num_experts, capacity, first_slot_E, None, kept)
 
 
-def make_packed_plan(
+def make_packed_slot_map(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, counts_E: torch.Tensor, capacity: int
-) -> DispatchPlan:
+) -> SlotMap:
     """The plan of a packed buffer that holds only the kept rows, expert after expert (no empty
     slot): what the ragged GEMMs read directly, with no capacity padding to gather them out of.
     ``counts_E``: the assignments per expert before capacity, on the host."""
@@ -70,7 +70,7 @@ def make_packed_plan(
 def _plan(
     expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int,
     first_slot_E: torch.Tensor, packed_slots: int | None, kept: int | None,
-) -> DispatchPlan:
+) -> SlotMap:
     num_tokens, top_k = expert_idx_TK.shape
     device = expert_idx_TK.device
     kept_TK = location_TK < capacity
@@ -87,7 +87,7 @@ def _plan(
         empty_slots = _true_indices(~occupied_S.index_fill_(0, slot_idx_N, True), empty)
     else:  # every packed slot holds a kept row
         empty_slots = torch.zeros(0, dtype=torch.int64, device=device)
-    return DispatchPlan(
+    return SlotMap(
         token_idx_N=token_idx_N,
         slot_idx_N=slot_idx_N,
         choice_idx_N=kept_N,

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeflow.capacity import never_drops
 from moeflow.comm.groups import ParallelGroups
-from moeflow.dispatchers.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
-from moeflow.dispatchers.gathered import GatheredDispatcher
-from moeflow.dispatchers.local import LocalDispatcher
-from moeflow.dispatchers.packed import PackedDispatcher
-from moeflow.dispatchers.protocol import DispatchCall, Dispatcher
-from moeflow.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowExchangeDispatcher
-from moeflow.dispatchers.stats import DirectLabels
-from moeflow.experts import ExpertFFN
+from moeflow.moe.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
+from moeflow.moe.capacity import never_drops
+from moeflow.moe.dispatchers.gathered import GatheredDispatcher
+from moeflow.moe.dispatchers.local import LocalDispatcher
+from moeflow.moe.dispatchers.packed import PackedDispatcher
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatcher
+from moeflow.moe.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
+from moeflow.moe.dispatchers.stats import DirectLabels
+from moeflow.moe.experts import ExpertFFN
 
 DIRECT_LOCAL = "local"
 """A schedule's direct path on a rank that holds every expert: the local dispatcher."""
@@ -96,5 +96,5 @@ def agree(
     if agreement.tokens is not None:
         return Agreed(GatheredDispatcher(agreement.tokens, experts, groups, labels), load, following)
     if load.max_tokens_per_rank * call.top_k <= DIRECT_EXCHANGE_ROWS:
-        return Agreed(RowExchangeDispatcher(experts, groups, labels), load, following)
+        return Agreed(RowDispatcher(experts, groups, labels), load, following)
     return Agreed(capacity(), load, following)

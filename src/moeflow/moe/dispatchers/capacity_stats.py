@@ -1,4 +1,4 @@
-"""The :class:`~moeflow.stats.RoutingStats` a layer call reports: the global load after capacity,
+"""The :class:`~moeflow.moe.stats.RoutingStats` a layer call reports: the global load after capacity,
 the plan that ran and what the schedule said about its run."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
-from moeflow.dispatchers.agreement import GlobalLoad
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.planning import PlanChoice
+from moeflow.moe.stats import ExecutionPlan, PipelineTiming, RoutingStats
 from moeflow.parallel.context import ScheduleOutput
-from moeflow.parallel.planner import PlanChoice
 from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 
 def routing_stats(

@@ -16,7 +16,7 @@ combine (an exchange whose dispatch and combine are not each other's adjoint ret
 
 Each chunk's state (its received rows, its saved activations) lives in per-chunk records owned by
 one autograd node, never on the layer: any number of chunks can be in flight. The experts' math is
-an :class:`~moeflow.experts.ExpertCompute` (FFN, SwiGLU, with or without biases); the worker thread
+an :class:`~moeflow.moe.experts.ExpertCompute` (FFN, SwiGLU, with or without biases); the worker thread
 belongs to the layer's :class:`~moeflow.comm.ParallelGroups`.
 """
 
@@ -36,11 +36,11 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import CommunicationWorker, ParallelGroups
 from moeflow.comm.streams import overlap_on_streams
-from moeflow.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace, buffer
+from moeflow.moe.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.moe.stats import PipelineTiming
 from moeflow.perf.pipeline import capacity_chunks
-from moeflow.stats import PipelineTiming
 
 __all__ = [
     "ChunkExchange",

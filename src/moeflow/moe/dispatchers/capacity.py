@@ -15,19 +15,19 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
-from moeflow.dispatchers.agreement import GlobalLoad
-from moeflow.dispatchers.capacity_stats import routing_stats
-from moeflow.dispatchers.encoding import decode, encode, make_dispatch_plan
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.experts import ExpertFFN
 from moeflow.kernels.workspace import Workspace
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.capacity_stats import routing_stats
+from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.experts import ExpertFFN
+from moeflow.moe.planning import OnlinePlanner
+from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import RunContext
 from moeflow.parallel.forward_memory import ForwardMemory, ForwardRecord
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.planner import PipelinePlanner
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf.shape import RegionShape
-from moeflow.stats import PipelineTiming
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CapacityDispatcher:
     groups: ParallelGroups
     config: MoEConfig
     experts: ExpertFFN
-    planner: PipelinePlanner
+    planner: OnlinePlanner
     memory: ForwardMemory
     record: ForwardRecord
     workspace: Workspace | None
@@ -61,7 +61,7 @@ class CapacityDispatcher:
         # the tokens this rank encodes and decodes (Parm's S1: this MP member's share)
         share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
         owned = share.own(x_TM, call.routing.slotted(config.num_experts), capacity, call.capacity_factor)
-        plan = make_dispatch_plan(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
+        plan = make_slot_map(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
                                   share.kept_count(filled_WE, rank))
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace, call.kernels.encode)

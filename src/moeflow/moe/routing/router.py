@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from moeflow.config import MoEConfig
-from moeflow.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
-from moeflow.routing.selection import ExpertChoice, NodeLimit, select_experts
-from moeflow.routing.slots import assign_slots, expert_counts
+from moeflow.moe.routing.losses import load_balancing_loss, router_z_loss, updated_expert_bias
+from moeflow.moe.routing.selection import ExpertChoice, NodeLimit, select_experts
+from moeflow.moe.routing.slots import assign_slots, expert_counts
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,22 @@
 """The dispatcher protocol: how one layer call's tokens reach the experts that compute them and
 come back (cf. Megatron-Core's ``MoETokenDispatcher``).
 
-Once the ranks agree the load (:mod:`moeflow.dispatchers.agreement`), one dispatcher runs the call:
+Once the ranks agree the load (:mod:`moeflow.moe.agreement`), one dispatcher runs the call:
 
-- :class:`~moeflow.dispatchers.capacity.CapacityDispatcher`: encode into an (E, C, M) buffer, the
+- :class:`~moeflow.moe.dispatchers.capacity.CapacityDispatcher`: encode into an (E, C, M) buffer, the
   schedule's exchange (padded or ragged, pipelined over capacity chunks), decode; every forward
   that no other dispatcher takes;
-- :class:`~moeflow.dispatchers.local.LocalDispatcher`: every expert on this rank, no backward,
+- :class:`~moeflow.moe.dispatchers.local.LocalDispatcher`: every expert on this rank, no backward,
   nothing dropped: the tokens stay home and skip the buffer;
-- :class:`~moeflow.dispatchers.packed.PackedDispatcher`: one rank under the ragged kernel, with a
+- :class:`~moeflow.moe.dispatchers.packed.PackedDispatcher`: one rank under the ragged kernel, with a
   backward: the capacity path's slots, packed;
-- :class:`~moeflow.dispatchers.gathered.GatheredDispatcher`: a decode-sized no-grad forward under
+- :class:`~moeflow.moe.dispatchers.gathered.GatheredDispatcher`: a decode-sized no-grad forward under
   expert parallelism whose tokens came with the agreement;
-- :class:`~moeflow.dispatchers.rows.RowExchangeDispatcher`: a small no-grad forward under expert
+- :class:`~moeflow.moe.dispatchers.rows.RowDispatcher`: a small no-grad forward under expert
   parallelism: only the routed rows, in one ragged all-to-all each way.
 
 Which one runs is the schedule's declaration (``ParallelSchedule.direct_path``) and the agreement's
-(:func:`moeflow.dispatchers.choice.agree`); the layer calls whichever it is given.
+(:func:`moeflow.moe.dispatchers.choice.agree`); the layer calls whichever it is given.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Protocol
 
 import torch
 
-from moeflow.dispatchers.agreement import GlobalLoad
 from moeflow.kernels.choice import KernelChoice
-from moeflow.routing.router import Routing
-from moeflow.stats import RoutingStats
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.routing.router import Routing
+from moeflow.moe.stats import RoutingStats
 
 
 @dataclass(frozen=True)

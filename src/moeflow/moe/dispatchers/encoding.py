@@ -2,7 +2,7 @@
 
 Shapes: T tokens, M model dim, E experts, C capacity, K top-k, N kept (token, expert) assignments,
 S = E*C slots. Both directions are gathers (``index_select``, fused ``embedding_bag``) costing
-O(N*M) time and memory; no dense (T, E, C) dispatch mask is ever built. A :class:`DispatchPlan`
+O(N*M) time and memory; no dense (T, E, C) dispatch mask is ever built. A :class:`SlotMap`
 is immutable and carries everything decode needs, so several plans (pipeline chunks) can be in
 flight at once.
 """
@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.dispatchers.dispatch_plan import DispatchPlan, make_dispatch_plan, make_packed_plan
 from moeflow.kernels.workspace import Workspace, buffer
+from moeflow.moe.dispatchers.slot_map import SlotMap, make_packed_slot_map, make_slot_map
 
-__all__ = ["DispatchPlan", "decode", "encode", "make_dispatch_plan", "make_packed_plan"]
+__all__ = ["SlotMap", "decode", "encode", "make_packed_slot_map", "make_slot_map"]
 
 
 def _bag_sum(
-    rows_SM: torch.Tensor, plan: DispatchPlan, weight_N: torch.Tensor | None = None
+    rows_SM: torch.Tensor, plan: SlotMap, weight_N: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y_t = sum over the kept assignments n of token t of (weight_n *) rows[slot_n]: one pass."""
     if plan.num_tokens == 0 or rows_SM.shape[0] == 0:
@@ -30,7 +30,7 @@ def _bag_sum(
     )
 
 
-def _rows_per_slot(rows_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None) -> torch.Tensor:
+def _rows_per_slot(rows_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None) -> torch.Tensor:
     """(S, M): the row of the token each slot holds (garbage for empty slots, callers mask). The
     result flows on through autograd; a workspace reuses it once nothing references it."""
     shape = (plan.num_slots, rows_TM.shape[1])
@@ -61,7 +61,7 @@ def _row_dots(a_SM: torch.Tensor, b_SM: torch.Tensor) -> torch.Tensor:
 class _FastEncode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None
+        ctx: FunctionCtx, x_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None
     ) -> torch.Tensor:
         ctx.plan = plan
         buffer_SM = _rows_per_slot(x_TM, plan, workspace)
@@ -73,14 +73,14 @@ class _FastEncode(torch.autograd.Function):
         return _bag_sum(grad_SM.contiguous(), ctx.plan), None, None
 
 
-def _slot_of_choice(plan: DispatchPlan) -> torch.Tensor:
+def _slot_of_choice(plan: SlotMap) -> torch.Tensor:
     """(T, K): the slot of every kept choice, 0 for a dropped one (whose weight is 0 where it is read)."""
     slot_TK = torch.zeros(plan.choice_mask_TK.shape, dtype=torch.int64, device=plan.slot_idx_N.device)
     slot_TK.view(-1).index_copy_(0, plan.choice_idx_N, plan.slot_idx_N)
     return slot_TK
 
 
-def _gathered_bag_sum(rows_SM: torch.Tensor, plan: DispatchPlan, weight_TK: torch.Tensor) -> torch.Tensor:
+def _gathered_bag_sum(rows_SM: torch.Tensor, plan: SlotMap, weight_TK: torch.Tensor) -> torch.Tensor:
     """y_t = sum over j of weight_tj * rows[slot_tj], as one gather of every token's K rows and one
     batched (1 x K) by (K x M) product: on a GPU ``embedding_bag`` reached 0.10 of the copy
     bandwidth at M = 1024 (an H200, 2026-11-26), a gather 0.47. A dropped choice reads row 0 with
@@ -97,7 +97,7 @@ class _GatherDecode(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_TK: torch.Tensor, plan: DispatchPlan,
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_TK: torch.Tensor, plan: SlotMap,
         workspace: Workspace | None,
     ) -> torch.Tensor:
         ctx.plan, ctx.workspace = plan, workspace
@@ -108,7 +108,7 @@ class _GatherDecode(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_TK = ctx.saved_tensors
-        plan: DispatchPlan = ctx.plan
+        plan: SlotMap = ctx.plan
         grad_TM = grad_TM.contiguous()
         slot_TK = _slot_of_choice(plan)
         grad_weight = None
@@ -127,14 +127,14 @@ class _GatherEncode(_FastEncode):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        plan: DispatchPlan = ctx.plan
+        plan: SlotMap = ctx.plan
         return _gathered_bag_sum(grad_SM.contiguous(), plan, plan.choice_mask_TK), None, None
 
 
 class _FastDecode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: DispatchPlan,
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: SlotMap,
         workspace: Workspace | None,
     ) -> torch.Tensor:
         ctx.plan, ctx.workspace = plan, workspace
@@ -145,7 +145,7 @@ class _FastDecode(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_N = ctx.saved_tensors
-        plan: DispatchPlan = ctx.plan
+        plan: SlotMap = ctx.plan
         grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), plan, ctx.workspace)
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -156,10 +156,10 @@ class _FastDecode(torch.autograd.Function):
 
 
 def encode(
-    x_TM: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None, backend: str = "torch"
+    x_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None = None, backend: str = "torch"
 ) -> torch.Tensor:
     """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero. A packed
-    plan (:func:`~moeflow.dispatchers.dispatch_plan.make_packed_plan`) gives the (N, M) kept rows instead.
+    plan (:func:`~moeflow.moe.dispatchers.slot_map.make_packed_slot_map`) gives the (N, M) kept rows instead.
     ``backend="triton"`` runs the fused Triton kernels (:mod:`moeflow.kernels.triton_dispatch`)."""
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonEncode
@@ -175,7 +175,7 @@ def encode(
 
 
 def decode(
-    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: DispatchPlan, workspace: Workspace | None = None,
+    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: SlotMap, workspace: Workspace | None = None,
     backend: str = "torch",
 ) -> torch.Tensor:
     """Weighted gather back to tokens: y_t = sum over kept choices of w_tj * buffer[slot_tj]."""

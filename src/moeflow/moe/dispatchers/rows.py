@@ -9,12 +9,12 @@ are sorted by expert once, which under the expert-parallel placement (rank d hol
 all-to-all: the splits come from the load all-gather every forward runs anyway (the per-expert
 counts of every rank), so no split exchange is added. Each rank runs its experts over what it
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
-its combine weights in one ``embedding_bag``, as :mod:`moeflow.dispatchers.local` does on one rank.
+its combine weights in one ``embedding_bag``, as :mod:`moeflow.moe.dispatchers.local` does on one rank.
 
 It runs where the capacity path would keep every token (capacity >= the busiest expert's count
 on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows, and its
-tokens did not come with the load agreement (:mod:`moeflow.dispatchers.gathered`); the decision is
-:func:`moeflow.dispatchers.choice.agree`'s, from the load every rank holds alike.
+tokens did not come with the load agreement (:mod:`moeflow.moe.dispatchers.gathered`); the decision is
+:func:`moeflow.moe.dispatchers.choice.agree`'s, from the load every rank holds alike.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import torch.nn.functional as F
 from moeflow.comm.algorithms import exchange, transpose
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import RAGGED
-from moeflow.dispatchers.agreement import GlobalLoad
-from moeflow.dispatchers.local import DirectRows
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import DirectLabels, skipped_buffer
-from moeflow.experts import ExpertFFN
 from moeflow.kernels.device_copy import to_device
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.stats import PipelineTiming
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.local import DirectRows
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.dispatchers.stats import DirectLabels, skipped_buffer
+from moeflow.moe.experts import ExpertFFN
+from moeflow.moe.stats import PipelineTiming
 
 DIRECT_EXCHANGE_ROWS = 256
 """The most rows (tokens x k) one rank may route for a no-grad forward to take the direct exchange:
@@ -46,7 +46,7 @@ exchange does not, so the bound stays at the sizes measured on the emulated clus
 
 
 @dataclass(frozen=True)
-class RowExchangeDispatcher:
+class RowDispatcher:
     """Only the routed rows travel, one ragged all-to-all each way (:func:`exchanged_experts`)."""
 
     experts: ExpertFFN

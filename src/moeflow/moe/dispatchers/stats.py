@@ -1,5 +1,5 @@
 """What a forward that skipped the capacity buffer reports: the statistics of the local, packed,
-gathered and row-exchange dispatchers (the capacity dispatcher's are :mod:`moeflow.dispatchers.capacity_stats`)."""
+gathered and row-exchange dispatchers (the capacity dispatcher's are :mod:`moeflow.moe.dispatchers.capacity_stats`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
-from moeflow.dispatchers.agreement import GlobalLoad
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.stats import ExecutionPlan, PipelineTiming, RoutingStats
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.stats import ExecutionPlan, PipelineTiming, RoutingStats
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that skipped the capacity buffer."""

@@ -9,7 +9,7 @@ x. The experts run over their rows (:func:`moeflow.kernels.ragged.packed_ffn_out
 empty expert's weights), and each token sums its k rows with its combine weights in one
 ``embedding_bag``, as decode does. With large intermediates each expert instead gathers and adds
 back its own rows (:data:`CACHE_RESIDENT_BYTES`). It computes the same function as the capacity
-path wherever that path drops nothing (:func:`moeflow.capacity.never_drops`): the same products,
+path wherever that path drops nothing (:func:`moeflow.moe.capacity.never_drops`): the same products,
 summed over a token's choices in expert order rather than choice order on the large branch.
 """
 
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeflow.dispatchers.agreement import GlobalLoad
-from moeflow.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
-from moeflow.experts import ExpertFFN, FFNWeights
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-from moeflow.stats import PipelineTiming
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.experts import ExpertFFN, FFNWeights
+from moeflow.moe.stats import PipelineTiming
 
 CACHE_RESIDENT_BYTES = 1 << 20
 """Above this much intermediate (rows x hidden) on CPU, the direct path never builds the packed
