@@ -40,6 +40,14 @@ import torch.distributed as dist
 from moeflow.comm.algorithms import ALGORITHMS, all_to_all_with
 from moeflow.comm.alltoall import all_to_all
 from moeflow.comm.clock import start_span
+from moeflow.comm.collectives import (
+    all_gather,
+    all_gather_into,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    reduce_scatter_into,
+)
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.saa import ep_esp_combine_allgather
 from moeflow.comm.topology import Topology
@@ -219,11 +227,11 @@ def _collective_points(config: CalibrationConfig, world: int) -> dict[str, list[
         operations: dict[str, Callable[[], object]] = {
             f"alltoall.{name}": (lambda name=name, x=x: all_to_all_with(name, x, parallel)) for name in ALGORITHMS
         }
-        operations["allreduce"] = lambda x=x: dist.all_reduce(x.clone(), group=dist.group.WORLD)
+        operations["allreduce"] = lambda x=x: all_reduce(x.clone(), dist.group.WORLD)
         gathered = [torch.empty_like(x) for _ in range(world)]
-        operations["allgather"] = lambda x=x, gathered=gathered: dist.all_gather(gathered, x)
+        operations["allgather"] = lambda x=x, gathered=gathered: all_gather(gathered, x, None)
         scattered = torch.empty(elements // world, device=device)
-        operations["reducescatter"] = lambda x=x, out=scattered: dist.reduce_scatter_single(out, x)
+        operations["reducescatter"] = lambda x=x, out=scattered: reduce_scatter_into(out, x, None)
         # the same linear all-to-all inside each kind of subgroup: the fast and the slow link
         if topology.ranks_per_node > 1:
             operations |= _intra_node_operations(x, parallel, topology.ranks_per_node)
@@ -252,7 +260,7 @@ def _intra_node_operations(
     capacity = partial.shape[1] // parallel.size
     return {
         "alltoall.intra_node": lambda: all_to_all(x, intra),
-        "allgather.intra_node": lambda: dist.all_gather_single(gathered, x, group=intra),
+        "allgather.intra_node": lambda: all_gather_into(gathered, x, intra),
         "alltoall.saa": lambda: ep_esp_combine_allgather(partial, ranks_per_node, capacity, parallel.expert, intra),
     }
 
@@ -269,7 +277,7 @@ def _interference(config: CalibrationConfig, world: int) -> float:
     def gemm_during_alltoall() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        work = dist.all_to_all_single(received, payload, async_op=True)
+        work = all_to_all_single(received, payload, None, async_op=True)
         span = start_span(device)
         torch.mm(x, weight)
         span.stop()
@@ -279,7 +287,7 @@ def _interference(config: CalibrationConfig, world: int) -> float:
     alone = device_medians({"gemm": lambda: torch.mm(x, weight)}, device, config.repeats)["gemm"]
     samples: list[float] = []
     for _ in range(config.repeats + 1):
-        dist.barrier()
+        barrier()
         gemm_during_alltoall()
     return max(1.0, statistics.median(samples[1:]) / alone)
 

@@ -46,6 +46,7 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
     import torch.distributed as dist
 
     from moeflow.calibrate import CalibrationConfig, calibrate_rank
+    from moeflow.comm.collectives import broadcast_objects
     from moeflow.comm.topology import topology_from_environment
     from moeflow.perf import ClusterProfile
 
@@ -57,7 +58,7 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
     latency = os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED")
     config = CalibrationConfig(repeats=3, ranks_per_node=per_node, latency_emulated=latency)
     values = [calibrate_rank(rank, world, config)]
-    dist.broadcast_object_list(values, src=0)
+    broadcast_objects(values, 0)
     profile = ClusterProfile.from_dict(values[0])
     if rank == 0:
         if save_to:

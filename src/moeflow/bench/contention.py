@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from moeflow.comm.collectives import all_reduce
+
 LINA_ALLTOALL_GOAL = 1.1  # Lina's all-to-all at most this much slower than alone
 LINK_MODES = ("alone", "beside", "overlap", "lina")
 STEP_MODES = ("after", "overlap", "lina")
@@ -103,7 +105,7 @@ def _measure_links(point: ContentionPoint, groups: Any, repeats: int, emit: Any)
         if scheduler is not None:
             scheduler.start()
             sum(g.sum() for g in grads).backward()  # every gradient ready at once
-        work = dist.all_reduce(flat, group=own_group, async_op=True) if mode == "beside" else None
+        work = all_reduce(flat, own_group, async_op=True) if mode == "beside" else None
         _layer_backwards(point, groups, buffer)
         if scheduler is not None:
             scheduler.finish()

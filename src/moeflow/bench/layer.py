@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import barrier
 from moeflow.config import LayerDims, ffn_projections
 from moeflow.kernels.precision import DTYPES
 from moeflow.moe.dispatchers.encoding import decode, encode, make_packed_slot_map, make_slot_map
@@ -107,7 +108,7 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
 
     def sync() -> None:
         if distributed:
-            dist.barrier()
+            barrier()
 
     fns: dict[str, Callable[[], object]] = {
         "moeflow": lambda: _forward_backward(layer, x, upstream),

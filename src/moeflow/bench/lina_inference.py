@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from moeflow.comm.collectives import all_gather_objects, barrier
+
 SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 # the routers' skew (the most over the least popular expert's mean logit) and whether the popular
 # experts are the first or the second half of the experts (so that static places them together)
@@ -209,10 +211,8 @@ def _setup(point: LinaPoint, groups: Any) -> _Setup:
 
 def _gathered_routes(local: list[np.ndarray]) -> list[np.ndarray]:
     """Per forward, every rank's (T, layers, k) routes stacked (rank order)."""
-    import torch.distributed as dist
 
-    everyone: list[list[np.ndarray] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
+    everyone: list[list[np.ndarray] | None] = all_gather_objects(local)
     return [np.concatenate([routes[i] for routes in everyone if routes is not None]) for i in range(len(local))]
 
 
@@ -230,7 +230,7 @@ def _timed(setup: _Setup, model: nn.Module, batch: torch.Tensor) -> float:
 
     from moeflow.comm.groups import max_over_ranks
 
-    dist.barrier()
+    barrier()
     start = time.perf_counter()
     with torch.no_grad():
         setup.forward(model, batch)

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from moeflow.comm.collectives import barrier
+
 DEGREES = (1, 2, 4, 8)
 WITHIN = 1.05
 
@@ -132,7 +134,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     probe = SpeedProbe()
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, layer in layers.items():
-            dist.barrier()
+            barrier()
             region, whole = _iteration(layer, x)
             if round_index:
                 region, whole = max_over_ranks([region, whole], dist.group.WORLD)

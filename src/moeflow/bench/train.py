@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import barrier, reduce_values
 from moeflow.files import print_json
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.config import TrainConfig
@@ -50,12 +51,10 @@ def matmul_rate(seconds: float = 1.0) -> float:
 def _bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     summary = train_worker(rank, world_size, job)
     if dist.is_initialized():
-        dist.barrier()  # all workers multiply at once: the machine's throughput, not one core's
+        barrier()  # all workers multiply at once: the machine's throughput, not one core's
     rate = matmul_rate()
-    rates = torch.tensor([rate], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(rates)
-    return {**summary, "matmul_flops": float(rates)}
+    rates = reduce_values([rate], None) if dist.is_initialized() else [rate]
+    return {**summary, "matmul_flops": rates[0]}
 
 
 def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:

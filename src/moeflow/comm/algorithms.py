@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.alltoall import all_to_all, linear_all_to_all
+from moeflow.comm.collectives import all_gather, send_and_receive
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS
@@ -46,7 +47,7 @@ def split_matrix(
         )
     local = torch.tensor(list(input_splits), dtype=torch.int64, device=x.device)
     parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local, group=group)
+    all_gather(parts, local, group)
     return torch.stack(parts).cpu().tolist()
 
 
@@ -113,22 +114,18 @@ def pairwise_step(
     me = dist.get_rank()
     send_to, receive_from = pairwise_peers(topology, me, step)
     received: dict[int, torch.Tensor] = {}
-    requests = []
+    receives: list[tuple[torch.Tensor, int]] = []
     row_shape = by_dest[0].shape[1:]
     for source in receive_from:
         rows = matrix[source][me]
         if source == me:
             received[source] = by_dest[me]
-        elif rows:
-            buffer = by_dest[0].new_empty((rows, *row_shape))
-            requests.append(dist.irecv(buffer, src=source))
-            received[source] = buffer
         else:
-            received[source] = by_dest[0].new_empty((0, *row_shape))
-    for dest in send_to:
-        if dest != me and matrix[me][dest]:
-            requests.append(dist.isend(by_dest[dest].contiguous(), dst=dest))
-    for request in requests:
+            received[source] = by_dest[0].new_empty((rows, *row_shape))
+            if rows:
+                receives.append((received[source], source))
+    sends = [(by_dest[dest].contiguous(), dest) for dest in send_to if dest != me and matrix[me][dest]]
+    for request in send_and_receive(sends, receives):  # posted together: NCCL's order rule
         request.wait()
     return received
 

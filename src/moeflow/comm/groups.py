@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_reduce, host_tensor
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
 from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
@@ -46,9 +47,9 @@ def max_over_ranks(
 ) -> list[float]:
     """Element-wise maximum across the group's ranks, in one all-reduce: the slowest rank's
     times, which every rank then agrees on."""
-    reduced = torch.tensor(list(values), dtype=torch.float64)
+    reduced = host_tensor(values, torch.float64, group)  # a CPU tensor only where the group carries one
     with tracked(ledger, "maximum all-reduce", group, reduced.numel() * 8):
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(reduced, group, "max")
     return reduced.tolist()
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from moeflow.comm.collectives import all_gather_into
 from moeflow.comm.groups import ParallelGroups
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.capacity import expert_capacity
@@ -127,7 +127,7 @@ def agree_load(
             field[:values.numel()] = values.flatten()
     every = local.new_empty(groups.size * local.numel())
     with groups.ledger.tracked("load all-gather", groups.expert, local.numel() * local.element_size()):
-        dist.all_gather_single(every, local, group=groups.expert)
+        all_gather_into(every, local, groups.expert)
     gathered = every.view(groups.size, -1) if bucket else every.view(groups.size, -1).cpu()  # one copy to the host
     return _agreement(gathered.split(sizes, dim=1), counts_E, estimate_E is not None, carried)
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import send_and_receive
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.moe.experts import FFNWeights
@@ -69,21 +71,20 @@ def start_fetch(
     weights = {e: FFNWeights(*(None if t is None else t[i: i + 1] for t in tensors))
                for e, i in local_index.items() if any(s.expert == e for s in placement.local(rank))}
     group = None if groups is None else groups.expert
-    operations: list[dist.P2POp] = []
+    sends: list[tuple[torch.Tensor, int]] = []
+    receives: list[tuple[torch.Tensor, int]] = []
     planned = sorted(fetches(storage, placement).items())
     for (source, destination), experts in planned:
         for expert in experts:
             if source == rank:
-                operations += [dist.P2POp(dist.isend, t[local_index[expert]], _global(group, destination), group)
-                               for t in tensors if t is not None]
+                sends += [(t[local_index[expert]], _global(group, destination)) for t in tensors if t is not None]
             elif destination == rank:
                 received = tuple(None if t is None else t.new_empty(t.shape[1:]) for t in tensors)
-                operations += [dist.P2POp(dist.irecv, t, _global(group, source), group)
-                               for t in received if t is not None]
+                receives += [(t, _global(group, source)) for t in received if t is not None]
                 weights[expert] = FFNWeights(*(None if t is None else t.unsqueeze(0) for t in received))
-    requests = dist.batch_isend_irecv(operations) if operations else []
-    return ExpertFetch(placement, weights, list(requests), sum(len(e) for _, e in planned),
-                       sum(op.tensor.numel() * op.tensor.element_size() for op in operations), groups)
+    requests = send_and_receive(sends, receives, group)
+    return ExpertFetch(placement, weights, requests, sum(len(e) for _, e in planned),
+                       sum(t.numel() * t.element_size() for t, _ in (*sends, *receives)), groups)
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

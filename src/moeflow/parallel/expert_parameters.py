@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.parallel.placement import ExpertPlacement, Sharding
 
@@ -59,7 +60,7 @@ def reduce_expert_gradient(grad: torch.Tensor, placement: ExpertPlacement, group
     group = copies_group(placement, groups)
     if group is not None:
         grad = grad.clone()
-        dist.all_reduce(grad, group=group)
+        all_reduce(grad, group)
     return grad / data_parallel_replicas(groups)
 
 

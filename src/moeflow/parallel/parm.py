@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_gather_into, all_reduce, all_to_all_single, reduce_scatter_into
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
@@ -131,7 +132,7 @@ class ParmExchange(_TrackedExchange, SelfAdjointExchange):
             own_ECM = ep_esp_combine(y_LXM, self._ep_size, self.esp_size, part, self.groups.expert)
             experts, _, model_dim = own_ECM.shape
             gathered = own_ECM.new_empty((self.split * experts, part, model_dim))
-            dist.all_gather_single(gathered, own_ECM.contiguous(), group=self.groups.model)  # MP-AllGather
+            all_gather_into(gathered, own_ECM.contiguous(), self.groups.model)  # MP-AllGather
             by_member = gathered.view(self.split, experts, part, model_dim)
             whole = by_member.transpose(0, 1).reshape(experts, padded, model_dim)
         return whole if padded == rows else whole[:, :rows]
@@ -212,7 +213,7 @@ class BaselineExchange(_TrackedExchange):
         if group is None:
             return blocks
         received = torch.empty_like(blocks)
-        dist.all_to_all_single(received, blocks.contiguous(), group=group)
+        all_to_all_single(received, blocks.contiguous(), group)
         return received
 
     def _to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
@@ -223,12 +224,12 @@ class BaselineExchange(_TrackedExchange):
             copies[:, self.mp_rank] = chunk_ECM.view(ep, experts // ep, rows, model_dim)
         else:  # ESP all-gather of the (identical) buffers of the MP members
             gathered = chunk_ECM.new_empty((n * experts, rows, model_dim))
-            dist.all_gather_single(gathered, chunk_ECM.contiguous(), group=self.groups.model)
+            all_gather_into(gathered, chunk_ECM.contiguous(), self.groups.model)
             copies = gathered.view(n, ep, experts // ep, rows, model_dim).transpose(0, 1)
         received = self._ep_exchange(copies.contiguous())  # (N_EP source, N, L, Cj, M)
         rows_LXM = received.permute(2, 0, 1, 3, 4).reshape(experts // ep, ep * n * rows, model_dim)
         if self.backward:
-            dist.all_reduce(rows_LXM, group=self.groups.model)
+            all_reduce(rows_LXM, self.groups.model)
         return rows_LXM
 
     def _from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
@@ -236,14 +237,14 @@ class BaselineExchange(_TrackedExchange):
         ep = self.groups.size // n
         if not self.backward:  # ESP all-reduce: the shards' partial outputs summed
             y_LXM = y_LXM.clone()
-            dist.all_reduce(y_LXM, group=self.groups.model)
+            all_reduce(y_LXM, self.groups.model)
         blocks = y_LXM.view(local, ep, n, rows, model_dim).permute(1, 2, 0, 3, 4).contiguous()
         returned = self._ep_exchange(blocks)  # (N_EP destination, N copies, L, Cj, M)
         if not self.backward:  # ESP-Split: this member's copy
             return returned[:, self.mp_rank].reshape(ep * local, rows, model_dim)
         by_copy = returned.transpose(0, 1).reshape(n * ep * local, rows, model_dim)
         own = by_copy.new_empty((ep * local, rows, model_dim))
-        dist.reduce_scatter_single(own, by_copy.contiguous(), group=self.groups.model)  # adjoint of the gather
+        reduce_scatter_into(own, by_copy.contiguous(), self.groups.model)  # adjoint of the gather
         return own
 
 

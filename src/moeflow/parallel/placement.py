@@ -28,6 +28,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_reduce
+
 HIDDEN_AXIS: dict[str, int | None] = {"w1": 2, "w3": 2, "b1": 1, "w2": 1, "b2": None}
 
 
@@ -352,7 +354,7 @@ def gather_full(
     full = placement.empty_full(kind, tensor.detach())
     placement.write_primary(kind, tensor.detach(), rank, full)
     if group is not None and placement.world_size > 1:
-        dist.all_reduce(full, group=group)
+        all_reduce(full, group)
     return full
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
@@ -191,7 +192,7 @@ def sum_over_replicas(
             for g in grads]
     flat = torch.cat([s.reshape(-1) for s in sums])
     if group is not None and placement.world_size > 1:
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group)
     out, offset = [], 0
     for grad, summed in zip(grads, sums, strict=True):
         part = flat[offset: offset + summed.numel()].view_as(summed)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups
 from moeflow.moe.experts import ExpertCompute, FFNWeights
 from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
@@ -153,7 +154,7 @@ def post_shadow_weights(
     awaited = iter(_AwaitGradients.apply(gradients, groups, *(t for t in raw if t is not None)))
     stacked = tuple(None if t is None else next(awaited) for t in raw)
     flat = torch.cat([t.detach().reshape(-1) for t in stacked if t is not None])
-    return PendingShadows(stacked, flat, dist.all_reduce(flat, group=groups.expert, async_op=True), groups,
+    return PendingShadows(stacked, flat, all_reduce(flat, groups.expert, async_op=True), groups,
                           gradients)
 
 
@@ -200,7 +201,7 @@ class _SumOverRanks(torch.autograd.Function):
         summed = torch.cat([g.reshape(-1) for g in grads])
         gradients: _GradientReduce = ctx.gradients  # type: ignore[attr-defined]
         gradients.nbytes = summed.nbytes
-        gradients.work = dist.all_reduce(summed, group=ctx.group, async_op=True)  # type: ignore[attr-defined]
+        gradients.work = all_reduce(summed, ctx.group, async_op=True)  # type: ignore[attr-defined]
         parts = summed.split([g.numel() for g in grads])  # read only once the work is done
         return (None, None, None, *(part.view_as(g) for part, g in zip(parts, grads, strict=True)))
 

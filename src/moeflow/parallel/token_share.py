@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_gather, all_reduce
 from moeflow.comm.groups import group_rank, group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
@@ -150,7 +151,7 @@ class MPTokenShare:
         )
         agreed = torch.tensor([own_capacity], device=packed_TK.device)  # other MP groups' tokens differ
         with tracked(self.ledger, "S1 capacity all-reduce", self.expert_group, agreed.numel() * agreed.element_size()):
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.expert_group)
+            all_reduce(agreed, self.expert_group, "max")
         packed_capacity = int(agreed)
         return packed_TK.masked_fill(packed_TK >= own_capacity, packed_capacity), packed_capacity  # dropped stay
 
@@ -165,7 +166,7 @@ class MPTokenShare:
         local = torch.cat([counts_E.new_tensor([stop - start]), counts_E])
         parts = [torch.empty_like(local) for _ in range(group_size(self.expert_group))]
         with tracked(self.ledger, "S1 partition all-gather", self.expert_group, local.numel() * local.element_size()):
-            dist.all_gather(parts, local, group=self.expert_group)
+            all_gather(parts, local, self.expert_group)
         gathered = torch.stack(parts).cpu()  # (ranks, 1 + E): each rank's partition size and counts
         top_k = expert_idx_TK.shape[1]
         capacity = expert_capacity(capacity_factor, top_k, int(gathered[:, 0].max()), self.num_experts,

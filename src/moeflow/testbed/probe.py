@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import barrier, receive, send
 from moeflow.distributed import destroy_process_groups
 
 SMALL_ROUND_TRIPS = 20
@@ -26,19 +27,19 @@ def _measure(peer: int, me: int, initiator: bool) -> dict[str, float]:
     for _ in range(SMALL_ROUND_TRIPS):
         start = time.perf_counter()
         if initiator:
-            dist.send(small, peer)
-            dist.recv(small, peer)
+            send(small, peer)
+            receive(small, peer)
         else:
-            dist.recv(small, peer)
-            dist.send(small, peer)
+            receive(small, peer)
+            send(small, peer)
         round_trips.append(time.perf_counter() - start)
     start = time.perf_counter()
     if initiator:
-        dist.send(large, peer)
-        dist.recv(small, peer)  # the receiver's acknowledgement closes the timing
+        send(large, peer)
+        receive(small, peer)  # the receiver's acknowledgement closes the timing
     else:
-        dist.recv(large, peer)
-        dist.send(small, peer)
+        receive(large, peer)
+        send(small, peer)
     seconds = time.perf_counter() - start
     return {"round_trip_us": statistics.median(round_trips) * 1e6, "gbit_per_s": LARGE_BYTES * 8 / seconds / 1e9}
 
@@ -57,7 +58,7 @@ def main() -> None:
             continue
         if rank in (0, peer):
             result[name] = _measure(peer if rank == 0 else 0, rank, initiator=rank == 0)
-        dist.barrier()
+        barrier()
     if rank == 0:
         print(json.dumps(result), flush=True)
     destroy_process_groups()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.clock import start_span
+from moeflow.comm.collectives import barrier
 from moeflow.comm.groups import max_over_ranks
 
 K = TypeVar("K", bound=Hashable)
@@ -66,7 +67,7 @@ def slowest_rank_seconds(
     """One synchronized run of ``fn`` on every rank; the slowest rank's time (what all wait for).
     ``group=None``: the world group. ``device``: where the work runs (:func:`sample_seconds`)."""
     group = group or dist.group.WORLD
-    dist.barrier(group=group)
+    barrier(group)
     (elapsed,) = max_over_ranks([sample_seconds(fn, device)], group)
     return elapsed
 

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import group_size
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.expert_parameters import (
@@ -162,7 +163,7 @@ def _expert_squared_norm(layers: list[MoELayer]) -> torch.Tensor:
     for group, shares in by_group.values():
         part = torch.tensor(sum(shares), dtype=torch.float64, device=device)
         if group is not None and group_size(group) > 1:
-            dist.all_reduce(part, group=group)
+            all_reduce(part, group)
         squared += part.cpu()
     return squared
 

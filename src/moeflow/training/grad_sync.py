@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.ledger import CollectiveError, CollectiveLedger, tracked
 from moeflow.comm.traffic import AllToAllTraffic
 from moeflow.training.config import GRAD_SYNC_MODES
@@ -202,10 +203,10 @@ class GradientScheduler:
         span = self.traffic.clock.start(grads[0].device)  # type: ignore[union-attr]
         if len(piece.spans) == 1:  # a micro-op: in place on its part of the gradient
             (_, start, stop), grad = piece.spans[0], grads[0]
-            dist.all_reduce(grad.view(-1)[start:stop], group=self.group)
+            all_reduce(grad.view(-1)[start:stop], self.group)
         else:  # a bucket: fused into one flat buffer and back
             flat = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=self.group)
+            all_reduce(flat, self.group)
             offset = 0
             for grad in grads:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.models import TrainableLM
@@ -23,7 +24,7 @@ def all_reduce_sum(
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if group is not None:
         with tracked(ledger, "sum all-reduce", group, tensor.numel() * 8):
-            dist.all_reduce(tensor, group=group)
+            all_reduce(tensor, group)
     return tensor.tolist()
 
 
@@ -89,7 +90,7 @@ def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: i
     """The mean of each gradient over ``group`` (one flat all-reduce)."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     if group is not None and size > 1:
-        dist.all_reduce(flat, group=group)
+        all_reduce(flat, group)
     flat.div_(size)
     offset = 0
     for grad in grads:

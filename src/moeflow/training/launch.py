@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import broadcast_objects
 from moeflow.comm.topology import topology_from_environment
 from moeflow.data import PreparedCorpus, default_cache_root
 from moeflow.distributed import destroy_process_groups
@@ -131,7 +132,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     )
     try:
         job = [prepare_job(config, checkpoint) if rank == 0 else None]
-        dist.broadcast_object_list(job, src=0)  # one run folder for all ranks
+        broadcast_objects(job, 0)  # one run folder for all ranks
         assert job[0] is not None
         if rank != 0:  # every other rank prepares (or finds) the corpus in its own node's cache
             job[0] = replace(job[0], corpus=_prepare_corpus(config))
