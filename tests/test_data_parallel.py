@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow import MoELayer
@@ -29,11 +30,11 @@ M, H, ROWS, STEPS, MAX_NORM = 8, 16, 32, 4, 0.3
 class Net(nn.Module):
     """What a user writes: a projection, an MoE feed-forward block with a residual, a head."""
 
-    def __init__(self, parallel: str, num_experts: int, world_size: int) -> None:
+    def __init__(self, parallel: str, num_experts: int, world_size: int, group: Any = None) -> None:
         super().__init__()
         self.inp = nn.Linear(M, M)
         self.moe = MoELayer(M, H, num_experts, top_k=2, capacity_factor=0.0, aux_loss_weight=0.0,
-                            parallel=parallel, group=dist.group.WORLD if world_size > 1 else None)
+                            parallel=parallel, group=group or (dist.group.WORLD if world_size > 1 else None))
         self.out = nn.Linear(M, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,18 +43,23 @@ class Net(nn.Module):
 
 
 def _loop(
-    rank: int, world_size: int, wrap: str, parallel: str, num_experts: int, autocast: bool = False
+    rank: int, world_size: int, wrap: str, parallel: str, num_experts: int, autocast: bool = False,
+    ep_size: int | None = None,
 ) -> dict[str, list[float]]:
     """Seed alike, wrap, and train STEPS steps of SGD with global-norm clipping on this rank's
     share of one global batch (under bf16 autocast if asked); return the mean loss over the ranks
-    and the norm, per step."""
+    and the norm, per step. ``ep_size``: the experts over ``ep_size`` ranks of a (dp, ep) mesh,
+    replicated over its ``world_size / ep_size`` data-parallel rows."""
+    mesh = None
+    if ep_size is not None:
+        mesh = init_device_mesh("cpu", (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
     torch.manual_seed(0)
-    model = Net(parallel, num_experts, world_size)
+    model = Net(parallel, num_experts, world_size, None if mesh is None else mesh["ep"].get_group())
     trained: nn.Module = model
     if wrap == "ddp":
-        trained = expert_data_parallel(model)
+        trained = expert_data_parallel(model, mesh=mesh)
     elif wrap == "fsdp2":
-        trained = expert_fully_shard(model)
+        trained = expert_fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
     data = torch.Generator().manual_seed(1)
     losses, norms = [], []
@@ -81,7 +87,9 @@ def _loops(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[dic
 CASES = {
     2: [("ddp", "expert", 4), ("ddp", "replicated", 4), ("fsdp2", "expert", 4),
         ("ddp", "expert", 4, True)],  # mixed precision: bf16 autocast, the norm in fp32
-    4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2)],  # adaptive E=2: hidden shards
+    4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2),  # adaptive E=2: hidden shards
+        ("ddp", "expert", 4, False, 2), ("fsdp2", "expert", 8, False, 2),  # EP 2 x DP 2 on a (dp, ep) mesh
+        ("ddp", "replicated", 4, False, 2)],
 }
 
 
@@ -91,9 +99,9 @@ def test_a_user_loop_with_the_helpers_trains_the_one_process_model(world_size: i
     cases = CASES[world_size]
     results = run_distributed(_loops, world_size, cases, timeout_s=300)
     for index, case in enumerate(cases):
-        expected = _loop(0, 1, "none", "expert", *case[2:])
+        expected = _loop(0, 1, "none", "expert", *case[2:4])
         assert max(expected["norms"]) > MAX_NORM, "the clipping must bind for the norm to matter"
-        tolerance = {"rtol": 2e-2, "atol": 1e-3} if case[3:] else {"rtol": 1e-5, "atol": 1e-6}  # bf16 or fp32
+        tolerance = {"rtol": 2e-2, "atol": 1e-3} if any(case[3:4]) else {"rtol": 1e-5, "atol": 1e-6}  # bf16 or fp32
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
             torch.testing.assert_close(got["losses"], expected["losses"], **tolerance,

@@ -290,7 +290,7 @@ def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: 
 
     state = read_state(Path(checkpoint))
     parallel = "expert" if parallel is None else parallel
-    plain = {"workers": world_size, "parallel": parallel, "mp_size": 1, "esp_size": None}
+    plain = {"workers": world_size, "parallel": parallel, "mp_size": 1, "esp_size": None, "ep_size": None}
     config = TrainConfig(**state["config"]).updated(plain)
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)
@@ -337,6 +337,49 @@ def test_a_four_worker_checkpoint_holds_each_ranks_experts_in_its_file_and_loads
           for workers, parallel in ((4, "expert"), (2, "expert"), (1, "expert"), (2, "replicated"))}
     assert on[(4, "expert")] == pytest.approx(recorded, rel=1e-6)
     assert all(loss == pytest.approx(recorded, rel=1e-5) for loss in on.values()), on
+
+
+@pytest.mark.distributed
+def test_experts_over_two_of_four_workers_train_the_four_worker_model_and_resume_on_any_layout(
+    tmp_path: Path,
+) -> None:
+    """--ep-size 2 on 4 workers (two expert groups, copies of each other over a (dp, ep) mesh) trains
+    what --workers 4 trains when dropless: the same losses and, at the end, the same model and AdamW
+    state in the checkpoint; its checkpoint, written once per expert, resumes on 4 workers with the
+    experts over all of them and on 2, step for step."""
+    dropless = {"workers": 4, "steps": 4, "checkpoint_interval": 2, "capacity_factor": 0.0}
+    run_training(tiny(tmp_path / "ep4", **dropless), report=False)
+    assert run_training(tiny(tmp_path / "ep2", **dropless, ep_size=2), report=False)["ep_size"] == 2
+    expected = losses(tmp_path / "ep4")
+    assert list(expected) == [1, 2, 3, 4]
+    for step, loss in losses(tmp_path / "ep2").items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    final = {name: latest_checkpoint(tmp_path / name) for name in ("ep4", "ep2")}
+    keys = set(saved_tensors(final["ep4"]))
+    assert set(saved_tensors(final["ep2"])) == keys and any(".experts." in key for key in keys)
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(final["ep2"])).read_metadata().storage_data
+    writers = {info.relative_path for index, info in storage.items()
+               if ".experts." in index.fqn and not index.fqn.endswith(".step")}
+    assert writers == {"__0_0.distcp", "__1_0.distcp"}  # each expert written once, by the first expert group
+    from moeflow.training.sharded_checkpoint import read_full_tensors
+
+    got, want = (read_full_tensors(final[name], sorted(keys)) for name in ("ep2", "ep4"))
+    for key in sorted(keys):
+        # atol: the attention's key bias has a gradient of rounding noise only (softmax ignores it), which
+        # AdamW scales to steps of lr's size: the summation order moves it by up to 4e-6 in 4 steps
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
+    import shutil
+
+    for workers in (4, 2):  # a resume continues in the run's folder: each from its own copy
+        resumed = shutil.copytree(tmp_path / "ep2", tmp_path / f"resumed-{workers}")
+        run_training(tiny(resumed, **{**dropless, "workers": workers}), resumed / "checkpoints" / "step-000002",
+                     report=False)
+        again = losses(resumed)
+        assert list(again) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in again.values())
+        if workers == 4:  # the same data shards: the same steps
+            assert again == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_checkpoint_of_the_single_file_format_still_loads(tmp_path: Path) -> None:
@@ -535,6 +578,11 @@ def test_a_killed_or_stopped_worker_fails_the_job_fast_and_keeps_the_checkpoint(
         (["--mp-size", "2", "--parallel", "expert"], "does not run behind tensor-parallel attention"),
         (["--mp-size", "2", "--workers", "4", "--num-experts", "3"], "over 2 expert-parallel groups"),
         (["--esp-size", "2"], "set --mp-size > 1 too"),
+        (["--workers", "4", "--ep-size", "3"], "workers=4 is not a multiple of ep_size=3"),
+        (["--workers", "4", "--ep-size", "2", "--num-experts", "3"], "num_experts=3 is not divisible by ep_size=2"),
+        (["--workers", "4", "--ep-size", "2", "--alltoall", "2dh"], "--alltoall 2dh: a topology-aware all-to-all"),
+        (["--workers", "4", "--ep-size", "2", "--parallel", "replicated"], "--ep-size has nothing to split"),
+        (["--workers", "4", "--ep-size", "2", "--mp-size", "2"], "drop --mp-size or --ep-size"),
         (["--mp-size", "2", "--esp-size", "3"], "esp_size=3 hidden shards per expert must divide workers=2"),
         (["--mp-size", "2", "--parallel", "ds-baseline", "--esp-size", "2"], "or esp_size=None"),
         (["--parallel", "3"], "not a valid r"),

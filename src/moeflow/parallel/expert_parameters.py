@@ -54,14 +54,20 @@ def copies_group(placement: ExpertPlacement, groups: ParallelGroups) -> dist.Pro
     return groups.strided(block) if block is not None else None
 
 
-def reduce_expert_gradient(grad: torch.Tensor, placement: ExpertPlacement, groups: ParallelGroups) -> torch.Tensor:
+def reduce_expert_gradient(
+    grad: torch.Tensor, placement: ExpertPlacement, groups: ParallelGroups, replicas: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """An expert parameter's gradient as the gradient of the mean loss over the data-parallel
-    replicas: the copies' gradients summed (a collective over :func:`copies_group`), then scaled."""
+    replicas: the copies' gradients summed (a collective over :func:`copies_group`), then summed
+    over ``replicas`` (the ranks that hold the same experts in the other expert groups: the "dp"
+    dimension of a (dp, ep) mesh), then scaled by every data-parallel replica's share."""
     group = copies_group(placement, groups)
-    if group is not None:
+    summed = [reduced for reduced in (group, replicas) if reduced is not None and group_size(reduced) > 1]
+    if summed:
         grad = grad.clone()
-        all_reduce(grad, group)
-    return grad / data_parallel_replicas(groups)
+    for reduced in summed:
+        all_reduce(grad, reduced)
+    return grad / (data_parallel_replicas(groups) * group_size(replicas))
 
 
 def squared_norm_share(grad: torch.Tensor, sharding: Sharding, rank: int) -> float:

@@ -66,6 +66,7 @@ class TrainConfig:
     token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | auto
     expert_kernel: str = _MOE.expert_kernel  # bmm | loop | ragged (only the filled slots compute)
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
+    ep_size: int | None = None  # experts over this many consecutive workers, copied over workers / ep_size; None: all
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
     profile: str | None = None  # a calibrated cluster profile for the planner
@@ -131,6 +132,7 @@ class TrainConfig:
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
         require_choice("dtype", self.dtype, DTYPE_NAMES)
+        self._check_expert_parallel_size()
         if self.hf is None:
             self._check_parallel()
         elif self.mp_size > 1:
@@ -176,16 +178,52 @@ class TrainConfig:
                 f"workers per attention group), or use auto, an int r or one of "
                 f"{', '.join(name for name in PARALLEL_SCHEDULES if name not in MODEL_PARALLEL_SCHEDULES)}"
             )
-        if is_switchable(self.parallel) and self.workers > self.num_experts:
-            check_switchable_layout(self.num_experts, self.workers, self.hidden_dim)
+        experts_over, name = self.expert_workers, "ep_size" if self.ep_size else "workers"
+        if is_switchable(self.parallel) and experts_over > self.num_experts:
+            check_switchable_layout(self.num_experts, experts_over, self.hidden_dim)
         if isinstance(self.parallel, int):
-            validate_r(self.parallel, self.num_experts, self.workers)
-        elif self.num_experts % self.workers and experts_must_divide(self.parallel):
+            validate_r(self.parallel, self.num_experts, experts_over)
+        elif self.num_experts % experts_over and experts_must_divide(self.parallel):
             raise ValueError(
-                f"num_experts={self.num_experts} is not divisible by workers={self.workers}; experts are "
-                f"split evenly over the workers, so use a multiple of {self.workers} experts, fewer workers or "
-                f"--parallel {' or '.join(REPLICATING_SCHEDULES)}"
+                f"num_experts={self.num_experts} is not divisible by {name}={experts_over}; experts are "
+                f"split evenly over the {name}, so use a multiple of {experts_over} experts, a smaller "
+                f"--{name.replace('_', '-')} or --parallel {' or '.join(REPLICATING_SCHEDULES)}"
             )
+
+    @property
+    def expert_workers(self) -> int:
+        """The workers each MoE layer places its experts over: ``ep_size``, or every worker."""
+        return self.ep_size or self.workers
+
+    def _check_expert_parallel_size(self) -> None:
+        """--ep-size N: the experts over N consecutive workers, those groups copies of each other over
+        the data-parallel rest; what does not run on a group smaller than the workers is refused here."""
+        if self.ep_size is None or self.ep_size == self.workers:
+            return
+        require_positive_int("ep_size", self.ep_size)
+        if self.workers % self.ep_size:
+            raise ValueError(f"workers={self.workers} is not a multiple of ep_size={self.ep_size}: the workers form "
+                             f"workers / ep-size data-parallel copies of ep-size expert-parallel workers")
+        refused = [(flag, why) for flag, on, why in (
+            ("--hf", self.hf is not None, "fine-tuning a transformers model with an expert-parallel size of its own"),
+            ("--mp-size", self.mp_size > 1, "Parm's schedules behind tensor-parallel attention"),
+            ("--topology-gate", self.topology_gate != "off", "the topology-aware gate"),
+            ("--pipeline smart", self.pipeline == "smart", "FasterMoE's smart schedule"),
+            (f"--alltoall {self.alltoall}", self.alltoall in ("2dh", "pairwise"), "a topology-aware all-to-all"),
+            ("--shadowing", self.shadowing != "off", "dynamic shadowing"),
+            ("--redundant-experts", self.redundant_experts > 0, "EPLB's slots (each copy would place its own)"),
+            ("--balance auto", self.balance == "auto", "the per-layer balance choice"),
+            ("--expert-packing", self.expert_packing != "off", "Lina's packing"),
+        ) if on]
+        if refused:
+            flag, why = refused[0]
+            raise ValueError(f"{flag}: {why} does not run yet with experts over fewer workers than the job has "
+                             f"(--ep-size {self.ep_size} of --workers {self.workers}): drop {flag} or --ep-size")
+        from moeflow.parallel.registry import REPLICATING_SCHEDULES
+
+        if self.parallel in REPLICATING_SCHEDULES:
+            raise ValueError(f"--parallel {self.parallel} holds every expert on every worker, so --ep-size has nothing "
+                             "to split: drop --ep-size, or use --parallel expert")
 
     def _check_fastermoe(self, moe: MoEConfig) -> None:
         """The registry's combination rules for the layers' settings, checked here because the
@@ -231,7 +269,7 @@ class TrainConfig:
         """The schedule the MoE layers build (before a profile's choice for ``auto``)."""
         from moeflow.parallel.registry import expected_schedule
 
-        return expected_schedule(self.parallel, self.num_experts, self.workers, self.mp_size)
+        return expected_schedule(self.parallel, self.num_experts, self.expert_workers, self.mp_size)
 
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
@@ -312,6 +350,8 @@ FIELD_HELP: dict[str, str] = {
     "(only the kept tokens) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
+    "ep_size": "the experts of every MoE layer over this many consecutive workers, those groups data-parallel "
+    "copies of each other (expert parallel inside data parallel); unset: over every worker",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
     "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
     "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "

@@ -12,6 +12,11 @@ rank's own parameters would see only that rank's experts.
 The dense weights' reduction runs on a process group of its own: the layer's all-to-alls run on
 the expert group during the backward, possibly from its communication thread, and collectives of
 two threads on one group must not interleave differently on different ranks.
+
+Expert parallelism inside data parallelism is a ``(dp, ep)`` :class:`DeviceMesh`: each MoE layer
+places its experts over ``mesh["ep"]`` (``MoELayer(..., group=mesh["ep"].get_group())``), the
+dense weights are averaged over the whole mesh, and each expert's gradient is also summed over
+its replicas, the ranks of ``mesh["dp"]`` that hold the same experts in the other expert groups.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ from moeflow.parallel.expert_parameters import (
     squared_norm_share,
 )
 
+EXPERT_PARALLEL_DIM = "ep"
+"""The mesh dimension the experts are placed over (each MoE layer's expert group)."""
+EXPERT_REPLICA_DIM = "dp"
+"""The mesh dimension over which every expert has a replica in each other expert group."""
+
 __all__ = ["clip_grad_norm_", "expert_data_parallel", "expert_fully_shard", "expert_parameter_names",
            "reduce_experts_in_backward"]
 
@@ -49,35 +59,43 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     return [name for name, parameter in model.named_parameters() if is_expert_parameter(parameter)]
 
 
-def reduce_experts_in_backward(model: nn.Module, data_parallel: dist.ProcessGroup | None = None) -> None:
+def reduce_experts_in_backward(
+    model: nn.Module, data_parallel: dist.ProcessGroup | None = None, replicas: dist.ProcessGroup | None = None
+) -> None:
     """Hook every expert parameter of ``model``'s MoE layers so that the gradient the backward
     accumulates is the gradient of the mean loss over the data-parallel replicas (each expert's
-    copies summed, then scaled); done once per parameter. Gradient accumulation over several
-    backwards works: the hook sees each backward's own gradient. ``data_parallel``: the group the
-    rest of the model is averaged over (checked against each layer's expert group)."""
+    copies summed, then summed over ``replicas``, then scaled); done once per parameter. Gradient
+    accumulation over several backwards works: the hook sees each backward's own gradient.
+    ``data_parallel``: the group the rest of the model is averaged over (checked against each
+    layer's expert group); ``replicas``: the ranks holding the same experts in the other expert
+    groups (a (dp, ep) mesh's ``mesh["dp"]``), None where the expert group spans the data-parallel one."""
     for layer in moe_layers(model):
-        _check_expert_group(layer, data_parallel)
+        _check_expert_group(layer, data_parallel, replicas)
         for parameter in layer.experts.parameters():
             if getattr(parameter, "_moeflow_reduction", None) is None:
                 parameter._moeflow_reduction = parameter.register_hook(  # type: ignore[attr-defined]
-                    functools.partial(_reduced, layer))
+                    functools.partial(_reduced, layer, replicas))
 
 
-def _reduced(layer: MoELayer, grad: torch.Tensor) -> torch.Tensor:
-    return reduce_expert_gradient(grad, layer.placement, layer.groups)
+def _reduced(layer: MoELayer, replicas: dist.ProcessGroup | None, grad: torch.Tensor) -> torch.Tensor:
+    return reduce_expert_gradient(grad, layer.placement, layer.groups, replicas)
 
 
-def _check_expert_group(layer: MoELayer, data_parallel: dist.ProcessGroup | None) -> None:
-    """The experts' rules assume that the expert group spans the data-parallel group (with a
-    smaller one, every expert would also have a copy in each other expert group, to be reduced
-    across them), and the dense weights' reduction must run on another group than the layer's
-    all-to-alls (see the module's docstring)."""
+def _check_expert_group(
+    layer: MoELayer, data_parallel: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None = None
+) -> None:
+    """The experts' rules assume that the expert groups and their replicas tile the data-parallel
+    group (an expert group smaller than it without ``replicas`` would leave the copies of every
+    expert in the other expert groups unreduced), and the dense weights' reduction must run on
+    another group than the layer's all-to-alls (see the module's docstring)."""
     if data_parallel is None:
         return
-    if layer.groups.size != group_size(data_parallel):
+    if layer.groups.size * group_size(replicas) != group_size(data_parallel):
         raise ValueError(
-            f"the MoE layer's expert group has {layer.groups.size} ranks but the data-parallel group has "
-            f"{group_size(data_parallel)}: give the layer the data-parallel ranks (group=...) as its expert group"
+            f"the MoE layer's expert group has {layer.groups.size} ranks and {group_size(replicas)} replica(s) but "
+            f"the data-parallel group has {group_size(data_parallel)}: give the layer the data-parallel ranks "
+            "(group=...) as its expert group, or lay the ranks out on a (dp, ep) DeviceMesh, give the layer "
+            'mesh["ep"].get_group() and pass mesh=mesh'
         )
     if data_parallel == layer.groups.expert:
         raise ValueError(
@@ -87,17 +105,40 @@ def _check_expert_group(layer: MoELayer, data_parallel: dist.ProcessGroup | None
 
 
 def expert_data_parallel(
-    model: nn.Module, process_group: dist.ProcessGroup | None = None, **ddp_options: Any
+    model: nn.Module, process_group: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None,
+    **ddp_options: Any,
 ) -> DistributedDataParallel:
     """``DistributedDataParallel(model)`` that leaves the experts alone: DDP neither broadcasts
     them from rank 0 nor averages them (they are on its ignore list), and each expert's gradient is
     reduced over its own copies (:func:`reduce_experts_in_backward`). ``process_group`` is DDP's
-    (default: a new group of all ranks, apart from the experts' group); ``ddp_options`` go to DDP."""
-    if process_group is None:
+    (default: a new group of all ranks, apart from the experts' group). ``mesh``: a (dp, ep) mesh
+    whose ``"ep"`` groups are the layers' expert groups: DDP then averages the dense weights over
+    the whole mesh and each expert is also summed over its ``"dp"`` replicas. ``ddp_options`` go to DDP."""
+    replicas = None
+    if mesh is not None:
+        process_group, replicas = _mesh_groups(model, mesh)
+    elif process_group is None:
         process_group = dist.new_group()
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
-    reduce_experts_in_backward(model, process_group)
+    reduce_experts_in_backward(model, process_group, replicas)
     return DistributedDataParallel(model, process_group=process_group, **ddp_options)
+
+
+def _mesh_groups(model: nn.Module, mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """A (dp, ep) mesh's groups: one over every rank of the mesh for the dense weights (a new one,
+    apart from the expert groups), and ``mesh["dp"]``'s, the experts' replicas. Each MoE layer
+    must place its experts over ``mesh["ep"]``."""
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim != 2 or set(names) != {EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM}:
+        raise ValueError(f"mesh must be 2-D with dims named ({EXPERT_REPLICA_DIM!r}, {EXPERT_PARALLEL_DIM!r}) "
+                         f"(init_device_mesh(device, (dp, ep), mesh_dim_names=('dp', 'ep'))), got {names or mesh.ndim}")
+    expert_ranks = dist.get_process_group_ranks(mesh[EXPERT_PARALLEL_DIM].get_group())
+    for layer in moe_layers(model):
+        if layer.groups.expert is None or dist.get_process_group_ranks(layer.groups.expert) != expert_ranks:
+            raise ValueError(f"an MoE layer's expert group is not this rank's mesh[{EXPERT_PARALLEL_DIM!r}] group "
+                             f"(ranks {expert_ranks}): build it with group=mesh[{EXPERT_PARALLEL_DIM!r}].get_group()")
+    dense = dist.new_group(sorted(mesh.mesh.flatten().tolist()))  # every rank of the world takes part
+    return dense, mesh[EXPERT_REPLICA_DIM].get_group()
 
 
 def expert_fully_shard(
@@ -106,18 +147,25 @@ def expert_fully_shard(
     """FSDP2's ``fully_shard`` on ``model``'s weights other than the experts (each of ``blocks``
     its own unit, then the root), the experts left whole on their ranks and reduced over their
     copies (:func:`reduce_experts_in_backward`). ``mesh``: the data-parallel mesh (default: all
-    ranks, on a process group apart from the experts'); ``fsdp_options`` go to ``fully_shard``.
-    Seed every rank alike: FSDP2 shards each rank's own initial weights, it broadcasts nothing."""
+    ranks, on a process group apart from the experts'), or a (dp, ep) mesh whose ``"ep"`` groups
+    are the layers' expert groups: the dense weights are then sharded over the whole mesh and each
+    expert, whole on its rank, is also summed over its ``"dp"`` replicas. ``fsdp_options`` go to
+    ``fully_shard``. Seed every rank alike: FSDP2 shards each rank's own initial weights, it
+    broadcasts nothing."""
     from torch.distributed.fsdp import fully_shard  # FSDP pulls in much: only for those who use it
 
+    device = next(model.parameters()).device.type
+    replicas = None
     if mesh is None:
-        device = next(model.parameters()).device.type
         mesh = DeviceMesh.from_group(dist.new_group(), device)
+    elif mesh.ndim == 2:
+        dense, replicas = _mesh_groups(model, mesh)
+        mesh = DeviceMesh.from_group(dense, device)
     experts = {p for layer in moe_layers(model) for p in layer.experts.parameters()}
     for block in blocks:
         fully_shard(block, mesh=mesh, ignored_params=experts, **fsdp_options)
     fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_options)
-    reduce_experts_in_backward(model, mesh.get_group())
+    reduce_experts_in_backward(model, mesh.get_group(), replicas)
     return model
 
 

@@ -38,6 +38,7 @@ def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[to
 def synchronize_gradients(
     model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
     scheduler: GradientScheduler | None = None, copies: GradientScheduler | None = None,
+    expert_replicas: dist.ProcessGroup | None = None,
 ) -> float:
     """Average the replicated parameters' gradients over the workers (one flat all-reduce, or what
     ``scheduler`` reduced during the backward), scale the experts' (each already sums every
@@ -45,10 +46,13 @@ def synchronize_gradients(
     ``copies`` reduced during the backward), and average tensor-parallel attention's over the
     replicas of the same heads; return this worker's share of the squared norm of the sharded
     gradients, whose sum over the workers is theirs, for the global clipping norm. With MP groups
-    of N workers the W workers are W / N data-parallel replicas."""
+    of N workers the W workers are W / N data-parallel replicas. ``expert_replicas`` (``--ep-size``):
+    the workers holding the same experts in the other expert groups, over which the experts'
+    gradients are summed first (and their norm then counted by one of them)."""
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
+    experts: list[tuple[torch.Tensor, PlacedParameter]] = []
     packed: dict[int, list[tuple[torch.Tensor, PlacedParameter]]] = {}  # packed experts by block size
     placed = model.placed_parameters()
     for name, parameter in model.named_parameters():
@@ -58,12 +62,17 @@ def synchronize_gradients(
         if block is not None:
             packed.setdefault(block, []).append((parameter, placed[name]))
         elif name in expert_names:
-            parameter.grad.div_(replicas)
-            sharded_sq += squared_norm_share(parameter.grad, placed[name].sharding, model.groups.rank)
+            experts.append((parameter.grad, placed[name]))
         elif name in heads:
             heads_grads.append(parameter.grad)
         else:
             replicated.append(parameter.grad)
+    copies_of_experts = group_size(expert_replicas)
+    if copies_of_experts > 1:
+        _flat_sum([grad for grad, _ in experts], expert_replicas)  # summed over the copies
+    for grad, where in experts:
+        grad.div_(replicas)
+        sharded_sq += squared_norm_share(grad, where.sharding, model.groups.rank) / copies_of_experts
     if scheduler is not None:
         scheduler.finish()
     elif group is not None and world_size > 1:
@@ -87,11 +96,18 @@ def packed_block(placed: PlacedParameter | None) -> int | None:
 
 
 def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
-    """The mean of each gradient over ``group`` (one flat all-reduce)."""
+    """The mean of each gradient over ``group`` of ``size`` workers (one flat all-reduce)."""
+    _flat_sum(grads, group if size > 1 else None, size)
+
+
+def _flat_sum(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int = 1) -> None:
+    """Each gradient summed over ``group`` (None: left as it is), over ``divisor``, in one flat all-reduce."""
+    if not grads:
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None and size > 1:
+    if group is not None:
         all_reduce(flat, group)
-    flat.div_(size)
+    flat.div_(divisor)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -80,17 +80,20 @@ def model_and_optimizer_state(
     """This rank's model and AdamW state as DCP entries, views of the live tensors (loading writes
     into them in place). ``primary_only``: the chunks this rank writes when saving; otherwise all
     it holds. ``optimizer_keys``: when loading, the optimizer entries the checkpoint has (their
-    tensors are created here and installed by :func:`install_optimizer_state`)."""
+    tensors are created here and installed by :func:`install_optimizer_state`). The experts' chunks
+    are this rank's in its expert group; where the expert groups are copies of each other
+    (``--ep-size``), only the first group's ranks (global rank = expert rank) write them."""
     placed_params = model.placed_parameters()
     state = ShardedState({}, {}, {})
+    expert_rank = model.groups.rank
+    holds_primary = not primary_only or rank == expert_rank
 
     def add(key: str, name: str, tensor: torch.Tensor) -> None:
         state.local[key] = tensor
         if name in placed_params:
             sharding, kind = placed_params[name]
-            state.placed[key] = PlacedTensor(
-                tuple(sharding.full_shape(kind, tensor)), sharding.chunks(kind, tensor, rank, primary_only)
-            )
+            chunks = sharding.chunks(kind, tensor, expert_rank, primary_only) if holds_primary else []
+            state.placed[key] = PlacedTensor(tuple(sharding.full_shape(kind, tensor)), chunks)
         else:
             state.plain[key] = tensor
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import CollectiveLedger, tracked
@@ -30,6 +31,7 @@ from moeflow.runtime import give_back_free_memory
 from moeflow.training.batches import data_replica, shard_of, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
+from moeflow.training.data_parallel import EXPERT_PARALLEL_DIM, EXPERT_REPLICA_DIM
 from moeflow.training.evaluation import autocast, evaluate
 from moeflow.training.faults import FaultPlan, worker_ledger
 from moeflow.training.grad_sync import GradientScheduler, gradient_scheduler
@@ -119,6 +121,7 @@ class _Run:
     grad_scheduler: GradientScheduler | None = None
     nonfinite: NonfiniteSteps = field(init=False)  # the config's limit of non-finite steps in a row
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
+    expert_replicas: dist.ProcessGroup | None = None  # --ep-size: the workers holding this one's experts
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
 
@@ -167,7 +170,8 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     topology = Topology(world_size, job.ranks_per_node or world_size)
     mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
     ledger = worker_ledger(rank, world_size, Path(job.run_dir) / PROGRESS, job.faults)
-    groups = ParallelGroups.from_group(group, topology, ledger)
+    experts, replicas = expert_layout(config, world_size, device)
+    groups = ParallelGroups.from_group(experts or group, topology, ledger)
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
@@ -186,7 +190,8 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
-               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names())
+               tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
+               expert_replicas=replicas)
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     if config.dtype == "fp16":
         run.scaler = torch.amp.GradScaler(device.type)
@@ -194,6 +199,19 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
             run.scaler.load_state_dict(state["grad_scaler"])
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     return run, start_step
+
+
+def expert_layout(
+    config: TrainConfig, world_size: int, device: torch.device
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """``--ep-size N``: the workers on a (dp, ep) DeviceMesh, the MoE layers' expert group this
+    worker's ``"ep"`` row of N consecutive workers and the experts' replicas its ``"dp"`` column;
+    (None, None) where the experts span every worker."""
+    if config.expert_workers == world_size:
+        return None, None
+    mesh = init_device_mesh(device.type, (world_size // config.expert_workers, config.expert_workers),
+                            mesh_dim_names=(EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM))
+    return mesh[EXPERT_PARALLEL_DIM].get_group(), mesh[EXPERT_REPLICA_DIM].get_group()
 
 
 def _packer(config: TrainConfig, model: TrainableLM, optimizer: torch.optim.Optimizer,
@@ -277,7 +295,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     sync_began = time.perf_counter()
     with tracked(run.ledger, "gradient all-reduce", run.group, phase="gradient sync"):
         expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
-                                          run.copy_scheduler)
+                                          run.copy_scheduler, run.expert_replicas)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
     lm_sum, total_sum, expert_sq_global = all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
                                                           run.device, run.ledger)
@@ -388,7 +406,8 @@ def _show_progress(progress: Any, run: _Run, record: dict[str, Any]) -> None:
 def _summary(run: _Run, last_step: int, hf_checkpoint: Path | None) -> dict[str, Any]:
     corpus = run.job.corpus
     return {
-        "steps": last_step, "workers": run.world_size, "loss": run.last_loss, "val_loss": run.val_loss,
+        "steps": last_step, "workers": run.world_size, "ep_size": run.model.groups.size,
+        "loss": run.last_loss, "val_loss": run.val_loss,
         "unigram_entropy": corpus.unigram_entropy, "unigram_val_loss": corpus.unigram_val_loss,
         "median_tokens_per_s": statistics.median(run.throughput) if run.throughput else None,
         "checkpoint": str(run.checkpoint) if run.checkpoint else None, "run_dir": str(Path(run.job.run_dir)),
