@@ -19,7 +19,7 @@ from moeflow.comm.collectives import (
     reduce_values,
     send_and_receive,
 )
-from moeflow.distributed import run_distributed
+from pool import run_distributed
 
 SOURCE = Path(moeflow.__file__).parent
 COLLECTIVES = frozenset({
