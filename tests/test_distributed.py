@@ -17,17 +17,24 @@ def _build_indivisible(rank: int, world_size: int) -> None:
     MoELayer(8, 8, num_experts=3)
 
 
-def _topology_algorithm_on_custom_group(rank: int, world_size: int) -> str:
+TOPOLOGY_SETTINGS = {"alltoall": "2dh", "pipeline": "smart", "topology_gate": 0.5}
+"""The settings that need the world group's node layout, each refused on a custom group."""
+
+
+def _topology_settings_on_custom_group(rank: int, world_size: int) -> list[str]:
     import torch.distributed as dist
 
     from moeflow import MoELayer
 
     subgroup = dist.new_group([0, 1])
-    try:
-        MoELayer(8, 8, num_experts=2, alltoall="2dh", group=subgroup)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    messages = []
+    for name, value in TOPOLOGY_SETTINGS.items():
+        try:
+            MoELayer(8, 8, num_experts=2, group=subgroup, **{name: value})
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 def _die(rank: int, world_size: int) -> None:
@@ -70,9 +77,13 @@ def test_experts_not_divisible_by_workers_is_a_clear_error() -> None:
 
 
 @pytest.mark.distributed
-def test_topology_algorithms_refuse_a_custom_group() -> None:
-    messages = run_distributed(_topology_algorithm_on_custom_group, 2, timeout_s=120)
-    assert all("use alltoall='linear' with a custom group" in message for message in messages)
+def test_topology_aware_settings_refuse_a_custom_group() -> None:
+    """Where the expert group is not the world group, every setting that needs the node layout
+    refuses when the layer is built, naming itself (none silently does nothing)."""
+    for messages in run_distributed(_topology_settings_on_custom_group, 2, timeout_s=120):
+        assert "use alltoall='linear' with a custom group" in messages[0]
+        assert "pipeline='auto'" in messages[1] and "custom group" in messages[1]
+        assert "topology_gate='off'" in messages[2] and "custom group" in messages[2]
 
 
 @pytest.mark.distributed

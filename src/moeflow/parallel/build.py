@@ -158,6 +158,11 @@ def topology_node_limit(
     setting = config.topology_gate
     if setting == "off":
         return None
+    if groups.size > 1 and not groups.is_world:  # a custom group's node layout is not known here: it would do nothing
+        raise ValueError(
+            "topology_gate limits the tokens sent to other nodes, whose layout moeflow knows on the default (world) "
+            "process group only; this layer runs on a custom group: use the world group or topology_gate='off'"
+        )
     share = setting if setting != "auto" else (cost.remote_token_share() if cost is not None else None)
     if share is None:
         raise ValueError(
