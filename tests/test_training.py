@@ -290,7 +290,7 @@ def _evaluate_checkpoint(rank: int, world_size: int, checkpoint: str, parallel: 
 
     state = read_state(Path(checkpoint))
     parallel = "expert" if parallel is None else parallel
-    plain = {"workers": world_size, "parallel": parallel, "mp_size": 1, "esp_size": None, "ep_size": None}
+    plain = {"workers": world_size, "parallel": parallel, "mp_size": 1, "esp_size": None}
     config = TrainConfig(**state["config"]).updated(plain)
     corpus = PreparedCorpus(**state["corpus"])
     model = MoETransformer(config.model_config(corpus.vocab_size), group=dist.group.WORLD)

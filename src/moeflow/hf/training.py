@@ -74,10 +74,12 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--hf {info.directory!r} has no {TOKENIZER_FILE}: fine-tuning tokenizes the corpus with the "
             "model's own (fast) tokenizer; save one with tokenizer.save_pretrained(DIR)"
         )
-    if experts_must_divide(config.parallel) and info.num_experts % config.workers:
+    over, name = config.expert_workers, "ep_size" if config.ep_size else "workers"
+    if experts_must_divide(config.parallel) and info.num_experts % over:
         raise ValueError(
-            f"the model has {info.num_experts} experts per MoE block, not divisible by workers={config.workers}: "
-            f"use a worker count that divides {info.num_experts}, or --parallel {' or '.join(REPLICATING_SCHEDULES)}"
+            f"the model has {info.num_experts} experts per MoE block, not divisible by {name}={over}: use a "
+            f"--{name.replace('_', '-')} that divides {info.num_experts}, or --parallel "
+            f"{' or '.join(REPLICATING_SCHEDULES)}"
         )
     if info.max_positions is not None and config.context > info.max_positions:
         raise ValueError(f"context={config.context} exceeds the model's max_position_embeddings="

@@ -205,7 +205,6 @@ class TrainConfig:
             raise ValueError(f"workers={self.workers} is not a multiple of ep_size={self.ep_size}: the workers form "
                              f"workers / ep-size data-parallel copies of ep-size expert-parallel workers")
         refused = [(flag, why) for flag, on, why in (
-            ("--hf", self.hf is not None, "fine-tuning a transformers model with an expert-parallel size of its own"),
             ("--mp-size", self.mp_size > 1, "Parm's schedules behind tensor-parallel attention"),
             ("--topology-gate", self.topology_gate != "off", "the topology-aware gate"),
             ("--pipeline smart", self.pipeline == "smart", "FasterMoE's smart schedule"),
@@ -312,7 +311,12 @@ class TrainConfig:
         return asdict(self)
 
     def updated(self, values: dict[str, Any]) -> TrainConfig:
-        return replace(self, **checked_keys(values))
+        """This config with ``values`` set. A new worker count without an ``ep_size`` spreads the
+        experts over every worker (a saved --ep-size need not divide the new count)."""
+        values = checked_keys(values)
+        if "workers" in values and "ep_size" not in values:
+            values = {**values, "ep_size": None}
+        return replace(self, **values)
 
     def save(self, path: Path) -> None:
         from moeflow.files import write_atomic

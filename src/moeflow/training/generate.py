@@ -39,7 +39,7 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
     workers = 1 if groups is None else groups.size
     plain = {"workers": workers, "pipeline": 1, "alltoall": "linear", "profile": None, "shadowing": "off",
              "topology_gate": "off", "redundant_experts": 0, "balance": "fixed", "parallel": DEFAULT_SCHEDULE,
-             "mp_size": 1, "esp_size": None, "ep_size": None, "expert_packing": "off"}
+             "mp_size": 1, "esp_size": None, "expert_packing": "off"}
     config = TrainConfig(**checked_keys(state["config"], "checkpoint")).updated(plain)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=groups)

@@ -47,8 +47,6 @@ def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, 
             "checkpoints/step-* folders) written by moeflow train"
         )
     saved = read_state(checkpoint)["config"]
-    if "workers" in overrides and "ep_size" not in overrides:  # a new worker count: the experts span it
-        saved = {**saved, "ep_size": None}
     config = TrainConfig(**checked_keys({**saved, "stop_at": None}, "checkpoint")).updated(overrides)
     return config, checkpoint
 
