@@ -372,6 +372,11 @@ def test_experts_over_two_of_four_workers_train_the_four_worker_model_and_resume
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
     import shutil
 
+    # the expert groups on two nodes each (one worker per node): the pairwise exchange takes the same steps
+    pairwise = tmp_path / "ep2-pairwise"
+    run_training(tiny(pairwise, **dropless, ep_size=2, ranks_per_node=1, alltoall="pairwise"), report=False)
+    assert losses(pairwise) == pytest.approx(expected, rel=1e-5)
+    assert {layer["alltoall"] for record in iterate_records(pairwise) for layer in record["moe"]} == {"pairwise"}
     for workers in (4, 2):  # a resume continues in the run's folder: each from its own copy
         resumed = shutil.copytree(tmp_path / "ep2", tmp_path / f"resumed-{workers}")
         run_training(tiny(resumed, **{**dropless, "workers": workers}), resumed / "checkpoints" / "step-000002",
@@ -380,6 +385,23 @@ def test_experts_over_two_of_four_workers_train_the_four_worker_model_and_resume
         assert list(again) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in again.values())
         if workers == 4:  # the same data shards: the same steps
             assert again == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_topology_aware_option_on_one_node_is_warned_about(tmp_path: Path) -> None:
+    import warnings
+    from types import SimpleNamespace
+
+    from moeflow.comm.topology import Topology
+    from moeflow.training.trainer import warn_one_node
+
+    config = tiny(tmp_path, alltoall="pairwise", pipeline="smart")
+    with pytest.warns(UserWarning, match="--alltoall pairwise, --pipeline smart: the expert group's 4 workers sit "
+                                         "on one node.*--ranks-per-node"):
+        warn_one_node(config, SimpleNamespace(size=4, topology=Topology(4, 4)))  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_one_node(config, SimpleNamespace(size=4, topology=Topology(4, 2)))  # type: ignore[arg-type]
+        warn_one_node(tiny(tmp_path), SimpleNamespace(size=4, topology=Topology(4, 4)))  # type: ignore[arg-type]
 
 
 def test_a_checkpoint_of_the_single_file_format_still_loads(tmp_path: Path) -> None:
@@ -580,7 +602,8 @@ def test_a_killed_or_stopped_worker_fails_the_job_fast_and_keeps_the_checkpoint(
         (["--esp-size", "2"], "set --mp-size > 1 too"),
         (["--workers", "4", "--ep-size", "3"], "workers=4 is not a multiple of ep_size=3"),
         (["--workers", "4", "--ep-size", "2", "--num-experts", "3"], "num_experts=3 is not divisible by ep_size=2"),
-        (["--workers", "4", "--ep-size", "2", "--alltoall", "2dh"], "--alltoall 2dh: a topology-aware all-to-all"),
+        (["--workers", "4", "--ep-size", "2", "--shadowing", "auto", "--profile", "p.json"], "--shadowing: dynamic"),
+        (["--workers", "4", "--ranks-per-node", "3"], "workers=4 is not a multiple of ranks_per_node=3"),
         (["--workers", "4", "--ep-size", "2", "--parallel", "replicated"], "--ep-size has nothing to split"),
         (["--workers", "4", "--ep-size", "2", "--mp-size", "2"], "drop --mp-size or --ep-size"),
         (["--mp-size", "2", "--esp-size", "3"], "esp_size=3 hidden shards per expert must divide workers=2"),

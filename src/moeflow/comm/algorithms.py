@@ -10,7 +10,9 @@ rank, equal splits (None) or explicit ``input_splits``/``output_splits`` in rows
   usable alone (:func:`pairwise_step`) for a fine-grained send/compute/receive schedule.
 
 All are differentiable: the backward of an all-to-all is the same algorithm with the split matrix
-transposed. They run on the default (world) group, where ranks are numbered node-major.
+transposed. They run on any expert group whose node layout is known (``groups.knows_nodes``: the
+world group, or a mesh's group given the world's topology); ranks are the group's, numbered
+node-major, and point-to-point calls address their global ranks (``groups.members``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.alltoall import all_to_all, linear_all_to_all
 from moeflow.comm.collectives import all_gather, send_and_receive
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS
 
@@ -74,7 +76,7 @@ def transpose(matrix: SplitMatrix) -> SplitMatrix:
 
 def _alltoall_2dh(x: torch.Tensor, parallel_groups: ParallelGroups, matrix: SplitMatrix) -> torch.Tensor:
     groups, topology = parallel_groups.node_groups(), parallel_groups.topology
-    me = dist.get_rank()
+    me = parallel_groups.rank
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
     node, local = topology.node_of(me), topology.local_rank_of(me)
     rank = topology.rank_of
@@ -107,12 +109,13 @@ def pairwise_peers(topology: Topology, rank: int, step: int) -> tuple[list[int],
 
 
 def pairwise_step(
-    by_dest: Sequence[torch.Tensor], topology: Topology, matrix: SplitMatrix, step: int
+    by_dest: Sequence[torch.Tensor], groups: ParallelGroups, matrix: SplitMatrix, step: int
 ) -> dict[int, torch.Tensor]:
     """Run one step: send this rank's chunks for the target group, return the chunks received,
-    keyed by source rank. Zero-row messages are skipped on both sides (both know the sizes)."""
-    me = dist.get_rank()
-    send_to, receive_from = pairwise_peers(topology, me, step)
+    keyed by source rank (of the expert group). Zero-row messages are skipped on both sides (both
+    know the sizes)."""
+    me = groups.rank
+    send_to, receive_from = pairwise_peers(groups.topology, me, step)
     received: dict[int, torch.Tensor] = {}
     receives: list[tuple[torch.Tensor, int]] = []
     row_shape = by_dest[0].shape[1:]
@@ -123,31 +126,32 @@ def pairwise_step(
         else:
             received[source] = by_dest[0].new_empty((rows, *row_shape))
             if rows:
-                receives.append((received[source], source))
-    sends = [(by_dest[dest].contiguous(), dest) for dest in send_to if dest != me and matrix[me][dest]]
-    for request in send_and_receive(sends, receives):  # posted together: NCCL's order rule
+                receives.append((received[source], groups.global_rank(source)))
+    sends = [(by_dest[dest].contiguous(), groups.global_rank(dest)) for dest in send_to
+             if dest != me and matrix[me][dest]]
+    for request in send_and_receive(sends, receives, groups.expert):  # posted together: NCCL's order rule
         request.wait()
     return received
 
 
-def _alltoall_pairwise(x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
-    by_dest = x.split(matrix[dist.get_rank()])
+def _alltoall_pairwise(x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix) -> torch.Tensor:
+    by_dest = x.split(matrix[groups.rank])
     received: dict[int, torch.Tensor] = {}
-    for step in range(topology.num_nodes):
-        received.update(pairwise_step(by_dest, topology, matrix, step))
-    return torch.cat([received[source] for source in range(topology.world_size)])
+    for step in range(groups.topology.num_nodes):
+        received.update(pairwise_step(by_dest, groups, matrix, step))
+    return torch.cat([received[source] for source in range(groups.size)])
 
 
 class _PairwiseAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, topology: Topology, matrix: SplitMatrix) -> torch.Tensor:
-        ctx.topology, ctx.matrix = topology, matrix
-        return _alltoall_pairwise(x, topology, matrix)
+    def forward(ctx: FunctionCtx, x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix) -> torch.Tensor:
+        ctx.groups, ctx.matrix = groups, matrix
+        return _alltoall_pairwise(x, groups, matrix)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
-        return _alltoall_pairwise(grad.contiguous(), ctx.topology, transpose(ctx.matrix)), None, None
+        return _alltoall_pairwise(grad.contiguous(), ctx.groups, transpose(ctx.matrix)), None, None
 
 
 # -- entry point ------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def all_to_all_with(
     output_splits: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """All-to-all over ``groups.expert`` with the named algorithm (differentiable). 2DH and pairwise
-    need the expert group to be the world group (node-major ranks, ``groups.topology``)."""
+    need the expert group's node layout (``groups.knows_nodes``, ``groups.topology``)."""
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
     with groups.ledger.tracked("all-to-all", group, x.numel() * x.element_size()):
@@ -177,13 +181,13 @@ def _all_to_all_with(
         in_splits = None if input_splits is None else list(input_splits)
         return all_to_all(x, group, out_splits, in_splits)
     matrix = split_matrix(x, groups.size, input_splits, group)
-    me = dist.get_rank()
+    me = groups.rank
     expected = [matrix[source][me] for source in range(groups.size)]
     if output_splits is not None and list(output_splits) != expected:
         raise ValueError(f"output_splits {list(output_splits)} disagree with what peers send: {expected}")
     if algorithm == "2dh":
         return _alltoall_2dh(x.contiguous(), groups, matrix)
-    return _PairwiseAllToAll.apply(x.contiguous(), groups.topology, matrix)
+    return _PairwiseAllToAll.apply(x.contiguous(), groups, matrix)
 
 
 def exchange(
@@ -208,15 +212,13 @@ def exchange(
         matrix = split_matrix(x, groups.size, None) if matrix is None else matrix
         if algorithm == "2dh":
             return _alltoall_2dh(x.contiguous(), groups, matrix)
-        return _alltoall_pairwise(x.contiguous(), groups.topology, matrix)
+        return _alltoall_pairwise(x.contiguous(), groups, matrix)
 
 
 def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:
     if groups.expert is None:
         raise ValueError("an all-to-all needs a process group; this ParallelGroups is single-process")
-    if algorithm != "linear" and not groups.is_world:
-        raise ValueError(
-            f"alltoall={algorithm!r} runs on the world group, where ranks are numbered node-major; "
-            "use alltoall='linear' on a custom group"
-        )
+    if algorithm != "linear" and not groups.knows_nodes:
+        raise ValueError(f"alltoall={algorithm!r} needs the expert group's node layout: {NODE_LAYOUT_FIX}; "
+                         "or use alltoall='linear' on a custom group")
     return groups.expert

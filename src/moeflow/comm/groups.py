@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moeflow.comm.collectives import all_reduce, host_tensor
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
-from moeflow.comm.topology import NodeGroups, Topology, create_node_groups
+from moeflow.comm.topology import NodeGroups, Topology, create_node_groups, group_topology
 from moeflow.comm.traffic import AllToAllTraffic
 
 ProcessGroup = dist.ProcessGroup
@@ -83,15 +83,39 @@ class CommunicationWorker:
                 self._executor = None
 
 
+NODE_LAYOUT_FIX = ("give the layer the world group, or its group with the world's topology "
+                   "(ParallelGroups.from_group(group, Topology(world_size, ranks_per_node)), as moeflow train "
+                   "--ep-size does)")
+"""How a layer on a custom group gets the node layout that topology-aware settings need."""
+
+
+def _node_layout(
+    expert: ProcessGroup | None, members: tuple[int, ...], topology: Topology | None
+) -> tuple[Topology, bool]:
+    """The expert group's node layout, and whether it is known: the topology itself on the world
+    group (or one process; None: one node); derived from it (:func:`group_topology`) when it
+    describes the world and the group is some of its ranks; otherwise every rank on one node, unknown."""
+    one_node = Topology(len(members), len(members))
+    if expert is None or expert == default_group():
+        return topology or one_node, True
+    if topology is not None and topology.world_size == group_size(default_group()):
+        return group_topology(members, topology), True
+    return one_node, False
+
+
 class ParallelGroups:
     """Every group an MoE layer may communicate over, and the worker that issues its collectives.
 
     - ``expert``: the ranks the experts are placed over (the layer's all-to-all group);
-    - ``topology``: how the world's ranks sit on nodes (for 2DH and the pairwise exchange, which run
-      on the world group, where ranks are numbered node-major);
+    - ``topology``: how the expert group's ranks sit on nodes, numbered node-major (2DH, the
+      pairwise exchange, the smart schedule and the topology-aware gate read it): the given one on
+      the world group, derived from it for a group of some of the world's ranks (a DeviceMesh's
+      ``"ep"`` group, given the world's topology); ``knows_nodes`` says whether it is known (a
+      custom group without the world's topology counts as one node, unknown);
+    - ``members``: the expert group's global ranks, by group rank (what point-to-point calls address);
     - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
-    - the intra-node and inter-node groups are created on the first topology-aware all-to-all (a
-      collective: all ranks get there in the same order) and kept here;
+    - the intra-node and inter-node groups are created on the first topology-aware all-to-all, each
+      by its own ranks, and kept here;
     - ``ledger``: this rank's record of its collectives (:mod:`moeflow.comm.ledger`), what a hang
       reports; pass one with a progress directory for a report that names the rank behind.
 
@@ -99,17 +123,19 @@ class ParallelGroups:
     """
 
     def __init__(
-        self, expert: ProcessGroup | None, topology: Topology, model: ProcessGroup | None = None,
+        self, expert: ProcessGroup | None, topology: Topology | None, model: ProcessGroup | None = None,
         ledger: CollectiveLedger | None = None,
     ) -> None:
         size = group_size(expert)
-        if expert is not None and expert == default_group() and topology.world_size != size:
+        if expert is not None and expert == default_group() and topology is not None and topology.world_size != size:
             raise ValueError(
                 f"the topology describes {topology.world_size} ranks but the world group has {size}; "
                 "build it from the launcher's LOCAL_WORLD_SIZE for this job"
             )
         self.expert = expert
-        self.topology = topology if expert == default_group() else Topology(size, size)
+        self.members = tuple(dist.get_process_group_ranks(expert)) if expert is not None else (0,)
+        """The expert group's global ranks, by group rank."""
+        self.topology, self.knows_nodes = _node_layout(expert, self.members, topology)
         self.model = model
         self.ledger = ledger if ledger is not None else CollectiveLedger(group_rank(default_group()),
                                                                          group_size(default_group()))
@@ -133,12 +159,13 @@ class ParallelGroups:
         cls, group: ProcessGroup | None, topology: Topology | None = None, ledger: CollectiveLedger | None = None
     ) -> ParallelGroups:
         """Groups for ``group`` (None: the default group, or one process when torch.distributed is
-        not initialized); without a topology all ranks count as one node."""
+        not initialized). ``topology``: the world's (the world group's ranks on nodes, from which a
+        sub-group's node layout is derived); without one all ranks count as one node, and a custom
+        group's layout is unknown (``knows_nodes``)."""
         group = group if group is not None else default_group()
         if group is None:
             return cls.single_process()
-        size = group_size(group)
-        return cls(group, topology or Topology(size, size), ledger=ledger)
+        return cls(group, topology, ledger=ledger)
 
     @property
     def size(self) -> int:
@@ -152,8 +179,12 @@ class ParallelGroups:
 
     @property
     def is_world(self) -> bool:
-        """Whether the expert group is the world group (where topology-aware algorithms run)."""
+        """Whether the expert group is the world group."""
         return self.expert is not None and self.expert == default_group()
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of the expert group's ``rank`` (what point-to-point calls address)."""
+        return self.members[rank]
 
     def block(self, size: int) -> ProcessGroup | None:
         """This rank's block of ``size`` consecutive ranks of the expert group (ranks
@@ -175,7 +206,7 @@ class ParallelGroups:
         if size == self.size:
             return self
         if size not in self._packed:
-            packed = ParallelGroups(self.block(size), Topology(size, size))
+            packed = ParallelGroups(self.block(size), None)  # a block: one node as far as it knows
             packed.traffic, packed.worker, packed.streams = self.traffic, self.worker, self.streams
             packed.ledger = self.ledger
             self._packed[size] = packed
@@ -202,8 +233,9 @@ class ParallelGroups:
         return cache[key]
 
     def node_groups(self) -> NodeGroups:
-        if not self.is_world:
-            raise ValueError("topology-aware all-to-alls run on the world group; use alltoall='linear'")
+        """This rank's intra- and inter-node groups of the expert group, made on first use."""
+        if not self.knows_nodes:
+            raise ValueError(f"topology-aware all-to-alls need the expert group's node layout; {NODE_LAYOUT_FIX}")
         if self._node_groups is None:
-            self._node_groups = create_node_groups(self.topology)
+            self._node_groups = create_node_groups(self.topology, self.members, self.rank)
         return self._node_groups

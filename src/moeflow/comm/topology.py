@@ -7,7 +7,8 @@ it (:func:`topology_from_environment`) and pass the topology in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,20 +79,29 @@ class NodeGroups:
     inter_node: dist.ProcessGroup
 
 
-def create_node_groups(topology: Topology) -> NodeGroups:
-    """Create this rank's node subgroups of the world group (a collective: every rank calls it, in
-    the same order, and gets its own pair)."""
-    rank = dist.get_rank()
-    intra = inter = None
-    for node in range(topology.num_nodes):
-        ranks = [topology.rank_of(node, local) for local in range(topology.ranks_per_node)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            intra = group
-    for local in range(topology.ranks_per_node):
-        ranks = [topology.rank_of(node, local) for node in range(topology.num_nodes)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            inter = group
-    assert intra is not None and inter is not None
-    return NodeGroups(intra, inter)
+def group_topology(members: Sequence[int], world: Topology) -> Topology:
+    """The node layout of a group whose global ranks are ``members`` (by group rank) on the
+    ``world``'s nodes: node-major, the same number of its ranks on each node it spans (what a
+    DeviceMesh row or column of node-major ranks is); else a ValueError naming the layout."""
+    nodes = [world.node_of(rank) for rank in members]
+    counts = Counter(nodes)
+    per_node = counts[nodes[0]]
+    if list(members) != sorted(members) or any(count != per_node for count in counts.values()):
+        raise ValueError(
+            f"the group's ranks {list(members)} lie {dict(counts)} per node (of {world.ranks_per_node} ranks each): "
+            "topology-aware all-to-alls need its ranks in node order with as many on every node it spans; "
+            "lay the mesh out so that each expert group takes the same number of ranks from each node"
+        )
+    return Topology(len(members), per_node)
+
+
+def create_node_groups(topology: Topology, members: Sequence[int], rank: int) -> NodeGroups:
+    """This rank's intra-node group (its node's ranks of the group) and inter-node group (the
+    group's ranks of its local index on every node), ``rank`` being its group rank and ``members``
+    the group's global ranks by group rank. Each is made by its own ranks alone (local
+    synchronization), so the groups of other nodes or expert groups need not exist."""
+    node, local = topology.node_of(rank), topology.local_rank_of(rank)
+    intra = [members[topology.rank_of(node, other)] for other in range(topology.ranks_per_node)]
+    inter = [members[topology.rank_of(other, local)] for other in range(topology.num_nodes)]
+    return NodeGroups(dist.new_group(intra, use_local_synchronization=True),
+                      dist.new_group(inter, use_local_synchronization=True))

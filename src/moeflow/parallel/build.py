@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.algorithms import distinct_algorithms
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
 from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
 from moeflow.moe.capacity import estimated_needed_capacity
 from moeflow.moe.routing import NodeLimit, expert_capacity
@@ -112,10 +112,10 @@ def _check_alltoall(config: MoEConfig, groups: ParallelGroups) -> None:
             "alltoall='saa' overlaps Parm's S2 combine with the MP all-gather: it needs parallel='s2' or "
             "'auto' with mp_group=<the tensor-parallel group>; use alltoall='linear' or 'auto'"
         )
-    if config.alltoall not in ("linear", SAA, "auto") and groups.size > 1 and not groups.is_world:
+    if config.alltoall not in ("linear", SAA, "auto") and groups.size > 1 and not groups.knows_nodes:
         raise ValueError(
-            f"alltoall={config.alltoall!r} runs on the default (world) process group, where ranks are "
-            "numbered node-major; use alltoall='linear' with a custom group"
+            f"alltoall={config.alltoall!r} needs the expert group's node layout, which this custom group lacks: "
+            f"{NODE_LAYOUT_FIX}; or use alltoall='linear' with a custom group"
         )
 
 
@@ -129,7 +129,7 @@ def candidate_algorithms(
         return (config.alltoall,)
     if behind_mp:
         return ("linear", SAA)
-    if not groups.is_world:
+    if not groups.knows_nodes:
         return ("linear",)
     if cost_model is not None and config.pipeline != "search":
         return ALLTOALL_ALGORITHMS
@@ -158,10 +158,10 @@ def topology_node_limit(
     setting = config.topology_gate
     if setting == "off":
         return None
-    if groups.size > 1 and not groups.is_world:  # a custom group's node layout is not known here: it would do nothing
+    if groups.size > 1 and not groups.knows_nodes:  # one node, as far as it knows: it would limit nothing
         raise ValueError(
-            "topology_gate limits the tokens sent to other nodes, whose layout moeflow knows on the default (world) "
-            "process group only; this layer runs on a custom group: use the world group or topology_gate='off'"
+            "topology_gate limits the tokens sent to other nodes, and this layer's custom group has no node layout: "
+            f"{NODE_LAYOUT_FIX}; or use topology_gate='off'"
         )
     share = setting if setting != "auto" else (cost.remote_token_share() if cost is not None else None)
     if share is None:

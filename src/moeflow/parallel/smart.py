@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import pairwise_peers, pairwise_step
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace
@@ -61,12 +61,12 @@ class SmartSteps:
 
 
 def check_smart_pipeline(pipeline: int | str, groups: ParallelGroups) -> None:
-    """``pipeline="smart"`` needs the world group: the pairwise steps address ranks by their
-    global number (that it runs on the expert-parallel schedule is the registry's rule)."""
-    if pipeline == SMART and groups.size > 1 and not groups.is_world:
+    """``pipeline="smart"`` needs the expert group's node layout: its pairwise steps go node by
+    node (that it runs on the expert-parallel schedule is the registry's rule)."""
+    if pipeline == SMART and groups.size > 1 and not groups.knows_nodes:
         raise ValueError(
-            "pipeline='smart' runs FasterMoE's pairwise steps of the expert-parallel schedule over the default "
-            "(world) process group; this layer runs on a custom group: use the world group or pipeline='auto'"
+            "pipeline='smart' runs FasterMoE's pairwise steps node by node, and this layer's custom group has no "
+            f"node layout: {NODE_LAYOUT_FIX}; or use pipeline='auto'"
         )
 
 
@@ -89,7 +89,7 @@ def run_steps(
 
     def send(step: int) -> torch.Tensor:
         with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
-            received = pairwise_step(by_dest, steps.topology, matrix, step)
+            received = pairwise_step(by_dest, steps.groups, matrix, step)
         parts = [received[source].view(local, capacity, model_dim) for source in steps.sources(step)]
         return torch.cat(parts, dim=1)  # (L, sources * C, M), source-major like the all-to-all layout
 
@@ -100,7 +100,7 @@ def run_steps(
         for index, source in enumerate(sources):
             back[source] = by_source[index].reshape(rows, model_dim)
         with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
-            returned = pairwise_step(back, steps.topology, matrix, (steps.count - step) % steps.count)
+            returned = pairwise_step(back, steps.groups, matrix, (steps.count - step) % steps.count)
         for dest, rows_back in returned.items():
             out_by_dest[dest].copy_(rows_back)
 

@@ -67,6 +67,7 @@ class TrainConfig:
     expert_kernel: str = _MOE.expert_kernel  # bmm | loop | ragged (only the filled slots compute)
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     ep_size: int | None = None  # experts over this many consecutive workers, copied over workers / ep_size; None: all
+    ranks_per_node: int | None = None  # workers per node, node-major; None: the launcher's, or one node
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
     profile: str | None = None  # a calibrated cluster profile for the planner
@@ -132,6 +133,7 @@ class TrainConfig:
         require_choice("tokenizer", self.tokenizer, TOKENIZERS)
         require_choice("backend", self.backend, BACKENDS)
         require_choice("dtype", self.dtype, DTYPE_NAMES)
+        self._check_nodes()
         self._check_expert_parallel_size()
         if self.hf is None:
             self._check_parallel()
@@ -195,6 +197,15 @@ class TrainConfig:
         """The workers each MoE layer places its experts over: ``ep_size``, or every worker."""
         return self.ep_size or self.workers
 
+    def _check_nodes(self) -> None:
+        """--ranks-per-node N: the workers sit N to a node, node-major."""
+        if self.ranks_per_node is None:
+            return
+        require_positive_int("ranks_per_node", self.ranks_per_node)
+        if self.workers % self.ranks_per_node:
+            raise ValueError(f"workers={self.workers} is not a multiple of ranks_per_node={self.ranks_per_node}: "
+                             "every node holds the same number of workers")
+
     def _check_expert_parallel_size(self) -> None:
         """--ep-size N: the experts over N consecutive workers, those groups copies of each other over
         the data-parallel rest; what does not run on a group smaller than the workers is refused here."""
@@ -206,9 +217,6 @@ class TrainConfig:
                              f"workers / ep-size data-parallel copies of ep-size expert-parallel workers")
         refused = [(flag, why) for flag, on, why in (
             ("--mp-size", self.mp_size > 1, "Parm's schedules behind tensor-parallel attention"),
-            ("--topology-gate", self.topology_gate != "off", "the topology-aware gate"),
-            ("--pipeline smart", self.pipeline == "smart", "FasterMoE's smart schedule"),
-            (f"--alltoall {self.alltoall}", self.alltoall in ("2dh", "pairwise"), "a topology-aware all-to-all"),
             ("--shadowing", self.shadowing != "off", "dynamic shadowing"),
             ("--redundant-experts", self.redundant_experts > 0, "EPLB's slots (each copy would place its own)"),
             ("--balance auto", self.balance == "auto", "the per-layer balance choice"),
@@ -356,6 +364,8 @@ FIELD_HELP: dict[str, str] = {
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "ep_size": "the experts of every MoE layer over this many consecutive workers, those groups data-parallel "
     "copies of each other (expert parallel inside data parallel); unset: over every worker",
+    "ranks_per_node": "workers per node, numbered node-major (what 2DH, pairwise, the smart schedule and the "
+    "topology gate read); unset: the launcher's LOCAL_WORLD_SIZE, or every worker on one node",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
     "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
     "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -167,11 +168,13 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     config, corpus = job.config, job.corpus
     device = device_for(config, rank if job.local_rank is None else job.local_rank)
     group = dist.group.WORLD if dist.is_initialized() else None
-    topology = Topology(world_size, job.ranks_per_node or world_size)
+    topology = Topology(world_size, config.ranks_per_node or job.ranks_per_node or world_size)
     mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
     ledger = worker_ledger(rank, world_size, Path(job.run_dir) / PROGRESS, job.faults)
     experts, replicas = expert_layout(config, world_size, device)
     groups = ParallelGroups.from_group(experts or group, topology, ledger)
+    if rank == 0:
+        warn_one_node(config, groups)
     groups.model = mp_group  # the MoE layers behind tensor-parallel attention run Parm's schedules
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
@@ -212,6 +215,17 @@ def expert_layout(
     mesh = init_device_mesh(device.type, (world_size // config.expert_workers, config.expert_workers),
                             mesh_dim_names=(EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM))
     return mesh[EXPERT_PARALLEL_DIM].get_group(), mesh[EXPERT_REPLICA_DIM].get_group()
+
+
+def warn_one_node(config: TrainConfig, groups: ParallelGroups) -> None:
+    """Say so when a topology-aware option meets an expert group on one node, where it changes nothing."""
+    asked = [flag for flag, on in ((f"--alltoall {config.alltoall}", config.alltoall in ("2dh", "pairwise")),
+                                   ("--pipeline smart", config.pipeline == "smart"),
+                                   ("--topology-gate", config.topology_gate != "off")) if on]
+    if asked and groups.size > 1 and groups.topology.num_nodes == 1:
+        warnings.warn(f"{', '.join(asked)}: the expert group's {groups.size} workers sit on one node, where this "
+                      "changes nothing; give the node layout with --ranks-per-node (or launch across nodes)",
+                      stacklevel=2)
 
 
 def _packer(config: TrainConfig, model: TrainableLM, optimizer: torch.optim.Optimizer,
