@@ -73,6 +73,29 @@ def test_topology_aware_settings_run_on_a_mesh_group_and_equal_the_linear_exchan
         assert result["node_experts"] == list(range(own * 4, own * 4 + 4))
 
 
+def _uneven_group(rank: int, world_size: int) -> list[str]:
+    """Ranks {0, 1, 2} of two nodes of two: the layer builds (linear) and refuses 2DH with the reason."""
+    import torch.distributed as dist
+
+    members = [0, 1, 2] if rank < 3 else [3]
+    group = dist.new_group(members, use_local_synchronization=True)
+    groups = ParallelGroups.from_group(group, Topology(world_size, 2))
+    if rank == 3:
+        return []
+    MoELayer(8, 16, 6, group=groups, alltoall="linear")
+    try:
+        MoELayer(8, 16, 6, group=groups, alltoall="2dh")
+    except ValueError as error:
+        return [str(error), str(groups.knows_nodes)]
+    return ["no error"]
+
+
+@pytest.mark.distributed
+def test_an_expert_group_uneven_over_the_nodes_runs_linear_and_refuses_2dh_with_the_reason() -> None:
+    for result in run_distributed(_uneven_group, 4)[:3]:
+        assert "lie {0: 2, 1: 1} per node" in result[0] and result[1] == "False", result
+
+
 def test_a_group_that_is_not_node_major_or_uneven_over_the_nodes_is_refused() -> None:
     world = Topology(8, 4)  # two nodes of four ranks
     assert group_topology([0, 1, 4, 5], world) == Topology(4, 2)

@@ -25,7 +25,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.alltoall import all_to_all, linear_all_to_all
 from moeflow.comm.collectives import all_gather, send_and_receive
-from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
+from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import ALLTOALL_ALGORITHMS
 
@@ -219,6 +219,6 @@ def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:
     if groups.expert is None:
         raise ValueError("an all-to-all needs a process group; this ParallelGroups is single-process")
     if algorithm != "linear" and not groups.knows_nodes:
-        raise ValueError(f"alltoall={algorithm!r} needs the expert group's node layout: {NODE_LAYOUT_FIX}; "
+        raise ValueError(f"alltoall={algorithm!r} needs the expert group's node layout: {groups.node_layout_problem}; "
                          "or use alltoall='linear' on a custom group")
     return groups.expert

@@ -91,16 +91,20 @@ NODE_LAYOUT_FIX = ("give the layer the world group, or its group with the world'
 
 def _node_layout(
     expert: ProcessGroup | None, members: tuple[int, ...], topology: Topology | None
-) -> tuple[Topology, bool]:
-    """The expert group's node layout, and whether it is known: the topology itself on the world
-    group (or one process; None: one node); derived from it (:func:`group_topology`) when it
-    describes the world and the group is some of its ranks; otherwise every rank on one node, unknown."""
+) -> tuple[Topology, str | None]:
+    """The expert group's node layout, and why it is unknown (None: known): the topology itself on
+    the world group (or one process; None: one node); derived from it (:func:`group_topology`)
+    when it describes the world and the group is some of its ranks; otherwise every rank on one
+    node, unknown. An unknown layout refuses only the topology-aware settings, with the reason."""
     one_node = Topology(len(members), len(members))
     if expert is None or expert == default_group():
-        return topology or one_node, True
-    if topology is not None and topology.world_size == group_size(default_group()):
-        return group_topology(members, topology), True
-    return one_node, False
+        return topology or one_node, None
+    if topology is None or topology.world_size != group_size(default_group()):
+        return one_node, NODE_LAYOUT_FIX
+    try:
+        return group_topology(members, topology), None
+    except ValueError as error:
+        return one_node, str(error)
 
 
 class ParallelGroups:
@@ -110,8 +114,9 @@ class ParallelGroups:
     - ``topology``: how the expert group's ranks sit on nodes, numbered node-major (2DH, the
       pairwise exchange, the smart schedule and the topology-aware gate read it): the given one on
       the world group, derived from it for a group of some of the world's ranks (a DeviceMesh's
-      ``"ep"`` group, given the world's topology); ``knows_nodes`` says whether it is known (a
-      custom group without the world's topology counts as one node, unknown);
+      ``"ep"`` group, given the world's topology); ``knows_nodes`` says whether it is known and
+      ``node_layout_problem`` why not (a custom group without the world's topology, or one spread
+      unevenly over the nodes, counts as one node);
     - ``members``: the expert group's global ranks, by group rank (what point-to-point calls address);
     - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
     - the intra-node and inter-node groups are created on the first topology-aware all-to-all, each
@@ -135,7 +140,7 @@ class ParallelGroups:
         self.expert = expert
         self.members = tuple(dist.get_process_group_ranks(expert)) if expert is not None else (0,)
         """The expert group's global ranks, by group rank."""
-        self.topology, self.knows_nodes = _node_layout(expert, self.members, topology)
+        self.topology, self.node_layout_problem = _node_layout(expert, self.members, topology)
         self.model = model
         self.ledger = ledger if ledger is not None else CollectiveLedger(group_rank(default_group()),
                                                                          group_size(default_group()))
@@ -176,6 +181,11 @@ class ParallelGroups:
     def rank(self) -> int:
         """This process's rank in the expert group."""
         return group_rank(self.expert)
+
+    @property
+    def knows_nodes(self) -> bool:
+        """Whether the expert group's node layout is known (what topology-aware settings need)."""
+        return self.node_layout_problem is None
 
     @property
     def is_world(self) -> bool:
@@ -235,7 +245,8 @@ class ParallelGroups:
     def node_groups(self) -> NodeGroups:
         """This rank's intra- and inter-node groups of the expert group, made on first use."""
         if not self.knows_nodes:
-            raise ValueError(f"topology-aware all-to-alls need the expert group's node layout; {NODE_LAYOUT_FIX}")
+            raise ValueError(f"topology-aware all-to-alls need the expert group's node layout: "
+                             f"{self.node_layout_problem}")
         if self._node_groups is None:
             self._node_groups = create_node_groups(self.topology, self.members, self.rank)
         return self._node_groups

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.comm.algorithms import distinct_algorithms
-from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
+from moeflow.comm.groups import ParallelGroups
 from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
 from moeflow.moe.capacity import estimated_needed_capacity
 from moeflow.moe.routing import NodeLimit, expert_capacity
@@ -115,7 +115,7 @@ def _check_alltoall(config: MoEConfig, groups: ParallelGroups) -> None:
     if config.alltoall not in ("linear", SAA, "auto") and groups.size > 1 and not groups.knows_nodes:
         raise ValueError(
             f"alltoall={config.alltoall!r} needs the expert group's node layout, which this custom group lacks: "
-            f"{NODE_LAYOUT_FIX}; or use alltoall='linear' with a custom group"
+            f"{groups.node_layout_problem}; or use alltoall='linear' with a custom group"
         )
 
 
@@ -161,7 +161,7 @@ def topology_node_limit(
     if groups.size > 1 and not groups.knows_nodes:  # one node, as far as it knows: it would limit nothing
         raise ValueError(
             "topology_gate limits the tokens sent to other nodes, and this layer's custom group has no node layout: "
-            f"{NODE_LAYOUT_FIX}; or use topology_gate='off'"
+            f"{groups.node_layout_problem}; or use topology_gate='off'"
         )
     share = setting if setting != "auto" else (cost.remote_token_share() if cost is not None else None)
     if share is None:

@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import pairwise_peers, pairwise_step
-from moeflow.comm.groups import NODE_LAYOUT_FIX, ParallelGroups
+from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace
@@ -66,7 +66,7 @@ def check_smart_pipeline(pipeline: int | str, groups: ParallelGroups) -> None:
     if pipeline == SMART and groups.size > 1 and not groups.knows_nodes:
         raise ValueError(
             "pipeline='smart' runs FasterMoE's pairwise steps node by node, and this layer's custom group has no "
-            f"node layout: {NODE_LAYOUT_FIX}; or use pipeline='auto'"
+            f"node layout: {groups.node_layout_problem}; or use pipeline='auto'"
         )
 
 
