@@ -13,10 +13,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from moeflow.comm.collectives import all_reduce, host_tensor
+from moeflow.comm.collectives import reduce_values
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
 from moeflow.comm.topology import NodeGroups, Topology, create_node_groups, group_topology
@@ -47,10 +46,8 @@ def max_over_ranks(
 ) -> list[float]:
     """Element-wise maximum across the group's ranks, in one all-reduce: the slowest rank's
     times, which every rank then agrees on."""
-    reduced = host_tensor(values, torch.float64, group)  # a CPU tensor only where the group carries one
-    with tracked(ledger, "maximum all-reduce", group, reduced.numel() * 8):
-        all_reduce(reduced, group, "max")
-    return reduced.tolist()
+    with tracked(ledger, "maximum all-reduce", group, len(values) * 8):
+        return reduce_values(values, group, "max")  # on a CPU tensor only where the group carries one
 
 
 class CommunicationWorker:
@@ -238,7 +235,7 @@ class ParallelGroups:
         """This rank's subgroup of the expert group's ranks ``members``, made on first use by those
         ranks alone (local synchronization: the other subgroups need not exist yet), then kept."""
         if key not in cache:
-            ranks = [dist.get_global_rank(self.expert, i) for i in members]
+            ranks = [self.global_rank(i) for i in members]
             cache[key] = dist.new_group(ranks, use_local_synchronization=True)
         return cache[key]
 

@@ -74,7 +74,7 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--hf {info.directory!r} has no {TOKENIZER_FILE}: fine-tuning tokenizes the corpus with the "
             "model's own (fast) tokenizer; save one with tokenizer.save_pretrained(DIR)"
         )
-    over, name = config.expert_workers, "ep_size" if config.ep_size else "workers"
+    over, name = config.expert_workers, config.expert_workers_setting
     if experts_must_divide(config.parallel) and info.num_experts % over:
         raise ValueError(
             f"the model has {info.num_experts} experts per MoE block, not divisible by {name}={over}: use a "

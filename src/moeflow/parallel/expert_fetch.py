@@ -77,15 +77,15 @@ def start_fetch(
     for (source, destination), experts in planned:
         for expert in experts:
             if source == rank:
-                sends += [(t[local_index[expert]], _global(group, destination)) for t in tensors if t is not None]
+                sends += [(t[local_index[expert]], _global(groups, destination)) for t in tensors if t is not None]
             elif destination == rank:
                 received = tuple(None if t is None else t.new_empty(t.shape[1:]) for t in tensors)
-                receives += [(t, _global(group, source)) for t in received if t is not None]
+                receives += [(t, _global(groups, source)) for t in received if t is not None]
                 weights[expert] = FFNWeights(*(None if t is None else t.unsqueeze(0) for t in received))
     requests = send_and_receive(sends, receives, group)
     return ExpertFetch(placement, weights, requests, sum(len(e) for _, e in planned),
                        sum(t.numel() * t.element_size() for t, _ in (*sends, *receives)), groups)
 
 
-def _global(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
+def _global(groups: ParallelGroups | None, rank: int) -> int:
+    return rank if groups is None else groups.global_rank(rank)

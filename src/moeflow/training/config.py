@@ -180,7 +180,7 @@ class TrainConfig:
                 f"workers per attention group), or use auto, an int r or one of "
                 f"{', '.join(name for name in PARALLEL_SCHEDULES if name not in MODEL_PARALLEL_SCHEDULES)}"
             )
-        experts_over, name = self.expert_workers, "ep_size" if self.ep_size else "workers"
+        experts_over, name = self.expert_workers, self.expert_workers_setting
         if is_switchable(self.parallel) and experts_over > self.num_experts:
             check_switchable_layout(self.num_experts, experts_over, self.hidden_dim)
         if isinstance(self.parallel, int):
@@ -196,6 +196,11 @@ class TrainConfig:
     def expert_workers(self) -> int:
         """The workers each MoE layer places its experts over: ``ep_size``, or every worker."""
         return self.ep_size or self.workers
+
+    @property
+    def expert_workers_setting(self) -> str:
+        """The setting that gives :attr:`expert_workers`, for messages: ``ep_size`` or ``workers``."""
+        return "ep_size" if self.ep_size else "workers"
 
     def _check_nodes(self) -> None:
         """--ranks-per-node N: the workers sit N to a node, node-major."""
