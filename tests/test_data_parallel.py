@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow import MoELayer
@@ -44,7 +45,7 @@ class Net(nn.Module):
 
 def _loop(
     rank: int, world_size: int, wrap: str, parallel: str, num_experts: int, autocast: bool = False,
-    ep_size: int | None = None,
+    ep_size: int | None = None, optimizer_name: str = "sgd",
 ) -> dict[str, list[float]]:
     """Seed alike, wrap, and train STEPS steps of SGD with global-norm clipping on this rank's
     share of one global batch (under bf16 autocast if asked); return the mean loss over the ranks
@@ -58,9 +59,11 @@ def _loop(
     trained: nn.Module = model
     if wrap == "ddp":
         trained = expert_data_parallel(model, mesh=mesh)
-    elif wrap == "fsdp2":
-        trained = expert_fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    elif wrap.startswith("fsdp2"):  # on a (dp, ep) mesh "fsdp2" shards the experts too, "fsdp2-whole" does not
+        trained = expert_fully_shard(model, mesh=mesh, shard_experts=wrap == "fsdp2")
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    if optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(1)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -77,7 +80,9 @@ def _loop(
         if world_size > 1:
             dist.all_reduce(mean)
         losses.append(float(mean) / world_size)
-    return {"losses": losses, "norms": norms}
+    w1 = model.moe.experts.w1
+    held = w1.to_local().numel() if isinstance(w1, DTensor) else w1.numel()
+    return {"losses": losses, "norms": norms, "expert_w1_share": [held / (num_experts * M * H)]}
 
 
 def _loops(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> list[dict[str, list[float]]]:
@@ -89,6 +94,8 @@ CASES = {
         ("ddp", "expert", 4, True)],  # mixed precision: bf16 autocast, the norm in fp32
     4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2),  # adaptive E=2: hidden shards
         ("ddp", "expert", 4, False, 2), ("fsdp2", "expert", 8, False, 2),  # EP 2 x DP 2 on a (dp, ep) mesh
+        ("fsdp2", "expert", 8, False, 2, "adamw"), ("fsdp2-whole", "expert", 8, False, 2, "adamw"),
+        ("fsdp2", "adaptive", 2, False, 2),  # the experts sharded over "dp": every expert, hidden shards
         ("ddp", "replicated", 4, False, 2)],
 }
 
@@ -99,7 +106,7 @@ def test_a_user_loop_with_the_helpers_trains_the_one_process_model(world_size: i
     cases = CASES[world_size]
     results = run_distributed(_loops, world_size, cases, timeout_s=300)
     for index, case in enumerate(cases):
-        expected = _loop(0, 1, "none", "expert", *case[2:4])
+        expected = _loop(0, 1, "none", "expert", *case[2:4], optimizer_name=case[5] if len(case) > 5 else "sgd")
         assert max(expected["norms"]) > MAX_NORM, "the clipping must bind for the norm to matter"
         tolerance = {"rtol": 2e-2, "atol": 1e-3} if any(case[3:4]) else {"rtol": 1e-5, "atol": 1e-6}  # bf16 or fp32
         for rank, per_rank in enumerate(results):
@@ -108,6 +115,9 @@ def test_a_user_loop_with_the_helpers_trains_the_one_process_model(world_size: i
                                        msg=f"{case} W={world_size} rank {rank} losses")
             torch.testing.assert_close(got["norms"], expected["norms"], **tolerance,
                                        msg=f"{case} W={world_size} rank {rank} norms")
+            sharded = case[0] == "fsdp2" and len(case) > 4  # the experts over "dp" as well as "ep"
+            expert_ranks = 1 if case[1] == "replicated" else world_size if sharded or len(case) < 5 else case[4]
+            assert got["expert_w1_share"] == [1 / expert_ranks], f"{case} rank {rank}: {got['expert_w1_share']} of w1"
 
 
 def test_one_process_norm_is_torchs_and_experts_are_marked() -> None:
@@ -156,3 +166,36 @@ def test_a_nonfinite_norm_is_returned_and_leaves_the_gradients_alone() -> None:
     before = [p.grad.clone() for p in model.parameters()]
     assert clip_grad_norm_(model, 0.1).isinf()
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def _shard_refusals(rank: int, world_size: int) -> list[str]:
+    """FSDP2 on experts with copies (replicated) is refused; so is moving sharded experts."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    messages = []
+    try:
+        expert_fully_shard(Net("replicated", 4, world_size, mesh["ep"].get_group()), mesh=mesh)
+    except ValueError as error:
+        messages.append(str(error))
+    model = Net("expert", 4, world_size, mesh["ep"].get_group())
+    expert_fully_shard(model, mesh=mesh)
+    try:
+        model.moe.switch(model.moe.schedule, _other(model.moe))
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def _other(layer: MoELayer) -> Any:
+    """Another placement of the layer's experts: the experts of the two ranks swapped."""
+    import dataclasses
+
+    return dataclasses.replace(layer.placement, shards=tuple(reversed(layer.placement.shards)))
+
+
+@pytest.mark.distributed
+def test_sharded_experts_refuse_copies_and_moves() -> None:
+    for messages in run_distributed(_shard_refusals, 4, timeout_s=120):
+        assert len(messages) == 2, messages
+        assert "keeps copies of its experts" in messages[0] and "shard_experts=False" in messages[0]
+        assert "sharded (FSDP2" in messages[1] and "shard_experts=False" in messages[1]
+

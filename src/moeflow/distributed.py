@@ -49,17 +49,18 @@ def free_port() -> int:
 
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-    results: Any, threads: int, collective_timeout_s: float,
+    results: Any, threads: int, collective_timeout_s: float, tune_allocator: bool = True,
 ) -> None:
-    prepare_worker_process()
+    prepare_worker_process(tune_allocator)
     torch.set_num_threads(threads)
     run_in_group(rank, world_size, port, fn, args, results, collective_timeout_s)
 
 
-def prepare_worker_process() -> None:
-    """What a gloo worker process sets once: the loopback interface, the allocator's tuning."""
+def prepare_worker_process(tune_allocator: bool = True) -> None:
+    """What a gloo worker process sets once: the loopback interface, the allocator's tuning (unless
+    ``MOEFLOW_MALLOC_TUNING=0``, or a caller that runs what a user's own process would)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tune_cpu_allocator(tuning_requested(os.environ))
+    tune_cpu_allocator(tune_allocator and tuning_requested(os.environ))
 
 
 def run_in_group(
@@ -89,8 +90,11 @@ def run_distributed(
     threads_per_worker: int = 1,
     timeout_s: float = 600.0,
     collective_timeout_s: float = 60.0,
+    tune_allocator: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+    ``tune_allocator=False`` leaves glibc's allocator as a user's own process has it (see
+    :mod:`moeflow.runtime`).
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`WorkerError`
     naming the worker if any worker raises, dies, or the run exceeds ``timeout_s``.
@@ -103,7 +107,8 @@ def run_distributed(
     workers = [
         context.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, results, threads_per_worker, collective_timeout_s),
+            args=(rank, world_size, port, fn, args, results, threads_per_worker, collective_timeout_s,
+                  tune_allocator),
             daemon=True,
         )
         for rank in range(world_size)

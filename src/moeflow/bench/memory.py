@@ -29,18 +29,25 @@ process's own memory since its program started. Elsewhere ``ru_maxrss`` is used.
 
 from __future__ import annotations
 
-import json
 import math
-import resource
 import shutil
-import subprocess
-import sys
 import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moeflow.bench.memory_accounting import (
+    TRAINING_BYTES_PER_PARAMETER,
+    HeldParameters,
+    Measured,
+    MemoryBenchConfig,
+    baseline_bytes,
+    held_parameters,
+    imports_bytes,
+    saved_bytes,
+    union_of,
+    worker_peaks,
+    worker_record,
+)
 from moeflow.files import print_json
 
 if TYPE_CHECKING:
@@ -50,10 +57,6 @@ if TYPE_CHECKING:
     from moeflow.training.config import TrainConfig
     from moeflow.training.trainer import Job
 
-SCENARIOS = ("generation", "scheduled-generation", "training")
-TRAINING_BYTES_PER_PARAMETER = 16
-"""What training holds per local parameter, as issue 40 counts it: the fp32 weight, its gradient and
-AdamW's two moments."""
 RATIO_TARGET = 1.5
 """Issue 40's target: (peak - baseline) / share at most this at 2 workers and more."""
 HEADS = 4
@@ -63,178 +66,6 @@ VOCAB = 1024
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS, BATCH_SIZE = 8, 16, 8, 8
 """Generation: 8 prompts of 16 random tokens shared among the workers, 8 new tokens each, batches of
 8 (``moeflow generate``'s default batch size)."""
-BASELINE_SCRIPT = """
-import importlib.util
-import torch
-import moeflow
-if importlib.util.find_spec("transformers") is not None:
-    import transformers
-from moeflow.bench.memory import peak_rss_bytes
-print(peak_rss_bytes())
-"""
-"""The import-only process: what every worker holds before it does anything."""
-IMPORTS_SCRIPT = """
-import importlib, json, sys
-for name in json.load(sys.stdin):
-    try:
-        importlib.import_module(name)
-    except (Exception, SystemExit):  # a module that imports only from another, or not here
-        pass
-from moeflow.bench.memory import peak_rss_bytes
-print(peak_rss_bytes())
-"""
-"""The process that imports what a worker had loaded (module names on stdin): its code alone."""
-
-
-@dataclass(frozen=True)
-class MemoryBenchConfig:
-    """The model's shape and the runs' lengths (``steps`` before the checkpoint, and again after
-    the resume); ``data`` and ``vocab_size`` are the training corpus (None: the trainer's default)."""
-
-    scenarios: tuple[str, ...] = SCENARIOS
-    workers: tuple[int, ...] = (1, 2, 4)
-    layers: int = 4
-    model_dim: int = 512
-    hidden_dim: int = 2048
-    num_experts: int = 8
-    top_k: int = 2
-    steps: int = 3
-    data: str | None = None
-    vocab_size: int = 4096
-    imports: bool = True  # also measure the process that imports what the workers loaded
-
-
-# -- what a process holds ---------------------------------------------------------------------------
-
-
-def ru_maxrss_bytes() -> int:
-    """``getrusage``'s peak of this process (kilobytes on Linux, bytes on macOS)."""
-    value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(value) if sys.platform == "darwin" else int(value) * 1024
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: VmHWM on Linux (its own, not its parent's at the
-    fork), else ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return ru_maxrss_bytes()
-
-
-def cuda_peak_allocated_bytes() -> int | None:
-    """The CUDA allocator's peak where this process used CUDA, else None."""
-    import torch
-
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    return int(torch.cuda.max_memory_allocated())
-
-
-def _script_peak(script: str, stdin: str = "") -> int:
-    """The peak of a fresh Python process running ``script`` (which prints it)."""
-    done = subprocess.run([sys.executable, "-c", script], input=stdin, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the measuring process failed:\n{done.stderr[-2000:]}")
-    return int(done.stdout.split()[-1])
-
-
-def baseline_bytes() -> int:
-    """The peak of a fresh process that only imports torch, transformers (if installed) and moeflow."""
-    return _script_peak(BASELINE_SCRIPT)
-
-
-def imports_bytes(modules: list[str]) -> int:
-    """The peak of a fresh process that imports ``modules`` in order: a worker's code alone."""
-    return _script_peak(IMPORTS_SCRIPT, json.dumps(modules))
-
-
-def loaded_modules() -> list[str]:
-    """The modules this process has loaded, in load order (not the ``__main__`` ones)."""
-    return [name for name in sys.modules if not name.startswith("__")]
-
-
-def _worker_peaks() -> dict[str, Any]:
-    """What a worker reports once the library has returned: its peaks and its loaded modules."""
-    return {"peak_bytes": peak_rss_bytes(), "ru_maxrss_bytes": ru_maxrss_bytes(),
-            "cuda_peak_allocated_bytes": cuda_peak_allocated_bytes(), "modules": loaded_modules()}
-
-
-@dataclass(frozen=True)
-class HeldParameters:
-    """A worker's parameters as the library placed them: what it must hold (local counts)."""
-
-    parameters: int
-    non_expert_bytes: int
-    expert_bytes: int  # this rank's shards of every layer's experts
-    model_bytes: int  # the whole model: the non-expert parameters and every expert
-    local_experts: tuple[int, ...]  # per MoE layer, from its placement
-    num_experts: int
-
-    @property
-    def bytes(self) -> int:
-        return self.non_expert_bytes + self.expert_bytes
-
-
-def _expert_numel(placement: Any, kind: str, local: torch.Tensor, rank: int | None) -> int:
-    """Elements of expert parameter ``kind`` that ``rank``'s shards of the placement cover (None:
-    every expert, the full (E, ...) tensor); ``local`` gives the dimensions no placement splits."""
-    from moeflow.parallel.placement import HIDDEN_AXIS
-
-    axis = HIDDEN_AXIS.get(kind)
-    whole = math.prod(placement.full_shape(kind, local)) // placement.num_experts  # one whole expert
-    if rank is None:
-        return placement.num_experts * whole
-    widths = [shard.hidden_stop - shard.hidden_start for shard in placement.local(rank)]
-    return sum(whole * width // placement.hidden_dim if axis is not None else whole for width in widths)
-
-
-def held_parameters(model: nn.Module) -> HeldParameters:
-    """Count ``model``'s local parameters: the non-expert ones as they are, the experts as each MoE
-    layer's placement gives this rank (what it must hold, whatever its tensors hold)."""
-    from moeflow.moe.layer import MoELayer
-
-    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
-    experts = {id(p): (layer, kind, p) for layer in layers for kind, p in layer.experts.named_parameters()}
-    others = [p for p in model.parameters() if id(p) not in experts]
-    mine = [(_expert_numel(layer.placement, kind, p, layer.rank), p.element_size()) for layer, kind, p in
-            experts.values()]
-    every = sum(_expert_numel(layer.placement, kind, p, None) * p.element_size() for layer, kind, p in
-                experts.values())
-    non_expert = sum(p.numel() * p.element_size() for p in others)
-    return HeldParameters(
-        parameters=sum(p.numel() for p in others) + sum(numel for numel, _ in mine), non_expert_bytes=non_expert,
-        expert_bytes=sum(numel * size for numel, size in mine), model_bytes=non_expert + every,
-        local_experts=tuple(layer.placement.num_local(layer.rank) for layer in layers),
-        num_experts=layers[0].placement.num_experts if layers else 0,
-    )
-
-
-Measured = tuple[list[dict[str, Any]], list[str]]
-"""A measurement's records (one per worker) and the modules its workers loaded."""
-
-
-def _union(lists: Iterable[list[str]]) -> list[str]:
-    """The names of every list, each once, in first-seen order."""
-    return list(dict.fromkeys(name for names in lists for name in names))
-
-
-def _record(scenario: str, workers: int, rank: int, result: dict[str, Any], baseline: int, share: int,
-            held: HeldParameters, **extra: Any) -> dict[str, Any]:
-    """One worker's JSON record: peak, baseline, share and their ratio, and what the share is made of."""
-    above = result["peak_bytes"] - baseline
-    return {
-        "bench": "memory", "scenario": scenario, "workers": workers, "rank": rank,
-        "peak_bytes": result["peak_bytes"], "baseline_bytes": baseline, "above_baseline_bytes": above,
-        "share_bytes": share, "ratio": above / share, "parameters": held.parameters,
-        "non_expert_bytes": held.non_expert_bytes, "expert_bytes": held.expert_bytes, "model_bytes": held.model_bytes,
-        "local_experts": list(held.local_experts), "num_experts": held.num_experts, **extra,
-        "ru_maxrss_bytes": result["ru_maxrss_bytes"], "cuda_peak_allocated_bytes": result["cuda_peak_allocated_bytes"],
-    }
 
 
 # -- generation -------------------------------------------------------------------------------------
@@ -270,7 +101,7 @@ def _generation_worker(rank: int, world_size: int, path: str, prompt_ids: list[l
     from moeflow.hf.serving import generate_worker
 
     generate_worker(rank, world_size, path, prompt_ids, BATCH_SIZE, None, settings, schedule)
-    result = _worker_peaks()
+    result = worker_peaks()
     result["held"] = held_parameters(load_hf_model(path, None, dist.group.WORLD if world_size > 1 else None))
     return result
 
@@ -288,9 +119,9 @@ def measure_generation(model_dir: Path, workers: int, baseline: int, scenario: s
     schedule = ScheduleRequest(SchedulerSettings("oracle")) if scenario == "scheduled-generation" else None
     results = run_distributed(_generation_worker, workers, str(model_dir), _prompt_ids(), settings, schedule,
                               timeout_s=3600.0)
-    records = [_record(scenario, workers, rank, result, baseline, result["held"].bytes, result["held"])
+    records = [worker_record(scenario, workers, rank, result, baseline, result["held"].bytes, result["held"])
                for rank, result in enumerate(results)]
-    return records, _union(result["modules"] for result in results)
+    return records, union_of(result["modules"] for result in results)
 
 
 # -- training ---------------------------------------------------------------------------------------
@@ -298,26 +129,15 @@ def measure_generation(model_dir: Path, workers: int, baseline: int, scenario: s
 
 def activation_bytes(model: nn.Module, config: TrainConfig, vocab_size: int, device: torch.device) -> int:
     """Bytes that one training batch's forward keeps for the backward, parameters left out: the
-    activations, counted on the model's real forward with saved-tensor hooks (a collective)."""
+    activations, counted on the model's real forward (a collective)."""
     import torch
 
     from moeflow.training.evaluation import autocast
 
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab_size, (config.batch_size, config.context + 1), generator=generator).to(device)
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast(config, device):
-        model(tokens[:, :-1], tokens[:, 1:])
-    return sum(saved.values())
+    with autocast(config, device):
+        return saved_bytes(model, lambda: model(tokens[:, :-1], tokens[:, 1:]))
 
 
 def _training_share(rank: int, world_size: int, job: Job) -> tuple[HeldParameters, int]:
@@ -344,7 +164,7 @@ def _training_worker(rank: int, world_size: int, job: Job, count_share: bool) ->
     from moeflow.training.trainer import train_worker
 
     train_worker(rank, world_size, job)
-    result = _worker_peaks()
+    result = worker_peaks()
     if count_share:
         result["held"], result["activation_bytes"] = _training_share(rank, world_size, job)
     return result
@@ -386,12 +206,12 @@ def measure_training(config: MemoryBenchConfig, workers: int, baseline: int, run
         held: HeldParameters = second["held"]
         state = TRAINING_BYTES_PER_PARAMETER * held.parameters
         peak = max(first, second, key=lambda result: result["peak_bytes"])
-        records.append(_record(
+        records.append(worker_record(
             "training", workers, rank, peak, baseline, state + second["activation_bytes"], held,
             state_bytes=state, activation_bytes=second["activation_bytes"], peak_save_bytes=first["peak_bytes"],
             peak_resume_bytes=second["peak_bytes"], steps=config.steps, checkpoint=checkpoint.name,
         ))
-    return records, _union(result["modules"] for result in [*saved, *resumed])
+    return records, union_of(result["modules"] for result in [*saved, *resumed])
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
@@ -399,7 +219,9 @@ def measure_training(config: MemoryBenchConfig, workers: int, baseline: int, run
 
 def summarize(records: list[dict[str, Any]], baseline: int) -> dict[str, Any]:
     """The worst worker's ratios per scenario and worker count, and issue 40's targets (every
-    worker's ratio at most 1.5 at 2 workers and more)."""
+    worker's ratio at most 1.5 at 2 workers and more; not for the reference scenarios)."""
+    from moeflow.bench.memory_layouts import REFERENCE_SCENARIOS
+
     worst: dict[str, dict[str, float]] = {}
     after_imports: dict[str, dict[str, float]] = {}
     imports: dict[str, float] = {}
@@ -413,6 +235,8 @@ def summarize(records: list[dict[str, Any]], baseline: int) -> dict[str, Any]:
             by_workers[key] = round(max(by_workers.get(key, -math.inf), record["ratio_after_imports"]), 3)
     targets = []
     for scenario, by_workers in worst.items():
+        if scenario in REFERENCE_SCENARIOS:
+            continue
         ratios = [ratio for workers, ratio in by_workers.items() if int(workers) >= 2]
         if ratios:
             targets.append({"target": f"{scenario}: every worker's ratio <= {RATIO_TARGET} at 2+ workers",
@@ -425,8 +249,12 @@ def summarize(records: list[dict[str, Any]], baseline: int) -> dict[str, Any]:
 def _measure(config: MemoryBenchConfig, scenario: str, workers: int, baseline: int, scratch: Path) -> Measured:
     """One scenario at one worker count (a training run's folder is removed after: its checkpoints
     hold three times the model, twice)."""
+    from moeflow.bench.memory_layouts import LAYOUT_SCENARIOS, measure_layout
+
     if is_generation(scenario):
         return measure_generation(scratch / "model", workers, baseline, scenario)
+    if scenario in LAYOUT_SCENARIOS:
+        return measure_layout(config, scenario, workers, baseline)
     run_dir = scratch / f"train-{workers}"
     try:
         return measure_training(config, workers, baseline, run_dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ from moeflow.kernels.workspace import Workspace
 from moeflow.kernels.workspace import buffer as _buffer
 
 KERNELS = EXPERT_KERNELS
+Ran = TypeVar("Ran", bound=tuple)
+"""What :meth:`ExpertFFN.run_with_weights` returns: a tuple whose first item is the output."""
 
 
 def batched_mm(
@@ -369,13 +371,15 @@ class ExpertFFN(nn.Module):
                                                   ("w3", self.w3, (model_dim, full_hidden), 1)):
                     if weight is None:
                         continue
-                    whole = torch.empty(shape)
+                    in_place = stop - start == full_hidden  # the slot holds the whole expert: no transient copy
+                    whole = weight[local] if in_place else torch.empty(shape)
                     if normal_std is None:
                         bound = 1.0 / math.sqrt(shape[0])
                         whole.uniform_(-bound, bound, generator=generator)
                     else:
                         whole.normal_(0.0, normal_std[kind], generator=generator)
-                    weight[local].copy_(whole.narrow(axis, start, stop - start))
+                    if not in_place:
+                        weight[local].copy_(whole.narrow(axis, start, stop - start))
             for bias in (self.b1, self.b2):
                 if bias is not None:
                     bias.zero_()
@@ -383,6 +387,14 @@ class ExpertFFN(nn.Module):
     def weights(self) -> FFNWeights:
         """The parameters as plain tensors, for code that runs the FFN outside autograd."""
         return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
+
+    def run_with_weights(self, x_TM: torch.Tensor, run: Callable[[torch.Tensor], Ran]) -> Ran:
+        """``run(x_TM)``: the one call inside which a layer reads these weights (its dispatcher:
+        the exchange, the schedule, the experts, the combine), returning the output first. A plain
+        call; it exists so that a wrapper holding the weights sharded has a seam: FSDP2
+        (``register_fsdp_forward_method``) gathers them around it and, after the backward of its
+        output reaches ``x_TM``, reduce-scatters their gradients."""
+        return run(x_TM)
 
     def forward(self, x_LCM: torch.Tensor) -> torch.Tensor:
         """In x's dtype: bf16/fp16 input over fp32 parameters casts the weights (mixed precision)."""

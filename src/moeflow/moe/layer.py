@@ -9,6 +9,7 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -212,10 +213,10 @@ class MoELayer(nn.Module):
         routing, estimate_E = self._route(x_TM, k, recompute, record, slots=path is None)
         call = DispatchCall(x_TM, routing, k, factor, self._kernels(x_TM), recompute)
         agreed = self._agree(path, call, estimate_E, record, r)
-        done = agreed.dispatcher.run(call, agreed.load)
-        y_TM = self._with_shared_experts(x_TM, done.y_TM)
+        routed_TM, stats = self.experts.run_with_weights(x_TM, functools.partial(_dispatch, agreed, call))
+        y_TM = self._with_shared_experts(x_TM, routed_TM)
         if not recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(agreed, done.stats)
+            self._after_forward(agreed, stats)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
     def _ready(self) -> None:
@@ -355,3 +356,10 @@ class MoELayer(nn.Module):
             f"({self.num_local_experts} local of {self.world_size} ranks, {self.schedule.name}), top_k={c.top_k}, "
             f"capacity_factor={c.capacity_factor}, gate={c.gate}, activation={c.activation}"
         )
+
+
+def _dispatch(agreed: Agreed, call: DispatchCall, x_TM: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The agreed dispatcher on the call, with ``x_TM`` as the experts' input (the tokens the
+    experts' wrapper passes on: FSDP2 hooks its gradient)."""
+    done = agreed.dispatcher.run(call if x_TM is call.x_TM else dataclasses.replace(call, x_TM=x_TM), agreed.load)
+    return done.y_TM, done.stats

@@ -32,6 +32,10 @@ def move_experts(
 ) -> None:
     """Rewrite ``experts`` for ``new`` (each slot from its expert's primary copy), with every
     optimizer state tensor shaped like its parameter (AdamW's moments); a collective."""
+    if any(type(parameter).__name__ == "DTensor" for parameter in experts.parameters()):
+        raise ValueError("these experts are sharded (FSDP2 over their data-parallel replicas): a placement that moves "
+                         "them at run time (balance, packing, redundant slots) needs them whole: "
+                         "expert_fully_shard(..., shard_experts=False)")
     for kind, parameter in list(experts.named_parameters()):
         state = optimizer.state.get(parameter, {}) if optimizer is not None else {}
         for key, value in state.items():

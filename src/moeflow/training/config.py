@@ -220,8 +220,10 @@ class TrainConfig:
         if self.workers % self.ep_size:
             raise ValueError(f"workers={self.workers} is not a multiple of ep_size={self.ep_size}: the workers form "
                              f"workers / ep-size data-parallel copies of ep-size expert-parallel workers")
+        if self.ep_size % self.mp_size:
+            raise ValueError(f"ep_size={self.ep_size} is not a multiple of mp_size={self.mp_size}: each expert group "
+                             "holds whole tensor-parallel groups (Parm's MP inside its EP group)")
         refused = [(flag, why) for flag, on, why in (
-            ("--mp-size", self.mp_size > 1, "Parm's schedules behind tensor-parallel attention"),
             ("--shadowing", self.shadowing != "off", "dynamic shadowing"),
             ("--redundant-experts", self.redundant_experts > 0, "EPLB's slots (each copy would place its own)"),
             ("--balance auto", self.balance == "auto", "the per-layer balance choice"),
@@ -299,10 +301,11 @@ class TrainConfig:
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
-        esp = shard_count(self.mp_size, self.esp_size)
-        if self.workers % esp:
-            raise ValueError(f"esp_size={esp} hidden shards per expert must divide workers={self.workers}")
-        expert_groups = self.workers // esp
+        esp, experts_over = shard_count(self.mp_size, self.esp_size), self.expert_workers
+        if experts_over % esp:
+            raise ValueError(f"esp_size={esp} hidden shards per expert must divide "
+                             f"{self.expert_workers_setting}={experts_over}")
+        expert_groups = experts_over // esp
         if self.num_experts % expert_groups or self.hidden_dim % esp:
             raise ValueError(
                 f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with hidden_dim="

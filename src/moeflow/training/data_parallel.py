@@ -29,13 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import group_size
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.expert_parameters import (
+    copies_group,
+    data_parallel_replicas,
     is_expert_parameter,
     reduce_expert_gradient,
     squared_norm_share,
@@ -47,7 +49,7 @@ EXPERT_REPLICA_DIM = "dp"
 """The mesh dimension over which every expert has a replica in each other expert group."""
 
 __all__ = ["clip_grad_norm_", "expert_data_parallel", "expert_fully_shard", "expert_parameter_names",
-           "reduce_experts_in_backward"]
+           "reduce_experts_in_backward", "shard_experts_over_replicas"]
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -142,31 +144,61 @@ def _mesh_groups(model: nn.Module, mesh: DeviceMesh) -> tuple[dist.ProcessGroup,
 
 
 def expert_fully_shard(
-    model: nn.Module, blocks: tuple[nn.Module, ...] = (), mesh: DeviceMesh | None = None, **fsdp_options: Any
+    model: nn.Module, blocks: tuple[nn.Module, ...] = (), mesh: DeviceMesh | None = None, shard_experts: bool = True,
+    **fsdp_options: Any,
 ) -> nn.Module:
     """FSDP2's ``fully_shard`` on ``model``'s weights other than the experts (each of ``blocks``
-    its own unit, then the root), the experts left whole on their ranks and reduced over their
-    copies (:func:`reduce_experts_in_backward`). ``mesh``: the data-parallel mesh (default: all
-    ranks, on a process group apart from the experts'), or a (dp, ep) mesh whose ``"ep"`` groups
-    are the layers' expert groups: the dense weights are then sharded over the whole mesh and each
-    expert, whole on its rank, is also summed over its ``"dp"`` replicas. ``fsdp_options`` go to
-    ``fully_shard``. Seed every rank alike: FSDP2 shards each rank's own initial weights, it
-    broadcasts nothing."""
+    its own unit, then the root). ``mesh``: the data-parallel mesh (default: all ranks, on a
+    process group apart from the experts'), whose experts stay whole on their ranks, reduced over
+    their copies (:func:`reduce_experts_in_backward`); or a (dp, ep) mesh whose ``"ep"`` groups
+    are the layers' expert groups: the dense weights are sharded over the whole mesh and, with
+    ``shard_experts`` (torchtitan's layout), each layer's experts over their ``"dp"`` replicas
+    (:func:`shard_experts_over_replicas`), else they stay whole, summed over those replicas.
+    ``fsdp_options`` go to ``fully_shard``. Seed every rank alike: FSDP2 shards each rank's own
+    initial weights, it broadcasts nothing."""
     from torch.distributed.fsdp import fully_shard  # FSDP pulls in much: only for those who use it
 
     device = next(model.parameters()).device.type
-    replicas = None
+    replicas, whole = None, True
     if mesh is None:
         mesh = DeviceMesh.from_group(dist.new_group(), device)
     elif mesh.ndim == 2:
         dense, replicas = _mesh_groups(model, mesh)
+        if shard_experts:
+            shard_experts_over_replicas(model, mesh[EXPERT_REPLICA_DIM], **fsdp_options)
+            whole = False
         mesh = DeviceMesh.from_group(dense, device)
-    experts = {p for layer in moe_layers(model) for p in layer.experts.parameters()}
+    experts = {p for layer in moe_layers(model) for p in layer.experts.parameters()} if whole else set()
     for block in blocks:
         fully_shard(block, mesh=mesh, ignored_params=experts, **fsdp_options)
     fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_options)
-    reduce_experts_in_backward(model, mesh.get_group(), replicas)
+    if whole:
+        reduce_experts_in_backward(model, mesh.get_group(), replicas)
     return model
+
+
+def shard_experts_over_replicas(model: nn.Module, replicas: DeviceMesh, **fsdp_options: Any) -> None:
+    """Each MoE layer's experts its own FSDP2 unit over ``replicas`` (a (dp, ep) mesh's ``"dp"``
+    dimension: the ranks that hold the same experts in the other expert groups), as torchtitan
+    shards them: every rank keeps 1/DP of its expert group's share, gathered around the layer's
+    dispatcher (:meth:`~moeflow.moe.experts.ExpertFFN.run_with_weights`), the gradients
+    reduce-scattered over the replicas (a sum, then divided by every data-parallel replica: the mean
+    loss; a sum because gloo has no pre-scaled reduction).
+    Refused for placements whose experts have copies: their copies' gradients must add up first."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for layer in moe_layers(model):
+        if copies_group(layer.placement, layer.groups) is not None or layer.placement.split_tokens:
+            raise ValueError(
+                f"an MoE layer's placement ({layer.schedule.name}) keeps copies of its experts, whose gradients "
+                "add up over the copies before the replicas: FSDP2 on experts takes one copy per expert "
+                "(parallel='expert' or hidden shards); pass shard_experts=False to keep them whole")
+        placement_fn = functools.partial(_even_shard, replicas.size())
+        fully_shard(layer.experts, mesh=replicas, **{"shard_placement_fn": placement_fn, **fsdp_options})
+        register_fsdp_forward_method(layer.experts, "run_with_weights")
+        replicas_per_group = data_parallel_replicas(layer.groups) * replicas.size()
+        layer.experts.set_gradient_divide_factor(float(replicas_per_group))  # type: ignore[operator]
+        layer.experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo has no PREMUL_SUM
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -199,19 +231,37 @@ def _dense_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).double().square().sum().cpu()
 
 
+def _even_shard(ways: int, parameter: torch.Tensor) -> Shard:
+    """Shard an expert tensor on its first dimension that splits ``ways`` evenly (the experts, else
+    the model or hidden one: fewer local experts than replicas would leave some ranks none)."""
+    return Shard(next((dim for dim, size in enumerate(parameter.shape) if size % ways == 0), 0))
+
+
 def _expert_squared_norm(layers: list[MoELayer]) -> torch.Tensor:
-    """The experts' squared norm: each rank's share summed over each layer's expert group."""
-    by_group: dict[int, tuple[dist.ProcessGroup | None, list[float]]] = {}
+    """The experts' squared norm: each rank's share summed over each layer's expert group, and
+    over the replicas its experts are FSDP2-sharded over (each rank's shard counted once)."""
+    by_groups: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup | None, ...], list[float]]] = {}
     device = layers[0].experts.w1.device if layers else torch.device("cpu")
     for layer in layers:
-        shares = by_group.setdefault(id(layer.groups.expert), (layer.groups.expert, []))[1]
-        shares += [squared_norm_share(p.grad, layer.placement, layer.rank)
-                   for p in layer.experts.parameters() if p.grad is not None]
+        for parameter in layer.experts.parameters():
+            if parameter.grad is None:
+                continue
+            grad, shards = _local_gradient(parameter.grad)
+            groups = (layer.groups.expert, shards)
+            shares = by_groups.setdefault(tuple(id(group) for group in groups), (groups, []))[1]
+            shares.append(squared_norm_share(grad, layer.placement, layer.rank))
     squared = torch.zeros((), dtype=torch.float64)
-    for group, shares in by_group.values():
+    for groups, shares in by_groups.values():
         part = torch.tensor(sum(shares), dtype=torch.float64, device=device)
-        if group is not None and group_size(group) > 1:
-            all_reduce(part, group)
+        for group in groups:
+            if group is not None and group_size(group) > 1:
+                all_reduce(part, group)
         squared += part.cpu()
     return squared
 
+
+def _local_gradient(grad: torch.Tensor) -> tuple[torch.Tensor, dist.ProcessGroup | None]:
+    """A gradient's local part, and the group its shards span (None: held whole)."""
+    if isinstance(grad, DTensor):
+        return grad.to_local(), grad.device_mesh.get_group()
+    return grad, None

@@ -11,7 +11,7 @@ from moeflow.commands import fail, positive_int
 
 
 def add(benches: Any) -> None:
-    from moeflow.bench.memory import SCENARIOS  # no torch at import
+    from moeflow.bench.memory_accounting import SCENARIOS  # no torch at import
 
     memory = benches.add_parser(
         "memory", help="each worker's peak resident memory against the memory it must hold, for generation and "
@@ -22,7 +22,10 @@ def add(benches: Any) -> None:
         "random Mixtral-like model saved with save_pretrained. scheduled-generation: the same with Lina's per-batch "
         "expert placement (the oracle popularity; a worker fetches the experts it computes but does not store). "
         "training: moeflow train's workers for --steps steps "
-        "and a checkpoint, then a resume from it for --steps more. Each record also gives the peak of a process that "
+        "and a checkpoint, then a resume from it for --steps more. sharded-experts: a user's own loop (AdamW, "
+        "--layers residual MoE layers) on a (dp, ep) mesh of EP = workers / 2 x DP = 2, wrapped by "
+        "expert_fully_shard with the experts FSDP2-sharded over dp; whole-experts: the same with the experts whole "
+        "(the reference). Each record also gives the peak of a process that "
         "imports every module the workers loaded (imports_bytes: the code's own part of the peak) and the ratio above "
         "it.",
     )
@@ -54,11 +57,17 @@ def run_memory(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from moeflow.bench.memory import HEADS, MemoryBenchConfig, is_generation, run, training_config
+    from moeflow.bench.memory_layouts import LAYOUT_SCENARIOS, check_layout
 
     uneven = [w for w in args.workers if args.num_experts % w]
     if uneven:
         raise fail("bench memory", f"--num-experts {args.num_experts} is not divisible by --workers {uneven}: the "
                    "experts are split evenly over the workers")
+    for workers in args.workers if any(s in LAYOUT_SCENARIOS for s in args.scenarios) else ():
+        try:
+            check_layout(workers, args.num_experts)
+        except ValueError as error:
+            raise fail("bench memory", error) from None
     if args.model_dim % HEADS:
         raise fail("bench memory", f"--model-dim {args.model_dim} must be a multiple of the {HEADS} attention heads")
     if args.num_experts < 2:
