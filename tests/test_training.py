@@ -387,6 +387,25 @@ def test_experts_over_two_of_four_workers_train_the_four_worker_model_and_resume
             assert again == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.distributed
+def test_tensor_parallel_attention_on_expert_groups_of_two_trains_the_two_worker_model(
+    two_worker_run: Path, tmp_path: Path
+) -> None:
+    """--workers 4 --mp-size 2 --ep-size 2: two expert groups, each one tensor-parallel group (the
+    heads over its 2 workers, every expert in 2 hidden shards under S2), copies of each other: the
+    2-worker run's losses step for step. The heads' gradients are averaged over the workers holding
+    the same heads in the other group (before the fix, only inside the expert group)."""
+    run_dir = tmp_path / "mp-ep"
+    summary = run_training(tiny(run_dir, workers=4, mp_size=2, ep_size=2, parallel="s2", stop_at=6,
+                                checkpoint_interval=100), report=False)
+    assert summary["ep_size"] == 2
+    expected = losses(two_worker_run)
+    got = losses(run_dir)
+    assert list(got) == [1, 2, 3, 4, 5, 6]
+    for step, loss in got.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+
+
 def test_a_topology_aware_option_on_one_node_is_warned_about(tmp_path: Path) -> None:
     import warnings
     from types import SimpleNamespace

@@ -38,7 +38,7 @@ def replicated_parameters(model: TrainableLM, expert_names: set[str]) -> list[to
 def synchronize_gradients(
     model: TrainableLM, expert_names: set[str], group: dist.ProcessGroup | None, world_size: int,
     scheduler: GradientScheduler | None = None, copies: GradientScheduler | None = None,
-    expert_replicas: dist.ProcessGroup | None = None,
+    expert_replicas: dist.ProcessGroup | None = None, head_replicas: dist.ProcessGroup | None = None,
 ) -> float:
     """Average the replicated parameters' gradients over the workers (one flat all-reduce, or what
     ``scheduler`` reduced during the backward), scale the experts' (each already sums every
@@ -48,7 +48,9 @@ def synchronize_gradients(
     gradients, whose sum over the workers is theirs, for the global clipping norm. With MP groups
     of N workers the W workers are W / N data-parallel replicas. ``expert_replicas`` (``--ep-size``):
     the workers holding the same experts in the other expert groups, over which the experts'
-    gradients are summed first (and their norm then counted by one of them)."""
+    gradients are summed first (and their norm then counted by one of them). ``head_replicas``
+    (``--mp-size``): the workers holding the same attention heads over the whole world; None where
+    the expert group is the world (then its ranks ``N`` apart are they)."""
     heads = model.tensor_parallel_parameter_names()
     replicas = world_size // group_size(model.groups.model)
     replicated, heads_grads, sharded_sq = [], [], 0.0
@@ -84,7 +86,8 @@ def synchronize_gradients(
             _average([p.grad for p, _ in parameters], model.groups.strided(block), replicas)
         sharded_sq += sum(squared_norm_share(p.grad, placed.sharding, model.groups.rank) for p, placed in parameters)
     if heads_grads:
-        _average(heads_grads, model.groups.strided(world_size // replicas), replicas)
+        heads_group = head_replicas if head_replicas is not None else model.groups.strided(world_size // replicas)
+        _average(heads_grads, heads_group, replicas)
         sharded_sq += sum(float(g.pow(2).sum()) for g in heads_grads) / replicas  # each replica counts once
     return sharded_sq
 

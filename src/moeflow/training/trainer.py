@@ -123,6 +123,7 @@ class _Run:
     nonfinite: NonfiniteSteps = field(init=False)  # the config's limit of non-finite steps in a row
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     expert_replicas: dist.ProcessGroup | None = None  # --ep-size: the workers holding this one's experts
+    head_replicas: dist.ProcessGroup | None = None  # --mp-size: the workers holding this one's attention heads
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
 
@@ -169,7 +170,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     device = device_for(config, rank if job.local_rank is None else job.local_rank)
     group = dist.group.WORLD if dist.is_initialized() else None
     topology = Topology(world_size, config.ranks_per_node or job.ranks_per_node or world_size)
-    mp_group = dist.new_subgroups(group_size=config.mp_size)[0] if config.mp_size > 1 else None
+    mp_group, head_replicas = tensor_parallel_layout(config, world_size, device)
     ledger = worker_ledger(rank, world_size, Path(job.run_dir) / PROGRESS, job.faults)
     experts, replicas = expert_layout(config, world_size, device)
     groups = ParallelGroups.from_group(experts or group, topology, ledger)
@@ -194,7 +195,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
-               expert_replicas=replicas)
+               expert_replicas=replicas, head_replicas=head_replicas)
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     if config.dtype == "fp16":
         run.scaler = torch.amp.GradScaler(device.type)
@@ -215,6 +216,20 @@ def expert_layout(
     mesh = init_device_mesh(device.type, (world_size // config.expert_workers, config.expert_workers),
                             mesh_dim_names=(EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM))
     return mesh[EXPERT_PARALLEL_DIM].get_group(), mesh[EXPERT_REPLICA_DIM].get_group()
+
+
+def tensor_parallel_layout(
+    config: TrainConfig, world_size: int, device: torch.device
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """``--mp-size N``: the workers on a (replica, mp) DeviceMesh, the tensor-parallel group this
+    worker's ``"mp"`` row of N consecutive workers (Parm's MP group) and the workers holding the
+    same attention heads its ``"replica"`` column, N apart over the whole world (whatever the expert
+    group); (None, None) without tensor parallelism."""
+    if config.mp_size == 1:
+        return None, None
+    mesh = init_device_mesh(device.type, (world_size // config.mp_size, config.mp_size),
+                            mesh_dim_names=("replica", "mp"))
+    return mesh["mp"].get_group(), mesh["replica"].get_group()
 
 
 def warn_one_node(config: TrainConfig, groups: ParallelGroups) -> None:
@@ -309,7 +324,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     sync_began = time.perf_counter()
     with tracked(run.ledger, "gradient all-reduce", run.group, phase="gradient sync"):
         expert_sq = synchronize_gradients(model, expert_names, run.group, run.world_size, run.grad_scheduler,
-                                          run.copy_scheduler, run.expert_replicas)
+                                          run.copy_scheduler, run.expert_replicas, run.head_replicas)
     lm_loss = float(model.last_lm_loss) if model.last_lm_loss is not None else float("nan")
     lm_sum, total_sum, expert_sq_global = all_reduce_sum([lm_loss, float(loss.detach()), expert_sq], run.group,
                                                           run.device, run.ledger)
