@@ -213,7 +213,7 @@ class TrainConfig:
 
     def _check_expert_parallel_size(self) -> None:
         """--ep-size N: the experts over N consecutive workers, those groups copies of each other over
-        the data-parallel rest; what does not run on a group smaller than the workers is refused here."""
+        the data-parallel rest; a layout that cannot be is refused here."""
         if self.ep_size is None or self.ep_size == self.workers:
             return
         require_positive_int("ep_size", self.ep_size)
@@ -223,16 +223,6 @@ class TrainConfig:
         if self.ep_size % self.mp_size:
             raise ValueError(f"ep_size={self.ep_size} is not a multiple of mp_size={self.mp_size}: each expert group "
                              "holds whole tensor-parallel groups (Parm's MP inside its EP group)")
-        refused = [(flag, why) for flag, on, why in (
-            ("--shadowing", self.shadowing != "off", "dynamic shadowing"),
-            ("--redundant-experts", self.redundant_experts > 0, "EPLB's slots (each copy would place its own)"),
-            ("--balance auto", self.balance == "auto", "the per-layer balance choice"),
-            ("--expert-packing", self.expert_packing != "off", "Lina's packing"),
-        ) if on]
-        if refused:
-            flag, why = refused[0]
-            raise ValueError(f"{flag}: {why} does not run yet with experts over fewer workers than the job has "
-                             f"(--ep-size {self.ep_size} of --workers {self.workers}): drop {flag} or --ep-size")
         from moeflow.parallel.registry import REPLICATING_SCHEDULES
 
         if self.parallel in REPLICATING_SCHEDULES:
@@ -258,11 +248,12 @@ class TrainConfig:
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
         if self.hf is None:
             check_techniques(moe, self.layer_schedule())
-        if self.redundant_experts and (self.num_experts + self.redundant_experts) % self.workers:
+        over = self.expert_workers
+        if self.redundant_experts and (self.num_experts + self.redundant_experts) % over:
             raise ValueError(
                 f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
-                f"expert slots must split evenly over the {self.workers} workers; choose a value that makes the sum "
-                f"a multiple of {self.workers}"
+                f"expert slots must split evenly over the {over} workers of {self.expert_workers_setting}; choose a "
+                f"value that makes the sum a multiple of {over}"
             )
 
     def _check_packing(self, moe: MoEConfig) -> None:
@@ -275,8 +266,8 @@ class TrainConfig:
         if self.hf is not None or self.mp_size > 1:
             raise ValueError("--expert-packing re-places the experts of moeflow's own model under the expert-parallel "
                              "schedule: drop --hf and --mp-size, or use --expert-packing off")
-        least = self.num_experts // self.workers
-        check_packing(moe, self.layer_schedule(), self.workers,
+        least = self.num_experts // self.expert_workers
+        check_packing(moe, self.layer_schedule(), self.expert_workers,
                       packing if isinstance(packing, int) else least)
 
     def layer_schedule(self) -> str:

@@ -82,9 +82,12 @@ def synchronize_gradients(
     if copies is not None:
         copies.finish()
     for block, parameters in packed.items():  # each block's copy summed its own tokens: add the copies
-        if copies is None:
-            _average([p.grad for p, _ in parameters], model.groups.strided(block), replicas)
-        sharded_sq += sum(squared_norm_share(p.grad, placed.sharding, model.groups.rank) for p, placed in parameters)
+        grads = [p.grad for p, _ in parameters]
+        if copies is None:  # (the scheduler's groups span the world: the expert groups' copies too)
+            _flat_sum(grads, model.groups.strided(block))
+            _average(grads, expert_replicas if copies_of_experts > 1 else None, replicas)
+        sharded_sq += sum(squared_norm_share(p.grad, placed.sharding, model.groups.rank)
+                          for p, placed in parameters) / copies_of_experts
     if heads_grads:
         heads_group = head_replicas if head_replicas is not None else model.groups.strided(world_size // replicas)
         _average(heads_grads, heads_group, replicas)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from moeflow.comm.groups import max_over_ranks
+from moeflow.comm.groups import group_size, max_over_ranks
 from moeflow.comm.traffic import AllToAllTraffic
 from moeflow.config import MoEConfig
 from moeflow.models import TrainableLM
@@ -82,6 +83,7 @@ class ExpertPacker:
     experts_per_rank: int | None = None
     settled: bool = False
     window: list[MicroOpTimes] = field(default_factory=list)
+    replicas: dist.ProcessGroup | None = None  # --ep-size: the expert groups' copies, which must pack alike
 
     def start(self, model: TrainableLM, optimizer: torch.optim.Optimizer) -> None:
         """A fixed packing from the first step (a collective)."""
@@ -105,6 +107,8 @@ class ExpertPacker:
         groups = model.groups
         if groups.size > 1:
             means = max_over_ranks(means, groups.expert, groups.ledger)
+        if group_size(self.replicas) > 1:  # every copy of the expert group decides on the slowest
+            means = max_over_ranks(means, self.replicas, groups.ledger)
         expert_s, alltoall_s, measured = means
         if not measured:  # no all-to-all ran (every expert already on every worker)
             return False

@@ -1,6 +1,7 @@
 """EPLB in training: every ``interval`` steps, each MoE layer with redundant slots is placed for the
 load its router gave over the last ``window`` steps, moving weights and optimizer state once per
-change. The loads are global (every rank records the same), so every rank places the same way.
+change. The loads are global (every rank records the same, summed over the expert groups' copies
+under ``--ep-size``), so every rank places the same way.
 A layer with ``balance='auto'`` first chooses, for that load, among no balancing, shadowing and
 the slots (:mod:`moeflow.parallel.balance`).
 
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from moeflow.comm.collectives import reduce_values
+from moeflow.comm.groups import group_size
 from moeflow.models import TrainableLM
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.balance import choose_execution
@@ -30,12 +34,19 @@ class ExpertRebalancer:
     history: dict[int, deque[list[int]]] = field(default_factory=dict)  # block -> recent tokens_per_expert
     placed_for: dict[int, list[int]] = field(default_factory=dict)  # block -> the load of its placement
     placed_steps: dict[int, int] = field(default_factory=dict)  # block -> the steps that load covers
+    replicas: dist.ProcessGroup | None = None  # --ep-size: the expert groups' copies, whose loads add up
 
     def record(self, model: TrainableLM) -> None:
-        """Append this step's load of every layer with redundant slots."""
-        for block, layer in _redundant_layers(model):
-            if layer.last_stats is not None:
-                self.history.setdefault(block, deque(maxlen=self.window)).append(layer.last_stats.tokens_per_expert)
+        """Append this step's load of every layer with redundant slots: the load of its expert
+        group, summed over the copies of that group (one all-reduce for all layers), so that every
+        copy places its experts alike and their gradients keep lining up."""
+        loads = {block: layer.last_stats.tokens_per_expert for block, layer in _redundant_layers(model)
+                 if layer.last_stats is not None}
+        if group_size(self.replicas) > 1 and loads:
+            summed = iter(reduce_values([count for load in loads.values() for count in load], self.replicas))
+            loads = {block: [round(next(summed)) for _ in load] for block, load in loads.items()}
+        for block, load in loads.items():
+            self.history.setdefault(block, deque(maxlen=self.window)).append(list(load))
 
     def step(self, step: int, model: TrainableLM, optimizer: torch.optim.Optimizer) -> list[int]:
         """After ``step``'s update: on every ``interval``-th step, place each layer for its recorded

@@ -180,7 +180,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     model = build_model(config, corpus, groups, device)
     optimizer = build_optimizer(model, config)
     start_step, tokens_seen, state = 0, 0, None
-    rebalancer = (ExpertRebalancer(config.rebalance_interval, config.rebalance_window)
+    rebalancer = (ExpertRebalancer(config.rebalance_interval, config.rebalance_window, replicas=replicas)
                   if config.redundant_experts else None)
     if job.resume_from is not None:
         state = load_checkpoint(Path(job.resume_from), model, optimizer, rank, world_size)
@@ -188,7 +188,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         if rebalancer is not None:
             rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
-    packer = _packer(config, model, optimizer, state)
+    packer = _packer(config, model, optimizer, state, replicas)
     for layer, planned in zip(model.moe_layers(), (state or {}).get("planners", []), strict=False):
         layer.planner.load_state_dict(planned)  # the same plans as the interrupted run: bit-exact under auto
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
@@ -244,13 +244,13 @@ def warn_one_node(config: TrainConfig, groups: ParallelGroups) -> None:
 
 
 def _packer(config: TrainConfig, model: TrainableLM, optimizer: torch.optim.Optimizer,
-            state: dict[str, Any] | None) -> ExpertPacker | None:
+            state: dict[str, Any] | None, replicas: dist.ProcessGroup | None) -> ExpertPacker | None:
     """Lina's expert packing (``--expert-packing``): a fixed packing as asked (also on resume: the
-    flag wins); auto as the checkpoint left it."""
+    flag wins); auto as the checkpoint left it, deciding alike on the expert groups' copies."""
     packing = parse_packing(config.expert_packing)
     if packing == "off":
         return None
-    packer = ExpertPacker(packing, config.packing_warmup, config.packing_interval)
+    packer = ExpertPacker(packing, config.packing_warmup, config.packing_interval, replicas=replicas)
     if packing == "auto" and state is not None and "packer" in state:
         packer.restore(state["packer"], model, optimizer)
     else:
