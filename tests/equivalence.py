@@ -9,6 +9,8 @@ of every rank) and the global routing counts.
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -469,19 +471,24 @@ def _tokens(case: Case, rank: int, world_size: int) -> torch.Tensor:
     return x
 
 
-def _groups(case: Case, world_size: int, cache: dict[tuple[int, int], ParallelGroups]) -> ParallelGroups:
-    """One ParallelGroups per topology and MP size for the whole run (their groups are made once)."""
-    if world_size == 1 and not torch.distributed.is_initialized():
+def _groups(case: Case, world: CaseWorld, cache: dict[tuple[int, int], ParallelGroups]) -> ParallelGroups:
+    """One ParallelGroups per topology and MP size for the whole run (their groups are made once):
+    on the case world's group, whose nodes hold ``case.ranks_per_node`` of its ranks each."""
+    if world.size == 1 and not torch.distributed.is_initialized():
         return ParallelGroups.single_process()
-    per_node = case.ranks_per_node if case.ranks_per_node and world_size % case.ranks_per_node == 0 else world_size
-    mp = mp_size(case, world_size)
+    per_node = case.ranks_per_node if case.ranks_per_node and world.size % case.ranks_per_node == 0 else world.size
+    mp = mp_size(case, world.size)
     if (per_node, mp) not in cache:
         model = torch.distributed.new_subgroups(group_size=mp)[0] if mp > 1 else None
-        cache[per_node, mp] = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, per_node), model)
+        group = world.group if world.group is not None else torch.distributed.group.WORLD
+        cache[per_node, mp] = ParallelGroups.from_group(group, Topology(world.world_size, per_node))
+        cache[per_node, mp].model = model
     return cache[per_node, mp]
 
 
-def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tuple[ReferenceMoE, MoELayer]:
+def _build(
+    case: Case, rank: int, world_size: int, groups: ParallelGroups, world: dist.ProcessGroup | None = None
+) -> tuple[ReferenceMoE, MoELayer]:
     torch.manual_seed(7)
     kwargs = dict(case.layer)
     execution = {  # how the layer runs, not what it computes: the reference has no such knobs
@@ -523,7 +530,7 @@ def _build(case: Case, rank: int, world_size: int, groups: ParallelGroups) -> tu
     layer = layer.to(case.dtype)
     layer.load_full_state_dict(reference.state_dict())
     if world_size > 1:
-        reference.global_load = _sum_over_ranks
+        reference.global_load = functools.partial(_sum_over_ranks, group=world)
     return reference, layer
 
 
@@ -561,11 +568,12 @@ def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
 
 
 def check_case(
-    case: Case, rank: int, world_size: int, groups: ParallelGroups, device: str = "cpu"
+    case: Case, rank: int, world_size: int, groups: ParallelGroups, device: str = "cpu",
+    world: dist.ProcessGroup | None = None,
 ) -> list[str]:
     """Run one case on this rank, the layer on ``device``; return a list of mismatch descriptions
-    (empty when equal)."""
-    reference, layer = _build(case, rank, world_size, groups)
+    (empty when equal). ``rank`` and ``world_size`` are in the case's ``world`` (None: all ranks)."""
+    reference, layer = _build(case, rank, world_size, groups, world)
     layer = layer.to(device)
     failures: list[str] = []
     for step in range(case.steps):
@@ -621,7 +629,7 @@ def check_case(
         dropped = torch.tensor(reference.dropped_per_expert or [0] * case.num_experts)
         if world_size > 1:
             mp = mp_size(case, world_size)
-            counts, dropped = _sum_over_ranks(counts) // mp, _sum_over_ranks(dropped) // mp
+            counts, dropped = _sum_over_ranks(counts, world) // mp, _sum_over_ranks(dropped, world) // mp
         stats = layer.last_stats
         assert stats is not None
         assert stats.plan is not None
@@ -636,11 +644,38 @@ def check_case(
     return failures
 
 
-def check_cases(rank: int, world_size: int, cases: list[Case], device: str = "cpu") -> tuple[int, list[str]]:
-    """Worker entry point: run every case; return (cases run, all mismatches)."""
+def check_cases(
+    rank: int, world_size: int, cases: list[Case], device: str = "cpu", ep_size: int | None = None
+) -> tuple[int, list[str]]:
+    """Worker entry point: run every case; return (cases run, all mismatches). ``ep_size``: the
+    layers on the "ep" rows of a (dp, ep) DeviceMesh, each row a case world of its own (the
+    reference over its ranks' tokens), the rows copies of each other."""
     failures: list[str] = []
     groups: dict[tuple[int, int], ParallelGroups] = {}
+    world = CaseWorld.whole(rank, world_size) if ep_size is None else CaseWorld.mesh_row(world_size, ep_size)
     for case in cases:
-        failures.extend(check_case(case, rank, world_size, _groups(case, world_size, groups), device))
+        failures.extend(check_case(case, world.rank, world.size, _groups(case, world, groups), device, world.group))
     return len(cases), [f"rank {rank}: {f}" for f in failures]
+
+
+@dataclass(frozen=True)
+class CaseWorld:
+    """The ranks a case runs over: the whole world, or this rank's row of a (dp, ep) mesh."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None  # None: the world
+    world_size: int
+
+    @classmethod
+    def whole(cls, rank: int, world_size: int) -> CaseWorld:
+        return cls(rank, world_size, None, world_size)
+
+    @classmethod
+    def mesh_row(cls, world_size: int, ep_size: int) -> CaseWorld:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+        group = mesh["ep"].get_group()
+        return cls(dist.get_rank(group), ep_size, group, world_size)
 

@@ -28,3 +28,13 @@ def test_expert_parallel_matches_reference(world_size: int) -> None:
     cases = all_cases()
     results = run_distributed(check_cases, world_size, cases, timeout_s=300, collective_timeout_s=60)
     _assert_no_failures(results, len(cases))
+
+
+@pytest.mark.distributed
+def test_expert_groups_on_a_2x2_mesh_match_reference() -> None:
+    """The whole table with each layer on an "ep" row of a (dp, ep) = (2, 2) DeviceMesh: every
+    technique, algorithm and schedule on an expert group of 2 of the 4 ranks (its node layout from
+    the world's), against the reference over that group's tokens; the rows run side by side."""
+    cases = all_cases()
+    results = run_distributed(check_cases, 4, cases, "cpu", 2, timeout_s=300, collective_timeout_s=60)
+    _assert_no_failures(results, len(cases))
