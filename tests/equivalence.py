@@ -10,7 +10,6 @@ of every rank) and the global routing counts.
 from __future__ import annotations
 
 import functools
-
 import itertools
 import os
 from dataclasses import dataclass, field
