@@ -95,6 +95,7 @@ CASES = {
     4: [("ddp", "expert", 4), ("fsdp2", "expert", 8), ("ddp", "adaptive", 2),  # adaptive E=2: hidden shards
         ("ddp", "expert", 4, False, 2), ("fsdp2", "expert", 8, False, 2),  # EP 2 x DP 2 on a (dp, ep) mesh
         ("fsdp2", "expert", 8, False, 2, "adamw"), ("fsdp2-whole", "expert", 8, False, 2, "adamw"),
+        ("ddp", "expert", 8, False, 2, "adamw"),
         ("fsdp2", "adaptive", 2, False, 2),  # the experts sharded over "dp": every expert, hidden shards
         ("ddp", "replicated", 4, False, 2)],
 }

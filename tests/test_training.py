@@ -427,14 +427,17 @@ def test_tensor_parallel_attention_on_expert_groups_of_two_trains_the_two_worker
     2-worker run's losses step for step. The heads' gradients are averaged over the workers holding
     the same heads in the other group (before the fix, only inside the expert group)."""
     run_dir = tmp_path / "mp-ep"
-    summary = run_training(tiny(run_dir, workers=4, mp_size=2, ep_size=2, parallel="s2", stop_at=6,
-                                checkpoint_interval=100), report=False)
+    summary = run_training(tiny(run_dir, workers=4, mp_size=2, ep_size=2, parallel="s2", stop_at=6), report=False)
     assert summary["ep_size"] == 2
     expected = losses(two_worker_run)
     got = losses(run_dir)
     assert list(got) == [1, 2, 3, 4, 5, 6]
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-5), step
+    # its checkpoint (each expert's hidden shards written once) evaluates on one worker as the 2-worker run's
+    on_one = run_distributed(_evaluate_checkpoint, 1, str(run_dir / "checkpoints" / "step-000006"))[0]
+    reference = run_distributed(_evaluate_checkpoint, 1, str(two_worker_run / "checkpoints" / "step-000006"))[0]
+    assert on_one == pytest.approx(reference, rel=1e-5)
 
 
 def test_a_topology_aware_option_on_one_node_is_warned_about(tmp_path: Path) -> None:
