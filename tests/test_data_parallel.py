@@ -200,3 +200,53 @@ def test_sharded_experts_refuse_copies_and_moves() -> None:
         assert "keeps copies of its experts" in messages[0] and "shard_experts=False" in messages[0]
         assert "sharded (FSDP2" in messages[1] and "shard_experts=False" in messages[1]
 
+
+
+def _resumed_losses(rank: int, world_size: int, wrap: str, ep_size: int, path: str, save: bool) -> list[float]:
+    """Train 2 steps of AdamW (the 8-expert Net, EP = ep_size over a (dp, ep) mesh), save with
+    save_mesh_checkpoint and train 2 more; or load such a checkpoint and train those 2 steps.
+    Returns the losses after the checkpoint (mean over the ranks)."""
+    from moeflow.training.mesh_checkpoint import load_mesh_checkpoint, save_mesh_checkpoint
+
+    mesh = None
+    if world_size > 1:
+        mesh = init_device_mesh("cpu", (world_size // ep_size, ep_size), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0 if save else 1)  # the loading run starts elsewhere: the checkpoint must carry it all
+    model = Net("expert", 8, world_size, None if mesh is None else mesh["ep"].get_group())
+    trained: nn.Module = model
+    if wrap == "ddp":
+        trained = expert_data_parallel(model, mesh=mesh)
+    elif wrap.startswith("fsdp2"):
+        trained = expert_fully_shard(model, mesh=mesh, shard_experts=wrap == "fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(ROWS, M, generator=data), torch.randn(ROWS, 1, generator=data)) for _ in range(4)]
+    if not save:
+        load_mesh_checkpoint(path, trained, optimizer, mesh)
+    losses = []
+    for step, (x, y) in enumerate(batches if save else batches[2:]):
+        if save and step == 2:
+            save_mesh_checkpoint(path, trained, optimizer, mesh)
+        share = slice(rank * ROWS // world_size, (rank + 1) * ROWS // world_size)
+        loss = F.mse_loss(trained(x[share]), y[share])
+        optimizer.zero_grad()
+        loss.backward()
+        clip_grad_norm_(model, MAX_NORM)
+        optimizer.step()
+        mean = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    return losses[-2:]
+
+
+@pytest.mark.distributed
+def test_a_mesh_checkpoint_resumes_on_another_layout(tmp_path: Any) -> None:
+    """Saved at EP 2 x DP 2 with the experts FSDP2-sharded, AdamW's state included: resumed with
+    the experts whole over EP 4 (DDP), over EP 1 x DP 4 (FSDP2-sharded), and on one process, the
+    next steps' losses are the uninterrupted run's."""
+    path = str(tmp_path / "mesh")
+    expected = run_distributed(_resumed_losses, 4, "fsdp2", 2, path, True, timeout_s=120)[0]
+    for world_size, wrap, ep_size in ((4, "ddp", 4), (4, "fsdp2", 1), (1, "none", 1)):
+        got = run_distributed(_resumed_losses, world_size, wrap, ep_size, path, False, timeout_s=120)[0]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"{wrap} EP {ep_size} of {world_size}")
