@@ -111,3 +111,34 @@ def test_a_job_that_does_not_pickle_fails_in_the_caller() -> None:
         assert pool.run(_sleep, 0.0) == [None]
     finally:
         pool.close()
+
+
+def _fsdp_norm(rank: int, world_size: int, groups_before: int) -> int:
+    """FSDP2 on a mesh of a group of the job's own, then a sharded gradient's norm (as
+    clip_grad_norm_ takes it), after ``groups_before`` other groups: DTensor caches plans that name
+    the job's groups, by a mesh equality that ignores them."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    for _ in range(groups_before):
+        dist.new_group()
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=DeviceMesh.from_group(dist.new_group(), "cpu"))
+    model(torch.ones(2, 4)).sum().backward()
+    norm = torch.linalg.vector_norm(model.weight.grad).full_tensor()
+    assert norm.item() > 0
+    return os.getpid()
+
+
+def test_a_job_that_ran_dtensor_operations_leaves_new_processes_to_the_next() -> None:
+    """Two such jobs in a row both run (before, the second found the first's mesh in DTensor's caches
+    and failed with "Could not resolve the process group"); a plain job keeps its processes."""
+    pool = WorkerPool(2)
+    try:
+        first = pool.run(_fsdp_norm, 2)
+        second = pool.run(_fsdp_norm, 0)  # the same mesh, on a group of another name
+        assert not set(first) & set(second)
+        plain = [seen["pid"] for seen in pool.run(_state, "a")]
+        assert plain == [seen["pid"] for seen in pool.run(_state, "b")]
+    finally:
+        pool.close()

@@ -13,6 +13,9 @@ spawns its processes once and sends them jobs. Each job still starts as a fresh 
   (a spawned process would write to the descriptors it inherited, which a pool spawned earlier
   holds from then).
 
+A job that ran DTensor operations ends its processes after it (:func:`_kept_device_meshes`): torch
+caches what such a job planned in ways a later job cannot undo.
+
 It fails as :func:`~moeflow.distributed.run_distributed` does. A job that raises, dies or runs past
 its deadline raises :class:`~moeflow.distributed.WorkerError` naming the worker. The pool's
 processes end with it, and the next job spawns new ones.
@@ -70,6 +73,9 @@ class WorkerPool:
             self.close(wait_s=0.1)  # a failed job leaves its processes in an unknown state
             raise
         self._forward_output()
+        assert self._output is not None
+        if any((self._output / f"{rank}{RETIRED}").exists() for rank in range(self.world_size)):
+            self.close()  # the next job spawns new processes
         return [collected[rank] for rank in range(self.world_size)]
 
     def _forward_output(self) -> None:
@@ -119,19 +125,42 @@ def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int, o
         port, job, collective_timeout_s, environment, cwd = task
         _fresh_state(environment, cwd, threads, first_seed)
         with _written_to(Path(output) / f"{rank}.out", Path(output) / f"{rank}.err"):
-            run_in_group(rank, world_size, port, _call, (job,), results, collective_timeout_s)
+            run_in_group(rank, world_size, port, _call, (job, output), results, collective_timeout_s)
         gc.collect()
+        if (Path(output) / f"{rank}{RETIRED}").exists():
+            return
 
 
-def _call(rank: int, world_size: int, job: bytes) -> Any:
+def _call(rank: int, world_size: int, job: bytes, output: str) -> Any:
     """Unpickled inside the group's try, so a job that does not load reports its traceback. The
-    streams are flushed before the result is sent: the caller reads the output once it has them all."""
+    streams are flushed, and a worker that cannot serve another job says so, before the result is
+    sent: the caller reads both once it has every result."""
     try:
         fn, args = pickle.loads(job)
         return fn(rank, world_size, *args)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if _kept_device_meshes():
+            (Path(output) / f"{rank}{RETIRED}").touch()
+
+
+RETIRED = ".retired"
+"""The file a worker writes beside its output when it ends after the job (see :func:`_kept_device_meshes`)."""
+
+
+def _kept_device_meshes() -> bool:
+    """Whether the job ran DTensor operations. DTensor caches its sharding and redistribution plans
+    by DeviceMesh equality, which ignores the mesh's process groups, and some of those caches are
+    per thread: a later job's equal mesh would get back plans that name this job's destroyed
+    groups ("Could not resolve the process group"). Such a worker ends after the job, and the next
+    job gets new processes, as a new worker has no such cache."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagate = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cache = getattr(getattr(propagate, "propagate_op_sharding", None), "cache", None)
+    used = cache is not None and cache.cache_info().currsize > 0
+    return used or bool(getattr(_redistribute, "_planner_cache", None))
 
 
 @contextlib.contextmanager

@@ -362,13 +362,14 @@ FIELD_HELP: dict[str, str] = {
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "ep_size": "the experts of every MoE layer over this many consecutive workers, those groups data-parallel "
-    "copies of each other (expert parallel inside data parallel); unset: over every worker",
+    "copies of each other (expert parallel inside data parallel); unset: over every worker; a multiple of "
+    "--mp-size",
     "ranks_per_node": "workers per node, numbered node-major (what 2DH, pairwise, the smart schedule and the "
     "topology gate read); unset: the launcher's LOCAL_WORLD_SIZE, or every worker on one node",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
     "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
     "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "
-    "--workers; the experts split over --workers / esp-size expert-parallel groups",
+    "--ep-size (unset: --workers); the experts split over ep-size / esp-size expert-parallel groups",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
     "shadowing": "FasterMoE's dynamic shadowing of every MoE layer: off, or auto (each step its cost model picks "
     "hot experts whose weights are broadcast instead of sending their tokens; needs --profile and the "
@@ -377,7 +378,7 @@ FIELD_HELP: dict[str, str] = {
     "nodes: off; auto (the share from --profile's bandwidths); or the share itself in [0, 1] (FastMoE: "
     f"{FASTERMOE_REMOTE_SHARE}). Was --gate plain|topology",
     "redundant_experts": "EPLB: this many extra expert slots per MoE layer, holding replicas of the hot experts "
-    "(the expert-parallel schedule; experts + this a multiple of --workers)",
+    "(the expert-parallel schedule; experts + this a multiple of --ep-size, unset: --workers)",
     "balance": "fixed (--shadowing and --redundant-experts as set) or auto: at every rebalance each MoE layer "
     "runs the fastest of no balancing, shadowing and its --redundant-experts slots for its recorded load, by the "
     "cost model (needs --profile and --redundant-experts)",

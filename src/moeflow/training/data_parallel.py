@@ -163,6 +163,8 @@ def expert_fully_shard(
     if mesh is None:
         mesh = DeviceMesh.from_group(dist.new_group(), device)
     elif mesh.ndim == 2:
+        if shard_experts:
+            _refuse_copies(model)  # before any group is made
         dense, replicas = _mesh_groups(model, mesh)
         if shard_experts:
             shard_experts_over_replicas(model, mesh[EXPERT_REPLICA_DIM], **fsdp_options)
@@ -187,12 +189,8 @@ def shard_experts_over_replicas(model: nn.Module, replicas: DeviceMesh, **fsdp_o
     Refused for placements whose experts have copies: their copies' gradients must add up first."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    _refuse_copies(model)
     for layer in moe_layers(model):
-        if copies_group(layer.placement, layer.groups) is not None or layer.placement.split_tokens:
-            raise ValueError(
-                f"an MoE layer's placement ({layer.schedule.name}) keeps copies of its experts, whose gradients "
-                "add up over the copies before the replicas: FSDP2 on experts takes one copy per expert "
-                "(parallel='expert' or hidden shards); pass shard_experts=False to keep them whole")
         placement_fn = functools.partial(_even_shard, replicas.size())
         fully_shard(layer.experts, mesh=replicas, **{"shard_placement_fn": placement_fn, **fsdp_options})
         register_fsdp_forward_method(layer.experts, "run_with_weights")
@@ -229,6 +227,15 @@ def _dense_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(norms).double().square().sum().cpu()
+
+
+def _refuse_copies(model: nn.Module) -> None:
+    for layer in moe_layers(model):
+        if copies_group(layer.placement, layer.groups) is not None or layer.placement.split_tokens:
+            raise ValueError(
+                f"an MoE layer's placement ({layer.schedule.name}) keeps copies of its experts, whose gradients "
+                "add up over the copies before the replicas: FSDP2 on experts takes one copy per expert "
+                "(parallel='expert' or hidden shards); pass shard_experts=False to keep them whole")
 
 
 def _even_shard(ways: int, parameter: torch.Tensor) -> Shard:

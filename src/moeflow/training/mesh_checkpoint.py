@@ -109,6 +109,7 @@ def _expert_grid(mesh: DeviceMesh | None) -> DeviceMesh | None:
     if set(names) != {"dp", "ep"}:
         raise ValueError(f"mesh must be 2-D with dims named ('dp', 'ep'), got {names or mesh.ndim}")
     order = [names.index("ep"), names.index("dp")]
+    # coordinates only (DCP's offsets): no process group of its own, so a checkpoint every few steps makes none
     return DeviceMesh(mesh.device_type, mesh.mesh.permute(order), mesh_dim_names=("ep", "dp"), _init_backend=False)
 
 
