@@ -240,13 +240,21 @@ def _resumed_losses(rank: int, world_size: int, wrap: str, ep_size: int, path: s
     return losses[-2:]
 
 
+def _saved_and_resumed(rank: int, world_size: int, path: str) -> list[list[float]]:
+    """Saved at EP 2 x DP 2 (sharded experts), then resumed over EP 4 (DDP) and over EP 1 x DP 4
+    (sharded experts), in one job (each run on meshes of its own)."""
+    return [_resumed_losses(rank, world_size, "fsdp2", 2, path, True),
+            _resumed_losses(rank, world_size, "ddp", 4, path, False),
+            _resumed_losses(rank, world_size, "fsdp2", 1, path, False)]
+
+
 @pytest.mark.distributed
 def test_a_mesh_checkpoint_resumes_on_another_layout(tmp_path: Any) -> None:
     """Saved at EP 2 x DP 2 with the experts FSDP2-sharded, AdamW's state included: resumed with
     the experts whole over EP 4 (DDP), over EP 1 x DP 4 (FSDP2-sharded), and on one process, the
     next steps' losses are the uninterrupted run's."""
     path = str(tmp_path / "mesh")
-    expected = run_distributed(_resumed_losses, 4, "fsdp2", 2, path, True, timeout_s=120)[0]
-    for world_size, wrap, ep_size in ((4, "ddp", 4), (4, "fsdp2", 1), (1, "none", 1)):
-        got = run_distributed(_resumed_losses, world_size, wrap, ep_size, path, False, timeout_s=120)[0]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"{wrap} EP {ep_size} of {world_size}")
+    expected, *resumed = run_distributed(_saved_and_resumed, 4, path, timeout_s=120)[0]
+    resumed.append(run_distributed(_resumed_losses, 1, "none", 1, path, False, timeout_s=120)[0])
+    for layout, got in zip(("DDP over EP 4", "sharded over EP 1 x DP 4", "one process"), resumed, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=layout)
