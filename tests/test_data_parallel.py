@@ -177,12 +177,24 @@ def _shard_refusals(rank: int, world_size: int) -> list[str]:
         expert_fully_shard(Net("replicated", 4, world_size, mesh["ep"].get_group()), mesh=mesh)
     except ValueError as error:
         messages.append(str(error))
+    try:
+        shadowing = MoELayer(M, H, 4, top_k=2, shadowing=[0], group=mesh["ep"].get_group())
+        expert_fully_shard(nn.Sequential(shadowing), mesh=mesh)
+    except ValueError as error:
+        messages.append(str(error))
     model = Net("expert", 4, world_size, mesh["ep"].get_group())
     expert_fully_shard(model, mesh=mesh)
     try:
         model.moe.switch(model.moe.schedule, _other(model.moe))
     except ValueError as error:
         messages.append(str(error))
+    from moeflow.training.mesh_checkpoint import save_mesh_checkpoint
+
+    for optimizer, given in ((torch.optim.SGD(model.parameters(), lr=0.1), mesh), (None, None)):
+        try:  # SGD's state is not Adam's; without the mesh, the expert group is not the whole world
+            save_mesh_checkpoint("/nonexistent", model, optimizer, given)
+        except ValueError as error:
+            messages.append(str(error))
     return messages
 
 
@@ -194,11 +206,14 @@ def _other(layer: MoELayer) -> Any:
 
 
 @pytest.mark.distributed
-def test_sharded_experts_refuse_copies_and_moves() -> None:
+def test_sharded_experts_refuse_copies_shadows_and_moves_and_the_mesh_checkpoint_its_limits() -> None:
     for messages in run_distributed(_shard_refusals, 4, timeout_s=120):
-        assert len(messages) == 2, messages
+        assert len(messages) == 5, messages
         assert "keeps copies of its experts" in messages[0] and "shard_experts=False" in messages[0]
-        assert "sharded (FSDP2" in messages[1] and "shard_experts=False" in messages[1]
+        assert "shadows experts" in messages[1] and "shard_experts=False" in messages[1]
+        assert "sharded (FSDP2" in messages[2] and "shard_experts=False" in messages[2]
+        assert "not SGD's" in messages[3] and "optimizer=None" in messages[3]
+        assert 'is not this rank\'s mesh "ep" group' in messages[4]
 
 
 

@@ -41,6 +41,9 @@ def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | 
                              f"{len(layers)}")
         for layer in layers:
             scheduler.check_layer(layer.config.num_experts, layer.world_size)
+            if any(type(p).__name__ == "DTensor" for p in layer.experts.parameters()):
+                raise ValueError("Lina's inference scheduling fetches experts' weights ahead of their layer: it "
+                                 "needs them whole, not FSDP2-sharded (expert_fully_shard(..., shard_experts=False))")
     for index, layer in enumerate(layers):
         schedule_layer(layer, None if scheduler is None else scheduler.hook(index))
         if scheduler is not None:  # the layer before it may fetch its copies ahead

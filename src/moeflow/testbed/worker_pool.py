@@ -160,7 +160,9 @@ def _kept_device_meshes() -> bool:
     propagate = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     cache = getattr(getattr(propagate, "propagate_op_sharding", None), "cache", None)
     used = cache is not None and cache.cache_info().currsize > 0
-    return used or bool(getattr(_redistribute, "_planner_cache", None))
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    planned = transforms is not None and transforms.cache_info().currsize > 0
+    return used or planned or bool(getattr(_redistribute, "_planner_cache", None))
 
 
 @contextlib.contextmanager

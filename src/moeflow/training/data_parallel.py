@@ -36,7 +36,6 @@ from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import group_size
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.expert_parameters import (
-    copies_group,
     data_parallel_replicas,
     is_expert_parameter,
     reduce_expert_gradient,
@@ -194,6 +193,10 @@ def shard_experts_over_replicas(model: nn.Module, replicas: DeviceMesh, **fsdp_o
         placement_fn = functools.partial(_even_shard, replicas.size())
         fully_shard(layer.experts, mesh=replicas, **{"shard_placement_fn": placement_fn, **fsdp_options})
         register_fsdp_forward_method(layer.experts, "run_with_weights")
+        if not hasattr(layer.experts, "set_force_sum_reduction_for_comms"):
+            raise RuntimeError("this torch's FSDP2 cannot set a gradient divide factor with a sum reduction "
+                               "(FSDPModule.set_force_sum_reduction_for_comms): upgrade torch, or pass "
+                               "shard_experts=False")
         replicas_per_group = data_parallel_replicas(layer.groups) * replicas.size()
         layer.experts.set_gradient_divide_factor(float(replicas_per_group))  # type: ignore[operator]
         layer.experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo has no PREMUL_SUM
@@ -230,12 +233,19 @@ def _dense_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _refuse_copies(model: nn.Module) -> None:
+    """Sharded experts take one copy of each expert, read only inside the layer's dispatcher: refuse
+    (making no group) copies, whose gradients add up before the replicas', and FasterMoE's shadows,
+    whose gradient sum would race FSDP2's reduce-scatter."""
     for layer in moe_layers(model):
-        if copies_group(layer.placement, layer.groups) is not None or layer.placement.split_tokens:
+        if layer.placement.copies_block() is not None or layer.placement.split_tokens:
             raise ValueError(
                 f"an MoE layer's placement ({layer.schedule.name}) keeps copies of its experts, whose gradients "
                 "add up over the copies before the replicas: FSDP2 on experts takes one copy per expert "
                 "(parallel='expert' or hidden shards); pass shard_experts=False to keep them whole")
+        if layer.config.shadowing != "off":
+            raise ValueError("an MoE layer shadows experts (FasterMoE), whose gradients are summed back during the "
+                             "backward: FSDP2 on experts does not run beside it; build the layer with "
+                             "shadowing='off' or pass shard_experts=False to keep the experts whole")
 
 
 def _even_shard(ways: int, parameter: torch.Tensor) -> Shard:

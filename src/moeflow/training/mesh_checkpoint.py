@@ -17,7 +17,7 @@ packing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,11 +66,18 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Devi
            create: bool) -> dict[str, torch.Tensor]:
     """DCP's entries: views of the live tensors (a load writes into them)."""
     experts = dict(_expert_parameters(model))
-    grid = _expert_grid(mesh)
+    grid = _expert_grid(mesh, next(model.parameters()).device.type)
+    _check_expert_groups(experts.values(), grid)
     state = {MODEL + name: _as_global(tensor, experts.get(name), grid) for name, tensor in model.state_dict().items()}
     if optimizer is None:
         return state
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(f"the mesh checkpoint holds Adam's or AdamW's state, not {type(optimizer).__name__}'s: "
+                         "pass optimizer=None and save that state yourself")
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for name, parameter in model.named_parameters():
+        if id(parameter) not in optimized:
+            continue
         entries = optimizer.state[parameter]
         if create and not entries:  # AdamW's state before its first step, to read into
             entries.update(step=torch.zeros(()), exp_avg=torch.zeros_like(parameter),
@@ -97,20 +104,33 @@ def _expert_parameters(model: nn.Module) -> Iterator[tuple[str, MoELayer]]:
             yield f"{prefix}.experts.{kind}" if prefix else f"experts.{kind}", module
 
 
-def _expert_grid(mesh: DeviceMesh | None) -> DeviceMesh | None:
+def _expert_grid(mesh: DeviceMesh | None, device_type: str) -> DeviceMesh | None:
     """The mesh with "ep" first: the experts' dimension splits over "ep" before "dp" (each expert
-    group holds E / EP consecutive experts, which FSDP2 splits again over "dp")."""
+    group holds E / EP consecutive experts, which FSDP2 splits again over "dp"), on the device type
+    of the parameters (a mesh of another would copy them, and a load would fill the copies)."""
     if mesh is None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
-        return DeviceMesh("cpu", torch.arange(dist.get_world_size()).view(-1, 1), mesh_dim_names=("ep", "dp"),
-                          _init_backend=False)
+        return DeviceMesh(device_type, torch.arange(dist.get_world_size()).view(-1, 1),
+                          mesh_dim_names=("ep", "dp"), _init_backend=False)
     names = mesh.mesh_dim_names or ()
     if set(names) != {"dp", "ep"}:
         raise ValueError(f"mesh must be 2-D with dims named ('dp', 'ep'), got {names or mesh.ndim}")
     order = [names.index("ep"), names.index("dp")]
     # coordinates only (DCP's offsets): no process group of its own, so a checkpoint every few steps makes none
-    return DeviceMesh(mesh.device_type, mesh.mesh.permute(order), mesh_dim_names=("ep", "dp"), _init_backend=False)
+    return DeviceMesh(device_type, mesh.mesh.permute(order), mesh_dim_names=("ep", "dp"), _init_backend=False)
+
+
+def _check_expert_groups(layers: Iterable[MoELayer], grid: DeviceMesh | None) -> None:
+    """Each layer's expert group must be this rank's "ep" row of the grid, in rank order: the
+    chunks' offsets come from the grid."""
+    if grid is None:
+        return
+    row = grid.mesh[:, grid.get_coordinate()[1]].tolist()  # type: ignore[index]
+    for layer in layers:
+        if list(layer.groups.members) != row:
+            raise ValueError(f"an MoE layer's expert group (ranks {layer.groups.members}) is not this rank's mesh "
+                             f'"ep" group (ranks {row}): pass the (dp, ep) mesh the layers were built on')
 
 
 def _as_global(tensor: torch.Tensor, layer: MoELayer | None, grid: DeviceMesh | None) -> torch.Tensor:
