@@ -370,6 +370,18 @@ def test_experts_over_two_of_four_workers_train_the_four_worker_model_and_resume
         # atol: the attention's key bias has a gradient of rounding noise only (softmax ignores it), which
         # AdamW scales to steps of lr's size: the summation order moves it by up to 4e-6 in 4 steps
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
+    from safetensors.torch import load_file
+
+    from moeflow.cli import main
+
+    exported = {}  # moeflow export reads the --ep-size run as any other
+    for name in ("ep2", "ep4"):
+        assert main(["export", str(tmp_path / name), "--out", str(tmp_path / f"{name}-export")]) == 0
+        exported[name] = {key: tensor for path in (tmp_path / f"{name}-export").glob("*.safetensors")
+                          for key, tensor in load_file(path).items()}
+    assert exported["ep2"].keys() == exported["ep4"].keys() and any(".experts." in k for k in exported["ep2"])
+    for key, tensor in exported["ep2"].items():
+        torch.testing.assert_close(tensor, exported["ep4"][key], rtol=1e-5, atol=1e-5, msg=key)
     import shutil
 
     # the expert groups on two nodes each (one worker per node): the pairwise exchange takes the same steps
