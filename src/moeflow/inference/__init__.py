@@ -21,6 +21,7 @@ from moeflow.inference.scheduler import (
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.dynamic import DynamicPlacementSchedule
 from moeflow.parallel.expert_fetch import start_fetch
+from moeflow.parallel.expert_parameters import holds_shards
 from moeflow.parallel.inference_hook import Fetch, InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.registry import check_techniques
@@ -41,7 +42,7 @@ def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | 
                              f"{len(layers)}")
         for layer in layers:
             scheduler.check_layer(layer.config.num_experts, layer.world_size)
-            if any(type(p).__name__ == "DTensor" for p in layer.experts.parameters()):
+            if holds_shards(layer.experts):
                 raise ValueError("Lina's inference scheduling fetches experts' weights ahead of their layer: it "
                                  "needs them whole, not FSDP2-sharded (expert_fully_shard(..., shard_experts=False))")
     for index, layer in enumerate(layers):

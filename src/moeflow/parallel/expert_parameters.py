@@ -40,6 +40,12 @@ def is_expert_parameter(parameter: torch.Tensor) -> bool:
     return bool(getattr(parameter, EXPERT_MARKER, False))
 
 
+def holds_shards(experts: nn.Module) -> bool:
+    """Whether ``experts``' parameters are FSDP2's shards over their replicas (DTensors), not this
+    rank's whole experts (by type name: the layer's import does not pull in DTensor)."""
+    return any(type(parameter).__name__ == "DTensor" for parameter in experts.parameters())
+
+
 def data_parallel_replicas(groups: ParallelGroups) -> int:
     """How many data-parallel replicas the expert group holds: its ranks, or its ranks over the
     tensor-parallel group's when the members of one (Parm's MP group) share the same tokens."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.moe.experts import ExpertFFN
+from moeflow.parallel.expert_parameters import holds_shards
 from moeflow.parallel.placement import ExpertPlacement, gather_full
 
 
@@ -32,7 +33,7 @@ def move_experts(
 ) -> None:
     """Rewrite ``experts`` for ``new`` (each slot from its expert's primary copy), with every
     optimizer state tensor shaped like its parameter (AdamW's moments); a collective."""
-    if any(type(parameter).__name__ == "DTensor" for parameter in experts.parameters()):
+    if holds_shards(experts):
         raise ValueError("these experts are sharded (FSDP2 over their data-parallel replicas): a placement that moves "
                          "them at run time (balance, packing, redundant slots) needs them whole: "
                          "expert_fully_shard(..., shard_experts=False)")
