@@ -45,6 +45,9 @@ PIPELINE_POLICIES = ("auto", "model", "search", "smart")
 """How the expert-parallel region is pipelined: planned per iteration (``auto``, ``model``,
 ``search``: capacity-chunk degrees and algorithms, with FasterMoE's smart schedule among the
 candidates), or FasterMoE's smart schedule forced (``smart``); an int forces a capacity-chunk degree."""
+GRADIENT_BUCKET_MB = 1.0
+"""Megabytes at which a gradient bucket closes under ``grad_sync='overlap'`` (the trainer's default,
+and the bucket the joint planner simulates for it)."""
 MAX_PIPELINE_DEGREE = 64
 """The largest capacity-chunk degree ``pipeline`` may force."""
 PADDED, RAGGED = "padded", "ragged"

@@ -1,7 +1,8 @@
 """``moeflow plan``: predicted times of an MoE layer from a calibrated profile, per all-to-all
-algorithm and pipeline degree, Theorem 1's choice, the replicated schedule, every Tutel r of the
-adaptive schedule, and a summary; with ``--mp N``, Parm's modes behind tensor-parallel attention of N
-ranks instead (the DeepSpeed-MoE baseline, S1, S2 with and without SAA, and Algorithm 1's choice)."""
+algorithm and pipeline degree, the replicated schedule, every Tutel r of the adaptive schedule, and a
+summary; with ``--mp N``, Parm's modes behind tensor-parallel attention of N ranks instead (the
+DeepSpeed-MoE baseline, S1, S2 with and without SAA, and Algorithm 1's choice). With ``--cluster``,
+``--config`` or ``--out``, the joint planner instead (:mod:`moeflow.commands.plan_joint`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def add_parser(commands: Any) -> None:
                       help="the joint planner instead: a simulator cluster (shipped name, TOML, or calibrate JSON); "
                       "ranks schedule x degree x algorithm x shadowing for a whole training step on the simulator")
     plan.add_argument("--model", default=None, help="with --cluster: a shipped model name or TOML model file")
+    plan.add_argument("--config", default=None,
+                      help="the joint planner for this moeflow train config file's model (with --cluster, or with "
+                      "--profile: the calibrated cluster's twin)")
+    plan.add_argument("--out", default=None,
+                      help="the joint planner writes its fastest plan here as a plan file for moeflow train --plan "
+                      "(with --profile: on the calibrated cluster's twin, for moeflow train's model or --config's)")
     plan.add_argument("--nodes", type=positive_int, default=None,
                       help="with --cluster: resize the cluster to this many nodes")
     plan.add_argument("--top", type=positive_int, default=5, help="with --cluster: plans to print (default 5)")
@@ -50,33 +57,11 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if (args.profile is None) == (args.cluster is None):
         raise fail("plan", "pass --profile (one layer, calibrated fits) or --cluster with --model (the joint planner)")
-    if args.cluster is not None:
-        return _joint_plan(args)
+    from moeflow.commands.plan_joint import joint_plan, wants_joint_plan
+
+    if wants_joint_plan(args):
+        return joint_plan(args)
     return _layer_plan(args)
-
-
-def _joint_plan(args: argparse.Namespace) -> int:
-    """The simulator's search over the model file's shape (--model); the layer flags (--tokens,
-    --num-experts, ...) describe --profile's one layer and do not apply here."""
-    import json
-
-    from moeflow.sim import ClusterFileError, load_cluster, load_model, plan_label
-    from moeflow.sim.planner import SearchSpace, search
-
-    try:
-        cluster = load_cluster(args.cluster)
-        cluster = cluster.resized(args.nodes) if args.nodes else cluster
-        model = load_model(args.model)
-        results = search(cluster, model, training=not args.forward_only, top=args.top,
-                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp))
-    except (ClusterFileError, ValueError, FileNotFoundError) as error:
-        raise fail("plan", error) from None
-    for rank, result in enumerate(results, 1):
-        print(json.dumps({"rank": rank, **result.to_dict(), "step_ms": round(result.step_s * 1e3, 4)}), flush=True)
-    best = results[0]
-    print(f"# {cluster.name} ({cluster.world_size} ranks), {model.name}: best plan {plan_label(best.plan)} at "
-          f"{best.step_s * 1e3:.4g} ms per {'batch' if args.forward_only else 'step'}")
-    return 0
 
 
 def _layer_plan(args: argparse.Namespace) -> int:

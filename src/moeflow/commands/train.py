@@ -85,8 +85,9 @@ def _add_train(commands: Any) -> None:
 
 
 def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
-    """Defaults < config file < flags; with --resume, the resumed run's config < flags."""
+    """Defaults < plan file (--plan) < config file < flags; with --resume, the resumed run's config < flags."""
     from moeflow.training.launch import resume_config
+    from moeflow.training.plan_file import read_plan_file
 
     names = {f.name for f in fields(TrainConfig)} | {"gate"}  # gate: the old name of topology_gate
     flags = checked_keys({name: value for name, value in vars(args).items() if name in names}, source="flag")
@@ -95,7 +96,9 @@ def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path 
             raise ValueError("--config and --resume do not combine: a resumed run keeps its saved config (flags win)")
         return resume_config(args.resume, flags)
     values = load_config_file(args.config_file) if getattr(args, "config_file", None) else {}
-    return TrainConfig(**{**values, **flags}), None
+    plan = flags.get("plan", values.get("plan"))
+    planned = read_plan_file(plan)[0] if plan else {}
+    return TrainConfig(**{**planned, **values, **flags}), None
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -27,13 +27,18 @@ class StepBuilder:
     """Writes the operations of one step for one (cluster, model, plan)."""
 
     def __init__(self, cluster: Cluster, model: ModelSpec, plan: StepPlan, region: Region, gated_share: float = 1.0,
-                 replicates_experts: bool = False, training: bool = True, layer_only: bool = False) -> None:
+                 replicates_experts: bool = False, training: bool = True, layer_only: bool = False,
+                 world: Cluster | None = None) -> None:
+        """``cluster`` is one expert group's ranks; ``world`` every rank (the gradient all-reduces
+        span it), when the groups are copied over data-parallel replicas."""
         self.cluster, self.model, self.plan, self.training = cluster, model, plan, training
         self.region = region  # the schedule's expert region (its record's)
         self.gated_share = gated_share  # the share of its MP group's tokens a rank gates (Parm's S1: 1 / N_MP)
         self.replicates_experts = replicates_experts  # every expert on every rank: data-parallel weights
         self.layer_only = layer_only  # the MoE layers alone: no attention, gradient all-reduce or optimizer
         self.network = Network(cluster)
+        self.world_network = Network(world) if world is not None and world is not cluster else self.network
+        self.replicas = self.world_network.world // cluster.world_size  # copies of each expert group
         self.timeline = Timeline(cluster.world_size)
         self.device = cluster.device
         self.priority = 1 if plan.prioritize_alltoall else 0
@@ -139,6 +144,22 @@ class StepBuilder:
             self._transfers[key] = self.network.allreduce(nbytes, self.plan.allreduce)
         return self.collective(GRADIENTS, self._transfers[key], deps, "allreduce")
 
+    def gradient_allreduce(self, nbytes: float, deps: list[int]) -> int:
+        """An all-reduce over every rank (the dense gradients), as this group's links see it."""
+        key = ("gradients", self.plan.allreduce, nbytes)
+        if key not in self._transfers:
+            steps = self.world_network.allreduce(nbytes, self.plan.allreduce)
+            self._transfers[key] = self.world_network.onto(self.network, steps) if self.replicas > 1 else steps
+        return self.collective(GRADIENTS, self._transfers[key], deps, "allreduce")
+
+    def replica_allreduce(self, nbytes: float, deps: list[int]) -> int:
+        """An all-reduce over the copies of this group's experts (ranks equal modulo its size)."""
+        key = ("replicas", nbytes)
+        if key not in self._transfers:
+            steps = self.world_network.strided_allreduce(nbytes, self.cluster.world_size)
+            self._transfers[key] = self.world_network.onto(self.network, steps)
+        return self.collective(GRADIENTS, self._transfers[key], deps, "allreduce-experts")
+
     # -- the step ---------------------------------------------------------------------------------
 
     def build(self, loads: list[LayerLoad]) -> Timeline:
@@ -152,19 +173,22 @@ class StepBuilder:
         tail = self._head(tail, backward=True)
         synced, pending = [], self._head_bytes()  # the LM head's gradient is ready first (untied)
         if pending and not self.layer_only and pending >= self.plan.bucket_mb * 1e6:
-            synced.append(self.allreduce(pending, tail))
+            synced.append(self.gradient_allreduce(pending, tail))
             pending = 0.0
         for index, load in enumerate(reversed(loads)):
             tail = [self._layer(load, tail, backward=True)]
             pending += self._gradient_bytes()
             if not self.layer_only and (pending >= self.plan.bucket_mb * 1e6 or index == len(loads) - 1):
-                synced.append(self.allreduce(pending, tail))  # a full bucket (or each layer's own)
+                synced.append(self.gradient_allreduce(pending, tail))  # a full bucket (or each layer's own)
                 pending = 0.0
+            if not self.layer_only and self.replicas > 1 and not self.replicates_experts:
+                synced.append(self.replica_allreduce(self._expert_parameters_per_rank() * self.model.element_bytes,
+                                                     tail))
         if self.layer_only:
             return self.timeline
         m = self.model
         if m.vocab_size:  # the input embedding's gradient, all-reduced once the backward is done
-            synced.append(self.allreduce(self._head_bytes(), tail))
+            synced.append(self.gradient_allreduce(self._head_bytes(), tail))
         params = m.layers * (self._dense_parameters_per_rank() + self._expert_parameters_per_rank()) + \
             2 * m.vocab_size * m.dims.model_dim
         self.timeline.compute(COMPUTE, self.memory_s(params * ADAM_BYTES_PER_PARAMETER), tail + synced, "optimizer")

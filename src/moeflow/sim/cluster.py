@@ -93,6 +93,18 @@ class Cluster:
         return replace(self, nodes=nodes, gpus_per_node=per_node)
 
 
+    def expert_group(self, ep: int) -> Cluster:
+        """The cluster one expert-parallel group of ``ep`` consecutive ranks sees: its own ranks and
+        links (every group runs alike). A group tiles the nodes: it divides a node or spans whole ones."""
+        world, per_node = self.world_size, self.gpus_per_node
+        if ep == world:
+            return self
+        if ep < 1 or world % ep or (per_node % ep and ep % per_node):
+            raise ValueError(f"ep ({ep}) must divide the {world} ranks and either divide the {per_node} GPUs per "
+                             "node or be a multiple of them (expert groups tile the nodes)")
+        return self.resized(1, ep) if ep <= per_node else self.resized(ep // per_node)
+
+
 class ClusterFileError(ValueError):
     """A cluster profile that cannot be used; the message names the file and the field."""
 

@@ -234,6 +234,31 @@ class Network:
             return self.scaled("allreduce", [self._tree_allreduce(nbytes)])
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; use ring, tree or auto")
 
+    def strided_allreduce(self, nbytes: float, stride: int) -> list[Step]:
+        """Ring all-reduce of ``nbytes`` per rank inside each group of ranks equal modulo ``stride``
+        (the data-parallel copies of an expert group's experts), every group at once: a node carries
+        one hop out per ring with members in it, each step."""
+        size = self.world // stride
+        if size <= 1 or nbytes <= 0:
+            return []
+        steps, chunk = 2 * (size - 1), nbytes / size
+        members_per_node = max(1, self.per_node // stride)
+        spans_nodes = size > members_per_node
+        rings = min(stride, self.per_node)  # groups with members in each node
+        gpu = self._intra(steps, steps * chunk) if members_per_node > 1 else 0.0
+        nic = self._inter(steps * max(rings, self.cluster.nics_per_node), steps * chunk * rings) if spans_nodes else 0.0
+        latency = steps * self._latency(members_per_node > 1, spans_nodes)
+        return self.scaled("allreduce", [Transfer(self._work(gpu, gpu, nic, nic), latency, "allreduce.strided")])
+
+    def onto(self, group: Network, steps: list[Step]) -> list[Step]:
+        """``steps`` of this (the world's) network as the first expert group's resources see them:
+        its ranks' links and its nodes' NICs (a group inside a node sees its node's NIC)."""
+        w, n, ranks, nodes = self.world, self.nodes, group.world, group.nodes
+        keep = np.concatenate([np.arange(ranks), w + np.arange(ranks), 2 * w + np.arange(nodes),
+                               2 * w + n + np.arange(nodes)])
+        return [Transfer(step.work[keep], step.latency_s, step.name) if isinstance(step, Transfer) else step
+                for step in steps]
+
     def _ring_allreduce(self, nbytes: float) -> Transfer:
         w, g = self.world, self.per_node
         steps = 2 * (w - 1)

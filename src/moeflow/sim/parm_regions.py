@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.sim.cluster import Cluster
@@ -152,9 +152,19 @@ def _plans(esps: Callable[[int], tuple[int, ...]]) -> Callable[[str, PlanSpace],
 
 
 WHOLE_OR_SHARDED = _plans(lambda mp: (1, mp))  # experts whole, or sharded over the MP group (moeflow's layout)
-S1 = SimulatedSchedule(s1_region, WHOLE_OR_SHARDED, check_parm_layout, gated_share=lambda plan: 1.0 / plan.mp)
-S2 = SimulatedSchedule(s2_region, WHOLE_OR_SHARDED, check_parm_layout)
+def _settings(combine: str, esp: bool = True) -> Callable[[StepPlan], dict[str, Any]]:
+    """A Parm plan's ``moeflow train`` settings: its schedule and degree behind ``mp_size``, the
+    combine's all-to-all, and N_ESP where the schedule takes one."""
+    def settings(plan: StepPlan) -> dict[str, Any]:
+        return {"parallel": plan.schedule, "pipeline": plan.degree, "alltoall": combine, "mp_size": plan.mp,
+                **({"esp_size": plan.esp} if esp else {})}
+    return settings
+
+
+S1 = SimulatedSchedule(s1_region, WHOLE_OR_SHARDED, check_parm_layout, gated_share=lambda plan: 1.0 / plan.mp,
+                       settings=_settings("linear"))
+S2 = SimulatedSchedule(s2_region, WHOLE_OR_SHARDED, check_parm_layout, settings=_settings("saa"))  # S2 with SAA
 BASELINE = SimulatedSchedule(baseline_region, _plans(lambda mp: (mp,)), check_parm_layout,
-                             gated_share=lambda plan: float(plan.esp))
+                             gated_share=lambda plan: float(plan.esp), settings=_settings("linear", esp=False))
 """DeepSpeed-MoE's layout: every expert sharded over the ESP group (= the MP group), the experts
 divided over the EP ranks."""

@@ -5,6 +5,7 @@ write plans and the builder that reads them stay below the registry."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moeflow.config import ALLTOALL_ALGORITHMS
@@ -26,7 +27,7 @@ class StepPlan:
     prioritize_alltoall: bool = False
     r: int | None = None
     shadowed: int = 0
-    bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer
+    bucket_mb: float = 0.0  # gradients all-reduced in buckets of this many MB (DDP: 25); 0: per layer; inf: after
     mp: int = 1  # N_MP: attention split over this many consecutive ranks (Megatron), Parm's schedules only
     esp: int = 1  # N_ESP: each expert's hidden dimension sharded over this many consecutive ranks
     padded_backward: bool = False  # dropless backward on the padded buffer (moeflow's CPU ragged kernel until 11-26)
@@ -34,12 +35,15 @@ class StepPlan:
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
     ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
     redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
+    ep: int | None = None  # experts over groups of this many consecutive ranks, copied world / ep times; None: all
 
     def __post_init__(self) -> None:
         for name in ("degree", "shadowed", "mp", "esp", "redundant_slots"):
             value, least = getattr(self, name), 0 if name in ("shadowed", "redundant_slots") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if self.ep is not None and (isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1):
+            raise ValueError(f"ep must be None (every rank) or an integer >= 1, got {self.ep!r}")
         if self.algorithm not in ALLTOALL_ALGORITHMS:
             raise ValueError(
                 f"all-to-all algorithm must be one of {', '.join(ALLTOALL_ALGORITHMS)}, got {self.algorithm!r}")
@@ -49,11 +53,20 @@ class StepPlan:
             raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
 
     def options_label(self) -> str:
-        """The label's tail that every schedule shares: the exchange, shadowing, slots, priority."""
-        return (" ragged" if self.ragged_exchange else "") + \
+        """The label's tail that every schedule shares: the expert group, the exchange, shadowing,
+        slots, priority."""
+        return (f" ep={self.ep}" if self.ep is not None else "") + (" ragged" if self.ragged_exchange else "") + \
+            (self.sync_label() if not self.prioritize_alltoall else "") + \
             (f" shadow={self.shadowed}" if self.shadowed else "") + \
             (f" slots+{self.redundant_slots}" if self.redundant_slots else "") + \
             (" prioritized" if self.prioritize_alltoall else "")
+
+
+    def sync_label(self) -> str:
+        """How the gradients are all-reduced, where it is not one all-reduce per layer."""
+        if self.bucket_mb == math.inf:
+            return " sync=after"
+        return f" buckets={self.bucket_mb:g}MB" if self.bucket_mb else ""
 
 
 def simulated_algorithm(name: str | None) -> str:

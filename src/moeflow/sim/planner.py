@@ -1,18 +1,22 @@
-"""The joint planner: every (schedule, pipeline degree, all-to-all algorithm, shadowing) the cluster
-can run, ranked by the simulator. Plans are ranked on a few-layer proxy of the model (layers add up,
+"""The joint planner: every (expert group size, schedule, pipeline degree, all-to-all algorithm,
+shadowing) the cluster can run, ranked by the simulator. The layout is the expert-parallel group
+size EP (experts over EP consecutive ranks, copied over world / EP data-parallel replicas) and,
+behind ``mp``, the tensor-parallel attention group. Plans are ranked on a few-layer proxy of the model (layers add up,
 except where the gradient all-reduce overlaps the layers below) and the best are re-simulated at
 full depth, so a 2,048-rank search takes seconds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
+from moeflow.config import GRADIENT_BUCKET_MB
 from moeflow.parallel.registry import SIMULATED
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan
 from moeflow.sim.step import StepResult, simulate_step
 from moeflow.sim.technique import PlanSpace
-from moeflow.sim.workload import ModelSpec, routing_loads
+from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
 DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the plan search tries."""
@@ -28,6 +32,7 @@ class SearchSpace:
     shadowed: tuple[int, ...] = SHADOWED
     prioritize_alltoall: bool = False
     mp: int = 1  # > 1: attention is tensor-parallel over this many ranks, so Parm's schedules run
+    ep_sizes: tuple[int, ...] = ()  # the expert group sizes to try; (): every size that tiles the nodes
 
 
 def algorithms_for(cluster: Cluster) -> list[str]:
@@ -40,30 +45,84 @@ def algorithms_for(cluster: Cluster) -> list[str]:
     return out
 
 
+def expert_group_sizes(cluster: Cluster) -> list[int]:
+    """The expert-parallel group sizes the layout search tries: every size that tiles the nodes
+    (divides a node, or spans whole ones), largest first (every rank: plain expert parallelism)."""
+    world, per_node = cluster.world_size, cluster.gpus_per_node
+    return sorted((ep for ep in range(1, world + 1) if world % ep == 0 and (per_node % ep == 0 or ep % per_node == 0)),
+                  reverse=True)
+
+
 def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = SearchSpace()) -> list[StepPlan]:
-    """Every plan the search simulates for ``model`` on ``cluster``: each simulated technique's own
-    plans (its record's), behind tensor-parallel attention when ``space.mp`` > 1 and beside it
-    otherwise, at the pipeline degrees, all-to-all algorithms and shadowed experts in ``space``."""
-    world, num_experts = cluster.world_size, model.dims.num_experts
-    behind = space.mp > 1
-    if behind and cluster.gpus_per_node % space.mp:
+    """Every plan the search simulates for ``model`` on ``cluster``: for each expert group size
+    (:func:`expert_group_sizes`, or ``space.ep_sizes``), each simulated technique's own plans (its
+    record's) on one group's ranks, behind tensor-parallel attention when ``space.mp`` > 1 and
+    beside it otherwise, at the pipeline degrees, all-to-all algorithms and shadowed experts in
+    ``space``. Schedules that hold every expert on every rank run over the world only."""
+    if space.mp > 1 and cluster.gpus_per_node % space.mp:
         raise ValueError(f"--mp {space.mp} must divide the {cluster.gpus_per_node} GPUs per node "
                          "(MP groups stay in a node)")
-    shadows = tuple(s for s in space.shadowed if s < num_experts) if world > 1 else (0,)
-    plan_space = PlanSpace(cluster, model, space.degrees, tuple(algorithms_for(cluster)), shadows,
-                           space.prioritize_alltoall, space.mp)
-    plans = [plan for name, spec in SIMULATED.items() if spec.behind_model_parallel == behind
-             for plan in spec.simulated.plans(name, plan_space)]
+    sizes = space.ep_sizes or expert_group_sizes(cluster)
+    bad = [ep for ep in sizes if ep not in expert_group_sizes(cluster)]
+    if bad:
+        raise ValueError(f"ep sizes {bad} do not tile the {cluster.nodes} x {cluster.gpus_per_node} cluster; "
+                         f"use some of {expert_group_sizes(cluster)}")
+    plans = []
+    for ep in sizes:
+        if space.mp > 1 and ep % space.mp:
+            continue  # an MP group lies inside one expert group
+        group = cluster.expert_group(ep)
+        plans += [plan if ep == cluster.world_size else replace(plan, ep=ep)
+                  for plan in _group_plans(group, model, space, whole_world=ep == cluster.world_size)]
     return sorted(plans, key=lambda plan: plan.esp)  # behind MP: whole experts first, then sharded
+
+
+def _group_plans(group: Cluster, model: ModelSpec, space: SearchSpace, whole_world: bool) -> list[StepPlan]:
+    """Each technique's plans on one expert group's ranks."""
+    world, num_experts = group.world_size, model.dims.num_experts
+    shadows = tuple(s for s in space.shadowed if s < num_experts) if world > 1 else (0,)
+    degrees = space.degrees if world > 1 else (1,)  # nothing travels: nothing to pipeline
+    plan_space = PlanSpace(group, model, degrees, tuple(algorithms_for(group)), shadows,
+                           space.prioritize_alltoall, space.mp)
+    behind = space.mp > 1
+    plans = [plan for name, spec in SIMULATED.items()
+             if spec.behind_model_parallel == behind and (whole_world or not spec.replicates_experts)
+             for plan in spec.simulated.plans(name, plan_space)]
+    return plans if world > 1 else plans[:1]  # on one rank every schedule runs alike: its experts at home
 
 
 def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int = 5, proxy_layers: int = 2,
            space: SearchSpace = SearchSpace()) -> list[StepResult]:
     """The ``top`` plans, fastest first, simulated at the model's full depth."""
     proxy = model.with_overrides(layers=min(proxy_layers, model.layers))
-    proxy_loads = routing_loads(proxy, cluster.world_size)
-    ranked = sorted(candidate_plans(cluster, model, space),
-                    key=lambda plan: simulate_step(cluster, proxy, plan, training, proxy_loads).step_s)
-    loads = routing_loads(model, cluster.world_size)
-    finalists = [simulate_step(cluster, model, plan, training, loads) for plan in ranked[:max(top, 1) * 2]]
+    proxy_loads, loads = _Loads(proxy), _Loads(model)
+
+    def proxy_time(plan: StepPlan) -> float:
+        return simulate_step(cluster, proxy, plan, training, proxy_loads.of(cluster, plan)).step_s
+
+    ranked = sorted(candidate_plans(cluster, model, space), key=proxy_time)
+    finalists = [simulate_step(cluster, model, variant, training, loads.of(cluster, variant))
+                 for plan in ranked[:max(top, 1) * 2] for variant in gradient_sync_variants(plan, training)]
     return sorted(finalists, key=lambda result: result.step_s)[:top]
+
+
+def gradient_sync_variants(plan: StepPlan, training: bool = True) -> list[StepPlan]:
+    """``plan`` under each way ``moeflow train`` all-reduces the gradients (``grad_sync``): after the
+    backward, or in DDP's buckets during it; a plan that prioritizes the all-to-all is Lina's own."""
+    if plan.prioritize_alltoall or not training:
+        return [plan]
+    return [replace(plan, bucket_mb=math.inf), replace(plan, bucket_mb=GRADIENT_BUCKET_MB)]
+
+
+@dataclass
+class _Loads:
+    """One model's routing loads per expert group size, drawn once."""
+
+    model: ModelSpec
+    drawn: dict[int, list[LayerLoad]] = field(default_factory=dict)
+
+    def of(self, cluster: Cluster, plan: StepPlan) -> list[LayerLoad]:
+        ranks = plan.ep or cluster.world_size
+        if ranks not in self.drawn:
+            self.drawn[ranks] = routing_loads(self.model, ranks)
+        return self.drawn[ranks]

@@ -30,6 +30,9 @@ from moeflow.sim.plan import StepPlan
 from moeflow.sim.technique import PlanSpace, SimulatedSchedule
 from moeflow.sim.workload import ModelSpec
 
+EXPERT_SCHEDULE = "expert"
+"""The schedule FasterMoE's smart pipeline runs on (its feature record's)."""
+
 if TYPE_CHECKING:
     from moeflow.sim.builder import StepBuilder
     from moeflow.sim.workload import LayerLoad
@@ -134,7 +137,11 @@ def _switchable_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> No
 EXPERT = SimulatedSchedule(expert_region, _expert_plans, _whole_experts,
                            lambda plan: f"{plan.schedule} d={plan.degree} {plan.algorithm}")
 REPLICATED = SimulatedSchedule(
-    replicated_region, lambda name, space: [StepPlan(name, prioritize_alltoall=space.prioritize_alltoall)])
-SMART = SimulatedSchedule(smart_region, _smart_plans, _whole_experts, lambda plan: f"{plan.schedule} pairwise")
+    replicated_region, lambda name, space: [StepPlan(name, prioritize_alltoall=space.prioritize_alltoall)],
+    settings=lambda plan: {"parallel": plan.schedule})
+SMART = SimulatedSchedule(smart_region, _smart_plans, _whole_experts, lambda plan: f"{plan.schedule} pairwise",
+                          settings=lambda plan: {"parallel": EXPERT_SCHEDULE, "pipeline": plan.schedule})
 ADAPTIVE = SimulatedSchedule(adaptive_region, _adaptive_plans, _switchable_layout,
-                             lambda plan: f"{plan.schedule} r={plan.r}")
+                             lambda plan: f"{plan.schedule} r={plan.r}",
+                             settings=lambda plan: {"parallel": plan.r, "pipeline": plan.degree,
+                                                    "alltoall": plan.algorithm})

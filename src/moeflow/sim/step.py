@@ -70,10 +70,22 @@ def step_builder(cluster: Cluster, model: ModelSpec, plan: StepPlan, training: b
                  layer_only: bool = False) -> StepBuilder:
     """The builder of ``plan``'s step, once its schedule's record accepts the layout."""
     spec = technique_of(plan)
-    _check_layout(cluster, model, plan, spec)
-    simulated = spec.simulated if cluster.world_size > 1 else SIMULATED[ONE_RANK_SCHEDULE].simulated  # nothing travels
-    return StepBuilder(cluster, model, plan, simulated.region, spec.simulated.gated_share(plan),
-                       spec.replicates_experts, training, layer_only)
+    group = expert_group(cluster, plan)
+    _check_layout(group, model, plan, spec)
+    simulated = spec.simulated if group.world_size > 1 else SIMULATED[ONE_RANK_SCHEDULE].simulated  # nothing travels
+    return StepBuilder(group, model, plan, simulated.region, spec.simulated.gated_share(plan),
+                       spec.replicates_experts, training, layer_only, world=cluster)
+
+
+def expert_group(cluster: Cluster, plan: StepPlan) -> Cluster:
+    """The ranks one of ``plan``'s expert groups spans (every group runs alike): the cluster itself
+    unless the plan names a smaller ``ep``."""
+    if plan.ep is None or plan.ep == cluster.world_size:
+        return cluster
+    if technique_of(plan).replicates_experts:
+        raise ValueError(f"ep ({plan.ep}) groups the experts of an expert-parallel schedule; the {plan.schedule} "
+                         "schedule holds every expert on every rank: leave ep unset")
+    return cluster.expert_group(plan.ep)
 
 
 def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan, spec: SimulatedSpec) -> None:
@@ -95,7 +107,7 @@ def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = No
     ``layer_only``: the MoE layers alone (what a layer benchmark measures)."""
     plan = plan or StepPlan()
     builder = step_builder(cluster, model, plan, training, layer_only)
-    loads = routing_loads(model, cluster.world_size) if loads is None else loads
+    loads = routing_loads(model, builder.cluster.world_size) if loads is None else loads
     timeline = builder.build(loads).run()
     dropped = sum(load.dropped(model) for load in loads)
     return StepResult(plan, timeline.makespan(), timeline.busy(), dropped, len(timeline.ops))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from moeflow.sim.builder import Region
 from moeflow.sim.cluster import Cluster
@@ -49,16 +50,24 @@ def _all_tokens(plan: StepPlan) -> float:
     return 1.0
 
 
+def schedule_settings(plan: StepPlan) -> dict[str, Any]:
+    """The ``moeflow train`` settings of a plan of a schedule by the same name: the schedule, its
+    fixed pipeline degree and all-to-all algorithm."""
+    return {"parallel": plan.schedule, "pipeline": plan.degree, "alltoall": plan.algorithm}
+
+
 @dataclass(frozen=True)
 class SimulatedSchedule:
     """How the simulator runs and searches one schedule. ``region`` writes its expert region;
     ``plans(name, space)`` the plans ``moeflow plan --cluster`` tries (none: only named ones run);
     ``check`` refuses a layout the schedule cannot run (a ValueError naming the fix); ``label``
     names a plan; ``gated_share`` is the share of its MP group's tokens a rank gates, encodes and
-    decodes."""
+    decodes; ``settings`` the ``moeflow train`` settings that run the plan's schedule (what
+    ``moeflow plan --out`` writes)."""
 
     region: Region
     plans: Callable[[str, PlanSpace], list[StepPlan]] = _no_plans
     check: Callable[[Cluster, ModelSpec, StepPlan], None] = _any_layout
     label: Callable[[StepPlan], str] = _name_only
     gated_share: Callable[[StepPlan], float] = _all_tokens
+    settings: Callable[[StepPlan], dict[str, Any]] = schedule_settings

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from moeflow.config import (
     DTYPE_NAMES,
     FASTERMOE_REMOTE_SHARE,
+    GRADIENT_BUCKET_MB,
     SHADOWING_POLICIES,
     MoEConfig,
     check_switchable_layout,
@@ -71,6 +72,7 @@ class TrainConfig:
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
     profile: str | None = None  # a calibrated cluster profile for the planner
+    plan: str | None = None  # a plan file (moeflow plan --out): its settings, and its prediction in summary.json
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
     topology_gate: str | float = "off"  # FasterMoE's topology-aware gate: off | auto (--profile's share) | a share
     redundant_experts: int = 0  # EPLB: extra expert slots per MoE layer for replicas of hot experts
@@ -83,7 +85,7 @@ class TrainConfig:
     # gradient synchronization of the replicated parameters (moeflow.training.grad_sync)
     grad_sync: str = "after"  # after | overlap (DDP buckets) | lina (micro-ops that yield to all-to-alls)
     microop_mb: float = 1.0  # lina: the size of a gradient all-reduce micro-op
-    bucket_mb: float = 1.0  # overlap: the size at which a gradient bucket closes
+    bucket_mb: float = GRADIENT_BUCKET_MB  # overlap: the size at which a gradient bucket closes
     # optimization
     steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
@@ -371,6 +373,8 @@ FIELD_HELP: dict[str, str] = {
     "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "
     "--ep-size (unset: --workers); the experts split over ep-size / esp-size expert-parallel groups",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",
+    "plan": "a plan file written by moeflow plan --out: its settings (a config file and flags win), and its predicted "
+    "step time beside the measured one in the run's summary.json",
     "shadowing": "FasterMoE's dynamic shadowing of every MoE layer: off, or auto (each step its cost model picks "
     "hot experts whose weights are broadcast instead of sending their tokens; needs --profile and the "
     "expert-parallel schedule)",
@@ -470,7 +474,7 @@ def _renamed_gate(values: dict[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
-def _parsed(text: str, suffix: str, path: str) -> Any:
+def parse_config_text(text: str, suffix: str, path: str) -> Any:
     """The file's values by its suffix; a syntax error names the file (the parsers name only a line)."""
     import tomllib
 
@@ -491,9 +495,12 @@ def load_config_file(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist; pass an existing .toml, .yaml or .json file")
-    values = _parsed(file.read_text(), file.suffix.lower(), path)
+    values = parse_config_text(file.read_text(), file.suffix.lower(), path)
     if not isinstance(values, dict):
         raise ValueError(f"config file {path!r} must hold a table of keys, got {type(values).__name__}")
+    if isinstance(values.get("plan"), dict):
+        raise ValueError(f"config file {path!r} is a plan written by moeflow plan --out: pass it as --plan {path} "
+                         "(its predicted step time then goes into the run's summary.json)")
     if set(values) == {"train"} and isinstance(values["train"], dict):
         values = values["train"]
     return checked_keys(values, source=f"config file {path!r}")

@@ -82,6 +82,10 @@ def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
     run_dir.mkdir(parents=True, exist_ok=True)
     config = config.updated({"run_dir": str(run_dir)})
     config.save(run_dir / "config.json")
+    if config.plan is not None and checkpoint is None:
+        from moeflow.training.plan_file import RUN_RECORD, read_plan_file
+
+        (run_dir / RUN_RECORD).write_text(json.dumps(read_plan_file(config.plan)[1], indent=2) + "\n")
     (run_dir / "corpus.json").write_text(json.dumps(corpus.to_dict(), indent=2) + "\n")
     return Job(config, corpus, str(run_dir), str(checkpoint) if checkpoint is not None else None)
 
@@ -116,7 +120,7 @@ def run_training(
         timeout_s=float("inf"), collective_timeout_s=job.config.collective_timeout_s,
     )[0]
     if report:
-        _report(Path(job.run_dir))
+        summary = _with_plan(summary, _report(Path(job.run_dir)))
     return summary
 
 
@@ -140,11 +144,16 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     finally:
         destroy_process_groups()
     if report and rank == 0:
-        _report(Path(summary["run_dir"]))
+        summary = _with_plan(summary, _report(Path(summary["run_dir"])))
     return summary
 
 
-def _report(run_dir: Path) -> None:
+def _report(run_dir: Path) -> dict[str, Any]:
     from moeflow.training.report import write_report
 
-    write_report(run_dir)
+    return write_report(run_dir)
+
+
+def _with_plan(summary: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary with the plan's predicted step time beside the measured one, if it ran a plan."""
+    return {**summary, "plan": report["plan"]} if "plan" in report else summary

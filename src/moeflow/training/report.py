@@ -21,6 +21,7 @@ import numpy as np
 from moeflow.files import json_text
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.metrics import TIMELINE, iterate_records
+from moeflow.training.plan_file import measured_against_plan
 
 PHASE_COLORS = {
     "attention": "#4C72B0", "routing": "#DD8452", "all_to_all": "#C44E52", "experts": "#55A868",
@@ -90,6 +91,9 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     corpus_path = run_dir / "corpus.json"
     corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else None
     summary = summarize(records, corpus)
+    planned = measured_against_plan(run_dir, records)
+    if planned is not None:
+        summary["plan"] = planned
     _plot_loss(run_dir, records, corpus)
     _plot_expert_load(run_dir, records)
     _plot_shadowed_experts(run_dir, records, summary["shadowed_steps"])

@@ -1,0 +1,99 @@
+"""``moeflow plan --cluster`` (or ``--profile`` with ``--config`` or ``--out``): the joint planner.
+It ranks whole training steps' plans (layout, schedule, degree, algorithm, shadowing) on the
+simulator and, with ``--out``, writes the fastest plan that ``moeflow train`` accepts as a plan file
+that ``moeflow train --plan`` runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from moeflow.commands import fail
+
+
+def wants_joint_plan(args: argparse.Namespace) -> bool:
+    """The joint planner runs for --cluster, and for --profile with a train config or a plan file to write."""
+    return args.cluster is not None or args.out is not None or args.config is not None
+
+
+def joint_plan(args: argparse.Namespace) -> int:
+    from moeflow.sim import ClusterFileError, load_cluster, plan_label
+    from moeflow.sim.planner import SearchSpace, search
+
+    source = args.cluster or args.profile
+    try:
+        cluster = load_cluster(source)
+        cluster = cluster.resized(args.nodes) if args.nodes else cluster
+        base, model = _model(args)
+        results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2),
+                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp))
+    except (ClusterFileError, ValueError, FileNotFoundError) as error:
+        raise fail("plan", error) from None
+    for rank, result in enumerate(results[:args.top], 1):
+        print(json.dumps({"rank": rank, **result.to_dict(), "step_ms": round(result.step_s * 1e3, 4)}), flush=True)
+    best = results[0]
+    print(f"# {cluster.name} ({cluster.world_size} ranks), {model.name}: best plan {plan_label(best.plan)} at "
+          f"{best.step_s * 1e3:.4g} ms per {'batch' if args.forward_only else 'step'}")
+    if args.out is not None:
+        profile = source if str(source).endswith(".json") else None
+        _write(Path(args.out), results, cluster, model, base, profile, not args.forward_only)
+    return 0
+
+
+def _model(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """The settings the plan file starts from and the simulator's model: a train config's
+    (--config, or moeflow train's defaults when planning a calibrated profile), or a model file's."""
+    from moeflow.sim import load_model
+    from moeflow.training.config import TrainConfig, load_config_file
+    from moeflow.training.plan_file import model_of_config, settings_of_model
+
+    if args.model is not None and args.config is not None:
+        raise ValueError("pass --model (a simulator model file) or --config (a moeflow train config), not both")
+    if args.config is not None or (args.model is None and args.cluster is None):
+        values = load_config_file(args.config) if args.config else {}
+        return values, model_of_config(TrainConfig(**values))
+    model = load_model(args.model)
+    return (settings_of_model(model) if args.out else {}), model
+
+
+def _write(path: Path, results: list[Any], cluster: Any, model: Any, base: dict[str, Any], profile: str | None,
+           training: bool) -> None:
+    """The fastest plan whose settings ``moeflow train`` accepts, as a plan file at ``path``."""
+    results = list(results)
+    from moeflow.sim import plan_label
+    from moeflow.training.plan_file import plan_settings, plan_table, write_plan_file
+
+    refused: list[str] = []
+    while results:
+        settings = {**base, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
+        problem = _refusal(settings)
+        if problem is None:
+            break
+        refused.append(f"{plan_label(results.pop(0).plan)}: {problem}")
+    if not results:
+        raise fail("plan", "moeflow train accepts none of the top plans: " + "; ".join(refused))
+    table = plan_table(results, cluster, model, plan_settings(results[0].plan, cluster), training)
+    header = (f"moeflow plan: {table['label']} on {cluster.name} ({cluster.world_size} ranks), model {model.name}.\n"
+              f"Run it with: moeflow train --plan {path}")
+    if refused:
+        header += "\nSkipped, moeflow train refuses them: " + "; ".join(refused)
+    if settings.get("shadowing") == "auto" and "profile" not in settings:
+        header += ("\nshadowing = auto decides with a calibrated profile of this cluster: run moeflow calibrate "
+                   "there and add profile = \"<its JSON>\" (or --profile)")
+    write_plan_file(path, settings, table, header)
+    print(f"# wrote {path}: {table['label']}, predicted {table['predicted_step_ms']:.4g} ms per step; "
+          f"run it with moeflow train --plan {path}")
+
+
+def _refusal(settings: dict[str, Any]) -> str | None:
+    """Why ``moeflow train`` refuses ``settings``, or None. A missing calibrated profile is not a
+    refusal: the plan file says to add one."""
+    from moeflow.training.config import TrainConfig
+
+    try:
+        TrainConfig(**{"profile": "<calibrated profile>", **settings})
+    except ValueError as error:
+        return str(error)
+    return None
