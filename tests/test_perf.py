@@ -1,4 +1,4 @@
-"""Performance models: fits, profiles, cost functions and FasterMoE's roofline (plain math)."""
+"""Performance models: fits, profiles, cost functions and FasterMoE's busiest link (plain math)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from moeflow.perf import (
     AlphaBeta,
     ClusterProfile,
     CostModel,
-    Roofline,
     communication_latency,
     fit_alpha_beta,
     link_loads,
@@ -45,16 +44,6 @@ def test_fit_recovers_an_exact_line_and_scores_noise_lower() -> None:
     with pytest.raises(ValueError, match="two distinct x"):
         fit_alpha_beta([1, 1], [1, 2])
     assert median_relative_error(AlphaBeta(0.0, 1.0), [1, 2, 4], [1.1, 2.0, 4.0]) == pytest.approx(0.0)
-
-
-def test_roofline_quantities() -> None:
-    compute_bound = Roofline(compute_s=2.0, communicate_s=1.0)
-    assert compute_bound.r_cc == 2.0 and compute_bound.ideal_fraction_of_peak == 1.0
-    assert compute_bound.semi_ideal_fraction_of_peak == pytest.approx(2 / 3)
-    assert compute_bound.ideal_s == 2.0 and compute_bound.semi_ideal_s == 3.0
-    comm_bound = Roofline(compute_s=1.0, communicate_s=4.0)
-    assert comm_bound.ideal_fraction_of_peak == 0.25
-    assert Roofline(1.0, 0.0).r_cc == float("inf")
 
 
 def test_topology_aware_traffic_and_latency() -> None:
@@ -211,7 +200,7 @@ def test_calibrate_on_two_workers_writes_a_usable_profile(tmp_path: Path) -> Non
     assert set(profile.fits) == {"gemm", "alltoall.linear", "alltoall.2dh", "alltoall.pairwise", "allreduce",
                                  "allgather", "reducescatter", "alltoall.intra_node",  # one node: no inter-node
                                  "allgather.intra_node", "alltoall.saa", "ffn.forward", "ffn.backward",
-                                 "encode", "decode", "layer.forward", "layer.backward"}
+                                 "encode", "decode", "layer.forward", "layer.backward", "layer.pipelined"}
     assert profile.device == ProfileDevice("cpu", "cpu", "fp32", "gloo")
     assert profile.interference >= 1.0 and profile.nodes * profile.ranks_per_node == 2
     assert all(report["points"] >= 4 and report["r2"] <= 1.0 for report in profile.quality["fits"])
@@ -229,13 +218,13 @@ def test_plan_cli_prints_predictions(tmp_path: Path, capsys: pytest.CaptureFixtu
     per_degree = [line for line in lines if line.get("plan") == "pipeline"]
     assert {(line["alltoall"], line["degree"]) for line in per_degree} == {
         (a, d) for a in ("linear", "2dh") for d in range(1, 17)}
-    assert {line["alltoall"] for line in lines if line.get("plan") == "theorem1"} == {"linear", "2dh"}
+    assert not [line for line in lines if line.get("plan") == "theorem1"]  # Theorem 1 is the tests' oracle only
     summary = lines[-1]
     fastest = min(per_degree, key=lambda line: line["total_ms"])
     assert summary["summary"] == "plan" and (summary["alltoall"], summary["degree"]) == (
         fastest["alltoall"], fastest["degree"])
     assert summary["predicted_ms"] <= summary["predicted_d1_ms"]
-    assert {"r_cc", "ideal_ms", "semi_ideal_ms", "ideal_fraction_of_peak"} <= set(summary)
+    assert not {"r_cc", "ideal_ms", "semi_ideal_ms"} & set(summary)  # the roofline decides nothing: not printed
     (replicated,) = [line for line in lines if line.get("plan") == "replicated"]
     # every rank runs all 8 experts on its own 256 slots each; training adds the gradient all-reduce
     assert replicated["gradient_sync_ms"] > 0

@@ -26,11 +26,10 @@ from moeflow.perf.pipeline import (
     pipeline_makespan,
     predict_plan,
     rank_plans,
-    theorem1_degree,
-    theorem1_for_shape,
 )
 from moeflow.perf.shape import RegionShape
 from pool import run_distributed
+from theorem1 import theorem1_degree, theorem1_for_shape
 
 # -- chunking and the model ---------------------------------------------------------------------
 

@@ -612,10 +612,10 @@ def test_parm_plans_reject_layouts_they_cannot_run() -> None:
 def test_joint_planner_behind_mp_attention_chooses_among_parms_schedules() -> None:
     from moeflow.sim.planner import SearchSpace, candidate_plans, search
 
-    space = SearchSpace(mp=2)
+    space = SearchSpace(mp=2, ep_sizes=(toy().world_size,))
     plans = candidate_plans(toy(), PARM_MODEL, space)
     assert {p.schedule for p in plans} == {"s1", "s2", "ds-baseline"} and all(p.mp == 2 for p in plans)
-    best = search(toy(), PARM_MODEL, top=len(plans), space=space)
+    best = search(toy(), PARM_MODEL, top=2 * len(plans), space=space)  # each under two gradient syncs
     assert best[0].plan.schedule in ("s1", "s2") and best[-1].plan.schedule == "ds-baseline"
     with pytest.raises(ValueError, match="--mp 3 must divide the 4 GPUs per node"):
         candidate_plans(toy(), PARM_MODEL, SearchSpace(mp=3))

@@ -18,7 +18,9 @@ profile says so, :data:`~moeflow.perf.profile.NOT_MEASURED`):
   rank) subgroups; x = bytes each rank contributes, time of the slowest rank;
 - interference: a GEMM's slowdown while an asynchronous all-to-all is in flight;
 - one whole call of a small MoE layer (``LAYER_PROBE``) over token counts, forward and backward,
-  on every rank at once: what a layer call costs beyond its GEMMs and bytes (x = tokens per rank).
+  on every rank at once: what a layer call costs beyond its GEMMs and bytes (x = tokens per rank);
+- forward and backward of a larger layer (``PIPELINE_PROBE``) at pipeline degrees 1, 2 and 4: the
+  overlap the machine achieves (x = the degree).
 
 Every fit is made on half of the sizes and scored on the other half (held out): the profile stores
 the fit, its R^2 and the median relative error of its predictions on the held-out sizes.
@@ -56,7 +58,7 @@ from moeflow.distributed import destroy_process_groups, free_port
 from moeflow.kernels.choice import KernelTable, device_name
 from moeflow.kernels.precision import DTYPES
 from moeflow.perf import ClusterProfile, ProfileDevice, fit_alpha_beta, median_relative_error
-from moeflow.perf.profile import LAYER_PROBE, NOT_MEASURED
+from moeflow.perf.profile import LAYER_PROBE, NOT_MEASURED, PIPELINE_PROBE
 from moeflow.timing.measure import device_medians, slowest_rank_medians
 
 DEVICES = ("cpu", "cuda")
@@ -195,6 +197,34 @@ def _layer_points(config: CalibrationConfig, world: int, kernels: KernelTable) -
                                     config.layer_repeats, device)
 
 
+def _pipeline_points(
+    config: CalibrationConfig, world: int, kernels: KernelTable
+) -> dict[str, list[tuple[float, float]]]:
+    """:data:`PIPELINE_PROBE`'s layer, forward and backward, at each of its pipeline degrees (linear
+    all-to-all), round-robin on every rank at once, slowest rank; x = the degree."""
+    from moeflow.moe.layer import MoELayer
+
+    probe = PIPELINE_PROBE
+    device, dtype = config.torch_device, config.torch_dtype
+    groups = ParallelGroups(dist.group.WORLD, _topology(config, world))
+    x = torch.randn(probe["tokens"], probe["model_dim"], device=device, dtype=dtype, requires_grad=True)
+    layers = {}
+    for degree in probe["degrees"]:
+        torch.manual_seed(0)
+        layers[degree] = MoELayer(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * world,
+                                  top_k=probe["top_k"], capacity_factor=1.0, pipeline=degree, alltoall="linear",
+                                  parallel="expert", group=groups).to(device)
+        layers[degree].kernel_table = kernels
+
+    def forward_backward(layer: MoELayer) -> None:
+        (layer(x).float().square().mean() + layer.aux_loss).backward()
+        layer.zero_grad(set_to_none=True)
+
+    operations = {degree: (lambda layer=layer: forward_backward(layer)) for degree, layer in layers.items()}
+    medians = slowest_rank_medians(operations, config.repeats, device=device)
+    return {"layer.pipelined": [(float(degree), medians[degree]) for degree in probe["degrees"]]}
+
+
 def _forward_backward_points(
     name: str, forward: Callable[[torch.Tensor], object], forward_backward: Callable[[torch.Tensor], object],
     inputs: dict[int, torch.Tensor], work: dict[int, float], repeats: int, device: torch.device,
@@ -315,6 +345,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     collectives = _collective_points(config, world) if world > 1 else {}
     interference = _interference(config, world) if world > 1 else 1.0
     layer = _layer_points(config, world, kernels)
+    layer |= _pipeline_points(config, world, kernels) if world > 1 else {}
     if rank != 0:
         return None
     fits, quality = {}, []
@@ -330,7 +361,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
         fits[name], report = _fit_with_holdout(name, points, "bytes")
         quality.append(report)
     for name, points in layer.items():
-        fits[name], report = _fit_with_holdout(name, points, "tokens")
+        fits[name], report = _fit_with_holdout(name, points, "degree" if name == "layer.pipelined" else "tokens")
         quality.append(report)
     backend = dist.get_backend()
     measured_over = ("nccl" if device.type == "cuda" else "gloo") if world > 1 else NOT_MEASURED

@@ -30,6 +30,9 @@ def add_parser(commands: Any) -> None:
                       "(with --profile: on the calibrated cluster's twin, for moeflow train's model or --config's)")
     plan.add_argument("--nodes", type=positive_int, default=None,
                       help="with --cluster: resize the cluster to this many nodes")
+    plan.add_argument("--ep-size", type=positive_int, default=None,
+                      help="joint planner: only this expert-parallel group size (default: every size that tiles "
+                      "the nodes)")
     plan.add_argument("--top", type=positive_int, default=5, help="with --cluster: plans to print (default 5)")
     plan.add_argument("--prioritize-alltoall", action="store_true",
                       help="with --cluster: all-to-alls take the links before the gradient all-reduce (Lina)")
@@ -104,16 +107,12 @@ def _layer_plan(args: argparse.Namespace) -> int:
         _print_skew_plans(model, args)
     best = rank_plans(model, region, range(1, args.max_degree + 1), algorithms, backward)[0]
     replicated = _print_replicated_plan(model, region, backward)
-    roofline = model.layer_times(region, best.algorithm, backward)
     unpipelined = predict_plan(model, region, 1, best.algorithm, backward)
     print_json({
         "summary": "plan", "alltoall": best.algorithm, "degree": best.degree,
         "schedule": "replicated" if replicated is not None and replicated.total_s < best.total_s else "expert",
         "expert_memory_mb": best.expert_memory_bytes / 2**20,
         "predicted_ms": best.total_s * 1e3, "predicted_d1_ms": unpipelined.total_s * 1e3,
-        "r_cc": roofline["r_cc"], "ideal_ms": roofline["ideal_s"] * 1e3, "semi_ideal_ms": roofline["serial_s"] * 1e3,
-        "ideal_fraction_of_peak": roofline["ideal_fraction_of_peak"],
-        "semi_ideal_fraction_of_peak": roofline["semi_ideal_fraction_of_peak"],
         "world_size": model.world_size, "capacity": region.capacity, "backward": backward,
         "profile_device": profile.device.to_dict(),  # where the fits were measured (calibrate --device)
     })
@@ -128,10 +127,10 @@ def _algorithms() -> tuple[str, ...]:
 
 def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str], max_degree: int,
                                  backward: bool) -> None:
-    """One line per (algorithm, degree), Theorem 1's choice per algorithm, and FasterMoE's smart
-    schedule (pipelined over the pairwise steps) where the pairwise all-to-all is calibrated."""
+    """One line per (algorithm, degree), and FasterMoE's smart schedule (pipelined over the
+    pairwise steps) where the pairwise all-to-all is calibrated."""
     from moeflow.files import print_json
-    from moeflow.perf.pipeline import predict_plan, theorem1_for_shape, usable_degrees
+    from moeflow.perf.pipeline import predict_plan, usable_degrees
     from moeflow.perf.schedule_models import SMART_PLAN_ALGORITHM, predict_smart
 
     if model.world_size > 1 and SMART_PLAN_ALGORITHM in algorithms:
@@ -144,10 +143,6 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
             p = predict_plan(model, region, degree, algorithm, backward)
             print_json({"plan": "pipeline", "alltoall": algorithm, "degree": degree, "forward_ms": p.forward_s * 1e3,
                         "backward_ms": p.backward_s * 1e3, "total_ms": p.total_s * 1e3})
-        if model.world_size > 1:
-            choice = theorem1_for_shape(model, region, algorithm, max_degree)
-            print_json({"plan": "theorem1", "alltoall": algorithm, "degree": choice.degree, "case": choice.case,
-                        "forward_ms": choice.predicted_s * 1e3})
 
 
 def _skew_shares(args: argparse.Namespace) -> Any:

@@ -28,7 +28,8 @@ def joint_plan(args: argparse.Namespace) -> int:
         cluster = cluster.resized(args.nodes) if args.nodes else cluster
         base, model = _model(args)
         results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2),
-                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp))
+                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp,
+                                           ep_sizes=(args.ep_size,) if args.ep_size else ()))
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("plan", error) from None
     for rank, result in enumerate(results[:args.top], 1):
@@ -60,40 +61,11 @@ def _model(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 def _write(path: Path, results: list[Any], cluster: Any, model: Any, base: dict[str, Any], profile: str | None,
            training: bool) -> None:
-    """The fastest plan whose settings ``moeflow train`` accepts, as a plan file at ``path``."""
-    results = list(results)
-    from moeflow.sim import plan_label
-    from moeflow.training.plan_file import plan_settings, plan_table, write_plan_file
-
-    refused: list[str] = []
-    while results:
-        settings = {**base, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
-        problem = _refusal(settings)
-        if problem is None:
-            break
-        refused.append(f"{plan_label(results.pop(0).plan)}: {problem}")
-    if not results:
-        raise fail("plan", "moeflow train accepts none of the top plans: " + "; ".join(refused))
-    table = plan_table(results, cluster, model, plan_settings(results[0].plan, cluster), training)
-    header = (f"moeflow plan: {table['label']} on {cluster.name} ({cluster.world_size} ranks), model {model.name}.\n"
-              f"Run it with: moeflow train --plan {path}")
-    if refused:
-        header += "\nSkipped, moeflow train refuses them: " + "; ".join(refused)
-    if settings.get("shadowing") == "auto" and "profile" not in settings:
-        header += ("\nshadowing = auto decides with a calibrated profile of this cluster: run moeflow calibrate "
-                   "there and add profile = \"<its JSON>\" (or --profile)")
-    write_plan_file(path, settings, table, header)
-    print(f"# wrote {path}: {table['label']}, predicted {table['predicted_step_ms']:.4g} ms per step; "
-          f"run it with moeflow train --plan {path}")
-
-
-def _refusal(settings: dict[str, Any]) -> str | None:
-    """Why ``moeflow train`` refuses ``settings``, or None. A missing calibrated profile is not a
-    refusal: the plan file says to add one."""
-    from moeflow.training.config import TrainConfig
+    from moeflow.training.plan_file import write_plan
 
     try:
-        TrainConfig(**{"profile": "<calibrated profile>", **settings})
+        table = write_plan(path, results, cluster, model, base, profile, training)
     except ValueError as error:
-        return str(error)
-    return None
+        raise fail("plan", error) from None
+    print(f"# wrote {path}: {table['label']}, predicted {table['predicted_step_ms']:.4g} ms per step; "
+          f"run it with moeflow train --plan {path}")

@@ -1,13 +1,13 @@
-"""Performance models: alpha-beta fits, cluster profiles, cost functions, FasterMoE's roofline and
-its shadowing decision.
+"""Performance models: alpha-beta fits, cluster profiles, cost functions, FasterMoE's busiest-link
+model (Eq. 2) and its shadowing decision.
 
 Plain math on numbers: nothing here imports torch.distributed, so planners and simulators can use it.
 """
 
 from moeflow.perf.alphabeta import AlphaBeta, fit_alpha_beta, median_relative_error
+from moeflow.perf.busiest_link import communication_latency, link_loads
 from moeflow.perf.cost import CostModel
 from moeflow.perf.profile import PROFILE_VERSION, ClusterProfile, ProfileDevice
-from moeflow.perf.roofline import Roofline, communication_latency, link_loads
 from moeflow.perf.shadowing import LinkPrices, ShadowDecision, ShadowPrices, select_shadowed_experts, shadowed_latency
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "CostModel",
     "LinkPrices",
     "ProfileDevice",
-    "Roofline",
     "ShadowDecision",
     "ShadowPrices",
     "communication_latency",

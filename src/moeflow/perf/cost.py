@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moeflow.perf.profile import ClusterProfile
-from moeflow.perf.roofline import Roofline
 
 if TYPE_CHECKING:  # perf.pipeline builds on this module
     from moeflow.perf.shape import RegionShape
@@ -105,10 +104,4 @@ class CostModel:
         passes = 2 if backward else 1
         communicate = 2 * passes * self.t_alltoall(algorithm, self.dispatch_bytes(shape))
         compute = self.t_expert(shape, backward=backward)
-        roofline = Roofline(compute, communicate)
-        return {
-            "compute_s": compute, "communicate_s": communicate, "serial_s": roofline.semi_ideal_s,
-            "ideal_s": roofline.ideal_s, "r_cc": roofline.r_cc,
-            "ideal_fraction_of_peak": roofline.ideal_fraction_of_peak,
-            "semi_ideal_fraction_of_peak": roofline.semi_ideal_fraction_of_peak,
-        }
+        return {"compute_s": compute, "communicate_s": communicate, "serial_s": compute + communicate}

@@ -23,6 +23,13 @@ whole call ``moeflow calibrate`` times over these token counts: at this size a c
 no GEMM or byte count explains (gate, top-k, capacity bookkeeping, the load exchange, Python,
 autograd), which the simulated twin takes as a fixed cost per layer call."""
 
+PIPELINE_PROBE = {"tokens": 1024, "model_dim": 256, "hidden_dim": 1024, "experts_per_rank": 1, "top_k": 2,
+                  "degrees": (1, 2, 4)}
+"""The MoE layer ``moeflow calibrate`` times whole (forward and backward) at these pipeline degrees,
+x = the degree: the overlap of its all-to-alls with its experts that the machine achieves, which
+the simulated twin's overlap slowdown is fitted to. Its all-to-all and its experts take comparable
+time on a CPU cluster, so its degrees differ by what overlap gains there."""
+
 NOT_MEASURED = "not measured: one rank"
 """:attr:`ProfileDevice.collectives` of a one-rank profile: no collective fit (the planner prices a
 one-rank layer, which moves no bytes)."""

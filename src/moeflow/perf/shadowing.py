@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeflow.perf.busiest_link import communication_latency
 from moeflow.perf.cost import CostModel
-from moeflow.perf.roofline import communication_latency
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moeflow.perf.balance import slot_tokens
+from moeflow.perf.pipeline import capacity_chunks
 from moeflow.perf.replicas import balanced_slots
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.engine import ALLTOALL, COMPUTE, GRADIENTS, MODEL_PARALLEL, Timeline, Times
@@ -214,7 +215,8 @@ class StepBuilder:
         m = self.model
         share = self.gated_share
         buffer = share * self.buffer_bytes(load)
-        call = self.device.layer_call_backward_s if backward else self.device.layer_call_s
+        call = (self.device.layer_call_backward_s if backward else self.device.layer_call_s) + \
+            self.device.chunk_s * (len(capacity_chunks(self.capacity(load), self.plan.degree)) - 1)
         gate = self.gemm_s(2 * share * m.tokens_per_rank * m.dims.model_dim * m.dims.num_experts, backward=backward) + \
             self.memory_s(buffer + share * self.token_bytes, 2) + call
         if not backward:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 from moeflow.config import ALLTOALL_ALGORITHMS, LayerDims
 from moeflow.perf.alphabeta import AlphaBeta
-from moeflow.perf.profile import LAYER_PROBE, ClusterProfile
+from moeflow.perf.profile import LAYER_PROBE, PIPELINE_PROBE, ClusterProfile
 from moeflow.sim.builder import ffn_kernels
 from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
 from moeflow.sim.network import LocalCopy, Network
+from moeflow.sim.plan import StepPlan
 from moeflow.sim.step import simulate_step
 from moeflow.sim.workload import ModelSpec
 
@@ -79,7 +80,14 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
         sources["device.layer_call"] = ("fits layer.forward / layer.backward (LAYER_PROBE's layer) minus the twin's "
                                         f"own time for that layer, mean over its token counts: {forward * 1e3:.2f} ms "
                                         f"forward, {backward * 1e3:.2f} ms backward")
-    return replace(twin, device=replace(twin.device, layer_call_s=forward, layer_call_backward_s=backward))
+    twin = replace(twin, device=replace(twin.device, layer_call_s=forward, layer_call_backward_s=backward))
+    chunk = fitted_chunk_cost(twin, profile)
+    if chunk is not None:
+        sources["device.chunk"] = (
+            f"fit layer.pipelined (PIPELINE_PROBE's layer at degrees 1 and {max(PIPELINE_PROBE['degrees'])}): what "
+            f"each further chunk cost there beyond the twin's own prediction, per pass: {chunk * 1e3:.2f} ms")
+        twin = replace(twin, device=replace(twin.device, chunk_s=chunk))
+    return twin
 
 
 def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, float]:
@@ -102,6 +110,25 @@ def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, flo
     return max(0.0, statistics.mean(forward)), max(0.0, statistics.mean(backward))
 
 
+def fitted_chunk_cost(twin: Cluster, profile: ClusterProfile) -> float | None:
+    """Seconds per pass (forward, backward) that each pipeline chunk beyond the first adds to a layer
+    call beyond the twin's own prediction, from the ``layer.pipelined`` fit of :data:`PIPELINE_PROBE`'s
+    layer (its time at the highest probe degree against degree 1); None without that fit. Where
+    ranks share cores, overlap gains little and every chunk costs thread and process switches."""
+    if "layer.pipelined" not in profile.fits:
+        return None
+    probe, fit = PIPELINE_PROBE, profile.fits["layer.pipelined"]
+    degree = max(probe["degrees"])
+    dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * twin.world_size,
+                     top_k=probe["top_k"], bias=False)
+    model = ModelSpec(name="pipeline-probe", layers=1, dims=dims, capacity_factor=1.0,
+                      tokens_per_rank=probe["tokens"], dtype="fp32")
+    plain = replace(twin, device=replace(twin.device, chunk_s=0.0))
+    predicted = (simulate_step(plain, model, StepPlan(degree=degree), layer_only=True).step_s
+                 - simulate_step(plain, model, StepPlan(), layer_only=True).step_s)
+    return max(0.0, (fit(degree) - fit(1) - predicted) / (degree - 1) / 2)
+
+
 def retimed(cluster: Cluster, speed: float) -> Cluster:
     """The twin with its device ``speed`` times as fast (``speed`` < 1: slower): the rate the
     machine ran at during a measurement, read off a speed probe, over the rate at calibration."""
@@ -112,6 +139,7 @@ def retimed(cluster: Cluster, speed: float) -> Cluster:
                                            kernel_overhead_s=device.kernel_overhead_s / speed,
                                            layer_call_s=device.layer_call_s / speed,
                                            layer_call_backward_s=device.layer_call_backward_s / speed,
+                                           chunk_s=device.chunk_s / speed,
                                            memory_bandwidth=device.memory_bandwidth * speed))
 
 

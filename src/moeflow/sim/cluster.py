@@ -39,6 +39,7 @@ class Device:
     overlap_slowdown: float = 1.0
     layer_call_s: float = 0.0
     layer_call_backward_s: float = 0.0
+    chunk_s: float = 0.0  # host cost of each pipeline chunk beyond the first, per pass (calibrated on CPU)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ FIELDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "topology": (("nodes", 1, True), ("gpus_per_node", 1, True)),
     "device": (("gemm_tflops", 1e12, True), ("kernel_overhead_us", MICRO, True),
                ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False), ("overlap_slowdown", 1, False),
-               ("layer_call_us", MICRO, False), ("layer_call_backward_us", MICRO, False)),
+               ("layer_call_us", MICRO, False), ("layer_call_backward_us", MICRO, False), ("chunk_us", MICRO, False)),
     "intra_node": (("bandwidth_gbit_s", GBIT, True), ("latency_us", MICRO, True), ("message_overhead_us", MICRO, True)),
     "inter_node": (("nic_bandwidth_gbit_s", GBIT, True), ("nics_per_node", 1, False), ("latency_us", MICRO, True),
                    ("message_overhead_us", MICRO, True)),
@@ -136,7 +137,7 @@ def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
         device=Device(str(data.get("device", {}).get("name", "")), device["gemm_tflops"], device["kernel_overhead_us"],
                       device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0),
                       device.get("overlap_slowdown", 1.0), device.get("layer_call_us", 0.0),
-                      device.get("layer_call_backward_us", 0.0)),
+                      device.get("layer_call_backward_us", 0.0), device.get("chunk_us", 0.0)),
         intra=Link(intra["bandwidth_gbit_s"], intra["latency_us"], intra["message_overhead_us"]),
         nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
         nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),

@@ -105,12 +105,63 @@ def plan_table(results: list[StepResult], cluster: Cluster, model: ModelSpec, fi
         "label": plan_label(best.plan), "predicted_step_ms": round(best.step_s * 1e3, 4),
         "cluster": cluster.name, "ranks": cluster.world_size, "model": model.name,
         "what": "training step" if training else "inference batch",
+        "expert_weights_mb_per_rank": round(expert_weight_bytes(best.plan, cluster, model) / 1e6, 3),
         "fixed": sorted(fixed), "adaptive": adaptive,
     }
     if len(results) > 1:
         table["runner_up"] = {"label": plan_label(results[1].plan),
                               "predicted_step_ms": round(results[1].step_s * 1e3, 4)}
     return table
+
+
+def expert_weight_bytes(plan: StepPlan, cluster: Cluster, model: ModelSpec) -> float:
+    """Bytes of expert weights one rank holds under ``plan``: every expert under a replicating
+    schedule, else its expert group's share (a smaller group holds more per rank)."""
+    from moeflow.sim.step import technique_of
+
+    dims = model.dims
+    holders = 1 if technique_of(plan).replicates_experts else (plan.ep or cluster.world_size)
+    return model.layers * dims.num_experts / holders * dims.expert_parameters * model.element_bytes
+
+
+def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: ModelSpec, base: dict[str, Any],
+               profile: str | None, training: bool = True) -> dict[str, Any]:
+    """Write the fastest of ``results`` (ranked plans) whose settings ``moeflow train`` accepts, on
+    top of ``base`` settings, as a plan file at ``path``; return its ``[plan]`` table. A plan
+    ``moeflow train`` refuses is skipped, and the file's header says why."""
+    from moeflow.sim import plan_label
+
+    results, refused = list(results), []
+    while results:
+        settings = {**base, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
+        problem = train_refusal(settings)
+        if problem is None:
+            break
+        refused.append(f"{plan_label(results.pop(0).plan)}: {problem}")
+    if not results:
+        raise ValueError("moeflow train accepts none of the top plans: " + "; ".join(refused))
+    table = plan_table(results, cluster, model, plan_settings(results[0].plan, cluster), training)
+    header = (f"moeflow plan: {table['label']} on {cluster.name} ({cluster.world_size} ranks), model {model.name}.\n"
+              f"Run it with: moeflow train --plan {path}")
+    if refused:
+        header += "\nSkipped, moeflow train refuses them: " + "; ".join(refused)
+    if settings.get("shadowing") == "auto" and "profile" not in settings:
+        header += ("\nshadowing = auto decides with a calibrated profile of this cluster: run moeflow calibrate "
+                   "there and add profile = \"<its JSON>\" (or --profile)")
+    write_plan_file(path, settings, table, header)
+    return table
+
+
+def train_refusal(settings: dict[str, Any]) -> str | None:
+    """Why ``moeflow train`` refuses ``settings``, or None. A missing calibrated profile is not a
+    refusal: the plan file says to add one."""
+    from moeflow.training.config import TrainConfig
+
+    try:
+        TrainConfig(**{"profile": "<calibrated profile>", **settings})
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def write_plan_file(path: Path, settings: dict[str, Any], table: dict[str, Any], header: str) -> None:

@@ -1,5 +1,5 @@
 """``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
-contention | train | generate | lina-inference | simulator | papers | memory | faults``: each prints one JSON
+contention | train | generate | lina-inference | simulator | papers | plan | memory | faults``: each prints one JSON
 object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from moeflow.commands.bench import (
     papers,
     parallel,
     pipeline,
+    plan,
     schedules,
     simulator,
     skew,
@@ -27,7 +28,7 @@ from moeflow.commands.bench import (
 )
 
 BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
-            generate, lina_inference, simulator, papers, memory, faults)
+            generate, lina_inference, simulator, papers, plan, memory, faults)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
 
