@@ -19,8 +19,8 @@ profile says so, :data:`~moeflow.perf.profile.NOT_MEASURED`):
 - interference: a GEMM's slowdown while an asynchronous all-to-all is in flight;
 - one whole call of a small MoE layer (``LAYER_PROBE``) over token counts, forward and backward,
   on every rank at once: what a layer call costs beyond its GEMMs and bytes (x = tokens per rank);
-- forward and backward of a larger layer (``PIPELINE_PROBE``) at pipeline degrees 1, 2 and 4: the
-  overlap the machine achieves (x = the degree).
+- forward and backward of a larger layer (``PIPELINE_PROBE``) at pipeline degrees 1, 2, 4 and 8:
+  what chunking costs or gains on the machine (x = the degree).
 
 Every fit is made on half of the sizes and scored on the other half (held out): the profile stores
 the fit, its R^2 and the median relative error of its predictions on the held-out sizes.

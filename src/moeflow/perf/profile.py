@@ -24,11 +24,12 @@ no GEMM or byte count explains (gate, top-k, capacity bookkeeping, the load exch
 autograd), which the simulated twin takes as a fixed cost per layer call."""
 
 PIPELINE_PROBE = {"tokens": 1024, "model_dim": 256, "hidden_dim": 1024, "experts_per_rank": 1, "top_k": 2,
-                  "degrees": (1, 2, 4)}
+                  "degrees": (1, 2, 4, 8), "compared": 4}
 """The MoE layer ``moeflow calibrate`` times whole (forward and backward) at these pipeline degrees,
-x = the degree: the overlap of its all-to-alls with its experts that the machine achieves, which
-the simulated twin's overlap slowdown is fitted to. Its all-to-all and its experts take comparable
-time on a CPU cluster, so its degrees differ by what overlap gains there."""
+x = the degree (the fit is made on 1 and 4, scored on 2 and 8): what chunking that layer gains or
+costs on the machine. The twin charges each chunk what the fit's time at the ``compared`` degree,
+over degree 1, leaves beyond its own prediction. Its all-to-all and its experts take comparable time
+on a CPU cluster, so its degrees differ by what overlap gains there."""
 
 NOT_MEASURED = "not measured: one rank"
 """:attr:`ProfileDevice.collectives` of a one-rank profile: no collective fit (the planner prices a

@@ -84,7 +84,7 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
     chunk = fitted_chunk_cost(twin, profile)
     if chunk is not None:
         sources["device.chunk"] = (
-            f"fit layer.pipelined (PIPELINE_PROBE's layer at degrees 1 and {max(PIPELINE_PROBE['degrees'])}): what "
+            f"fit layer.pipelined (PIPELINE_PROBE's layer at degrees 1 and {PIPELINE_PROBE['compared']}): what "
             f"each further chunk cost there beyond the twin's own prediction, per pass: {chunk * 1e3:.2f} ms")
         twin = replace(twin, device=replace(twin.device, chunk_s=chunk))
     return twin
@@ -118,7 +118,7 @@ def fitted_chunk_cost(twin: Cluster, profile: ClusterProfile) -> float | None:
     if "layer.pipelined" not in profile.fits:
         return None
     probe, fit = PIPELINE_PROBE, profile.fits["layer.pipelined"]
-    degree = max(probe["degrees"])
+    degree = probe["compared"]
     dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * twin.world_size,
                      top_k=probe["top_k"], bias=False)
     model = ModelSpec(name="pipeline-probe", layers=1, dims=dims, capacity_factor=1.0,
