@@ -519,7 +519,8 @@ def test_paper_trends_put_simulated_cells_beside_the_published_ones(tmp_path) ->
 
     lina = {r["cell"]: r for r in lina_contention()}
     median, worst = (lina[f"{k} backward all-to-all slowdown"]["simulated"] for k in ("median", "worst"))
-    assert 1.0 <= median <= worst and worst > 1.5 and lina["step speedup, priority alone (average)"]["simulated"] > 1
+    speedup = lina["step speedup, priority with tensor partitioning (16 experts)"]["simulated"]
+    assert 1.0 <= median <= worst and worst > 1.5 and speedup > 1
     assert 1.5 < lina["median slowdown of those"]["simulated"] <= 2.0 + 1e-6  # two flows share the NIC
     assert 0 < lina["share of backward all-to-alls beside an all-reduce"]["simulated"] < 1
     assert all(r["simulated_over_published"] == pytest.approx(r["simulated"] / r["published"], rel=1e-2)
@@ -528,7 +529,10 @@ def test_paper_trends_put_simulated_cells_beside_the_published_ones(tmp_path) ->
     assert all(r["simulated"] > 1.0 for r in faster if "shadowing" in r["cell"])
     assert [r["published"] for r in faster if r["published"]] == [1.95, 1.40, 2.20]
     summary = summarize([*lina.values(), *faster])
-    assert summary["tables"]["lina section 2.2"]["cells"] == 2
+    assert summary["tables"]["lina section 2.2"]["cells"] == 2  # the median of those beside one, the worst
+    fig13 = summary["tables"]["fastermoe Fig. 13"]  # the MoE layers alone, as FasterMoE measured (§5.2)
+    assert fig13["median_within_band"] and fig13["share_within_cell_band"] == 1.0
+    assert summary["tables_meeting_both"] == 1
     assert [p.name for p in plot([*lina.values(), *faster], tmp_path)] == [
         "papers-lina-section22.png", "papers-lina-section72.png", "papers-fastermoe-fig13.png"]
 
@@ -697,3 +701,24 @@ def test_a_ragged_exchange_sends_the_kept_rows_only_under_skew() -> None:
     uniform = ModelSpec(layers=1, dims=dims(256, 512, 8), tokens_per_rank=512, capacity_factor=1.0)
     both = [simulate_step(cluster, uniform, StepPlan(ragged_exchange=r), layer_only=True) for r in (False, True)]
     assert both[1].busy_s["alltoall"] <= both[0].busy_s["alltoall"] * 1.001
+
+
+def test_a_per_peer_gap_grows_the_linear_all_to_alls_startup_with_the_rank_count() -> None:
+    """PipeMoE Fig. 6(b): the linear all-to-all's startup at 16, 32 and 64 GPUs (17, 209 and 783 us)
+    grows faster than the message count; the per-peer gap reproduces its scale, 2DH's inter-node
+    phase (n - 1 peers) pays little of it, and a profile without the term is unchanged."""
+    from moeflow.sim import load_cluster
+    from moeflow.sim.network import Network
+
+    base = load_cluster("pipemoe-2080ti")
+    startup = {}
+    for gpus in (16, 32, 64):
+        (step,) = Network(base.resized(gpus // base.gpus_per_node)).alltoall("linear", 0.0)
+        startup[gpus] = float(step.work.max())
+    assert startup[16] < startup[32] < startup[64] and startup[64] == pytest.approx(783e-6, rel=0.05)
+    assert startup[64] / startup[16] > 240 / 48  # faster than the messages a node sends
+    flat = replace(base, nic=replace(base.nic, message_overhead_per_peer_s=0.0))
+    (none,) = Network(flat).alltoall("linear", 0.0)
+    assert float(none.work[2 * flat.world_size:].max()) == 0.0  # the NICs: no bytes, no gap
+    two_dim = Network(base).alltoall("2dh", 0.0)[-1]
+    assert float(two_dim.work.max()) < startup[64] / 10

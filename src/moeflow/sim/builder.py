@@ -55,6 +55,11 @@ class StepBuilder:
     def memory_s(self, nbytes: float, kernels: int = 1) -> float:
         return kernels * self.device.kernel_overhead_s + nbytes / self.device.memory_bandwidth
 
+    def copy_s(self, nbytes: float) -> float:
+        """A stride copy of ``nbytes`` (read and written) at the device's copy rate (2DH's layout copies)."""
+        rate = self.device.copy_bandwidth or self.device.memory_bandwidth
+        return self.device.kernel_overhead_s + 2 * nbytes / rate
+
     def ffn_s(self, rows: Times, backward: bool, local_experts: int | None = None, shards: int = 1) -> Times:
         """The experts' GEMMs on ``rows`` tokens, each expert's hidden dimension cut in ``shards``."""
         d = self.model.dims
@@ -125,7 +130,7 @@ class StepBuilder:
         last = deps
         for step in steps:
             if isinstance(step, LocalCopy):
-                index = self.timeline.compute(stream, self.memory_s(2 * step.bytes_per_rank), last, category)
+                index = self.timeline.compute(stream, self.copy_s(step.bytes_per_rank), last, category)
             else:
                 index = self.timeline.transfer(stream, step, last, category, priority)
             last = [index]

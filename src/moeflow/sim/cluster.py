@@ -39,17 +39,25 @@ class Device:
     overlap_slowdown: float = 1.0
     layer_call_s: float = 0.0
     layer_call_backward_s: float = 0.0
+    copy_bandwidth: float = 0.0  # bytes/s of 2DH's stride copies; 0: memory_bandwidth
     chunk_s: float = 0.0  # host cost of each pipeline chunk beyond the first, per pass (calibrated on CPU)
 
 
 @dataclass(frozen=True)
 class Link:
     """A link class: bandwidth per direction (bytes/s), latency paid once per sequential step, and
-    the occupancy of each message on the link (LogGP's gap: what makes many small messages slow)."""
+    the occupancy of each message on the link (LogGP's gap: what makes many small messages slow),
+    which grows by ``message_overhead_per_peer_s`` with each peer a rank exchanges with over the
+    link in one collective (NCCL's linear all-to-all starts up superlinearly in the rank count)."""
 
     bandwidth: float
     latency_s: float
     message_overhead_s: float
+    message_overhead_per_peer_s: float = 0.0
+
+    def gap_s(self, peers: float = 1.0) -> float:
+        """One message's occupancy of the link when its sender exchanges with ``peers`` ranks over it."""
+        return self.message_overhead_s + self.message_overhead_per_peer_s * peers
 
 
 @dataclass(frozen=True)
@@ -79,10 +87,9 @@ class Cluster:
     def node_bandwidth(self) -> float:
         return self.nic.bandwidth * self.nics_per_node
 
-    @property
-    def node_message_overhead_s(self) -> float:
+    def node_message_overhead_s(self, peers: float = 1.0) -> float:
         """A node's NICs take messages in parallel: each costs the node 1 / nics of one NIC's gap."""
-        return self.nic.message_overhead_s / self.nics_per_node
+        return self.nic.gap_s(peers) / self.nics_per_node
 
     def resized(self, nodes: int, gpus_per_node: int | None = None) -> Cluster:
         """The same hardware with another node count (what the papers' scaling curves vary)."""
@@ -115,10 +122,11 @@ FIELDS: dict[str, tuple[tuple[str, float, bool], ...]] = {
     "topology": (("nodes", 1, True), ("gpus_per_node", 1, True)),
     "device": (("gemm_tflops", 1e12, True), ("kernel_overhead_us", MICRO, True),
                ("memory_bandwidth_gb_s", 1e9, True), ("backward_ratio", 1, False), ("overlap_slowdown", 1, False),
-               ("layer_call_us", MICRO, False), ("layer_call_backward_us", MICRO, False), ("chunk_us", MICRO, False)),
+               ("layer_call_us", MICRO, False), ("layer_call_backward_us", MICRO, False),
+               ("stride_copy_gb_s", 1e9, False), ("chunk_us", MICRO, False)),
     "intra_node": (("bandwidth_gbit_s", GBIT, True), ("latency_us", MICRO, True), ("message_overhead_us", MICRO, True)),
     "inter_node": (("nic_bandwidth_gbit_s", GBIT, True), ("nics_per_node", 1, False), ("latency_us", MICRO, True),
-                   ("message_overhead_us", MICRO, True)),
+                   ("message_overhead_us", MICRO, True), ("message_overhead_per_peer_us", MICRO, False)),
 }
 
 
@@ -137,9 +145,11 @@ def cluster_from_toml(text: str, origin: str = "<string>") -> Cluster:
         device=Device(str(data.get("device", {}).get("name", "")), device["gemm_tflops"], device["kernel_overhead_us"],
                       device["memory_bandwidth_gb_s"], device.get("backward_ratio", 2.0),
                       device.get("overlap_slowdown", 1.0), device.get("layer_call_us", 0.0),
-                      device.get("layer_call_backward_us", 0.0), device.get("chunk_us", 0.0)),
+                      device.get("layer_call_backward_us", 0.0), device.get("stride_copy_gb_s", 0.0),
+                      device.get("chunk_us", 0.0)),
         intra=Link(intra["bandwidth_gbit_s"], intra["latency_us"], intra["message_overhead_us"]),
-        nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"]),
+        nic=Link(inter["nic_bandwidth_gbit_s"], inter["latency_us"], inter["message_overhead_us"],
+                 inter.get("message_overhead_per_peer_us", 0.0)),
         nics_per_node=int(inter.get("nics_per_node", 1)), description=str(data.get("description", "")),
         sources={str(k): str(v) for k, v in data.get("sources", {}).items()},
         collective_scale=_collective_scale(data, origin),

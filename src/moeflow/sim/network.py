@@ -74,8 +74,10 @@ class Network:
         link = self.cluster.intra
         return messages * link.message_overhead_s + nbytes / link.bandwidth
 
-    def _inter(self, messages: float, nbytes: float) -> float:
-        return messages * self.cluster.node_message_overhead_s + nbytes / self.cluster.node_bandwidth
+    def _inter(self, messages: float, nbytes: float, peers: float = 1.0) -> float:
+        """A node's NIC time for ``messages`` messages of ``nbytes`` in all, each from a rank that
+        exchanges with ``peers`` ranks across nodes in this collective."""
+        return messages * self.cluster.node_message_overhead_s(peers) + nbytes / self.cluster.node_bandwidth
 
     def _latency(self, intra: bool, inter: bool) -> float:
         return max(self.cluster.intra.latency_s if intra else 0.0, self.cluster.nic.latency_s if inter else 0.0)
@@ -109,7 +111,7 @@ class Network:
         if matrix is None:
             b = float(pair_bytes)
             gpu = self._intra(g - 1, (g - 1) * b)
-            nic = self._inter(g * (w - g), g * (w - g) * b)
+            nic = self._inter(g * (w - g), g * (w - g) * b, w - g)
             return Transfer(self._work(gpu, gpu, nic, nic), self._latency(g > 1, self.nodes > 1), "alltoall.linear")
         blocks, same_node = self._blocks(matrix)
         intra = np.where(same_node, matrix, 0.0)
@@ -118,7 +120,7 @@ class Network:
         inter_msgs_out, inter_msgs_in = self._node_traffic(self._blocks(matrix > 0)[0])
         work = self._work(
             self._intra((intra > 0).sum(1), intra.sum(1)), self._intra((intra > 0).sum(0), intra.sum(0)),
-            self._inter(inter_msgs_out, inter_out), self._inter(inter_msgs_in, inter_in),
+            self._inter(inter_msgs_out, inter_out, w - g), self._inter(inter_msgs_in, inter_in, w - g),
         )
         return Transfer(work, self._latency(g > 1, self.nodes > 1), "alltoall.linear")
 
@@ -129,7 +131,7 @@ class Network:
         if matrix is None:
             b = float(pair_bytes)
             gpu = self._intra(g - 1, (g - 1) * n * b)
-            nic = self._inter(g * (n - 1), g * (n - 1) * g * b)
+            nic = self._inter(g * (n - 1), g * (n - 1) * g * b, n - 1)
             total = self.world * b
             phase1 = Transfer(self._work(gpu, gpu, 0.0, 0.0), self.cluster.intra.latency_s, "alltoall.2dh.intra")
             phase2 = Transfer(self._work(0.0, 0.0, nic, nic), self.cluster.nic.latency_s, "alltoall.2dh.inter")
@@ -145,7 +147,8 @@ class Network:
         phase1 = Transfer(self._work(self._intra((first > 0).sum(2).ravel(), first.sum(2).ravel()),
                                      self._intra((first > 0).sum(1).ravel(), first.sum(1).ravel()), 0.0, 0.0),
                           self.cluster.intra.latency_s, "alltoall.2dh.intra")
-        phase2 = Transfer(self._work(0.0, 0.0, self._inter(out_msgs, out_bytes), self._inter(in_msgs, in_bytes)),
+        phase2 = Transfer(self._work(0.0, 0.0, self._inter(out_msgs, out_bytes, n - 1),
+                                     self._inter(in_msgs, in_bytes, n - 1)),
                           self.cluster.nic.latency_s, "alltoall.2dh.inter")
         copy = float(matrix.sum(1).max())
         return [LocalCopy(copy), phase1, LocalCopy(copy), phase2]
@@ -178,8 +181,8 @@ class Network:
             received[partner] = sent
             received_msgs = np.zeros(n)
             received_msgs[partner] = counts
-            steps.append(Transfer(self._work(0.0, 0.0, self._inter(counts, sent), self._inter(received_msgs, received)),
-                                  self.cluster.nic.latency_s, "pairwise.inter"))
+            work = self._work(0.0, 0.0, self._inter(counts, sent, g), self._inter(received_msgs, received, g))
+            steps.append(Transfer(work, self.cluster.nic.latency_s, "pairwise.inter"))
         return steps
 
     def pairwise_intra_step(self, pair_bytes: float) -> Transfer:
@@ -190,7 +193,7 @@ class Network:
     def pairwise_inter_step(self, pair_bytes: float, steps: int = 1) -> Transfer:
         """``steps`` uniform inter-node steps: every rank of a node to every rank of one other."""
         g = self.per_node
-        nic = steps * self._inter(g * g, g * g * pair_bytes)
+        nic = steps * self._inter(g * g, g * g * pair_bytes, g)
         return Transfer(self._work(0.0, 0.0, nic, nic), steps * self.cluster.nic.latency_s, "pairwise.inter")
 
     def broadcast(self, nbytes: float) -> list[Step]:
