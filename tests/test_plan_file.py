@@ -164,3 +164,16 @@ def test_the_twin_charges_each_chunk_what_the_pipelined_probe_measured_beyond_it
     gap = simulate_step(twin, model, chunked).step_s - simulate_step(plain, model, chunked).step_s
     assert gap == pytest.approx(2 * 3 * twin.device.chunk_s, rel=1e-6)  # 3 more chunks, forward and backward
     assert simulate_step(twin, model, StepPlan()).step_s == simulate_step(plain, model, StepPlan()).step_s
+
+
+def test_plan_and_train_name_the_fix_for_bad_plan_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match=r"ep sizes \[3\] do not tile"):
+        main(["plan", "--cluster", "lina-a100", "--ep-size", "3"])
+    with pytest.raises(SystemExit, match=r"--model .* or --config .*, not both"):
+        main(["plan", "--profile", str(PROFILE), "--model", "fastermoe-gpt", "--config", str(PROFILE)])
+    assert main(["train", "--plan", str(tmp_path / "missing.toml")]) == 2
+    assert "write one with moeflow plan --out" in capsys.readouterr().err
+    plan = tmp_path / "plan.toml"
+    assert main(["plan", "--profile", str(PROFILE), "--out", str(plan), "--top", "1"]) == 0
+    assert main(["train", "--config", str(plan)]) == 2
+    assert "pass it as --plan" in capsys.readouterr().err

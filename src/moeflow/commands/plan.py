@@ -21,7 +21,8 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--cluster", default=None,
                       help="the joint planner instead: a simulator cluster (shipped name, TOML, or calibrate JSON); "
                       "ranks schedule x degree x algorithm x shadowing for a whole training step on the simulator")
-    plan.add_argument("--model", default=None, help="with --cluster: a shipped model name or TOML model file")
+    plan.add_argument("--model", default=None, help="the joint planner for this simulator model (a shipped name or a "
+                      "TOML model file), on --cluster or on --profile's twin")
     plan.add_argument("--config", default=None,
                       help="the joint planner for this moeflow train config file's model (with --cluster, or with "
                       "--profile: the calibrated cluster's twin)")

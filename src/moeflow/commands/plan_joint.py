@@ -14,8 +14,9 @@ from moeflow.commands import fail
 
 
 def wants_joint_plan(args: argparse.Namespace) -> bool:
-    """The joint planner runs for --cluster, and for --profile with a train config or a plan file to write."""
-    return args.cluster is not None or args.out is not None or args.config is not None
+    """The joint planner runs for --cluster, and for --profile with a model, a train config or a plan
+    file to write."""
+    return any(value is not None for value in (args.cluster, args.out, args.config, args.model))
 
 
 def joint_plan(args: argparse.Namespace) -> int:
