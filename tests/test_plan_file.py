@@ -177,3 +177,52 @@ def test_plan_and_train_name_the_fix_for_bad_plan_input(tmp_path: Path, capsys: 
     assert main(["plan", "--profile", str(PROFILE), "--out", str(plan), "--top", "1"]) == 0
     assert main(["train", "--config", str(plan)]) == 2
     assert "pass it as --plan" in capsys.readouterr().err
+
+
+def test_a_launched_plan_keeps_its_layout_and_refuses_another_cluster() -> None:
+    from moeflow.training.launch import launched_config
+
+    planned = TrainConfig(workers=4, ranks_per_node=2, ep_size=2, plan="plan.toml")
+    assert launched_config(planned, 4, 2).ep_size == 2  # the launcher's ranks are the plan's
+    with pytest.raises(ValueError, match="is for 4 workers, 2 per node; the launcher started 8, 4 per node"):
+        launched_config(planned, 8, 4)
+    assert launched_config(TrainConfig(workers=4, ep_size=2), 4, 4).ep_size == 2
+    assert launched_config(TrainConfig(workers=4, ep_size=2), 8, 8).ep_size is None  # spread over the new count
+
+
+def test_a_plan_owns_its_layout_over_a_base_configs_and_records_what_a_run_changed(tmp_path: Path) -> None:
+    from moeflow.sim.planner import search
+    from moeflow.training.plan_file import run_record, write_plan
+
+    c = cluster(nic_gbit=4000.0)
+    model = TINY_MODEL.with_overrides(hidden_dim=8192, layers=1)
+    results = search(c, model, top=2, space=SearchSpace(ep_sizes=(8,)))
+    base = {"steps": 7, "ep_size": 2, "mp_size": 2, "esp_size": 2, "topology_gate": "auto", "grad_sync": "lina"}
+    path = tmp_path / "plan.toml"
+    table = write_plan(path, results, c, model, {**settings_of_model(model), **base}, None)
+    settings, _ = read_plan_file(str(path))
+    assert settings["steps"] == 7 and settings["grad_sync"] != "lina"
+    assert not {"ep_size", "mp_size", "esp_size", "topology_gate"} & set(settings)  # the defaults: the plan's layout
+    config = TrainConfig(**{**settings, "plan": str(path), "pipeline": 3})
+    record = run_record(config)
+    assert record["label"] == table["label"]
+    assert record["overridden"] == {"pipeline": {"plan": settings["pipeline"], "run": 3}}
+
+
+def test_planning_inference_does_not_write_a_training_plan_and_odd_text_round_trips(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="drop --forward-only"):
+        main(["plan", "--cluster", "lina-a100", "--forward-only", "--out", str(tmp_path / "plan.toml")])
+    path = tmp_path / "odd.toml"
+    write_plan_file(path, {"run_dir": "runs/\U0001f680 \\ \"x\"\n"}, {"predicted_step_ms": 1.0, "label": "é"}, "")
+    settings, table = read_plan_file(str(path))
+    assert settings["run_dir"] == "runs/\U0001f680 \\ \"x\"\n" and table["label"] == "é"
+
+
+def test_the_copies_of_an_expert_group_are_summed_once_after_the_backward() -> None:
+    from moeflow.sim.step import step_builder
+    from moeflow.sim.workload import routing_loads
+
+    builder = step_builder(cluster(), TINY_MODEL, StepPlan(ep=4, bucket_mb=math.inf))
+    timeline = builder.build(routing_loads(TINY_MODEL, 4))
+    synced = [i for i, op in enumerate(timeline.ops) if op.category == "allreduce-experts"]
+    assert len(synced) == 1 and synced[0] > max(i for i, op in enumerate(timeline.ops) if op.category == "experts")

@@ -21,6 +21,7 @@ import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from moeflow.config import LayerDims
@@ -101,8 +102,8 @@ def tutel_fig14() -> Iterator[Row]:
                    TUTEL_FIG14.get(("adaptive over 2dh", gpus)))
 
 
-PIPEMOE_FIG6 = {"gemm": (6.19e-5, 4.1e-14), 16: (1.72e-5, 2.96e-10), 32: (2.09e-4, 3.54e-10),
-                64: (7.83e-4, 3.84e-10)}
+PIPEMOE_FIG6 = MappingProxyType({"gemm": (6.19e-5, 4.1e-14), 16: (1.72e-5, 2.96e-10), 32: (2.09e-4, 3.54e-10),
+                                 64: (7.83e-4, 3.84e-10)})
 """PipeMoE Fig. 6's fits, (alpha, beta): the GEMM (a), and the linear all-to-all at 16, 32 and 64 GPUs (b)."""
 
 

@@ -20,7 +20,8 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--profile", default=None, help="a profile written by moeflow calibrate: one layer's plans")
     plan.add_argument("--cluster", default=None,
                       help="the joint planner instead: a simulator cluster (shipped name, TOML, or calibrate JSON); "
-                      "ranks schedule x degree x algorithm x shadowing for a whole training step on the simulator")
+                      "ranks layout x schedule x degree x algorithm x shadowing x gradient sync for a whole training "
+                      "step on the simulator")
     plan.add_argument("--model", default=None, help="the joint planner for this simulator model (a shipped name or a "
                       "TOML model file), on --cluster or on --profile's twin")
     plan.add_argument("--config", default=None,
@@ -34,9 +35,9 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--ep-size", type=positive_int, default=None,
                       help="joint planner: only this expert-parallel group size (default: every size that tiles "
                       "the nodes)")
-    plan.add_argument("--top", type=positive_int, default=5, help="with --cluster: plans to print (default 5)")
+    plan.add_argument("--top", type=positive_int, default=5, help="joint planner: plans to print (default 5)")
     plan.add_argument("--prioritize-alltoall", action="store_true",
-                      help="with --cluster: all-to-alls take the links before the gradient all-reduce (Lina)")
+                      help="joint planner: all-to-alls take the links before the gradient all-reduce (Lina)")
     plan.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank (default 4096)")
     plan.add_argument("--model-dim", type=positive_int, default=512, help="model dimension M (default 512)")
     plan.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert hidden size H (default 1024)")

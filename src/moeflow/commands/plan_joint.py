@@ -16,7 +16,7 @@ from moeflow.commands import fail
 def wants_joint_plan(args: argparse.Namespace) -> bool:
     """The joint planner runs for --cluster, and for --profile with a model, a train config or a plan
     file to write."""
-    return any(value is not None for value in (args.cluster, args.out, args.config, args.model))
+    return any(value is not None for value in (args.cluster, args.out, args.config, args.model, args.ep_size))
 
 
 def joint_plan(args: argparse.Namespace) -> int:
@@ -24,6 +24,9 @@ def joint_plan(args: argparse.Namespace) -> int:
     from moeflow.sim.planner import SearchSpace, search
 
     source = args.cluster or args.profile
+    if args.out is not None and args.forward_only:
+        raise fail("plan", "--out writes a plan moeflow train runs (a training step); drop --forward-only, which "
+                   "plans an inference batch")
     try:
         cluster = load_cluster(source)
         cluster = cluster.resized(args.nodes) if args.nodes else cluster
@@ -57,6 +60,8 @@ def _model(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         values = load_config_file(args.config) if args.config else {}
         return values, model_of_config(TrainConfig(**values))
     model = load_model(args.model)
+    if args.out and not model.vocab_size:  # moeflow train has a vocabulary: price its embedding and LM head
+        model = model.with_overrides(vocab_size=TrainConfig().vocab_size)
     return (settings_of_model(model) if args.out else {}), model
 
 

@@ -7,6 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from moeflow.perf.alphabeta import AlphaBeta
@@ -23,8 +24,8 @@ whole call ``moeflow calibrate`` times over these token counts: at this size a c
 no GEMM or byte count explains (gate, top-k, capacity bookkeeping, the load exchange, Python,
 autograd), which the simulated twin takes as a fixed cost per layer call."""
 
-PIPELINE_PROBE = {"tokens": 1024, "model_dim": 256, "hidden_dim": 1024, "experts_per_rank": 1, "top_k": 2,
-                  "degrees": (1, 2, 4, 8), "compared": 4}
+PIPELINE_PROBE = MappingProxyType({"tokens": 1024, "model_dim": 256, "hidden_dim": 1024, "experts_per_rank": 1,
+                                   "top_k": 2, "degrees": (1, 2, 4, 8), "compared": 4})
 """The MoE layer ``moeflow calibrate`` times whole (forward and backward) at these pipeline degrees,
 x = the degree (the fit is made on 1 and 4, scored on 2 and 8): what chunking that layer gains or
 costs on the machine. The twin charges each chunk what the fit's time at the ``compared`` degree,

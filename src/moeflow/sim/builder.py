@@ -187,11 +187,11 @@ class StepBuilder:
             if not self.layer_only and (pending >= self.plan.bucket_mb * 1e6 or index == len(loads) - 1):
                 synced.append(self.gradient_allreduce(pending, tail))  # a full bucket (or each layer's own)
                 pending = 0.0
-            if not self.layer_only and self.replicas > 1 and not self.replicates_experts:
-                synced.append(self.replica_allreduce(self._expert_parameters_per_rank() * self.model.element_bytes,
-                                                     tail))
         if self.layer_only:
             return self.timeline
+        if self.replicas > 1 and not self.replicates_experts:  # the trainer sums the copies once, after the backward
+            experts = self.model.layers * self._expert_parameters_per_rank() * self.model.element_bytes
+            synced.append(self.replica_allreduce(experts, tail))
         m = self.model
         if m.vocab_size:  # the input embedding's gradient, all-reduced once the backward is done
             synced.append(self.gradient_allreduce(self._head_bytes(), tail))

@@ -140,7 +140,8 @@ def retimed(cluster: Cluster, speed: float) -> Cluster:
                                            layer_call_s=device.layer_call_s / speed,
                                            layer_call_backward_s=device.layer_call_backward_s / speed,
                                            chunk_s=device.chunk_s / speed,
-                                           memory_bandwidth=device.memory_bandwidth * speed))
+                                           memory_bandwidth=device.memory_bandwidth * speed,
+                                           copy_bandwidth=device.copy_bandwidth * speed))
 
 
 def _faster(link: Link, factor: float) -> Link:

@@ -100,7 +100,13 @@ def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int =
     def proxy_time(plan: StepPlan) -> float:
         return simulate_step(cluster, proxy, plan, training, proxy_loads.of(cluster, plan)).step_s
 
-    ranked = sorted(candidate_plans(cluster, model, space), key=proxy_time)
+    candidates = candidate_plans(cluster, model, space)
+    if not candidates:
+        layout = f"{cluster.nodes} x {cluster.gpus_per_node}"
+        raise ValueError(f"no plan fits {model.dims.num_experts} experts on the {layout} cluster with mp {space.mp} "
+                         f"and expert group sizes {list(space.ep_sizes) or 'any'}: an expert group holds whole MP "
+                         "groups and its experts must divide over it (change --ep-size, --mp or the experts)")
+    ranked = sorted(candidates, key=proxy_time)
     finalists = [simulate_step(cluster, model, variant, training, loads.of(cluster, variant))
                  for plan in ranked[:max(top, 1) * 2] for variant in gradient_sync_variants(plan, training)]
     return sorted(finalists, key=lambda result: result.step_s)[:top]

@@ -83,9 +83,9 @@ def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
     config = config.updated({"run_dir": str(run_dir)})
     config.save(run_dir / "config.json")
     if config.plan is not None and checkpoint is None:
-        from moeflow.training.plan_file import RUN_RECORD, read_plan_file
+        from moeflow.training.plan_file import RUN_RECORD, run_record
 
-        (run_dir / RUN_RECORD).write_text(json.dumps(read_plan_file(config.plan)[1], indent=2) + "\n")
+        (run_dir / RUN_RECORD).write_text(json.dumps(run_record(config), indent=2) + "\n")
     (run_dir / "corpus.json").write_text(json.dumps(corpus.to_dict(), indent=2) + "\n")
     return Job(config, corpus, str(run_dir), str(checkpoint) if checkpoint is not None else None)
 
@@ -128,7 +128,7 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ranks_per_node = topology_from_environment(os.environ, world_size).ranks_per_node
-    config = config.updated({"workers": world_size})
+    config = launched_config(config, world_size, ranks_per_node)
     torch.set_num_threads(config.threads_per_worker)
     device_for(config, local_rank)  # before the first collective
     dist.init_process_group(
@@ -146,6 +146,21 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
     if report and rank == 0:
         summary = _with_plan(summary, _report(Path(summary["run_dir"])))
     return summary
+
+
+def launched_config(config: TrainConfig, world_size: int, ranks_per_node: int) -> TrainConfig:
+    """``config`` for the launcher's ranks. A config for as many workers keeps its layout (its
+    ``ep_size``); another count spreads the experts over every worker, except a plan's, which is
+    refused: it was planned for its own workers and nodes."""
+    if config.plan is not None:
+        planned = (config.workers, config.ranks_per_node or config.workers)
+        if planned != (world_size, ranks_per_node):
+            raise ValueError(f"the plan {config.plan} is for {planned[0]} workers, {planned[1]} per node; the launcher "
+                             f"started {world_size}, {ranks_per_node} per node: plan for this cluster (moeflow plan "
+                             "--out) or launch the plan's layout")
+    if config.workers == world_size:
+        return config
+    return config.updated({"workers": world_size})
 
 
 def _report(run_dir: Path) -> dict[str, Any]:

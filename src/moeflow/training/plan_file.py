@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,12 +27,17 @@ PLAN_TABLE = "plan"
 """The table of a plan file that holds the prediction, not settings."""
 RUN_RECORD = "plan.json"
 """The plan's table, copied into the folder of a run of it."""
-ADAPTIVE = {
+ADAPTIVE = MappingProxyType({
     "capacity": "each expert's capacity follows the step's routing (Tutel's dynamic capacity)",
     "shadowing": "which experts are shadowed is FasterMoE's Algorithm 1's choice per step, from the step's load",
     "redundant_experts": "the slots are placed for the recorded load every rebalance_interval steps (EPLB)",
-}
+})
 """What a plan leaves to run time, by the setting that turns it on ("capacity" always)."""
+PLAN_OWNED = ("workers", "ranks_per_node", "ep_size", "mp_size", "esp_size", "parallel", "pipeline", "alltoall",
+              "token_exchange", "shadowing", "topology_gate", "redundant_experts", "balance", "expert_packing",
+              "grad_sync", "bucket_mb", "microop_mb")
+"""The settings a plan decides: a base config's values of them are dropped, so the run is the plan's
+layout and schedule (an unset one takes ``moeflow train``'s default)."""
 WARMUP_SHARE = 5
 """The first 1 / WARMUP_SHARE of a run's steps are not measured against the plan (buffers grow, caches fill)."""
 
@@ -72,9 +78,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
     from moeflow.config import GRADIENT_BUCKET_MB
     from moeflow.sim.step import technique_of
 
-    settings: dict[str, Any] = {"workers": cluster.world_size}
-    if cluster.nodes > 1:
-        settings["ranks_per_node"] = cluster.gpus_per_node
+    settings: dict[str, Any] = {"workers": cluster.world_size, "ranks_per_node": cluster.gpus_per_node}
     if plan.ep is not None and plan.ep != cluster.world_size:
         settings["ep_size"] = plan.ep
     settings.update(technique_of(plan).simulated.settings(plan))
@@ -133,7 +137,8 @@ def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: M
 
     results, refused = list(results), []
     while results:
-        settings = {**base, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
+        owned = {key: value for key, value in base.items() if key not in PLAN_OWNED}
+        settings = {**owned, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
         problem = train_refusal(settings)
         if problem is None:
             break
@@ -187,7 +192,7 @@ def _toml_value(value: Any) -> str:
             raise ValueError(f"a plan file holds finite numbers, got {value!r}")
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string
+        return json.dumps(value, ensure_ascii=False)  # a TOML basic string (TOML has no surrogate escapes)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"a plan file cannot hold {type(value).__name__} values ({value!r})")
@@ -207,6 +212,16 @@ def read_plan_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return checked_keys(values, source=f"plan file {path!r}"), table
 
 
+def run_record(config: TrainConfig) -> dict[str, Any]:
+    """The ``[plan]`` table of ``config.plan`` for the run's folder, with the settings the plan fixes
+    that this run changed (a flag, a config file or the API), so the comparison says what ran."""
+    assert config.plan is not None
+    settings, table = read_plan_file(config.plan)
+    changed = {key: {"plan": settings.get(key), "run": getattr(config, key)} for key in table.get("fixed", [])
+               if settings.get(key) != getattr(config, key, None)}
+    return {**table, **({"overridden": changed} if changed else {})}
+
+
 def measured_against_plan(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The plan's prediction beside the run's median step time (after the warm-up steps), or None
     for a run that was not started from a plan."""
@@ -220,5 +235,6 @@ def measured_against_plan(run_dir: Path, records: list[dict[str, Any]]) -> dict[
     measured = statistics.median(steps) * 1e3
     predicted = float(table["predicted_step_ms"])
     return {"label": table.get("label"), "predicted_step_ms": predicted, "measured_step_ms": round(measured, 4),
-            "error_percent": round((predicted - measured) / measured * 100, 2), "steps_measured": len(steps)}
+            "error_percent": round((predicted - measured) / measured * 100, 2), "steps_measured": len(steps),
+            **({"overridden": table["overridden"]} if "overridden" in table else {})}
 
