@@ -345,7 +345,7 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     collectives = _collective_points(config, world) if world > 1 else {}
     interference = _interference(config, world) if world > 1 else 1.0
     layer = _layer_points(config, world, kernels)
-    layer |= _pipeline_points(config, world, kernels) if world > 1 else {}
+    pipelined = _pipeline_points(config, world, kernels) if world > 1 else {}
     if rank != 0:
         return None
     fits, quality = {}, []
@@ -360,9 +360,10 @@ def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str
     for name, points in collectives.items():
         fits[name], report = _fit_with_holdout(name, points, "bytes")
         quality.append(report)
-    for name, points in layer.items():
-        fits[name], report = _fit_with_holdout(name, points, "degree" if name == "layer.pipelined" else "tokens")
-        quality.append(report)
+    for points_by_name, unit in ((layer, "tokens"), (pipelined, "degree")):
+        for name, points in points_by_name.items():
+            fits[name], report = _fit_with_holdout(name, points, unit)
+            quality.append(report)
     backend = dist.get_backend()
     measured_over = ("nccl" if device.type == "cuda" else "gloo") if world > 1 else NOT_MEASURED
     machine = {

@@ -152,10 +152,12 @@ class StepBuilder:
 
     def gradient_allreduce(self, nbytes: float, deps: list[int]) -> int:
         """An all-reduce over every rank (the dense gradients), as this group's links see it."""
+        if self.replicas == 1:  # the group is the world
+            return self.allreduce(nbytes, deps)
         key = ("gradients", self.plan.allreduce, nbytes)
         if key not in self._transfers:
             steps = self.world_network.allreduce(nbytes, self.plan.allreduce)
-            self._transfers[key] = self.world_network.onto(self.network, steps) if self.replicas > 1 else steps
+            self._transfers[key] = self.world_network.onto(self.network, steps)
         return self.collective(GRADIENTS, self._transfers[key], deps, "allreduce")
 
     def replica_allreduce(self, nbytes: float, deps: list[int]) -> int:

@@ -15,8 +15,10 @@ compute, contention) are a prediction, not a copy.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from moeflow.config import ALLTOALL_ALGORITHMS, LayerDims
 from moeflow.perf.alphabeta import AlphaBeta
@@ -90,6 +92,15 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
     return twin
 
 
+def probe_model(probe: Mapping[str, Any], world: int, tokens: int, name: str) -> ModelSpec:
+    """One layer of a calibration probe's shape (:data:`LAYER_PROBE`, :data:`PIPELINE_PROBE`) on
+    ``world`` ranks at ``tokens`` per rank, fp32, capacity factor 1, without the biases the
+    simulator does not count."""
+    dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * world,
+                     top_k=probe["top_k"], bias=False)
+    return ModelSpec(name=name, layers=1, dims=dims, capacity_factor=1.0, tokens_per_rank=tokens, dtype="fp32")
+
+
 def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, float]:
     """Seconds per layer call, forward and backward, that the twin (without them) leaves
     unexplained of :data:`LAYER_PROBE`'s measured calls; (0, 0) for a profile without those fits."""
@@ -97,12 +108,8 @@ def layer_call_costs(twin: Cluster, profile: ClusterProfile) -> tuple[float, flo
     if "layer.forward" not in fits or "layer.backward" not in fits:
         return 0.0, 0.0
     forward, backward = [], []
-    probe = LAYER_PROBE
-    dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * twin.world_size,
-                     top_k=probe["top_k"], bias=False)  # bias: the simulator counts no bias parameters
-    for tokens in probe["tokens"]:
-        model = ModelSpec(name="layer-probe", layers=1, dims=dims, capacity_factor=1.0, tokens_per_rank=tokens,
-                          dtype="fp32")
+    for tokens in LAYER_PROBE["tokens"]:
+        model = probe_model(LAYER_PROBE, twin.world_size, tokens, "layer-probe")
         ahead = simulate_step(twin, model, training=False, layer_only=True).step_s
         both = simulate_step(twin, model, layer_only=True).step_s
         forward.append(fits["layer.forward"](tokens) - ahead)
@@ -117,12 +124,8 @@ def fitted_chunk_cost(twin: Cluster, profile: ClusterProfile) -> float | None:
     ranks share cores, overlap gains little and every chunk costs thread and process switches."""
     if "layer.pipelined" not in profile.fits:
         return None
-    probe, fit = PIPELINE_PROBE, profile.fits["layer.pipelined"]
-    degree = probe["compared"]
-    dims = LayerDims(probe["model_dim"], probe["hidden_dim"], probe["experts_per_rank"] * twin.world_size,
-                     top_k=probe["top_k"], bias=False)
-    model = ModelSpec(name="pipeline-probe", layers=1, dims=dims, capacity_factor=1.0,
-                      tokens_per_rank=probe["tokens"], dtype="fp32")
+    fit, degree = profile.fits["layer.pipelined"], PIPELINE_PROBE["compared"]
+    model = probe_model(PIPELINE_PROBE, twin.world_size, PIPELINE_PROBE["tokens"], "pipeline-probe")
     plain = replace(twin, device=replace(twin.device, chunk_s=0.0))
     predicted = (simulate_step(plain, model, StepPlan(degree=degree), layer_only=True).step_s
                  - simulate_step(plain, model, StepPlan(), layer_only=True).step_s)

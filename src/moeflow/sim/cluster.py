@@ -100,7 +100,6 @@ class Cluster:
         _positive("gpus_per_node", per_node, "the GPUs of one node")
         return replace(self, nodes=nodes, gpus_per_node=per_node)
 
-
     def expert_group(self, ep: int) -> Cluster:
         """The cluster one expert-parallel group of ``ep`` consecutive ranks sees: its own ranks and
         links (every group runs alike). A group tiles the nodes: it divides a node or spans whole ones."""

@@ -1,9 +1,9 @@
 """The joint planner: every (expert group size, schedule, pipeline degree, all-to-all algorithm,
 shadowing) the cluster can run, ranked by the simulator. The layout is the expert-parallel group
 size EP (experts over EP consecutive ranks, copied over world / EP data-parallel replicas) and,
-behind ``mp``, the tensor-parallel attention group. Plans are ranked on a few-layer proxy of the model (layers add up,
-except where the gradient all-reduce overlaps the layers below) and the best are re-simulated at
-full depth, so a 2,048-rank search takes seconds."""
+behind ``mp``, the tensor-parallel attention group. Plans are ranked on a few-layer proxy of the
+model (layers add up, except where the gradient all-reduce overlaps the layers below) and the best
+are re-simulated at full depth, so a 2,048-rank search takes seconds."""
 
 from __future__ import annotations
 
@@ -62,11 +62,12 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
     if space.mp > 1 and cluster.gpus_per_node % space.mp:
         raise ValueError(f"--mp {space.mp} must divide the {cluster.gpus_per_node} GPUs per node "
                          "(MP groups stay in a node)")
-    sizes = space.ep_sizes or expert_group_sizes(cluster)
-    bad = [ep for ep in sizes if ep not in expert_group_sizes(cluster)]
+    tiling = expert_group_sizes(cluster)
+    sizes = space.ep_sizes or tiling
+    bad = [ep for ep in sizes if ep not in tiling]
     if bad:
         raise ValueError(f"ep sizes {bad} do not tile the {cluster.nodes} x {cluster.gpus_per_node} cluster; "
-                         f"use some of {expert_group_sizes(cluster)}")
+                         f"use some of {tiling}")
     plans = []
     for ep in sizes:
         if space.mp > 1 and ep % space.mp:
