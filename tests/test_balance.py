@@ -105,6 +105,17 @@ def test_the_simulator_prices_redundant_slots_against_the_load() -> None:
     assert "slots+16" in plan_label(slots)
 
 
+def test_the_simulator_runs_slots_under_the_smart_pipeline_as_the_layer_does() -> None:
+    """``pipeline='auto'`` may pick FasterMoE's smart pipeline for a layer with EPLB's slots (both run
+    on the expert schedule: a recorded emulated-cluster run did); the simulator prices that too, as
+    it prices the slots under the plain expert schedule: the same exchange, pipelined otherwise."""
+    world = load_cluster("fastermoe-johnny").world_size
+    smart, expert = (_simulated_ms(StepPlan(schedule=name, redundant_slots=world), "zipf:1.2")
+                     for name in ("smart", "expert"))
+    assert smart != _simulated_ms(StepPlan(schedule="smart"), "zipf:1.2")
+    assert smart == pytest.approx(expert, rel=0.15)
+
+
 def test_the_simulators_slots_refuse_what_the_layer_refuses() -> None:
     with pytest.raises(ValueError, match="without shadowing"):
         _simulated_ms(StepPlan(redundant_slots=16, shadowed=1), "uniform")

@@ -403,6 +403,32 @@ def test_twin_scales_each_alltoall_algorithm_to_its_own_fit_and_slows_overlapped
         "allreduce": 2.0}
 
 
+def test_twin_charges_each_collective_call_its_own_fitted_start_up() -> None:
+    """gloo's pairwise exchange starts slower than its linear one (a recorded 2x1 profile: 1.2 ms of
+    intercept against none): the twin charges each call the intercept its own fit has beyond what
+    its steps already take, once per call, and nothing for a collective whose fit starts no later."""
+    from moeflow.perf.alphabeta import AlphaBeta
+    from moeflow.perf.profile import ClusterProfile
+    from moeflow.sim.calibrated import cluster_from_profile
+
+    fits = {"alltoall.inter_node": AlphaBeta(0.0, 8e-9), "alltoall.linear": AlphaBeta(0.0, 16e-9),
+            "alltoall.pairwise": AlphaBeta(2e-3, 8e-9), "ffn.forward": AlphaBeta(0.0, 1e-11)}
+    twin = cluster_from_profile(ClusterProfile(nodes=2, ranks_per_node=2, fits=fits))
+    assert twin.collective_latency == pytest.approx({"pairwise": 2e-3})
+    assert "collective_latency" in twin.sources
+    network, flat = Network(twin), Network(replace(twin, collective_latency={}))
+    for x in (0.0, 4e6):
+        steps = network.alltoall("pairwise", x / 4)
+        assert len(steps) == 2  # the intra-node step, then the inter-node one: one call
+        assert sum(s.alone_s for s in steps) == pytest.approx(sum(s.alone_s for s in flat.alltoall("pairwise", x / 4))
+                                                              + 2e-3)
+        assert network.alltoall("linear", x / 4)[0].alone_s == flat.alltoall("linear", x / 4)[0].alone_s
+    model = MODEL.with_overrides(layers=1)
+    calls = [simulate_step(t, model, StepPlan(degree=4, algorithm="pairwise"), layer_only=True).step_s
+             for t in (twin, replace(twin, collective_latency={}))]
+    assert calls[0] > calls[1]
+
+
 def test_scaling_report_walks_both_axes_and_fits_exponents() -> None:
     from moeflow.sim.scaling import growth_exponents, scaling_runs
 
@@ -678,16 +704,17 @@ def test_the_simulators_picks_are_the_measured_best_of_a_recorded_validation_run
     from moeflow.bench.sim_validation import regrets, replay, summarize
 
     records = replay(Path(__file__).parent / "data" / "sim_validation")
-    assert {r["measured_by"] for r in records} == {"pipeline", "schedules", "parallel", "skew"}
+    assert {r["measured_by"] for r in records} == {"pipeline", "schedules", "parallel", "skew", "exchange"}
     assert {(r["layout"], r["inter_gbit"]) for r in records} == {(f"2x{g}", b) for g in (1, 2) for b in (0.5, 1, 2)}
     found = regrets(records)
-    assert len(found) == 60 and statistics.median(found) <= 0.05
+    assert len(found) == 78 and statistics.median(found) <= 0.05
     summary = summarize(records)
-    # the issue's 10 % is not met (11.9 % on this recording, whose VM drifted 0.73-1.63x from its
-    # calibration); these bounds keep the recorded figures from regressing
-    assert summary["median_abs_error"] <= 0.13 and summary["by_layout"]["2x1"]["median_abs_error"] <= 0.12
+    # the issue's median target (10 %) holds on this recording (7.5 %) and per layout; its max (25 %)
+    # does not (87 %: EPLB's slots at 0.5 Gbit/s); these bounds keep the figures from regressing
+    assert summary["median_abs_error"] <= 0.08
+    assert all(layout["median_abs_error"] <= 0.08 for layout in summary["by_layout"].values())
     errors = [abs(r["error"]) for r in records]
-    assert sum(e <= 0.25 for e in errors) >= 0.85 * len(errors)
+    assert sum(e <= 0.25 for e in errors) >= 0.93 * len(errors)
 
 
 def test_a_ragged_exchange_sends_the_kept_rows_only_under_skew() -> None:
@@ -722,3 +749,50 @@ def test_a_per_peer_gap_grows_the_linear_all_to_alls_startup_with_the_rank_count
     assert float(none.work[2 * flat.world_size:].max()) == 0.0  # the NICs: no bytes, no gap
     two_dim = Network(base).alltoall("2dh", 0.0)[-1]
     assert float(two_dim.work.max()) < startup[64] / 10
+
+
+def test_ranks_sharing_cores_pass_an_idle_ranks_core_to_the_busy_ones() -> None:
+    """Processor sharing: 4 ranks on 2 cores run at half a core each when all are busy (the
+    calibrated rate); under a skew the ranks that finish pass their cores on, so the hot rank ends
+    sooner than at the calibrated rate, never sooner than on a core of its own."""
+    from moeflow.sim.cores import shared_core_seconds
+
+    even = np.full(4, 2.0)
+    assert shared_core_seconds(even, 2, 4) == pytest.approx(even)
+    skewed = np.array([8.0, 2.0, 2.0, 2.0])  # seconds at half a core each
+    finish = shared_core_seconds(skewed, 2, 4)
+    # all four share until the cold ones end at 2 s (1 core-second each); then the hot one has a core
+    assert finish == pytest.approx([2.0 + (4.0 - 1.0), 2.0, 2.0, 2.0])
+    assert finish[0] >= skewed[0] / 2  # at most one core: never faster than alone on a core
+    assert shared_core_seconds(skewed, 4, 4) == pytest.approx(skewed)  # a core each: nothing shared
+    two_machines = shared_core_seconds(np.concatenate([skewed, even]), 2, 4)
+    assert two_machines == pytest.approx(np.concatenate([finish, even]))
+
+
+def test_the_calibrated_twin_knows_which_ranks_share_cores() -> None:
+    """A gloo profile of the emulated cluster (every rank on the calibrating machine) shares its
+    cores among all ranks; a real CPU cluster among a node's; a GPU profile not at all. The twin of
+    the recorded 2x2 run then prices a skewed dropless layer lower than at the calibrated rate."""
+    from pathlib import Path
+
+    from moeflow.perf.profile import ClusterProfile
+    from moeflow.sim.calibrated import cluster_from_profile, shared_cores
+
+    machine = {"cpus": 2, "threads_per_rank": 1, "backend": "gloo", "latency_emulated": "0"}
+    assert shared_cores(ClusterProfile(nodes=2, ranks_per_node=2, fits={}, machine=machine)) == (2, 4)
+    real = {k: v for k, v in machine.items() if k != "latency_emulated"}
+    assert shared_cores(ClusterProfile(nodes=2, ranks_per_node=2, fits={}, machine=real)) == (0, 0)  # a core each
+    assert shared_cores(ClusterProfile(nodes=2, ranks_per_node=4, fits={}, machine=real)) == (2, 4)
+    nccl = real | {"backend": "nccl"}
+    assert shared_cores(ClusterProfile(nodes=2, ranks_per_node=4, fits={}, machine=nccl)) == (0, 0)
+    twin = cluster_from_profile(ClusterProfile.load(Path(__file__).parent / "data" / "sim_validation" /
+                                                    "profile-2x2-1gbit.json"))
+    assert (twin.device.cores, twin.device.ranks_per_machine) == (2, 4)
+    model = ModelSpec(layers=1, dims=dims(512, 1024, 8), capacity_factor=0.0, tokens_per_rank=2048,
+                      routing="zipf:1.5", dtype="fp32")
+    alone = replace(twin, device=replace(twin.device, cores=0, ranks_per_machine=0))
+    shared, busy = (simulate_step(c, model, StepPlan(), layer_only=True).step_s for c in (twin, alone))
+    assert shared < 0.9 * busy
+    uniform = model.with_overrides(routing="uniform")
+    assert simulate_step(twin, uniform, StepPlan(), layer_only=True).step_s == pytest.approx(
+        simulate_step(alone, uniform, StepPlan(), layer_only=True).step_s)

@@ -14,6 +14,7 @@ from moeflow.perf.balance import slot_tokens
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.perf.replicas import balanced_slots
 from moeflow.sim.cluster import Cluster
+from moeflow.sim.cores import shared_core_seconds
 from moeflow.sim.engine import ALLTOALL, COMPUTE, GRADIENTS, MODEL_PARALLEL, Timeline, Times
 from moeflow.sim.network import LocalCopy, Network, Step
 from moeflow.sim.plan import StepPlan
@@ -65,7 +66,10 @@ class StepBuilder:
         d = self.model.dims
         local = local_experts or max(1, d.num_experts // self.cluster.world_size)
         flops = 2 * rows * d.model_dim * (d.hidden_dim / shards) * d.projections
-        return self.gemm_s(flops, kernels=local * ffn_kernels(d.projections), backward=backward)
+        seconds = self.gemm_s(flops, kernels=local * ffn_kernels(d.projections), backward=backward)
+        if np.ndim(seconds) and self.device.cores:  # a skewed load on ranks that share cores
+            return shared_core_seconds(seconds, self.device.cores, self.device.ranks_per_machine)
+        return seconds
 
     def capacity(self, load: LayerLoad) -> int:
         return load.capacity(self.model)

@@ -15,7 +15,7 @@ compute, contention) are a prediction, not a copy.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import LAYER_PROBE, PIPELINE_PROBE, ClusterProfile
 from moeflow.sim.builder import ffn_kernels
 from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
-from moeflow.sim.network import LocalCopy, Network
+from moeflow.sim.network import LocalCopy, Network, Step, Transfer
 from moeflow.sim.plan import StepPlan
 from moeflow.sim.step import simulate_step
 from moeflow.sim.workload import ModelSpec
@@ -77,12 +77,22 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
     sources["collective_scale"] = "each collective's fitted slope over the twin's ideal slope: " + \
         ", ".join(f"{k} {v:.2f}" for k, v in scale.items())
     twin = replace(twin, collective_scale=scale)
+    latency = collective_latencies(twin, profile)
+    if latency:
+        sources["collective_latency"] = "each collective's fitted intercept beyond its steps' own: " + \
+            ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in latency.items())
+        twin = replace(twin, collective_latency=latency)
     forward, backward = layer_call_costs(twin, profile)
     if forward or backward:
         sources["device.layer_call"] = ("fits layer.forward / layer.backward (LAYER_PROBE's layer) minus the twin's "
                                         f"own time for that layer, mean over its token counts: {forward * 1e3:.2f} ms "
                                         f"forward, {backward * 1e3:.2f} ms backward")
     twin = replace(twin, device=replace(twin.device, layer_call_s=forward, layer_call_backward_s=backward))
+    cores, sharing = shared_cores(profile)
+    if cores:
+        sources["device.cores"] = (f"the machine's {cores} cores, shared by {sharing} ranks (a skewed load's idle "
+                                   "ranks pass theirs to the busy ones)")
+        twin = replace(twin, device=replace(twin.device, cores=cores, ranks_per_machine=sharing))
     chunk = fitted_chunk_cost(twin, profile)
     if chunk is not None:
         sources["device.chunk"] = (
@@ -90,6 +100,21 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
             f"each further chunk cost there beyond the twin's own prediction, per pass: {chunk * 1e3:.2f} ms")
         twin = replace(twin, device=replace(twin.device, chunk_s=chunk))
     return twin
+
+
+def shared_cores(profile: ClusterProfile) -> tuple[int, int]:
+    """(cores, ranks) of a machine whose ranks share its cores, from the profile's machine record:
+    on the emulated cluster every rank runs on the calibrating machine, elsewhere a node's ranks
+    do; (0, 0) where each rank has a core (or a GPU) of its own or the record does not say."""
+    machine = profile.machine
+    threads = int(machine.get("threads_per_rank") or 1)
+    cpus = int(machine.get("cpus") or 0)
+    emulated = machine.get("latency_emulated") is not None
+    ranks = profile.nodes * profile.ranks_per_node if emulated else profile.ranks_per_node
+    cores = cpus // threads
+    if machine.get("backend") != "gloo" or not cores or cores >= ranks:
+        return 0, 0
+    return cores, ranks
 
 
 def probe_model(probe: Mapping[str, Any], world: int, tokens: int, name: str) -> ModelSpec:
@@ -151,23 +176,42 @@ def _faster(link: Link, factor: float) -> Link:
     return replace(link, bandwidth=link.bandwidth / factor)
 
 
+def _collective_probes(twin: Cluster) -> dict[str, tuple[str, Callable[[float], list[Step]]]]:
+    """Per collective: its fit's name and its steps on the twin for a per-rank buffer of x bytes."""
+    network = Network(twin)
+    probes: dict[str, tuple[str, Callable[[float], list[Step]]]] = {
+        algorithm: (f"alltoall.{algorithm}", lambda x, a=algorithm: network.alltoall(a, x / twin.world_size))
+        for algorithm in ALLTOALL_ALGORITHMS}
+    probes |= {"allreduce": ("allreduce", network.allreduce), "allgather": ("allgather", network.allgather),
+               "reducescatter": ("reducescatter", network.reducescatter)}
+    return probes
+
+
+def collective_latencies(twin: Cluster, profile: ClusterProfile) -> dict[str, float]:
+    """Per collective with a fit: its intercept (a call's start-up) beyond what the twin's steps
+    already take for an empty call (their latencies and per-message gaps), where positive."""
+    out = {}
+    for name, (fit_name, steps_of) in (_collective_probes(twin).items() if twin.world_size > 1 else ()):
+        fit = profile.fits.get(fit_name)
+        if fit is None:
+            continue
+        empty = sum(s.alone_s for s in steps_of(0.0) if isinstance(s, Transfer))
+        if fit.alpha > empty:
+            out[name] = fit.alpha - empty
+    return out
+
+
 def collective_scales(twin: Cluster, profile: ClusterProfile) -> dict[str, float]:
     """Per collective with a fit: its measured seconds per byte over what the twin's links give
     (copies between phases are not scaled, so they are taken off the measured slope first)."""
-    network, out = Network(twin), {}
+    out = {}
     if twin.world_size < 2:
         return out
-    probes = {algorithm: (f"alltoall.{algorithm}", lambda a=algorithm: network.alltoall(a, PROBE_BYTES /
-                                                                                       twin.world_size))
-              for algorithm in ALLTOALL_ALGORITHMS}
-    probes |= {"allreduce": ("allreduce", lambda: network.allreduce(PROBE_BYTES)),
-               "allgather": ("allgather", lambda: network.allgather(PROBE_BYTES)),
-               "reducescatter": ("reducescatter", lambda: network.reducescatter(PROBE_BYTES))}
-    for name, (fit_name, steps_of) in probes.items():
+    for name, (fit_name, steps_of) in _collective_probes(twin).items():
         fit = profile.fits.get(fit_name)
         if fit is None or fit.beta <= 0:
             continue
-        steps = steps_of()
+        steps = steps_of(PROBE_BYTES)
         copies = sum(2 * s.bytes_per_rank / twin.device.memory_bandwidth for s in steps if isinstance(s, LocalCopy))
         links = sum(float(s.work.max(initial=0.0)) for s in steps if not isinstance(s, LocalCopy))
         if links > 0:

@@ -41,6 +41,8 @@ class Device:
     layer_call_backward_s: float = 0.0
     copy_bandwidth: float = 0.0  # bytes/s of 2DH's stride copies; 0: memory_bandwidth
     chunk_s: float = 0.0  # host cost of each pipeline chunk beyond the first, per pass (calibrated on CPU)
+    cores: int = 0  # cores that ranks_per_machine ranks share (a CPU cluster); 0: every rank has its own device
+    ranks_per_machine: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ class Cluster:
     """Per collective (an all-to-all algorithm, allreduce, allgather, reducescatter), its link time
     over the ideal (1 when absent): an implementation that reaches half the links' rate (gloo's
     linear all-to-all does on the emulated cluster) has 2."""
+    collective_latency: dict[str, float] = field(default_factory=dict)
+    """Per collective, seconds each call takes beyond its steps' own latencies (0 when absent): the
+    intercept of a calibrated twin's fit of that collective over what its links already charge
+    (gloo's pairwise exchange starts slower than its linear one)."""
 
     @property
     def world_size(self) -> int:

@@ -44,11 +44,12 @@ class LocalCopy:
 Step = Transfer | LocalCopy
 
 
-def _scaled(step: Step, scale: float) -> Step:
-    """A transfer whose link time is ``scale`` times the ideal (the cluster's ``collective_scale``)."""
-    if scale == 1.0 or not isinstance(step, Transfer):
+def _scaled(step: Step, scale: float, latency_s: float = 0.0) -> Step:
+    """A transfer whose link time is ``scale`` times the ideal (the cluster's ``collective_scale``),
+    ``latency_s`` later (its ``collective_latency``)."""
+    if (scale == 1.0 and not latency_s) or not isinstance(step, Transfer):
         return step
-    return Transfer(step.work * scale, step.latency_s, step.name)
+    return Transfer(step.work * scale, step.latency_s + latency_s, step.name)
 
 
 class Network:
@@ -92,9 +93,12 @@ class Network:
         return self.scaled(algorithm, self._alltoall_steps(algorithm, pair_bytes))
 
     def scaled(self, algorithm: str, steps: list[Step]) -> list[Step]:
-        """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``collective_scale``)."""
+        """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``collective_scale``),
+        the call's own start-up (its ``collective_latency``) on its first transfer."""
         scale = self.cluster.collective_scale.get(algorithm, 1.0)
-        return [_scaled(step, scale) for step in steps]
+        extra = self.cluster.collective_latency.get(algorithm, 0.0)
+        first = next((i for i, step in enumerate(steps) if isinstance(step, Transfer)), None)
+        return [_scaled(step, scale, extra if i == first else 0.0) for i, step in enumerate(steps)]
 
     def _alltoall_steps(self, algorithm: str, pair_bytes: float | np.ndarray) -> list[Step]:
         matrix = None if np.isscalar(pair_bytes) else np.asarray(pair_bytes, dtype=np.float64)

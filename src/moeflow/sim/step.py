@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeflow.parallel.registry import FEATURE_SPECS, ONE_RANK_SCHEDULE, SIMULATED, SimulatedSpec
+from moeflow.parallel.registry import FEATURE_SPECS, FEATURES, ONE_RANK_SCHEDULE, SIMULATED, SimulatedSpec
 from moeflow.sim.builder import StepBuilder
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan
@@ -23,6 +23,12 @@ from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
 SLOTS_FEATURE = "redundant_experts"
 """The feature record of EPLB's slots (``plan.redundant_slots``): the schedules it runs on are its."""
+
+
+def run_class(schedule: str) -> str:
+    """The layer's schedule a simulated one runs as: its own, or for a technique simulated as a
+    schedule of its own (FasterMoE's smart pipeline) the schedule that technique runs on."""
+    return next((f.runs_on[0] for f in FEATURES if f.simulated_as == schedule), schedule)
 
 
 def technique_of(plan: StepPlan) -> SimulatedSpec:
@@ -92,7 +98,7 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan, spec: Simu
     num_experts, world = model.dims.num_experts, cluster.world_size
     spec.simulated.check(cluster, model, plan)
     slots_run_on = FEATURE_SPECS[SLOTS_FEATURE].runs_on
-    if plan.redundant_slots and (plan.schedule not in slots_run_on or plan.shadowed):
+    if plan.redundant_slots and (run_class(plan.schedule) not in slots_run_on or plan.shadowed):
         raise ValueError(f"redundant_slots (EPLB) run on the {' or '.join(slots_run_on)} schedule without shadowing")
     if plan.redundant_slots and (num_experts + plan.redundant_slots) % world:
         raise ValueError(f"the {num_experts} experts + {plan.redundant_slots} redundant slots must split evenly over "
