@@ -117,8 +117,8 @@ def test_moeflow_has_no_import_cycle() -> None:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "moe", "moe.capacity", "moe.stats", "files", "perf", "runtime"),  # settings and formulas, no torch
-    ("sim.cluster", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder", "sim.technique",
-     "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
+    ("sim.cluster", "sim.cores", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder",
+     "sim.technique", "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
     ("comm", "kernels", "moe.routing", "moe.agreement", "moe.dispatchers", "moe.experts", "moe.pipeline", "reference",
      "distributed", "timing"),
     ("parallel", "moe.planning"),  # the schedules, the per-iteration planner (its simulated ranker passed in)
