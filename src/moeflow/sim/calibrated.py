@@ -189,13 +189,13 @@ def _collective_probes(twin: Cluster) -> dict[str, tuple[str, Callable[[float], 
 
 def collective_latencies(twin: Cluster, profile: ClusterProfile) -> dict[str, float]:
     """Per collective with a fit: its intercept (a call's start-up) beyond what the twin's steps
-    already take for an empty call (their latencies and per-message gaps), where positive."""
+    already take for a one-byte call (their latencies and per-message gaps), where positive."""
     out = {}
     for name, (fit_name, steps_of) in (_collective_probes(twin).items() if twin.world_size > 1 else ()):
         fit = profile.fits.get(fit_name)
         if fit is None:
             continue
-        empty = sum(s.alone_s for s in steps_of(0.0) if isinstance(s, Transfer))
+        empty = sum(s.alone_s for s in steps_of(1.0) if isinstance(s, Transfer))  # one byte: every step is there
         if fit.alpha > empty:
             out[name] = fit.alpha - empty
     return out

@@ -35,6 +35,7 @@ EXPERT_SCHEDULE = "expert"
 
 if TYPE_CHECKING:
     from moeflow.sim.builder import StepBuilder
+    from moeflow.sim.network import Step
     from moeflow.sim.workload import LayerLoad
 
 
@@ -64,8 +65,9 @@ def smart_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: boo
     network, capacity = b.network, b.capacity(load)
     per_node, nodes = b.cluster.gpus_per_node, b.cluster.nodes
     pair = b.pair_bytes(capacity, load.counts.shape[1])
-    inter = network.scaled("pairwise", [network.pairwise_inter_step(pair)]) * (nodes - 1)
-    steps = (network.scaled("pairwise", [network.pairwise_intra_step(pair)]) if per_node > 1 else [None]) + inter
+    own = [network.pairwise_intra_step(pair)] if per_node > 1 else []
+    exchange = network.scaled("pairwise", own + [network.pairwise_inter_step(pair)] * (nodes - 1))  # one call
+    steps: list[Step | None] = ([None] if per_node == 1 else []) + list(exchange)
     rows = b.expert_rows(load, capacity, backward)
     share = 1.0 / nodes  # each step brings one node's tokens
     sent = [b.collective(ALLTOALL, [s] if s is not None else [], deps, "alltoall", b.priority) for s in steps]
