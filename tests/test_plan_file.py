@@ -153,8 +153,8 @@ def test_the_twin_charges_each_chunk_what_the_pipelined_probe_measured_beyond_it
 
     recorded = ClusterProfile.load(PROFILE)
     profile = replace(recorded, fits={k: v for k, v in recorded.fits.items() if k != "layer.pipelined"})
-    assert cluster_from_profile(profile).device.chunk_s == 0.0  # a profile without the probe's fit
     plain = cluster_from_profile(profile)
+    assert plain.device.chunk_s == 0.0  # a profile without the probe's fit
     flat = replace(profile, fits={**profile.fits, "layer.pipelined": AlphaBeta(0.2, 0.0)})
     costly = replace(profile, fits={**profile.fits, "layer.pipelined": AlphaBeta(0.2, 0.03)})
     assert fitted_chunk_cost(plain, costly) > fitted_chunk_cost(plain, flat) >= 0.0

@@ -76,7 +76,14 @@ def cluster_from_profile(profile: ClusterProfile, name: str = "calibrated") -> C
         sources["inter_node"] += f"; times {1 / fastest:.2f}: the fastest all-to-all's fit"
     sources["collective_scale"] = "each collective's fitted slope over the twin's ideal slope: " + \
         ", ".join(f"{k} {v:.2f}" for k, v in scale.items())
-    twin = replace(twin, collective_scale=scale)
+    return _with_fitted_costs(replace(twin, collective_scale=scale), profile)
+
+
+def _with_fitted_costs(twin: Cluster, profile: ClusterProfile) -> Cluster:
+    """The twin with the costs its links and device leave unexplained, each read off its fit on the
+    twin so far, in this order: each collective's start-up, the layer call, the cores its ranks
+    share, the pipeline chunks (each said in the twin's ``sources``)."""
+    sources = twin.sources
     latency = collective_latencies(twin, profile)
     if latency:
         sources["collective_latency"] = "each collective's fitted intercept beyond its steps' own: " + \
@@ -191,7 +198,9 @@ def collective_latencies(twin: Cluster, profile: ClusterProfile) -> dict[str, fl
     """Per collective with a fit: its intercept (a call's start-up) beyond what the twin's steps
     already take for a one-byte call (their latencies and per-message gaps), where positive."""
     out = {}
-    for name, (fit_name, steps_of) in (_collective_probes(twin).items() if twin.world_size > 1 else ()):
+    if twin.world_size < 2:
+        return out
+    for name, (fit_name, steps_of) in _collective_probes(twin).items():
         fit = profile.fits.get(fit_name)
         if fit is None:
             continue
