@@ -17,6 +17,7 @@ from moeflow.sim import (
     Cluster,
     ClusterFileError,
     Device,
+    LayerLoad,
     Link,
     ModelSpec,
     Network,
@@ -721,11 +722,11 @@ def test_the_simulators_picks_are_the_measured_best_of_a_recorded_validation_run
     assert len(found) == 78 and statistics.median(found) <= 0.05
     summary = summarize(records)
     # the issue's median target (10 %) holds on this recording (7.5 %) and per layout; its max (25 %)
-    # does not (87 %: EPLB's slots at 0.5 Gbit/s); these bounds keep the figures from regressing
+    # does not (38 %: the padded exchange at 2x2, 1 Gbit/s); these bounds keep the figures from regressing
     assert summary["median_abs_error"] <= 0.08
     assert all(layout["median_abs_error"] <= 0.08 for layout in summary["by_layout"].values())
     errors = [abs(r["error"]) for r in records]
-    assert sum(e <= 0.25 for e in errors) >= 0.92 * len(errors)
+    assert sum(e <= 0.25 for e in errors) >= 0.93 * len(errors) and max(errors) <= 0.4
 
 
 def test_a_ragged_exchange_sends_the_kept_rows_only_under_skew() -> None:
@@ -739,6 +740,38 @@ def test_a_ragged_exchange_sends_the_kept_rows_only_under_skew() -> None:
     uniform = ModelSpec(layers=1, dims=dims(256, 512, 8), tokens_per_rank=512, capacity_factor=1.0)
     both = [simulate_step(cluster, uniform, StepPlan(ragged_exchange=r), layer_only=True) for r in (False, True)]
     assert both[1].busy_s["alltoall"] <= both[0].busy_s["alltoall"] * 1.001
+
+
+def test_auto_sends_a_full_chunk_padded_and_a_sparse_one_ragged() -> None:
+    """``token_exchange='auto'`` (``ragged_min_saving``): a chunk whose slots are nearly all filled
+    travels padded, as the layer sends it; one with enough of them empty travels ragged."""
+    cluster = toy(nodes=2, per_node=1)
+    spec = ModelSpec(layers=1, dims=dims(256, 512, 8), tokens_per_rank=512, capacity_factor=0, routing="zipf:1.5")
+    auto = StepPlan(ragged_exchange=True, ragged_min_saving=0.1)
+
+    def exchanged_s(plan: StepPlan, counts: np.ndarray) -> float:
+        loads = [LayerLoad(np.tile(counts, (2, 1)).astype(np.float64))]
+        return simulate_step(cluster, spec, plan, loads=loads, layer_only=True).busy_s["alltoall"]
+
+    nearly_full = np.full(8, 128.0)
+    nearly_full[[0, 4]] = 124.0  # under 1 % of the slots empty, some on every rank's link
+    assert exchanged_s(auto, nearly_full) == pytest.approx(exchanged_s(StepPlan(), nearly_full))
+    assert exchanged_s(StepPlan(ragged_exchange=True), nearly_full) < exchanged_s(StepPlan(), nearly_full)
+    skewed = np.array([512.0, 128, 64, 64, 64, 64, 64, 64])  # 62 % of the slots empty
+    assert exchanged_s(auto, skewed) == pytest.approx(exchanged_s(StepPlan(ragged_exchange=True), skewed))
+
+
+def test_a_ranks_tokens_for_its_own_slots_stay_off_the_link() -> None:
+    """EPLB's slots (``ReplicaRowMap``): a rank's tokens for a replica on its own rank are computed
+    at home, so the padded exchange pads only what travels. The emulated 2x1 cluster's Zipf(1.5)
+    load (the hot expert replicated on both ranks) sends under a third of the bytes without slots."""
+    cluster = toy(nodes=2, per_node=1)
+    spec = ModelSpec(layers=1, dims=dims(256, 1024, 4), tokens_per_rank=2048, capacity_factor=0)
+    load = [LayerLoad(np.tile([1261.0, 411, 218, 157], (2, 1)))]
+    off, slots = (simulate_step(cluster, spec, StepPlan(redundant_slots=n), loads=load, layer_only=True)
+                  for n in (0, 2))
+    assert slots.busy_s["alltoall"] < off.busy_s["alltoall"] / 3
+    assert slots.busy_s["experts"] < off.busy_s["experts"]  # and the ranks even out
 
 
 def test_a_per_peer_gap_grows_the_linear_all_to_alls_startup_with_the_rank_count() -> None:

@@ -114,6 +114,14 @@ def _pipeline_ran(record: dict[str, Any]) -> dict[str, Any]:
     return {"degree": max(1, int(record.get("degree") or 1)), "algorithm": simulated_algorithm(record.get("alltoall"))}
 
 
+def _exchange_ran(token_exchange: str) -> dict[str, Any]:
+    """The token exchange a measured setting ran, as the simulator's plan fields (``auto``: each
+    chunk ragged where it leaves enough of its slots empty)."""
+    from moeflow.config import PADDED, ragged_min_saving
+
+    return {"ragged_exchange": token_exchange != PADDED, "ragged_min_saving": ragged_min_saving(token_exchange)}
+
+
 def _parallel(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]]:
     """One layer's forward+backward under Tutel's adaptive schedule at a fixed r, or under one of
     Parm's schedules behind MP attention."""
@@ -139,12 +147,13 @@ def _skew(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, float]
     and EPLB's slots where it ran them (the redundant mode, or what ``balance='auto'`` chose)."""
     if record.get("mode") not in SIMULATED_SKEW_MODES:
         return []
-    ragged = record.get("token_exchange") == "ragged"
+    exchange = _exchange_ran(str(record.get("token_exchange", "padded")))
+    ragged = exchange["ragged_exchange"]
     slots = int(record.get("slots") or record["experts"]) - record["experts"]
     if record.get("mode") == "redundant" and not slots:
         return []  # recorded before the records carried the slots
     plan = {"schedule": "smart" if record["schedule"] == "smart" else "expert", **_pipeline_ran(record),
-            "shadowed": len(record["shadowed"]), "shadowed_slots_travel": not ragged, "ragged_exchange": ragged,
+            "shadowed": len(record["shadowed"]), "shadowed_slots_travel": not ragged, **exchange,
             "redundant_slots": slots,
             "padded_backward": "slots" not in record}  # recorded before 11-27: the kernel's padded backward
     return [(f"skew-{record['mode']}", record["layer_ms"], _dropless_layer_ms(cluster, record, plan))]
@@ -155,7 +164,7 @@ def _exchange(cluster: Any, record: dict[str, Any]) -> list[tuple[str, float, fl
     the load it recorded."""
     if record.get("mode") not in SIMULATED_EXCHANGE_MODES or "tokens_per_expert" not in record:
         return []
-    plan = {**_pipeline_ran(record), "ragged_exchange": record["token_exchange"] == "ragged"}
+    plan = {**_pipeline_ran(record), **_exchange_ran(record["token_exchange"])}
     return [(f"exchange-{record['mode']}", record["train_step_ms"], _dropless_layer_ms(cluster, record, plan))]
 
 

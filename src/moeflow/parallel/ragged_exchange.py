@@ -27,13 +27,9 @@ import torch
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
+from moeflow.config import RAGGED_MIN_SAVING
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.pipeline import ExpertExchange, SelfAdjointExchange
-
-MIN_SAVING = 0.1
-"""The share of a chunk's slots (over all ranks) that must be empty for it to travel ragged: a nearly
-full chunk goes padded, which skips the gather and scatter (on the 2-core VM a uniform load at
-f = 1 leaves about 1 % of the slots empty, and the padded exchange ran as fast or faster)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +76,7 @@ class RaggedExpertExchange(SelfAdjointExchange):
     algorithm: str
     filled_WE: torch.Tensor
     slots: tuple[int, int] | None = None
-    min_saving: float = MIN_SAVING
+    min_saving: float = RAGGED_MIN_SAVING
 
     def chunk(self, start: int, stop: int) -> RaggedExpertExchange:
         return dataclasses.replace(self, slots=(start, stop))

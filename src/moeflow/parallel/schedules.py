@@ -27,7 +27,7 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import cross_node_rows
-from moeflow.config import PADDED, RAGGED
+from moeflow.config import PADDED, ragged_min_saving
 from moeflow.moe.dispatchers.choice import DIRECT_EXCHANGE
 from moeflow.moe.experts import ExpertCompute
 from moeflow.moe.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
@@ -36,7 +36,7 @@ from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
-from moeflow.parallel.ragged_exchange import MIN_SAVING, RaggedExpertExchange
+from moeflow.parallel.ragged_exchange import RaggedExpertExchange
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
@@ -145,8 +145,8 @@ class ExpertParallelSchedule(_ModelledSchedule):
         """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under
         ``auto``, of the chunks that leave enough slots empty)."""
         if plan.exchange != PADDED and ctx.world_size > 1:
-            min_saving = 0.0 if plan.exchange == RAGGED else MIN_SAVING
-            return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE, min_saving=min_saving)
+            return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE,
+                                        min_saving=ragged_min_saving(plan.exchange))
         return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:

@@ -94,11 +94,14 @@ class StepBuilder:
     def chunk_pair_bytes(self, load: LayerLoad, start: int, stop: int) -> float:
         """Bytes one rank sends another for the chunk of slots [start, stop): all of them, or under a
         ragged exchange the kept rows, priced as the busiest sender's rows for other ranks spread
-        evenly over its peers (its link is what the all-to-all waits for)."""
+        evenly over its peers (its link is what the all-to-all waits for); under ``auto`` a chunk
+        too full to pay for the gather and scatter goes padded, as the layer sends it."""
         world = self.cluster.world_size
         if not self.plan.ragged_exchange or world == 1:
             return self.pair_bytes(stop - start, load.counts.shape[1])
         rows = np.clip(load.counts - start, 0, stop - start)
+        if 1.0 - rows.sum() / max(rows.size * (stop - start), 1) < self.plan.ragged_min_saving:
+            return self.pair_bytes(stop - start, load.counts.shape[1])  # too full: 'auto' sends it padded
         elsewhere = self.owner_ranks(load)[None, :] != np.arange(world)[:, None]
         busiest = float((rows * elsewhere).sum(axis=1).max())
         m = self.model
@@ -270,17 +273,26 @@ class StepBuilder:
         return done
 
     def _slot_layer(self, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-        """EPLB's slots, placed for this layer's load: the schedule's region over the slots (each
-        replicated expert's tokens split as the layer splits them, a rank's tokens for its own
-        slots staying home), then in the backward the replicated experts' gradient all-reduce,
-        which the layer waits for."""
+        """EPLB's slots, placed for this layer's load (each replicated expert's tokens split as the
+        layer splits them): a rank's tokens for its own slots stay out of the exchange
+        (``ReplicaRowMap``), so the schedule's region runs over the rest and the own part is
+        computed at home after it (before it in the backward); then in the backward the replicated
+        experts' gradient all-reduce, which the layer waits for."""
         world, dims = self.cluster.world_size, self.model.dims
         per_rank = (dims.num_experts + self.plan.redundant_slots) // world
         slots = balanced_slots(load.counts.sum(axis=0).tolist(), per_rank, world, self.cluster.gpus_per_node)
         slot_experts = np.array([expert for experts in slots for expert in experts])
         slot_ranks = np.repeat(np.arange(world), per_rank)
         counts_WP = slot_tokens(load.counts, slot_experts, slot_ranks).astype(np.float64)
-        done = self.region(self, LayerLoad(counts_WP, slot_experts, slot_ranks), deps, backward)
+        own_WP = slot_ranks[None, :] == np.arange(world)[:, None]
+        exchanged = LayerLoad(np.where(own_WP, 0.0, counts_WP), slot_experts, slot_ranks)
+        home_rows = (counts_WP * own_WP).sum(axis=1)
+        home_s = self.ffn_s(home_rows if np.ptp(home_rows) > 0 else float(home_rows[0]), backward, per_rank)
+        if backward:
+            home = self.timeline.compute(COMPUTE, home_s, deps, "experts")
+            done = self.region(self, exchanged, [home], backward)
+        else:
+            done = [self.timeline.compute(COMPUTE, home_s, self.region(self, exchanged, deps, backward), "experts")]
         replicated = int((np.bincount(slot_experts) > 1).sum())
         if backward and replicated:
             done = [self.allreduce(float(replicated * dims.expert_parameters * self.model.element_bytes), done)]

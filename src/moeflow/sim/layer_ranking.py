@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moeflow.config import DTYPE_BYTES, PADDED
+from moeflow.config import DTYPE_BYTES, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
 from moeflow.perf.schedule_models import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
@@ -46,7 +46,7 @@ def step_plan(plan: Plan) -> StepPlan | None:
     if SIMULATED[plan.schedule].takes_r:
         return StepPlan(schedule=plan.schedule, r=plan.r, degree=plan.degree, algorithm=algorithm)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
-                    ragged_exchange=plan.exchange != PADDED)
+                    ragged_exchange=plan.exchange != PADDED, ragged_min_saving=ragged_min_saving(plan.exchange))
 
 
 class SimulatedRanker:
