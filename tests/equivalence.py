@@ -85,6 +85,7 @@ class Case:
     rebalance_to: tuple[float, ...] = ()  # redundant experts: before step 1, rebalance for this load
     rebalance_later: tuple[tuple[float, ...], ...] = ()  # ... and before steps 2, 3, ... for these
     pack_factor: int = 0  # Lina's packing: before step 1, hold this many times E / W experts per rank
+    tolerance: dict[str, float] | None = None  # a wire format's stated bound instead of the dtype's
 
 
 def mp_size(case: Case, world_size: int) -> int:
@@ -450,10 +451,42 @@ def bf16_cases() -> list[Case]:
     ))]
 
 
+# A wire format rounds every exchanged row (tokens, expert outputs, their gradients) once each way:
+# bf16 to 2^-8 of each value, fp8 (e4m3, a scale per row) to 2^-4. Through the experts' two GEMMs and
+# the gradients' sums of 12-48 such products the layer's values (O(1) here) stay within 8 of those
+# roundings; a wrong row, scale or weight is off by O(1).
+WIRE_TOLERANCE = {"bf16": {"rtol": 8 * 2**-8, "atol": 8 * 2**-8}, "fp8": {"rtol": 8 * 2**-4, "atol": 8 * 2**-4}}
+
+
+def wire_cases(base: dict[str, Any]) -> list[Case]:
+    """The wire formats (``wire_dtype``) on each exchange that carries them: padded and ragged,
+    pipelined, each algorithm, FasterMoE's smart steps, EPLB's slots, Tutel's switchable r, and fp8
+    on a bf16 model, within the format's bound."""
+    def wire(name: str, wire_dtype: str, layer: dict[str, Any], **extra: Any) -> Case:
+        return Case(f"wire-{wire_dtype}-{name}", {**base, "wire_dtype": wire_dtype, **layer},
+                    tolerance=WIRE_TOLERANCE[wire_dtype], **extra)
+
+    return [
+        wire("padded", "bf16", {"token_exchange": "padded"}),
+        wire("ragged-f0-d2-swiglu", "bf16", {"token_exchange": "ragged", "capacity_factor": 0.0, "pipeline": 2,
+                                            "activation": "swiglu", "bias": False}, tokens_per_rank=24),
+        wire("2dh-d2", "bf16", {"alltoall": "2dh", "pipeline": 2}, tokens_per_rank=24, ranks_per_node=2),
+        wire("smart-shadow", "bf16", {"pipeline": "smart", "shadowing": [0], "capacity_factor": 0.0},
+             ranks_per_node=1),
+        wire("redundant-f0", "fp8", {"redundant_experts": 4, "capacity_factor": 0.0}, steps=2,
+             rebalance_to=(9.0, 1, 1, 1, 1, 1, 1, 3)),
+        wire("adaptive-E2-rmax-pairwise", "fp8", {"parallel": "rmax", "alltoall": "pairwise"}, num_experts=2,
+             ranks_per_node=2),
+        wire("auto-f0-empty-rank", "fp8", {"capacity_factor": 0.0}, empty_ranks=(1,)),
+        wire("bf16-model-ragged", "fp8", {"token_exchange": "ragged", "expert_kernel": "ragged"},
+             dtype=torch.bfloat16),
+    ]
+
+
 def all_cases(device: str = "cpu") -> list[Case]:
     """Every case; on a CPU, the Triton ones only where Triton's interpreter runs them (conftest sets
     it without a GPU: on a GPU machine Triton compiles for CUDA and refuses CPU tensors)."""
-    cases = grid_cases() + extra_cases() + bf16_cases()
+    cases = grid_cases() + extra_cases() + bf16_cases() + wire_cases({"top_k": 2, "capacity_factor": 1.0})
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         cases = [case for case in cases if case.layer.get("kernel_backend") != "triton"]
     return cases
@@ -497,6 +530,7 @@ def _build(
         "profile": kwargs.pop("profile", None),
         "pipeline": kwargs.pop("pipeline", "auto"),
         "token_exchange": kwargs.pop("token_exchange", "auto"),
+        "wire_dtype": kwargs.pop("wire_dtype", "exact"),
         "parallel": kwargs.pop("parallel", "expert"),
         "shadowing": kwargs.pop("shadowing", "off"),
         "redundant_experts": kwargs.pop("redundant_experts", 0),
@@ -559,6 +593,7 @@ def _compare(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
     if actual is None:
         actual = torch.zeros_like(expected)
     tolerance = GPU_FP32_TOLERANCE if actual.is_cuda and case.dtype == torch.float32 else TOLERANCES[case.dtype]
+    tolerance = case.tolerance or tolerance
     actual = actual.cpu()  # the layer may run on a GPU; the reference runs on the CPU
     try:
         torch.testing.assert_close(actual, expected, **tolerance)

@@ -63,6 +63,26 @@ for it to travel ragged: a nearly full chunk goes padded, which skips the gather
 fast or faster)."""
 
 
+EXACT_WIRE, BF16_WIRE, FP8_WIRE = "exact", "bf16", "fp8"
+WIRE_DTYPES = (EXACT_WIRE, BF16_WIRE, FP8_WIRE)
+"""The ``wire_dtype`` setting's values: how the expert-parallel exchange sends a row of tokens (and
+of their gradients): as computed (``exact``), rounded to bfloat16 where the rows are wider
+(``bf16``), or as e4m3 with one fp32 scale per row (``fp8``, DeepEP's format); always decoded into
+the compute dtype, where every sum runs (:mod:`moeflow.comm.wire`)."""
+FP8_SCALE_BYTES = 4
+"""The fp32 scale an ``fp8`` row carries beside its e4m3 values."""
+
+
+def wire_row_bytes(wire_dtype: str, model_dim: int, element_bytes: int) -> int:
+    """Bytes one row of ``model_dim`` values of ``element_bytes`` each takes on the link under
+    ``wire_dtype`` (what the exchange sends and the simulator prices)."""
+    if wire_dtype == BF16_WIRE:
+        return model_dim * min(element_bytes, 2)
+    if wire_dtype == FP8_WIRE:
+        return model_dim + FP8_SCALE_BYTES
+    return model_dim * element_bytes
+
+
 def ragged_min_saving(token_exchange: str) -> float:
     """The share of a chunk's slots that must be empty for it to travel ragged under ``token_exchange``:
     none when always ragged, :data:`RAGGED_MIN_SAVING` under ``auto``."""
@@ -155,6 +175,7 @@ class MoEConfig:
     alltoall: str = "auto"
     pipeline: int | str = "auto"
     token_exchange: str = "auto"  # the expert-parallel exchange: "padded", "ragged" (kept rows only) or "auto"
+    wire_dtype: str = EXACT_WIRE  # how exchanged rows travel: "exact", "bf16" or "fp8" (moeflow.comm.wire)
     capacity_bucket: int = 128
     bias: bool = True
     parallel: str | int = "auto"
@@ -185,6 +206,7 @@ class MoEConfig:
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
         require_choice("token_exchange", self.token_exchange, TOKEN_EXCHANGE_CHOICES)
+        require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         require_positive_int("capacity_bucket", self.capacity_bucket)
         validate_parallel(self.parallel)
         object.__setattr__(self, "shadowing", validate_shadowing(self.shadowing, self.num_experts))

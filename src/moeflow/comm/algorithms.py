@@ -27,7 +27,8 @@ from moeflow.comm.alltoall import all_to_all, linear_all_to_all
 from moeflow.comm.collectives import all_gather, send_and_receive
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.config import ALLTOALL_ALGORITHMS
+from moeflow.comm.wire import decode, encode
+from moeflow.config import ALLTOALL_ALGORITHMS, EXACT_WIRE
 
 ALGORITHMS = ALLTOALL_ALGORITHMS
 """The all-to-all algorithms: ``linear``, ``2dh`` (Tutel's two-dimensional hierarchical) and ``pairwise``."""
@@ -109,11 +110,16 @@ def pairwise_peers(topology: Topology, rank: int, step: int) -> tuple[list[int],
 
 
 def pairwise_step(
-    by_dest: Sequence[torch.Tensor], groups: ParallelGroups, matrix: SplitMatrix, step: int
+    by_dest: Sequence[torch.Tensor], groups: ParallelGroups, matrix: SplitMatrix, step: int,
+    wire_dtype: str = EXACT_WIRE,
 ) -> dict[int, torch.Tensor]:
     """Run one step: send this rank's chunks for the target group, return the chunks received,
-    keyed by source rank (of the expert group). Zero-row messages are skipped on both sides (both
-    know the sizes)."""
+    keyed by source rank (of the expert group), the rows travelling as ``wire_dtype`` says
+    (:mod:`moeflow.comm.wire`). Zero-row messages are skipped on both sides (both know the sizes)."""
+    if wire_dtype != EXACT_WIRE:
+        dtype = by_dest[0].dtype
+        sent = pairwise_step([encode(wire_dtype, chunk) for chunk in by_dest], groups, matrix, step)
+        return {source: decode(wire_dtype, rows, dtype) for source, rows in sent.items()}
     me = groups.rank
     send_to, receive_from = pairwise_peers(groups.topology, me, step)
     received: dict[int, torch.Tensor] = {}
@@ -191,10 +197,12 @@ def _all_to_all_with(
 
 
 def exchange(
-    algorithm: str, x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix | None = None
+    algorithm: str, x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix | None = None,
+    wire_dtype: str = EXACT_WIRE,
 ) -> torch.Tensor:
     """All-to-all over ``groups.expert`` with the named algorithm, outside autograd: equal splits,
-    or ``matrix[s][d]`` rows from rank s to rank d, known to every rank (no all-gather of splits).
+    or ``matrix[s][d]`` rows from rank s to rank d, known to every rank (no all-gather of splits);
+    the rows travel as ``wire_dtype`` says and come back in ``x``'s dtype (:mod:`moeflow.comm.wire`).
 
     For code that writes its own backward (the pipeline): the adjoint of an exchange is the same
     exchange over the transposed matrix (:func:`transpose`), so equal splits are their own
@@ -202,17 +210,26 @@ def exchange(
     """
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
-    nbytes = x.numel() * x.element_size()
-    with torch.no_grad(), groups.traffic.running(x.device), groups.ledger.tracked("all-to-all", group, nbytes):
-        if algorithm == "linear":
-            if matrix is None:
-                return linear_all_to_all(x, group, None, None)
-            me = dist.get_rank(group)
-            return linear_all_to_all(x, group, [row[me] for row in matrix], list(matrix[me]))
-        matrix = split_matrix(x, groups.size, None) if matrix is None else matrix
-        if algorithm == "2dh":
-            return _alltoall_2dh(x.contiguous(), groups, matrix)
-        return _alltoall_pairwise(x.contiguous(), groups, matrix)
+    with torch.no_grad():
+        sent = encode(wire_dtype, x)
+        nbytes = sent.numel() * sent.element_size()
+        with groups.traffic.running(x.device), groups.ledger.tracked("all-to-all", group, nbytes):
+            received = _exchange_rows(algorithm, sent, groups, group, matrix)
+        return decode(wire_dtype, received, x.dtype)
+
+
+def _exchange_rows(
+    algorithm: str, x: torch.Tensor, groups: ParallelGroups, group: dist.ProcessGroup, matrix: SplitMatrix | None
+) -> torch.Tensor:
+    if algorithm == "linear":
+        if matrix is None:
+            return linear_all_to_all(x, group, None, None)
+        me = dist.get_rank(group)
+        return linear_all_to_all(x, group, [row[me] for row in matrix], list(matrix[me]))
+    matrix = split_matrix(x, groups.size, None) if matrix is None else matrix
+    if algorithm == "2dh":
+        return _alltoall_2dh(x.contiguous(), groups, matrix)
+    return _alltoall_pairwise(x.contiguous(), groups, matrix)
 
 
 def _require_group(groups: ParallelGroups, algorithm: str) -> dist.ProcessGroup:

@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.config import WIRE_DTYPES
 
 
 def add_parser(commands: Any) -> None:
@@ -53,6 +54,9 @@ def add_parser(commands: Any) -> None:
                       help="> 1: Parm's modes behind tensor-parallel attention of this many ranks (default 1)")
     plan.add_argument("--esp", type=positive_int, default=None,
                       help="with --mp: hidden shards per expert, N_ESP, for S1 and S2 (default: the --mp size)")
+    plan.add_argument("--wire-dtype", default=None, choices=WIRE_DTYPES,
+                      help="joint planner: price the exchange in this wire format (default: --config's wire_dtype, "
+                      "else exact)")
     plan.add_argument("--skew", default=None,
                       help="uniform, zipf:<s> or one-hot: FasterMoE's shadowing decision (Algorithm 1) and EPLB's "
                       "redundant slots (one extra per rank) for routing with this skew, hottest expert first")

@@ -20,6 +20,7 @@ def wants_joint_plan(args: argparse.Namespace) -> bool:
 
 
 def joint_plan(args: argparse.Namespace) -> int:
+    from moeflow.config import EXACT_WIRE
     from moeflow.sim import ClusterFileError, load_cluster, plan_label
     from moeflow.sim.planner import SearchSpace, search
 
@@ -33,7 +34,8 @@ def joint_plan(args: argparse.Namespace) -> int:
         base, model = _model(args)
         results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2),
                          space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp,
-                                           ep_sizes=(args.ep_size,) if args.ep_size else ()))
+                                           ep_sizes=(args.ep_size,) if args.ep_size else (),
+                                           wire_dtype=args.wire_dtype or base.get("wire_dtype", EXACT_WIRE)))
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("plan", error) from None
     for rank, result in enumerate(results[:args.top], 1):

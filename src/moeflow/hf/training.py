@@ -104,7 +104,7 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
     router loss weight); the ragged expert kernel wherever the schedule allows it."""
     options: dict[str, Any] = {
         "pipeline": config.pipeline, "alltoall": config.alltoall, "parallel": config.parallel,
-        "token_exchange": config.token_exchange, "profile": config.profile,
+        "token_exchange": config.token_exchange, "wire_dtype": config.wire_dtype, "profile": config.profile,
         "tokens_per_rank_hint": config.batch_size * config.context,
         "aux_loss_weight": info.router_aux_loss_coef if config.aux_loss_weight is None else config.aux_loss_weight,
         "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) else "bmm",

@@ -36,6 +36,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import CommunicationWorker, ParallelGroups
 from moeflow.comm.streams import overlap_on_streams
+from moeflow.config import EXACT_WIRE
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace, buffer
 from moeflow.moe.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
@@ -83,11 +84,13 @@ class ExpertExchange:
     """How a chunk travels between the (E, Cj, M) layout by destination expert and the experts'
     (L, W*Cj, M) layout (Tutel's flexible all-to-all layout), for an expert-parallel placement
     over ``groups.expert``. ``groups=None`` or a one-rank group: tokens stay on this rank (one
-    process, or replicated experts), and only the chunking remains."""
+    process, or replicated experts), and only the chunking remains. The rows travel as
+    ``wire_dtype`` says (:mod:`moeflow.comm.wire`)."""
 
     groups: ParallelGroups | None
     algorithm: str
     num_local_experts: int
+    wire_dtype: str = EXACT_WIRE
 
     @property
     def communicates(self) -> bool:
@@ -98,7 +101,8 @@ class ExpertExchange:
             return chunk_ECM.contiguous()
         assert self.groups is not None
         _, rows, model_dim = chunk_ECM.shape
-        received = exchange(self.algorithm, chunk_ECM.contiguous(), self.groups)  # by source: (W, L, rows, M)
+        # by source: (W, L, rows, M)
+        received = exchange(self.algorithm, chunk_ECM.contiguous(), self.groups, wire_dtype=self.wire_dtype)
         by_source_WLCM = received.view(self.groups.size, self.num_local_experts, rows, model_dim)
         return by_source_WLCM.transpose(0, 1).reshape(self.num_local_experts, self.groups.size * rows, model_dim)
 
@@ -116,7 +120,7 @@ class ExpertExchange:
         assert self.groups is not None
         world, model_dim = self.groups.size, y_LXM.shape[-1]
         by_source_WLCM = y_LXM.view(self.num_local_experts, world, rows, model_dim).transpose(0, 1)
-        returned = exchange(self.algorithm, by_source_WLCM.contiguous(), self.groups)
+        returned = exchange(self.algorithm, by_source_WLCM.contiguous(), self.groups, wire_dtype=self.wire_dtype)
         return returned.view(world * self.num_local_experts, rows, model_dim)
 
 

@@ -29,7 +29,7 @@ import torch
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.zero import gather_shards
-from moeflow.config import check_switchable_layout, validate_r
+from moeflow.config import EXACT_WIRE, check_switchable_layout, validate_r
 from moeflow.moe.experts import FFNWeights
 from moeflow.moe.pipeline import (
     ChunkExchange,
@@ -97,6 +97,7 @@ class SwitchableExchange(SelfAdjointExchange):
     algorithm: str
     r: int
     group: int  # g = S / r: ranks that share one hidden block of one expert
+    wire_dtype: str = EXACT_WIRE  # how the rows travel (moeflow.comm.wire)
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         chunk_ECM = pad_slots(chunk_ECM, self.group)
@@ -107,13 +108,14 @@ class SwitchableExchange(SelfAdjointExchange):
             .expand(experts, self.r, self.group, part, model_dim)
             .reshape(self.groups.size, part, model_dim)
         )
-        received = exchange(self.algorithm, repeated, self.groups)  # (W, Cj / g, M) by source
+        received = exchange(self.algorithm, repeated, self.groups, wire_dtype=self.wire_dtype)  # (W, Cj / g, M)
         return received.view(1, self.groups.size * part, model_dim)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         world, model_dim = self.groups.size, y_LXM.shape[-1]
         padded = padded_slots(rows, self.group)
-        returned = exchange(self.algorithm, y_LXM.view(world, padded // self.group, model_dim), self.groups)
+        returned = exchange(self.algorithm, y_LXM.view(world, padded // self.group, model_dim), self.groups,
+                            wire_dtype=self.wire_dtype)
         summed = returned.view(world // (self.r * self.group), self.r, padded, model_dim).sum(dim=1)
         return summed if padded == rows else summed[:, :rows]
 
@@ -151,13 +153,13 @@ class AdaptiveSchedule(ModelledSchedule):
             chunk_exchange: ChunkExchange = ExpertExchange(None, LOCAL, num_experts)
         elif shards == 1:  # W <= E, r = 1: plain expert parallelism
             weights, compute = stored, experts.compute
-            chunk_exchange = ExpertExchange(groups, plan.algorithm, experts.num_experts)
+            chunk_exchange = ExpertExchange(groups, plan.algorithm, experts.num_experts, ctx.wire_dtype)
         else:
             group = shards // r
             weights = gather_weights(stored, groups.block(group), group, timing)
             first_of_block = (groups.rank % shards) // group * group == 0  # its block starts at hidden 0
             compute = dataclasses.replace(experts.compute, adds_output_bias=first_of_block)
-            chunk_exchange = SwitchableExchange(groups, plan.algorithm, r, group)
+            chunk_exchange = SwitchableExchange(groups, plan.algorithm, r, group, ctx.wire_dtype)
         combined_ECM = pipelined_experts(
             dispatched_ECM, compute, weights, chunk_exchange, plan.degree, timing, workspace
         )

@@ -42,7 +42,7 @@ def region_shape(
     config: MoEConfig, world_size: int, capacity: int, bytes_per_element: int, tokens: int = 0, needed: int = 0
 ) -> RegionShape:
     """The planner's shape of one layer call at ``capacity`` slots per expert."""
-    return RegionShape(config.dims, world_size, capacity, bytes_per_element, tokens, needed)
+    return RegionShape(config.dims, world_size, capacity, bytes_per_element, tokens, needed, config.wire_dtype)
 
 
 def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostModel | None) -> Execution:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.config import EXACT_WIRE
 from moeflow.kernels.ragged import RaggedFFNCompute
 from moeflow.kernels.workspace import Workspace
 from moeflow.moe.experts import ExpertCompute, FFNWeights, LocalExperts
@@ -55,6 +56,7 @@ class RunContext:
     backend: str  # the resolved kernel backend of the ragged kernel
     estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
     prepared: object | None = None  # the schedule's own Prepared.state of this forward
+    wire_dtype: str = EXACT_WIRE  # how the exchanged rows travel (moeflow.comm.wire)
 
     @property
     def rank(self) -> int:

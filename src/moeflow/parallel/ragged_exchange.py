@@ -27,7 +27,7 @@ import torch
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import RAGGED_MIN_SAVING
+from moeflow.config import EXACT_WIRE, RAGGED_MIN_SAVING
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.pipeline import ExpertExchange, SelfAdjointExchange
 
@@ -77,6 +77,7 @@ class RaggedExpertExchange(SelfAdjointExchange):
     filled_WE: torch.Tensor
     slots: tuple[int, int] | None = None
     min_saving: float = RAGGED_MIN_SAVING
+    wire_dtype: str = EXACT_WIRE
 
     def chunk(self, start: int, stop: int) -> RaggedExpertExchange:
         return dataclasses.replace(self, slots=(start, stop))
@@ -89,7 +90,8 @@ class RaggedExpertExchange(SelfAdjointExchange):
         """The padded exchange for a chunk that leaves too few slots empty (every rank decides alike)."""
         if routes.saving >= self.min_saving:
             return None
-        return ExpertExchange(self.groups, self.algorithm, self.filled_WE.shape[1] // self.groups.size)
+        return ExpertExchange(self.groups, self.algorithm, self.filled_WE.shape[1] // self.groups.size,
+                              self.wire_dtype)
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         experts, slots, model_dim = chunk_ECM.shape
@@ -98,7 +100,7 @@ class RaggedExpertExchange(SelfAdjointExchange):
         if padded is not None:
             return padded.to_experts(chunk_ECM)
         sent_NM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(routes.sent_N, chunk_ECM.device))
-        received_NM = exchange(self.algorithm, sent_NM, self.groups, routes.matrix)
+        received_NM = exchange(self.algorithm, sent_NM, self.groups, routes.matrix, self.wire_dtype)
         world = self.groups.size
         shape = (experts // world, world * slots, model_dim)
         return _scatter(received_NM, to_device(routes.received_N, chunk_ECM.device), shape)
@@ -110,6 +112,6 @@ class RaggedExpertExchange(SelfAdjointExchange):
         if padded is not None:
             return padded.from_experts(y_LXM, rows)
         out_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(routes.received_N, y_LXM.device))
-        returned_NM = exchange(self.algorithm, out_NM, self.groups, transpose(routes.matrix))
+        returned_NM = exchange(self.algorithm, out_NM, self.groups, transpose(routes.matrix), self.wire_dtype)
         shape = (local * self.groups.size, rows, model_dim)
         return _scatter(returned_NM, to_device(routes.sent_N, y_LXM.device), shape)

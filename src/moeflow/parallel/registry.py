@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from moeflow.config import RAGGED, SAA, MoEConfig
+from moeflow.config import EXACT_WIRE, RAGGED, SAA, MoEConfig
 from moeflow.parallel.records import (
     FeatureSpec,
     ScheduleSpec,
@@ -134,6 +134,10 @@ BUILTIN_FEATURES: tuple[FeatureSpec, ...] = (
                 "token_exchange='auto' (ragged where a chunk leaves enough slots empty) or 'padded'",
                 _EXPERT, lambda c: c.token_exchange == RAGGED,
                 excludes=("pipeline='smart'", "expert packing", "inference scheduling")),
+    FeatureSpec("wire_dtype", "DeepEP: low-precision dispatch and combine",
+                "sends the exchanged rows and their gradients as bf16, or as fp8 with a scale per row",
+                "wire_dtype='exact'", ("expert", "adaptive", "replicated", "packed"),
+                lambda c: c.wire_dtype != EXACT_WIRE),
     FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",
                 "fixes the all-to-all algorithm", "alltoall='auto' or 'linear'", (*PARALLEL_SCHEDULES, PARM_AUTO),
                 lambda c: c.alltoall not in (AUTO, "linear", SAA)),
@@ -166,6 +170,13 @@ SIMULATED = MappingProxyType({
 })
 """The simulator's modes by name: every schedule, each followed by the features that run on it with
 a mode of their own (FasterMoE's smart schedule after the expert schedule)."""
+
+
+def mode_runs(feature: str, mode: str) -> bool:
+    """Whether the simulator's ``mode`` (a schedule, or a feature's mode of its own, which runs on
+    its record's first schedule) runs beside ``feature``."""
+    schedule = next((f.runs_on[0] for f in FEATURES if f.simulated is not None and f.simulated_as == mode), mode)
+    return schedule in FEATURE_SPECS[feature].runs_on
 
 
 def check_parallel(parallel: str | int) -> None:

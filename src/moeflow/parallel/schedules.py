@@ -146,8 +146,8 @@ class ExpertParallelSchedule(_ModelledSchedule):
         ``auto``, of the chunks that leave enough slots empty)."""
         if plan.exchange != PADDED and ctx.world_size > 1:
             return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE,
-                                        min_saving=ragged_min_saving(plan.exchange))
-        return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts)
+                                        min_saving=ragged_min_saving(plan.exchange), wire_dtype=ctx.wire_dtype)
+        return ExpertExchange(ctx.groups, plan.algorithm, ctx.experts.num_experts, ctx.wire_dtype)
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan; reports
@@ -156,7 +156,8 @@ class ExpertParallelSchedule(_ModelledSchedule):
             combined_ECM = super().run(plan, dispatched_ECM, ctx).combined_ECM
         else:
             combined_ECM = smart_experts(
-                dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace
+                dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace,
+                ctx.wire_dtype,
             )
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
@@ -205,7 +206,8 @@ class PackedSchedule(_ModelledSchedule):
         return ExpertPlacement.packed(num_experts, world_size, self.group_size, hidden_dim)
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ExpertExchange:
-        return ExpertExchange(ctx.groups.packed(self.group_size), plan.algorithm, ctx.experts.num_experts)
+        return ExpertExchange(ctx.groups.packed(self.group_size), plan.algorithm, ctx.experts.num_experts,
+                              ctx.wire_dtype)
 
     def compute(self, ctx: RunContext) -> ExpertCompute:
         return ctx.received_compute(ctx.rank // self.group_size * self.group_size, self.group_size)

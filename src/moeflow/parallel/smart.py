@@ -33,6 +33,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from moeflow.comm.algorithms import pairwise_peers, pairwise_step
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.config import EXACT_WIRE, wire_row_bytes
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.kernels.workspace import Workspace
 from moeflow.moe.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
@@ -47,6 +48,7 @@ class SmartSteps:
 
     groups: ParallelGroups
     local_experts: int
+    wire_dtype: str = EXACT_WIRE  # how the steps' rows travel (moeflow.comm.wire)
 
     @property
     def topology(self) -> Topology:
@@ -84,12 +86,14 @@ def run_steps(
     out_ECM = torch.empty_like(buffer_ECM)
     out_by_dest = out_ECM.view(world, rows, model_dim)
 
-    ledger, group, step_bytes = steps.groups.ledger, steps.groups.expert, buffer_ECM.nbytes // steps.count
+    ledger, group = steps.groups.ledger, steps.groups.expert
+    step_bytes = wire_row_bytes(steps.wire_dtype, model_dim, buffer_ECM.element_size()) * buffer_ECM.numel() \
+        // model_dim // steps.count
     device = buffer_ECM.device  # Lina's all-to-all times: CUDA events on CUDA tensors
 
     def send(step: int) -> torch.Tensor:
         with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
-            received = pairwise_step(by_dest, steps.groups, matrix, step)
+            received = pairwise_step(by_dest, steps.groups, matrix, step, steps.wire_dtype)
         parts = [received[source].view(local, capacity, model_dim) for source in steps.sources(step)]
         return torch.cat(parts, dim=1)  # (L, sources * C, M), source-major like the all-to-all layout
 
@@ -100,7 +104,7 @@ def run_steps(
         for index, source in enumerate(sources):
             back[source] = by_source[index].reshape(rows, model_dim)
         with steps.groups.traffic.running(device), ledger.tracked("pairwise all-to-all step", group, step_bytes):
-            returned = pairwise_step(back, steps.groups, matrix, (steps.count - step) % steps.count)
+            returned = pairwise_step(back, steps.groups, matrix, (steps.count - step) % steps.count, steps.wire_dtype)
         for dest, rows_back in returned.items():
             out_by_dest[dest].copy_(rows_back)
 
@@ -162,11 +166,12 @@ class _SmartExperts(torch.autograd.Function):
 
 def smart_experts(
     buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, groups: ParallelGroups,
-    timing: PipelineTiming | None = None, workspace: Workspace | None = None,
+    timing: PipelineTiming | None = None, workspace: Workspace | None = None, wire_dtype: str = EXACT_WIRE,
 ) -> torch.Tensor:
-    """Dispatch -> experts -> combine of an (E, C, M) buffer in FasterMoE's pairwise steps; returns
-    the combined buffer, differentiable in the buffer and the expert weights."""
-    steps = SmartSteps(groups, weights.w1.shape[0])
+    """Dispatch -> experts -> combine of an (E, C, M) buffer in FasterMoE's pairwise steps, the rows
+    travelling as ``wire_dtype`` says; returns the combined buffer, differentiable in the buffer and
+    the expert weights."""
+    steps = SmartSteps(groups, weights.w1.shape[0], wire_dtype)
     computes = [compute.of_sources(steps.sources(step)) for step in range(steps.count)]
     tensors = weights.as_tuple()
     for_backward = torch.is_grad_enabled() and any(

@@ -46,7 +46,7 @@ class CostModel:
 
     def dispatch_bytes(self, shape: RegionShape) -> int:
         """Bytes one rank sends in one all-to-all: its whole (E, C, M) buffer."""
-        return shape.dims.num_experts * shape.capacity * shape.dims.model_dim * shape.bytes_per_element
+        return shape.dims.num_experts * shape.capacity * shape.row_bytes
 
     def t_alltoall(self, algorithm: str, size_bytes: float) -> float:
         if self.world_size == 1:

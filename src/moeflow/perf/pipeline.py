@@ -89,7 +89,7 @@ def chunk_costs(
     t_a2a, t_expert, t_back = [], [], []
     for start, stop in capacity_chunks(shape.capacity, degree):
         rows = -(-(stop - start) // group) * group  # padded to a multiple of g
-        size = r * layer.num_experts * rows * layer.model_dim * shape.bytes_per_element
+        size = r * layer.num_experts * rows * shape.row_bytes
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
         dims = (shape.world_size * rows // group, layer.model_dim, layer.hidden_dim // r, layer.projections)
         t_expert.append(shape.local_experts * cost.t_ffn(*dims) * slowdown)

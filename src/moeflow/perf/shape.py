@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeflow.config import LayerDims
+from moeflow.config import EXACT_WIRE, LayerDims, wire_row_bytes
 from moeflow.moe.capacity import estimated_needed_capacity, expert_capacity
 
 
@@ -22,6 +22,7 @@ class RegionShape:
     bytes_per_element: int = 4
     tokens: int = 0  # tokens the rank routed (Parm's S1 all-gathers them); 0 when unknown
     needed: int = 0  # the largest per-expert load of any rank (S1 sends occupied slots only); 0 unknown
+    wire_dtype: str = EXACT_WIRE  # how the exchanged rows travel (moeflow.comm.wire)
 
     @classmethod
     def for_tokens(
@@ -35,6 +36,11 @@ class RegionShape:
         load = estimated_needed_capacity(dims.top_k, tokens, dims.num_experts) if needed is None else needed
         capacity = expert_capacity(capacity_factor, dims.top_k, tokens, dims.num_experts, load)
         return cls(dims, world_size, capacity, bytes_per_element, tokens, needed or 0)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one exchanged row (a token's M values) takes on the link."""
+        return wire_row_bytes(self.wire_dtype, self.dims.model_dim, self.bytes_per_element)
 
     @property
     def occupied(self) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moeflow.config import wire_row_bytes
 from moeflow.perf.balance import slot_tokens
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.perf.replicas import balanced_slots
@@ -85,11 +86,16 @@ class StepBuilder:
         m = self.model
         return float(m.dims.num_experts * self.capacity(load) * m.dims.model_dim * m.element_bytes)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one exchanged token row takes on the link, in the plan's wire format."""
+        return wire_row_bytes(self.plan.wire_dtype, self.model.dims.model_dim, self.model.element_bytes)
+
     def pair_bytes(self, slots: int, num_experts: int | None = None) -> float:
         """Bytes one rank sends another for ``slots`` capacity slots of the travelling experts."""
         m = self.model
         travelling = num_experts or m.dims.num_experts
-        return float(travelling * slots * m.dims.model_dim * m.element_bytes) / self.cluster.world_size
+        return float(travelling * slots * self.row_bytes) / self.cluster.world_size
 
     def chunk_pair_bytes(self, load: LayerLoad, start: int, stop: int) -> float:
         """Bytes one rank sends another for the chunk of slots [start, stop): all of them, or under a
@@ -104,8 +110,7 @@ class StepBuilder:
             return self.pair_bytes(stop - start, load.counts.shape[1])  # too full: 'auto' sends it padded
         elsewhere = self.owner_ranks(load)[None, :] != np.arange(world)[:, None]
         busiest = float((rows * elsewhere).sum(axis=1).max())
-        m = self.model
-        return busiest / (world - 1) * m.dims.model_dim * m.element_bytes
+        return busiest / (world - 1) * self.row_bytes
 
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moeflow.config import DTYPE_BYTES, PADDED, ragged_min_saving
+from moeflow.config import DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
 from moeflow.perf.schedule_models import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
@@ -38,15 +38,18 @@ def region_model(shape: RegionShape) -> ModelSpec:
                      dtype=DTYPE_OF_BYTES.get(shape.bytes_per_element, "fp32"))
 
 
-def step_plan(plan: Plan) -> StepPlan | None:
-    """The simulator's plan for a layer plan, or None for a schedule it does not model."""
+def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE) -> StepPlan | None:
+    """The simulator's plan for a layer plan whose rows travel as ``wire_dtype``, or None for a
+    schedule it does not model."""
     if plan.schedule not in SIMULATED:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
     if SIMULATED[plan.schedule].takes_r:
-        return StepPlan(schedule=plan.schedule, r=plan.r, degree=plan.degree, algorithm=algorithm)
+        return StepPlan(schedule=plan.schedule, r=plan.r, degree=plan.degree, algorithm=algorithm,
+                        wire_dtype=wire_dtype)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
-                    ragged_exchange=plan.exchange != PADDED, ragged_min_saving=ragged_min_saving(plan.exchange))
+                    ragged_exchange=plan.exchange != PADDED, ragged_min_saving=ragged_min_saving(plan.exchange),
+                    wire_dtype=wire_dtype)
 
 
 class SimulatedRanker:
@@ -71,7 +74,7 @@ class SimulatedRanker:
             return None
         ranked = []
         for plan in plans:
-            simulated = step_plan(plan)
+            simulated = step_plan(plan, shape.wire_dtype)
             if simulated is None:
                 return None
             model = region_model(ragged_shape(shape) if plan.exchange != PADDED else shape)

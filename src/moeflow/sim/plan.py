@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeflow.config import ALLTOALL_ALGORITHMS
+from moeflow.config import ALLTOALL_ALGORITHMS, EXACT_WIRE, WIRE_DTYPES, require_choice
 from moeflow.sim.network import ALLREDUCE_ALGORITHMS
 
 
@@ -35,6 +35,7 @@ class StepPlan:
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
     ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
     ragged_min_saving: float = 0.0  # a chunk travels ragged only with this share of its slots empty ('auto')
+    wire_dtype: str = EXACT_WIRE  # how the expert exchange's rows travel (moeflow.config.wire_row_bytes)
     redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
     ep: int | None = None  # experts over groups of this many consecutive ranks, copied world / ep times; None: all
 
@@ -52,11 +53,13 @@ class StepPlan:
             raise ValueError(f"bucket_mb must be a number >= 0 (0: one all-reduce per layer), got {self.bucket_mb!r}")
         if self.allreduce not in (*ALLREDUCE_ALGORITHMS, "auto"):
             raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
+        require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
 
     def options_label(self) -> str:
         """The label's tail that every schedule shares: the expert group, the exchange, shadowing,
         slots, priority."""
         return (f" ep={self.ep}" if self.ep is not None else "") + (" ragged" if self.ragged_exchange else "") + \
+            (f" wire={self.wire_dtype}" if self.wire_dtype != EXACT_WIRE else "") + \
             (self.sync_label() if not self.prioritize_alltoall else "") + \
             (f" shadow={self.shadowed}" if self.shadowed else "") + \
             (f" slots+{self.redundant_slots}" if self.redundant_slots else "") + \

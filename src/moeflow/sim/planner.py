@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from moeflow.config import GRADIENT_BUCKET_MB
-from moeflow.parallel.registry import SIMULATED
+from moeflow.config import EXACT_WIRE, GRADIENT_BUCKET_MB
+from moeflow.parallel.registry import FEATURE_SPECS, SIMULATED, mode_runs
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan
 from moeflow.sim.step import StepResult, simulate_step
@@ -33,6 +33,7 @@ class SearchSpace:
     prioritize_alltoall: bool = False
     mp: int = 1  # > 1: attention is tensor-parallel over this many ranks, so Parm's schedules run
     ep_sizes: tuple[int, ...] = ()  # the expert group sizes to try; (): every size that tiles the nodes
+    wire_dtype: str = EXACT_WIRE  # the run's wire format: plans whose exchange carries it are priced in it
 
 
 def algorithms_for(cluster: Cluster) -> list[str]:
@@ -75,6 +76,12 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
         group = cluster.expert_group(ep)
         plans += [plan if ep == cluster.world_size else replace(plan, ep=ep)
                   for plan in _group_plans(group, model, space, whole_world=ep == cluster.world_size)]
+    if space.wire_dtype != EXACT_WIRE:  # the run sends its rows so: only the schedules that carry it remain
+        plans = [replace(plan, wire_dtype=space.wire_dtype) for plan in plans if mode_runs("wire_dtype", plan.schedule)]
+        if not plans:
+            carriers = ", ".join(FEATURE_SPECS["wire_dtype"].runs_on)
+            raise ValueError(f"wire_dtype={space.wire_dtype!r} is sent by {carriers} only, and none of them runs "
+                             f"here (mp {space.mp}): use wire_dtype='exact'")
     return sorted(plans, key=lambda plan: plan.esp)  # behind MP: whole experts first, then sharded
 
 

@@ -65,6 +65,7 @@ class TrainConfig:
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
     token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | auto
+    wire_dtype: str = _MOE.wire_dtype  # exact | bf16 | fp8: how the exchanged rows travel
     expert_kernel: str = _MOE.expert_kernel  # bmm | loop | ragged (only the filled slots compute)
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
     ep_size: int | None = None  # experts over this many consecutive workers, copied over workers / ep_size; None: all
@@ -361,6 +362,8 @@ FIELD_HELP: dict[str, str] = {
     "ragged (only the filled slots, forward and backward: for dropless routing)",
     "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
     "(only the kept tokens) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",
+    "wire_dtype": "how the expert-parallel exchange sends tokens and their gradients: exact, bf16 (half the bytes "
+    "of an fp32 model) or fp8 (e4m3 with a scale per row); always decoded into the compute dtype",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "
     "(0: ZeRO-style data parallel, 1: EP+DP, W/E: EP+MP), or auto; with --mp-size: auto, s1, s2 or ds-baseline",
     "ep_size": "the experts of every MoE layer over this many consecutive workers, those groups data-parallel "
@@ -432,8 +435,8 @@ MODEL_SETTINGS = (
     "context", "layers", "heads", "moe_every", "eval_capacity_factor",  # the architecture's own
     "model_dim", "hidden_dim", "num_experts", "top_k", "capacity_factor", "aux_loss_weight", "activation",
     # the MoE layers' (MoEConfig's names)
-    "pipeline", "alltoall", "token_exchange", "expert_kernel", "parallel", "shadowing", "topology_gate",
-    "redundant_experts", "balance", "esp_size",
+    "pipeline", "alltoall", "token_exchange", "wire_dtype", "expert_kernel", "parallel", "shadowing",
+    "topology_gate", "redundant_experts", "balance", "esp_size",
 )
 """The settings :meth:`TrainConfig.model_config` passes to the model, by name."""
 

@@ -1,6 +1,6 @@
 """``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
-contention | train | generate | lina-inference | simulator | papers | plan | memory | faults``: each prints one JSON
-object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
+contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire``: each prints
+one JSON object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from moeflow.commands.bench import (
     simulator,
     skew,
     train,
+    wire,
 )
 
 BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
-            generate, lina_inference, simulator, papers, plan, memory, faults)
+            generate, lina_inference, simulator, papers, plan, memory, faults, wire)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
 

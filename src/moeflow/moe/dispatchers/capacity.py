@@ -52,7 +52,7 @@ class CapacityDispatcher:
         filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
         prepared = self.schedule.prepare(capacity, filled_WE, self.placement, rank)
         region = RegionShape(config.dims, self.groups.size, prepared.capacity, x_TM.element_size(),
-                             load.max_tokens_per_rank, load.needed_capacity)
+                             load.max_tokens_per_rank, load.needed_capacity, config.wire_dtype)
         backward = torch.is_grad_enabled()
         chosen, timing = self.memory.plan(self.record, call.recompute,
                                           lambda: self.planner.choose(region, backward=backward, r=self.r))
@@ -85,4 +85,4 @@ def run_context(
     """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts."""
     local = tuple(shard.expert for shard in placement.local(groups.rank))
     return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared)
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype)
