@@ -21,7 +21,7 @@ adjoint and the backward sends only the kept rows' gradients as well.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,8 +55,13 @@ def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) ->
     layout_WLc = torch.arange(local * world * slots).view(local, world, slots).transpose(0, 1)
     received_N = layout_WLc[position < mine_WL.unsqueeze(-1)]
     matrix = rows_WE.view(world, world, local).sum(2).tolist()
-    saving = 1.0 - int(rows_WE.sum()) / max(1, world * experts * slots)
-    return RaggedRoutes(sent_N, received_N, matrix, saving)
+    return RaggedRoutes(sent_N, received_N, matrix, chunk_saving(filled_WE, start, slots))
+
+
+def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
+    """The share of the chunk [start, start + slots)'s slots, over all ranks, that hold no token."""
+    rows = int((filled_WE - start).clamp(0, slots).sum())
+    return 1.0 - rows / max(1, filled_WE.numel() * slots)
 
 
 def _scatter(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -70,7 +75,9 @@ class RaggedExpertExchange(SelfAdjointExchange):
     """An expert-parallel exchange over ``groups.expert`` that sends only the kept rows of each chunk
     (a chunk with fewer than ``min_saving`` of its slots empty goes padded). ``filled_WE[s, e]``:
     rank s's kept tokens of expert e (host, the same on every rank); ``slots`` the chunk's capacity
-    range (set by :meth:`chunk`)."""
+    range (set by :meth:`chunk`). Each chunk's routes are derived once per forward, shared by its
+    dispatch, its combine and their backward (``routes``: None for a chunk that goes padded, whose
+    routes are never built)."""
 
     groups: ParallelGroups
     algorithm: str
@@ -78,27 +85,30 @@ class RaggedExpertExchange(SelfAdjointExchange):
     slots: tuple[int, int] | None = None
     min_saving: float = RAGGED_MIN_SAVING
     wire_dtype: str = EXACT_WIRE
+    routes: dict[tuple[int, int], RaggedRoutes | None] = field(default_factory=dict, compare=False, repr=False)
 
     def chunk(self, start: int, stop: int) -> RaggedExpertExchange:
         return dataclasses.replace(self, slots=(start, stop))
 
-    def _routes(self, slots: int) -> RaggedRoutes:
+    def _routes(self, slots: int) -> RaggedRoutes | None:
+        """This chunk's routes, or None where it leaves too few slots empty to travel ragged (every
+        rank decides alike, from the counts they all hold)."""
         start = self.slots[0] if self.slots is not None else 0
-        return ragged_routes(self.filled_WE, self.groups.rank, start, slots)
+        key = (start, slots)
+        if key not in self.routes:
+            ragged = chunk_saving(self.filled_WE, start, slots) >= self.min_saving
+            self.routes[key] = ragged_routes(self.filled_WE, self.groups.rank, start, slots) if ragged else None
+        return self.routes[key]
 
-    def _padded(self, routes: RaggedRoutes) -> ExpertExchange | None:
-        """The padded exchange for a chunk that leaves too few slots empty (every rank decides alike)."""
-        if routes.saving >= self.min_saving:
-            return None
+    def _padded(self) -> ExpertExchange:
         return ExpertExchange(self.groups, self.algorithm, self.filled_WE.shape[1] // self.groups.size,
                               self.wire_dtype)
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         experts, slots, model_dim = chunk_ECM.shape
         routes = self._routes(slots)
-        padded = self._padded(routes)
-        if padded is not None:
-            return padded.to_experts(chunk_ECM)
+        if routes is None:
+            return self._padded().to_experts(chunk_ECM)
         sent_NM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(routes.sent_N, chunk_ECM.device))
         received_NM = exchange(self.algorithm, sent_NM, self.groups, routes.matrix, self.wire_dtype)
         world = self.groups.size
@@ -108,9 +118,8 @@ class RaggedExpertExchange(SelfAdjointExchange):
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         local, _, model_dim = y_LXM.shape
         routes = self._routes(rows)
-        padded = self._padded(routes)
-        if padded is not None:
-            return padded.from_experts(y_LXM, rows)
+        if routes is None:
+            return self._padded().from_experts(y_LXM, rows)
         out_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(routes.received_N, y_LXM.device))
         returned_NM = exchange(self.algorithm, out_NM, self.groups, transpose(routes.matrix), self.wire_dtype)
         shape = (local * self.groups.size, rows, model_dim)
