@@ -454,7 +454,8 @@ def bf16_cases() -> list[Case]:
 # A wire format rounds every exchanged row (tokens, expert outputs, their gradients) once each way:
 # bf16 to 2^-8 of each value, fp8 (e4m3, a scale per row) to 2^-4. Through the experts' two GEMMs and
 # the gradients' sums of 12-48 such products the layer's values (O(1) here) stay within 8 of those
-# roundings; a wrong row, scale or weight is off by O(1).
+# roundings (measured: at most 0.12 for bf16, 0.30 for fp8); bf16 rows off by 5 % or fp8 scales off
+# by 30 % fail every case. That each path sends the format at all is test_wire's bytes test.
 WIRE_TOLERANCE = {"bf16": {"rtol": 8 * 2**-8, "atol": 8 * 2**-8}, "fp8": {"rtol": 8 * 2**-4, "atol": 8 * 2**-4}}
 
 

@@ -86,8 +86,9 @@ def test_plan_settings_name_train_settings_for_each_schedule() -> None:
     c = cluster()
     expert = plan_settings(StepPlan(degree=2, algorithm="2dh", ep=4, shadowed=1, bucket_mb=math.inf), c)
     assert expert == {"workers": 8, "ranks_per_node": 4, "ep_size": 4, "parallel": "expert", "pipeline": 2,
-                           "alltoall": "2dh", "token_exchange": "padded", "shadowing": "auto", "redundant_experts": 0,
-                           "balance": "fixed", "expert_packing": "off", "grad_sync": "after"}
+                           "alltoall": "2dh", "token_exchange": "padded", "wire_dtype": "exact", "shadowing": "auto",
+                           "redundant_experts": 0, "balance": "fixed", "expert_packing": "off", "grad_sync": "after"}
+    assert plan_settings(StepPlan(wire_dtype="fp8"), c)["wire_dtype"] == "fp8"  # what the plan was priced in
     assert plan_settings(StepPlan("adaptive", r=2, bucket_mb=1.0), c)["parallel"] == 2
     assert plan_settings(StepPlan("smart"), c).items() >= {"parallel": "expert", "pipeline": "smart"}.items()
     s2 = plan_settings(StepPlan("s2", 2, mp=2, esp=2, prioritize_alltoall=True), c)

@@ -39,6 +39,7 @@ TURNED_ON: dict[str, dict[str, Any]] = {
     "esp_size": {"esp_size": 2},
     "token_exchange='ragged'": {"token_exchange": "ragged"},
     "balance='auto'": {"balance": "auto", "redundant_experts": 4},
+    "wire_dtype": {"wire_dtype": "bf16"},
 }
 """The settings that turn each config-enabled feature on (a new feature adds its line)."""
 RUN_CLASS_NAMES = (*(spec.name for spec in SCHEDULES), "parm", "packed")

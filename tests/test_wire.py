@@ -30,8 +30,8 @@ def test_a_row_comes_back_within_its_formats_rounding(wire_dtype: str) -> None:
     assert back.dtype == torch.float32 and back.shape == x.shape
     assert torch.equal(back[2, 1], torch.zeros(32))
     row_max = x.abs().amax(-1, keepdim=True)
-    # e4m3 values under 2^-6 of the row's largest are subnormal: their step is 2^-9 of it
-    floor = row_max * 2**-10 if wire_dtype == "fp8" else 0.0
+    # e4m3's subnormals (scaled values under 2^-6) step by 2^-9: half of it, in the row's scale (max / 448)
+    floor = row_max * 2**-10 / 448 if wire_dtype == "fp8" else 0.0
     assert torch.all((back - x).abs() <= BOUNDS[wire_dtype] * x.abs() + floor)
     if wire_dtype != "exact":
         assert not torch.equal(back, x)  # it did round
@@ -41,7 +41,11 @@ def test_bf16_leaves_narrow_rows_alone_and_fp8_packs_bf16_rows() -> None:
     x = torch.randn(4, 16).to(torch.bfloat16)
     assert encode("bf16", x) is x
     assert encode("fp8", x).shape == (4, 20) and decode("fp8", encode("fp8", x), torch.bfloat16).dtype == torch.bfloat16
-    assert encode("fp8", torch.zeros(0, 16)).shape == (0, 20)
+    for rows in (0, 1, 3):  # a message of one row whose scale does not start 4-byte aligned (M = 6)
+        x = torch.randn(rows, 6)
+        assert torch.allclose(decode("fp8", encode("fp8", x), torch.float32), x, rtol=2**-4, atol=0)
+    tiny = torch.full((2, 8), 1e-41)  # denormal rows: a normal scale, no NaN
+    assert torch.all(decode("fp8", encode("fp8", tiny), torch.float32).abs() <= 1e-41)
 
 
 def _exchanges(rank: int, world_size: int) -> list[str]:
@@ -70,12 +74,25 @@ def test_each_algorithm_sends_the_rounded_rows(world_size: int) -> None:
     assert failures == []
 
 
-def _layer_bytes(rank: int, world_size: int, wire_dtype: str) -> int:
+WIRE_PATHS = {  # every exchange the feature's record claims, with settings that make rows travel
+    "padded": {"token_exchange": "padded"},
+    "ragged-d2": {"token_exchange": "ragged", "capacity_factor": 0.0, "pipeline": 2, "expert_kernel": "ragged"},
+    "2dh-d2": {"alltoall": "2dh", "pipeline": 2, "token_exchange": "padded"},
+    "pairwise": {"alltoall": "pairwise", "token_exchange": "padded"},
+    "smart-shadow": {"pipeline": "smart", "shadowing": [0], "capacity_factor": 0.0},
+    "redundant": {"redundant_experts": 4, "capacity_factor": 0.0},
+    "switchable-r1": {"parallel": 1, "num_experts": 2, "token_exchange": "padded"},
+}
+
+
+def _layer_bytes(rank: int, world_size: int, wire_dtype: str, settings: dict | None = None) -> int:
     """The bytes one training step of a layer sends in its all-to-alls (this rank's)."""
     torch.manual_seed(0)
-    groups = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, 1))
-    layer = MoELayer(16, 32, 4, top_k=2, capacity_factor=1.0, group=groups, token_exchange="padded",
-                     wire_dtype=wire_dtype)
+    groups = ParallelGroups(torch.distributed.group.WORLD, Topology(world_size, 2 if world_size > 2 else 1))
+    options = {"token_exchange": "padded", **(settings or {})}
+    experts = options.pop("num_experts", 4)
+    layer = MoELayer(16, 32, experts, top_k=2, capacity_factor=options.pop("capacity_factor", 1.0), group=groups,
+                     wire_dtype=wire_dtype, **options)
     sent: list[int] = []
     groups.ledger.on_enter = lambda entry: sent.append(entry.nbytes if "all-to-all" in entry.operation else 0)
     x = torch.randn(24, 16, requires_grad=True)
@@ -90,6 +107,15 @@ def test_a_layer_sends_what_its_wire_format_says() -> None:
     assert sent["exact"] > 0
     assert sent["bf16"] == sent["exact"] // 2
     assert sent["fp8"] == sent["exact"] * (16 + 4) // (16 * 4)
+
+
+@pytest.mark.distributed
+def test_every_exchange_the_record_claims_sends_the_wire_format() -> None:
+    """bf16 halves the all-to-all bytes of each path's training step on 4 processes (2 nodes of 2):
+    a path that dropped the setting would send the exact bytes."""
+    for name, settings in WIRE_PATHS.items():
+        exact, bf16 = (run_distributed(_layer_bytes, 4, wire, settings)[0] for wire in ("exact", "bf16"))
+        assert exact > 0 and bf16 * 2 == pytest.approx(exact, rel=0.02), name
 
 
 def test_a_mistyped_wire_dtype_names_the_choices() -> None:
@@ -144,3 +170,13 @@ def test_the_benchmarks_summaries_judge_the_goals() -> None:
               {"wire_dtype": "bf16", "steps": 200, "loss_over_exact": -0.012},
               {"wire_dtype": "fp8", "steps": 200, "loss_over_exact": 0.004}]
     assert summarize_losses(losses)["bf16_loss_goal_met"] is False
+
+
+def test_shadowings_prices_move_tokens_in_the_wire_format() -> None:
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+    from moeflow.perf.shadowing import ShadowPrices
+
+    fits = {"alltoall.linear": AlphaBeta(1e-4, 1e-8), "allreduce": AlphaBeta(1e-4, 1e-8), "gemm": AlphaBeta(1e-6, 1e-9)}
+    cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits))
+    rows = {wire: ShadowPrices.from_cost_model(cost, 64, 128, 2, wire_dtype=wire).row_bytes for wire in WIRE_DTYPES}
+    assert rows == {"exact": 256, "bf16": 128, "fp8": 68}

@@ -83,6 +83,13 @@ def wire_row_bytes(wire_dtype: str, model_dim: int, element_bytes: int) -> int:
     return model_dim * element_bytes
 
 
+def empty_share(kept_rows: float, columns: int, slots: int) -> float:
+    """The share of ``columns`` x ``slots`` capacity slots (every rank's, every expert's, of one
+    chunk) that hold none of the ``kept_rows``: what ``token_exchange='auto'`` compares with
+    :data:`RAGGED_MIN_SAVING`."""
+    return 1.0 - kept_rows / max(1, columns * slots)
+
+
 def ragged_min_saving(token_exchange: str) -> float:
     """The share of a chunk's slots that must be empty for it to travel ragged under ``token_exchange``:
     none when always ragged, :data:`RAGGED_MIN_SAVING` under ``auto``."""

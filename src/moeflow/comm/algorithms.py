@@ -116,10 +116,11 @@ def pairwise_step(
     """Run one step: send this rank's chunks for the target group, return the chunks received,
     keyed by source rank (of the expert group), the rows travelling as ``wire_dtype`` says
     (:mod:`moeflow.comm.wire`). Zero-row messages are skipped on both sides (both know the sizes)."""
-    if wire_dtype != EXACT_WIRE:
-        dtype = by_dest[0].dtype
-        sent = pairwise_step([encode(wire_dtype, chunk) for chunk in by_dest], groups, matrix, step)
-        return {source: decode(wire_dtype, rows, dtype) for source, rows in sent.items()}
+    if wire_dtype != EXACT_WIRE:  # encode what this step sends (and chunk 0, whose rows shape the receives)
+        dtype, used = by_dest[0].dtype, {0, groups.rank, *pairwise_peers(groups.topology, groups.rank, step)[0]}
+        encoded = [encode(wire_dtype, chunk) if dest in used else chunk for dest, chunk in enumerate(by_dest)]
+        return {source: decode(wire_dtype, rows, dtype)
+                for source, rows in pairwise_step(encoded, groups, matrix, step).items()}
     me = groups.rank
     send_to, receive_from = pairwise_peers(groups.topology, me, step)
     received: dict[int, torch.Tensor] = {}

@@ -42,7 +42,8 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
     model_dim = x.shape[-1]
     rows = x.reshape(-1, model_dim).float()
     largest = rows.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(largest > 0, largest / E4M3_MAX, torch.ones_like(largest))
+    smallest = torch.finfo(torch.float32).tiny  # a row of denormals keeps a normal scale
+    scale = torch.where(largest > 0, (largest / E4M3_MAX).clamp_min(smallest), torch.ones_like(largest))
     values = (rows / scale).to(E4M3).view(torch.uint8)
     packed = torch.cat([values, scale.view(torch.uint8)], dim=1)
     return packed.view(*x.shape[:-1], model_dim + FP8_SCALE_BYTES)
@@ -51,6 +52,8 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
 def _from_fp8_rows(sent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     model_dim = sent.shape[-1] - FP8_SCALE_BYTES
     rows = sent.reshape(-1, sent.shape[-1])
-    values = rows[:, :model_dim].contiguous().view(E4M3).float()
-    scale = rows[:, model_dim:].contiguous().view(torch.float32)
+    # copies with offset 0: a one-row slice counts as contiguous but starts M bytes in, which a
+    # 4-byte view refuses unless M is a multiple of 4
+    values = rows[:, :model_dim].clone(memory_format=torch.contiguous_format).view(E4M3).float()
+    scale = rows[:, model_dim:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return (values * scale).to(dtype).view(*sent.shape[:-1], model_dim)

@@ -16,7 +16,8 @@ from moeflow.commands import fail
 def wants_joint_plan(args: argparse.Namespace) -> bool:
     """The joint planner runs for --cluster, and for --profile with a model, a train config or a plan
     file to write."""
-    return any(value is not None for value in (args.cluster, args.out, args.config, args.model, args.ep_size))
+    return any(value is not None for value in (args.cluster, args.out, args.config, args.model, args.ep_size,
+                                                args.wire_dtype))
 
 
 def joint_plan(args: argparse.Namespace) -> int:

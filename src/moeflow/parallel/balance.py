@@ -63,7 +63,7 @@ def choose_execution(
                                topology, config.hidden_dim)
     tokens_WE = np.tile(np.asarray(load_E, dtype=np.float64) / world, (world, 1))  # each rank routes its share
     prices = ShadowPrices.from_cost_model(cost, config.model_dim, config.hidden_dim,
-                                          ffn_projections(config.activation))
+                                          ffn_projections(config.activation), wire_dtype=config.wire_dtype)
     choice = choose_balance(
         tokens_WE, [expert_parallel.holders(e)[0] for e in range(num_experts)], *slots.slots(), prices
     )

@@ -27,7 +27,7 @@ import torch
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import EXACT_WIRE, RAGGED_MIN_SAVING
+from moeflow.config import EXACT_WIRE, RAGGED_MIN_SAVING, empty_share
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.pipeline import ExpertExchange, SelfAdjointExchange
 
@@ -60,8 +60,7 @@ def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) ->
 
 def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
     """The share of the chunk [start, start + slots)'s slots, over all ranks, that hold no token."""
-    rows = int((filled_WE - start).clamp(0, slots).sum())
-    return 1.0 - rows / max(1, filled_WE.numel() * slots)
+    return empty_share(int((filled_WE - start).clamp(0, slots).sum()), filled_WE.numel(), slots)
 
 
 def _scatter(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

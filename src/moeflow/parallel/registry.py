@@ -137,7 +137,7 @@ BUILTIN_FEATURES: tuple[FeatureSpec, ...] = (
     FeatureSpec("wire_dtype", "DeepEP: low-precision dispatch and combine",
                 "sends the exchanged rows and their gradients as bf16, or as fp8 with a scale per row",
                 "wire_dtype='exact'", ("expert", "adaptive", "replicated", "packed"),
-                lambda c: c.wire_dtype != EXACT_WIRE),
+                lambda c: c.wire_dtype != EXACT_WIRE, excludes=("inference scheduling",)),
     FeatureSpec("alltoall", "Tutel §3.3 / FasterMoE: a fixed all-to-all algorithm",
                 "fixes the all-to-all algorithm", "alltoall='auto' or 'linear'", (*PARALLEL_SCHEDULES, PARM_AUTO),
                 lambda c: c.alltoall not in (AUTO, "linear", SAA)),

@@ -240,6 +240,7 @@ class ShadowedSchedule(WrappingSchedule):
             return self.inner.run(plan, dispatched_ECM, ctx)
         prices = None if self.cost is None else ShadowPrices.from_cost_model(
             self.cost, self.model_dim, self.hidden_dim, self.projections, algorithm=plan.algorithm,
+            wire_dtype=ctx.wire_dtype,
         )
         shadow, gain = decide_shadows(self.setting, ctx.filled_WE, ctx.placement, ctx.capacity, prices)
         if shadow is None:

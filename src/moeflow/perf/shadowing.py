@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeflow.config import EXACT_WIRE, wire_row_bytes
 from moeflow.perf.busiest_link import communication_latency
 from moeflow.perf.cost import CostModel
 
@@ -85,14 +86,14 @@ class ShadowPrices:
     @classmethod
     def from_cost_model(
         cls, cost: CostModel, model_dim: int, hidden_dim: int, projections: int, bytes_per_element: int = 4,
-        algorithm: str = "linear",
+        algorithm: str = "linear", wire_dtype: str = EXACT_WIRE,
     ) -> ShadowPrices:
         """Prices from a calibrated profile. moeflow sends a shadowed expert's parameters with one
         all-reduce in the forward (the owner's weights, zeros elsewhere: the broadcast) and one in
         the backward (every rank's gradients summed into the owner's: the reduce), so the pair is
         priced as two all-reduces. (FasterMoE's own broadcast and reduce move what one all-reduce
         moves; pricing them so, the model shadowed a second expert on the emulated 2x2 cluster
-        that cost more than it saved.)"""
+        that cost more than it saved.) Token rows cost what ``wire_dtype`` sends; weights travel exact."""
         parameter_bytes = projections * model_dim * hidden_dim * bytes_per_element
 
         def expert_seconds(rows: float) -> float:
@@ -106,7 +107,7 @@ class ShadowPrices:
             expert_seconds=expert_seconds,
             links=LinkPrices.from_cost_model(cost, algorithm),
             parameter_seconds=2 * cost.t_allreduce(parameter_bytes),
-            row_bytes=model_dim * bytes_per_element,
+            row_bytes=wire_row_bytes(wire_dtype, model_dim, bytes_per_element),
         )
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moeflow.config import wire_row_bytes
+from moeflow.config import empty_share, wire_row_bytes
 from moeflow.perf.balance import slot_tokens
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.perf.replicas import balanced_slots
@@ -106,7 +106,7 @@ class StepBuilder:
         if not self.plan.ragged_exchange or world == 1:
             return self.pair_bytes(stop - start, load.counts.shape[1])
         rows = np.clip(load.counts - start, 0, stop - start)
-        if 1.0 - rows.sum() / max(rows.size * (stop - start), 1) < self.plan.ragged_min_saving:
+        if empty_share(float(rows.sum()), rows.size, stop - start) < self.plan.ragged_min_saving:
             return self.pair_bytes(stop - start, load.counts.shape[1])  # too full: 'auto' sends it padded
         elsewhere = self.owner_ranks(load)[None, :] != np.arange(world)[:, None]
         busiest = float((rows * elsewhere).sum(axis=1).max())

@@ -34,8 +34,8 @@ ADAPTIVE = MappingProxyType({
 })
 """What a plan leaves to run time, by the setting that turns it on ("capacity" always)."""
 PLAN_OWNED = ("workers", "ranks_per_node", "ep_size", "mp_size", "esp_size", "parallel", "pipeline", "alltoall",
-              "token_exchange", "shadowing", "topology_gate", "redundant_experts", "balance", "expert_packing",
-              "grad_sync", "bucket_mb", "microop_mb")
+              "token_exchange", "wire_dtype", "shadowing", "topology_gate", "redundant_experts", "balance",
+              "expert_packing", "grad_sync", "bucket_mb", "microop_mb")
 """The settings a plan decides: a base config's values of them are dropped, so the run is the plan's
 layout and schedule (an unset one takes ``moeflow train``'s default)."""
 WARMUP_SHARE = 5
@@ -83,6 +83,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
         settings["ep_size"] = plan.ep
     settings.update(technique_of(plan).simulated.settings(plan))
     settings["token_exchange"] = "ragged" if plan.ragged_exchange else "padded"
+    settings["wire_dtype"] = plan.wire_dtype
     settings["shadowing"] = "auto" if plan.shadowed else "off"
     settings["redundant_experts"] = plan.redundant_slots
     settings["balance"] = "fixed"
