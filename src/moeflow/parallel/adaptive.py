@@ -28,6 +28,7 @@ import torch
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.wire import decode, encode
 from moeflow.comm.zero import gather_shards
 from moeflow.config import EXACT_WIRE, check_switchable_layout, validate_r
 from moeflow.moe.experts import FFNWeights
@@ -101,15 +102,18 @@ class SwitchableExchange(SelfAdjointExchange):
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
         chunk_ECM = pad_slots(chunk_ECM, self.group)
-        experts, padded, model_dim = chunk_ECM.shape
+        model_dim = chunk_ECM.shape[-1]
+        with torch.no_grad():
+            sent = encode(self.wire_dtype, chunk_ECM)  # once, before the r-fold repeat
+        experts, padded, width = sent.shape
         part = padded // self.group
         repeated = (
-            chunk_ECM.view(experts, 1, self.group, part, model_dim)
-            .expand(experts, self.r, self.group, part, model_dim)
-            .reshape(self.groups.size, part, model_dim)
+            sent.view(experts, 1, self.group, part, width)
+            .expand(experts, self.r, self.group, part, width)
+            .reshape(self.groups.size, part, width)
         )
-        received = exchange(self.algorithm, repeated, self.groups, wire_dtype=self.wire_dtype)  # (W, Cj / g, M)
-        return received.view(1, self.groups.size * part, model_dim)
+        received = exchange(self.algorithm, repeated, self.groups)  # (W, Cj / g, wire row) by source
+        return decode(self.wire_dtype, received, chunk_ECM.dtype).view(1, self.groups.size * part, model_dim)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         world, model_dim = self.groups.size, y_LXM.shape[-1]
