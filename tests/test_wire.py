@@ -143,6 +143,9 @@ def test_the_simulator_prices_the_wire_bytes() -> None:
             for wire in WIRE_DTYPES}
     assert busy["bf16"] == pytest.approx(busy["exact"] / 2, rel=0.05)  # start-ups aside
     assert busy["fp8"] == pytest.approx(busy["exact"] * 1028 / 4096, rel=0.1)
+    with pytest.raises(ValueError, match="'s1' sends exact rows: use wire_dtype='exact'"):  # as the layer refuses it
+        simulate_step(cluster, model, StepPlan("s1", mp=2, esp=2, wire_dtype="bf16"), layer_only=True)
+    assert simulate_step(cluster, model, StepPlan("smart", wire_dtype="bf16"), layer_only=True).step_s > 0
 
 
 def test_the_planner_prices_a_configs_wire_format() -> None:

@@ -172,13 +172,6 @@ SIMULATED = MappingProxyType({
 a mode of their own (FasterMoE's smart schedule after the expert schedule)."""
 
 
-def mode_runs(feature: str, mode: str) -> bool:
-    """Whether the simulator's ``mode`` (a schedule, or a feature's mode of its own, which runs on
-    its record's first schedule) runs beside ``feature``."""
-    schedule = next((f.runs_on[0] for f in FEATURES if f.simulated is not None and f.simulated_as == mode), mode)
-    return schedule in FEATURE_SPECS[feature].runs_on
-
-
 def check_parallel(parallel: str | int) -> None:
     """``parallel`` names a registered schedule or ``auto``, or is Tutel's r (an int >= 0)."""
     if isinstance(parallel, str) and parallel in PARALLEL_CHOICES:

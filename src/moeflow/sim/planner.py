@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from moeflow.config import EXACT_WIRE, GRADIENT_BUCKET_MB
-from moeflow.parallel.registry import FEATURE_SPECS, SIMULATED, mode_runs
+from moeflow.parallel.registry import FEATURE_SPECS, SIMULATED
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan
-from moeflow.sim.step import StepResult, simulate_step
+from moeflow.sim.step import WIRE_FEATURE, StepResult, sends_wire, simulate_step
 from moeflow.sim.technique import PlanSpace
 from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
@@ -77,9 +77,9 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
         plans += [plan if ep == cluster.world_size else replace(plan, ep=ep)
                   for plan in _group_plans(group, model, space, whole_world=ep == cluster.world_size)]
     if space.wire_dtype != EXACT_WIRE:  # the run sends its rows so: only the schedules that carry it remain
-        plans = [replace(plan, wire_dtype=space.wire_dtype) for plan in plans if mode_runs("wire_dtype", plan.schedule)]
+        plans = [replace(plan, wire_dtype=space.wire_dtype) for plan in plans if sends_wire(plan.schedule)]
         if not plans:
-            carriers = ", ".join(FEATURE_SPECS["wire_dtype"].runs_on)
+            carriers = ", ".join(FEATURE_SPECS[WIRE_FEATURE].runs_on)
             raise ValueError(f"wire_dtype={space.wire_dtype!r} is sent by {carriers} only, and none of them runs "
                              f"here (mp {space.mp}): use wire_dtype='exact'")
     return sorted(plans, key=lambda plan: plan.esp)  # behind MP: whole experts first, then sharded

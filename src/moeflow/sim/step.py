@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.config import EXACT_WIRE
 from moeflow.parallel.registry import FEATURE_SPECS, FEATURES, ONE_RANK_SCHEDULE, SIMULATED, SimulatedSpec
 from moeflow.sim.builder import StepBuilder
 from moeflow.sim.cluster import Cluster
@@ -23,12 +24,19 @@ from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
 SLOTS_FEATURE = "redundant_experts"
 """The feature record of EPLB's slots (``plan.redundant_slots``): the schedules it runs on are its."""
+WIRE_FEATURE = "wire_dtype"
+"""The feature record of the wire formats (``plan.wire_dtype``)."""
 
 
 def run_class(schedule: str) -> str:
     """The layer's schedule a simulated one runs as: its own, or for a technique simulated as a
     schedule of its own (FasterMoE's smart pipeline) the schedule that technique runs on."""
     return next((f.runs_on[0] for f in FEATURES if f.simulated_as == schedule), schedule)
+
+
+def sends_wire(schedule: str) -> bool:
+    """Whether the simulated ``schedule`` runs on a schedule whose exchange carries ``wire_dtype``."""
+    return run_class(schedule) in FEATURE_SPECS[WIRE_FEATURE].runs_on
 
 
 def technique_of(plan: StepPlan) -> SimulatedSpec:
@@ -103,6 +111,10 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan, spec: Simu
     if plan.redundant_slots and (num_experts + plan.redundant_slots) % world:
         raise ValueError(f"the {num_experts} experts + {plan.redundant_slots} redundant slots must split evenly over "
                          f"the {world} ranks")
+    if plan.wire_dtype != EXACT_WIRE and not sends_wire(plan.schedule):
+        carriers = ", ".join(FEATURE_SPECS[WIRE_FEATURE].runs_on)
+        raise ValueError(f"wire_dtype={plan.wire_dtype!r} is sent by the {carriers} schedules; {plan.schedule!r} "
+                         "sends exact rows: use wire_dtype='exact'")
     if plan.shadowed >= num_experts:
         raise ValueError(f"shadowed ({plan.shadowed}) must be fewer than the {num_experts} experts")
 
