@@ -39,7 +39,6 @@ class RaggedRoutes:
     sent_N: torch.Tensor  # rows of the (E * Cj) dispatch chunk this rank sends, by destination rank
     received_N: torch.Tensor  # rows of the (L * W * Cj) expert layout it receives, by source rank
     matrix: SplitMatrix  # matrix[s][d]: rows rank s sends rank d
-    saving: float  # the share of the chunk's slots, over all ranks, that stay home
 
 
 def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) -> RaggedRoutes:
@@ -55,7 +54,7 @@ def ragged_routes(filled_WE: torch.Tensor, rank: int, start: int, slots: int) ->
     layout_WLc = torch.arange(local * world * slots).view(local, world, slots).transpose(0, 1)
     received_N = layout_WLc[position < mine_WL.unsqueeze(-1)]
     matrix = rows_WE.view(world, world, local).sum(2).tolist()
-    return RaggedRoutes(sent_N, received_N, matrix, chunk_saving(filled_WE, start, slots))
+    return RaggedRoutes(sent_N, received_N, matrix)
 
 
 def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:

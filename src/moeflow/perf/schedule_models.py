@@ -126,7 +126,7 @@ def predict_smart(cost: CostModel, shape: RegionShape, backward: bool = True) ->
     Each step computes the local experts on the C slots of each of the node's M ranks."""
     nodes, per_node = cost.profile.nodes, cost.profile.ranks_per_node
     layer = shape.dims
-    size = layer.num_experts * shape.capacity * shape.row_bytes
+    size = cost.dispatch_bytes(shape)
     whole = cost.t_alltoall(SMART_PLAN_ALGORITHM, size)
     if per_node == 1:
         local, remote = 0.0, whole / max(1, nodes - 1)

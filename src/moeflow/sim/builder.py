@@ -121,7 +121,7 @@ class StepBuilder:
             return float(travelling * capacity)
         received = np.minimum(load.counts, capacity).sum(axis=0)
         per_rank = np.bincount(self.owner_ranks(load), weights=received, minlength=world)
-        return per_rank if np.ptp(per_rank) > 0 else float(per_rank[0])
+        return rank_times(per_rank)
 
     def owner_ranks(self, load: LayerLoad) -> np.ndarray:
         """The rank computing each column of ``load``: its own, or expert parallelism's."""
@@ -132,8 +132,7 @@ class StepBuilder:
     def local_rows(self, load: LayerLoad, capacity: int) -> Times:
         if self.model.capacity_factor != 0:
             return float(load.counts.shape[1] * capacity)
-        own = np.minimum(load.counts, capacity).sum(axis=1)
-        return own if np.ptp(own) > 0 else float(own[0])
+        return rank_times(np.minimum(load.counts, capacity).sum(axis=1))
 
     # -- collectives ------------------------------------------------------------------------------
 
@@ -291,8 +290,7 @@ class StepBuilder:
         counts_WP = slot_tokens(load.counts, slot_experts, slot_ranks).astype(np.float64)
         own_WP = slot_ranks[None, :] == np.arange(world)[:, None]
         exchanged = LayerLoad(np.where(own_WP, 0.0, counts_WP), slot_experts, slot_ranks)
-        home_rows = (counts_WP * own_WP).sum(axis=1)
-        home_s = self.ffn_s(home_rows if np.ptp(home_rows) > 0 else float(home_rows[0]), backward, per_rank)
+        home_s = self.ffn_s(rank_times((counts_WP * own_WP).sum(axis=1)), backward, per_rank)
         if backward:
             home = self.timeline.compute(COMPUTE, home_s, deps, "experts")
             done = self.region(self, exchanged, [home], backward)
@@ -337,5 +335,10 @@ def shadowed_experts(load: LayerLoad, count: int) -> np.ndarray:
 
 def shadowed_rows(load: LayerLoad, hot: np.ndarray) -> Times:
     """Tokens each rank computes at home for the shadowed experts."""
-    own = load.counts[:, hot].sum(axis=1)
-    return own if np.ptp(own) > 0 else float(own[0])
+    return rank_times(load.counts[:, hot].sum(axis=1))
+
+
+def rank_times(per_rank: np.ndarray) -> Times:
+    """A per-rank quantity as the engine takes it: one value where every rank's is the same (a
+    balanced load runs as one rank's), else the array (a skewed load makes a straggler)."""
+    return per_rank if np.ptp(per_rank) > 0 else float(per_rank[0])
