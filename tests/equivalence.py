@@ -394,6 +394,27 @@ def ragged_exchange_cases(base: dict[str, Any]) -> list[Case]:
              rebalance_to=(9.0, 1, 1, 1, 1, 1, 1, 3)),
         Case("exchange-auto-search", {**base, "token_exchange": "auto", "pipeline": "search", "parallel": "expert"},
              tokens_per_rank=24, steps=5),
+        *dedup_exchange_cases(base),
+    ]
+
+
+def dedup_exchange_cases(base: dict[str, Any]) -> list[Case]:
+    """The dedup exchange (a token once to each rank): k = 3 over 8 experts (most tokens reach a
+    rank twice), dropping and pipelined in uneven chunks with the ragged kernel, each algorithm, an
+    empty rank, no token at all, and a wire format."""
+    dedup = {**base, "token_exchange": "dedup", "parallel": "expert"}
+    return [
+        Case("exchange-dedup-f0-k3", {**dedup, "capacity_factor": 0.0, "top_k": 3}),
+        Case("exchange-dedup-f05-drops-d3-swiglu-ragged-kernel", {
+            **dedup, "capacity_factor": 0.5, "top_k": 3, "pipeline": 3, "activation": "swiglu",
+            "expert_kernel": "ragged"}, tokens_per_rank=30),
+        Case("exchange-dedup-2dh-d2", {**dedup, "pipeline": 2, "alltoall": "2dh", "top_k": 2}, tokens_per_rank=24,
+             ranks_per_node=2),
+        Case("exchange-dedup-pairwise-empty-rank", {**dedup, "alltoall": "pairwise", "capacity_factor": 0.0},
+             ranks_per_node=1, empty_ranks=(1,)),
+        Case("exchange-dedup-no-tokens", {**dedup, "capacity_factor": 0.0}, tokens_per_rank=0),
+        Case("exchange-dedup-bf16-wire-k4", {**dedup, "top_k": 4, "wire_dtype": "bf16"},
+             tolerance=WIRE_TOLERANCE["bf16"]),
     ]
 
 

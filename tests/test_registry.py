@@ -38,6 +38,7 @@ TURNED_ON: dict[str, dict[str, Any]] = {
     "alltoall='saa'": {"alltoall": "saa"},
     "esp_size": {"esp_size": 2},
     "token_exchange='ragged'": {"token_exchange": "ragged"},
+    "token_exchange='dedup'": {"token_exchange": "dedup"},
     "balance='auto'": {"balance": "auto", "redundant_experts": 4},
     "wire_dtype": {"wire_dtype": "bf16"},
 }

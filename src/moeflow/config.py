@@ -50,9 +50,11 @@ GRADIENT_BUCKET_MB = 1.0
 and the bucket the joint planner simulates for it)."""
 MAX_PIPELINE_DEGREE = 64
 """The largest capacity-chunk degree ``pipeline`` may force."""
-PADDED, RAGGED = "padded", "ragged"
-TOKEN_EXCHANGES = (PADDED, RAGGED)
-"""How tokens travel between ranks: every slot of the capacity (``padded``), or only the kept rows (``ragged``)."""
+PADDED, RAGGED, DEDUP = "padded", "ragged", "dedup"
+TOKEN_EXCHANGES = (PADDED, RAGGED, DEDUP)
+"""How tokens travel between ranks: every slot of the capacity (``padded``), only the kept rows
+(``ragged``), or the kept rows with a token sent once to each rank however many of its k experts
+that rank holds (``dedup``, DeepEP's dispatch: :mod:`moeflow.parallel.dedup_exchange`)."""
 TOKEN_EXCHANGE_CHOICES = (*TOKEN_EXCHANGES, "auto")
 """The ``token_exchange`` setting's values: one of :data:`TOKEN_EXCHANGES`, or ``auto``: each chunk
 ragged where it leaves enough of its slots empty to pay for the gather and scatter, else padded."""
@@ -93,7 +95,19 @@ def empty_share(kept_rows: float, columns: int, slots: int) -> float:
 def ragged_min_saving(token_exchange: str) -> float:
     """The share of a chunk's slots that must be empty for it to travel ragged under ``token_exchange``:
     none when always ragged, :data:`RAGGED_MIN_SAVING` under ``auto``."""
-    return 0.0 if token_exchange == RAGGED else RAGGED_MIN_SAVING
+    return 0.0 if token_exchange in (RAGGED, DEDUP) else RAGGED_MIN_SAVING
+
+
+def dedup_row_share(num_experts: int, world_size: int, top_k: int) -> float:
+    """The share of a dispatch's kept rows that still travel when a token crosses to each rank
+    once, for choices spread uniformly (k distinct experts of E, E / W on each rank): the expected
+    number of ranks a token's k choices reach, over k. What the planner and the simulator price;
+    the layer reports what its routing actually saved (``RoutingStats.dedup_saved_rows``)."""
+    if top_k <= 1 or world_size <= 1 or num_experts <= top_k:
+        return 1.0
+    local = num_experts // world_size
+    missed = math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k)  # no choice on a given rank
+    return world_size * (1.0 - missed) / top_k
 
 
 def ffn_projections(activation: str) -> int:
@@ -181,7 +195,7 @@ class MoEConfig:
     kernel_backend: str = "auto"  # who runs encode/decode and the ragged GEMMs: torch, triton, or auto
     alltoall: str = "auto"
     pipeline: int | str = "auto"
-    token_exchange: str = "auto"  # the expert-parallel exchange: "padded", "ragged" (kept rows only) or "auto"
+    token_exchange: str = "auto"  # the expert-parallel exchange: "padded", "ragged" (kept rows only), "dedup" or "auto"
     wire_dtype: str = EXACT_WIRE  # how exchanged rows travel: "exact", "bf16" or "fp8" (moeflow.comm.wire)
     capacity_bucket: int = 128
     bias: bool = True

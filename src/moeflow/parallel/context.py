@@ -57,6 +57,7 @@ class RunContext:
     estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
     prepared: object | None = None  # the schedule's own Prepared.state of this forward
     wire_dtype: str = EXACT_WIRE  # how the exchanged rows travel (moeflow.comm.wire)
+    slot_tokens: torch.Tensor | None = None  # (E * C,): the token each slot of the dispatched buffer holds (dedup)
 
     @property
     def rank(self) -> int:
@@ -104,3 +105,4 @@ class ScheduleOutput:
     shadowed_experts: tuple[int, ...] = ()
     shadow_predicted_gain_s: float | None = None
     cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)
+    dedup_saved_rows: int | None = None  # rows the dispatch did not send (a token's copies to one rank); None: no dedup

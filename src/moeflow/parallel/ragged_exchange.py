@@ -62,7 +62,8 @@ def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
     return empty_share(int((filled_WE - start).clamp(0, slots).sum()), filled_WE.numel(), slots)
 
 
-def _scatter(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def scatter_rows(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero tensor of ``shape`` whose flat rows ``index_N`` are ``rows_NM``."""
     out = rows_NM.new_zeros(shape)
     out.view(-1, rows_NM.shape[-1]).index_copy_(0, index_N, rows_NM)
     return out
@@ -103,22 +104,35 @@ class RaggedExpertExchange(SelfAdjointExchange):
                               self.wire_dtype)
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        experts, slots, model_dim = chunk_ECM.shape
-        routes = self._routes(slots)
+        routes = self._routes(chunk_ECM.shape[1])
         if routes is None:
             return self._padded().to_experts(chunk_ECM)
-        sent_NM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(routes.sent_N, chunk_ECM.device))
-        received_NM = exchange(self.algorithm, sent_NM, self.groups, routes.matrix, self.wire_dtype)
-        world = self.groups.size
-        shape = (experts // world, world * slots, model_dim)
-        return _scatter(received_NM, to_device(routes.received_N, chunk_ECM.device), shape)
+        return ragged_dispatch(routes, chunk_ECM, self.groups, self.algorithm, self.wire_dtype)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-        local, _, model_dim = y_LXM.shape
         routes = self._routes(rows)
         if routes is None:
             return self._padded().from_experts(y_LXM, rows)
-        out_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(routes.received_N, y_LXM.device))
-        returned_NM = exchange(self.algorithm, out_NM, self.groups, transpose(routes.matrix), self.wire_dtype)
-        shape = (local * self.groups.size, rows, model_dim)
-        return _scatter(returned_NM, to_device(routes.sent_N, y_LXM.device), shape)
+        return ragged_combine(routes, y_LXM, rows, self.groups, self.algorithm, self.wire_dtype)
+
+
+def ragged_dispatch(
+    routes: RaggedRoutes, chunk_ECM: torch.Tensor, groups: ParallelGroups, algorithm: str, wire_dtype: str
+) -> torch.Tensor:
+    """The chunk's kept rows sent to their experts' ranks, laid out (L, W * Cj, M) there."""
+    experts, slots, model_dim = chunk_ECM.shape
+    sent_NM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(routes.sent_N, chunk_ECM.device))
+    received_NM = exchange(algorithm, sent_NM, groups, routes.matrix, wire_dtype)
+    shape = (experts // groups.size, groups.size * slots, model_dim)
+    return scatter_rows(received_NM, to_device(routes.received_N, chunk_ECM.device), shape)
+
+
+def ragged_combine(
+    routes: RaggedRoutes, y_LXM: torch.Tensor, rows: int, groups: ParallelGroups, algorithm: str, wire_dtype: str
+) -> torch.Tensor:
+    """The dispatch's adjoint: each kept row's output back to its slot of the (E, Cj, M) chunk."""
+    local, _, model_dim = y_LXM.shape
+    out_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(routes.received_N, y_LXM.device))
+    returned_NM = exchange(algorithm, out_NM, groups, transpose(routes.matrix), wire_dtype)
+    shape = (local * groups.size, rows, model_dim)
+    return scatter_rows(returned_NM, to_device(routes.sent_N, y_LXM.device), shape)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from moeflow.config import EXACT_WIRE, RAGGED, SAA, MoEConfig
+from moeflow.config import DEDUP, EXACT_WIRE, RAGGED, SAA, MoEConfig
 from moeflow.parallel.records import (
     FeatureSpec,
     ScheduleSpec,
@@ -134,6 +134,12 @@ BUILTIN_FEATURES: tuple[FeatureSpec, ...] = (
                 "token_exchange='auto' (ragged where a chunk leaves enough slots empty) or 'padded'",
                 _EXPERT, lambda c: c.token_exchange == RAGGED,
                 excludes=("pipeline='smart'", "expert packing", "inference scheduling")),
+    FeatureSpec("token_exchange='dedup'", "DeepEP: a token crosses to each rank once",
+                "sends a token once to each rank of the expert-parallel schedule's all-to-all, whatever number of "
+                "its k experts the rank holds", "token_exchange='ragged' or 'auto'", _EXPERT,
+                lambda c: c.token_exchange == DEDUP,
+                excludes=("pipeline='smart'", "expert packing", "inference scheduling", "shadowing",
+                          "redundant_experts", "balance='auto'")),
     FeatureSpec("wire_dtype", "DeepEP: low-precision dispatch and combine",
                 "sends the exchanged rows and their gradients as bf16, or as fp8 with a scale per row",
                 "wire_dtype='exact'", ("expert", "adaptive", "replicated", "packed"),

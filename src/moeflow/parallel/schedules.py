@@ -27,12 +27,13 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import cross_node_rows
-from moeflow.config import PADDED, ragged_min_saving
+from moeflow.config import DEDUP, PADDED, ragged_min_saving
 from moeflow.moe.dispatchers.choice import DIRECT_EXCHANGE
 from moeflow.moe.experts import ExpertCompute
 from moeflow.moe.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
 from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
+from moeflow.parallel.dedup_exchange import DedupExchange
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -40,7 +41,7 @@ from moeflow.parallel.ragged_exchange import RaggedExpertExchange
 from moeflow.parallel.smart import smart_experts
 from moeflow.parallel.token_share import TokenShare
 from moeflow.perf import CostModel
-from moeflow.perf.pipeline import PlanPrediction
+from moeflow.perf.pipeline import PlanPrediction, capacity_chunks
 from moeflow.perf.schedule_models import LOCAL, SMART, ExpertParallelModel, Plan, ReplicatedModel, ScheduleModel
 from moeflow.perf.shape import RegionShape
 
@@ -104,11 +105,14 @@ class _ModelledSchedule(ModelledSchedule):
 
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The pipelined experts, with this schedule's way of moving chunks and its kernel."""
-        chunk_exchange = self.exchange(plan, ctx)
-        combined_ECM = pipelined_experts(
+        return ScheduleOutput(self.pipelined(plan, dispatched_ECM, self.exchange(plan, ctx), ctx))
+
+    def pipelined(
+        self, plan: Plan, dispatched_ECM: torch.Tensor, chunk_exchange: ChunkExchange, ctx: RunContext
+    ) -> torch.Tensor:
+        return pipelined_experts(
             dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
         )
-        return ScheduleOutput(combined_ECM)
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         raise NotImplementedError
@@ -143,7 +147,14 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under
-        ``auto``, of the chunks that leave enough slots empty)."""
+        ``auto``, of the chunks that leave enough slots empty), or of the kept rows with a token sent
+        once to each rank (a dedup plan: it reads which token each slot holds)."""
+        if plan.exchange == DEDUP and ctx.world_size > 1:
+            if ctx.slot_tokens is None:
+                raise ValueError("token_exchange='dedup' needs the slot map of the dispatched buffer (ctx.slot_tokens)")
+            chunks = capacity_chunks(ctx.capacity, plan.degree)
+            return DedupExchange.build(ctx.groups, plan.algorithm, ctx.filled_WE, ctx.slot_tokens, chunks,
+                                       ctx.wire_dtype)
         if plan.exchange != PADDED and ctx.world_size > 1:
             return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE,
                                         min_saving=ragged_min_saving(plan.exchange), wire_dtype=ctx.wire_dtype)
@@ -152,8 +163,10 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan; reports
         the assignments each rank's experts compute (their owners')."""
+        chunk_exchange: ChunkExchange | None = None
         if plan.schedule != SMART:
-            combined_ECM = super().run(plan, dispatched_ECM, ctx).combined_ECM
+            chunk_exchange = self.exchange(plan, ctx)
+            combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx)
         else:
             combined_ECM = smart_experts(
                 dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace,
@@ -162,8 +175,13 @@ class ExpertParallelSchedule(_ModelledSchedule):
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
         ragged = plan.exchange != PADDED and plan.schedule != SMART
-        crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
-        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
+        if isinstance(chunk_exchange, DedupExchange):  # what travelled: one row per (token, rank)
+            crossed, saved = chunk_exchange.cross_node_rows(ctx.groups.topology), chunk_exchange.saved_rows
+        else:
+            crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
+            saved = None
+        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed,
+                              dedup_saved_rows=saved)
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,10 @@ class PlanPrediction:
 
 
 def chunk_costs(
-    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, r: int = 1
+    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, r: int = 1, row_share: float = 1.0
 ) -> tuple[list[float], list[float], list[float]]:
-    """(all-to-all seconds, expert forward seconds, expert backward seconds) of each chunk.
+    """(all-to-all seconds, expert forward seconds, expert backward seconds) of each chunk; the
+    all-to-all sends ``row_share`` of the chunk's rows.
 
     ``r`` is Tutel's r >= 1 (§3.1, Table 4 row 7) when W > E: each chunk is sent r times (to the r
     hidden blocks of its expert) split over g = (W / E) / r ranks, and each rank runs one GEMM of
@@ -89,7 +90,7 @@ def chunk_costs(
     t_a2a, t_expert, t_back = [], [], []
     for start, stop in capacity_chunks(shape.capacity, degree):
         rows = -(-(stop - start) // group) * group  # padded to a multiple of g
-        size = r * layer.num_experts * rows * shape.row_bytes
+        size = r * layer.num_experts * rows * shape.row_bytes * row_share
         t_a2a.append(cost.t_alltoall(algorithm, size) if shape.world_size > 1 else 0.0)
         dims = (shape.world_size * rows // group, layer.model_dim, layer.hidden_dim // r, layer.projections)
         t_expert.append(shape.local_experts * cost.t_ffn(*dims) * slowdown)
@@ -98,12 +99,17 @@ def chunk_costs(
 
 
 def predict_plan(
-    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, backward: bool = True
+    cost: CostModel, shape: RegionShape, degree: int, algorithm: str, backward: bool = True,
+    dispatch_share: float = 1.0,
 ) -> PlanPrediction:
-    """Forward (and backward: the same pipeline with twice the expert GEMM work) of one plan."""
+    """Forward (and backward: the same pipeline with twice the expert GEMM work) of one plan.
+    ``dispatch_share``: the share of the rows the forward's dispatch (and the backward's combine,
+    its adjoint) sends, below 1 where a token crosses to each rank once (``token_exchange='dedup'``)."""
     t_a2a, t_expert, t_back = chunk_costs(cost, shape, degree, algorithm)
-    forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
-    back = pipeline_makespan(t_a2a, t_back, t_a2a) if backward else 0.0
+    t_sent = t_a2a if dispatch_share == 1.0 else \
+        chunk_costs(cost, shape, degree, algorithm, row_share=dispatch_share)[0]
+    forward = pipeline_makespan(t_sent, t_expert, t_a2a)
+    back = pipeline_makespan(t_a2a, t_back, t_sent) if backward else 0.0
     memory = shape.local_experts * shape.dims.expert_parameters * shape.bytes_per_element
     return PlanPrediction(degree, algorithm, forward, back, expert_memory_bytes=memory)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from moeflow.config import PADDED, RAGGED, switchable_rs
+from moeflow.config import DEDUP, PADDED, RAGGED, dedup_row_share, switchable_rs
 from moeflow.perf.cost import CostModel
 from moeflow.perf.pipeline import PlanPrediction, chunk_costs, pipeline_makespan, predict_plan, usable_degrees
 from moeflow.perf.shape import RegionShape
@@ -41,7 +41,7 @@ class Plan:
     """What one forward runs: the schedule, the pipeline degree, the all-to-all algorithm,
     Tutel's r for the ``adaptive`` schedule (None for the others), and how the tokens travel
     (``padded``: every slot of the capacity; ``ragged``: only the kept rows; ``auto``: ragged where
-    a chunk leaves enough slots empty)."""
+    a chunk leaves enough slots empty; ``dedup``: the kept rows, a token once to each rank)."""
 
     schedule: str
     degree: int
@@ -75,7 +75,7 @@ class ScheduleModel(Protocol):
 @dataclass(frozen=True)
 class ExpertParallelModel:
     """Expert parallelism over capacity chunks (and FasterMoE's smart schedule), its tokens sent by
-    ``exchange``: padded, ragged, or auto (ragged where a chunk leaves enough slots empty)."""
+    ``exchange``: padded, ragged, auto (ragged where a chunk leaves enough slots empty) or dedup."""
 
     name: str = "expert"
     sends_tokens: bool = True
@@ -96,7 +96,7 @@ class ExpertParallelModel:
         algorithms = list(algorithms)
         usable = usable_degrees(degrees, shape.capacity)
         smart = [Plan(SMART, 1, SMART_PLAN_ALGORITHM)] if SMART_PLAN_ALGORITHM in algorithms else []
-        smart = smart if self.exchange != RAGGED else []  # its pairwise steps send padded slots
+        smart = smart if self.exchange not in (RAGGED, DEDUP) else []  # its pairwise steps send padded slots
         plans = [Plan(self.name, d, a, exchange=self.exchange) for a in algorithms for d in usable]
         return plans + smart
 
@@ -104,7 +104,13 @@ class ExpertParallelModel:
         if plan.schedule == SMART:
             return predict_smart(cost, shape, backward)
         sent = ragged_shape(shape) if plan.exchange != PADDED else shape
-        return predict_plan(cost, sent, plan.degree, plan.algorithm, backward)
+        share = dedup_dispatch_share(shape) if plan.exchange == DEDUP else 1.0
+        return predict_plan(cost, sent, plan.degree, plan.algorithm, backward, dispatch_share=share)
+
+
+def dedup_dispatch_share(shape: RegionShape) -> float:
+    """The share of the kept rows a dedup exchange's dispatch sends in ``shape`` (choices spread uniformly)."""
+    return dedup_row_share(shape.dims.num_experts, shape.world_size, shape.dims.top_k)
 
 
 def ragged_shape(shape: RegionShape) -> RegionShape:

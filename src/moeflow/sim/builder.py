@@ -112,6 +112,12 @@ class StepBuilder:
         busiest = float((rows * elsewhere).sum(axis=1).max())
         return busiest / (world - 1) * self.row_bytes
 
+    @property
+    def dispatch_share(self) -> float:
+        """The share of a chunk's rows the forward's dispatch (and the backward's combine) sends:
+        below 1 where a token crosses to each rank once (``token_exchange='dedup'``)."""
+        return 1.0 if self.plan.dedup_share is None else self.plan.dedup_share
+
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
         (dropless f = 0: only real rows run, except in a ``padded_backward`` plan's backward), per rank."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from moeflow.config import DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
+from moeflow.config import DEDUP, DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
-from moeflow.perf.schedule_models import ragged_shape
+from moeflow.perf.schedule_models import dedup_dispatch_share, ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan, simulated_algorithm
@@ -38,9 +38,9 @@ def region_model(shape: RegionShape) -> ModelSpec:
                      dtype=DTYPE_OF_BYTES.get(shape.bytes_per_element, "fp32"))
 
 
-def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE) -> StepPlan | None:
-    """The simulator's plan for a layer plan whose rows travel as ``wire_dtype``, or None for a
-    schedule it does not model."""
+def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE, dedup_share: float | None = None) -> StepPlan | None:
+    """The simulator's plan for a layer plan whose rows travel as ``wire_dtype`` (a dedup plan's
+    dispatch sending ``dedup_share`` of them), or None for a schedule it does not model."""
     if plan.schedule not in SIMULATED:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
@@ -49,7 +49,7 @@ def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE) -> StepPlan | None:
                         wire_dtype=wire_dtype)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
                     ragged_exchange=plan.exchange != PADDED, ragged_min_saving=ragged_min_saving(plan.exchange),
-                    wire_dtype=wire_dtype)
+                    wire_dtype=wire_dtype, dedup_share=dedup_share if plan.exchange == DEDUP else None)
 
 
 class SimulatedRanker:
@@ -74,7 +74,7 @@ class SimulatedRanker:
             return None
         ranked = []
         for plan in plans:
-            simulated = step_plan(plan, shape.wire_dtype)
+            simulated = step_plan(plan, shape.wire_dtype, dedup_dispatch_share(shape))
             if simulated is None:
                 return None
             model = region_model(ragged_shape(shape) if plan.exchange != PADDED else shape)

@@ -64,7 +64,7 @@ class TrainConfig:
     activation: str = _MOE.activation
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
-    token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | auto
+    token_exchange: str = _MOE.token_exchange  # padded | ragged (only kept tokens travel) | dedup | auto
     wire_dtype: str = _MOE.wire_dtype  # exact | bf16 | fp8: how the exchanged rows travel
     expert_kernel: str = _MOE.expert_kernel  # bmm | loop | ragged (only the filled slots compute)
     parallel: int | str = _MOE.parallel  # expert | replicated | adaptive | auto | Tutel's r (an int)
@@ -361,7 +361,8 @@ FIELD_HELP: dict[str, str] = {
     "expert_kernel": "the experts' GEMMs: bmm (one batched GEMM over the capacity), loop (one per expert) or "
     "ragged (only the filled slots, forward and backward: for dropless routing)",
     "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
-    "(only the kept tokens) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",
+    "(only the kept tokens), dedup (the kept tokens, each sent once to a rank however many of its experts the "
+    "rank holds) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",
     "wire_dtype": "how the expert-parallel exchange sends tokens and their gradients: exact, bf16 (half the bytes "
     "of an fp32 model) or fp8 (e4m3 with a scale per row); always decoded into the compute dtype",
     "parallel": "expert (split over workers), replicated, adaptive (Tutel's r planned per step), an int r "

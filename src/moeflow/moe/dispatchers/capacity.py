@@ -66,7 +66,7 @@ class CapacityDispatcher:
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace, call.kernels.encode)
         ctx = run_context(self.experts, self.placement, self.groups, config, x_TM.dtype, timing, filled_WE, capacity,
-                          call.kernels.gemm, load.estimate_E, prepared.state, self.workspace)
+                          call.kernels.gemm, load.estimate_E, prepared.state, self.workspace, plan.slot_token_S)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
         y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, self.workspace, call.kernels.decode),
                             len(x_TM))
@@ -80,9 +80,10 @@ class CapacityDispatcher:
 def run_context(
     experts: ExpertFFN, placement: ExpertPlacement, groups: ParallelGroups, config: MoEConfig, dtype: torch.dtype,
     timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str, estimate_E: np.ndarray | None = None,
-    prepared: object | None = None, workspace: Workspace | None = None,
+    prepared: object | None = None, workspace: Workspace | None = None, slot_tokens: torch.Tensor | None = None,
 ) -> RunContext:
-    """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts."""
+    """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts
+    (and ``slot_tokens``: the token in each slot of the dispatched buffer, where the caller has a slot map)."""
     local = tuple(shard.expert for shard in placement.local(groups.rank))
     return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype)
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slot_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import MoEConfig
+from moeflow.config import MoEConfig, wire_row_bytes
 from moeflow.moe.agreement import GlobalLoad
 from moeflow.moe.planning import PlanChoice
 from moeflow.moe.stats import ExecutionPlan, PipelineTiming, RoutingStats
@@ -62,4 +62,7 @@ def routing_stats(
         shadow_predicted_gain_s=ran.shadow_predicted_gain_s,
         rank_tokens=ran.rank_tokens,
         cross_node_rows=ran.cross_node_rows,
+        dedup_saved_rows=ran.dedup_saved_rows,
+        dedup_saved_bytes=None if ran.dedup_saved_rows is None else
+        ran.dedup_saved_rows * wire_row_bytes(config.wire_dtype, config.model_dim, owned.x_TM.element_size()),
     )

@@ -1,0 +1,221 @@
+"""The deduplicated token exchange (DeepEP's dispatch): a token crosses to each rank once.
+
+Under top-k routing a token whose choices include several experts of one rank fills several of
+that rank's slots, and the ragged exchange (:mod:`moeflow.parallel.ragged_exchange`) sends its row
+once per slot. Here the dispatch sends each (token, destination rank) pair once and the receiver
+copies the row into every slot it fills. The dispatch is linear, so its adjoint, the backward's
+combine, sums a token's slot gradients on the rank that computed them and sends one row per
+(token, rank) back: the backward's combine is deduplicated as well. The forward's combine (and its
+adjoint, the backward's dispatch) sends each slot's output as the ragged exchange does: those rows
+differ, and summing them before they travel needs the gate weights on the expert's rank (DeepEP's
+combine), which the layer applies after the schedule returns.
+
+Deduplication is per capacity chunk of the pipeline: a token's copies in two chunks travel twice
+(at degree 1, never).
+
+The receiver must know which of its slots hold the same token. Once per forward each rank sends
+the token index (its own numbering) of every kept slot to the slot's rank, 4 bytes a row in one
+ragged all-to-all, and all-gathers how many rows it sends each rank in each chunk (the split
+matrix every algorithm reads; 2DH reads other ranks' rows, and the layer's statistics sum it).
+Both sides order a block's rows by token index, so they agree on the order without sending it.
+The routes are built on the host, like the ragged exchange's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
+from moeflow.comm.collectives import all_gather_into, all_to_all_single, host_device
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
+from moeflow.config import EXACT_WIRE
+from moeflow.kernels.device_copy import to_device
+from moeflow.parallel.ragged_exchange import RaggedRoutes, ragged_combine, ragged_dispatch, ragged_routes, scatter_rows
+
+TOKEN_INDEX_BYTES = 4
+"""Bytes of one kept slot's token index in the per-forward index exchange (int32)."""
+
+
+@dataclass(frozen=True)
+class DedupRoutes:
+    """One chunk's routes: the ragged exchange's (every kept slot), and the rows that travel once
+    per (token, rank) on both sides."""
+
+    ragged: RaggedRoutes
+    unique_sent_U: torch.Tensor  # chunk rows (flat E * Cj) this rank sends, one per (token, rank), by destination
+    copy_of_N: torch.Tensor  # each received kept slot (in ragged.received_N's order): its row among the received
+    matrix: SplitMatrix  # matrix[s][d]: rows rank s sends rank d, one per (token, rank)
+
+    @property
+    def saved_rows(self) -> int:
+        """Rows of the chunk's dispatch, all ranks, that did not travel because a copy did."""
+        return sum(map(sum, self.ragged.matrix)) - sum(map(sum, self.matrix))
+
+
+def _first_copies(tokens_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where each distinct token first occurs, each position's distinct token), tokens ascending:
+    the order both sides of a block derive alike."""
+    distinct, copy_of = torch.unique(tokens_N, sorted=True, return_inverse=True)
+    first = torch.full((len(distinct),), len(tokens_N), dtype=torch.int64)
+    first.scatter_reduce_(0, copy_of, torch.arange(len(tokens_N)), reduce="amin")
+    return first, copy_of
+
+
+def _sender_side(tokens_N: torch.Tensor, sent_N: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The chunk rows this rank sends, one per (token, destination), and how many to each rank."""
+    rows, sizes = [], []
+    for block_tokens, block_sent in zip(tokens_N.split(counts), sent_N.split(counts), strict=True):
+        first, _ = _first_copies(block_tokens)
+        rows.append(block_sent[first])
+        sizes.append(len(first))
+    return torch.cat(rows), sizes
+
+
+def _receiver_side(tokens_N: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """For each kept slot received, its row among the distinct rows received; and how many from each rank."""
+    copies, sizes, offset = [], [], 0
+    for block_tokens in tokens_N.split(counts):
+        first, copy_of = _first_copies(block_tokens)
+        copies.append(copy_of + offset)
+        sizes.append(len(first))
+        offset += len(first)
+    return torch.cat(copies), sizes
+
+
+def _exchange_token_indices(
+    groups: ParallelGroups, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor
+) -> torch.Tensor:
+    """Every kept slot's token index from its sender, laid out (L, W, C) as the receiver's experts
+    see them (-1: an empty slot): one ragged all-to-all of host values."""
+    experts, capacity = slot_tokens_EC.shape
+    world, rank = groups.size, groups.rank
+    whole = ragged_routes(filled_WE, rank, 0, capacity)
+    device = host_device(groups.expert)
+    sent = slot_tokens_EC.reshape(-1).cpu()[whole.sent_N].to(device=device, dtype=torch.int32)
+    received = sent.new_empty(sum(row[rank] for row in whole.matrix))
+    with groups.ledger.tracked("all-to-all", groups.expert, len(sent) * TOKEN_INDEX_BYTES):
+        all_to_all_single(received, sent, groups.expert, [row[rank] for row in whole.matrix], whole.matrix[rank])
+    layout = torch.full((experts // world * world * capacity,), -1, dtype=torch.int64)
+    layout[whole.received_N] = received.cpu().long()
+    return layout.view(experts // world, world, capacity)
+
+
+def dedup_routes(
+    groups: ParallelGroups, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor, chunks: list[tuple[int, int]]
+) -> dict[tuple[int, int], DedupRoutes]:
+    """Every chunk's routes for one forward, keyed (start, slots). Collective: every rank of the
+    expert group calls it with the same ``filled_WE`` and ``chunks``."""
+    if not chunks:  # no capacity: nothing travels (every rank agrees the capacity)
+        return {}
+    rank = groups.rank
+    tokens_EC = slot_tokens_EC.cpu()
+    received_LWC = _exchange_token_indices(groups, filled_WE, slot_tokens_EC)
+    built = []
+    for start, stop in chunks:
+        ragged = ragged_routes(filled_WE, rank, start, stop - start)
+        sent_tokens = tokens_EC[:, start:stop].reshape(-1)[ragged.sent_N]
+        unique_sent, send_sizes = _sender_side(sent_tokens, ragged.sent_N, ragged.matrix[rank])
+        received_tokens = received_LWC[:, :, start:stop].reshape(-1)[ragged.received_N]
+        copy_of, receive_sizes = _receiver_side(received_tokens, [row[rank] for row in ragged.matrix])
+        built.append((ragged, unique_sent, copy_of, send_sizes, receive_sizes))
+    matrices = _all_gather_sizes(groups, [sizes for *_, sizes, _ in built], len(chunks))
+    routes = {}
+    for (ragged, unique_sent, copy_of, _, receive_sizes), matrix, (start, stop) in zip(built, matrices, chunks,
+                                                                                      strict=True):
+        if [row[rank] for row in matrix] != receive_sizes:  # both sides derive the blocks alike
+            raise RuntimeError(f"dedup exchange: rank {rank} expects {receive_sizes} rows, peers send "
+                               f"{[row[rank] for row in matrix]}")
+        routes[(start, stop - start)] = DedupRoutes(ragged, unique_sent, copy_of, matrix)
+    return routes
+
+
+def _all_gather_sizes(groups: ParallelGroups, send_sizes: list[list[int]], chunks: int) -> list[SplitMatrix]:
+    """Every rank's rows to every rank in each chunk: matrices[chunk][s][d]."""
+    world = groups.size
+    local = torch.tensor(send_sizes, dtype=torch.int64, device=host_device(groups.expert)).reshape(-1)
+    gathered = local.new_empty(world * local.numel())
+    with groups.ledger.tracked("all-gather", groups.expert, local.numel() * 8):
+        all_gather_into(gathered, local, groups.expert)
+    by_rank = gathered.cpu().view(world, chunks, world)
+    return [by_rank[:, chunk].tolist() for chunk in range(chunks)]
+
+
+@dataclass(frozen=True)
+class DedupExchange:
+    """An expert-parallel exchange over ``groups.expert`` whose dispatch sends a token once to each
+    rank (:func:`dedup_routes` per chunk of one forward). ``reverse``: the backward's exchange (its
+    dispatch is the ragged one, its combine sums a token's slots before they travel)."""
+
+    groups: ParallelGroups
+    algorithm: str
+    routes: Mapping[tuple[int, int], DedupRoutes]
+    num_local_experts: int
+    slots: tuple[int, int] | None = None
+    wire_dtype: str = EXACT_WIRE
+    reverse: bool = False
+
+    @classmethod
+    def build(
+        cls, groups: ParallelGroups, algorithm: str, filled_WE: torch.Tensor, slot_tokens_S: torch.Tensor,
+        chunks: list[tuple[int, int]], wire_dtype: str = EXACT_WIRE,
+    ) -> DedupExchange:
+        """One forward's exchange over ``chunks`` of the (E, C) buffer whose slots hold ``slot_tokens_S``."""
+        experts = filled_WE.shape[1]
+        capacity = chunks[-1][1] if chunks else 0
+        if slot_tokens_S.numel() != experts * capacity:
+            raise ValueError(f"slot tokens ({slot_tokens_S.numel()}) must number E * C = {experts} * {capacity}")
+        routes = dedup_routes(groups, filled_WE, slot_tokens_S.view(experts, capacity), chunks)
+        return cls(groups, algorithm, routes, experts // groups.size, wire_dtype=wire_dtype)
+
+    @property
+    def communicates(self) -> bool:
+        return True
+
+    @property
+    def saved_rows(self) -> int:
+        """Rows the forward's dispatch (and the backward's combine) did not send, all ranks, all chunks."""
+        return sum(route.saved_rows for route in self.routes.values())
+
+    def cross_node_rows(self, topology: Topology) -> int:
+        """Rows the forward's dispatch sent between nodes, all ranks, all chunks."""
+        node = [topology.node_of(rank) for rank in range(self.groups.size)]
+        return sum(rows for route in self.routes.values() for source, row in enumerate(route.matrix)
+                   for dest, rows in enumerate(row) if node[source] != node[dest])
+
+    def chunk(self, start: int, stop: int) -> DedupExchange:
+        return dataclasses.replace(self, slots=(start, stop))
+
+    def adjoint(self) -> DedupExchange:
+        return dataclasses.replace(self, reverse=not self.reverse)
+
+    def _route(self, slots: int) -> DedupRoutes:
+        return self.routes[(self.slots[0] if self.slots is not None else 0, slots)]
+
+    def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        route = self._route(chunk_ECM.shape[1])
+        if self.reverse:
+            return ragged_dispatch(route.ragged, chunk_ECM, self.groups, self.algorithm, self.wire_dtype)
+        _, slots, model_dim = chunk_ECM.shape
+        device = chunk_ECM.device
+        sent_UM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(route.unique_sent_U, device))
+        received_UM = exchange(self.algorithm, sent_UM, self.groups, route.matrix, self.wire_dtype)
+        copies_NM = received_UM.index_select(0, to_device(route.copy_of_N, device))
+        shape = (self.num_local_experts, self.groups.size * slots, model_dim)
+        return scatter_rows(copies_NM, to_device(route.ragged.received_N, device), shape)
+
+    def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        route = self._route(rows)
+        if not self.reverse:
+            return ragged_combine(route.ragged, y_LXM, rows, self.groups, self.algorithm, self.wire_dtype)
+        model_dim, device = y_LXM.shape[-1], y_LXM.device
+        slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(route.ragged.received_N, device))
+        received = sum(row[self.groups.rank] for row in route.matrix)
+        summed_UM = slots_NM.new_zeros(received, model_dim).index_add_(0, to_device(route.copy_of_N, device), slots_NM)
+        returned_UM = exchange(self.algorithm, summed_UM, self.groups, transpose(route.matrix), self.wire_dtype)
+        shape = (self.num_local_experts * self.groups.size, rows, model_dim)
+        return scatter_rows(returned_UM, to_device(route.unique_sent_U, device), shape)

@@ -1,0 +1,137 @@
+"""The dedup token exchange (``token_exchange='dedup'``, a token crosses to each rank once): the rows
+it saves against an independent count of the routing, the bytes a training step sends against the
+ragged exchange on 2 and 4 gloo processes, the expected share the planner and the simulator price,
+and the records' checks. (Outputs and gradients equal to the reference: the equivalence table.)"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import Topology
+from moeflow.config import MoEConfig, dedup_row_share
+from moeflow.moe.routing.router import route
+from moeflow.parallel.dedup_exchange import TOKEN_INDEX_BYTES
+from pool import run_distributed
+
+MODEL_DIM = 16
+
+
+def _step(rank: int, world_size: int, token_exchange: str, experts: int, degree: int) -> dict[str, int]:
+    """One dropless training step of a k = 2 layer: this rank's all-to-all bytes, the layer's saved
+    rows and bytes, the rows its routing sends twice to one rank (counted from the choices), and
+    the kept rows of all ranks."""
+    torch.manual_seed(0)
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 2 if world_size > 2 else 1))
+    layer = MoELayer(MODEL_DIM, 32, experts, top_k=2, capacity_factor=0.0, group=groups,
+                     token_exchange=token_exchange, pipeline=degree, parallel="expert")
+    sent: list[int] = []
+    groups.ledger.on_enter = lambda entry: sent.append(entry.nbytes if "all-to-all" in entry.operation else 0)
+    torch.manual_seed(10 + rank)
+    x = torch.randn(40, MODEL_DIM, requires_grad=True)
+    layer(x).sum().backward()
+    groups.ledger.on_enter = None
+    stats = layer.last_stats
+    with torch.no_grad():
+        rank_of_TK = route(layer.gate, x, 2, layer.config).choice.expert_idx_TK // (experts // world_size)
+    repeated = torch.tensor([int((rank_of_TK[:, 0] == rank_of_TK[:, 1]).sum())])
+    dist.all_reduce(repeated)
+    return {"bytes": sum(sent), "saved_rows": stats.dedup_saved_rows or 0, "saved_bytes": stats.dedup_saved_bytes or 0,
+            "repeated": int(repeated), "kept": sum(stats.tokens_per_expert) - stats.dropped}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_token_crosses_to_each_rank_once(world_size: int) -> None:
+    """At degree 1 the rows saved are exactly the tokens whose two choices share a rank, and a
+    training step sends that many rows fewer in its forward dispatch and again in its backward
+    combine, paying 4 bytes a kept row for the token indices."""
+    experts = 4 * world_size
+    ragged = run_distributed(_step, world_size, "ragged", experts, 1)
+    dedup = run_distributed(_step, world_size, "dedup", experts, 1)
+    saved_rows = dedup[0]["saved_rows"]
+    assert saved_rows == dedup[0]["repeated"] > 0
+    assert dedup[0]["saved_bytes"] == saved_rows * MODEL_DIM * 4
+    index_bytes = dedup[0]["kept"] * TOKEN_INDEX_BYTES
+    sent_ragged, sent_dedup = (sum(rank["bytes"] for rank in run) for run in (ragged, dedup))
+    assert sent_ragged - sent_dedup == 2 * dedup[0]["saved_bytes"] - index_bytes
+    assert all(rank["saved_rows"] == saved_rows for rank in dedup)  # every rank reports the global count
+
+
+@pytest.mark.distributed
+def test_pipelined_chunks_deduplicate_within_each_chunk() -> None:
+    """In capacity chunks a token's copies in two chunks travel twice: fewer rows saved, never more."""
+    whole = run_distributed(_step, 2, "dedup", 8, 1)[0]["saved_rows"]
+    chunked = run_distributed(_step, 2, "dedup", 8, 4)[0]["saved_rows"]
+    assert 0 < chunked <= whole
+
+
+@pytest.mark.distributed
+def test_one_expert_per_rank_saves_nothing() -> None:
+    assert run_distributed(_step, 2, "dedup", 2, 1)[0]["saved_rows"] == 0
+
+
+@pytest.mark.parametrize(("experts", "world", "top_k"), [(8, 2, 2), (32, 2, 2), (8, 4, 2), (16, 4, 3), (6, 2, 1)])
+def test_the_expected_share_counts_the_ranks_a_tokens_choices_reach(experts: int, world: int, top_k: int) -> None:
+    """The formula against every choice of k distinct experts, counted."""
+    local = experts // world
+    ranks = [len({e // local for e in choice}) for choice in itertools.combinations(range(experts), top_k)]
+    assert dedup_row_share(experts, world, top_k) == pytest.approx(sum(ranks) / len(ranks) / top_k)
+    assert dedup_row_share(experts, world, top_k) == pytest.approx(1.0) or experts > world
+
+
+def test_one_expert_per_rank_shares_nothing() -> None:
+    assert dedup_row_share(4, 4, 2) == 1.0
+    assert dedup_row_share(8, 2, 2) == pytest.approx(1 - math.comb(4, 2) / math.comb(8, 2))
+
+
+def test_the_planner_prices_a_dedup_dispatch() -> None:
+    """The layer's planner: the same plan is cheaper with dedup when a rank holds several experts."""
+    from moeflow.config import LayerDims
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+    from moeflow.perf.schedule_models import ExpertParallelModel, Plan
+    from moeflow.perf.shape import RegionShape
+
+    profile = ClusterProfile(nodes=2, ranks_per_node=1,
+                             fits={"alltoall.linear": AlphaBeta(1e-4, 1e-8), "gemm": AlphaBeta(1e-5, 1e-11)})
+    cost = CostModel(profile)
+
+    def seconds(exchange: str, experts: int) -> float:
+        shape = RegionShape.for_tokens(LayerDims(512, 1024, experts, top_k=2), 2048, world_size=2)
+        model = ExpertParallelModel(exchange=exchange)
+        return model.predict(Plan("expert", 1, "linear", exchange=exchange), cost, shape, True).total_s
+
+    assert seconds("dedup", 8) < seconds("ragged", 8)
+    assert seconds("dedup", 2) == pytest.approx(seconds("ragged", 2))
+
+
+def test_the_simulator_sends_the_dispatch_share() -> None:
+    """The forward's dispatch and the backward's combine carry the share; the other two exchanges do not."""
+    from moeflow.config import LayerDims
+    from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulate_step
+
+    cluster = load_cluster("fastermoe-johnny")
+    model = ModelSpec(layers=1, dims=LayerDims(1024, 2048, 4 * cluster.world_size, bias=False), dtype="fp32",
+                      tokens_per_rank=4096, capacity_factor=0.0)
+
+    def busy(share: float | None) -> float:
+        plan = StepPlan(ragged_exchange=True, dedup_share=share)
+        return simulate_step(cluster, model, plan, layer_only=True).busy_s["alltoall"]
+
+    assert busy(0.5) == pytest.approx(busy(None) * 0.75, rel=0.05)  # start-ups aside
+    with pytest.raises(ValueError, match="dedup_share must be in"):
+        StepPlan(dedup_share=0.5)  # a padded exchange sends every slot
+
+
+def test_dedup_refuses_what_hands_it_other_buffers() -> None:
+    from moeflow.parallel.registry import check_techniques
+
+    with pytest.raises(ValueError, match=r"token_exchange='dedup'.*shadowing"):
+        check_techniques(MoEConfig(16, 32, 4, token_exchange="dedup", shadowing="auto"), "expert")
+    check_techniques(MoEConfig(16, 32, 4, token_exchange="dedup"), "expert")
