@@ -250,15 +250,19 @@ class _PipelinedExperts(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, buffer_ECM: torch.Tensor, chunk_exchange: ChunkExchange, chunks: list[tuple[int, int]],
         timing: PipelineTiming, compute: ExpertCompute, workspace: Workspace | None, for_backward: bool,
-        *weight_tensors: torch.Tensor | None,
+        scale_LWC: torch.Tensor | None, *weight_tensors: torch.Tensor | None,
     ) -> torch.Tensor:
         start = timing.now()
         weights = FFNWeights(*weight_tensors)
         saved: list[FFNSaved | None] = [None] * len(chunks)
+        outputs: list[torch.Tensor | None] = [None] * len(chunks)  # unscaled outputs, for the scale's gradient
 
         def expert_forward(index: int, x_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
             y_LXM, saved[index] = compute.chunk(*chunks[index]).forward(x_LXM, weights, workspace)
+            if scale_LWC is not None:
+                outputs[index] = y_LXM if for_backward else None
+                y_LXM = _scaled(y_LXM, scale_LWC, chunks[index])
             timing.expert_forward_s += _record_experts(chunk_exchange, begin)
             return y_LXM
 
@@ -267,6 +271,7 @@ class _PipelinedExperts(torch.autograd.Function):
         save_with_records(ctx, weight_tensors, saved if for_backward else [])
         ctx.chunk_exchange, ctx.chunks, ctx.timing = chunk_exchange, chunks, timing
         ctx.compute, ctx.workspace = compute, workspace
+        ctx.scale_LWC, ctx.outputs = (scale_LWC.detach(), outputs) if scale_LWC is not None else (None, None)
         timing.forward_s = timing.now() - start
         return out_ECM
 
@@ -280,9 +285,17 @@ class _PipelinedExperts(torch.autograd.Function):
         workspace: Workspace | None = ctx.workspace
         pending: list[FFNWeightGradInputs] = []
         totals: list[torch.Tensor | None] = [None] * len(weight_tensors)
+        scale_LWC: torch.Tensor | None = ctx.scale_LWC
+        grad_scale_LWC = None if scale_LWC is None else torch.zeros_like(scale_LWC)
 
         def expert_backward(index: int, grad_y_LXM: torch.Tensor) -> torch.Tensor:
             begin = time.perf_counter()
+            if scale_LWC is not None:  # y' = s y: ds = <y, dy'>, dy = s dy'
+                start, stop = ctx.chunks[index]
+                dots_LX = (ctx.outputs[index] * grad_y_LXM).sum(-1)
+                grad_scale_LWC[:, :, start:stop] = dots_LX.view(*scale_LWC.shape[:2], stop - start)
+                ctx.outputs[index] = None
+                grad_y_LXM = _scaled(grad_y_LXM, scale_LWC, ctx.chunks[index])
             grad_x_LXM, weight_inputs = compute.chunk(*ctx.chunks[index]).backward_input(
                 saved[index], grad_y_LXM, weights, workspace
             )
@@ -302,22 +315,33 @@ class _PipelinedExperts(torch.autograd.Function):
             after_compute=weight_gradients, workspace=workspace,
         )
         ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + ctx.timing.now() - start
-        return grad_buffer_ECM, None, None, None, None, None, None, *totals
+        return grad_buffer_ECM, None, None, None, None, None, None, grad_scale_LWC, *totals
+
+
+def _scaled(rows_LXM: torch.Tensor, scale_LWC: torch.Tensor, chunk: tuple[int, int]) -> torch.Tensor:
+    """A chunk's (L, W * Cj, M) rows, each times its scale (the chunk's slots of ``scale_LWC``)."""
+    start, stop = chunk
+    local, world = scale_LWC.shape[:2]
+    by_source = rows_LXM.view(local, world, stop - start, rows_LXM.shape[-1])
+    scale = scale_LWC[:, :, start:stop].unsqueeze(-1).to(rows_LXM.dtype)
+    return (by_source * scale).view(rows_LXM.shape)
 
 
 def pipelined_experts(
     buffer_ECM: torch.Tensor, compute: ExpertCompute, weights: FFNWeights, chunk_exchange: ChunkExchange, degree: int,
-    timing: PipelineTiming | None = None, workspace: Workspace | None = None,
+    timing: PipelineTiming | None = None, workspace: Workspace | None = None, scale_LWC: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dispatch -> experts -> combine of an (E, C, M) buffer in ``degree`` capacity chunks; returns
-    the combined (E, C, M) buffer. Differentiable in the buffer and the expert weights. With a
-    ``workspace`` the experts' intermediates reuse its buffers."""
+    the combined (E, C, M) buffer. Differentiable in the buffer, the expert weights and ``scale_LWC``:
+    a scale of each output row in the experts' layout (L, W, C) applied before the combine (the gate
+    weights of an exchange that sums a token's outputs before they travel). With a ``workspace`` the
+    experts' intermediates reuse its buffers."""
     chunks = capacity_chunks(buffer_ECM.shape[1], degree)
     tensors = weights.as_tuple()
     for_backward = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (buffer_ECM, *tensors)
+        t is not None and t.requires_grad for t in (buffer_ECM, scale_LWC, *tensors)
     )
     return _PipelinedExperts.apply(
         buffer_ECM, chunk_exchange, chunks, timing if timing is not None else PipelineTiming(), compute, workspace,
-        for_backward, *tensors,
+        for_backward, scale_LWC, *tensors,
     )

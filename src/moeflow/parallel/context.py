@@ -58,6 +58,7 @@ class RunContext:
     prepared: object | None = None  # the schedule's own Prepared.state of this forward
     wire_dtype: str = EXACT_WIRE  # how the exchanged rows travel (moeflow.comm.wire)
     slot_tokens: torch.Tensor | None = None  # (E * C,): the token each slot of the dispatched buffer holds (dedup)
+    slot_weights: torch.Tensor | None = None  # (E * C,): each slot's gate weight, in the graph (0: empty)
 
     @property
     def rank(self) -> int:
@@ -97,8 +98,8 @@ class RunContext:
 class ScheduleOutput:
     """The combined (E, C, M) buffer and what the schedule reports about its run: the assignments
     each rank's experts computed (empty when a schedule does not count them), FasterMoE's
-    shadowed experts with the gain its cost model predicted for them, and the rows its dispatch
-    sent across nodes (the combine sends them back)."""
+    shadowed experts with the gain its cost model predicted for them, the rows its dispatch
+    sent across nodes (the combine sends them back) and those a dedup exchange did not send."""
 
     combined_ECM: torch.Tensor
     rank_tokens: tuple[int, ...] = ()
@@ -106,3 +107,4 @@ class ScheduleOutput:
     shadow_predicted_gain_s: float | None = None
     cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)
     dedup_saved_rows: int | None = None  # rows the dispatch did not send (a token's copies to one rank); None: no dedup
+    weighted: bool = False  # combined_ECM's rows carry their gate weights (summed before they travelled): decode sums

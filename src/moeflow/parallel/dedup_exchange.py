@@ -1,14 +1,15 @@
-"""The deduplicated token exchange (DeepEP's dispatch): a token crosses to each rank once.
+"""The deduplicated token exchange (DeepEP's dispatch and combine): a token crosses to each rank once.
 
 Under top-k routing a token whose choices include several experts of one rank fills several of
 that rank's slots, and the ragged exchange (:mod:`moeflow.parallel.ragged_exchange`) sends its row
-once per slot. Here the dispatch sends each (token, destination rank) pair once and the receiver
-copies the row into every slot it fills. The dispatch is linear, so its adjoint, the backward's
-combine, sums a token's slot gradients on the rank that computed them and sends one row per
-(token, rank) back: the backward's combine is deduplicated as well. The forward's combine (and its
-adjoint, the backward's dispatch) sends each slot's output as the ragged exchange does: those rows
-differ, and summing them before they travel needs the gate weights on the expert's rank (DeepEP's
-combine), which the layer applies after the schedule returns.
+once per slot, both ways. Here the dispatch sends each (token, destination rank) pair once and the
+receiver copies the row into every slot it fills; the experts' outputs are scaled by their gate
+weights there (the pipeline's ``scale_LWC``; the weights travel once per forward, 4 bytes a kept
+slot in fp32) and the combine sums a token's slots before one row goes back, into the slot it was
+sent from: the schedule's combined buffer then carries the gate weights
+(``ScheduleOutput.weighted``) and the layer's decode only sums. The combine is the dispatch's
+adjoint and the reverse, so the backward's two exchanges send one row per (token, rank) as well;
+the gate weights' gradient is computed where the experts ran and travels back once.
 
 Deduplication is per capacity chunk of the pipeline: a token's copies in two chunks travel twice
 (at degree 1, never).
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.collectives import all_gather_into, all_to_all_single, host_device
@@ -35,6 +37,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import EXACT_WIRE
 from moeflow.kernels.device_copy import to_device
+from moeflow.moe.pipeline import SelfAdjointExchange
 from moeflow.parallel.ragged_exchange import RaggedRoutes, ragged_combine, ragged_dispatch, ragged_routes, scatter_rows
 
 TOKEN_INDEX_BYTES = 4
@@ -145,19 +148,42 @@ def _all_gather_sizes(groups: ParallelGroups, send_sizes: list[list[int]], chunk
     return [by_rank[:, chunk].tolist() for chunk in range(chunks)]
 
 
+class _SlotValuesToExperts(torch.autograd.Function):
+    """One value per slot of the sender's (E, C) buffer to the experts' (L, W, C) layout of the
+    receiver (the gate weights the experts' rank applies): a ragged exchange, its adjoint sends the
+    gradients back."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, values_S: torch.Tensor, routes: RaggedRoutes, groups: ParallelGroups,
+                num_experts: int, capacity: int) -> torch.Tensor:
+        ctx.routes, ctx.groups = routes, groups
+        received = ragged_dispatch(routes, values_S.view(num_experts, capacity, 1), groups, "linear", EXACT_WIRE)
+        return received.view(num_experts // groups.size, groups.size, capacity)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_LWC: torch.Tensor):  # type: ignore[override]
+        local, world, capacity = grad_LWC.shape
+        grad_LX1 = grad_LWC.reshape(local, world * capacity, 1)
+        returned = ragged_combine(ctx.routes, grad_LX1, capacity, ctx.groups, "linear", EXACT_WIRE)
+        return returned.reshape(-1), None, None, None, None
+
+
 @dataclass(frozen=True)
-class DedupExchange:
-    """An expert-parallel exchange over ``groups.expert`` whose dispatch sends a token once to each
-    rank (:func:`dedup_routes` per chunk of one forward). ``reverse``: the backward's exchange (its
-    dispatch is the ragged one, its combine sums a token's slots before they travel)."""
+class DedupExchange(SelfAdjointExchange):
+    """An expert-parallel exchange over ``groups.expert`` that sends a token once to each rank both
+    ways (:func:`dedup_routes` per chunk of one forward): the dispatch copies a received row into
+    every slot of its token, the combine sums those slots' outputs, scaled by their gate weights in
+    the pipeline (:meth:`gate_weights`), before one row goes back. Each is the other's adjoint."""
 
     groups: ParallelGroups
     algorithm: str
     routes: Mapping[tuple[int, int], DedupRoutes]
+    whole: RaggedRoutes  # the whole capacity's ragged routes (the token indices and gate weights travel by them)
+    capacity: int
     num_local_experts: int
     slots: tuple[int, int] | None = None
     wire_dtype: str = EXACT_WIRE
-    reverse: bool = False
 
     @classmethod
     def build(
@@ -170,15 +196,12 @@ class DedupExchange:
         if slot_tokens_S.numel() != experts * capacity:
             raise ValueError(f"slot tokens ({slot_tokens_S.numel()}) must number E * C = {experts} * {capacity}")
         routes = dedup_routes(groups, filled_WE, slot_tokens_S.view(experts, capacity), chunks)
-        return cls(groups, algorithm, routes, experts // groups.size, wire_dtype=wire_dtype)
-
-    @property
-    def communicates(self) -> bool:
-        return True
+        whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
+        return cls(groups, algorithm, routes, whole, capacity, experts // groups.size, wire_dtype=wire_dtype)
 
     @property
     def saved_rows(self) -> int:
-        """Rows the forward's dispatch (and the backward's combine) did not send, all ranks, all chunks."""
+        """Rows the forward's dispatch did not send, all ranks, all chunks (its combine saves as many)."""
         return sum(route.saved_rows for route in self.routes.values())
 
     def cross_node_rows(self, topology: Topology) -> int:
@@ -187,19 +210,21 @@ class DedupExchange:
         return sum(rows for route in self.routes.values() for source, row in enumerate(route.matrix)
                    for dest, rows in enumerate(row) if node[source] != node[dest])
 
+    def gate_weights(self, slot_weights_S: torch.Tensor) -> torch.Tensor:
+        """Each slot's gate weight where its expert runs, (L, W, C) (differentiable): what the
+        pipeline scales the outputs by before this exchange sums them."""
+        experts = self.num_local_experts * self.groups.size
+        return _SlotValuesToExperts.apply(slot_weights_S, self.whole, self.groups, experts, self.capacity)
+
     def chunk(self, start: int, stop: int) -> DedupExchange:
         return dataclasses.replace(self, slots=(start, stop))
-
-    def adjoint(self) -> DedupExchange:
-        return dataclasses.replace(self, reverse=not self.reverse)
 
     def _route(self, slots: int) -> DedupRoutes:
         return self.routes[(self.slots[0] if self.slots is not None else 0, slots)]
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
+        """Each (token, rank) row once, copied into every slot of the token there."""
         route = self._route(chunk_ECM.shape[1])
-        if self.reverse:
-            return ragged_dispatch(route.ragged, chunk_ECM, self.groups, self.algorithm, self.wire_dtype)
         _, slots, model_dim = chunk_ECM.shape
         device = chunk_ECM.device
         sent_UM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(route.unique_sent_U, device))
@@ -209,13 +234,14 @@ class DedupExchange:
         return scatter_rows(copies_NM, to_device(route.ragged.received_N, device), shape)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
+        """The dispatch's adjoint: a token's slots summed on the experts' rank, one row back, in the
+        slot the dispatch sent it from (its other slots zero)."""
         route = self._route(rows)
-        if not self.reverse:
-            return ragged_combine(route.ragged, y_LXM, rows, self.groups, self.algorithm, self.wire_dtype)
-        model_dim, device = y_LXM.shape[-1], y_LXM.device
+        local, _, model_dim = y_LXM.shape
+        device = y_LXM.device
         slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(route.ragged.received_N, device))
         received = sum(row[self.groups.rank] for row in route.matrix)
         summed_UM = slots_NM.new_zeros(received, model_dim).index_add_(0, to_device(route.copy_of_N, device), slots_NM)
         returned_UM = exchange(self.algorithm, summed_UM, self.groups, transpose(route.matrix), self.wire_dtype)
-        shape = (self.num_local_experts * self.groups.size, rows, model_dim)
+        shape = (local * self.groups.size, rows, model_dim)
         return scatter_rows(returned_UM, to_device(route.unique_sent_U, device), shape)

@@ -150,8 +150,9 @@ class ExpertParallelSchedule(_ModelledSchedule):
         ``auto``, of the chunks that leave enough slots empty), or of the kept rows with a token sent
         once to each rank (a dedup plan: it reads which token each slot holds)."""
         if plan.exchange == DEDUP and ctx.world_size > 1:
-            if ctx.slot_tokens is None:
-                raise ValueError("token_exchange='dedup' needs the slot map of the dispatched buffer (ctx.slot_tokens)")
+            if ctx.slot_tokens is None or ctx.slot_weights is None:
+                raise ValueError("token_exchange='dedup' needs the dispatched buffer's slot map and gate weights "
+                                 "(ctx.slot_tokens, ctx.slot_weights)")
             chunks = capacity_chunks(ctx.capacity, plan.degree)
             return DedupExchange.build(ctx.groups, plan.algorithm, ctx.filled_WE, ctx.slot_tokens, chunks,
                                        ctx.wire_dtype)
@@ -166,7 +167,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
         chunk_exchange: ChunkExchange | None = None
         if plan.schedule != SMART:
             chunk_exchange = self.exchange(plan, ctx)
-            combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx)
+            if isinstance(chunk_exchange, DedupExchange):  # the gate weights go where the experts run
+                combined_ECM = pipelined_experts(
+                    dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing,
+                    ctx.workspace, chunk_exchange.gate_weights(ctx.slot_weights))
+            else:
+                combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx)
         else:
             combined_ECM = smart_experts(
                 dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace,
@@ -175,13 +181,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
         ragged = plan.exchange != PADDED and plan.schedule != SMART
-        if isinstance(chunk_exchange, DedupExchange):  # what travelled: one row per (token, rank)
-            crossed, saved = chunk_exchange.cross_node_rows(ctx.groups.topology), chunk_exchange.saved_rows
-        else:
-            crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
-            saved = None
-        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed,
-                              dedup_saved_rows=saved)
+        if isinstance(chunk_exchange, DedupExchange):  # what travelled: one row per (token, rank), weighted
+            return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()),
+                                  cross_node_rows=chunk_exchange.cross_node_rows(ctx.groups.topology),
+                                  dedup_saved_rows=chunk_exchange.saved_rows, weighted=True)
+        crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
+        return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
 
 
 @dataclass(frozen=True)

@@ -100,16 +100,14 @@ def chunk_costs(
 
 def predict_plan(
     cost: CostModel, shape: RegionShape, degree: int, algorithm: str, backward: bool = True,
-    dispatch_share: float = 1.0,
+    row_share: float = 1.0,
 ) -> PlanPrediction:
     """Forward (and backward: the same pipeline with twice the expert GEMM work) of one plan.
-    ``dispatch_share``: the share of the rows the forward's dispatch (and the backward's combine,
-    its adjoint) sends, below 1 where a token crosses to each rank once (``token_exchange='dedup'``)."""
-    t_a2a, t_expert, t_back = chunk_costs(cost, shape, degree, algorithm)
-    t_sent = t_a2a if dispatch_share == 1.0 else \
-        chunk_costs(cost, shape, degree, algorithm, row_share=dispatch_share)[0]
-    forward = pipeline_makespan(t_sent, t_expert, t_a2a)
-    back = pipeline_makespan(t_a2a, t_back, t_sent) if backward else 0.0
+    ``row_share``: the share of the buffer's rows each all-to-all sends, below 1 where a token
+    crosses to each rank once (``token_exchange='dedup'``)."""
+    t_a2a, t_expert, t_back = chunk_costs(cost, shape, degree, algorithm, row_share=row_share)
+    forward = pipeline_makespan(t_a2a, t_expert, t_a2a)
+    back = pipeline_makespan(t_a2a, t_back, t_a2a) if backward else 0.0
     memory = shape.local_experts * shape.dims.expert_parameters * shape.bytes_per_element
     return PlanPrediction(degree, algorithm, forward, back, expert_memory_bytes=memory)
 

@@ -104,12 +104,12 @@ class ExpertParallelModel:
         if plan.schedule == SMART:
             return predict_smart(cost, shape, backward)
         sent = ragged_shape(shape) if plan.exchange != PADDED else shape
-        share = dedup_dispatch_share(shape) if plan.exchange == DEDUP else 1.0
-        return predict_plan(cost, sent, plan.degree, plan.algorithm, backward, dispatch_share=share)
+        share = dedup_exchange_share(shape) if plan.exchange == DEDUP else 1.0
+        return predict_plan(cost, sent, plan.degree, plan.algorithm, backward, row_share=share)
 
 
-def dedup_dispatch_share(shape: RegionShape) -> float:
-    """The share of the kept rows a dedup exchange's dispatch sends in ``shape`` (choices spread uniformly)."""
+def dedup_exchange_share(shape: RegionShape) -> float:
+    """The share of the kept rows a dedup exchange sends each way in ``shape`` (choices spread uniformly)."""
     return dedup_row_share(shape.dims.num_experts, shape.world_size, shape.dims.top_k)
 
 

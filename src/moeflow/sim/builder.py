@@ -113,9 +113,9 @@ class StepBuilder:
         return busiest / (world - 1) * self.row_bytes
 
     @property
-    def dispatch_share(self) -> float:
-        """The share of a chunk's rows the forward's dispatch (and the backward's combine) sends:
-        below 1 where a token crosses to each rank once (``token_exchange='dedup'``)."""
+    def exchange_share(self) -> float:
+        """The share of a chunk's kept rows each all-to-all sends: below 1 where a token crosses to
+        each rank once, both ways (``token_exchange='dedup'``)."""
         return 1.0 if self.plan.dedup_share is None else self.plan.dedup_share
 
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:

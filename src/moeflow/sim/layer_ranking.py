@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from moeflow.config import DEDUP, DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
-from moeflow.perf.schedule_models import dedup_dispatch_share, ragged_shape
+from moeflow.perf.schedule_models import dedup_exchange_share, ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan, simulated_algorithm
@@ -40,7 +40,7 @@ def region_model(shape: RegionShape) -> ModelSpec:
 
 def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE, dedup_share: float | None = None) -> StepPlan | None:
     """The simulator's plan for a layer plan whose rows travel as ``wire_dtype`` (a dedup plan's
-    dispatch sending ``dedup_share`` of them), or None for a schedule it does not model."""
+    all-to-alls sending ``dedup_share`` of them), or None for a schedule it does not model."""
     if plan.schedule not in SIMULATED:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
@@ -74,7 +74,7 @@ class SimulatedRanker:
             return None
         ranked = []
         for plan in plans:
-            simulated = step_plan(plan, shape.wire_dtype, dedup_dispatch_share(shape))
+            simulated = step_plan(plan, shape.wire_dtype, dedup_exchange_share(shape))
             if simulated is None:
                 return None
             model = region_model(ragged_shape(shape) if plan.exchange != PADDED else shape)

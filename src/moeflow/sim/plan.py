@@ -35,7 +35,7 @@ class StepPlan:
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
     ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
     ragged_min_saving: float = 0.0  # a chunk travels ragged only with this share of its slots empty ('auto')
-    dedup_share: float | None = None  # token_exchange='dedup': the share of the kept rows the dispatch sends
+    dedup_share: float | None = None  # token_exchange='dedup': the share of the kept rows each all-to-all sends
     wire_dtype: str = EXACT_WIRE  # how the expert exchange's rows travel (moeflow.config.wire_row_bytes)
     redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
     ep: int | None = None  # experts over groups of this many consecutive ranks, copied world / ep times; None: all

@@ -40,20 +40,18 @@ if TYPE_CHECKING:
 
 
 def expert_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:
-    """Dispatch D1..Dd, chunk i's experts after Di, combines C1..Cd (moeflow's executor order).
-    Under a dedup exchange the forward's dispatch and the backward's combine send fewer rows."""
+    """Dispatch D1..Dd, chunk i's experts after Di, combines C1..Cd (moeflow's executor order);
+    under a dedup exchange each sends a token once to each rank."""
     capacity = b.capacity(load)
     bounds = capacity_chunks(capacity, b.plan.degree) or [(0, 0)]
     chunks = [stop - start for start, stop in bounds]
     rows = b.expert_rows(load, capacity, backward)
-    pairs = [b.chunk_pair_bytes(load, start, stop) for start, stop in bounds]
-    once = [pair * b.dispatch_share for pair in pairs]  # a token once to each rank
-    sends, returns = (pairs, once) if backward else (once, pairs)
-    dispatched = [b.alltoall(pair, deps) for pair in sends]
+    pairs = [b.chunk_pair_bytes(load, start, stop) * b.exchange_share for start, stop in bounds]
+    dispatched = [b.alltoall(pair, deps) for pair in pairs]
     slowdown = b.device.overlap_slowdown if len(chunks) > 1 else 1.0  # chunks overlap the next dispatch
     computed = [b.timeline.compute(COMPUTE, slowdown * b.ffn_s(rows * (chunk / max(capacity, 1)), backward), [d],
                                    "experts") for chunk, d in zip(chunks, dispatched, strict=True)]
-    return [b.alltoall(pair, [c]) for pair, c in zip(returns, computed, strict=True)]
+    return [b.alltoall(pair, [c]) for pair, c in zip(pairs, computed, strict=True)]
 
 
 def replicated_region(b: StepBuilder, load: LayerLoad, deps: list[int], backward: bool) -> list[int]:

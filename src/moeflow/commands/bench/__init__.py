@@ -1,6 +1,6 @@
 """``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
-contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire``: each prints
-one JSON object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
+contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire | dedup``: each
+prints one JSON object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from moeflow.commands.bench import (
     alltoall,
     contention,
+    dedup,
     exchange,
     faults,
     generate,
@@ -29,7 +30,7 @@ from moeflow.commands.bench import (
 )
 
 BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
-            generate, lina_inference, simulator, papers, plan, memory, faults, wire)
+            generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
 

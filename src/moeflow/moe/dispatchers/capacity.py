@@ -18,7 +18,7 @@ from moeflow.config import MoEConfig
 from moeflow.kernels.workspace import Workspace
 from moeflow.moe.agreement import GlobalLoad
 from moeflow.moe.dispatchers.capacity_stats import routing_stats
-from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
+from moeflow.moe.dispatchers.encoding import SlotMap, decode, encode, make_slot_map
 from moeflow.moe.dispatchers.protocol import DispatchCall, Dispatched
 from moeflow.moe.experts import ExpertFFN
 from moeflow.moe.planning import OnlinePlanner
@@ -66,10 +66,10 @@ class CapacityDispatcher:
         # encode -> schedule.run (dispatch -> experts -> combine, pipelined) -> decode
         dispatched_ECM = encode(owned.x_TM, plan, self.workspace, call.kernels.encode)
         ctx = run_context(self.experts, self.placement, self.groups, config, x_TM.dtype, timing, filled_WE, capacity,
-                          call.kernels.gemm, load.estimate_E, prepared.state, self.workspace, plan.slot_token_S)
+                          call.kernels.gemm, load.estimate_E, prepared.state, self.workspace, plan, owned.weights_TK)
         ran = self.schedule.run(chosen.plan, dispatched_ECM, ctx)
-        y_TM = share.output(decode(ran.combined_ECM, owned.weights_TK, plan, self.workspace, call.kernels.decode),
-                            len(x_TM))
+        weights_TK = torch.ones_like(owned.weights_TK) if ran.weighted else owned.weights_TK  # already applied
+        y_TM = share.output(decode(ran.combined_ECM, weights_TK, plan, self.workspace, call.kernels.decode), len(x_TM))
         if call.recompute:  # activation checkpointing's repeat: nothing to report twice
             return Dispatched(y_TM, None)
         stats = routing_stats(config, self.groups, load, capacity, call.top_k, call.capacity_factor, chosen, timing,
@@ -80,10 +80,15 @@ class CapacityDispatcher:
 def run_context(
     experts: ExpertFFN, placement: ExpertPlacement, groups: ParallelGroups, config: MoEConfig, dtype: torch.dtype,
     timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str, estimate_E: np.ndarray | None = None,
-    prepared: object | None = None, workspace: Workspace | None = None, slot_tokens: torch.Tensor | None = None,
+    prepared: object | None = None, workspace: Workspace | None = None, slots: SlotMap | None = None,
+    weights_TK: torch.Tensor | None = None,
 ) -> RunContext:
     """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts
-    (and ``slot_tokens``: the token in each slot of the dispatched buffer, where the caller has a slot map)."""
+    (and, where the caller has the dispatched buffer's slot map and gate weights, each slot's token and weight)."""
     local = tuple(shard.expert for shard in placement.local(groups.rank))
+    slot_tokens = slot_weights = None
+    if slots is not None and weights_TK is not None:
+        slot_tokens = slots.slot_token_S
+        slot_weights = slots.per_slot(weights_TK.flatten().index_select(0, slots.choice_idx_N).to(dtype))
     return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slot_tokens)
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slot_tokens, slot_weights)

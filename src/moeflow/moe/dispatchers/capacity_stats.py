@@ -64,5 +64,5 @@ def routing_stats(
         cross_node_rows=ran.cross_node_rows,
         dedup_saved_rows=ran.dedup_saved_rows,
         dedup_saved_bytes=None if ran.dedup_saved_rows is None else
-        ran.dedup_saved_rows * wire_row_bytes(config.wire_dtype, config.model_dim, owned.x_TM.element_size()),
+        2 * ran.dedup_saved_rows * wire_row_bytes(config.wire_dtype, config.model_dim, owned.x_TM.element_size()),
     )
