@@ -399,9 +399,9 @@ def ragged_exchange_cases(base: dict[str, Any]) -> list[Case]:
 
 
 def dedup_exchange_cases(base: dict[str, Any]) -> list[Case]:
-    """The dedup exchange (a token once to each rank): k = 3 over 8 experts (most tokens reach a
-    rank twice), dropping and pipelined in uneven chunks with the ragged kernel, each algorithm, an
-    empty rank, no token at all, and a wire format."""
+    """The dedup exchange (a token once to each rank; under 2DH once to each node): k = 3 over 8
+    experts (most tokens reach a rank twice), dropping and pipelined in uneven chunks with the ragged
+    kernel, each algorithm, an empty rank, no token at all, and a wire format."""
     dedup = {**base, "token_exchange": "dedup", "parallel": "expert"}
     return [
         Case("exchange-dedup-f0-k3", {**dedup, "capacity_factor": 0.0, "top_k": 3}),
@@ -409,7 +409,9 @@ def dedup_exchange_cases(base: dict[str, Any]) -> list[Case]:
             **dedup, "capacity_factor": 0.5, "top_k": 3, "pipeline": 3, "activation": "swiglu",
             "expert_kernel": "ragged"}, tokens_per_rank=30),
         Case("exchange-dedup-2dh-d2", {**dedup, "pipeline": 2, "alltoall": "2dh", "top_k": 2}, tokens_per_rank=24,
-             ranks_per_node=2),
+             ranks_per_node=2),  # on 4 processes: a token once to each node (moeflow.parallel.node_dedup)
+        Case("exchange-dedup-2dh-k4-f0-empty-rank", {**dedup, "alltoall": "2dh", "top_k": 4, "capacity_factor": 0.0},
+             ranks_per_node=2, empty_ranks=(1,)),
         Case("exchange-dedup-pairwise-empty-rank", {**dedup, "alltoall": "pairwise", "capacity_factor": 0.0},
              ranks_per_node=1, empty_ranks=(1,)),
         Case("exchange-dedup-no-tokens", {**dedup, "capacity_factor": 0.0}, tokens_per_rank=0),

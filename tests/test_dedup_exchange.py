@@ -135,3 +135,41 @@ def test_dedup_refuses_what_hands_it_other_buffers() -> None:
     with pytest.raises(ValueError, match=r"token_exchange='dedup'.*shadowing"):
         check_techniques(MoEConfig(16, 32, 4, token_exchange="dedup", shadowing="auto"), "expert")
     check_techniques(MoEConfig(16, 32, 4, token_exchange="dedup"), "expert")
+
+
+def _crossings(rank: int, world_size: int, algorithm: str) -> dict[str, int]:
+    """One dropless training step on 2 nodes of 2 ranks: the layer's cross-node rows and saved rows,
+    and both counted from the routing (distinct (token, node) and (token, rank) pairs off this
+    rank's node; choices that share a rank)."""
+    torch.manual_seed(0)
+    topology = Topology(world_size, 2)
+    groups = ParallelGroups(dist.group.WORLD, topology)
+    experts = 16
+    layer = MoELayer(MODEL_DIM, 32, experts, top_k=3, capacity_factor=0.0, group=groups, token_exchange="dedup",
+                     alltoall=algorithm, pipeline=1, parallel="expert")
+    torch.manual_seed(10 + rank)
+    x = torch.randn(40, MODEL_DIM, requires_grad=True)
+    layer(x).sum().backward()
+    with torch.no_grad():
+        rank_of_TK = route(layer.gate, x, 3, layer.config).choice.expert_idx_TK // (experts // world_size)
+    node_of_TK = rank_of_TK // 2
+    me = topology.node_of(rank)
+    counts = torch.tensor([
+        sum(len(set(row.tolist()) - {me}) for row in node_of_TK),  # (token, other node) pairs
+        sum(len({r for r in row.tolist() if topology.node_of(r) != me}) for row in rank_of_TK),  # off-node ranks
+        sum(3 - len(set(row.tolist())) for row in rank_of_TK),  # choices that share a rank
+    ])
+    dist.all_reduce(counts)
+    stats = layer.last_stats
+    return {"crossed": stats.cross_node_rows, "saved": stats.dedup_saved_rows, "node_pairs": int(counts[0]),
+            "rank_pairs": int(counts[1]), "repeated": int(counts[2])}
+
+
+@pytest.mark.distributed
+def test_under_2dh_a_token_crosses_to_each_node_once() -> None:
+    """Under the 2DH all-to-all the rows between nodes are the (token, node) pairs, fewer than the
+    (token, rank) pairs the rank-level exchange sends across; both save the same rows per rank."""
+    node_level = run_distributed(_crossings, 4, "2dh")[0]
+    rank_level = run_distributed(_crossings, 4, "linear")[0]
+    assert node_level["crossed"] == node_level["node_pairs"] < rank_level["crossed"] == rank_level["rank_pairs"]
+    assert node_level["saved"] == rank_level["saved"] == node_level["repeated"] > 0

@@ -7,7 +7,9 @@ ragged exchange sends every kept row, the dedup one each (token, rank) once) and
 the share the planner and the simulator price (:func:`moeflow.config.dedup_row_share`, choices spread
 uniformly), the all-to-all bytes of one training step (this rank's, the ledger's: the dedup exchange
 saves in all four all-to-alls and pays 4 bytes a kept row for the token indices, the gate weights
-and their gradients), and the training step's time (round-robin, the slowest rank's medians)."""
+and their gradients), the rows the dispatch sends between nodes (under ``--alltoall 2dh`` the dedup
+exchange sends a token once to each node), and the training step's time (round-robin, the slowest
+rank's medians)."""
 
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ class DedupPoint:
     tokens: int = 2048
     model_dim: int = 512
     top_k: int = 2
+    alltoall: str = "linear"  # 2dh: the dedup exchange sends a token once to each node
 
     @property
     def name(self) -> str:
-        return f"E{self.num_experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}"
+        return f"E{self.num_experts}-H{self.hidden_dim}-T{self.tokens}-M{self.model_dim}-k{self.top_k}-{self.alltoall}"
 
 
 def _layers(point: DedupPoint, groups: Any) -> dict[str, Any]:
@@ -44,7 +47,7 @@ def _layers(point: DedupPoint, groups: Any) -> dict[str, Any]:
         torch.manual_seed(0)  # the same weights in both
         layers[token_exchange] = MoELayer(
             point.model_dim, point.hidden_dim, point.num_experts, top_k=point.top_k, capacity_factor=0.0,
-            group=groups, pipeline=1, alltoall="linear", parallel="expert", token_exchange=token_exchange,
+            group=groups, pipeline=1, alltoall=point.alltoall, parallel="expert", token_exchange=token_exchange,
         )
     return layers
 
@@ -72,6 +75,7 @@ def _measure_point(point: DedupPoint, groups: Any, profile: Any, repeats: int, e
     layers = _layers(point, groups)
     x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
     step_bytes = {name: _step_bytes(layer, groups, x) for name, layer in layers.items()}
+    crossed = {name: layer.last_stats.cross_node_rows for name, layer in layers.items()}
     stats = layers["dedup"].last_stats
     kept = sum(stats.tokens_per_expert) - stats.dropped
     sent_rows = kept - (stats.dedup_saved_rows or 0)
@@ -86,6 +90,7 @@ def _measure_point(point: DedupPoint, groups: Any, profile: Any, repeats: int, e
               "step_bytes_ragged": step_bytes["ragged"], "step_bytes_dedup": step_bytes["dedup"],
               "step_bytes_over_dedup": step_bytes["ragged"] / max(1, step_bytes["dedup"]),
               "dedup_saved_bytes": stats.dedup_saved_bytes,
+              "cross_node_rows_ragged": crossed["ragged"], "cross_node_rows_dedup": crossed["dedup"],
               "train_step_ms_ragged": step_s["ragged"] * 1e3, "train_step_ms_dedup": step_s["dedup"] * 1e3,
               "train_step_over_dedup": step_s["ragged"] / step_s["dedup"]})
 

@@ -17,7 +17,7 @@ node-major, and point-to-point calls address their global ranks (``groups.member
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -211,11 +211,30 @@ def exchange(
     """
     _check_algorithm(algorithm)
     group = _require_group(groups, algorithm)
+    return _on_the_wire(x, groups, group, wire_dtype,
+                        lambda sent: _exchange_rows(algorithm, sent, groups, group, matrix))
+
+
+def exchange_on(
+    group: dist.ProcessGroup, x: torch.Tensor, groups: ParallelGroups, output_splits: list[int],
+    input_splits: list[int], wire_dtype: str = EXACT_WIRE,
+) -> torch.Tensor:
+    """The linear all-to-all over ``group``, a subgroup of ``groups.expert`` (a node's ranks, or one
+    local rank's on every node: :meth:`ParallelGroups.node_groups`), as :func:`exchange` runs it:
+    outside autograd, the rows as ``wire_dtype`` says, tracked and yielded to as an all-to-all."""
+    return _on_the_wire(x, groups, group, wire_dtype,
+                        lambda sent: linear_all_to_all(sent, group, output_splits, input_splits))
+
+
+def _on_the_wire(
+    x: torch.Tensor, groups: ParallelGroups, group: dist.ProcessGroup, wire_dtype: str,
+    send: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     with torch.no_grad():
         sent = encode(wire_dtype, x)
         nbytes = sent.numel() * sent.element_size()
         with groups.traffic.running(x.device), groups.ledger.tracked("all-to-all", group, nbytes):
-            received = _exchange_rows(algorithm, sent, groups, group, matrix)
+            received = send(sent)
         return decode(wire_dtype, received, x.dtype)
 
 

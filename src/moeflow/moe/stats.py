@@ -100,7 +100,7 @@ class RoutingStats:
     rank_tokens: tuple[int, ...] = ()  # assignments each rank's experts computed (after capacity)
     cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)
     dedup_saved_rows: int | None = None  # rows the dispatch did not send (a token's copies to one rank), all ranks
-    dedup_saved_bytes: int | None = None  # the forward's saving on the links: those rows in the dispatch and the combine
+    dedup_saved_bytes: int | None = None  # the forward's saving on the links: those rows, dispatch and combine
 
     @property
     def dropped(self) -> int:

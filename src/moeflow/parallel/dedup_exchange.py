@@ -25,7 +25,7 @@ The routes are built on the host, like the ragged exchange's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +38,11 @@ from moeflow.comm.topology import Topology
 from moeflow.config import EXACT_WIRE
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.pipeline import SelfAdjointExchange
+from moeflow.parallel.node_dedup import NodeRoutes, node_routes
 from moeflow.parallel.ragged_exchange import RaggedRoutes, ragged_combine, ragged_dispatch, ragged_routes, scatter_rows
 
+HIERARCHICAL = "2dh"
+"""The all-to-all whose two hops the dedup exchange runs node by node (:mod:`moeflow.parallel.node_dedup`)."""
 TOKEN_INDEX_BYTES = 4
 """Bytes of one kept slot's token index in the per-forward index exchange (int32)."""
 
@@ -53,11 +56,35 @@ class DedupRoutes:
     unique_sent_U: torch.Tensor  # chunk rows (flat E * Cj) this rank sends, one per (token, rank), by destination
     copy_of_N: torch.Tensor  # each received kept slot (in ragged.received_N's order): its row among the received
     matrix: SplitMatrix  # matrix[s][d]: rows rank s sends rank d, one per (token, rank)
+    algorithm: str
 
     @property
     def saved_rows(self) -> int:
         """Rows of the chunk's dispatch, all ranks, that did not travel because a copy did."""
         return sum(map(sum, self.ragged.matrix)) - sum(map(sum, self.matrix))
+
+    def dispatch(self, chunk_ECM: torch.Tensor, groups: ParallelGroups, local_experts: int,
+                 wire_dtype: str) -> torch.Tensor:
+        """Each (token, rank) row once, copied into every slot of the token there."""
+        _, slots, model_dim = chunk_ECM.shape
+        device = chunk_ECM.device
+        sent_UM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(self.unique_sent_U, device))
+        received_UM = exchange(self.algorithm, sent_UM, groups, self.matrix, wire_dtype)
+        copies_NM = received_UM.index_select(0, to_device(self.copy_of_N, device))
+        shape = (local_experts, groups.size * slots, model_dim)
+        return scatter_rows(copies_NM, to_device(self.ragged.received_N, device), shape)
+
+    def combine(self, y_LXM: torch.Tensor, rows: int, groups: ParallelGroups, wire_dtype: str) -> torch.Tensor:
+        """The dispatch's adjoint: a token's slots summed on the experts' rank, one row back, in the
+        slot the dispatch sent it from (its other slots zero)."""
+        local, _, model_dim = y_LXM.shape
+        device = y_LXM.device
+        slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(self.ragged.received_N, device))
+        received = sum(row[groups.rank] for row in self.matrix)
+        summed_UM = slots_NM.new_zeros(received, model_dim).index_add_(0, to_device(self.copy_of_N, device), slots_NM)
+        returned_UM = exchange(self.algorithm, summed_UM, groups, transpose(self.matrix), wire_dtype)
+        shape = (local * groups.size, rows, model_dim)
+        return scatter_rows(returned_UM, to_device(self.unique_sent_U, device), shape)
 
 
 def _first_copies(tokens_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +136,8 @@ def _exchange_token_indices(
 
 
 def dedup_routes(
-    groups: ParallelGroups, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor, chunks: list[tuple[int, int]]
+    groups: ParallelGroups, algorithm: str, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor,
+    chunks: list[tuple[int, int]],
 ) -> dict[tuple[int, int], DedupRoutes]:
     """Every chunk's routes for one forward, keyed (start, slots). Collective: every rank of the
     expert group calls it with the same ``filled_WE`` and ``chunks``."""
@@ -133,7 +161,7 @@ def dedup_routes(
         if [row[rank] for row in matrix] != receive_sizes:  # both sides derive the blocks alike
             raise RuntimeError(f"dedup exchange: rank {rank} expects {receive_sizes} rows, peers send "
                                f"{[row[rank] for row in matrix]}")
-        routes[(start, stop - start)] = DedupRoutes(ragged, unique_sent, copy_of, matrix)
+        routes[(start, stop - start)] = DedupRoutes(ragged, unique_sent, copy_of, matrix, algorithm)
     return routes
 
 
@@ -172,16 +200,20 @@ class _SlotValuesToExperts(torch.autograd.Function):
 @dataclass(frozen=True)
 class DedupExchange(SelfAdjointExchange):
     """An expert-parallel exchange over ``groups.expert`` that sends a token once to each rank both
-    ways (:func:`dedup_routes` per chunk of one forward): the dispatch copies a received row into
+    ways (:func:`dedup_routes` per chunk of one forward), or under the 2DH algorithm once to each
+    node (:func:`moeflow.parallel.node_dedup.node_routes`): the dispatch copies a received row into
     every slot of its token, the combine sums those slots' outputs, scaled by their gate weights in
-    the pipeline (:meth:`gate_weights`), before one row goes back. Each is the other's adjoint."""
+    the pipeline (:meth:`gate_weights`), before one row goes back. Each is the other's adjoint.
+    ``saved_rows``: the rows one all-to-all of the ragged exchange would send that this one does
+    not; ``cross_node_rows``: the rows its dispatch sends between nodes (both over all ranks and chunks)."""
 
     groups: ParallelGroups
-    algorithm: str
-    routes: Mapping[tuple[int, int], DedupRoutes]
-    whole: RaggedRoutes  # the whole capacity's ragged routes (the token indices and gate weights travel by them)
+    routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
+    whole: RaggedRoutes  # the whole capacity's ragged routes (the gate weights travel by them)
     capacity: int
     num_local_experts: int
+    saved_rows: int
+    cross_node_rows: int
     slots: tuple[int, int] | None = None
     wire_dtype: str = EXACT_WIRE
 
@@ -195,20 +227,16 @@ class DedupExchange(SelfAdjointExchange):
         capacity = chunks[-1][1] if chunks else 0
         if slot_tokens_S.numel() != experts * capacity:
             raise ValueError(f"slot tokens ({slot_tokens_S.numel()}) must number E * C = {experts} * {capacity}")
-        routes = dedup_routes(groups, filled_WE, slot_tokens_S.view(experts, capacity), chunks)
+        slot_tokens_EC = slot_tokens_S.view(experts, capacity)
+        routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
+        if algorithm == HIERARCHICAL:
+            routes, saved, crossed = node_routes(groups, filled_WE, slot_tokens_EC, chunks)
+        else:
+            routes = dedup_routes(groups, algorithm, filled_WE, slot_tokens_EC, chunks)
+            saved = sum(route.saved_rows for route in routes.values())
+            crossed = _crossed(routes.values(), groups.topology)
         whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
-        return cls(groups, algorithm, routes, whole, capacity, experts // groups.size, wire_dtype=wire_dtype)
-
-    @property
-    def saved_rows(self) -> int:
-        """Rows the forward's dispatch did not send, all ranks, all chunks (its combine saves as many)."""
-        return sum(route.saved_rows for route in self.routes.values())
-
-    def cross_node_rows(self, topology: Topology) -> int:
-        """Rows the forward's dispatch sent between nodes, all ranks, all chunks."""
-        node = [topology.node_of(rank) for rank in range(self.groups.size)]
-        return sum(rows for route in self.routes.values() for source, row in enumerate(route.matrix)
-                   for dest, rows in enumerate(row) if node[source] != node[dest])
+        return cls(groups, routes, whole, capacity, experts // groups.size, saved, crossed, wire_dtype=wire_dtype)
 
     def gate_weights(self, slot_weights_S: torch.Tensor) -> torch.Tensor:
         """Each slot's gate weight where its expert runs, (L, W, C) (differentiable): what the
@@ -219,29 +247,19 @@ class DedupExchange(SelfAdjointExchange):
     def chunk(self, start: int, stop: int) -> DedupExchange:
         return dataclasses.replace(self, slots=(start, stop))
 
-    def _route(self, slots: int) -> DedupRoutes:
+    def _route(self, slots: int) -> DedupRoutes | NodeRoutes:
         return self.routes[(self.slots[0] if self.slots is not None else 0, slots)]
 
     def to_experts(self, chunk_ECM: torch.Tensor) -> torch.Tensor:
-        """Each (token, rank) row once, copied into every slot of the token there."""
         route = self._route(chunk_ECM.shape[1])
-        _, slots, model_dim = chunk_ECM.shape
-        device = chunk_ECM.device
-        sent_UM = chunk_ECM.reshape(-1, model_dim).index_select(0, to_device(route.unique_sent_U, device))
-        received_UM = exchange(self.algorithm, sent_UM, self.groups, route.matrix, self.wire_dtype)
-        copies_NM = received_UM.index_select(0, to_device(route.copy_of_N, device))
-        shape = (self.num_local_experts, self.groups.size * slots, model_dim)
-        return scatter_rows(copies_NM, to_device(route.ragged.received_N, device), shape)
+        return route.dispatch(chunk_ECM, self.groups, self.num_local_experts, self.wire_dtype)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
-        """The dispatch's adjoint: a token's slots summed on the experts' rank, one row back, in the
-        slot the dispatch sent it from (its other slots zero)."""
-        route = self._route(rows)
-        local, _, model_dim = y_LXM.shape
-        device = y_LXM.device
-        slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(route.ragged.received_N, device))
-        received = sum(row[self.groups.rank] for row in route.matrix)
-        summed_UM = slots_NM.new_zeros(received, model_dim).index_add_(0, to_device(route.copy_of_N, device), slots_NM)
-        returned_UM = exchange(self.algorithm, summed_UM, self.groups, transpose(route.matrix), self.wire_dtype)
-        shape = (local * self.groups.size, rows, model_dim)
-        return scatter_rows(returned_UM, to_device(route.unique_sent_U, device), shape)
+        return self._route(rows).combine(y_LXM, rows, self.groups, self.wire_dtype)
+
+
+def _crossed(routes: Iterable[DedupRoutes], topology: Topology) -> int:
+    """Rows the dispatch sends between nodes, all ranks, all chunks."""
+    node = [topology.node_of(rank) for rank in range(topology.world_size)]
+    return sum(rows for route in routes for source, row in enumerate(route.matrix)
+               for dest, rows in enumerate(row) if node[source] != node[dest])

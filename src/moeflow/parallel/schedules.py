@@ -183,7 +183,7 @@ class ExpertParallelSchedule(_ModelledSchedule):
         ragged = plan.exchange != PADDED and plan.schedule != SMART
         if isinstance(chunk_exchange, DedupExchange):  # what travelled: one row per (token, rank), weighted
             return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()),
-                                  cross_node_rows=chunk_exchange.cross_node_rows(ctx.groups.topology),
+                                  cross_node_rows=chunk_exchange.cross_node_rows,
                                   dedup_saved_rows=chunk_exchange.saved_rows, weighted=True)
         crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
         return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)

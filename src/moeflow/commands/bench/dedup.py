@@ -30,6 +30,8 @@ def add(benches: Any) -> None:
     dedup.add_argument("--tokens", type=positive_int, default=2048, help="tokens per rank (default 2048)")
     dedup.add_argument("--top-k", type=positive_int, default=2, help="experts per token k (default 2)")
     dedup.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per exchange (default 5)")
+    dedup.add_argument("--alltoall", choices=("linear", "2dh"), default="linear",
+                       help="the all-to-all (default linear; 2dh: the dedup exchange sends a token once to each node)")
     dedup.set_defaults(func=run_dedup)
 
 
@@ -37,7 +39,7 @@ def run_dedup(args: argparse.Namespace) -> int:
     from moeflow.bench.dedup import DedupPoint, run, summarize
 
     ranks = args.nodes * args.ranks_per_node
-    grid = [DedupPoint(per_rank * ranks, args.hidden_dim, args.tokens, args.model_dim, args.top_k)
+    grid = [DedupPoint(per_rank * ranks, args.hidden_dim, args.tokens, args.model_dim, args.top_k, args.alltoall)
             for per_rank in args.experts_per_rank]
     if any(args.top_k > point.num_experts for point in grid):
         raise fail("bench dedup", f"--top-k {args.top_k} exceeds the experts of a point ({ranks} ranks x "
