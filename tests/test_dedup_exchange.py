@@ -112,21 +112,25 @@ def test_the_planner_prices_a_dedup_dispatch() -> None:
 
 
 def test_the_simulator_sends_the_share_both_ways() -> None:
-    """Every all-to-all of the layer's step sends the share of its rows."""
+    """Every all-to-all of the layer's step sends the share of its rows; under 2DH the phase between
+    nodes sends one row per (token, node)."""
     from moeflow.config import LayerDims
     from moeflow.sim import ModelSpec, StepPlan, load_cluster, simulate_step
 
     cluster = load_cluster("fastermoe-johnny")
-    model = ModelSpec(layers=1, dims=LayerDims(1024, 2048, 4 * cluster.world_size, bias=False), dtype="fp32",
+    experts = 4 * cluster.world_size
+    model = ModelSpec(layers=1, dims=LayerDims(1024, 2048, experts, top_k=4, bias=False), dtype="fp32",
                       tokens_per_rank=4096, capacity_factor=0.0)
 
-    def busy(share: float | None) -> float:
-        plan = StepPlan(ragged_exchange=True, dedup_share=share)
+    def busy(top_k: int | None, algorithm: str = "linear") -> float:
+        plan = StepPlan(ragged_exchange=True, dedup_top_k=top_k, algorithm=algorithm)
         return simulate_step(cluster, model, plan, layer_only=True).busy_s["alltoall"]
 
-    assert busy(0.5) == pytest.approx(busy(None) * 0.5, rel=0.05)  # start-ups aside
-    with pytest.raises(ValueError, match="dedup_share must be in"):
-        StepPlan(dedup_share=0.5)  # a padded exchange sends every slot
+    share = dedup_row_share(experts, cluster.world_size, 4)
+    assert busy(4) == pytest.approx(busy(None) * share, rel=0.05)  # start-ups aside
+    assert busy(4, "2dh") < busy(None, "2dh") * share  # fewer rows cross between nodes than reach ranks
+    with pytest.raises(ValueError, match="dedup_top_k must be an integer"):
+        StepPlan(dedup_top_k=2)  # a padded exchange sends every slot
 
 
 def test_dedup_refuses_what_hands_it_other_buffers() -> None:

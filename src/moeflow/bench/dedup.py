@@ -8,8 +8,9 @@ the share the planner and the simulator price (:func:`moeflow.config.dedup_row_s
 uniformly), the all-to-all bytes of one training step (this rank's, the ledger's: the dedup exchange
 saves in all four all-to-alls and pays 4 bytes a kept row for the token indices, the gate weights
 and their gradients), the rows the dispatch sends between nodes (under ``--alltoall 2dh`` the dedup
-exchange sends a token once to each node), and the training step's time (round-robin, the slowest
-rank's medians)."""
+exchange sends a token once to each node; the ledger then counts both of its hops, and the ragged
+2DH exchange's two phases as one call, so its step bytes do not compare), and the training step's
+time (round-robin, the slowest rank's medians)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"summary": "dedup", "configs": len(rows), "dispatch_rows_over_dedup": by_point("dispatch_rows_over_dedup"),
             "predicted_rows_over_dedup": by_point("predicted_rows_over_dedup"),
             "step_bytes_over_dedup": by_point("step_bytes_over_dedup"),
+            "cross_node_rows_over_dedup": {f"{r['config']} E/W={r['experts_per_rank']}": round(
+                r["cross_node_rows_ragged"] / max(1, r["cross_node_rows_dedup"]), 3) for r in rows},
             "train_step_over_dedup": by_point("train_step_over_dedup")}
 
 

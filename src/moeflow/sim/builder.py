@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moeflow.config import empty_share, wire_row_bytes
+from moeflow.config import dedup_row_share, empty_share, wire_row_bytes
 from moeflow.perf.balance import slot_tokens
 from moeflow.perf.pipeline import capacity_chunks
 from moeflow.perf.replicas import balanced_slots
@@ -115,8 +115,21 @@ class StepBuilder:
     @property
     def exchange_share(self) -> float:
         """The share of a chunk's kept rows each all-to-all sends: below 1 where a token crosses to
-        each rank once, both ways (``token_exchange='dedup'``)."""
-        return 1.0 if self.plan.dedup_share is None else self.plan.dedup_share
+        each rank once, both ways (``token_exchange='dedup'``, choices spread uniformly)."""
+        return self._dedup_share(self.cluster.world_size)
+
+    @property
+    def inter_node_share(self) -> float:
+        """Under the dedup exchange's 2DH hops, the rows between nodes (one per (token, node)) as a
+        share of the rank-level rows (one per (token, rank))."""
+        if self.plan.algorithm != "2dh":
+            return 1.0
+        return self._dedup_share(self.cluster.nodes) / self.exchange_share
+
+    def _dedup_share(self, places: int) -> float:
+        if self.plan.dedup_top_k is None:
+            return 1.0
+        return dedup_row_share(self.model.dims.num_experts, places, self.plan.dedup_top_k)
 
     def expert_rows(self, load: LayerLoad, capacity: int, backward: bool = False) -> Times:
         """Rows each rank's experts compute: the padded buffer (f != 0), or the tokens it received
@@ -158,7 +171,7 @@ class StepBuilder:
     def alltoall(self, pair_bytes: float, deps: list[int]) -> int:
         key = ("alltoall", self.plan.algorithm, pair_bytes)
         if key not in self._transfers:
-            self._transfers[key] = self.network.alltoall(self.plan.algorithm, pair_bytes)
+            self._transfers[key] = self.network.alltoall(self.plan.algorithm, pair_bytes, self.inter_node_share)
         return self.collective(ALLTOALL, self._transfers[key], deps, "alltoall", self.priority)
 
     def allreduce(self, nbytes: float, deps: list[int]) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from moeflow.config import DEDUP, DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
-from moeflow.perf.schedule_models import dedup_exchange_share, ragged_shape
+from moeflow.perf.schedule_models import ragged_shape
 from moeflow.sim.calibrated import cluster_from_profile
 from moeflow.sim.cluster import Cluster
 from moeflow.sim.plan import StepPlan, simulated_algorithm
@@ -38,9 +38,9 @@ def region_model(shape: RegionShape) -> ModelSpec:
                      dtype=DTYPE_OF_BYTES.get(shape.bytes_per_element, "fp32"))
 
 
-def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE, dedup_share: float | None = None) -> StepPlan | None:
+def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE, top_k: int = 1) -> StepPlan | None:
     """The simulator's plan for a layer plan whose rows travel as ``wire_dtype`` (a dedup plan's
-    all-to-alls sending ``dedup_share`` of them), or None for a schedule it does not model."""
+    all-to-alls deduplicating the ``top_k`` choices of a token), or None for a schedule it does not model."""
     if plan.schedule not in SIMULATED:
         return None
     algorithm = simulated_algorithm(plan.algorithm)
@@ -49,7 +49,7 @@ def step_plan(plan: Plan, wire_dtype: str = EXACT_WIRE, dedup_share: float | Non
                         wire_dtype=wire_dtype)
     return StepPlan(schedule=plan.schedule, degree=plan.degree, algorithm=algorithm,
                     ragged_exchange=plan.exchange != PADDED, ragged_min_saving=ragged_min_saving(plan.exchange),
-                    wire_dtype=wire_dtype, dedup_share=dedup_share if plan.exchange == DEDUP else None)
+                    wire_dtype=wire_dtype, dedup_top_k=top_k if plan.exchange == DEDUP else None)
 
 
 class SimulatedRanker:
@@ -74,7 +74,7 @@ class SimulatedRanker:
             return None
         ranked = []
         for plan in plans:
-            simulated = step_plan(plan, shape.wire_dtype, dedup_exchange_share(shape))
+            simulated = step_plan(plan, shape.wire_dtype, shape.dims.top_k)
             if simulated is None:
                 return None
             model = region_model(ragged_shape(shape) if plan.exchange != PADDED else shape)

@@ -85,12 +85,13 @@ class Network:
 
     # -- all-to-all ------------------------------------------------------------------------------
 
-    def alltoall(self, algorithm: str, pair_bytes: float | np.ndarray) -> list[Step]:
+    def alltoall(self, algorithm: str, pair_bytes: float | np.ndarray, inter_share: float = 1.0) -> list[Step]:
         """An all-to-all where every rank sends ``pair_bytes`` to every other (uniform), or the byte
-        matrix of a skewed one."""
+        matrix of a skewed one; 2DH's phase between nodes moves ``inter_share`` of its bytes (a token
+        sent once to each node)."""
         if self.world == 1:
             return []
-        return self.scaled(algorithm, self._alltoall_steps(algorithm, pair_bytes))
+        return self.scaled(algorithm, self._alltoall_steps(algorithm, pair_bytes, inter_share))
 
     def scaled(self, algorithm: str, steps: list[Step]) -> list[Step]:
         """``steps`` of ``algorithm`` at the implementation's rate (the cluster's ``collective_scale``),
@@ -100,12 +101,12 @@ class Network:
         first = next((i for i, step in enumerate(steps) if isinstance(step, Transfer)), None)
         return [_scaled(step, scale, extra if i == first else 0.0) for i, step in enumerate(steps)]
 
-    def _alltoall_steps(self, algorithm: str, pair_bytes: float | np.ndarray) -> list[Step]:
+    def _alltoall_steps(self, algorithm: str, pair_bytes: float | np.ndarray, inter_share: float = 1.0) -> list[Step]:
         matrix = None if np.isscalar(pair_bytes) else np.asarray(pair_bytes, dtype=np.float64)
         if algorithm == "linear" or (algorithm == "2dh" and (self.nodes == 1 or self.per_node == 1)):
             return [self._linear(pair_bytes, matrix)]
         if algorithm == "2dh":
-            return self._two_dimensional(pair_bytes, matrix)
+            return self._two_dimensional(pair_bytes, matrix, inter_share)
         if algorithm == "pairwise":
             return self.pairwise_steps(pair_bytes)
         raise ValueError(f"unknown all-to-all algorithm {algorithm!r}; use linear, 2dh or pairwise")
@@ -128,14 +129,15 @@ class Network:
         )
         return Transfer(work, self._latency(g > 1, self.nodes > 1), "alltoall.linear")
 
-    def _two_dimensional(self, pair_bytes: float | np.ndarray, matrix: np.ndarray | None) -> list[Step]:
+    def _two_dimensional(self, pair_bytes: float | np.ndarray, matrix: np.ndarray | None,
+                         inter_share: float = 1.0) -> list[Step]:
         """Tutel's 2DH: stride copy, all-to-all inside each node (to the local rank that owns the
         destination's local index), stride copy, all-to-all among same-local-rank ranks."""
         g, n = self.per_node, self.nodes
         if matrix is None:
             b = float(pair_bytes)
             gpu = self._intra(g - 1, (g - 1) * n * b)
-            nic = self._inter(g * (n - 1), g * (n - 1) * g * b, n - 1)
+            nic = self._inter(g * (n - 1), g * (n - 1) * g * b * inter_share, n - 1)
             total = self.world * b
             phase1 = Transfer(self._work(gpu, gpu, 0.0, 0.0), self.cluster.intra.latency_s, "alltoall.2dh.intra")
             phase2 = Transfer(self._work(0.0, 0.0, nic, nic), self.cluster.nic.latency_s, "alltoall.2dh.inter")
@@ -144,7 +146,7 @@ class Network:
         first = grid.sum(axis=2)  # rank (n, a) sends to (n, c) everything bound for local index c
         np.einsum("naa->na", first)[...] = 0.0
         second = grid.sum(axis=1)  # rank (n, c) sends to (m, c) what its node's ranks gave it
-        off_node = second * (1 - np.eye(n))[:, :, None]
+        off_node = second * (1 - np.eye(n))[:, :, None] * inter_share
         out_bytes, in_bytes = off_node.sum(axis=(1, 2)), off_node.sum(axis=(0, 2))
         out_msgs = (off_node > 0).sum(axis=(1, 2))
         in_msgs = (off_node > 0).sum(axis=(0, 2))

@@ -35,7 +35,7 @@ class StepPlan:
     packed_s1: bool = False  # S1 sends only its occupied slots (moeflow's S1; Parm's sends 1 / N_MP of the capacity)
     ragged_exchange: bool = False  # the expert exchange sends only kept rows (moeflow's token_exchange='ragged')
     ragged_min_saving: float = 0.0  # a chunk travels ragged only with this share of its slots empty ('auto')
-    dedup_share: float | None = None  # token_exchange='dedup': the share of the kept rows each all-to-all sends
+    dedup_top_k: int | None = None  # token_exchange='dedup' at this k: a token once to each rank (2DH: each node)
     wire_dtype: str = EXACT_WIRE  # how the expert exchange's rows travel (moeflow.config.wire_row_bytes)
     redundant_slots: int = 0  # EPLB: this many extra expert slots, placed for each layer's load
     ep: int | None = None  # experts over groups of this many consecutive ranks, copied world / ep times; None: all
@@ -55,14 +55,15 @@ class StepPlan:
         if self.allreduce not in (*ALLREDUCE_ALGORITHMS, "auto"):
             raise ValueError(f"all-reduce must be auto, ring or tree, got {self.allreduce!r}")
         require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
-        if self.dedup_share is not None and not (0.0 < self.dedup_share <= 1.0 and self.ragged_exchange):
-            raise ValueError(f"dedup_share must be in (0, 1] on a ragged exchange, got {self.dedup_share!r}")
+        if self.dedup_top_k is not None and not (isinstance(self.dedup_top_k, int) and self.dedup_top_k >= 1
+                                                 and self.ragged_exchange):
+            raise ValueError(f"dedup_top_k must be an integer >= 1 on a ragged exchange, got {self.dedup_top_k!r}")
 
     def options_label(self) -> str:
         """The label's tail that every schedule shares: the expert group, the exchange, shadowing,
         slots, priority."""
         return (f" ep={self.ep}" if self.ep is not None else "") + (" ragged" if self.ragged_exchange else "") + \
-            (f" dedup={self.dedup_share:.2f}" if self.dedup_share is not None else "") + \
+            (" dedup" if self.dedup_top_k is not None else "") + \
             (f" wire={self.wire_dtype}" if self.wire_dtype != EXACT_WIRE else "") + \
             (self.sync_label() if not self.prioritize_alltoall else "") + \
             (f" shadow={self.shadowed}" if self.shadowed else "") + \

@@ -82,7 +82,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
     if plan.ep is not None and plan.ep != cluster.world_size:
         settings["ep_size"] = plan.ep
     settings.update(technique_of(plan).simulated.settings(plan))
-    settings["token_exchange"] = "dedup" if plan.dedup_share is not None else "ragged" if plan.ragged_exchange \
+    settings["token_exchange"] = "dedup" if plan.dedup_top_k is not None else "ragged" if plan.ragged_exchange \
         else "padded"
     settings["wire_dtype"] = plan.wire_dtype
     settings["shadowing"] = "auto" if plan.shadowed else "off"
