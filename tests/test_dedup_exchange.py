@@ -23,7 +23,9 @@ from pool import run_distributed
 MODEL_DIM = 16
 
 
-def _step(rank: int, world_size: int, token_exchange: str, experts: int, degree: int) -> dict[str, int]:
+def _step(
+    rank: int, world_size: int, token_exchange: str, experts: int, degree: int, tokens: int = 40
+) -> dict[str, int]:
     """One dropless training step of a k = 2 layer: this rank's all-to-all bytes, the layer's saved
     rows and bytes, the rows its routing sends twice to one rank (counted from the choices), and
     the kept rows of all ranks."""
@@ -34,7 +36,7 @@ def _step(rank: int, world_size: int, token_exchange: str, experts: int, degree:
     sent: list[int] = []
     groups.ledger.on_enter = lambda entry: sent.append(entry.nbytes if "all-to-all" in entry.operation else 0)
     torch.manual_seed(10 + rank)
-    x = torch.randn(40, MODEL_DIM, requires_grad=True)
+    x = torch.randn(tokens, MODEL_DIM, requires_grad=True)
     layer(x).sum().backward()
     groups.ledger.on_enter = None
     stats = layer.last_stats
@@ -65,11 +67,13 @@ def test_a_token_crosses_to_each_rank_once(world_size: int) -> None:
 
 
 @pytest.mark.distributed
-def test_pipelined_chunks_deduplicate_within_each_chunk() -> None:
-    """In capacity chunks a token's copies in two chunks travel twice: fewer rows saved, never more."""
-    whole = run_distributed(_step, 2, "dedup", 8, 1)[0]["saved_rows"]
-    chunked = run_distributed(_step, 2, "dedup", 8, 4)[0]["saved_rows"]
-    assert 0 < chunked <= whole
+def test_pipelined_chunks_keep_most_of_the_saving() -> None:
+    """In capacity chunks a token's copies in two chunks travel twice; a dropless call fills a
+    token's slots together (token-major), so at degree 4 most copies share a chunk (choice-major,
+    GShard's order, the second choices sit after every first one: nearly none did)."""
+    whole = run_distributed(_step, 2, "dedup", 8, 1, 512)[0]["saved_rows"]
+    chunked = run_distributed(_step, 2, "dedup", 8, 4, 512)[0]["saved_rows"]
+    assert 0.6 * whole <= chunked <= whole
 
 
 @pytest.mark.distributed

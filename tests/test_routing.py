@@ -18,16 +18,18 @@ from moeflow.moe.routing import (
 )
 
 
-def brute_force_slots(expert_idx: list[list[int]], priority: list[float] | None) -> list[list[int]]:
+def brute_force_slots(
+    expert_idx: list[list[int]], priority: list[float] | None, token_major: bool = False
+) -> list[list[int]]:
     tokens, k = len(expert_idx), len(expert_idx[0]) if expert_idx else 0
     filled: dict[int, int] = {}
     location = [[-1] * k for _ in range(tokens)]
     order = sorted(range(tokens), key=lambda t: -priority[t]) if priority else range(tokens)
-    for j in range(k):
-        for t in order:
-            e = expert_idx[t][j]
-            location[t][j] = filled.get(e, 0)
-            filled[e] = filled.get(e, 0) + 1
+    fill = [(t, j) for t in order for j in range(k)] if token_major else [(t, j) for j in range(k) for t in order]
+    for t, j in fill:
+        e = expert_idx[t][j]
+        location[t][j] = filled.get(e, 0)
+        filled[e] = filled.get(e, 0) + 1
     return location
 
 
@@ -39,6 +41,11 @@ def test_slots_follow_choice_rank_then_token_order(tokens: int, experts: int, k:
     priority = torch.rand(tokens, generator=generator).round(decimals=1) if prioritized else None  # ties
     location, counts = assign_slots(expert_idx, experts, priority)
     expected = brute_force_slots(expert_idx.tolist(), priority.tolist() if priority is not None else None)
+    assert location.tolist() == expected
+    assert counts.tolist() == torch.bincount(expert_idx.flatten(), minlength=experts).tolist()
+    # a dropless call's order: each token's choices together
+    location, counts = assign_slots(expert_idx, experts, priority, token_major=True)
+    expected = brute_force_slots(expert_idx.tolist(), priority.tolist() if priority is not None else None, True)
     assert location.tolist() == expected
     assert counts.tolist() == torch.bincount(expert_idx.flatten(), minlength=experts).tolist()
 

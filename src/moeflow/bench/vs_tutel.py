@@ -171,11 +171,13 @@ def _slowest(fn: Any) -> float:
 
 def measure(
     rank: int, world: int, shapes: list[tuple[int, int, int, int]], repeats: int, pipeline: int | str = "auto",
-    against: str = "tutel", expert_kernel: str | None = None,
+    against: str = "tutel", expert_kernel: str | None = None, token_exchange: str | None = None,
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     records = []
     kernel = {} if expert_kernel is None else {"expert_kernel": expert_kernel}  # None: moeflow's default
+    if token_exchange is not None:
+        kernel["token_exchange"] = token_exchange
     for shape in shapes:
         ours, tutel = _layers(shape, rank, world, pipeline, against, kernel)
         generator = torch.Generator().manual_seed(100 + rank)
@@ -219,6 +221,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds per layer (medians)")
     parser.add_argument("--pipeline", default="auto", help="moeflow's pipeline setting: auto (default) or a degree")
     parser.add_argument("--expert-kernel", default=None, help="moeflow's expert_kernel (default: its default)")
+    parser.add_argument("--token-exchange", default=None, help="moeflow's token_exchange (default: its default)")
     parser.add_argument("--against", choices=("tutel", "deepspeed"), default="tutel",
                         help="the other MoE layer: Tutel's (default) or DeepSpeed-MoE's")
     args = parser.parse_args()
@@ -230,16 +233,17 @@ def main() -> None:
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats, pipeline, args.against,
-                          args.expert_kernel)
+                          args.expert_kernel, args.token_exchange)
         rank = dist.get_rank()
         dist.destroy_process_group()
     elif args.workers > 1 or args.against == "deepspeed":  # DeepSpeed's gate all-reduces even on one rank
         from moeflow.distributed import run_distributed
 
         records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, pipeline, args.against,
-                                        args.expert_kernel, timeout_s=3600)[0], 0
+                                        args.expert_kernel, args.token_exchange, timeout_s=3600)[0], 0
     else:
-        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline, args.against, args.expert_kernel), 0
+        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline, args.against, args.expert_kernel,
+                                 args.token_exchange), 0
     if rank == 0:
         for record in records:
             print(json.dumps(record), flush=True)

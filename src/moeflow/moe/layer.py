@@ -210,7 +210,7 @@ class MoELayer(nn.Module):
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
         path = self._direct_path(x_TM.shape[0], k, factor)  # what this call may skip (the capacity buffer)
         # route -> agree on the load (one all-gather) -> the dispatcher: plan, dispatch, experts, combine
-        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=path is None)
+        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=path is None, dropless=factor == 0)
         call = DispatchCall(x_TM, routing, k, factor, self._kernels(x_TM), recompute)
         agreed = self._agree(path, call, estimate_E, record, r)
         routed_TM, stats = self.experts.run_with_weights(x_TM, functools.partial(_dispatch, agreed, call))
@@ -276,7 +276,8 @@ class MoELayer(nn.Module):
         return self.config.expert_bias_update_rate > 0 and self.training
 
     def _route(
-        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord, slots: bool = True
+        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord, slots: bool = True,
+        dropless: bool = False,
     ) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
         inference scheduler (the schedule's hook), which sees the gate's choice, its estimate of the
@@ -284,10 +285,11 @@ class MoELayer(nn.Module):
         hook = self.schedule.hook
         with self._memory.routing_bias(record, self.gate.expert_bias, recompute):
             if hook is None:
-                routing, estimate_E = route(self.gate, x_TM, top_k, self.config, self.node_limit, slots=slots), None
+                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, slots=slots, dropless=dropless)
+                estimate_E = None
             else:
                 observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
-                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe)
+                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe, dropless=dropless)
                 estimate_E = hook.estimate(x_TM.shape[0])
         if not recompute:
             self._last.aux_loss = GraphValue(routing.aux_loss)

@@ -29,22 +29,25 @@ class Routing:
     location_TK: torch.Tensor | None  # None: slots not assigned (the direct path)
     counts_E: torch.Tensor
     priority_T: torch.Tensor | None = None  # batch-prioritized routing's order key (None: token order)
+    token_major: bool = False  # a dropless call's slots: a token's choices filled together
 
     def slotted(self, num_experts: int) -> Routing:
         """This routing with its capacity slots assigned (those of ``route(..., slots=False)`` now)."""
         if self.location_TK is not None:
             return self
-        location_TK, _ = assign_slots(self.choice.expert_idx_TK, num_experts, self.priority_T)
+        location_TK, _ = assign_slots(self.choice.expert_idx_TK, num_experts, self.priority_T, self.token_major)
         return dataclasses.replace(self, location_TK=location_TK)
 
 
 def route(
     gate: nn.Module, x_TM: torch.Tensor, top_k: int, config: MoEConfig, node_limit: NodeLimit | None = None,
-    observe: Callable[[ExpertChoice], ExpertChoice] | None = None, slots: bool = True,
+    observe: Callable[[ExpertChoice], ExpertChoice] | None = None, slots: bool = True, dropless: bool = False,
 ) -> Routing:
     """Route ``x_TM`` to ``top_k`` experts each; ``observe`` sees (and may replace) the choice
     before slots are assigned (an inference scheduler). ``slots=False`` leaves the capacity slots
-    unassigned (``location_TK`` None): for a forward with no capacity buffer."""
+    unassigned (``location_TK`` None): for a forward with no capacity buffer. ``dropless``: the
+    call drops nothing (capacity factor 0), so a token's choices fill their slots together
+    (:func:`~moeflow.moe.routing.slots.assign_slots`)."""
     normalize = config.normalize_gate if config.normalize_gate is not None else top_k > 1
     logits_TE = gate(x_TM)
     choice = select_experts(
@@ -55,10 +58,10 @@ def route(
         choice = observe(choice)
     priority_T = choice.scores_TE.detach().max(dim=1).values if config.batch_prioritized_routing else None  # Tutel's
     if slots:
-        location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T)
+        location_TK, counts_E = assign_slots(choice.expert_idx_TK, config.num_experts, priority_T, dropless)
     else:
         location_TK, counts_E = None, expert_counts(choice.expert_idx_TK, config.num_experts)
-    return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E, priority_T)
+    return Routing(choice, router_loss(config, logits_TE, choice), location_TK, counts_E, priority_T, dropless)
 
 
 def router_loss(config: MoEConfig, logits_TE: torch.Tensor, choice: ExpertChoice) -> torch.Tensor:
