@@ -181,3 +181,16 @@ def test_under_2dh_a_token_crosses_to_each_node_once() -> None:
     rank_level = run_distributed(_crossings, 4, "linear")[0]
     assert node_level["crossed"] == node_level["node_pairs"] < rank_level["crossed"] == rank_level["rank_pairs"]
     assert node_level["saved"] == rank_level["saved"] == node_level["repeated"] > 0
+
+
+def test_the_benchmarks_summary_sets_ratios_side_by_side() -> None:
+    from moeflow.bench.dedup import summarize
+
+    record = {"bench": "dedup", "config": "E8", "experts_per_rank": 4, "dispatch_rows_over_dedup": 1.26,
+              "predicted_rows_over_dedup": 1.27, "step_bytes_over_dedup": 1.25, "cross_node_rows_ragged": 100,
+              "cross_node_rows_dedup": 80, "train_step_over_dedup": 1.09}
+    summary = summarize([record, {"bench": "speed-probe"}])
+    assert summary["configs"] == 1
+    assert summary["dispatch_rows_over_dedup"] == {"E8 E/W=4": 1.26}
+    assert summary["cross_node_rows_over_dedup"] == {"E8 E/W=4": 1.25}
+    assert summarize([]) == {"summary": "dedup", "configs": 0}

@@ -215,6 +215,13 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             "worst_speedup": min(speedups), "max_abs_difference": max(r["max_abs_difference"] for r in records)}
 
 
+def _shape(text: str, parser: argparse.ArgumentParser) -> tuple[int, int, int, int]:
+    values = text.split(",")
+    if len(values) != 4 or not all(value.isdigit() and int(value) > 0 for value in values):
+        parser.error(f"--shapes {text!r}: give T,M,H,L as four positive integers, e.g. 2048,256,256,16")
+    return int(values[0]), int(values[1]), int(values[2]), int(values[3])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1, help="gloo processes to spawn when not launched")
@@ -222,27 +229,31 @@ def main() -> None:
     parser.add_argument("--pipeline", default="auto", help="moeflow's pipeline setting: auto (default) or a degree")
     parser.add_argument("--expert-kernel", default=None, help="moeflow's expert_kernel (default: its default)")
     parser.add_argument("--token-exchange", default=None, help="moeflow's token_exchange (default: its default)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="T,M,H,L",
+                        help="the shapes to run: tokens per rank, model dim, hidden dim, experts per rank "
+                        "(default: the four of SHAPES)")
     parser.add_argument("--against", choices=("tutel", "deepspeed"), default="tutel",
                         help="the other MoE layer: Tutel's (default) or DeepSpeed-MoE's")
     args = parser.parse_args()
     pipeline = int(args.pipeline) if args.pipeline.isdigit() else args.pipeline
+    shapes = list(SHAPES) if args.shapes is None else [_shape(text, parser) for text in args.shapes]
     if "RANK" in os.environ:  # a rank of moeflow launch or torchrun
         from datetime import timedelta
 
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-        records = measure(dist.get_rank(), dist.get_world_size(), list(SHAPES), args.repeats, pipeline, args.against,
+        records = measure(dist.get_rank(), dist.get_world_size(), shapes, args.repeats, pipeline, args.against,
                           args.expert_kernel, args.token_exchange)
         rank = dist.get_rank()
         dist.destroy_process_group()
     elif args.workers > 1 or args.against == "deepspeed":  # DeepSpeed's gate all-reduces even on one rank
         from moeflow.distributed import run_distributed
 
-        records, rank = run_distributed(measure, args.workers, list(SHAPES), args.repeats, pipeline, args.against,
+        records, rank = run_distributed(measure, args.workers, shapes, args.repeats, pipeline, args.against,
                                         args.expert_kernel, args.token_exchange, timeout_s=3600)[0], 0
     else:
-        records, rank = measure(0, 1, list(SHAPES), args.repeats, pipeline, args.against, args.expert_kernel,
+        records, rank = measure(0, 1, shapes, args.repeats, pipeline, args.against, args.expert_kernel,
                                  args.token_exchange), 0
     if rank == 0:
         for record in records:
