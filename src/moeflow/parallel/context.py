@@ -19,6 +19,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.config import EXACT_WIRE
 from moeflow.kernels.ragged import RaggedFFNCompute
 from moeflow.kernels.workspace import Workspace
+from moeflow.moe.dispatchers.slot_map import SlotMap
 from moeflow.moe.experts import ExpertCompute, FFNWeights, LocalExperts
 from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.placement import ExpertPlacement
@@ -57,8 +58,16 @@ class RunContext:
     estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
     prepared: object | None = None  # the schedule's own Prepared.state of this forward
     wire_dtype: str = EXACT_WIRE  # how the exchanged rows travel (moeflow.comm.wire)
-    slot_tokens: torch.Tensor | None = None  # (E * C,): the token each slot of the dispatched buffer holds (dedup)
-    slot_weights: torch.Tensor | None = None  # (E * C,): each slot's gate weight, in the graph (0: empty)
+    slots: SlotMap | None = None  # the dispatched buffer's slot map (which token each slot holds), where known
+    weights_TK: torch.Tensor | None = None  # the gate weights of the tokens it encoded, in the graph
+
+    def slot_weights(self) -> torch.Tensor | None:
+        """(E * C,): each slot's gate weight in the compute dtype, in the graph (0: an empty slot);
+        derived when a schedule asks (the dedup exchange applies them where the experts run)."""
+        if self.slots is None or self.weights_TK is None:
+            return None
+        kept_N = self.weights_TK.flatten().index_select(0, self.slots.choice_idx_N)
+        return self.slots.per_slot(kept_N.to(self.dtype))
 
     @property
     def rank(self) -> int:

@@ -150,11 +150,11 @@ class ExpertParallelSchedule(_ModelledSchedule):
         ``auto``, of the chunks that leave enough slots empty), or of the kept rows with a token sent
         once to each rank (a dedup plan: it reads which token each slot holds)."""
         if plan.exchange == DEDUP and ctx.world_size > 1:
-            if ctx.slot_tokens is None or ctx.slot_weights is None:
+            if ctx.slots is None or ctx.weights_TK is None:
                 raise ValueError("token_exchange='dedup' needs the dispatched buffer's slot map and gate weights "
-                                 "(ctx.slot_tokens, ctx.slot_weights)")
+                                 "(ctx.slots, ctx.weights_TK)")
             chunks = capacity_chunks(ctx.capacity, plan.degree)
-            return DedupExchange.build(ctx.groups, plan.algorithm, ctx.filled_WE, ctx.slot_tokens, chunks,
+            return DedupExchange.build(ctx.groups, plan.algorithm, ctx.filled_WE, ctx.slots.slot_token_S, chunks,
                                        ctx.wire_dtype)
         if plan.exchange != PADDED and ctx.world_size > 1:
             return RaggedExpertExchange(ctx.groups, plan.algorithm, ctx.filled_WE,
@@ -170,7 +170,7 @@ class ExpertParallelSchedule(_ModelledSchedule):
             if isinstance(chunk_exchange, DedupExchange):  # the gate weights go where the experts run
                 combined_ECM = pipelined_experts(
                     dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing,
-                    ctx.workspace, chunk_exchange.gate_weights(ctx.slot_weights))
+                    ctx.workspace, chunk_exchange.gate_weights(ctx.slot_weights()))
             else:
                 combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx)
         else:

@@ -86,9 +86,5 @@ def run_context(
     """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts
     (and, where the caller has the dispatched buffer's slot map and gate weights, each slot's token and weight)."""
     local = tuple(shard.expert for shard in placement.local(groups.rank))
-    slot_tokens = slot_weights = None
-    if slots is not None and weights_TK is not None:
-        slot_tokens = slots.slot_token_S
-        slot_weights = slots.per_slot(weights_TK.flatten().index_select(0, slots.choice_idx_N).to(dtype))
     return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slot_tokens, slot_weights)
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slots, weights_TK)
