@@ -39,7 +39,15 @@ from moeflow.config import EXACT_WIRE
 from moeflow.kernels.device_copy import to_device
 from moeflow.moe.pipeline import SelfAdjointExchange
 from moeflow.parallel.node_dedup import NodeRoutes, node_routes
-from moeflow.parallel.ragged_exchange import RaggedRoutes, ragged_combine, ragged_dispatch, ragged_routes, scatter_rows
+from moeflow.parallel.ragged_exchange import (
+    RaggedRoutes,
+    distinct_tokens,
+    ragged_combine,
+    ragged_dispatch,
+    ragged_routes,
+    scatter_rows,
+    summed_rows,
+)
 
 HIERARCHICAL = "2dh"
 """The all-to-all whose two hops the dedup exchange runs node by node (:mod:`moeflow.parallel.node_dedup`)."""
@@ -80,27 +88,17 @@ class DedupRoutes:
         local, _, model_dim = y_LXM.shape
         device = y_LXM.device
         slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(self.ragged.received_N, device))
-        received = sum(row[groups.rank] for row in self.matrix)
-        summed_UM = slots_NM.new_zeros(received, model_dim).index_add_(0, to_device(self.copy_of_N, device), slots_NM)
+        summed_UM = summed_rows(slots_NM, self.copy_of_N, sum(row[groups.rank] for row in self.matrix))
         returned_UM = exchange(self.algorithm, summed_UM, groups, transpose(self.matrix), wire_dtype)
         shape = (local * groups.size, rows, model_dim)
         return scatter_rows(returned_UM, to_device(self.unique_sent_U, device), shape)
-
-
-def _first_copies(tokens_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(where each distinct token first occurs, each position's distinct token), tokens ascending:
-    the order both sides of a block derive alike."""
-    distinct, copy_of = torch.unique(tokens_N, sorted=True, return_inverse=True)
-    first = torch.full((len(distinct),), len(tokens_N), dtype=torch.int64)
-    first.scatter_reduce_(0, copy_of, torch.arange(len(tokens_N)), reduce="amin")
-    return first, copy_of
 
 
 def _sender_side(tokens_N: torch.Tensor, sent_N: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The chunk rows this rank sends, one per (token, destination), and how many to each rank."""
     rows, sizes = [], []
     for block_tokens, block_sent in zip(tokens_N.split(counts), sent_N.split(counts), strict=True):
-        first, _ = _first_copies(block_tokens)
+        *_, first = distinct_tokens(block_tokens)
         rows.append(block_sent[first])
         sizes.append(len(first))
     return torch.cat(rows), sizes
@@ -110,21 +108,19 @@ def _receiver_side(tokens_N: torch.Tensor, counts: list[int]) -> tuple[torch.Ten
     """For each kept slot received, its row among the distinct rows received; and how many from each rank."""
     copies, sizes, offset = [], [], 0
     for block_tokens in tokens_N.split(counts):
-        first, copy_of = _first_copies(block_tokens)
+        distinct, copy_of, _ = distinct_tokens(block_tokens)
         copies.append(copy_of + offset)
-        sizes.append(len(first))
-        offset += len(first)
+        sizes.append(len(distinct))
+        offset += len(distinct)
     return torch.cat(copies), sizes
 
 
-def _exchange_token_indices(
-    groups: ParallelGroups, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor
-) -> torch.Tensor:
-    """Every kept slot's token index from its sender, laid out (L, W, C) as the receiver's experts
-    see them (-1: an empty slot): one ragged all-to-all of host values."""
+def _exchange_token_indices(groups: ParallelGroups, whole: RaggedRoutes, slot_tokens_EC: torch.Tensor) -> torch.Tensor:
+    """Every kept slot's token index from its sender (by ``whole``, the whole capacity's ragged
+    routes), laid out (L, W, C) as the receiver's experts see them (-1: an empty slot): one ragged
+    all-to-all of host values."""
     experts, capacity = slot_tokens_EC.shape
     world, rank = groups.size, groups.rank
-    whole = ragged_routes(filled_WE, rank, 0, capacity)
     device = host_device(groups.expert)
     sent = slot_tokens_EC.reshape(-1).cpu()[whole.sent_N].to(device=device, dtype=torch.int32)
     received = sent.new_empty(sum(row[rank] for row in whole.matrix))
@@ -137,15 +133,16 @@ def _exchange_token_indices(
 
 def dedup_routes(
     groups: ParallelGroups, algorithm: str, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor,
-    chunks: list[tuple[int, int]],
+    chunks: list[tuple[int, int]], whole: RaggedRoutes,
 ) -> dict[tuple[int, int], DedupRoutes]:
-    """Every chunk's routes for one forward, keyed (start, slots). Collective: every rank of the
-    expert group calls it with the same ``filled_WE`` and ``chunks``."""
+    """Every chunk's routes for one forward, keyed (start, slots); ``whole``: the whole capacity's
+    ragged routes. Collective: every rank of the expert group calls it with the same ``filled_WE``
+    and ``chunks``."""
     if not chunks:  # no capacity: nothing travels (every rank agrees the capacity)
         return {}
     rank = groups.rank
     tokens_EC = slot_tokens_EC.cpu()
-    received_LWC = _exchange_token_indices(groups, filled_WE, slot_tokens_EC)
+    received_LWC = _exchange_token_indices(groups, whole, slot_tokens_EC)
     built = []
     for start, stop in chunks:
         ragged = ragged_routes(filled_WE, rank, start, stop - start)
@@ -228,14 +225,14 @@ class DedupExchange(SelfAdjointExchange):
         if slot_tokens_S.numel() != experts * capacity:
             raise ValueError(f"slot tokens ({slot_tokens_S.numel()}) must number E * C = {experts} * {capacity}")
         slot_tokens_EC = slot_tokens_S.view(experts, capacity)
+        whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
         routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
         if algorithm == HIERARCHICAL:
             routes, saved, crossed = node_routes(groups, filled_WE, slot_tokens_EC, chunks)
         else:
-            routes = dedup_routes(groups, algorithm, filled_WE, slot_tokens_EC, chunks)
+            routes = dedup_routes(groups, algorithm, filled_WE, slot_tokens_EC, chunks, whole)
             saved = sum(route.saved_rows for route in routes.values())
             crossed = _crossed(routes.values(), groups.topology)
-        whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
         return cls(groups, routes, whole, capacity, experts // groups.size, saved, crossed, wire_dtype=wire_dtype)
 
     def gate_weights(self, slot_weights_S: torch.Tensor) -> torch.Tensor:

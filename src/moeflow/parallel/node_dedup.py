@@ -30,7 +30,7 @@ from moeflow.comm.algorithms import exchange_on
 from moeflow.comm.collectives import all_to_all_single, host_device, reduce_values
 from moeflow.comm.groups import ParallelGroups
 from moeflow.kernels.device_copy import to_device
-from moeflow.parallel.ragged_exchange import RaggedRoutes, ragged_routes, scatter_rows
+from moeflow.parallel.ragged_exchange import RaggedRoutes, distinct_tokens, ragged_routes, scatter_rows, summed_rows
 
 
 @dataclass(frozen=True)
@@ -73,25 +73,12 @@ class NodeRoutes:
         local, _, model_dim = y_LXM.shape
         device = y_LXM.device
         slots_NM = y_LXM.reshape(-1, model_dim).index_select(0, to_device(self.ragged.received_N, device))
-        per_rank = _summed(slots_NM, self.copy_of_N, sum(self.inside.receives))
+        per_rank = summed_rows(slots_NM, self.copy_of_N, sum(self.inside.receives))
         back = exchange_on(hops.intra_node, per_rank, groups, self.inside.sends, self.inside.receives, wire_dtype)
-        per_node = _summed(back, self.forward_V, sum(self.across.receives))
+        per_node = summed_rows(back, self.forward_V, sum(self.across.receives))
         returned = exchange_on(hops.inter_node, per_node, groups, self.across.sends, self.across.receives, wire_dtype)
         shape = (local * groups.size, rows, model_dim)
         return scatter_rows(returned, to_device(self.across_U, device), shape)
-
-
-def _summed(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torch.Tensor:
-    return rows_NM.new_zeros(count, rows_NM.shape[-1]).index_add_(0, to_device(into_N, rows_NM.device), rows_NM)
-
-
-def _distinct(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(distinct tokens ascending, each position's distinct token, where each first occurs), empties (-1) dropped
-    by the caller."""
-    distinct, copy_of = torch.unique(tokens, sorted=True, return_inverse=True)
-    first = torch.full((len(distinct),), len(tokens), dtype=torch.int64)
-    first.scatter_reduce_(0, copy_of, torch.arange(len(tokens)), reduce="amin")
-    return distinct, copy_of, first
 
 
 def _token_grids(groups: ParallelGroups, grid_EC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,14 +138,14 @@ def _chunk_routes(
     for node_block in grid_EC[:, start:stop].split(node_experts):
         flat = node_block.reshape(-1)
         kept = (flat >= 0).nonzero().squeeze(1)
-        _, _, first = _distinct(flat[kept])
+        _, _, first = distinct_tokens(flat[kept])
         across_U.append(kept[first] + len(across_U) * node_experts * slots)
         across_sends.append(len(first))
     # the peer: what each source node sends it, and what it forwards to each rank of its node
     arrived, offset = [], 0
     for grid in across_grids[:, :, start:stop]:
         flat = grid.reshape(-1)
-        distinct = _distinct(flat[flat >= 0])[0]
+        distinct = distinct_tokens(flat[flat >= 0])[0]
         arrived.append((distinct, offset))
         offset += len(distinct)
     forward_V, inside_sends = [], []
@@ -167,7 +154,7 @@ def _chunk_routes(
         for (distinct, first_row), grid in zip(arrived, across_grids[:, dest * local:(dest + 1) * local, start:stop],
                                                strict=True):
             flat = grid.reshape(-1)
-            needed = _distinct(flat[flat >= 0])[0]
+            needed = distinct_tokens(flat[flat >= 0])[0]
             forward_V.append(first_row + torch.searchsorted(distinct, needed))
             rows += len(needed)
         inside_sends.append(rows)
@@ -176,7 +163,7 @@ def _chunk_routes(
     for peer, by_node in enumerate(my_grids[:, :, :, start:stop]):
         for source_node, grid in enumerate(by_node):
             flat = grid.reshape(-1)
-            distinct, copy_of, _ = _distinct(flat[flat >= 0])
+            distinct, copy_of, _ = distinct_tokens(flat[flat >= 0])
             copies[(source_node, peer)] = copy_of + row
             row += len(distinct)
         inside_receives.append(row - sum(inside_receives))

@@ -62,6 +62,20 @@ def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
     return empty_share(int((filled_WE - start).clamp(0, slots).sum()), filled_WE.numel(), slots)
 
 
+def summed_rows(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` rows, row i the sum of the ``rows_NM`` whose ``into_N`` is i (a token's copies, summed)."""
+    return rows_NM.new_zeros(count, rows_NM.shape[-1]).index_add_(0, to_device(into_N, rows_NM.device), rows_NM)
+
+
+def distinct_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the distinct tokens ascending, each position's distinct token, where each first occurs): the
+    order both sides of a deduplicated block derive alike, so none travels."""
+    distinct, copy_of = torch.unique(tokens, sorted=True, return_inverse=True)
+    first = torch.full((len(distinct),), len(tokens), dtype=torch.int64)
+    first.scatter_reduce_(0, copy_of, torch.arange(len(tokens)), reduce="amin")
+    return distinct, copy_of, first
+
+
 def scatter_rows(rows_NM: torch.Tensor, index_N: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A zero tensor of ``shape`` whose flat rows ``index_N`` are ``rows_NM``."""
     out = rows_NM.new_zeros(shape)

@@ -108,10 +108,12 @@ class _ModelledSchedule(ModelledSchedule):
         return ScheduleOutput(self.pipelined(plan, dispatched_ECM, self.exchange(plan, ctx), ctx))
 
     def pipelined(
-        self, plan: Plan, dispatched_ECM: torch.Tensor, chunk_exchange: ChunkExchange, ctx: RunContext
+        self, plan: Plan, dispatched_ECM: torch.Tensor, chunk_exchange: ChunkExchange, ctx: RunContext,
+        scale_LWC: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return pipelined_experts(
-            dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace
+            dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing, ctx.workspace,
+            scale_LWC,
         )
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
@@ -164,15 +166,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def run(self, plan: Plan, dispatched_ECM: torch.Tensor, ctx: RunContext) -> ScheduleOutput:
         """The capacity-chunk pipeline, or FasterMoE's pairwise steps for a smart plan; reports
         the assignments each rank's experts compute (their owners')."""
-        chunk_exchange: ChunkExchange | None = None
+        dedup: DedupExchange | None = None
         if plan.schedule != SMART:
             chunk_exchange = self.exchange(plan, ctx)
-            if isinstance(chunk_exchange, DedupExchange):  # the gate weights go where the experts run
-                combined_ECM = pipelined_experts(
-                    dispatched_ECM, self.compute(ctx), ctx.weights(), chunk_exchange, plan.degree, ctx.timing,
-                    ctx.workspace, chunk_exchange.gate_weights(ctx.slot_weights()))
-            else:
-                combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx)
+            dedup = chunk_exchange if isinstance(chunk_exchange, DedupExchange) else None
+            scale_LWC = dedup.gate_weights(ctx.slot_weights()) if dedup is not None else None  # where experts run
+            combined_ECM = self.pipelined(plan, dispatched_ECM, chunk_exchange, ctx, scale_LWC)
         else:
             combined_ECM = smart_experts(
                 dispatched_ECM, self.compute(ctx), ctx.weights(), ctx.groups, ctx.timing, ctx.workspace,
@@ -181,10 +180,9 @@ class ExpertParallelSchedule(_ModelledSchedule):
         # rank r's experts are the buffer's r-th run of columns: they compute what every rank sends there
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
         ragged = plan.exchange != PADDED and plan.schedule != SMART
-        if isinstance(chunk_exchange, DedupExchange):  # what travelled: one row per (token, rank), weighted
-            return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()),
-                                  cross_node_rows=chunk_exchange.cross_node_rows,
-                                  dedup_saved_rows=chunk_exchange.saved_rows, weighted=True)
+        if dedup is not None:  # what travelled: one row per (token, rank), weighted
+            return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=dedup.cross_node_rows,
+                                  dedup_saved_rows=dedup.saved_rows, weighted=True)
         crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
         return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
 
