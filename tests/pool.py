@@ -23,7 +23,7 @@ def run_distributed(
     """:func:`moeflow.distributed.run_distributed`'s contract on this run's pool of ``world_size``."""
     key = (world_size, threads_per_worker)
     if key not in _POOLS:
-        _POOLS[key] = WorkerPool(world_size, threads_per_worker)
+        _POOLS[key] = WorkerPool(world_size, threads_per_worker, strict=True)  # NCCL's rules, on gloo
     return _POOLS[key].run(fn, *args, timeout_s=timeout_s, collective_timeout_s=collective_timeout_s)
 
 

@@ -194,3 +194,35 @@ def test_the_benchmarks_summary_sets_ratios_side_by_side() -> None:
     assert summary["dispatch_rows_over_dedup"] == {"E8 E/W=4": 1.26}
     assert summary["cross_node_rows_over_dedup"] == {"E8 E/W=4": 1.25}
     assert summarize([]) == {"summary": "dedup", "configs": 0}
+
+
+def _one_rank_disagrees(rank: int, world_size: int) -> str:
+    """Rank 1 derives one row too many from rank 0 (a bug in one rank's routes): every rank must
+    fail at the sizes' all-gather with the same words, none wait in the next all-to-all."""
+    import moeflow.parallel.dedup_exchange as dedup
+
+    if rank == 1:
+        derive = dedup._receiver_side
+
+        def one_too_many(tokens_N: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+            copies, sizes = derive(tokens_N, counts)
+            return copies, [sizes[0] + 1, *sizes[1:]]
+
+        dedup._receiver_side = one_too_many  # this worker's own module: the job ends the pool after it
+    torch.manual_seed(0)
+    layer = MoELayer(MODEL_DIM, 32, 8, top_k=2, capacity_factor=0.0, token_exchange="dedup", parallel="expert")
+    try:
+        layer(torch.randn(24, MODEL_DIM))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        if rank == 1:
+            dedup._receiver_side = derive
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_check_that_fails_on_one_rank_fails_on_every_rank_at_once() -> None:
+    messages = run_distributed(_one_rank_disagrees, 2, collective_timeout_s=20.0)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("dedup exchange: rank 1 expects") and "from rank 0" in messages[0]

@@ -77,8 +77,7 @@ def _uneven_group(rank: int, world_size: int) -> list[str]:
     """Ranks {0, 1, 2} of two nodes of two: the layer builds (linear) and refuses 2DH with the reason."""
     import torch.distributed as dist
 
-    members = [0, 1, 2] if rank < 3 else [3]
-    group = dist.new_group(members, use_local_synchronization=True)
+    group, _ = dist.new_subgroups_by_enumeration([[0, 1, 2], [3]])  # every rank makes both, in one order
     groups = ParallelGroups.from_group(group, Topology(world_size, 2))
     if rank == 3:
         return []

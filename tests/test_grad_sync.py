@@ -179,3 +179,55 @@ def test_a_worker_that_dies_during_micro_ops_fails_the_job_fast() -> None:
     with pytest.raises(WorkerError, match="worker 1"):
         run_distributed(_dies_during_micro_ops, 2, timeout_s=120)
     assert time.monotonic() - began < 30
+
+
+def _issue_points(rank: int, world_size: int, mode: str) -> list[tuple[str, int, int]]:
+    """Where each gradient all-reduce of a training step is issued: (its thread, the layers'
+    backward windows opened and closed before it)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from moeflow.training import grad_sync
+
+    model = MoETransformer(_config(2), group=dist.group.WORLD, seed=3)
+    experts = model.expert_parameter_names()
+    scheduler = gradient_scheduler(mode, replicated_parameters(model, experts), dist.new_group([0, 1]), world_size,
+                                   model.groups.traffic, MICROOP_MB, BUCKET_MB)
+    assert scheduler is not None
+    windows = [0, 0]
+    expect, settle = model.groups.traffic.expect, model.groups.traffic.settle
+
+    def counted(index: int, call: Any) -> Any:
+        return lambda: (windows.__setitem__(index, windows[index] + 1), call())[1]
+
+    model.groups.traffic.expect, model.groups.traffic.settle = counted(0, expect), counted(1, settle)
+    points: list[tuple[str, int, int]] = []
+    reduce = grad_sync.all_reduce
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        points.append((threading.current_thread().name, *windows))
+        return reduce(*args, **kwargs)
+
+    grad_sync.all_reduce = recorded
+    try:
+        scheduler.start()
+        batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
+        model(batch[:, :-1], batch[:, 1:])[1].backward()
+        synchronize_gradients(model, experts, dist.group.WORLD, world_size, scheduler)
+    finally:
+        grad_sync.all_reduce = reduce
+    return points
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["overlap", "lina"])
+def test_gradient_all_reduces_are_issued_at_the_same_points_of_the_backward_on_every_rank(mode: str) -> None:
+    """NCCL's rule for several communicators: every rank enqueues the gradient all-reduces at the
+    same places among the layers' all-to-alls, so they are issued on the backward's thread at
+    points its graph fixes (a scheduler thread of their own issued them where its timing fell)."""
+    first, second = run_distributed(_issue_points, 2, mode)
+    assert first == second and len(first) > 1
+    assert {thread for thread, *_ in first} == {"MainThread"}
+    if mode == "lina":  # none issued inside a layer's backward window: each after as many settles as expects
+        assert all(opened == closed for _, opened, closed in first[:-1])

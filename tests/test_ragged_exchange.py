@@ -135,3 +135,16 @@ def test_the_planner_prices_a_ragged_plan_by_its_kept_rows() -> None:
     forced = ExpertParallelModel(exchange="ragged")  # the smart schedule's steps send padded slots
     assert all(plan.schedule != "smart" for plan in forced.candidates(shape, (1,), ("pairwise",)))
     assert any(plan.schedule == "smart" for plan in automatic.candidates(shape, (1,), ("pairwise",)))
+
+
+def test_a_tokens_copies_sum_in_fp32_and_round_once() -> None:
+    """The dedup combines' sum: bf16 copies added in fp32 and rounded once, the same on every run
+    (index_add_ in bf16 rounded at every add: 1 + four 2^-9 stayed 1)."""
+    from moeflow.parallel.ragged_exchange import summed_rows
+
+    rows = torch.tensor([1.0, 2**-9, 2**-9, 2**-9, 2**-9, 3.0], dtype=torch.bfloat16).unsqueeze(1).repeat(1, 3)
+    into = torch.tensor([0, 0, 0, 0, 0, 1])
+    summed = summed_rows(rows, into, 3)
+    expected = torch.zeros(3, 3).index_add_(0, into, rows.float()).to(torch.bfloat16)
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed, expected)
+    assert float(summed[0, 0]) == 1 + 2**-7 and float(summed[2, 0]) == 0.0

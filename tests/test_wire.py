@@ -183,3 +183,12 @@ def test_shadowings_prices_move_tokens_in_the_wire_format() -> None:
     cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=1, fits=fits))
     rows = {wire: ShadowPrices.from_cost_model(cost, 64, 128, 2, wire_dtype=wire).row_bytes for wire in WIRE_DTYPES}
     assert rows == {"exact": 256, "bf16": 128, "fp8": 68}
+
+
+def test_fp8_keeps_a_rows_finite_values_beside_an_inf() -> None:
+    """The scale comes from the finite values: an inf (or NaN) arrives as NaN and its row's other
+    values within e4m3's rounding (an inf took the scale: the whole row decoded as NaN)."""
+    row = torch.tensor([[0.5, -0.25, float("inf"), 0.125, float("-inf"), float("nan")]])
+    back = decode("fp8", encode("fp8", row), torch.float32)
+    assert torch.equal(back[0, [0, 1, 3]], row[0, [0, 1, 3]])  # powers of two: exact in e4m3
+    assert back[0, [2, 4, 5]].isnan().all()

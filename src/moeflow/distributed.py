@@ -16,6 +16,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeflow.comm.ledger import process_state
+from moeflow.comm.strict import strict_collectives
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
 
@@ -49,11 +51,11 @@ def free_port() -> int:
 
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-    results: Any, threads: int, collective_timeout_s: float, tune_allocator: bool = True,
+    results: Any, threads: int, collective_timeout_s: float, tune_allocator: bool = True, strict: bool = False,
 ) -> None:
     prepare_worker_process(tune_allocator)
     torch.set_num_threads(threads)
-    run_in_group(rank, world_size, port, fn, args, results, collective_timeout_s)
+    run_in_group(rank, world_size, port, fn, args, results, collective_timeout_s, strict)
 
 
 def prepare_worker_process(tune_allocator: bool = True) -> None:
@@ -65,16 +67,18 @@ def prepare_worker_process(tune_allocator: bool = True) -> None:
 
 def run_in_group(
     rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any,
-    collective_timeout_s: float,
+    collective_timeout_s: float, strict: bool = False,
 ) -> None:
     """Join a new gloo group at ``port``, put ``(rank, ok, fn's value or the traceback)`` on
-    ``results``, and destroy every group the call made."""
+    ``results``, and destroy every group the call made. ``strict``: the job's collectives are
+    checked as NCCL needs them (:mod:`moeflow.comm.strict`): one order per group on every rank."""
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
-        value = fn(rank, world_size, *args)
+        timeout = timedelta(seconds=collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        checked = strict_collectives(rank, world_size, store, collective_timeout_s) if strict else nullcontext()
+        with checked:
+            value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -91,10 +95,12 @@ def run_distributed(
     timeout_s: float = 600.0,
     collective_timeout_s: float = 60.0,
     tune_allocator: bool = True,
+    strict: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
     ``tune_allocator=False`` leaves glibc's allocator as a user's own process has it (see
-    :mod:`moeflow.runtime`).
+    :mod:`moeflow.runtime`). ``strict=True`` checks the job's collectives as NCCL needs them
+    (:mod:`moeflow.comm.strict`).
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`WorkerError`
     naming the worker if any worker raises, dies, or the run exceeds ``timeout_s``.
@@ -108,7 +114,7 @@ def run_distributed(
         context.Process(
             target=_worker,
             args=(rank, world_size, port, fn, args, results, threads_per_worker, collective_timeout_s,
-                  tune_allocator),
+                  tune_allocator, strict),
             daemon=True,
         )
         for rank in range(world_size)

@@ -78,6 +78,8 @@ def transpose(matrix: SplitMatrix) -> SplitMatrix:
 def _alltoall_2dh(x: torch.Tensor, parallel_groups: ParallelGroups, matrix: SplitMatrix) -> torch.Tensor:
     groups, topology = parallel_groups.node_groups(), parallel_groups.topology
     me = parallel_groups.rank
+    if groups.intra_node is None or groups.inter_node is None:  # one hop of the two moves nothing: linear
+        return all_to_all(x, parallel_groups.expert, [row[me] for row in matrix], list(matrix[me]))
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
     node, local = topology.node_of(me), topology.local_rank_of(me)
     rank = topology.rank_of
@@ -216,12 +218,16 @@ def exchange(
 
 
 def exchange_on(
-    group: dist.ProcessGroup, x: torch.Tensor, groups: ParallelGroups, output_splits: list[int],
+    group: dist.ProcessGroup | None, x: torch.Tensor, groups: ParallelGroups, output_splits: list[int],
     input_splits: list[int], wire_dtype: str = EXACT_WIRE,
 ) -> torch.Tensor:
     """The linear all-to-all over ``group``, a subgroup of ``groups.expert`` (a node's ranks, or one
     local rank's on every node: :meth:`ParallelGroups.node_groups`), as :func:`exchange` runs it:
-    outside autograd, the rows as ``wire_dtype`` says, tracked and yielded to as an all-to-all."""
+    outside autograd, the rows as ``wire_dtype`` says, tracked and yielded to as an all-to-all.
+    None: a group of this rank alone, the rows kept (in the wire's precision, as sent)."""
+    if group is None:
+        with torch.no_grad():
+            return decode(wire_dtype, encode(wire_dtype, x), x.dtype)
     return _on_the_wire(x, groups, group, wire_dtype,
                         lambda sent: linear_all_to_all(sent, group, output_splits, input_splits))
 

@@ -36,6 +36,16 @@ def carries_cpu_tensors(backend: str) -> bool:
     return devices.get("cpu") in CPU_BACKENDS
 
 
+def backend_devices(backend: str) -> set[str]:
+    """The device types a backend string serves: per device when it names them
+    (``"cpu:gloo,cuda:nccl"``), else the backend's registered capability (gloo: CPU and CUDA, NCCL:
+    CUDA only)."""
+    if ":" in backend:
+        return {part.split(":", 1)[0] for part in backend.lower().split(",")}
+    capability = dist.Backend.backend_capability.get(backend.lower())
+    return set(capability) if capability else {"cpu", "cuda"}
+
+
 def host_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where host values travel on ``group``: the CPU, unless its backend has no CPU half (NCCL
     alone), then the current CUDA device."""

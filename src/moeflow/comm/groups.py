@@ -15,10 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from moeflow.comm.collectives import reduce_values
+from moeflow.comm.collectives import all_gather_objects, reduce_values
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
-from moeflow.comm.topology import NodeGroups, Topology, create_node_groups, group_topology
+from moeflow.comm.topology import NodeGroups, Topology, group_topology
 from moeflow.comm.traffic import AllToAllTraffic
 
 ProcessGroup = dist.ProcessGroup
@@ -116,8 +116,12 @@ class ParallelGroups:
       unevenly over the nodes, counts as one node);
     - ``members``: the expert group's global ranks, by group rank (what point-to-point calls address);
     - ``model``: a tensor (model) parallel group, for schedules that need one (None today);
-    - the intra-node and inter-node groups are created on the first topology-aware all-to-all, each
-      by its own ranks, and kept here;
+    - its subgroups, made up front by every rank of the world in one order (NCCL splits a
+      communicator only when every rank takes part): the blocks of consecutive ranks and the
+      strided groups of every size that divides the expert group (Tutel's weight-gather groups,
+      DeepSpeed-MoE's EP groups, Lina's packed blocks and their copies), of which the intra-node
+      and inter-node groups of the node layout are two; on a subgroup of the world, every expert
+      group's (one all-gather of the members over the world, so every rank builds its groups together);
     - ``ledger``: this rank's record of its collectives (:mod:`moeflow.comm.ledger`), what a hang
       reports; pass one with a progress directory for a report that names the rank behind.
 
@@ -126,7 +130,7 @@ class ParallelGroups:
 
     def __init__(
         self, expert: ProcessGroup | None, topology: Topology | None, model: ProcessGroup | None = None,
-        ledger: CollectiveLedger | None = None,
+        ledger: CollectiveLedger | None = None, subgroups: dict[tuple[str, int], ProcessGroup | None] | None = None,
     ) -> None:
         size = group_size(expert)
         if expert is not None and expert == default_group() and topology is not None and topology.world_size != size:
@@ -144,9 +148,7 @@ class ParallelGroups:
         self.traffic = AllToAllTraffic()  # the all-to-alls of every layer given these groups
         self.worker = CommunicationWorker(self.traffic)
         self.streams = CommunicationStreams()  # on CUDA: the communication stream instead of the worker
-        self._node_groups: NodeGroups | None = None
-        self._blocks: dict[int, ProcessGroup] = {}
-        self._strided: dict[int, ProcessGroup] = {}
+        self._subgroups = subgroups if subgroups is not None else make_subgroups(expert, self.members)
         self._packed: dict[int, ParallelGroups] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> ParallelGroups:
@@ -196,24 +198,20 @@ class ParallelGroups:
     def block(self, size: int) -> ProcessGroup | None:
         """This rank's block of ``size`` consecutive ranks of the expert group (ranks
         [b * size, (b + 1) * size)): Tutel's weight-gather group (§3.1.2, g = (W / E) / r ranks).
-        Created on first use by the block's ranks alone (local synchronization), and kept; None
-        for a block of one rank."""
+        Made with the groups; None for a block of one rank."""
         if size <= 1:
             return None
         if self.size % size:
             raise ValueError(f"blocks of {size} ranks do not tile the expert group of {self.size}")
-        if size == self.size:
-            return self.expert
-        first = self.rank // size * size
-        return self._own_subgroup(self._blocks, size, range(first, first + size))
+        return self.expert if size == self.size else self._subgroups[("block", size)]
 
     def packed(self, size: int) -> ParallelGroups:
         """The groups of this rank's block of ``size`` ranks (:meth:`block`), on this job's worker
         and traffic: where a packed placement's all-to-alls run (Lina's expert packing). Kept."""
         if size == self.size:
             return self
-        if size not in self._packed:
-            packed = ParallelGroups(self.block(size), None)  # a block: one node as far as it knows
+        if size not in self._packed:  # a block: one node as far as it knows, and no subgroups of its own
+            packed = ParallelGroups(self.block(size), None, subgroups={})
             packed.traffic, packed.worker, packed.streams = self.traffic, self.worker, self.streams
             packed.ledger = self.ledger
             self._packed[size] = packed
@@ -221,29 +219,58 @@ class ParallelGroups:
 
     def strided(self, stride: int) -> ProcessGroup | None:
         """This rank's group of the ranks of the expert group with its index modulo ``stride``
-        (DeepSpeed-MoE's EP group when ESP groups are ``stride`` consecutive ranks). Created on
-        first use by its ranks alone, and kept; None when it has one rank."""
+        (DeepSpeed-MoE's EP group when ESP groups are ``stride`` consecutive ranks). Made with the
+        groups; None when it has one rank."""
         if self.size % stride:
             raise ValueError(f"a stride of {stride} ranks does not tile the expert group of {self.size}")
         if stride == self.size:
             return None
-        if stride == 1:
-            return self.expert
-        return self._own_subgroup(self._strided, stride, range(self.rank % stride, self.size, stride))
-
-    def _own_subgroup(self, cache: dict[int, ProcessGroup], key: int, members: range) -> ProcessGroup:
-        """This rank's subgroup of the expert group's ranks ``members``, made on first use by those
-        ranks alone (local synchronization: the other subgroups need not exist yet), then kept."""
-        if key not in cache:
-            ranks = [self.global_rank(i) for i in members]
-            cache[key] = dist.new_group(ranks, use_local_synchronization=True)
-        return cache[key]
+        return self.expert if stride == 1 else self._subgroups[("strided", stride)]
 
     def node_groups(self) -> NodeGroups:
-        """This rank's intra- and inter-node groups of the expert group, made on first use."""
+        """This rank's intra-node group (the block of its node's ranks) and inter-node group (the
+        ranks of its local index on every node: a stride of the ranks per node); None for a hop of
+        this rank alone (one node, or one rank per node)."""
         if not self.knows_nodes:
             raise ValueError(f"topology-aware all-to-alls need the expert group's node layout: "
                              f"{self.node_layout_problem}")
-        if self._node_groups is None:
-            self._node_groups = create_node_groups(self.topology, self.members, self.rank)
-        return self._node_groups
+        per_node = self.topology.ranks_per_node
+        return NodeGroups(self.block(per_node), self.strided(per_node))
+
+
+def proper_divisors(size: int) -> list[int]:
+    """The sizes of the subgroups a group of ``size`` ranks may need: 1 < d < size, d divides it."""
+    return [divisor for divisor in range(2, size) if size % divisor == 0]
+
+
+def subgroup_ranks(members: Sequence[int]) -> dict[tuple[str, int], list[list[int]]]:
+    """An expert group's subgroups by (kind, size), as global ranks: ``("block", d)``, the blocks of
+    d consecutive group ranks; ``("strided", s)``, the groups of the ranks s apart."""
+    ranks = list(members)
+    layout: dict[tuple[str, int], list[list[int]]] = {}
+    for divisor in proper_divisors(len(ranks)):
+        layout[("block", divisor)] = [ranks[first:first + divisor] for first in range(0, len(ranks), divisor)]
+        layout[("strided", divisor)] = [ranks[first::divisor] for first in range(divisor)]
+    return layout
+
+
+def make_subgroups(expert: ProcessGroup | None, members: tuple[int, ...]) -> dict[tuple[str, int], ProcessGroup | None]:
+    """This rank's subgroups of its expert group (:func:`subgroup_ranks`), made by every rank of the
+    world in one order: every expert group's (learned by one all-gather over the world when the
+    expert group is not the world), each group once, on the expert group's backend. Nothing for
+    one process."""
+    if expert is None:
+        return {}
+    world = group_size(default_group())
+    layouts = [members] if len(members) == world else sorted(set(all_gather_objects(members)))
+    backend = str(dist.get_backend(expert))  # host values then travel on the same device as on the expert group
+    made: dict[tuple[int, ...], ProcessGroup] = {}
+    mine: dict[tuple[str, int], ProcessGroup | None] = {}
+    for layout in layouts:
+        for key, groups in subgroup_ranks(layout).items():
+            for ranks in groups:
+                if tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks, backend=backend)
+                if layout == members and members[group_rank(expert)] in ranks:
+                    mine[key] = made[tuple(ranks)]
+    return mine

@@ -91,8 +91,11 @@ def ep_esp_combine_allgather(
     the partials of ESP group ``ep - i`` (sending its own to ``ep + i``), sums them, and
     all-gathers that group's (L, C, M) block over MP while phase i + 1 is in flight (the summing
     variant of Parm's kernel). Where N_MP > N_ESP the members of an MP group sit in different EP
-    groups and sum the blocks in different phases: each member all-gathers them in the order of
-    the MP group's first member, each as soon as it holds it, so the gathers pair up.
+    groups and sum the blocks in different phases: every member all-gathers a block after the
+    phase in which the last of them holds it (:func:`gather_phases`), so the members enqueue the
+    all-gathers and the exchanges of the two communicators in one order (each gathering a block
+    as soon as it held it paired the gathers up, but at different places among the exchanges:
+    NCCL's order rule broken across the two communicators).
 
     Returns (E, N_MP * C, M): each expert's slots in MP-member order, as the serial combine then
     all-gather gives them. Not differentiable (the pipeline runs the adjoint exchange itself)."""
@@ -102,9 +105,9 @@ def ep_esp_combine_allgather(
     mp_size = dist.get_world_size(mp_group)
     by_source = partial_LXM.view(local, world, capacity, model_dim).transpose(0, 1).contiguous()
     gathered = partial_LXM.new_empty((ep_size, mp_size * local, capacity, model_dim))
-    lead_ep = dist.get_group_rank(group, dist.get_global_rank(mp_group, 0)) // esp_size
-    gather_order = [(lead_ep - phase) % ep_size for phase in range(ep_size)]  # the same on every MP member
     summed_blocks: dict[int, torch.Tensor] = {}
+    member_eps = [dist.get_group_rank(group, dist.get_global_rank(mp_group, m)) // esp_size for m in range(mp_size)]
+    gathered_after = gather_phases(member_eps, ep_size)  # the same on every MP member
     pending = []
     for phase in range(ep_size):
         source_ep, target_ep = (ep - phase) % ep_size, (ep + phase) % ep_size
@@ -120,11 +123,20 @@ def ep_esp_combine_allgather(
                 operations.append(dist.P2POp(dist.isend, by_source[target], dist.get_global_rank(group, target), group))
         _exchange(operations)
         summed_blocks[source_ep] = received.sum(dim=0)  # the local combine of this group's experts
-        while len(pending) < ep_size and gather_order[len(pending)] in summed_blocks:
-            block = gather_order[len(pending)]
+        for block in gathered_after[phase]:
             pending.append(dist.all_gather_single(gathered[block], summed_blocks[block], group=mp_group,
                                                   async_op=True))
     for work in pending:
         work.wait()
     by_member = gathered.view(ep_size, mp_size, local, capacity, model_dim)
     return by_member.permute(0, 2, 1, 3, 4).reshape(ep_size * local, mp_size * capacity, model_dim)
+
+
+def gather_phases(member_eps: list[int], ep_size: int) -> list[list[int]]:
+    """For each phase of the S2 combine, the EP groups' blocks an MP group all-gathers after it: a
+    block once every member holds it (a member of EP group e receives group b's block in phase
+    (e - b) mod N_EP), in block order. The same lists on every member, whatever its own EP group."""
+    phases: list[list[int]] = [[] for _ in range(ep_size)]
+    for block in range(ep_size):
+        phases[max((ep - block) % ep_size for ep in member_eps)].append(block)
+    return phases

@@ -73,10 +73,11 @@ def topology_from_environment(environment: Mapping[str, str], world_size: int) -
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """This rank's intra-node group (same node) and inter-node group (same local rank)."""
+    """This rank's intra-node group (same node) and inter-node group (same local rank); None for a
+    hop of this rank alone (one node, or one rank per node), which moves nothing."""
 
-    intra_node: dist.ProcessGroup
-    inter_node: dist.ProcessGroup
+    intra_node: dist.ProcessGroup | None
+    inter_node: dist.ProcessGroup | None
 
 
 def group_topology(members: Sequence[int], world: Topology) -> Topology:
@@ -93,15 +94,3 @@ def group_topology(members: Sequence[int], world: Topology) -> Topology:
             "lay the mesh out so that each expert group takes the same number of ranks from each node"
         )
     return Topology(len(members), per_node)
-
-
-def create_node_groups(topology: Topology, members: Sequence[int], rank: int) -> NodeGroups:
-    """This rank's intra-node group (its node's ranks of the group) and inter-node group (the
-    group's ranks of its local index on every node), ``rank`` being its group rank and ``members``
-    the group's global ranks by group rank. Each is made by its own ranks alone (local
-    synchronization), so the groups of other nodes or expert groups need not exist."""
-    node, local = topology.node_of(rank), topology.local_rank_of(rank)
-    intra = [members[topology.rank_of(node, other)] for other in range(topology.ranks_per_node)]
-    inter = [members[topology.rank_of(other, local)] for other in range(topology.num_nodes)]
-    return NodeGroups(dist.new_group(intra, use_local_synchronization=True),
-                      dist.new_group(inter, use_local_synchronization=True))

@@ -79,7 +79,8 @@ class AllToAllTraffic:
       capacity-chunk pipeline those gaps are shorter than a micro-op, which would then slow the
       next chunk's all-to-all, so the whole of a layer's backward counts as imminent here;
     - :meth:`enqueue` / :meth:`running`: an all-to-all waits on the worker / moves bytes;
-    - :meth:`wait_until_clear`: block until none is imminent, queued or running.
+    - :meth:`imminent` and :meth:`on_settle`: what Lina's gradient scheduler reads and is called
+      at (points of the backward's graph, the same on every rank).
 
     :attr:`alltoall_seconds` and :attr:`alltoall_ops` count every all-to-all since the job began
     (Lina's packing reads them): host time on CPU tensors, device time (CUDA events) on CUDA ones.
@@ -91,6 +92,7 @@ class AllToAllTraffic:
         self._changed = threading.Condition()
         self._busy = 0
         self._imminent = False
+        self._settled: list[Callable[[], None]] = []
         self._alltoall_seconds = 0.0
         self._unread: list[Span] = []  # spans of finished all-to-alls whose device time is not read yet
         self.alltoall_ops = 0
@@ -111,6 +113,18 @@ class AllToAllTraffic:
         with self._changed:
             return self._busy == 0 and not self._imminent
 
+    @property
+    def imminent(self) -> bool:
+        """Whether a layer's all-to-alls are imminent: between :meth:`expect` and :meth:`settle`,
+        points of the backward's graph (the same on every rank, unlike what is queued or running)."""
+        with self._changed:
+            return self._imminent
+
+    def on_settle(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the settling thread each time a layer's backward ends (Lina's
+        scheduler issues the micro-ops it held there)."""
+        self._settled.append(callback)
+
     def expect(self) -> None:
         with self._changed:
             self._imminent = True
@@ -119,6 +133,8 @@ class AllToAllTraffic:
         with self._changed:
             self._imminent = False
             self._changed.notify_all()
+        for callback in self._settled:
+            callback()
 
     def enqueue(self) -> None:
         """An all-to-all waits on a communication worker (until :meth:`dequeue`)."""
@@ -139,17 +155,6 @@ class AllToAllTraffic:
             span.stop()
             self.timeline.record_span("alltoall", span)
             self._leave(span)
-
-    def wait_until_clear(self, unless: Callable[[], bool] = lambda: False) -> None:
-        """Block until the links are free of all-to-alls, or ``unless()`` holds (checked again on
-        every change and on :meth:`wake`)."""
-        with self._changed:
-            self._changed.wait_for(lambda: (self._busy == 0 and not self._imminent) or unless())
-
-    def wake(self) -> None:
-        """Make waiters look at their ``unless`` again."""
-        with self._changed:
-            self._changed.notify_all()
 
     def _enter(self) -> None:
         with self._changed:

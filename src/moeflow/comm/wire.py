@@ -4,7 +4,9 @@ dispatch and combine).
 ``exact`` sends rows as they are. ``bf16`` rounds rows wider than 16 bits to bfloat16 (an fp32
 model's exchange sends half the bytes; a bf16 or fp16 model's is unchanged). ``fp8`` sends e4m3
 values with one fp32 scale per row, the row's largest magnitude mapped to e4m3's largest (448), as
-DeepEP's fp8 dispatch does: M + 4 bytes a row (:func:`moeflow.config.wire_row_bytes`). A row is
+DeepEP's fp8 dispatch does: M + 4 bytes a row (:func:`moeflow.config.wire_row_bytes`). The scale
+comes from the row's finite values; a non-finite value (e4m3 has no infinity) arrives as NaN, so an
+overflow stays visible without costing the row's finite values. A row is
 encoded just before the all-to-all and decoded just after it, into the dtype it left in, so the
 expert GEMMs and the combine's weighted sum run in the compute dtype; the exchange's backward sends
 the gradient rows the same way. Encoding is per row along the last dimension, so any split of the
@@ -41,10 +43,12 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """(..., M) -> (..., M + 4) bytes: each row's e4m3 values, then its fp32 scale."""
     model_dim = x.shape[-1]
     rows = x.reshape(-1, model_dim).float()
-    largest = rows.abs().amax(dim=1, keepdim=True)
+    finite = rows.isfinite()
+    largest = rows.abs().where(finite, 0.0).amax(dim=1, keepdim=True)  # an inf must not take the row's scale
     smallest = torch.finfo(torch.float32).tiny  # a row of denormals keeps a normal scale
     scale = torch.where(largest > 0, (largest / E4M3_MAX).clamp_min(smallest), torch.ones_like(largest))
-    values = (rows / scale).to(E4M3).view(torch.uint8)
+    # e4m3fn has no infinity (a cast saturates it to 448): a non-finite value travels as its NaN
+    values = (rows / scale).where(finite, torch.nan).to(E4M3).view(torch.uint8)
     packed = torch.cat([values, scale.view(torch.uint8)], dim=1)
     return packed.view(*x.shape[:-1], model_dim + FP8_SCALE_BYTES)
 

@@ -122,7 +122,7 @@ def _exchange_token_indices(groups: ParallelGroups, whole: RaggedRoutes, slot_to
     experts, capacity = slot_tokens_EC.shape
     world, rank = groups.size, groups.rank
     device = host_device(groups.expert)
-    sent = slot_tokens_EC.reshape(-1).cpu()[whole.sent_N].to(device=device, dtype=torch.int32)
+    sent = slot_tokens_EC.reshape(-1)[whole.sent_N].to(device=device, dtype=torch.int32)
     received = sent.new_empty(sum(row[rank] for row in whole.matrix))
     with groups.ledger.tracked("all-to-all", groups.expert, len(sent) * TOKEN_INDEX_BYTES):
         all_to_all_single(received, sent, groups.expert, [row[rank] for row in whole.matrix], whole.matrix[rank])
@@ -141,8 +141,8 @@ def dedup_routes(
     if not chunks:  # no capacity: nothing travels (every rank agrees the capacity)
         return {}
     rank = groups.rank
-    tokens_EC = slot_tokens_EC.cpu()
-    received_LWC = _exchange_token_indices(groups, whole, slot_tokens_EC)
+    tokens_EC = slot_tokens_EC  # on the host (DedupExchange.build reads it once)
+    received_LWC = _exchange_token_indices(groups, whole, tokens_EC)
     built = []
     for start, stop in chunks:
         ragged = ragged_routes(filled_WE, rank, start, stop - start)
@@ -151,26 +151,36 @@ def dedup_routes(
         received_tokens = received_LWC[:, :, start:stop].reshape(-1)[ragged.received_N]
         copy_of, receive_sizes = _receiver_side(received_tokens, [row[rank] for row in ragged.matrix])
         built.append((ragged, unique_sent, copy_of, send_sizes, receive_sizes))
-    matrices = _all_gather_sizes(groups, [sizes for *_, sizes, _ in built], len(chunks))
+    sizes = [(send, receive) for *_, send, receive in built]
+    matrices = _all_gather_sizes(groups, sizes, len(chunks))
     routes = {}
-    for (ragged, unique_sent, copy_of, _, receive_sizes), matrix, (start, stop) in zip(built, matrices, chunks,
-                                                                                      strict=True):
-        if [row[rank] for row in matrix] != receive_sizes:  # both sides derive the blocks alike
-            raise RuntimeError(f"dedup exchange: rank {rank} expects {receive_sizes} rows, peers send "
-                               f"{[row[rank] for row in matrix]}")
+    for (ragged, unique_sent, copy_of, *_), matrix, (start, stop) in zip(built, matrices, chunks, strict=True):
         routes[(start, stop - start)] = DedupRoutes(ragged, unique_sent, copy_of, matrix, algorithm)
     return routes
 
 
-def _all_gather_sizes(groups: ParallelGroups, send_sizes: list[list[int]], chunks: int) -> list[SplitMatrix]:
-    """Every rank's rows to every rank in each chunk: matrices[chunk][s][d]."""
+def _all_gather_sizes(
+    groups: ParallelGroups, sizes: list[tuple[list[int], list[int]]], chunks: int
+) -> list[SplitMatrix]:
+    """Every rank's rows to every rank in each chunk: matrices[chunk][s][d], from one all-gather of
+    what each rank sends and expects to receive. Every rank checks every pair with the same numbers,
+    so a disagreement fails the job on every rank at once, naming the ranks (a check that failed
+    on one rank alone left its peers waiting in the next all-to-all until the timeout)."""
     world = groups.size
-    local = torch.tensor(send_sizes, dtype=torch.int64, device=host_device(groups.expert)).reshape(-1)
+    local = torch.tensor(sizes, dtype=torch.int64, device=host_device(groups.expert)).reshape(-1)
     gathered = local.new_empty(world * local.numel())
     with groups.ledger.tracked("all-gather", groups.expert, local.numel() * 8):
         all_gather_into(gathered, local, groups.expert)
-    by_rank = gathered.cpu().view(world, chunks, world)
-    return [by_rank[:, chunk].tolist() for chunk in range(chunks)]
+    by_rank = gathered.cpu().view(world, chunks, 2, world)
+    sends, receives = by_rank[:, :, 0], by_rank[:, :, 1]  # (s, chunk, d) and (d, chunk, s)
+    disagree = (sends != receives.permute(2, 1, 0)).nonzero().tolist()
+    if disagree:  # both sides derive the blocks alike: a difference is a bug, the same on every rank
+        source, chunk, dest = disagree[0]
+        raise RuntimeError(
+            f"dedup exchange: rank {dest} expects {int(receives[dest, chunk, source])} rows from rank {source} "
+            f"in chunk {chunk}, which sends {int(sends[source, chunk, dest])}"
+        )
+    return [sends[:, chunk].tolist() for chunk in range(chunks)]
 
 
 class _SlotValuesToExperts(torch.autograd.Function):
@@ -224,7 +234,7 @@ class DedupExchange(SelfAdjointExchange):
         capacity = chunks[-1][1] if chunks else 0
         if slot_tokens_S.numel() != experts * capacity:
             raise ValueError(f"slot tokens ({slot_tokens_S.numel()}) must number E * C = {experts} * {capacity}")
-        slot_tokens_EC = slot_tokens_S.view(experts, capacity)
+        slot_tokens_EC = slot_tokens_S.view(experts, capacity).cpu()  # the forward's one wait for the device
         whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
         routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
         if algorithm == HIERARCHICAL:

@@ -28,7 +28,7 @@ import torch
 
 from moeflow.comm.algorithms import exchange_on
 from moeflow.comm.collectives import all_to_all_single, host_device, reduce_values
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, ProcessGroup
 from moeflow.kernels.device_copy import to_device
 from moeflow.parallel.ragged_exchange import RaggedRoutes, distinct_tokens, ragged_routes, scatter_rows, summed_rows
 
@@ -89,16 +89,23 @@ def _token_grids(groups: ParallelGroups, grid_EC: torch.Tensor) -> tuple[torch.T
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
     experts, capacity = grid_EC.shape
     local = experts // groups.size
-    device = host_device(groups.expert)
-    sent = grid_EC.to(device=device, dtype=torch.int32).contiguous()
-    across = torch.empty_like(sent)  # (source node, this node's experts, C)
-    with groups.ledger.tracked("all-to-all", hops.inter_node, sent.numel() * 4):
-        all_to_all_single(across, sent, hops.inter_node)
+    sent = grid_EC.to(dtype=torch.int32).contiguous()
+    across = _equal_exchange(sent, hops.inter_node, groups)  # (source node, this node's experts, C)
     by_rank = across.view(nodes, per_node, local, capacity).transpose(0, 1).contiguous()  # (dest local rank, N, L, C)
-    inside = torch.empty_like(by_rank)
-    with groups.ledger.tracked("all-to-all", hops.intra_node, by_rank.numel() * 4):
-        all_to_all_single(inside, by_rank, hops.intra_node)
+    inside = _equal_exchange(by_rank, hops.intra_node, groups)
     return across.cpu().long().view(nodes, per_node * local, capacity), inside.cpu().long()
+
+
+def _equal_exchange(sent: torch.Tensor, hop: ProcessGroup | None, groups: ParallelGroups) -> torch.Tensor:
+    """An equal-split all-to-all of ``sent`` over one hop (None: this rank alone, kept), on the hop's
+    host device (its own backend's, not the expert group's)."""
+    if hop is None:
+        return sent
+    sent = sent.to(host_device(hop))
+    received = torch.empty_like(sent)
+    with groups.ledger.tracked("all-to-all", hop, sent.numel() * sent.element_size()):
+        all_to_all_single(received, sent, hop)
+    return received
 
 
 def node_routes(
@@ -115,7 +122,7 @@ def node_routes(
     local = experts // groups.size
     node = topology.node_of(rank)
     slot_C = torch.arange(capacity)
-    grid_EC = torch.where(slot_C < filled_WE[rank].unsqueeze(1), slot_tokens_EC.cpu().long(), -1)
+    grid_EC = torch.where(slot_C < filled_WE[rank].unsqueeze(1), slot_tokens_EC.long(), -1)
     across_grids, my_grids = _token_grids(groups, grid_EC)
     routes, saved, crossed = {}, 0, 0
     for start, stop in chunks:

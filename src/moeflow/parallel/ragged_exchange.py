@@ -63,8 +63,29 @@ def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
 
 
 def summed_rows(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torch.Tensor:
-    """``count`` rows, row i the sum of the ``rows_NM`` whose ``into_N`` is i (a token's copies, summed)."""
-    return rows_NM.new_zeros(count, rows_NM.shape[-1]).index_add_(0, to_device(into_N, rows_NM.device), rows_NM)
+    """``count`` rows, row i the sum of the ``rows_NM`` whose ``into_N`` (host indices) is i: a
+    token's copies, summed in fp32 in the order they come and rounded once to the rows' dtype. Each
+    copy gets a place of its own in a (count, most copies, M) grid (no atomic adds: CUDA's
+    ``index_add_`` sums in the order its threads land, so a bf16 result changed from run to run and
+    rounded at every add); the grid's sum is the same on every run."""
+    place_N, most = _copy_places(into_N.cpu())
+    model_dim = rows_NM.shape[-1]
+    grid = rows_NM.new_zeros(count * most, model_dim)
+    grid.index_copy_(0, to_device(into_N.cpu() * most + place_N, rows_NM.device), rows_NM)
+    return grid.view(count, most, model_dim).sum(dim=1, dtype=torch.float32).to(rows_NM.dtype)
+
+
+def _copy_places(into_N: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each row's place among the rows summed into the same row (0, 1, ... in their order), and the
+    most rows summed into one (at least 1)."""
+    if not len(into_N):
+        return into_N.long(), 1
+    order = torch.argsort(into_N, stable=True)
+    sorted_into = into_N[order]
+    first = torch.searchsorted(sorted_into, sorted_into)  # where each row's group starts in the sorted order
+    place_N = torch.empty_like(order)
+    place_N[order] = torch.arange(len(into_N)) - first
+    return place_N, int(place_N.max()) + 1
 
 
 def distinct_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,12 +43,14 @@ from moeflow.distributed import collect_results, free_port, prepare_worker_proce
 
 class WorkerPool:
     """``world_size`` gloo processes, one intra-op thread each unless told otherwise, that run
-    one job at a time (:meth:`run`) until :meth:`close`."""
+    one job at a time (:meth:`run`) until :meth:`close`; ``strict``: each job's collectives are
+    checked across ranks (:mod:`moeflow.comm.strict`)."""
 
-    def __init__(self, world_size: int, threads_per_worker: int = 1) -> None:
+    def __init__(self, world_size: int, threads_per_worker: int = 1, strict: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.threads_per_worker = world_size, threads_per_worker
+        self.strict = strict  # every job's collectives checked as NCCL needs them (moeflow.comm.strict)
         self._workers: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
@@ -64,7 +66,7 @@ class WorkerPool:
             self._start()
         port, environment = free_port(), dict(os.environ)
         for tasks in self._tasks:
-            tasks.put((port, job, collective_timeout_s, environment, os.getcwd()))
+            tasks.put((port, job, collective_timeout_s, environment, os.getcwd(), self.strict))
         collected: dict[int, Any] = {}
         try:
             collect_results(self._workers, self._results, timeout_s, collected)
@@ -122,10 +124,10 @@ def _serve(rank: int, world_size: int, tasks: Any, results: Any, threads: int, o
     """A pool process: run jobs until told to stop, each from a fresh worker's state (set per job)."""
     first_seed = torch.initial_seed()
     while (task := tasks.get()) is not None:
-        port, job, collective_timeout_s, environment, cwd = task
+        port, job, collective_timeout_s, environment, cwd, strict = task
         _fresh_state(environment, cwd, threads, first_seed)
         with _written_to(Path(output) / f"{rank}.out", Path(output) / f"{rank}.err"):
-            run_in_group(rank, world_size, port, _call, (job, output), results, collective_timeout_s)
+            run_in_group(rank, world_size, port, _call, (job, output), results, collective_timeout_s, strict)
         gc.collect()
         if (Path(output) / f"{rank}{RETIRED}").exists():
             return

@@ -5,23 +5,25 @@
   all-reduced while the backward still runs, each bucket as soon as its last gradient is ready;
 - ``lina``: Lina's communication scheduler (§4.2, §6.1): each gradient is cut into equal micro-ops
   of about ``microop_mb`` (never two large gradients in one; small ones fused), and a micro-op is launched only while no
-  MoE all-to-all is imminent, queued or running (:class:`~moeflow.comm.traffic.AllToAllTraffic`:
-  from a layer's combine backward to the end of its backward), so that the all-to-alls have the
-  links to themselves.
+  MoE layer's all-to-alls are imminent (:class:`~moeflow.comm.traffic.AllToAllTraffic`: from a
+  layer's combine backward to the end of its backward), so that the all-to-alls have the links to
+  themselves; the ones held go when the layer's backward ends.
 
 The bucketed and micro-op all-reduces run on their own process group (so that they truly run
-beside the MoE layers' all-to-alls) from one scheduler thread per process, in a fixed order that
-is the same on every rank (reverse registration order, as DDP's first buckets), one at a time. On
-CUDA the scheduler issues them on a communication stream of its own, each after an event recorded
-when its gradients were ready, and the compute stream waits for that stream in ``finish()``: the
-all-reduces overlap the backward's kernels instead of queueing behind them on one stream. Every
+beside the MoE layers' all-to-alls), in a fixed order that is the same on every rank (reverse
+registration order, as DDP's first buckets), issued on the backward's own thread at points its
+graph fixes (as DDP's hooks issue its buckets), so every rank enqueues them at the same places
+among the all-to-alls, as NCCL requires of several communicators. On CPU tensors they run
+asynchronously beside the backward; on CUDA the scheduler issues them on a communication stream of
+its own, each after an event recorded when its gradients were ready, and the compute stream waits
+for that stream in ``finish()``: the all-reduces overlap the backward's kernels instead of
+queueing behind them on one stream. Every
 piece is reduced exactly once; the averages are the same numbers as ``after``'s (the same sums of
 the same values; bitwise where the reduction order agrees, e.g. on 2 workers).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,8 +98,16 @@ def buckets(sizes: Sequence[int], element_bytes: int, bucket_bytes: int) -> list
 
 class GradientScheduler:
     """All-reduces the pieces of the replicated gradients during the backward, in piece order,
-    each once all its gradients are ready; with ``yield_to_alltoall``, only while ``traffic``
-    has no all-to-all (Lina). :meth:`start` before the backward, :meth:`finish` after it."""
+    each once all its gradients are ready; with ``yield_to_alltoall``, none while a layer's
+    all-to-alls are imminent (Lina). :meth:`start` before the backward, :meth:`finish` after it.
+
+    Every all-reduce is issued on the thread that runs the backward, at points the backward's graph
+    fixes (a gradient becomes ready, a layer's backward ends, the backward ends), so every rank
+    enqueues them among the layers' all-to-alls in the same order: NCCL's rule for several
+    communicators (a thread of its own issued them wherever its timing fell, an order that differed
+    by rank and can deadlock NCCL when the streams are serialised, CUDA_DEVICE_MAX_CONNECTIONS=1).
+    On CPU tensors an all-reduce is asynchronous (gloo runs it beside the backward) and waited for
+    in :meth:`finish`; on CUDA it runs on a stream of its own after the gradients' ready events."""
 
     def __init__(
         self, parameters: Sequence[nn.Parameter], pieces: Sequence[GradientPiece], group: dist.ProcessGroup,
@@ -108,45 +118,37 @@ class GradientScheduler:
         self.group, self.world_size, self.traffic = group, world_size, traffic
         self.yield_to_alltoall = yield_to_alltoall
         self.launched: list[int] = []  # piece indices in launch order, this step (a test counts them)
-        self._changed = threading.Condition()
         self._ready = [False] * len(self.parameters)
-        self._draining = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._running = False
+        self._pending: list[tuple[GradientPiece, dist.Work | None, torch.Tensor | None]] = []
         self._ready_events: list[torch.cuda.Event | None] = [None] * len(self.parameters)
         self._stream: torch.cuda.Stream | None = None  # CUDA gradients: the all-reduces' stream
         for index, parameter in enumerate(self.parameters):
             parameter.register_post_accumulate_grad_hook(lambda _, index=index: self._mark_ready(index))
+        traffic.on_settle(self._launch_ready)  # a layer's backward ended: what waited for it goes
 
     def start(self) -> None:
-        """Before the backward: every gradient pending, the scheduler thread waiting for them."""
-        if self._thread is not None:
+        """Before the backward: every gradient pending."""
+        if self._running:
             raise RuntimeError("GradientScheduler.start() called twice without finish()")
-        self.launched, self._ready = [], [False] * len(self.parameters)
+        self.launched, self._ready, self._pending = [], [False] * len(self.parameters), []
         self._ready_events = [None] * len(self.parameters)
-        self._draining, self._error = False, None
-        self._thread = threading.Thread(target=self._run, name="moeflow-grad-sync", daemon=True)
-        self._thread.start()
+        self._running = True
 
     def finish(self) -> None:
         """After the backward: gradients that got none count as zeros, every piece is reduced
         (the rest now, with nothing left to yield to), and each gradient becomes the average."""
-        if self._thread is None:
+        if not self._running:
             raise RuntimeError("GradientScheduler.finish() without start()")
         for parameter in self.parameters:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-        with self._changed:
-            self._draining = True
-            self._ready = [True] * len(self.parameters)
-            self._changed.notify_all()
-        self.traffic.wake()  # a micro-op held for an all-to-all goes now
-        self._thread.join()
-        self._thread = None
-        if isinstance(self._error, CollectiveError):
-            raise self._error  # its report names the all-reduce and every worker's place
-        if self._error is not None:
-            raise RuntimeError(f"a gradient all-reduce failed: {self._error}") from self._error
+        self._ready = [True] * len(self.parameters)
+        self._launch_ready(draining=True)
+        self._running = False
+        pending, self._pending = self._pending, []
+        for piece, work, flat in pending:
+            self._complete(piece, work, flat)
         if self._stream is not None:  # the averages below (and the optimizer) follow the all-reduces
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for parameter in self.parameters:
@@ -155,64 +157,83 @@ class GradientScheduler:
 
     def _mark_ready(self, index: int) -> None:
         grad = self.parameters[index].grad
-        event = None
         if grad is not None and grad.is_cuda:  # on the stream the backward accumulated it on
-            event = torch.cuda.current_stream(grad.device).record_event()
-        with self._changed:
-            self._ready_events[index] = event
-            self._ready[index] = True
-            self._changed.notify_all()
+            self._ready_events[index] = torch.cuda.current_stream(grad.device).record_event()
+        self._ready[index] = True
+        self._launch_ready()
 
-    def _run(self) -> None:
-        try:
-            for index, piece in enumerate(self.pieces):
-                with self._changed:
-                    self._changed.wait_for(lambda piece=piece: all(self._ready[i] for i in piece.parameters))
-                self._hold_for_alltoall()
-                self._all_reduce(piece)
-                self.launched.append(index)
-        except BaseException as error:  # re-raised by finish() on the training thread
-            self._error = error
+    def _launch_ready(self, draining: bool = False) -> None:
+        """Issue, in piece order, every next piece whose gradients are all ready; with Lina's
+        priority none while a layer's all-to-alls are imminent (its combine's backward began and
+        its backward has not ended: a fact of the graph, the same on every rank)."""
+        if not self._running or (self.yield_to_alltoall and self.traffic.imminent and not draining):
+            return
+        while len(self.launched) < len(self.pieces):
+            index = len(self.launched)
+            piece = self.pieces[index]
+            if not all(self._ready[i] for i in piece.parameters):
+                return
+            self._pending.append(self._launch(piece))
+            self.launched.append(index)
 
-    def _hold_for_alltoall(self) -> None:
-        """Lina's priority: wait while an all-to-all is imminent, queued or running (not once the
-        backward is over: nothing is left to yield to)."""
-        if self.yield_to_alltoall:
-            self.traffic.wait_until_clear(unless=lambda: self._draining)
-
-    def _all_reduce(self, piece: GradientPiece) -> None:
+    def _launch(self, piece: GradientPiece) -> tuple[GradientPiece, dist.Work | None, torch.Tensor | None]:
         grads = [self.parameters[index].grad for index in piece.parameters]
         assert all(grad is not None for grad in grads)
         if not grads[0].is_cuda:  # type: ignore[union-attr]
-            return self._reduce(piece, grads)
+            return self._issue(piece, grads)
         if self._stream is None:
             self._stream = torch.cuda.Stream(grads[0].device)  # type: ignore[union-attr]
         with torch.cuda.stream(self._stream):
             for index in piece.parameters:
                 if (event := self._ready_events[index]) is not None:
                     self._stream.wait_event(event)
-            return self._reduce(piece, grads)
+            return self._issue(piece, grads)
 
-    def _reduce(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
-        nbytes = sum(stop - start for _, start, stop in piece.spans) * grads[0].element_size()  # type: ignore[union-attr]
-        with tracked(self.ledger, "gradient all-reduce", self.group, nbytes, phase="gradient sync"):
-            self._reduce_now(piece, grads)
-
-    def _reduce_now(self, piece: GradientPiece, grads: list[torch.Tensor | None]) -> None:
-        # Lina's timeline: on CUDA, events on the stream the all-reduce is issued on (current here)
-        span = self.traffic.clock.start(grads[0].device)  # type: ignore[union-attr]
-        if len(piece.spans) == 1:  # a micro-op: in place on its part of the gradient
+    def _issue(
+        self, piece: GradientPiece, grads: list[torch.Tensor | None]
+    ) -> tuple[GradientPiece, dist.Work | None, torch.Tensor | None]:
+        """One all-reduce: in place on a micro-op's part of its gradient, or on a bucket's flat
+        copy. Asynchronous on CPU tensors (its span ends when gloo finishes it); on CUDA its
+        stream waits for it, and a bucket is copied back on that stream."""
+        device = grads[0].device  # type: ignore[union-attr]
+        span = self.traffic.clock.start(device)  # Lina's timeline
+        if len(piece.spans) == 1:
             (_, start, stop), grad = piece.spans[0], grads[0]
-            all_reduce(grad.view(-1)[start:stop], self.group)
-        else:  # a bucket: fused into one flat buffer and back
-            flat = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
-            all_reduce(flat, self.group)
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))  # type: ignore[union-attr]
-                offset += grad.numel()  # type: ignore[union-attr]
-        span.stop()
+            flat, reduced = None, grad.view(-1)[start:stop]  # type: ignore[union-attr]
+        else:
+            flat = reduced = torch.cat([grad.reshape(-1) for grad in grads])  # type: ignore[union-attr]
+        work = all_reduce(reduced, self.group, async_op=device.type != "cuda")
+        if work is None:  # CUDA: ordered on the stream
+            span.stop()
+            self.traffic.timeline.record_span("allreduce", span)
+            self._copy_back(piece, flat)
+            return piece, None, None
+        work.get_future().add_done_callback(lambda _: span.stop())
         self.traffic.timeline.record_span("allreduce", span)
+        return piece, work, flat
+
+    def _complete(self, piece: GradientPiece, work: dist.Work | None, flat: torch.Tensor | None) -> None:
+        if work is None:
+            return
+        nbytes = piece.numel * self.parameters[piece.parameters[0]].element_size()
+        try:
+            with tracked(self.ledger, "gradient all-reduce", self.group, nbytes, phase="gradient sync"):
+                work.wait()
+        except CollectiveError:
+            raise  # its report names the all-reduce and every worker's place
+        except Exception as error:
+            raise RuntimeError(f"a gradient all-reduce failed: {error}") from error
+        self._copy_back(piece, flat)
+
+    def _copy_back(self, piece: GradientPiece, flat: torch.Tensor | None) -> None:
+        if flat is None:
+            return
+        offset = 0
+        for index in piece.parameters:
+            grad = self.parameters[index].grad
+            assert grad is not None
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 def gradient_scheduler(

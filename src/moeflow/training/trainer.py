@@ -124,7 +124,6 @@ class _Run:
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     expert_replicas: dist.ProcessGroup | None = None  # --ep-size: the workers holding this one's experts
     head_replicas: dist.ProcessGroup | None = None  # --mp-size: the workers holding this one's attention heads
-    copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
 
     def __post_init__(self) -> None:
@@ -274,7 +273,7 @@ def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
 def _copy_scheduler(run: _Run) -> GradientScheduler | None:
     """``--grad-sync overlap|lina`` with packed experts: their copies add up during the backward
     too (Lina schedules them with the replicated gradients), on a group of their own per block
-    size: the workers holding the same experts (a collective the first time)."""
+    size: the workers holding the same experts (the expert group's strided group, made up front)."""
     config, placed = run.config, run.model.placed_parameters()
     if config.grad_sync == "after" or run.group is None or run.packer is None:
         return None
@@ -283,12 +282,11 @@ def _copy_scheduler(run: _Run) -> GradientScheduler | None:
     if not packed:
         return None
     block = next(iter(packed.values()))
-    if block not in run.copy_groups:
-        run.copy_groups[block], _ = dist.new_subgroups_by_enumeration(
-            [list(range(first, run.world_size, block)) for first in range(block)],
-            timeout=timedelta(seconds=config.collective_timeout_s))
+    copies = run.model.groups.strided(block)  # made with the layout, by every rank: not on first use
+    if copies is None:  # one block of every rank: no copies to add up
+        return None
     parameters = [parameter for name, parameter in run.model.named_parameters() if name in packed]
-    return gradient_scheduler(config.grad_sync, parameters, run.copy_groups[block], run.world_size,
+    return gradient_scheduler(config.grad_sync, parameters, copies, run.world_size,
                               run.model.groups.traffic, config.microop_mb, config.bucket_mb, run.ledger)
 
 
