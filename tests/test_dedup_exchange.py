@@ -226,3 +226,29 @@ def test_a_check_that_fails_on_one_rank_fails_on_every_rank_at_once() -> None:
     messages = run_distributed(_one_rank_disagrees, 2, collective_timeout_s=20.0)
     assert messages[0] == messages[1]
     assert messages[0].startswith("dedup exchange: rank 1 expects") and "from rank 0" in messages[0]
+
+
+def _bf16_step(rank: int, world_size: int, alltoall: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One bf16 training step of a k = 8 dedup layer (E 8): its output and the input's gradient."""
+    torch.manual_seed(0)
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 2))
+    layer = MoELayer(MODEL_DIM, 32, 8, top_k=8, capacity_factor=0.0, group=groups, token_exchange="dedup",
+                     alltoall=alltoall, parallel="expert").to(torch.bfloat16)
+    torch.manual_seed(5 + rank)
+    x = (torch.rand(32, MODEL_DIM) * 0.8).to(torch.bfloat16).requires_grad_()
+    y = layer(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world_size", "alltoall"), [(2, "linear"), (4, "2dh")])
+def test_a_bf16_dedup_step_gives_the_same_bits_twice(world_size: int, alltoall: str) -> None:
+    """The dedup and node-dedup combines sum a token's copies in a fixed order. On CPU this held
+    before too; on CUDA the fixed order replaces index_add_'s atomic adds, which no several-rank
+    GPU run here can show (tests/test_ragged_exchange.py checks that none runs)."""
+    first = run_distributed(_bf16_step, world_size, alltoall)
+    second = run_distributed(_bf16_step, world_size, alltoall)
+    for (y, grad), (y_again, grad_again) in zip(first, second, strict=True):
+        assert y.dtype == torch.bfloat16 and torch.equal(y, y_again) and torch.equal(grad, grad_again)
+

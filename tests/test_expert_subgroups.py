@@ -103,3 +103,30 @@ def test_a_group_that_is_not_node_major_or_uneven_over_the_nodes_is_refused() ->
         group_topology([0, 1, 2, 4], world)
     with pytest.raises(ValueError, match="in node order"):
         group_topology([4, 0], world)
+
+
+def _fake_nccl(store: object, rank: int, size: int, timeout: object) -> object:
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _subgroup_backends(rank: int, world_size: int) -> list[str]:
+    """An expert group of gloo for host values beside a (fake) NCCL for tensors, as torch's
+    ``"cpu:gloo,cuda:nccl"``: its node groups and blocks are made on the same backend."""
+    import torch.distributed as dist
+
+    if "fakenccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("fakenccl", _fake_nccl, devices=["cuda"])
+    expert = dist.new_group(list(range(world_size)), backend="cpu:gloo,cuda:fakenccl")
+    groups = ParallelGroups(expert, Topology(world_size, 2))
+    hops = groups.node_groups()
+    return [str(dist.get_backend(group)) for group in (expert, hops.intra_node, hops.inter_node, groups.block(2))]
+
+
+@pytest.mark.distributed
+def test_subgroups_take_the_expert_groups_backend() -> None:
+    """Host values travel on the expert group's host device: node dedup's index exchange on a node
+    subgroup made with the default backend put a CPU tensor into NCCL beside a cpu:gloo group."""
+    for backends in run_distributed(_subgroup_backends, 4):
+        assert len(set(backends)) == 1 and "cpu:gloo" in backends[0], backends

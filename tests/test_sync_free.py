@@ -4,23 +4,30 @@ the device. On a GPU each such wait drains the queue and leaves the device idle 
 prepares the next launches (a third of a 64-expert layer's step on an H200, 2026-11-27).
 
 These run on the CPU: they count the operators that synchronize on CUDA whatever their input
-(a boolean index, ``nonzero``, ``bincount``, ``masked_select``/``masked_scatter``), as dispatched.
+(a boolean index, ``nonzero``, ``bincount``, ``masked_select``/``masked_scatter``), as dispatched;
+for the dedup exchange, whose routes are host work by design, the reads of a tensor that stands
+for device values.
 """
 
 from __future__ import annotations
 
 import collections
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeflow import MoELayer
+from moeflow.comm import ParallelGroups
+from moeflow.comm.topology import Topology
 from moeflow.kernels.choice import KernelChoice
 from moeflow.moe.dispatchers.slot_map import make_slot_map
 from moeflow.moe.routing import assign_slots
 from moeflow.moe.routing.slots import expert_counts
+from pool import run_distributed
 
 SYNCING = {"aten.nonzero.default", "aten.bincount.default", "aten.masked_select.default",
            "aten.masked_scatter.default", "aten.masked_scatter_.default", "aten.unique_consecutive.default"}
@@ -92,3 +99,42 @@ def test_expert_counts_equal_bincount() -> None:
     expert_idx = torch.randint(0, 7, (50, 3), generator=torch.Generator().manual_seed(1))
     assert torch.equal(expert_counts(expert_idx, 9), torch.bincount(expert_idx.flatten(), minlength=9))
     assert torch.equal(expert_counts(expert_idx[:0], 4), torch.zeros(4, dtype=torch.int64))
+
+
+class _DeviceValues(torch.Tensor):
+    """A tensor that stands for one on a GPU: it counts every read of its values by the host (each
+    a wait for the device on CUDA); what a read returns is a plain (host) tensor."""
+
+    reads: ClassVar[list[str]] = []  # per worker process: one job at a time
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", str(func))
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if name in ("cpu", "tolist", "item", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+            cls.reads.append(name)
+            return result.as_subclass(torch.Tensor) if isinstance(result, torch.Tensor) else result
+        if name == "to" and isinstance(result, torch.Tensor) and result.device.type == "cpu":
+            cls.reads.append(name)
+            return result.as_subclass(torch.Tensor)
+        return result
+
+
+def _host_reads(rank: int, world_size: int) -> list[str]:
+    """The dedup exchange's routes for one forward, from slot tokens that stand for device values."""
+    from moeflow.parallel.dedup_exchange import DedupExchange
+
+    filled_WE = torch.tensor([[3, 2, 3, 1], [3, 2, 3, 1]])
+    tokens_EC = torch.tensor([[0, 1, 2], [0, 1, 9], [3, 4, 0], [3, 9, 9]])  # 0, 1 and 3 twice on a rank
+    _DeviceValues.reads = []
+    exchange = DedupExchange.build(ParallelGroups(dist.group.WORLD, Topology(world_size, world_size)), "linear",
+                                   filled_WE, tokens_EC.reshape(-1).as_subclass(_DeviceValues), [(0, 2), (2, 3)])
+    assert exchange.saved_rows > 0
+    return list(_DeviceValues.reads)
+
+
+@pytest.mark.distributed
+def test_the_dedup_exchange_reads_the_device_once_per_forward() -> None:
+    """Its routes need the slots' token indices on the host: one read of them per forward (it read
+    them twice)."""
+    assert run_distributed(_host_reads, 2) == [["cpu"], ["cpu"]]
