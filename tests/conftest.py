@@ -29,14 +29,19 @@ def pooled_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """The library's own spawns (training, generation, benchmarks run in the test's process) go to
     the persistent workers too, unless the test is marked ``fresh_workers``: it measures the whole
     process (its peak memory, the children it leaves behind), so the pools end before it and its
-    workers are spawned fresh. A ``moeflow`` subprocess and tests/test_distributed.py still spawn."""
+    workers are spawned fresh. A ``moeflow`` subprocess and tests/test_distributed.py still spawn.
+    Either way every job's collectives are checked as NCCL needs them (``strict``,
+    :mod:`moeflow.comm.strict`)."""
+    import functools
+
+    import moeflow.distributed
     from pool import close_pools, run_distributed
 
     if request.node.get_closest_marker("fresh_workers") is not None:
         close_pools()
+        strict = functools.partial(moeflow.distributed.run_distributed, strict=True)
+        monkeypatch.setattr(moeflow.distributed, "run_distributed", strict)
         return
-    import moeflow.distributed
-
     monkeypatch.setattr(moeflow.distributed, "run_distributed", run_distributed)
 
 

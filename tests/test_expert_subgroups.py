@@ -130,3 +130,34 @@ def test_subgroups_take_the_expert_groups_backend() -> None:
     subgroup made with the default backend put a CPU tensor into NCCL beside a cpu:gloo group."""
     for backends in run_distributed(_subgroup_backends, 4):
         assert len(set(backends)) == 1 and "cpu:gloo" in backends[0], backends
+
+
+def _groups_made_in_steps(rank: int, world_size: int) -> list[str]:
+    """Layers built on 2 nodes of 2 (2DH with node dedup; Tutel's adaptive r, whose weight-gather
+    groups are blocks): the groups made during their forwards and backwards (none may be)."""
+    import torch.distributed as dist
+
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 2))
+    layers = [MoELayer(8, 16, 4, top_k=2, capacity_factor=0.0, group=groups, alltoall="2dh",
+                       token_exchange="dedup", parallel="expert"),
+              MoELayer(8, 16, 2, top_k=1, capacity_factor=0.0, group=groups, parallel="adaptive", alltoall="linear")]
+    made: list[str] = []
+    new_group = dist.new_group
+    dist.new_group = lambda ranks=None, *args, **kwargs: made.append(str(ranks)) or new_group(ranks, *args, **kwargs)
+    try:
+        for layer in layers:
+            for r in (0, 1, 2) if layer.config.parallel == "adaptive" else (None,):
+                x = torch.randn(12, 8, generator=torch.Generator().manual_seed(rank))
+                y = layer(x) if r is None else layer(x, r=r)
+                y.sum().backward()
+    finally:
+        dist.new_group = new_group
+    return made
+
+
+@pytest.mark.distributed
+def test_no_group_is_made_after_the_layers_are_built() -> None:
+    """NCCL makes a subgroup only when every rank of the world takes part: every group a layer may
+    use is made with its ParallelGroups (the node groups and blocks were made on first use, by
+    their members alone)."""
+    assert run_distributed(_groups_made_in_steps, 4) == [[]] * 4

@@ -86,6 +86,8 @@ GROUP_MAKERS = ("new_group", "split_group")
 PATCHED_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.device_mesh")
 """Where the functions are looked up (DeviceMesh imports ``new_group`` by name)."""
 STORE_PREFIX = "moeflow/strict/"
+FAILED_WAIT_S = 2.0
+"""How long a rank of a job that failed waits for its peers' records (a peer may have died)."""
 
 
 class StrictCollectives:
@@ -221,20 +223,22 @@ class StrictCollectives:
         ``failed`` job waits for its peers' records a short while only (a peer may be gone)."""
         with self._lock:
             record = json.dumps({"sequences": self.sequences, "members": self.members})
+        wait_s = min(timeout_s, FAILED_WAIT_S) if failed else timeout_s  # a failed job's peers may be gone
         store.set(f"{STORE_PREFIX}{self.rank}", record)
-        records = _peer_records(store, self.world_size, timeout_s if not failed else min(timeout_s, 5.0))
+        records = _peer_records(store, self.world_size, wait_s)
         store.add(f"{STORE_PREFIX}read", 1)
         if self.rank == 0:  # the store's server lives in this process: wait until every peer has read
-            _wait_for_count(store, f"{STORE_PREFIX}read", self.world_size, timeout_s)
-        problem = first_divergence(records)
+            _wait_for_count(store, f"{STORE_PREFIX}read", len(records), wait_s)
+        problem = first_divergence(records, complete=not failed)
         if problem is not None:
             raise CollectiveOrderError(problem)
 
 
-def first_divergence(records: dict[int, dict[str, Any]]) -> str | None:
+def first_divergence(records: dict[int, dict[str, Any]], complete: bool = True) -> str | None:
     """The first place where two ranks of a group (or a pair) issued different collectives, in
-    words; None when every group's ranks agree. ``records``: each rank's published sequences (a
-    rank that published none is left out, and named)."""
+    words; None when every group's ranks agree. ``records``: each rank's published sequences; a
+    rank that published none is left out, and named when the records should be ``complete`` (a
+    job that ended well; after a failure a peer may be gone, which its own error says)."""
     members: dict[str, list[int]] = {}
     for record in records.values():
         members.update(record["members"])
@@ -246,7 +250,7 @@ def first_divergence(records: dict[int, dict[str, Any]]) -> str | None:
             problem = _compare(key, ranks[0], sequences[ranks[0]], rank, sequences[rank])
             if problem is not None:
                 return problem
-        if missing and any(sequences.values()):
+        if complete and missing and any(sequences.values()):
             return f"on {key}: worker(s) {missing} left no record of their collectives (failed or gone)"
     return None
 
@@ -298,20 +302,37 @@ def strict_collectives(
     rank: int, world_size: int, store: dist.Store, timeout_s: float = 30.0
 ) -> Iterator[StrictCollectives]:
     """Record the block's collectives and verify them across ranks at its end (also when it
-    raises: the divergence, if any, is then added to the error)."""
+    raises: the divergence, if any, is then added to the error as a note)."""
     strict = StrictCollectives(rank, world_size)
     try:
         with strict:
             yield strict
     except BaseException as error:
+        order = _divergence_after_failure(strict, store, timeout_s)
+        if order is not None:  # the job's own error stays what it is; the divergence is its note
+            error.add_note(f"strict collectives: {order}")
+        raise
+    strict.verify(store, timeout_s)
+
+
+def _divergence_after_failure(strict: StrictCollectives, store: dist.Store, timeout_s: float) -> str | None:
+    """The divergence, if any, behind a job that failed, found within a few seconds: on a thread
+    of its own, because the store's server lives in rank 0, which may be stopped or dead (a call to
+    it would then wait out the store's timeout); None when it cannot tell in time."""
+    found: list[str | None] = [None]
+
+    def compare() -> None:
         try:
             strict.verify(store, timeout_s, failed=True)
         except CollectiveOrderError as order:
-            raise CollectiveOrderError(f"{order}\n(this after: {type(error).__name__}: {error})") from error
-        except Exception:
+            found[0] = str(order)
+        except Exception:  # a broken store must not hide the job's own error
             pass
-        raise
-    strict.verify(store, timeout_s)
+
+    thread = threading.Thread(target=compare, name="moeflow-strict-check", daemon=True)
+    thread.start()
+    thread.join(timeout=2 * FAILED_WAIT_S + 1.0)
+    return found[0]
 
 
 def _world() -> dist.ProcessGroup:
