@@ -233,7 +233,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
     optimizer = build_optimizer(model, config)
     run = _Run(Job(config, None, ""), dist.get_rank(), dist.get_world_size(), torch.device("cpu"),  # type: ignore[arg-type]
                dist.group.WORLD, model, optimizer, tokens, tokens, None, expert_names=model.expert_parameter_names(),
-               packer=_packer(config, model, optimizer, None))
+               packer=_packer(config, model, optimizer, None, None))
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     model.train()
     model.clock.enabled = True
