@@ -87,3 +87,11 @@ def test_first_divergence_names_a_peer_without_a_record() -> None:
     assert "worker(s) [1] left no record" in first_divergence(records)
     agreeing = {rank: {"sequences": {"g": [["barrier", "", -1]]}, "members": {"g": [0, 1]}} for rank in (0, 1)}
     assert first_divergence(agreeing) is None
+
+
+def test_a_rank_whose_job_failed_stopping_early_is_no_divergence() -> None:
+    """Its own error says why it stopped; a rank that ended well but issued less is named."""
+    longer = {"sequences": {"g": [["barrier", "", -1], ["barrier", "", -1]]}, "members": {"g": [0, 1]}}
+    shorter = {"sequences": {"g": [["barrier", "", -1]]}, "members": {"g": [0, 1]}}
+    assert first_divergence({0: longer, 1: {**shorter, "failed": True}}) is None
+    assert "worker 1 issued nothing" in first_divergence({0: {**longer, "failed": True}, 1: shorter})

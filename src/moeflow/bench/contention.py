@@ -224,7 +224,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
 
     from moeflow.models import MoETransformer
     from moeflow.training.optimizer import build_optimizer
-    from moeflow.training.trainer import Job, _copy_scheduler, _gradient_scheduler, _packer, _Run
+    from moeflow.training.trainer import Job, _copy_groups, _copy_scheduler, _gradient_scheduler, _packer, _Run
 
     config = step_config(point.model, microop_mb=point.microop_mb, bucket_mb=point.bucket_mb,
                          workers=dist.get_world_size(), **changes)
@@ -234,6 +234,7 @@ def _bench_run(point: ContentionPoint, groups: Any, changes: dict[str, Any]) -> 
     run = _Run(Job(config, None, ""), dist.get_rank(), dist.get_world_size(), torch.device("cpu"),  # type: ignore[arg-type]
                dist.group.WORLD, model, optimizer, tokens, tokens, None, expert_names=model.expert_parameter_names(),
                packer=_packer(config, model, optimizer, None, None))
+    run.copy_groups = _copy_groups(run)
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     model.train()
     model.clock.enabled = True

@@ -15,7 +15,7 @@ The group is always passed in (None: the default group), never read from the env
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +73,22 @@ def reduce_values(values: Sequence[float], group: dist.ProcessGroup | None, op: 
     tensor = host_tensor(values, torch.float64, group)
     all_reduce(tensor, group, op)
     return tensor.tolist()
+
+
+def reduce_values_later(
+    values: Sequence[float], group: dist.ProcessGroup | None, op: str = "sum"
+) -> Callable[[], list[float]]:
+    """Host numbers reduced over ``group`` (float64), issued now and read when the returned function
+    is called (statistics: the forward does not wait for them)."""
+    tensor = host_tensor(values, torch.float64, group)
+    work = all_reduce(tensor, group, op, async_op=True)
+
+    def read() -> list[float]:
+        if work is not None:
+            work.wait()
+        return tensor.tolist()
+
+    return read
 
 
 def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup | None,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from moeflow.comm.collectives import all_gather_objects, reduce_values
+from moeflow.comm.collectives import all_gather_objects, host_device, reduce_values
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.streams import CommunicationStreams
 from moeflow.comm.topology import NodeGroups, Topology, group_topology
@@ -203,7 +204,7 @@ class ParallelGroups:
             return None
         if self.size % size:
             raise ValueError(f"blocks of {size} ranks do not tile the expert group of {self.size}")
-        return self.expert if size == self.size else self._subgroups[("block", size)]
+        return self.expert if size == self.size else self._subgroup("block", size)
 
     def packed(self, size: int) -> ParallelGroups:
         """The groups of this rank's block of ``size`` ranks (:meth:`block`), on this job's worker
@@ -225,7 +226,13 @@ class ParallelGroups:
             raise ValueError(f"a stride of {stride} ranks does not tile the expert group of {self.size}")
         if stride == self.size:
             return None
-        return self.expert if stride == 1 else self._subgroups[("strided", stride)]
+        return self.expert if stride == 1 else self._subgroup("strided", stride)
+
+    def _subgroup(self, kind: str, size: int) -> ProcessGroup | None:
+        if (kind, size) not in self._subgroups:
+            raise ValueError(f"this ParallelGroups made no {kind} subgroups of {size} (a packed block's groups have "
+                             "none of their own): give the layer the job's ParallelGroups")
+        return self._subgroups[(kind, size)]
 
     def node_groups(self) -> NodeGroups:
         """This rank's intra-node group (the block of its node's ranks) and inter-node group (the
@@ -264,13 +271,24 @@ def make_subgroups(expert: ProcessGroup | None, members: tuple[int, ...]) -> dic
     world = group_size(default_group())
     layouts = [members] if len(members) == world else sorted(set(all_gather_objects(members)))
     backend = str(dist.get_backend(expert))  # host values then travel on the same device as on the expert group
+    timeout = group_timeout(expert)  # a hang on a subgroup fails as soon as one on the expert group would
     made: dict[tuple[int, ...], ProcessGroup] = {}
     mine: dict[tuple[str, int], ProcessGroup | None] = {}
     for layout in layouts:
         for key, groups in subgroup_ranks(layout).items():
             for ranks in groups:
                 if tuple(ranks) not in made:
-                    made[tuple(ranks)] = dist.new_group(ranks, backend=backend)
+                    made[tuple(ranks)] = dist.new_group(ranks, backend=backend, timeout=timeout)
                 if layout == members and members[group_rank(expert)] in ranks:
                     mine[key] = made[tuple(ranks)]
     return mine
+
+
+def group_timeout(group: ProcessGroup) -> timedelta | None:
+    """The collective timeout ``group`` was made with (torch keeps it on the group's backend, in a
+    private field: None, torch's default, where this torch does not have it)."""
+    try:
+        timeout = group._get_backend(host_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None

@@ -6,8 +6,9 @@ every tensor lives on the device of the group's backend. gloo forgives much of t
 all-reduces swapped on one rank, a collective skipped where a later one of the same size stands in,
 a group made lazily by its own ranks alone all pass there and hang (or sum the wrong numbers) on
 NCCL. :class:`StrictCollectives` records, while it is active, every collective this process issues
-through ``torch.distributed`` (moeflow's own, through :mod:`moeflow.comm`, and FSDP2's and
-DeviceMesh's alike), and at the end of the job compares each group's sequence across its ranks
+through ``torch.distributed``'s Python functions (moeflow's own, through :mod:`moeflow.comm`, and
+FSDP2's and DeviceMesh's where they call them; DTensor's functional collectives, operators of
+their own, pass unseen), and at the end of the job compares each group's sequence across its ranks
 (:meth:`StrictCollectives.verify`): the first divergence fails the job on every rank, naming it.
 
 It refuses at once a collective whose tensor is not on a device the group's backend serves (a CPU
@@ -25,7 +26,7 @@ import inspect
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -143,10 +144,11 @@ class StrictCollectives:
         return call
 
     def _record(self, name: str, arguments: dict[str, Any]) -> None:
-        if name in GROUP_MAKERS:
+        if name in GROUP_MAKERS:  # new_group: every rank of the world; split_group: every rank of the parent
             ranks = arguments.get("ranks", arguments.get("split_ranks"))
             local = bool(arguments.get("use_local_synchronization", False))
-            self._append(_world(), (f"{name}({_ranks_text(ranks)}{', local' if local else ''})", "", -1))
+            parent = arguments.get("parent_pg") or _world()
+            self._append(parent, (f"{name}({_ranks_text(ranks)}{', local' if local else ''})", "", -1))
         elif name == "batch_isend_irecv":  # one entry per pair and batch: a batch's order is free
             batch: dict[str, list[str]] = {}
             for op in arguments["p2p_op_list"]:
@@ -159,6 +161,8 @@ class StrictCollectives:
             peer = arguments.get("dst" if name in ("send", "isend") else "src")
             if peer is None:
                 local_peer = arguments.get("group_dst" if name in ("send", "isend") else "group_src")
+                if local_peer is None:  # a receive from any rank: no pair to hold it against
+                    return
                 peer = dist.get_global_rank(group or _world(), local_peer)
             self._append_pair(*self._point_to_point(group, peer, name in ("send", "isend"), arguments["tensor"]))
         else:
@@ -168,8 +172,9 @@ class StrictCollectives:
         spec = COLLECTIVES[name]
         group = arguments.get("group") or _world()
         tensors = _tensors(arguments.get(spec.tensor)) if spec.tensor else []
-        for tensor in tensors:
-            self._check_device(name, group, tensor)
+        for value in arguments.values():  # inputs and outputs alike
+            for tensor in _tensors(value) + [t for item in _lists(value) for t in _tensors(item)]:
+                self._check_device(name, group, tensor)
         if not tensors:
             self._append(group, (name, "", -1))
             return
@@ -222,7 +227,7 @@ class StrictCollectives:
         :class:`CollectiveOrderError` naming the first divergence (the same on every rank). A
         ``failed`` job waits for its peers' records a short while only (a peer may be gone)."""
         with self._lock:
-            record = json.dumps({"sequences": self.sequences, "members": self.members})
+            record = json.dumps({"sequences": self.sequences, "members": self.members, "failed": failed})
         wait_s = min(timeout_s, FAILED_WAIT_S) if failed else timeout_s  # a failed job's peers may be gone
         store.set(f"{STORE_PREFIX}{self.rank}", record)
         records = _peer_records(store, self.world_size, wait_s)
@@ -246,8 +251,9 @@ def first_divergence(records: dict[int, dict[str, Any]], complete: bool = True) 
         ranks = [rank for rank in members[key] if rank in records]
         missing = [rank for rank in members[key] if rank not in records]
         sequences = {rank: [tuple(e) for e in records[rank]["sequences"].get(key, [])] for rank in ranks}
+        failed = {rank for rank in ranks if records[rank].get("failed")}
         for rank in ranks[1:]:
-            problem = _compare(key, ranks[0], sequences[ranks[0]], rank, sequences[rank])
+            problem = _compare(key, ranks[0], sequences[ranks[0]], rank, sequences[rank], failed)
             if problem is not None:
                 return problem
         if complete and missing and any(sequences.values()):
@@ -255,10 +261,16 @@ def first_divergence(records: dict[int, dict[str, Any]], complete: bool = True) 
     return None
 
 
-def _compare(key: str, first: int, mine: list[Entry], other: int, theirs: list[Entry]) -> str | None:
+def _compare(
+    key: str, first: int, mine: list[Entry], other: int, theirs: list[Entry], failed: Collection[int] = ()
+) -> str | None:
+    """The first entry where two ranks' sequences of ``key`` differ; a rank whose job ``failed``
+    stopped early, which is no divergence (its own error says why)."""
     for index in range(max(len(mine), len(theirs))):
         a = mine[index] if index < len(mine) else None
         b = theirs[index] if index < len(theirs) else None
+        if (a is None and first in failed) or (b is None and other in failed):
+            return None
         if a != b:
             return (f"collective order differs on {key} at its collective #{index + 1}: worker {first} issued "
                     f"{_entry_text(a)} while worker {other} issued {_entry_text(b)}; every rank of a group must "
@@ -347,6 +359,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, list | tuple):
         return [item for item in value if isinstance(item, torch.Tensor)]
     return []
+
+
+def _lists(value: Any) -> list[Any]:
+    """The lists inside a list argument (all_gather_coalesced's list of output lists)."""
+    return [item for item in value if isinstance(item, list)] if isinstance(value, list) else []
 
 
 def _ranks_text(ranks: Any) -> str:

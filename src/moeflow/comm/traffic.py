@@ -14,6 +14,7 @@ on CPU tensors both are the host clock.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ class AllToAllTraffic:
         self._changed = threading.Condition()
         self._busy = 0
         self._imminent = False
-        self._settled: list[Callable[[], None]] = []
+        self._settled: list[weakref.WeakMethod] = []
         self._alltoall_seconds = 0.0
         self._unread: list[Span] = []  # spans of finished all-to-alls whose device time is not read yet
         self.alltoall_ops = 0
@@ -121,9 +122,10 @@ class AllToAllTraffic:
             return self._imminent
 
     def on_settle(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` on the settling thread each time a layer's backward ends (Lina's
-        scheduler issues the micro-ops it held there)."""
-        self._settled.append(callback)
+        """Call the bound method ``callback`` on the settling thread each time a layer's backward
+        ends (Lina's scheduler issues the micro-ops it held there), for as long as its object lives
+        (a scheduler replaced by another is not kept alive by this)."""
+        self._settled.append(weakref.WeakMethod(callback))  # type: ignore[arg-type]
 
     def expect(self) -> None:
         with self._changed:
@@ -133,8 +135,10 @@ class AllToAllTraffic:
         with self._changed:
             self._imminent = False
             self._changed.notify_all()
-        for callback in self._settled:
-            callback()
+        self._settled = [method for method in self._settled if method() is not None]
+        for method in self._settled:
+            if (callback := method()) is not None:
+                callback()
 
     def enqueue(self) -> None:
         """An all-to-all waits on a communication worker (until :meth:`dequeue`)."""

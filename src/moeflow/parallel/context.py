@@ -9,7 +9,7 @@ inner schedule a context of its own with :func:`dataclasses.replace`: other expe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,4 +116,5 @@ class ScheduleOutput:
     shadow_predicted_gain_s: float | None = None
     cross_node_rows: int | None = None  # token rows the dispatch sent between nodes, all ranks (None: not counted)
     dedup_saved_rows: int | None = None  # rows the dispatch did not send (a token's copies to one rank); None: no dedup
+    dedup_totals: Callable[[], tuple[int, int]] | None = None  # a dedup exchange's (saved, cross-node) rows, read later
     weighted: bool = False  # combined_ECM's rows carry their gate weights (summed before they travelled): decode sums

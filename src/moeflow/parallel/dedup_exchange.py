@@ -25,7 +25,7 @@ The routes are built on the host, like the ragged exchange's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -212,15 +212,15 @@ class DedupExchange(SelfAdjointExchange):
     every slot of its token, the combine sums those slots' outputs, scaled by their gate weights in
     the pipeline (:meth:`gate_weights`), before one row goes back. Each is the other's adjoint.
     ``saved_rows``: the rows one all-to-all of the ragged exchange would send that this one does
-    not; ``cross_node_rows``: the rows its dispatch sends between nodes (both over all ranks and chunks)."""
+    not; ``cross_node_rows``: the rows its dispatch sends between nodes (both over all ranks and
+    chunks, read from ``totals`` when asked)."""
 
     groups: ParallelGroups
     routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
     whole: RaggedRoutes  # the whole capacity's ragged routes (the gate weights travel by them)
     capacity: int
     num_local_experts: int
-    saved_rows: int
-    cross_node_rows: int
+    totals: Callable[[], tuple[int, int]]  # (saved_rows, cross_node_rows), read when asked
     slots: tuple[int, int] | None = None
     wire_dtype: str = EXACT_WIRE
 
@@ -237,13 +237,25 @@ class DedupExchange(SelfAdjointExchange):
         slot_tokens_EC = slot_tokens_S.view(experts, capacity).cpu()  # the forward's one wait for the device
         whole = ragged_routes(filled_WE, groups.rank, 0, capacity)
         routes: Mapping[tuple[int, int], DedupRoutes | NodeRoutes]
+        totals: Callable[[], tuple[int, int]]
         if algorithm == HIERARCHICAL:
-            routes, saved, crossed = node_routes(groups, filled_WE, slot_tokens_EC, chunks)
+            routes, totals = node_routes(groups, filled_WE, slot_tokens_EC, chunks)
         else:
             routes = dedup_routes(groups, algorithm, filled_WE, slot_tokens_EC, chunks, whole)
-            saved = sum(route.saved_rows for route in routes.values())
-            crossed = _crossed(routes.values(), groups.topology)
-        return cls(groups, routes, whole, capacity, experts // groups.size, saved, crossed, wire_dtype=wire_dtype)
+            counted = (sum(route.saved_rows for route in routes.values()), _crossed(routes.values(), groups.topology))
+            totals = lambda: counted  # noqa: E731 - every rank holds the matrices: nothing to wait for
+        return cls(groups, routes, whole, capacity, experts // groups.size, totals, wire_dtype=wire_dtype)
+
+    @property
+    def saved_rows(self) -> int:
+        """The rows one all-to-all of the ragged exchange would send that this one does not, over all
+        ranks and chunks (under 2DH this reads an all-reduce issued in :meth:`build`)."""
+        return self.totals()[0]
+
+    @property
+    def cross_node_rows(self) -> int:
+        """The rows the dispatch sends between nodes, over all ranks and chunks (as :attr:`saved_rows`)."""
+        return self.totals()[1]
 
     def gate_weights(self, slot_weights_S: torch.Tensor) -> torch.Tensor:
         """Each slot's gate weight where its expert runs, (L, W, C) (differentiable): what the

@@ -22,12 +22,13 @@ Every hop's blocks are ordered by token index on both sides, so no order travels
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from moeflow.comm.algorithms import exchange_on
-from moeflow.comm.collectives import all_to_all_single, host_device, reduce_values
+from moeflow.comm.collectives import all_to_all_single, host_device, reduce_values_later
 from moeflow.comm.groups import ParallelGroups, ProcessGroup
 from moeflow.kernels.device_copy import to_device
 from moeflow.parallel.ragged_exchange import RaggedRoutes, distinct_tokens, ragged_routes, scatter_rows, summed_rows
@@ -110,13 +111,14 @@ def _equal_exchange(sent: torch.Tensor, hop: ProcessGroup | None, groups: Parall
 
 def node_routes(
     groups: ParallelGroups, filled_WE: torch.Tensor, slot_tokens_EC: torch.Tensor, chunks: list[tuple[int, int]]
-) -> tuple[dict[tuple[int, int], NodeRoutes], int, int]:
-    """Every chunk's routes for one forward, keyed (start, slots), with the rows one all-to-all of
-    the rank-level exchange would send that the last hop does not (all ranks) and the rows that
-    cross between nodes (all ranks). Collective over the expert group."""
+) -> tuple[dict[tuple[int, int], NodeRoutes], Callable[[], tuple[int, int]]]:
+    """Every chunk's routes for one forward, keyed (start, slots), and a function that reads (the
+    rows one all-to-all of the rank-level exchange would send that the last hop does not, the rows
+    that cross between nodes), both over all ranks: their all-reduce is issued here and read when
+    the statistics are (the forward does not wait for it). Collective over the expert group."""
     topology, rank = groups.topology, groups.rank
     if not chunks:  # no capacity: nothing travels (every rank agrees the capacity)
-        return {}, 0, 0
+        return {}, lambda: (0, 0)
     per_node = topology.ranks_per_node
     experts, capacity = slot_tokens_EC.shape
     local = experts // groups.size
@@ -130,8 +132,8 @@ def node_routes(
         routes[(start, stop - start)] = chunk
         crossed += sum(rows for other, rows in enumerate(chunk.across.sends) if other != node)
         saved += len(chunk.ragged.received_N) - sum(chunk.inside.receives)
-    saved_all, crossed_all = reduce_values([saved, crossed], groups.expert)
-    return routes, int(saved_all), int(crossed_all)
+    totals = reduce_values_later([saved, crossed], groups.expert)
+    return routes, lambda: (int(totals()[0]), int(totals()[1]))
 
 
 def _chunk_routes(

@@ -64,7 +64,7 @@ def chunk_saving(filled_WE: torch.Tensor, start: int, slots: int) -> float:
 
 def summed_rows(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torch.Tensor:
     """``count`` rows, row i the sum of the ``rows_NM`` whose ``into_N`` (host indices) is i: a
-    token's copies, summed in fp32 in the order they come and rounded once to the rows' dtype. Each
+    token's copies, summed in fp32 (or wider) in the order they come, rounded once to the rows' dtype. Each
     copy gets a place of its own in a (count, most copies, M) grid (no atomic adds: CUDA's
     ``index_add_`` sums in the order its threads land, so a bf16 result changed from run to run and
     rounded at every add); the grid's sum is the same on every run."""
@@ -72,7 +72,8 @@ def summed_rows(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torc
     model_dim = rows_NM.shape[-1]
     grid = rows_NM.new_zeros(count * most, model_dim)
     grid.index_copy_(0, to_device(into_N.cpu() * most + place_N, rows_NM.device), rows_NM)
-    return grid.view(count, most, model_dim).sum(dim=1, dtype=torch.float32).to(rows_NM.dtype)
+    accumulate = torch.promote_types(rows_NM.dtype, torch.float32)  # fp64 rows keep fp64
+    return grid.view(count, most, model_dim).sum(dim=1, dtype=accumulate).to(rows_NM.dtype)
 
 
 def _copy_places(into_N: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -181,8 +181,7 @@ class ExpertParallelSchedule(_ModelledSchedule):
         rank_tokens = ctx.filled_WE.sum(0).view(ctx.world_size, -1).sum(1)
         ragged = plan.exchange != PADDED and plan.schedule != SMART
         if dedup is not None:  # what travelled: one row per (token, rank), weighted
-            return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=dedup.cross_node_rows,
-                                  dedup_saved_rows=dedup.saved_rows, weighted=True)
+            return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), dedup_totals=dedup.totals, weighted=True)
         crossed = cross_node_rows(ctx.filled_WE, dispatched_ECM.shape[1], ragged, ctx.groups.topology)
         return ScheduleOutput(combined_ECM, tuple(rank_tokens.tolist()), cross_node_rows=crossed)
 

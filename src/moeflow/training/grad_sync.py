@@ -140,9 +140,11 @@ class GradientScheduler:
         (the rest now, with nothing left to yield to), and each gradient becomes the average."""
         if not self._running:
             raise RuntimeError("GradientScheduler.finish() without start()")
-        for parameter in self.parameters:
+        for index, parameter in enumerate(self.parameters):
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
+                if parameter.grad.is_cuda:  # the all-reduce's stream waits for the zeros too
+                    self._ready_events[index] = torch.cuda.current_stream(parameter.device).record_event()
         self._ready = [True] * len(self.parameters)
         self._launch_ready(draining=True)
         self._running = False

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, proper_divisors
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
@@ -124,6 +124,7 @@ class _Run:
     copy_scheduler: GradientScheduler | None = None  # packed experts' copies, during the backward
     expert_replicas: dist.ProcessGroup | None = None  # --ep-size: the workers holding this one's experts
     head_replicas: dist.ProcessGroup | None = None  # --mp-size: the workers holding this one's attention heads
+    copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # packed copies' groups, by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
 
     def __post_init__(self) -> None:
@@ -195,6 +196,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
                expert_replicas=replicas, head_replicas=head_replicas)
+    run.copy_groups = _copy_groups(run)
     run.grad_scheduler, run.copy_scheduler = _gradient_scheduler(run), _copy_scheduler(run)
     if config.dtype == "fp16":
         run.scaler = torch.amp.GradScaler(device.type)
@@ -270,10 +272,26 @@ def _gradient_scheduler(run: _Run) -> GradientScheduler | None:
     )
 
 
+def _copy_groups(run: _Run) -> dict[int, dist.ProcessGroup]:
+    """The groups over which packed experts' copies add up, by block size, made at setup by every
+    worker in one order (NCCL splits a communicator only when every rank takes part): for each
+    block size that divides the workers, the workers a block apart, across the expert groups too
+    (their copies are data-parallel replicas of each other). None made without a copy scheduler."""
+    config = run.config
+    if config.grad_sync == "after" or run.group is None or run.packer is None:
+        return {}
+    groups = {}
+    for block in (1, *proper_divisors(run.world_size)):  # block 1: every worker holds every expert
+        groups[block], _ = dist.new_subgroups_by_enumeration(
+            [list(range(first, run.world_size, block)) for first in range(block)],
+            timeout=timedelta(seconds=config.collective_timeout_s))
+    return groups
+
+
 def _copy_scheduler(run: _Run) -> GradientScheduler | None:
     """``--grad-sync overlap|lina`` with packed experts: their copies add up during the backward
     too (Lina schedules them with the replicated gradients), on a group of their own per block
-    size: the workers holding the same experts (the expert group's strided group, made up front)."""
+    size: the workers holding the same experts, in every expert group (:func:`_copy_groups`)."""
     config, placed = run.config, run.model.placed_parameters()
     if config.grad_sync == "after" or run.group is None or run.packer is None:
         return None
@@ -282,11 +300,10 @@ def _copy_scheduler(run: _Run) -> GradientScheduler | None:
     if not packed:
         return None
     block = next(iter(packed.values()))
-    copies = run.model.groups.strided(block)  # made with the layout, by every rank: not on first use
-    if copies is None:  # one block of every rank: no copies to add up
+    if block not in run.copy_groups:  # one block of every rank: no copies to add up
         return None
     parameters = [parameter for name, parameter in run.model.named_parameters() if name in packed]
-    return gradient_scheduler(config.grad_sync, parameters, copies, run.world_size,
+    return gradient_scheduler(config.grad_sync, parameters, run.copy_groups[block], run.world_size,
                               run.model.groups.traffic, config.microop_mb, config.bucket_mb, run.ledger)
 
 

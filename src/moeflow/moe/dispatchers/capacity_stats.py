@@ -3,6 +3,11 @@ the plan that ran and what the schedule said about its run."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch.distributed as dist
 
 from moeflow.comm.groups import ParallelGroups
@@ -19,10 +24,16 @@ def routing_stats(
     config: MoEConfig, groups: ParallelGroups, load: GlobalLoad, capacity: int, top_k: int, factor: float,
     chosen: PlanChoice, timing: PipelineTiming, label: str, owned: OwnedTokens, ran: ScheduleOutput,
     kernels: dict[str, str] | None = None,
-) -> RoutingStats:
+) -> RoutingStats | Callable[[], RoutingStats]:
     """``label``: the schedule's name for the plan that ran; ``owned``: the tokens this rank
     encoded (Parm's S1: its MP member's share, whose buffer and, partitioned, drops are its own);
-    ``kernels``: who ran encode, decode and the ragged GEMMs."""
+    ``kernels``: who ran encode, decode and the ragged GEMMs. Where the schedule's dedup totals
+    are still on their way (an all-reduce the forward did not wait for), the statistics are a
+    function that reads them on first read of ``MoELayer.last_stats``."""
+    if ran.dedup_totals is not None:
+        settled = dataclasses.replace(owned, x_TM=owned.x_TM[:0])  # its dtype, not its tokens, stays alive
+        arguments = (config, groups, load, capacity, top_k, factor, chosen, timing, label, settled)
+        return functools.partial(_after_totals, arguments, ran, kernels)
     slots = owned.capacity
     counts_WE = load.counts_WE
     if groups.model is not None:  # MP members hold the same tokens: count them once
@@ -31,6 +42,7 @@ def routing_stats(
         dropped_E = (counts_WE - capacity).clamp(min=0).sum(0).tolist()
     else:  # Parm's partitioned S1: each member dropped by its own partition's capacity
         capacity, dropped_E = owned.capacity, owned.dropped_E
+    row_bytes = wire_row_bytes(config.wire_dtype, config.model_dim, owned.x_TM.element_size())
     plan = ExecutionPlan(
         schedule=label,
         r=chosen.plan.r,
@@ -63,6 +75,15 @@ def routing_stats(
         rank_tokens=ran.rank_tokens,
         cross_node_rows=ran.cross_node_rows,
         dedup_saved_rows=ran.dedup_saved_rows,
-        dedup_saved_bytes=None if ran.dedup_saved_rows is None else
-        2 * ran.dedup_saved_rows * wire_row_bytes(config.wire_dtype, config.model_dim, owned.x_TM.element_size()),
+        dedup_saved_bytes=None if ran.dedup_saved_rows is None else 2 * ran.dedup_saved_rows * row_bytes,
     )
+
+
+def _after_totals(arguments: tuple[Any, ...], ran: ScheduleOutput, kernels: dict[str, str] | None) -> RoutingStats:
+    """The statistics once a dedup exchange's totals are read (they wait for their all-reduce here)."""
+    assert ran.dedup_totals is not None
+    saved, crossed = ran.dedup_totals()
+    read = dataclasses.replace(ran, dedup_totals=None, dedup_saved_rows=saved, cross_node_rows=crossed)
+    stats = routing_stats(*arguments, read, kernels)
+    assert isinstance(stats, RoutingStats)
+    return stats
