@@ -87,8 +87,9 @@ GROUP_MAKERS = ("new_group", "split_group")
 PATCHED_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.device_mesh")
 """Where the functions are looked up (DeviceMesh imports ``new_group`` by name)."""
 STORE_PREFIX = "moeflow/strict/"
-FAILED_WAIT_S = 2.0
-"""How long a rank of a job that failed waits for its peers' records (a peer may have died)."""
+FAILED_WAIT_S = 0.5
+"""How long a rank of a job that failed waits for its peers' records (a peer may have died): short,
+so the job's own error (which names the phase) reaches the launcher before it notices a dead peer."""
 
 
 class StrictCollectives:
@@ -228,7 +229,9 @@ class StrictCollectives:
         ``failed`` job waits for its peers' records a short while only (a peer may be gone)."""
         with self._lock:
             record = json.dumps({"sequences": self.sequences, "members": self.members, "failed": failed})
-        wait_s = min(timeout_s, FAILED_WAIT_S) if failed else timeout_s  # a failed job's peers may be gone
+        # a job that ended well waits for a peer that is still timing out in a collective this one skipped;
+        # a failed job's peers may be gone
+        wait_s = min(timeout_s, FAILED_WAIT_S) if failed else 2 * timeout_s
         store.set(f"{STORE_PREFIX}{self.rank}", record)
         records = _peer_records(store, self.world_size, wait_s)
         store.add(f"{STORE_PREFIX}read", 1)
