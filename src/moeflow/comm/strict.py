@@ -151,12 +151,13 @@ class StrictCollectives:
             parent = arguments.get("parent_pg") or _world()
             self._append(parent, (f"{name}({_ranks_text(ranks)}{', local' if local else ''})", "", -1))
         elif name == "batch_isend_irecv":  # one entry per pair and batch: a batch's order is free
-            batch: dict[str, list[str]] = {}
+            batch: dict[str, tuple[list[int], list[str]]] = {}
             for op in arguments["p2p_op_list"]:
-                key, entry = self._point_to_point(op.group, op.peer, op.op.__name__ in ("isend", "send"), op.tensor)
-                batch.setdefault(key, []).append(_entry_text(entry))
-            for key, texts in batch.items():
-                self._append_pair(key, (f"batch [{'; '.join(sorted(texts))}]", "", -1))
+                key, pair, entry = self._point_to_point(op.group, op.peer, op.op.__name__ in ("isend", "send"),
+                                                        op.tensor)
+                batch.setdefault(key, (pair, []))[1].append(_entry_text(entry))
+            for key, (pair, texts) in batch.items():
+                self._append_to(key, pair, (f"batch [{'; '.join(sorted(texts))}]", "", -1))
         elif name in POINT_TO_POINT:
             group = arguments.get("group")
             peer = arguments.get("dst" if name in ("send", "isend") else "src")
@@ -165,7 +166,7 @@ class StrictCollectives:
                 if local_peer is None:  # a receive from any rank: no pair to hold it against
                     return
                 peer = dist.get_global_rank(group or _world(), local_peer)
-            self._append_pair(*self._point_to_point(group, peer, name in ("send", "isend"), arguments["tensor"]))
+            self._append_to(*self._point_to_point(group, peer, name in ("send", "isend"), arguments["tensor"]))
         else:
             self._collective(name, arguments)
 
@@ -184,26 +185,25 @@ class StrictCollectives:
 
     def _point_to_point(
         self, group: dist.ProcessGroup | None, peer: int, sending: bool, tensor: torch.Tensor
-    ) -> tuple[str, Entry]:
-        """The pair's sequence (its two global ranks on the group) and the entry of one message."""
+    ) -> tuple[str, list[int], Entry]:
+        """The pair's sequence (named by its two global ranks on the group), the pair, and the
+        entry of one message."""
         group = group or _world()
         self._check_device("send" if sending else "receive", group, tensor)
         source, dest = (self.rank, peer) if sending else (peer, self.rank)
+        pair = sorted({source, dest})
         name, _ = self._name(group)
-        key = f"{name}: point-to-point {min(source, dest)}<->{max(source, dest)}"
-        return key, (f"{source}->{dest}", str(tensor.dtype).removeprefix("torch."), tensor.numel())
-
-    def _append_pair(self, key: str, entry: Entry) -> None:
-        pair = key.rpartition(" ")[2].split("<->")
-        with self._lock:
-            self.members[key] = sorted({int(pair[0]), int(pair[1])})
-            self.sequences.setdefault(key, []).append(entry)
+        key = f"{name}: point-to-point {pair[0]}<->{pair[-1]}"
+        return key, pair, (f"{source}->{dest}", str(tensor.dtype).removeprefix("torch."), tensor.numel())
 
     def _append(self, group: dist.ProcessGroup, entry: Entry) -> None:
-        name, ranks = self._name(group)
+        self._append_to(*self._name(group), entry)
+
+    def _append_to(self, key: str, ranks: list[int], entry: Entry) -> None:
+        """``entry`` at the end of sequence ``key``, which ranks ``ranks`` must all hold."""
         with self._lock:
-            self.members[name] = ranks
-            self.sequences.setdefault(name, []).append(entry)
+            self.members[key] = ranks
+            self.sequences.setdefault(key, []).append(entry)
 
     def _name(self, group: dist.ProcessGroup) -> tuple[str, list[int]]:
         key = id(group)

@@ -90,7 +90,7 @@ class AllToAllTraffic:
     def __init__(self) -> None:
         self.timeline = Timeline()
         self.clock = DeviceClock()  # one host clock for this job's spans, device ones included
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._busy = 0
         self._imminent = False
         self._settled: list[weakref.WeakMethod] = []
@@ -102,23 +102,23 @@ class AllToAllTraffic:
     def alltoall_seconds(self) -> float:
         """Every all-to-all's seconds since the job began; on CUDA this waits for the last ones'
         end events (not for the device)."""
-        with self._changed:
+        with self._lock:
             unread, self._unread = self._unread, []
         seconds = sum(span.seconds() for span in unread)
-        with self._changed:
+        with self._lock:
             self._alltoall_seconds += seconds
             return self._alltoall_seconds
 
     @property
     def clear(self) -> bool:
-        with self._changed:
+        with self._lock:
             return self._busy == 0 and not self._imminent
 
     @property
     def imminent(self) -> bool:
         """Whether a layer's all-to-alls are imminent: between :meth:`expect` and :meth:`settle`,
         points of the backward's graph (the same on every rank, unlike what is queued or running)."""
-        with self._changed:
+        with self._lock:
             return self._imminent
 
     def on_settle(self, callback: Callable[[], None]) -> None:
@@ -128,13 +128,12 @@ class AllToAllTraffic:
         self._settled.append(weakref.WeakMethod(callback))  # type: ignore[arg-type]
 
     def expect(self) -> None:
-        with self._changed:
+        with self._lock:
             self._imminent = True
 
     def settle(self) -> None:
-        with self._changed:
+        with self._lock:
             self._imminent = False
-            self._changed.notify_all()
         self._settled = [method for method in self._settled if method() is not None]
         for method in self._settled:
             if (callback := method()) is not None:
@@ -161,11 +160,11 @@ class AllToAllTraffic:
             self._leave(span)
 
     def _enter(self) -> None:
-        with self._changed:
+        with self._lock:
             self._busy += 1
 
     def _leave(self, alltoall: Span | None = None) -> None:
-        with self._changed:
+        with self._lock:
             self._busy -= 1
             if alltoall is not None:
                 self._unread.append(alltoall)
@@ -174,7 +173,6 @@ class AllToAllTraffic:
                     finished = [span.done() for span in self._unread]
                     self._alltoall_seconds += sum(s.seconds() for s, f in zip(self._unread, finished, strict=True) if f)
                     self._unread = [s for s, f in zip(self._unread, finished, strict=True) if not f]
-            self._changed.notify_all()
 
 
 def mark_backward_window(

@@ -136,17 +136,16 @@ def dedup_routes(
     chunks: list[tuple[int, int]], whole: RaggedRoutes,
 ) -> dict[tuple[int, int], DedupRoutes]:
     """Every chunk's routes for one forward, keyed (start, slots); ``whole``: the whole capacity's
-    ragged routes. Collective: every rank of the expert group calls it with the same ``filled_WE``
-    and ``chunks``."""
+    ragged routes; ``slot_tokens_EC`` on the host. Collective: every rank of the expert group calls
+    it with the same ``filled_WE`` and ``chunks``."""
     if not chunks:  # no capacity: nothing travels (every rank agrees the capacity)
         return {}
     rank = groups.rank
-    tokens_EC = slot_tokens_EC  # on the host (DedupExchange.build reads it once)
-    received_LWC = _exchange_token_indices(groups, whole, tokens_EC)
+    received_LWC = _exchange_token_indices(groups, whole, slot_tokens_EC)
     built = []
     for start, stop in chunks:
         ragged = ragged_routes(filled_WE, rank, start, stop - start)
-        sent_tokens = tokens_EC[:, start:stop].reshape(-1)[ragged.sent_N]
+        sent_tokens = slot_tokens_EC[:, start:stop].reshape(-1)[ragged.sent_N]
         unique_sent, send_sizes = _sender_side(sent_tokens, ragged.sent_N, ragged.matrix[rank])
         received_tokens = received_LWC[:, :, start:stop].reshape(-1)[ragged.received_N]
         copy_of, receive_sizes = _receiver_side(received_tokens, [row[rank] for row in ragged.matrix])

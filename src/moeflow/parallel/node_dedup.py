@@ -133,7 +133,12 @@ def node_routes(
         crossed += sum(rows for other, rows in enumerate(chunk.across.sends) if other != node)
         saved += len(chunk.ragged.received_N) - sum(chunk.inside.receives)
     totals = reduce_values_later([saved, crossed], groups.expert)
-    return routes, lambda: (int(totals()[0]), int(totals()[1]))
+
+    def read() -> tuple[int, int]:
+        saved_all, crossed_all = totals()
+        return int(saved_all), int(crossed_all)
+
+    return routes, read
 
 
 def _chunk_routes(

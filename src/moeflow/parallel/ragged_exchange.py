@@ -68,10 +68,11 @@ def summed_rows(rows_NM: torch.Tensor, into_N: torch.Tensor, count: int) -> torc
     copy gets a place of its own in a (count, most copies, M) grid (no atomic adds: CUDA's
     ``index_add_`` sums in the order its threads land, so a bf16 result changed from run to run and
     rounded at every add); the grid's sum is the same on every run."""
-    place_N, most = _copy_places(into_N.cpu())
+    into_N = into_N.cpu()
+    place_N, most = _copy_places(into_N)
     model_dim = rows_NM.shape[-1]
     grid = rows_NM.new_zeros(count * most, model_dim)
-    grid.index_copy_(0, to_device(into_N.cpu() * most + place_N, rows_NM.device), rows_NM)
+    grid.index_copy_(0, to_device(into_N * most + place_N, rows_NM.device), rows_NM)
     accumulate = torch.promote_types(rows_NM.dtype, torch.float32)  # fp64 rows keep fp64
     return grid.view(count, most, model_dim).sum(dim=1, dtype=accumulate).to(rows_NM.dtype)
 
