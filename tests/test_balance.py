@@ -85,7 +85,7 @@ def test_one_rank_keeps_off() -> None:
 
 
 def _simulated_ms(plan: StepPlan, skew: str) -> float:
-    from moeflow.sim.workload import skew_shares
+    from moeflow.perf.sim.workload import skew_shares
 
     cluster = load_cluster("fastermoe-johnny")
     world = cluster.world_size

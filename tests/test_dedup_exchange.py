@@ -16,7 +16,7 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import MoEConfig, dedup_row_share
-from moeflow.moe.routing.router import route
+from moeflow.core.routing.router import route
 from moeflow.parallel.dedup_exchange import TOKEN_INDEX_BYTES
 from pool import run_distributed
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.moe.capacity import never_drops
-from moeflow.moe.dispatchers.local import CACHE_RESIDENT_BYTES
-from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.core.capacity import never_drops
+from moeflow.parallel.dispatchers.local import CACHE_RESIDENT_BYTES
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from op_count import OpCount
 

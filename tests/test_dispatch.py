@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
-from moeflow.moe.routing import assign_slots
+from moeflow.core.routing import assign_slots
+from moeflow.kernels.slot_gather import decode, encode, make_slot_map
 
 
 def _plan(tokens: int, experts: int, k: int, capacity: int, seed: int = 0):

@@ -23,8 +23,8 @@ API = Path(__file__).resolve().parents[1] / "docs" / "api"
 REQUIRED_MODULES = (
     "moeflow.config", "moeflow.parallel", "moeflow.parallel.registry", "moeflow.parallel.schedules",
     "moeflow.parallel.context", "moeflow.perf", "moeflow.sim", "moeflow.training", "moeflow.training.launch",
-    "moeflow.training.trainer", "moeflow.hf", "moeflow.inference", "moeflow.comm", "moeflow.moe.capacity",
-    "moeflow.moe.routing", "moeflow.timing.measure",
+    "moeflow.training.trainer", "moeflow.hf", "moeflow.inference", "moeflow.comm", "moeflow.core.capacity",
+    "moeflow.core.routing", "moeflow.timing.measure",
 )
 DIRECTIVE = re.compile(r"^\.\. (auto\w+):: (\S+)\n((?:[ \t]+:.*\n)*)", re.MULTILINE)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.moe.experts import ExpertFFN
+from moeflow.core.experts import ExpertFFN
 from pool import run_distributed
 
 M, H = 8, 16

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeflow.core.experts import ExpertFFN, ffn_flops
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad, torch_grouped_mm_runs
-from moeflow.moe.experts import ExpertFFN, ffn_flops
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import shard_expert_state
 

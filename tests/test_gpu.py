@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
+from moeflow.core.experts import ExpertFFN
 from moeflow.distributed import free_port
 from moeflow.kernels.ragged import RaggedFFNCompute
-from moeflow.moe.experts import ExpertFFN
 from moeflow.reference import ReferenceMoE
 
 from equivalence import all_cases, check_cases

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from moeflow import MoELayer
+from moeflow.core.experts import ExpertFFN
 from moeflow.kernels import triton_installed
 from moeflow.kernels.choice import candidates, grouped_mm_works, measure_choice
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
-from moeflow.moe.dispatchers.packed import _PackedExperts
-from moeflow.moe.dispatchers.stats import SOURCE
-from moeflow.moe.experts import ExpertFFN
+from moeflow.parallel.dispatchers.packed import _PackedExperts
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -157,8 +157,8 @@ def _assert_export_equals_save_pretrained(run_dir: Path, reference: Path) -> Non
     tensors once plain transformers has loaded either."""
     from moeflow.comm.groups import ParallelGroups
     from moeflow.hf import to_hf
-    from moeflow.hf.training import build_hf_model
     from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
+    from moeflow.training.hf_model import build_hf_model
 
     checkpoint = latest_checkpoint(run_dir)
     config = TrainConfig(**read_state(checkpoint)["config"]).updated({"workers": 1})

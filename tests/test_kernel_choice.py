@@ -137,8 +137,8 @@ class FixedTable:
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_gathered_bags_equal_the_torch_kernels_forward_and_backward(packed: bool) -> None:
-    from moeflow.moe.dispatchers.encoding import decode, encode, make_packed_slot_map, make_slot_map
-    from moeflow.moe.routing import assign_slots
+    from moeflow.core.routing import assign_slots
+    from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map
 
     generator = torch.Generator().manual_seed(5)
     x_TM, upstream_TM = torch.randn(2, 40, 12, generator=generator).unbind(0)

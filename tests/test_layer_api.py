@@ -142,7 +142,7 @@ def test_state_dict_names_are_fixed() -> None:
 def test_group_limited_routing_picks_only_in_the_best_groups() -> None:
     """DeepSeek-V3: a group scores the sum of its two best experts; a token's k experts come from
     its top_groups best groups, and the combine weights are scaled after normalising."""
-    from moeflow.moe.routing import select_experts
+    from moeflow.core.routing import select_experts
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 16, generator=generator)

@@ -5,6 +5,7 @@ here rather than in a user's surprised job."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import moeflow
@@ -115,38 +116,67 @@ def test_moeflow_has_no_import_cycle() -> None:
     assert import_cycles(import_graph(SOURCE)) == []
 
 
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "moe", "moe.capacity", "moe.stats", "files", "perf", "runtime"),  # settings and formulas, no torch
-    ("sim.cluster", "sim.cores", "sim.engine", "sim.network", "sim.workload", "sim.plan", "sim.builder",
-     "sim.technique", "sim.regions", "sim.parm_regions"),  # the simulator below the records: no torch
-    ("comm", "kernels", "moe.routing", "moe.agreement", "moe.dispatchers", "moe.experts", "moe.pipeline", "reference",
-     "distributed", "timing"),
-    ("parallel", "moe.planning"),  # the schedules, the per-iteration planner (its simulated ranker passed in)
-    ("parallel.registry", "parallel.build", "sim"),  # the one registry; the simulator's steps read it
-    ("moe.layer", "moe.dispatchers.capacity", "moe.dispatchers.capacity_stats"),  # capacity: runs the schedule
-    ("models", "hf", "inference", "data", "training.data_parallel"),
-    ("training", "hf.training", "hf.export", "calibrate"),  # hf.export reads training checkpoints
-    ("bench", "commands", "cli", "testbed", "__main__", ""),  # entry points ("": the package's own __init__)
-)
-"""moeflow's layers, bottom to top: a module imports only from its own layer and those below."""
+ARCHITECTURE = Path(__file__).parent.parent / "docs" / "design" / "architecture.md"
 
 
-def layer_of(module: str) -> int:
-    """The layer of ``module``: its longest matching prefix in :data:`LAYERS`."""
-    relative = module.removeprefix("moeflow").removeprefix(".")
-    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
-               if relative == prefix or relative.startswith(prefix + ".") or (not prefix and not relative)]
+def read_layers(page: str) -> tuple[tuple[str, ...], ...]:
+    """The table of layers, bottom to top, from the architecture page (the rows between its
+    ``layers`` markers): each row's backticked packages in its second column."""
+    rows = page.split("<!-- layers: start -->")[1].split("<!-- layers: end -->")[0].strip().splitlines()[2:]
+    return tuple(tuple(re.findall(r"`([\w.]+)`", row.split("|")[2])) for row in rows)
+
+
+LAYERS = read_layers(ARCHITECTURE.read_text())
+"""moeflow's layers, bottom to top: a package imports only from the layers below its own."""
+
+
+def package_of(module: str) -> str:
+    """The top-level package (or top-level module) ``module`` belongs to; ``moeflow`` for the
+    package's own ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_of(package: str) -> int:
+    matches = [index for index, packages in enumerate(LAYERS) if package in packages]
     if not matches:
-        raise AssertionError(f"{module} has no layer: add it to LAYERS in tests/test_library_boundaries.py")
-    return max(matches)[1]
+        raise AssertionError(f"moeflow.{package} has no layer: add it to the table in docs/design/architecture.md")
+    return matches[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Top-level package -> the other top-level packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = package_of(module)
+        packages.setdefault(source, set()).update(package_of(t) for t in targets if package_of(t) != source)
+    return packages
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import whose target's package is not in a layer below the importer's (a neighbour in
+    the same layer counts: a layer's packages do not import each other)."""
+    def points_up(module: str, target: str) -> bool:
+        source, destination = package_of(module), package_of(target)
+        return source != destination and layer_of(destination) >= layer_of(source)
+
     return [f"{module} -> {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
-            if layer_of(target) > layer_of(module)]
+            if points_up(module, target)]
 
 
-def test_modules_import_only_from_their_layer_and_below() -> None:
+def test_every_package_has_one_layer() -> None:
+    packages = sorted(package_graph(import_graph(SOURCE)))
+    assert [layer_of(package) for package in packages]
+    listed = [package for layer in LAYERS for package in layer]
+    assert len(listed) == len(set(listed)), "a package appears in two layers"
+    assert set(listed) == set(packages), sorted(set(listed) ^ set(packages))
+
+
+def test_no_package_is_in_an_import_cycle() -> None:
+    assert import_cycles(package_graph(import_graph(SOURCE))) == []
+
+
+def test_packages_import_only_from_the_layers_below() -> None:
     assert upward_imports(import_graph(SOURCE)) == []
 
 
@@ -157,7 +187,11 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     (package / "moe" / "__init__.py").write_text("")
     (package / "config.py").write_text("def f():\n    from moeflow.moe.layer import MoELayer\n")
     (package / "moe" / "layer.py").write_text("from moeflow.config import f\n")
-    assert upward_imports(import_graph(package)) == ["moeflow.config -> moeflow.moe.layer"]
+    (package / "comm.py").write_text("from moeflow.perf import rate\n")  # a neighbour in the same layer
+    (package / "perf.py").write_text("")
+    assert upward_imports(import_graph(package)) == ["moeflow.comm -> moeflow.perf",
+                                                     "moeflow.config -> moeflow.moe.layer"]
+    assert import_cycles(package_graph(import_graph(package))) == [["config", "moe"]]
 
 
 def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
@@ -172,6 +206,12 @@ def test_the_cycle_check_sees_a_lazy_cycle(tmp_path: Path) -> None:
     graph = import_graph(package)
     assert "moeflow.d" in graph["moeflow.c"]
     assert sorted(import_cycles(graph)) == [["moeflow.a", "moeflow.sub.b"], ["moeflow.c", "moeflow.d"]]
+
+
+def test_the_layers_are_read_from_the_page() -> None:
+    assert LAYERS[0][0] == "config" and LAYERS[-1] == ("__main__",)
+    assert layer_of("core") < layer_of("comm") < layer_of("kernels") < layer_of("parallel") < layer_of("sim") \
+        < layer_of("moe") < layer_of("training") < layer_of("cli")
 
 
 def test_the_layer_is_glue() -> None:
@@ -206,15 +246,13 @@ def test_only_the_bench_command_imports_the_benchmarks() -> None:
     in :mod:`moeflow.files`), and only ``moeflow bench`` (each benchmark's parser) reaches into ``moeflow.bench``."""
     graph = import_graph(SOURCE)
     reaching = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
-                      if layer_of(target) == layer_of("moeflow.bench") and target.startswith("moeflow.bench")
+                      if package_of(target) == "bench"
                       and not module.startswith(("moeflow.bench", "moeflow.commands.bench")))
     assert reaching == []
 
 
 def test_the_package_top_stays_small() -> None:
-    """Modules live in the package of the concept they serve (the layer's wing in ``moe/``): the top
-    of ``src/moeflow`` keeps only settings, entry points and the few helpers every layer shares."""
+    """Modules live in the package of the layer they serve: the top of ``src/moeflow`` keeps only
+    settings, entry points and the few helpers every layer shares."""
     top = sorted(path.name for path in SOURCE.glob("*.py"))
     assert len(top) <= 15, top
-    wing = ("routing", "agreement", "planning", "dispatchers", "experts", "pipeline", "layer")
-    assert all((SOURCE / "moe" / name).exists() or (SOURCE / "moe" / f"{name}.py").exists() for name in wing)

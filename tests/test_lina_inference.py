@@ -14,6 +14,7 @@ import torch.distributed as dist
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.core.routing.selection import ExpertChoice
 from moeflow.inference import (
     InferenceScheduler,
     RoutingProfile,
@@ -25,7 +26,6 @@ from moeflow.inference import (
 )
 from moeflow.inference.plan import plan_loads
 from moeflow.inference.scheduler import balanced_choice, top_experts
-from moeflow.moe.routing.selection import ExpertChoice
 from moeflow.parallel.redundant import rank_loads
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from pool import run_distributed

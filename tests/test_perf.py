@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moeflow.config import LayerDims
-from moeflow.moe.capacity import expert_capacity
+from moeflow.core.capacity import expert_capacity
 from moeflow.perf import (
     AlphaBeta,
     ClusterProfile,
@@ -148,8 +148,9 @@ def test_calibration_config_names_bad_devices_and_dtypes() -> None:
 def test_perf_and_the_planner_import_numpy_only() -> None:
     """The cost models and the planner are plain math: importing them loads no torch at all."""
     probe = (
-        "import sys, moeflow.perf, moeflow.perf.schedule_models, moeflow.perf.shadowing, moeflow.moe.planning, "
-        "moeflow.moe.capacity; "
+        "import sys, moeflow.perf, moeflow.perf.schedule_models, moeflow.perf.shadowing, "
+        "moeflow.parallel.online_planner, "
+        "moeflow.core.capacity; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.moe.experts import ExpertFFN
-from moeflow.moe.pipeline import ExpertExchange, pipelined_experts, run_pipeline
-from moeflow.moe.planning import OnlinePlanner
-from moeflow.moe.stats import PipelineTiming, region_clock
+from moeflow.core.experts import ExpertFFN
+from moeflow.core.stats import PipelineTiming, region_clock
+from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts, run_pipeline
+from moeflow.parallel.online_planner import OnlinePlanner
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
     capacity_chunks,

@@ -13,11 +13,11 @@ import pytest
 
 from moeflow.cli import main
 from moeflow.config import LayerDims
+from moeflow.perf.sim.cluster import Cluster, Device, Link
+from moeflow.perf.sim.network import Network, Transfer
+from moeflow.perf.sim.workload import ModelSpec
 from moeflow.sim import StepPlan, simulate_step
-from moeflow.sim.cluster import Cluster, Device, Link
-from moeflow.sim.network import Network, Transfer
 from moeflow.sim.planner import SearchSpace, candidate_plans, expert_group_sizes, search
-from moeflow.sim.workload import ModelSpec
 from moeflow.training import TrainConfig
 from moeflow.training.config import load_config_file
 from moeflow.training.plan_file import (
@@ -221,8 +221,8 @@ def test_planning_inference_does_not_write_a_training_plan_and_odd_text_round_tr
 
 
 def test_the_copies_of_an_expert_group_are_summed_once_after_the_backward() -> None:
+    from moeflow.perf.sim.workload import routing_loads
     from moeflow.sim.step import step_builder
-    from moeflow.sim.workload import routing_loads
 
     builder = step_builder(cluster(), TINY_MODEL, StepPlan(ep=4, bucket_mb=math.inf))
     timeline = builder.build(routing_loads(TINY_MODEL, 4))

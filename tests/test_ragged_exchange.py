@@ -11,7 +11,7 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.moe.pipeline import ExpertExchange
+from moeflow.parallel.chunk_pipeline import ExpertExchange
 from moeflow.parallel.ragged_exchange import RaggedExpertExchange, chunk_saving, ragged_routes
 from pool import run_distributed
 

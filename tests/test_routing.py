@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moeflow.moe.routing import (
+from moeflow.core.routing import (
     CosineGate,
     assign_slots,
     expert_capacity,
@@ -72,7 +72,7 @@ def test_batch_prioritized_slots_follow_tutels_rule() -> None:
     """At k = 2 a token's second choice keeps the place its highest score earned: here token 0
     (best score 0.6) takes expert 2's first slot though token 1 scored expert 2 higher (0.4 > 0.3)."""
     from moeflow.config import MoEConfig
-    from moeflow.moe.routing.router import route
+    from moeflow.core.routing.router import route
 
     scores = torch.tensor([[0.6, 0.1, 0.3], [0.05, 0.55, 0.4]])
 

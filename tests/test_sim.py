@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from moeflow.config import LayerDims
+from moeflow.perf.sim.cluster import cluster_from_toml
+from moeflow.perf.sim.workload import model_from_toml
 from moeflow.sim import (
     Cluster,
     ClusterFileError,
@@ -32,8 +34,6 @@ from moeflow.sim import (
     routing_loads,
     simulate_step,
 )
-from moeflow.sim.cluster import cluster_from_toml
-from moeflow.sim.workload import model_from_toml
 
 GOOD_PROFILE = """
 name = "toy"
@@ -679,7 +679,7 @@ def test_parm_table4_is_reproduced_within_a_third() -> None:
 def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
     profile without all-to-all link fits keeps the cost model's ranking."""
-    from moeflow.moe.planning import OnlinePlanner
+    from moeflow.parallel.online_planner import OnlinePlanner
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.shape import RegionShape
     from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan
@@ -778,8 +778,8 @@ def test_a_per_peer_gap_grows_the_linear_all_to_alls_startup_with_the_rank_count
     """PipeMoE Fig. 6(b): the linear all-to-all's startup at 16, 32 and 64 GPUs (17, 209 and 783 us)
     grows faster than the message count; the per-peer gap reproduces its scale, 2DH's inter-node
     phase (n - 1 peers) pays little of it, and a profile without the term is unchanged."""
+    from moeflow.perf.sim.network import Network
     from moeflow.sim import load_cluster
-    from moeflow.sim.network import Network
 
     base = load_cluster("pipemoe-2080ti")
     startup = {}
@@ -799,7 +799,7 @@ def test_ranks_sharing_cores_pass_an_idle_ranks_core_to_the_busy_ones() -> None:
     """Processor sharing: 4 ranks on 2 cores run at half a core each when all are busy (the
     calibrated rate); under a skew the ranks that finish pass their cores on, so the hot rank ends
     sooner than at the calibrated rate, never sooner than on a core of its own."""
-    from moeflow.sim.cores import shared_core_seconds
+    from moeflow.perf.sim.cores import shared_core_seconds
 
     even = np.full(4, 2.0)
     assert shared_core_seconds(even, 2, 4) == pytest.approx(even)

@@ -100,8 +100,8 @@ def test_the_pipeline_on_cuda_streams_equals_the_unpipelined_experts() -> None:
     """An exchange that communicates through pinned host copies on the communication stream (one GPU, no peer)."""
     from moeflow.bench.overlap import CopyExchange
     from moeflow.comm import ParallelGroups
-    from moeflow.moe.experts import FFNCompute, FFNWeights
-    from moeflow.moe.pipeline import pipelined_experts
+    from moeflow.core.experts import FFNCompute, FFNWeights
+    from moeflow.parallel.chunk_pipeline import pipelined_experts
 
     torch.manual_seed(0)
     device = torch.device("cuda")

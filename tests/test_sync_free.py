@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
+from moeflow.core.routing import assign_slots
+from moeflow.core.routing.slots import expert_counts
+from moeflow.core.slot_map import make_slot_map
 from moeflow.kernels.choice import KernelChoice
-from moeflow.moe.dispatchers.slot_map import make_slot_map
-from moeflow.moe.routing import assign_slots
-from moeflow.moe.routing.slots import expert_counts
 from pool import run_distributed
 
 SYNCING = {"aten.nonzero.default", "aten.bincount.default", "aten.masked_select.default",

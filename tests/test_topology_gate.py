@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.moe.routing import NodeLimit, node_limited, select_experts
+from moeflow.core.routing import NodeLimit, node_limited, select_experts
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.reference import ReferenceMoE
 

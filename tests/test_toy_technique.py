@@ -19,10 +19,10 @@ import pytest
 from moeflow.parallel.records import ENTRY_POINT_GROUP, ScheduleSpec, ShardingLayout
 from moeflow.perf.pipeline import PlanPrediction
 from moeflow.perf.schedule_models import Plan, ReplicatedModel
-from moeflow.sim.builder import StepBuilder
-from moeflow.sim.plan import StepPlan
-from moeflow.sim.technique import PlanSpace, SimulatedSchedule
-from moeflow.sim.workload import LayerLoad
+from moeflow.perf.sim.builder import StepBuilder
+from moeflow.perf.sim.plan import StepPlan
+from moeflow.perf.sim.technique import PlanSpace, SimulatedSchedule
+from moeflow.perf.sim.workload import LayerLoad
 
 TOY_NAME = "toy"
 

@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 
+from moeflow.core.routing import assign_slots
 from moeflow.kernels import resolve_backend
 from moeflow.kernels.ragged import FilledRows, ragged_mm, ragged_weight_grad
-from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
-from moeflow.moe.routing import assign_slots
+from moeflow.kernels.slot_gather import decode, encode, make_slot_map
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

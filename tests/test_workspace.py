@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeflow import MoELayer
-from moeflow.kernels.workspace import Workspace, share_workspace
+from moeflow.core.workspace import Workspace, share_workspace
 from moeflow.reference import ReferenceMoE
 
 

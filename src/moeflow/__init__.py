@@ -10,13 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from moeflow.config import MoEConfig
+    from moeflow.core.stats import RoutingStats
     from moeflow.moe.layer import MoELayer
-    from moeflow.moe.stats import RoutingStats
 
 __all__ = ["MoEConfig", "MoELayer", "RoutingStats"]
+
+from moeflow.moved import install as _install_moved_paths
+
+_install_moved_paths()  # old import paths of moved modules keep working, with a DeprecationWarning
 __version__ = "0.1.0"
 
-_HOMES = {"MoEConfig": "moeflow.config", "MoELayer": "moeflow.moe.layer", "RoutingStats": "moeflow.moe.stats"}
+_HOMES = {"MoEConfig": "moeflow.config", "MoELayer": "moeflow.moe.layer", "RoutingStats": "moeflow.core.stats"}
 
 
 def __getattr__(name: str) -> Any:

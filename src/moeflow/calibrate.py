@@ -129,7 +129,7 @@ def _ffn_points(config: CalibrationConfig) -> dict[str, list[tuple[float, float]
     """One expert FFN (gelu, M x H) on m tokens, forward and backward timed whole: what the cost
     model's ``t_ffn`` prices (the GEMMs, bias, activation, input and weight gradients);
     x = m * M * H * 2 projections."""
-    from moeflow.moe.experts import ExpertFFN
+    from moeflow.core.experts import ExpertFFN
 
     device, dtype = config.torch_device, config.torch_dtype
     ffn = ExpertFFN(1, config.model_dim, config.hidden_dim).to(device=device, dtype=dtype)
@@ -148,8 +148,8 @@ def _dispatch_points(config: CalibrationConfig, kernels: KernelTable) -> dict[st
     the kernels ``kernel_backend="auto"`` picks on this device and dtype, over m tokens routed
     uniformly at random to ``dispatch_top_k`` of ``dispatch_experts`` (capacity factor 1);
     x = m * k * M * element bytes, the routed rows."""
-    from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
-    from moeflow.moe.routing import assign_slots, expert_capacity
+    from moeflow.core.routing import assign_slots, expert_capacity
+    from moeflow.kernels.slot_gather import decode, encode, make_slot_map
 
     device, dtype = config.torch_device, config.torch_dtype
     experts, top_k = config.dispatch_experts, config.dispatch_top_k

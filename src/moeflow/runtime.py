@@ -5,7 +5,7 @@ page-faults it back in: an MoE step allocates many multi-MB tensors, and on the 
 this cost a third of the benchmark's wall time in system time. Keeping freed memory in the heap
 removes that. Importing moeflow never changes process state; entry points call
 :func:`tune_cpu_allocator`, and ``MOEFLOW_MALLOC_TUNING=0`` turns it off. The layer no longer
-depends on it: its workspace reuses the large buffers itself (:mod:`moeflow.kernels.workspace`).
+depends on it: its workspace reuses the large buffers itself (:mod:`moeflow.core.workspace`).
 """
 
 from __future__ import annotations

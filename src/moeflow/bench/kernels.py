@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from moeflow.bench import record_fields
+from moeflow.core.routing import assign_slots, expert_capacity
+from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelTable, candidates
 from moeflow.kernels.precision import DTYPES
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm
-from moeflow.kernels.workspace import Workspace
-from moeflow.moe.dispatchers.encoding import decode, encode, make_slot_map
-from moeflow.moe.routing import assign_slots, expert_capacity
+from moeflow.kernels.slot_gather import decode, encode, make_slot_map
 from moeflow.timing.measure import device_medians
 
 AUTO_KERNELS = {"encode": "encode", "decode": "decode", "grouped_gemm": "gemm"}  # bench kernel -> KernelChoice field

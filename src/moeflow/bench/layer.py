@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from moeflow.comm.collectives import barrier
 from moeflow.config import LayerDims, ffn_projections
+from moeflow.core.experts import KERNELS, ExpertFFN, ffn_flops
+from moeflow.core.routing import assign_slots, expert_capacity, select_experts
 from moeflow.kernels.precision import DTYPES
-from moeflow.moe.dispatchers.encoding import decode, encode, make_packed_slot_map, make_slot_map
-from moeflow.moe.dispatchers.stats import SOURCE
-from moeflow.moe.experts import KERNELS, ExpertFFN, ffn_flops
+from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map
 from moeflow.moe.layer import MoELayer
-from moeflow.moe.routing import assign_slots, expert_capacity, select_experts
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 from moeflow.timing.measure import device_medians

@@ -64,7 +64,7 @@ def _stack(config: MemoryBenchConfig, group: Any) -> nn.Module:
     from torch import nn
 
     from moeflow import MoELayer
-    from moeflow.kernels.workspace import share_workspace
+    from moeflow.core.workspace import share_workspace
 
     class StackedMoE(nn.Module):
         def __init__(self) -> None:

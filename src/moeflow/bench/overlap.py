@@ -17,9 +17,9 @@ import torch
 
 from moeflow.bench import record_fields
 from moeflow.comm.groups import ParallelGroups
+from moeflow.core.experts import FFNCompute, FFNWeights
 from moeflow.kernels.precision import DTYPES
-from moeflow.moe.experts import FFNCompute, FFNWeights
-from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
+from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts
 from moeflow.perf.schedule_models import LOCAL
 from moeflow.timing.measure import device_medians
 

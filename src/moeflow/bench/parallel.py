@@ -47,7 +47,7 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     with the plan the layer last ran. S1's region is the packed slots its own tokens held plus the MP
     all-gather of the token rows (and its backward, the split's all-gather)."""
     from moeflow.comm.mp import gather_rows, split_rows
-    from moeflow.moe.stats import PipelineTiming
+    from moeflow.core.stats import PipelineTiming
     from moeflow.perf.schedule_models import Plan
 
     ran = layer.last_stats.plan

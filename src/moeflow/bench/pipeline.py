@@ -65,7 +65,7 @@ def _ideal(point: GridPoint, world: int, groups: Any, repeats: int) -> dict[str,
 
     from moeflow.comm.algorithms import distinct_algorithms, exchange
     from moeflow.config import LayerDims
-    from moeflow.moe.experts import ExpertFFN
+    from moeflow.core.experts import ExpertFFN
     from moeflow.perf.shape import RegionShape
     from moeflow.timing.measure import slowest_rank_seconds
 

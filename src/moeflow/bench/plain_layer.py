@@ -37,7 +37,7 @@ def _cpu_seconds() -> tuple[float, float]:
 
 def measure(num_experts: int, hidden_dim: int, tokens: int, model_dim: int, repeats: int) -> dict[str, object]:
     from moeflow import MoELayer
-    from moeflow.moe.experts import ffn_flops
+    from moeflow.core.experts import ffn_flops
     from moeflow.reference import ReferenceMoE
 
     torch.manual_seed(0)

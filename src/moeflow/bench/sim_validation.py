@@ -109,7 +109,7 @@ def _recorded_dims(record: dict[str, Any], top_k: int | None = None) -> LayerDim
 
 def _pipeline_ran(record: dict[str, Any]) -> dict[str, Any]:
     """The pipeline degree and all-to-all algorithm a measured setting ran, as the simulator's."""
-    from moeflow.sim.plan import simulated_algorithm
+    from moeflow.perf.sim.plan import simulated_algorithm
 
     return {"degree": max(1, int(record.get("degree") or 1)), "algorithm": simulated_algorithm(record.get("alltoall"))}
 

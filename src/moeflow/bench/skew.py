@@ -60,7 +60,7 @@ class SkewPoint:
 
 def routing_probabilities(point: SkewPoint) -> Any:
     """The share of assignments each expert gets, hottest first (expert 0)."""
-    from moeflow.sim.workload import skew_shares
+    from moeflow.perf.sim.workload import skew_shares
 
     return skew_shares(point.skew, point.num_experts, point.probabilities)
 

@@ -16,7 +16,7 @@ class SpeedProbe:
     def __init__(self) -> None:
         import torch
 
-        from moeflow.moe.experts import ExpertFFN
+        from moeflow.core.experts import ExpertFFN
         from moeflow.perf.profile import SPEED_PROBE
 
         self._ffn = ExpertFFN(1, SPEED_PROBE["model_dim"], SPEED_PROBE["hidden_dim"])

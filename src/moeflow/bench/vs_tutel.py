@@ -61,7 +61,7 @@ def _layers(
     if hasattr(ours, "load_full_state_dict"):
         ours.load_full_state_dict({**ours.state_dict(), **full})
     else:  # moeflow before the placement seam (for side-by-side runs of older commits)
-        from moeflow.moe.experts import shard_expert_state
+        from moeflow.core.experts import shard_expert_state
 
         ours.load_state_dict(shard_expert_state({**ours.state_dict(), **full}, rank, world))
     mine = slice(rank * local, (rank + 1) * local)

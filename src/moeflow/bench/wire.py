@@ -94,7 +94,7 @@ def _measure_point(point: WirePoint, groups: Any, profile: Any, repeats: int, em
     import torch.distributed as dist
 
     from moeflow.bench.timing import round_robin_steps
-    from moeflow.moe.capacity import expert_capacity
+    from moeflow.core.capacity import expert_capacity
 
     layers = _layers(point, groups)
     x = torch.randn(point.tokens, point.model_dim, generator=torch.Generator().manual_seed(1000 + dist.get_rank()))

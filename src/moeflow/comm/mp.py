@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_rank, group_size
-from moeflow.moe.stats import PipelineTiming, region_clock
+from moeflow.core.stats import PipelineTiming, region_clock
 
 
 def member_rows(num_rows: int, members: int, member: int) -> tuple[int, int]:

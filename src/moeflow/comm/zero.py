@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.groups import group_size
-from moeflow.moe.stats import PipelineTiming, region_clock
+from moeflow.core.stats import PipelineTiming, region_clock
 
 
 class _GatherShards(torch.autograd.Function):

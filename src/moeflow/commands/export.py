@@ -36,7 +36,7 @@ def run_export(args: argparse.Namespace) -> int:
     source = read_state(checkpoint)["config"].get("hf")
     out = Path(args.out)
     if source is not None:
-        from moeflow.hf.export import export_hf
+        from moeflow.training.hf_export import export_hf
 
         tokenizer = Path(args.tokenizer_from or source)
         export_hf(checkpoint, out, tokenizer if tokenizer.is_dir() else None)

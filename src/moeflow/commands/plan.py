@@ -152,7 +152,7 @@ def _print_expert_parallel_plans(model: Any, region: Any, algorithms: list[str],
 
 
 def _skew_shares(args: argparse.Namespace) -> Any:
-    from moeflow.sim.workload import skew_shares
+    from moeflow.perf.sim.workload import skew_shares
 
     try:
         return skew_shares(args.skew, args.num_experts)

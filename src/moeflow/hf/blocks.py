@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
+from moeflow.core.workspace import share_workspace
 from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family_of, routing_settings
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.kernels.choice import share_kernel_table
-from moeflow.kernels.workspace import share_workspace
 from moeflow.moe.layer import MoELayer
 from moeflow.timing.phases import PhaseClock
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from moeflow.config import LayerDims
+from moeflow.core.routing.selection import ExpertChoice
 from moeflow.inference.cost import PlanPrice, ReplicaPrices
 from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
 from moeflow.inference.plan import (
@@ -34,7 +35,6 @@ from moeflow.inference.plan import (
     popularity_placement,
     replica_slot_plan,
 )
-from moeflow.moe.routing.selection import ExpertChoice
 from moeflow.parallel.expert_fetch import ExpertFetch, fetches
 from moeflow.parallel.inference_hook import Fetch
 from moeflow.parallel.placement import ExpertPlacement

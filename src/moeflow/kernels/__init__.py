@@ -1,6 +1,6 @@
 """Kernel backends: which implementation runs encode/decode and the ragged grouped GEMM.
 
-The pure-torch kernels (``moeflow.moe.dispatchers.encoding``, ``moeflow.kernels.ragged``) are the reference and run
+The pure-torch kernels (``moeflow.kernels.slot_gather``, ``moeflow.kernels.ragged``) are the reference and run
 everywhere. The Triton kernels are an optional dependency, imported only when chosen, so the core
 import stays light. Under ``TRITON_INTERPRET=1`` (set by the caller before Triton is imported)
 they also run on CPU tensors, which is how CI tests them against the torch path.

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 ENCODE_BACKENDS = ("torch", "gather", "triton")
-"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.moe.dispatchers.encoding`); ``gather``: the same
+"""``torch``: ``index_select`` and ``embedding_bag`` (:mod:`moeflow.kernels.slot_gather`); ``gather``: the same
 with each bag sum (encode's backward, decode's forward) as a gather of every token's K rows and one
 batched product; ``triton``: :mod:`moeflow.kernels.triton_dispatch`."""
 GEMM_BACKENDS = ("torch", "grouped_mm", "triton")
@@ -210,7 +210,7 @@ class _ProbeSteps:
     rows: object
 
     def encode(self, backend: str) -> Callable[[], None]:
-        from moeflow.moe.dispatchers.encoding import encode
+        from moeflow.kernels.slot_gather import encode
 
         def step() -> None:
             x = self.x_TM.detach().requires_grad_()
@@ -219,7 +219,7 @@ class _ProbeSteps:
         return step
 
     def decode(self, backend: str) -> Callable[[], None]:
-        from moeflow.moe.dispatchers.encoding import decode
+        from moeflow.kernels.slot_gather import decode
 
         def step() -> None:
             rows = self.packed_NM.detach().requires_grad_()
@@ -239,11 +239,11 @@ class _ProbeSteps:
 
 def _probe_steps(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> _ProbeSteps:
     """Uniform random routing of ``shape.tokens`` tokens, dropless, packed by expert (as the direct
-    path lays the rows out, :func:`moeflow.moe.dispatchers.slot_map.make_packed_slot_map`); the tensors are drawn on
+    path lays the rows out, :func:`moeflow.core.slot_map.make_packed_slot_map`); the tensors are drawn on
     the device (drawn on the host, they cost a layer built alone half a second)."""
+    from moeflow.core.routing import assign_slots
+    from moeflow.core.slot_map import make_packed_slot_map
     from moeflow.kernels.ragged import FilledRows
-    from moeflow.moe.dispatchers.slot_map import make_packed_slot_map
-    from moeflow.moe.routing import assign_slots
 
     generator = torch.Generator().manual_seed(0)
     s = shape

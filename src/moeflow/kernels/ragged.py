@@ -19,7 +19,7 @@ padding in either direction: on the 2-core VM, forward + backward of 4 experts x
 padded one (the simulator's ``padded_backward`` plan flag models it for the records of then).
 
 The row indices are built on the host from the exchanged counts (host tensors) and sent from
-pinned memory with ``non_blocking`` (:func:`~moeflow.kernels.device_copy.to_device`): a chunk on
+pinned memory with ``non_blocking`` (:func:`~moeflow.core.device_copy.to_device`): a chunk on
 CUDA issues no host sync.
 """
 
@@ -31,9 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.kernels.device_copy import to_device
-from moeflow.kernels.workspace import Workspace
-from moeflow.moe.experts import (
+from moeflow.core.device_copy import to_device
+from moeflow.core.experts import (
     FFNCompute,
     FFNSaved,
     FFNWeightGradInputs,
@@ -42,6 +41,7 @@ from moeflow.moe.experts import (
     activate_,
     activation_grad,
 )
+from moeflow.core.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class RaggedWeightGradInputs:
 
 @dataclass(frozen=True)
 class RaggedFFNCompute:
-    """An :class:`~moeflow.moe.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
+    """An :class:`~moeflow.core.experts.ExpertCompute` over the filled slots only. ``filled_LW[l, w]``
     is how many of source rank w's slots of local expert l hold a token (over the whole capacity);
     ``slots`` the capacity range of the chunk being computed (set by :meth:`chunk`). Without
     ``keeps_activations`` (no backward will run) no saved activations are built."""

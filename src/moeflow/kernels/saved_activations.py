@@ -1,7 +1,7 @@
 """The experts' saved intermediates go to autograd through ``save_for_backward``.
 
 An expert forward keeps, per pipeline chunk or schedule step, a record of what its backward reads
-(:class:`moeflow.moe.experts.FFNSaved`, :class:`moeflow.kernels.ragged.RaggedSaved`). Handing those tensors to
+(:class:`moeflow.core.experts.FFNSaved`, :class:`moeflow.kernels.ragged.RaggedSaved`). Handing those tensors to
 ``save_for_backward`` rather than keeping them on ``ctx`` is what lets saved-tensor hooks see them:
 ``torch.autograd.graph.save_on_cpu`` and other activation offloading in a user's training loop, and
 ``moeflow bench memory``'s count of the activations. A record's other fields (row maps, shapes) stay

@@ -1,5 +1,5 @@
 """Fused encode/decode in Triton (Tutel 4.2's sparse kernels): the same functions as
-:mod:`moeflow.moe.dispatchers.encoding`, with no (S, M) intermediate anywhere.
+:mod:`moeflow.kernels.slot_gather`, with no (S, M) intermediate anywhere.
 
 Three kernels cover both directions and their gradients:
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.moe.dispatchers.slot_map import SlotMap
+from moeflow.core.slot_map import SlotMap
 
 COLUMN_BLOCK = 256  # columns per program: a row of M <= 256 is one program
 

@@ -29,10 +29,10 @@ from moeflow.config import (
     require_positive_int,
     validate_capacity_factor,
 )
+from moeflow.core.experts import ExpertFFN
+from moeflow.core.workspace import share_workspace
 from moeflow.kernels.choice import share_kernel_table
-from moeflow.kernels.workspace import share_workspace
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
-from moeflow.moe.experts import ExpertFFN
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.timing.phases import PhaseClock

@@ -22,23 +22,23 @@ from torch import nn
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_from_arguments, resolve_normalize_gate
+from moeflow.core.experts import ExpertFFN, shared_output
+from moeflow.core.routing import build_gate
+from moeflow.core.routing.router import Routing, route, update_expert_bias
+from moeflow.core.stats import PipelineTiming, RoutingStats
+from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice, KernelTable
 from moeflow.kernels.precision import checked_tokens, compute_dtype
-from moeflow.kernels.workspace import Workspace
-from moeflow.moe.dispatchers.capacity import CapacityDispatcher, run_context
-from moeflow.moe.dispatchers.choice import Agreed, CallFacts, agree, direct_path
-from moeflow.moe.dispatchers.protocol import DispatchCall
-from moeflow.moe.dispatchers.stats import DirectLabels
-from moeflow.moe.experts import ExpertFFN, shared_output
-from moeflow.moe.planning import OnlinePlanner
-from moeflow.moe.routing import build_gate
-from moeflow.moe.routing.router import Routing, route, update_expert_bias
-from moeflow.moe.stats import PipelineTiming, RoutingStats
 from moeflow.parallel.build import attach_mp_group, build_execution
 from moeflow.parallel.context import RunContext
+from moeflow.parallel.dispatchers.capacity import CapacityDispatcher, run_context
+from moeflow.parallel.dispatchers.choice import Agreed, CallFacts, agree, direct_path
+from moeflow.parallel.dispatchers.protocol import DispatchCall
+from moeflow.parallel.dispatchers.stats import DirectLabels
 from moeflow.parallel.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
 from moeflow.parallel.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
 from moeflow.parallel.moves import move_experts
+from moeflow.parallel.online_planner import OnlinePlanner
 from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
@@ -62,7 +62,7 @@ class MoELayer(nn.Module):
     it) ``"s1"``, ``"s2"`` and ``"ds-baseline"`` are Parm's schedules and the DeepSpeed-MoE
     baseline, and ``"auto"`` chooses S1 or S2 per iteration. Under the expert schedule, dispatch ->
     experts -> combine runs pipelined over ``pipeline`` capacity chunks with the ``alltoall``
-    algorithm, both planned per forward (:mod:`moeflow.moe.planning`): ``"auto"`` ranks the candidates
+    algorithm, both planned per forward (:mod:`moeflow.parallel.online_planner`): ``"auto"`` ranks the candidates
     with the profile and times the best few online, ``"model"`` trusts the profile, ``"search"``
     times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
     algorithm name forces it.
@@ -75,7 +75,7 @@ class MoELayer(nn.Module):
     ``top_groups`` limit each token to the experts of its best groups and ``routed_scaling_factor``
     scales the combine weights (DeepSeek-V3's router, with ``score_function="sigmoid"``).
     After each forward, ``aux_loss`` holds the weighted balance (+ z) loss, in the graph, and
-    ``last_stats`` a :class:`~moeflow.moe.stats.RoutingStats`.
+    ``last_stats`` a :class:`~moeflow.core.stats.RoutingStats`.
     """
 
     def __init__(
@@ -228,7 +228,7 @@ class MoELayer(nn.Module):
 
     def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
         """The dispatcher this call may take besides the capacity path, from the schedule's direct path
-        (:func:`moeflow.moe.dispatchers.choice.direct_path`)."""
+        (:func:`moeflow.parallel.dispatchers.choice.direct_path`)."""
         facts = CallFacts(num_tokens, k, factor, self._asks_direct, self._moves_bias,
                           self.config.expert_kernel == "ragged")
         declared = self.schedule.direct_path(self.placement, self.rank)
@@ -256,7 +256,7 @@ class MoELayer(nn.Module):
 
     @property
     def last_stats(self) -> RoutingStats | None:
-        """The last forward's :class:`~moeflow.moe.stats.RoutingStats` (a direct forward's on first read)."""
+        """The last forward's :class:`~moeflow.core.stats.RoutingStats` (a direct forward's on first read)."""
         if callable(self._last.stats):
             self._last.stats = self._last.stats()
         return self._last.stats

@@ -31,8 +31,9 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.wire import decode, encode
 from moeflow.comm.zero import gather_shards
 from moeflow.config import EXACT_WIRE, check_switchable_layout, validate_r
-from moeflow.moe.experts import FFNWeights
-from moeflow.moe.pipeline import (
+from moeflow.core.experts import FFNWeights
+from moeflow.core.stats import PipelineTiming, region_clock
+from moeflow.parallel.chunk_pipeline import (
     ChunkExchange,
     ExpertExchange,
     SelfAdjointExchange,
@@ -40,7 +41,6 @@ from moeflow.moe.pipeline import (
     padded_slots,
     pipelined_experts,
 )
-from moeflow.moe.stats import PipelineTiming, region_clock
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from moeflow.comm.algorithms import distinct_algorithms
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import ALLTOALL_ALGORITHMS, FASTERMOE_REMOTE_SHARE, SAA, MoEConfig, ffn_projections
-from moeflow.moe.capacity import estimated_needed_capacity
-from moeflow.moe.routing import NodeLimit, expert_capacity
+from moeflow.core.capacity import estimated_needed_capacity
+from moeflow.core.routing import NodeLimit, expert_capacity
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank

@@ -17,11 +17,11 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import EXACT_WIRE
+from moeflow.core.experts import ExpertCompute, FFNWeights, LocalExperts
+from moeflow.core.slot_map import SlotMap
+from moeflow.core.stats import PipelineTiming
+from moeflow.core.workspace import Workspace
 from moeflow.kernels.ragged import RaggedFFNCompute
-from moeflow.kernels.workspace import Workspace
-from moeflow.moe.dispatchers.slot_map import SlotMap
-from moeflow.moe.experts import ExpertCompute, FFNWeights, LocalExperts
-from moeflow.moe.stats import PipelineTiming
 from moeflow.parallel.placement import ExpertPlacement
 
 

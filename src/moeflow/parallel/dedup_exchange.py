@@ -36,8 +36,8 @@ from moeflow.comm.collectives import all_gather_into, all_to_all_single, host_de
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import EXACT_WIRE
-from moeflow.kernels.device_copy import to_device
-from moeflow.moe.pipeline import SelfAdjointExchange
+from moeflow.core.device_copy import to_device
+from moeflow.parallel.chunk_pipeline import SelfAdjointExchange
 from moeflow.parallel.node_dedup import NodeRoutes, node_routes
 from moeflow.parallel.ragged_exchange import (
     RaggedRoutes,

@@ -26,8 +26,8 @@ import torch
 
 from moeflow.comm.alltoall import linear_all_to_all
 from moeflow.comm.groups import ParallelGroups
-from moeflow.moe.experts import FFNCompute
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.experts import FFNCompute
+from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.expert_fetch import ExpertFetch, start_fetch
 from moeflow.parallel.inference_hook import InferenceHook

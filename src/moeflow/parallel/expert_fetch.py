@@ -18,7 +18,7 @@ import torch.distributed as dist
 from moeflow.comm.collectives import send_and_receive
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
-from moeflow.moe.experts import FFNWeights
+from moeflow.core.experts import FFNWeights
 from moeflow.parallel.placement import ExpertPlacement
 
 

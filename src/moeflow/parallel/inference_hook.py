@@ -8,7 +8,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from moeflow.moe.routing.selection import ExpertChoice
+from moeflow.core.routing.selection import ExpertChoice
 from moeflow.parallel.expert_fetch import ExpertFetch
 from moeflow.parallel.placement import ExpertPlacement
 

@@ -9,9 +9,9 @@ from collections.abc import Iterable
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.moe.dispatchers.choice import DIRECT_LOCAL
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.context import Prepared
+from moeflow.parallel.dispatchers.choice import DIRECT_LOCAL
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
@@ -40,7 +40,7 @@ class ModelledSchedule:
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """``"local"`` where ``rank`` holds every expert whole and no hook sees the routing: its
         forward may skip the dispatch and compute its tokens on its own experts
-        (:mod:`moeflow.moe.dispatchers.local`). No other direct path unless the schedule declares one."""
+        (:mod:`moeflow.parallel.dispatchers.local`). No other direct path unless the schedule declares one."""
         return DIRECT_LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow.moe.experts import ExpertFFN
+from moeflow.core.experts import ExpertFFN
 from moeflow.parallel.expert_parameters import holds_shards
 from moeflow.parallel.placement import ExpertPlacement, gather_full
 

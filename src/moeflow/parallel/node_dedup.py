@@ -30,7 +30,7 @@ import torch
 from moeflow.comm.algorithms import exchange_on
 from moeflow.comm.collectives import all_to_all_single, host_device, reduce_values_later
 from moeflow.comm.groups import ParallelGroups, ProcessGroup
-from moeflow.kernels.device_copy import to_device
+from moeflow.core.device_copy import to_device
 from moeflow.parallel.ragged_exchange import RaggedRoutes, distinct_tokens, ragged_routes, scatter_rows, summed_rows
 
 

@@ -38,8 +38,8 @@ from moeflow.comm.collectives import all_gather_into, all_reduce, all_to_all_sin
 from moeflow.comm.ep_esp import ep_esp_combine, ep_esp_dispatch
 from moeflow.comm.groups import ParallelGroups, group_rank, group_size
 from moeflow.comm.saa import ep_esp_combine_allgather
-from moeflow.moe.pipeline import SelfAdjointExchange, pad_slots, padded_slots, pipelined_experts
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.stats import PipelineTiming
+from moeflow.parallel.chunk_pipeline import SelfAdjointExchange, pad_slots, padded_slots, pipelined_experts
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement

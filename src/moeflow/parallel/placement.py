@@ -151,7 +151,7 @@ class ExpertPlacement:
 
     def local_slices(self, rank: int) -> list[tuple[int, int, int]]:
         """(expert, hidden_start, hidden_stop) of each of ``rank``'s shards, in local order: what
-        :meth:`moeflow.moe.experts.ExpertFFN.reset_by_expert` draws."""
+        :meth:`moeflow.core.experts.ExpertFFN.reset_by_expert` draws."""
         return [(shard.expert, shard.hidden_start, shard.hidden_stop) for shard in self.shards[rank]]
 
     def num_local(self, rank: int) -> int:

@@ -8,11 +8,11 @@ each destination exactly its kept rows of that destination's experts: the per-ex
 all-gathered before the exchange already (``filled_WE``), so every rank knows every split and no
 extra collective runs. Capacity is then a cap on kept tokens, not a buffer size.
 
-The layouts on both sides stay those of :class:`~moeflow.moe.pipeline.ExpertExchange`, (E, Cj, M) by
+The layouts on both sides stay those of :class:`~moeflow.parallel.chunk_pipeline.ExpertExchange`, (E, Cj, M) by
 destination expert and (L, W * Cj, M) by local expert and source rank, so every expert kernel (the
 ragged one skips the empty rows; the padded ones multiply zeros) and the pipeline's chunks run
 unchanged: the rows are gathered before the all-to-all and scattered after it. Tokens fill an
-expert's slots from the front (:func:`moeflow.moe.dispatchers.encoding.make_slot_map`), so a chunk's rows of
+expert's slots from the front (:func:`moeflow.kernels.slot_gather.make_slot_map`), so a chunk's rows of
 (s, e) are its first ``clamp(filled[s, e] - start, 0, Cj)`` slots. The combine is the dispatch's
 adjoint (gather, all-to-all over the transposed split matrix, scatter), so the exchange is its own
 adjoint and the backward sends only the kept rows' gradients as well.
@@ -28,8 +28,8 @@ import torch
 from moeflow.comm.algorithms import SplitMatrix, exchange, transpose
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import EXACT_WIRE, RAGGED_MIN_SAVING, empty_share
-from moeflow.kernels.device_copy import to_device
-from moeflow.moe.pipeline import ExpertExchange, SelfAdjointExchange
+from moeflow.core.device_copy import to_device
+from moeflow.parallel.chunk_pipeline import ExpertExchange, SelfAdjointExchange
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from moeflow.config import PADDED, MoEConfig
-from moeflow.sim.technique import SimulatedSchedule
+from moeflow.perf.sim.technique import SimulatedSchedule
 
 if TYPE_CHECKING:
     from moeflow.parallel.schedules import ParallelSchedule

@@ -36,9 +36,9 @@ from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.ledger import tracked
 from moeflow.comm.topology import Topology
-from moeflow.kernels.device_copy import to_device
-from moeflow.moe.experts import FFNCompute, FFNWeights
-from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
+from moeflow.core.device_copy import to_device
+from moeflow.core.experts import FFNCompute, FFNWeights
+from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement, ExpertShard
 from moeflow.parallel.wrapped import WrappingSchedule

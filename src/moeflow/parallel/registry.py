@@ -36,7 +36,7 @@ from moeflow.parallel.records import (
 from moeflow.perf import CostModel
 from moeflow.perf.schedule_models import SMART, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
-from moeflow.sim import parm_regions, regions
+from moeflow.perf.sim import parm_regions, regions
 
 if TYPE_CHECKING:
     from moeflow.parallel.schedules import ParallelSchedule

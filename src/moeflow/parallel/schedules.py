@@ -28,12 +28,12 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import cross_node_rows
 from moeflow.config import DEDUP, PADDED, ragged_min_saving
-from moeflow.moe.dispatchers.choice import DIRECT_EXCHANGE
-from moeflow.moe.experts import ExpertCompute
-from moeflow.moe.pipeline import ChunkExchange, ExpertExchange, pipelined_experts
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.experts import ExpertCompute
+from moeflow.core.stats import PipelineTiming
+from moeflow.parallel.chunk_pipeline import ChunkExchange, ExpertExchange, pipelined_experts
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.dedup_exchange import DedupExchange
+from moeflow.parallel.dispatchers.choice import DIRECT_EXCHANGE
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -67,8 +67,8 @@ class ParallelSchedule(Protocol):
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
         """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
-        experts (:mod:`moeflow.moe.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
-        or exchanged rows, :mod:`moeflow.moe.dispatchers.choice`), or None (the capacity dispatcher)."""
+        experts (:mod:`moeflow.parallel.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
+        or exchanged rows, :mod:`moeflow.parallel.dispatchers.choice`), or None (the capacity dispatcher)."""
         ...
 
     def candidates(

@@ -29,8 +29,8 @@ from torch.autograd.function import FunctionCtx
 
 from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups
-from moeflow.moe.experts import ExpertCompute, FFNWeights
-from moeflow.moe.pipeline import ExpertExchange, pipelined_experts
+from moeflow.core.experts import ExpertCompute, FFNWeights
+from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts
 from moeflow.parallel.context import RunContext, ScheduleOutput
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.wrapped import WrappingSchedule

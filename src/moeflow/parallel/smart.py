@@ -11,7 +11,7 @@ ends, which is the paper's schedule. The backward runs the same steps on the out
 the experts' backward (an equal-split exchange is its own adjoint); weight gradients are one
 deferred GEMM over all steps.
 
-How it relates to the capacity-chunk pipeline (:mod:`moeflow.moe.pipeline`): both overlap the same
+How it relates to the capacity-chunk pipeline (:mod:`moeflow.parallel.chunk_pipeline`): both overlap the same
 dispatch -> experts -> combine region, along different axes. The capacity pipeline cuts every
 expert's slots into d chunks and runs a whole all-to-all per chunk, so its first computation waits
 for one chunk's full exchange; the smart schedule cuts by source node, so its first computation
@@ -34,11 +34,11 @@ from moeflow.comm.algorithms import pairwise_peers, pairwise_step
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import EXACT_WIRE, wire_row_bytes
+from moeflow.core.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
+from moeflow.core.stats import PipelineTiming
+from moeflow.core.workspace import Workspace
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
-from moeflow.kernels.workspace import Workspace
-from moeflow.moe.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
-from moeflow.moe.pipeline import overlap
-from moeflow.moe.stats import PipelineTiming
+from moeflow.parallel.chunk_pipeline import overlap
 from moeflow.perf.schedule_models import SMART
 
 

@@ -32,10 +32,10 @@ from moeflow.comm.collectives import all_gather, all_reduce
 from moeflow.comm.groups import group_rank, group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
-from moeflow.moe.capacity import expert_capacity
-from moeflow.moe.routing.router import Routing
-from moeflow.moe.routing.slots import assign_slots
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.capacity import expert_capacity
+from moeflow.core.routing.router import Routing
+from moeflow.core.routing.slots import assign_slots
+from moeflow.core.stats import PipelineTiming
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.moe.dispatchers.choice import DIRECT_LOCAL
-from moeflow.moe.stats import PipelineTiming
+from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
+from moeflow.parallel.dispatchers.choice import DIRECT_LOCAL
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule

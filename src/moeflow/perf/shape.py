@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeflow.config import EXACT_WIRE, LayerDims, wire_row_bytes
-from moeflow.moe.capacity import estimated_needed_capacity, expert_capacity
+from moeflow.core.capacity import estimated_needed_capacity, expert_capacity
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class RegionShape:
         bytes_per_element: int = 4, needed: int | None = None,
     ) -> RegionShape:
         """The region of ``tokens`` tokens per rank at the capacity the layer itself would size
-        (:func:`moeflow.moe.capacity.expert_capacity`), so a plan for a token count matches the run.
+        (:func:`moeflow.core.capacity.expert_capacity`), so a plan for a token count matches the run.
         ``needed`` is the largest per-expert load of the iteration (what f <= 0 sizes the capacity
         from); None assumes the balanced load ceil(k T / E)."""
         load = estimated_needed_capacity(dims.top_k, tokens, dims.num_experts) if needed is None else needed

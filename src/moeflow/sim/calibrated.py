@@ -23,12 +23,12 @@ from typing import Any
 from moeflow.config import ALLTOALL_ALGORITHMS, LayerDims
 from moeflow.perf.alphabeta import AlphaBeta
 from moeflow.perf.profile import LAYER_PROBE, PIPELINE_PROBE, ClusterProfile
-from moeflow.sim.builder import ffn_kernels
-from moeflow.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
-from moeflow.sim.network import LocalCopy, Network, Step, Transfer
-from moeflow.sim.plan import StepPlan
+from moeflow.perf.sim.builder import ffn_kernels
+from moeflow.perf.sim.cluster import Cluster, Device, Link, cluster_from_toml, read_toml_source
+from moeflow.perf.sim.network import LocalCopy, Network, Step, Transfer
+from moeflow.perf.sim.plan import StepPlan
+from moeflow.perf.sim.workload import ModelSpec
 from moeflow.sim.step import simulate_step
-from moeflow.sim.workload import ModelSpec
 
 PROBE_BYTES = 1 << 20
 """Per-rank buffer at which an algorithm's ideal slope is read (the network model is linear in bytes)."""

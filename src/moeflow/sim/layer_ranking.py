@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 from moeflow.config import DEDUP, DTYPE_BYTES, EXACT_WIRE, PADDED, ragged_min_saving
 from moeflow.parallel.registry import SIMULATED
 from moeflow.perf.schedule_models import ragged_shape
+from moeflow.perf.sim.cluster import Cluster
+from moeflow.perf.sim.plan import StepPlan, simulated_algorithm
+from moeflow.perf.sim.workload import ModelSpec
 from moeflow.sim.calibrated import cluster_from_profile
-from moeflow.sim.cluster import Cluster
-from moeflow.sim.plan import StepPlan, simulated_algorithm
 from moeflow.sim.step import simulate_step
-from moeflow.sim.workload import ModelSpec
 
 if TYPE_CHECKING:
     from moeflow.perf.profile import ClusterProfile

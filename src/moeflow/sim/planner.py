@@ -12,11 +12,11 @@ from dataclasses import dataclass, field, replace
 
 from moeflow.config import EXACT_WIRE, GRADIENT_BUCKET_MB
 from moeflow.parallel.registry import FEATURE_SPECS, SIMULATED
-from moeflow.sim.cluster import Cluster
-from moeflow.sim.plan import StepPlan
+from moeflow.perf.sim.cluster import Cluster
+from moeflow.perf.sim.plan import StepPlan
+from moeflow.perf.sim.technique import PlanSpace
+from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
 from moeflow.sim.step import WIRE_FEATURE, StepResult, sends_wire, simulate_step
-from moeflow.sim.technique import PlanSpace
-from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
 
 DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the plan search tries."""

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.sim.cluster import Cluster
-from moeflow.sim.plan import StepPlan
+from moeflow.perf.sim.cluster import Cluster
+from moeflow.perf.sim.plan import StepPlan
+from moeflow.perf.sim.workload import ModelSpec
 from moeflow.sim.step import plan_label, simulate_step
-from moeflow.sim.workload import ModelSpec
 
 SCALING_NODES = (4, 16, 64, 256)
 SCALING_LAYERS = (8, 16, 32, 64)

@@ -1,5 +1,5 @@
 """One training step (forward, backward, gradient sync, optimizer) or one inference batch of an MoE
-transformer, written as a :class:`~moeflow.sim.engine.Timeline` and run.
+transformer, written as a :class:`~moeflow.perf.sim.engine.Timeline` and run.
 
 Per layer: attention, gate and encode on the compute stream (with EPLB's ``redundant_slots``, the
 experts' region runs over the slots placed for the layer's load); the dispatch all-to-all of each of d
@@ -17,10 +17,10 @@ from typing import Any
 
 from moeflow.config import EXACT_WIRE
 from moeflow.parallel.registry import FEATURE_SPECS, FEATURES, ONE_RANK_SCHEDULE, SIMULATED, SimulatedSpec
-from moeflow.sim.builder import StepBuilder
-from moeflow.sim.cluster import Cluster
-from moeflow.sim.plan import StepPlan
-from moeflow.sim.workload import LayerLoad, ModelSpec, routing_loads
+from moeflow.perf.sim.builder import StepBuilder
+from moeflow.perf.sim.cluster import Cluster
+from moeflow.perf.sim.plan import StepPlan
+from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
 
 SLOTS_FEATURE = "redundant_experts"
 """The feature record of EPLB's slots (``plan.redundant_slots``): the schedules it runs on are its."""

@@ -12,7 +12,7 @@ def prepared_corpus(config: TrainConfig, cache_root: Path) -> PreparedCorpus:
     """The corpus ``config`` trains on, from the cache under ``cache_root`` (built if missing), with
     the --hf model's own tokenizer when there is one."""
     if config.hf is not None:
-        from moeflow.hf.training import prepare_hf_corpus  # Hugging Face stays an optional import
+        from moeflow.training.hf_model import prepare_hf_corpus  # Hugging Face stays an optional import
 
         return prepare_hf_corpus(config, cache_root)
     return prepare_corpus(config.data, config.tokenizer, config.vocab_size, config.val_percent, cache_root=cache_root)

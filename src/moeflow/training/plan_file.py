@@ -17,10 +17,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from moeflow.sim.cluster import Cluster
-    from moeflow.sim.plan import StepPlan
+    from moeflow.perf.sim.cluster import Cluster
+    from moeflow.perf.sim.plan import StepPlan
+    from moeflow.perf.sim.workload import ModelSpec
     from moeflow.sim.step import StepResult
-    from moeflow.sim.workload import ModelSpec
     from moeflow.training.config import TrainConfig
 
 PLAN_TABLE = "plan"
@@ -46,7 +46,7 @@ def model_of_config(config: TrainConfig) -> ModelSpec:
     """The simulator's model of ``moeflow train``'s model under ``config``: every block an MoE layer
     (the simulator's model has no dense FFN blocks), its tokens per worker, dtype and vocabulary."""
     from moeflow.config import LayerDims, ffn_projections
-    from moeflow.sim.workload import ModelSpec
+    from moeflow.perf.sim.workload import ModelSpec
 
     if config.moe_every != 1:
         raise ValueError(f"moe_every={config.moe_every}: the planner's simulator makes every block an MoE layer; "

@@ -157,7 +157,7 @@ def build_model(config: TrainConfig, corpus: PreparedCorpus, groups: ParallelGro
                 device: torch.device) -> TrainableLM:
     """moeflow's own model, initialised from the seed, or the --hf model with its weights."""
     if config.hf is not None:
-        from moeflow.hf.training import build_hf_model
+        from moeflow.training.hf_model import build_hf_model
 
         return build_hf_model(config, groups, device)
     return MoETransformer(config.model_config(corpus.vocab_size), group=groups, seed=config.seed,
@@ -434,7 +434,7 @@ def _hf_files(config: TrainConfig) -> list[Path]:
     """A --hf run's checkpoints keep the source's config, so that they export on their own."""
     if config.hf is None:
         return []
-    from moeflow.hf.export import hf_checkpoint_files
+    from moeflow.training.hf_export import hf_checkpoint_files
 
     return hf_checkpoint_files(config.hf)
 
@@ -485,7 +485,7 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
 def _save_hf(run: _Run) -> Path:
     """The fine-tuned model as a transformers directory, exported by rank 0 from the last sharded
     checkpoint one layer at a time (no rank gathers the experts)."""
-    from moeflow.hf.export import export_hf
+    from moeflow.training.hf_export import export_hf
 
     destination = Path(run.job.run_dir) / HF_CHECKPOINT
     assert run.config.hf is not None and run.checkpoint is not None

@@ -1,0 +1,1 @@
+"""The value types every layer shares."""
