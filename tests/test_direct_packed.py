@@ -1,8 +1,9 @@
-"""The packed path (moeflow.direct_packed): a training forward on one rank under the ragged kernel
+"""The kept-rows path (moeflow.direct_packed): a training forward on one rank under the ragged kernel
 runs with no capacity buffer, and computes the capacity path's function, gradients included."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from moeflow import MoELayer
 from moeflow.core.routing import assign_slots
 from moeflow.kernels.slot_gather import encode, make_packed_slot_map, make_slot_map
-from moeflow.parallel.dispatchers.stats import SOURCE
+from moeflow.moe.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 
 M, H, E = 16, 24, 8
@@ -40,8 +41,8 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor, upstream: torch.
 
 
 def _capacity_path(layer: MoELayer) -> MoELayer:
-    """The same layer forced onto the capacity path (what every forward took before the packed path)."""
-    layer._direct_path = lambda *args: None  # type: ignore[method-assign]
+    """The same layer forced onto the capacity path (what every forward took before the kept-rows path)."""
+    layer.dispatchers = dataclasses.replace(layer.dispatchers, declared=None)
     return layer
 
 

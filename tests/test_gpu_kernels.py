@@ -1,4 +1,4 @@
-"""The measured kernel choice and the packed path on a GPU. Skipped without CUDA."""
+"""The measured kernel choice and the kept-rows path on a GPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from moeflow.core.experts import ExpertFFN
 from moeflow.kernels import triton_installed
 from moeflow.kernels.choice import candidates, grouped_mm_works, measure_choice
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
-from moeflow.parallel.dispatchers.packed import _PackedExperts
-from moeflow.parallel.dispatchers.stats import SOURCE
+from moeflow.moe.dispatchers.kept_rows import _KeptRowsExperts
+from moeflow.moe.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -105,11 +105,11 @@ def test_packed_experts_never_stall_the_host(backend: str) -> None:
     rows = FilledRows.counted(torch.arange(34), counts)
     x_NM = torch.randn(34, 64, device=GPU, dtype=torch.bfloat16, requires_grad=True)
     weights = experts.weights().as_tuple()
-    (_PackedExperts.apply(x_NM, rows, experts.compute, backend, *weights).sum()).backward()  # warm up
+    (_KeptRowsExperts.apply(x_NM, rows, experts.compute, backend, *weights).sum()).backward()  # warm up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        y_NM = _PackedExperts.apply(x_NM, rows, experts.compute, backend, *weights)
+        y_NM = _KeptRowsExperts.apply(x_NM, rows, experts.compute, backend, *weights)
         y_NM.backward(torch.ones_like(y_NM))
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -20,11 +20,11 @@ from moeflow.inference import (
     RoutingProfile,
     SchedulerSettings,
     first_fit_decreasing,
+    popularity_assignment,
     popularity_placement,
-    popularity_plan,
     schedule_layers,
 )
-from moeflow.inference.plan import plan_loads
+from moeflow.inference.assignment import assignment_loads
 from moeflow.inference.scheduler import balanced_choice, top_experts
 from moeflow.parallel.redundant import rank_loads
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
@@ -47,39 +47,39 @@ def test_first_fit_decreasing_respects_the_item_limit_and_overflows_onto_the_lig
 
 
 def test_an_even_load_keeps_expert_parallelism() -> None:
-    assert popularity_plan([1] * 8, 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert popularity_plan([3] * 16, 4, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert popularity_assignment([1] * 8, 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert popularity_assignment([3] * 16, 4, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
 def test_a_popular_expert_gets_ranks_in_proportion_and_the_rest_are_packed() -> None:
     # shares 2.5, .5, .5, .5: expert 0 rounds to 3 ranks, but the rest need 2 bins (1.5 ranks of load)
-    assert popularity_plan([5, 1, 1, 1], 4, 4) == [[0], [0], [1, 2], [3]]
+    assert popularity_assignment([5, 1, 1, 1], 4, 4) == [[0], [0], [1, 2], [3]]
     # share 2.25: two ranks; 7 x .25 packed four to a rank
-    plan = popularity_plan([9, 1, 1, 1, 1, 1, 1, 1], 4, 4)
+    plan = popularity_assignment([9, 1, 1, 1, 1, 1, 1, 1], 4, 4)
     assert plan == [[0], [0], [1, 2, 3, 4], [5, 6, 7]]
     assert rank_loads(popularity_placement([9, 1, 1, 1, 1, 1, 1, 1], 4, 6), [9, 1, 1, 1, 1, 1, 1, 1]) == [
         4.5, 4.5, 4.0, 3.0]
 
 
 def test_unloaded_experts_fill_the_ranks_with_the_fewest_experts() -> None:
-    assert popularity_plan([10, 0, 0, 0], 4, 4) == [[0, 1], [0, 2], [0, 3], [0]]
+    assert popularity_assignment([10, 0, 0, 0], 4, 4) == [[0, 1], [0, 2], [0, 3], [0]]
     # every token to expert 3: with at most 4 experts per rank no slot is left for a second copy
-    assert popularity_plan([0, 0, 0, 16, 0, 0, 0, 0], 2, 4) == [[1, 3, 4, 6], [0, 2, 5, 7]]
-    assert popularity_plan([0, 0, 0, 16, 0, 0, 0, 0], 2, 5) == [[0, 2, 3, 5, 7], [1, 3, 4, 6]]
-    assert popularity_plan([0] * 8, 2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert popularity_assignment([0, 0, 0, 16, 0, 0, 0, 0], 2, 4) == [[1, 3, 4, 6], [0, 2, 5, 7]]
+    assert popularity_assignment([0, 0, 0, 16, 0, 0, 0, 0], 2, 5) == [[0, 2, 3, 5, 7], [1, 3, 4, 6]]
+    assert popularity_assignment([0] * 8, 2, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def test_a_skewed_load_is_balanced_over_two_ranks() -> None:
     load = [30, 20, 10, 5, 5, 3, 2, 1]
-    plan = popularity_plan(load, 2, 4)
+    plan = popularity_assignment(load, 2, 4)
     assert sorted(e for rank in plan for e in rank) == list(range(8))
     assert max(rank_loads(popularity_placement(load, 2, 6), load)) == 39  # static: 65 on rank 0
 
 
 def test_the_placement_checks_its_expert_limit() -> None:
     with pytest.raises(ValueError, match="max_experts_per_rank=2 cannot hold 8 experts on 2 ranks; use at least 4"):
-        popularity_plan([1] * 8, 2, 2)
-    assert popularity_plan([1] * 8, 1, 2) == [list(range(8))]
+        popularity_assignment([1] * 8, 2, 2)
+    assert popularity_assignment([1] * 8, 1, 2) == [list(range(8))]
 
 
 # -- the estimator and the profile file ---------------------------------------------------------------
@@ -260,7 +260,8 @@ def test_the_scheduled_layers_compute_what_the_static_placement_computes(
                        for e in plan)
     counted = [r for r in records if r["phase"] != 1]  # planned from the gate's counts, not the estimate
     if world_size > 1 and kind == "skewed" and counted and schedule != "unpadded":  # the plan evens the ranks' work
-        static = [max(plan_loads(popularity_plan([1] * E, world_size, 4), np.array(r["load"]))) for r in counted]
+        even = popularity_assignment([1] * E, world_size, 4)
+        static = [max(assignment_loads(even, np.array(r["load"]))) for r in counted]
         busiest = [max(r["rank_tokens"]) for r in counted]
         assert all(b <= s for b, s in zip(busiest, static, strict=True)) and busiest != static
 

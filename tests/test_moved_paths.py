@@ -36,9 +36,9 @@ def test_a_submodule_of_a_moved_package_is_the_one_module() -> None:
         "import warnings\nwarnings.simplefilter('ignore')\n"
         "from moeflow.moe.routing.router import Routing as old\n"
         "from moeflow.core.routing.router import Routing as new\n"
-        "from moeflow.moe.dispatchers.capacity import CapacityDispatcher as old_dispatcher\n"
-        "from moeflow.parallel.dispatchers.capacity import CapacityDispatcher as new_dispatcher\n"
-        "print(old is new and old_dispatcher is new_dispatcher)\n"
+        "from moeflow.sim.cluster import Cluster as old_cluster\n"
+        "from moeflow.perf.sim.cluster import Cluster as new_cluster\n"
+        "print(old is new and old_cluster is new_cluster)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "True", done.stderr

@@ -1,34 +1,34 @@
 """Lina's inference placement under a memory budget: each rank keeps its own experts and takes at
-most R copies of hot ones (``moeflow.inference.plan.replica_slot_plan``)."""
+most R copies of hot ones (``moeflow.inference.assignment.replica_slot_plan``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from moeflow.inference.assignment import assignment_loads, replica_slot_assignment
 from moeflow.inference.cost import PlanPrice, ReplicaPrices
-from moeflow.inference.plan import plan_loads, replica_slot_plan
 from moeflow.perf import LinkPrices
 
 
 def test_no_slots_is_expert_parallel() -> None:
-    assert replica_slot_plan([9, 1, 1, 1], 2, 0) == [[0, 1], [2, 3]]
+    assert replica_slot_assignment([9, 1, 1, 1], 2, 0) == [[0, 1], [2, 3]]
 
 
 def test_the_hot_expert_is_copied_then_the_next_copy_evens_the_ranks() -> None:
     load = np.array([9.0, 1, 1, 1])
-    plan = replica_slot_plan(load, 2, 1)
+    plan = replica_slot_assignment(load, 2, 1)
     # expert 0 on both ranks (6.5 on the busiest), then expert 2 on rank 0 (6 and 6)
     assert plan == [[0, 1, 2], [0, 2, 3]]
-    assert plan_loads(plan, load) == pytest.approx([6.0, 6.0])
+    assert assignment_loads(plan, load) == pytest.approx([6.0, 6.0])
 
 
 def test_no_copy_where_it_does_not_unload_the_busiest_rank() -> None:
-    assert replica_slot_plan([1, 1, 1, 1], 2, 2) == [[0, 1], [2, 3]]
+    assert replica_slot_assignment([1, 1, 1, 1], 2, 2) == [[0, 1], [2, 3]]
 
 
 def test_at_most_r_copies_per_rank_and_owners_stay() -> None:
-    plan = replica_slot_plan([100, 1, 1, 1, 1, 1, 1, 1], 4, 1)
+    plan = replica_slot_assignment([100, 1, 1, 1, 1, 1, 1, 1], 4, 1)
     assert all(len(experts) <= 3 for experts in plan)
     assert sum(0 in experts for experts in plan) == 4  # the hot expert on every rank
     for rank, experts in enumerate(plan):
@@ -37,9 +37,9 @@ def test_at_most_r_copies_per_rank_and_owners_stay() -> None:
 
 def test_bad_budgets_are_refused() -> None:
     with pytest.raises(ValueError, match="replica_slots must be an integer >= 0"):
-        replica_slot_plan([1, 1], 2, -1)
+        replica_slot_assignment([1, 1], 2, -1)
     with pytest.raises(ValueError, match="3 experts cannot be split evenly over 2 ranks"):
-        replica_slot_plan([1, 1, 1], 2, 1)
+        replica_slot_assignment([1, 1, 1], 2, 1)
 
 
 # -- whether a copy pays (moeflow.inference.cost) ---------------------------------------------------
@@ -72,7 +72,7 @@ def test_the_prices_add_compute_exchange_and_the_copies_beyond_what_hides_them()
 ])
 def test_a_copy_is_made_only_where_it_pays(seconds_per_byte: float, hidden_s: float, copies: bool) -> None:
     prices = _prices(seconds_per_byte)
-    plan = replica_slot_plan(LOAD, 2, 1, PlanPrice(prices, LOAD, STORAGE, hidden_s))
+    plan = replica_slot_assignment(LOAD, 2, 1, PlanPrice(prices, LOAD, STORAGE, hidden_s))
     assert plan == ([[0, 1], [0, 2, 3]] if copies else STORAGE)
     # the bound that skips the search: the cheapest copy (100 ms on the slow link) against the most
     # copies could save (compute down to the mean, 20 ms, and the whole 40 ms exchange)
@@ -85,7 +85,7 @@ def test_a_copy_fetched_ahead_hides_under_compute_only_where_the_device_moves_it
     core moves it itself, so there the copy is charged in full."""
     from moeflow.config import LayerDims
     from moeflow.inference import InferenceScheduler, SchedulerSettings
-    from moeflow.inference.plan import plan_placement
+    from moeflow.inference.assignment import assignment_placement
     from moeflow.parallel.placement import ExpertPlacement
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 
@@ -95,7 +95,7 @@ def test_a_copy_fetched_ahead_hides_under_compute_only_where_the_device_moves_it
     storage = ExpertPlacement.expert_parallel(4, 2, 8)
     scheduler.attach(0, lambda placement: None, storage, LayerDims(4, 8, 4, projections=2), 4,  # type: ignore[arg-type,return-value]
                      hides_copies=hides_copies)
-    placement = plan_placement(STORAGE, 4, 8)
+    placement = assignment_placement(STORAGE, 4, 8)
     compute = scheduler._attached[0].prices.compute_seconds(STORAGE, LOAD)  # type: ignore[union-attr]
     assert compute > 0
     assert scheduler.hiding_seconds(0, placement, LOAD) == (compute if hides_copies else 0.0)

@@ -9,7 +9,6 @@ from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.shadowing import (
     LinkPrices,
     ShadowPrices,
-    rank_compute_load,
     select_shadowed_experts,
     shadowed_latency,
 )
@@ -122,7 +121,3 @@ def test_counts_must_have_a_column_per_expert() -> None:
         select_shadowed_experts([[1, 2, 3]], OWNERS, _prices(1.0))
 
 
-def test_rank_compute_load_moves_a_shadowed_experts_tokens_to_their_ranks() -> None:
-    counts = [[6, 0, 2, 0], [6, 0, 0, 2]]  # experts 0, 1 on rank 0; 2, 3 on rank 1
-    assert rank_compute_load(counts, [0, 0, 1, 1], set()).tolist() == [12.0, 4.0]
-    assert rank_compute_load(counts, [0, 0, 1, 1], {0}).tolist() == [6.0, 10.0]

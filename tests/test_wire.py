@@ -11,7 +11,7 @@ import torch
 from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.comm.wire import decode, encode
+from moeflow.comm.wire import from_wire, to_wire
 from moeflow.config import WIRE_DTYPES, MoEConfig, wire_row_bytes
 from pool import run_distributed
 
@@ -23,10 +23,10 @@ def test_a_row_comes_back_within_its_formats_rounding(wire_dtype: str) -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(6, 5, 32, generator=generator) * torch.logspace(-3, 3, 6).view(6, 1, 1)
     x[2, 1] = 0.0  # a zero row: its scale must not divide by zero
-    sent = encode(wire_dtype, x)
+    sent = to_wire(wire_dtype, x)
     assert sent.shape[:-1] == x.shape[:-1]
     assert sent.shape[-1] * sent.element_size() == wire_row_bytes(wire_dtype, 32, 4)
-    back = decode(wire_dtype, sent, torch.float32)
+    back = from_wire(wire_dtype, sent, torch.float32)
     assert back.dtype == torch.float32 and back.shape == x.shape
     assert torch.equal(back[2, 1], torch.zeros(32))
     row_max = x.abs().amax(-1, keepdim=True)
@@ -39,13 +39,14 @@ def test_a_row_comes_back_within_its_formats_rounding(wire_dtype: str) -> None:
 
 def test_bf16_leaves_narrow_rows_alone_and_fp8_packs_bf16_rows() -> None:
     x = torch.randn(4, 16).to(torch.bfloat16)
-    assert encode("bf16", x) is x
-    assert encode("fp8", x).shape == (4, 20) and decode("fp8", encode("fp8", x), torch.bfloat16).dtype == torch.bfloat16
+    assert to_wire("bf16", x) is x
+    assert to_wire("fp8", x).shape == (4, 20)
+    assert from_wire("fp8", to_wire("fp8", x), torch.bfloat16).dtype == torch.bfloat16
     for rows in (0, 1, 3):  # a message of one row whose scale does not start 4-byte aligned (M = 6)
         x = torch.randn(rows, 6)
-        assert torch.allclose(decode("fp8", encode("fp8", x), torch.float32), x, rtol=2**-4, atol=0)
+        assert torch.allclose(from_wire("fp8", to_wire("fp8", x), torch.float32), x, rtol=2**-4, atol=0)
     tiny = torch.full((2, 8), 1e-41)  # denormal rows: a normal scale, no NaN
-    assert torch.all(decode("fp8", encode("fp8", tiny), torch.float32).abs() <= 1e-41)
+    assert torch.all(from_wire("fp8", to_wire("fp8", tiny), torch.float32).abs() <= 1e-41)
 
 
 def _exchanges(rank: int, world_size: int) -> list[str]:
@@ -61,7 +62,7 @@ def _exchanges(rank: int, world_size: int) -> list[str]:
     for algorithm in ("linear", "2dh", "pairwise"):
         for wire_dtype in ("bf16", "fp8"):
             got = exchange(algorithm, rows, groups, matrix, wire_dtype)
-            expected = exchange(algorithm, decode(wire_dtype, encode(wire_dtype, rows), rows.dtype), groups, matrix)
+            expected = exchange(algorithm, from_wire(wire_dtype, to_wire(wire_dtype, rows), rows.dtype), groups, matrix)
             if not torch.equal(got, expected):
                 failures.append(f"rank {rank} {algorithm} {wire_dtype}: differs from the exchange of the rounded rows")
     return failures
@@ -189,6 +190,6 @@ def test_fp8_keeps_a_rows_finite_values_beside_an_inf() -> None:
     """The scale comes from the finite values: an inf (or NaN) arrives as NaN and its row's other
     values within e4m3's rounding (an inf took the scale: the whole row decoded as NaN)."""
     row = torch.tensor([[0.5, -0.25, float("inf"), 0.125, float("-inf"), float("nan")]])
-    back = decode("fp8", encode("fp8", row), torch.float32)
+    back = from_wire("fp8", to_wire("fp8", row), torch.float32)
     assert torch.equal(back[0, [0, 1, 3]], row[0, [0, 1, 3]])  # powers of two: exact in e4m3
     assert back[0, [2, 4, 5]].isnan().all()

@@ -27,13 +27,13 @@ MOVED: dict[str, str] = {
     "moeflow.kernels.workspace": "moeflow.core.workspace",
     "moeflow.kernels.device_copy": "moeflow.core.device_copy",
     "moeflow.moe.dispatchers.encoding": "moeflow.kernels.slot_gather",
-    "moeflow.moe.agreement": "moeflow.parallel.agreement",
-    "moeflow.moe.planning": "moeflow.parallel.online_planner",
+    "moeflow.moe.planning": "moeflow.moe.online_planner",
     "moeflow.moe.pipeline": "moeflow.parallel.chunk_pipeline",
-    "moeflow.moe.dispatchers": "moeflow.parallel.dispatchers",
+    "moeflow.parallel.forward_memory": "moeflow.moe.forward_memory",
     **{f"moeflow.sim.{name}": f"moeflow.perf.sim.{name}" for name in (
         "builder", "cluster", "cores", "engine", "network", "parm_regions", "plan", "regions", "technique",
         "workload")},
+    "moeflow.inference.plan": "moeflow.inference.assignment",
     "moeflow.hf.training": "moeflow.training.hf_model",
     "moeflow.hf.export": "moeflow.training.hf_export",
 }

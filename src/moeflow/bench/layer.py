@@ -27,8 +27,8 @@ from moeflow.core.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.core.routing import assign_slots, expert_capacity, select_experts
 from moeflow.kernels.precision import DTYPES
 from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map
+from moeflow.moe.dispatchers.stats import SOURCE
 from moeflow.moe.layer import MoELayer
-from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 from moeflow.timing.measure import device_medians
@@ -51,7 +51,7 @@ class LayerBenchConfig:
     device: str = "cpu"
     dtype: str = "fp32"  # bf16/fp16: the layer's parameters and tokens (the router stays fp32)
     matmul_size: int = 2048  # the square matmul whose rate defines the floor
-    expert_kernel: str = "bmm"  # the layer's (ragged on one process: the packed path)
+    expert_kernel: str = "bmm"  # the layer's (ragged on one process: the kept-rows path)
 
     def __post_init__(self) -> None:
         if self.dims.projections != ffn_projections(self.activation):
@@ -161,7 +161,7 @@ def _encode_decode_step(
     layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, c: LayerBenchConfig, packed: bool = False
 ) -> Callable[[], None]:
     """Encode and decode alone, forward and backward, with the routing these tokens get, into the
-    capacity buffer or (``packed``: the layer's packed path) the packed rows."""
+    capacity buffer or (``packed``: the layer's kept-rows path) the packed rows."""
     d = c.dims
     with torch.no_grad():
         choice = select_experts(layer.gate(x), d.top_k)

@@ -27,7 +27,7 @@ from moeflow.comm.alltoall import all_to_all, linear_all_to_all
 from moeflow.comm.collectives import all_gather, send_and_receive
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.comm.wire import decode, encode
+from moeflow.comm.wire import from_wire, to_wire
 from moeflow.config import ALLTOALL_ALGORITHMS, EXACT_WIRE
 
 ALGORITHMS = ALLTOALL_ALGORITHMS
@@ -120,8 +120,8 @@ def pairwise_step(
     (:mod:`moeflow.comm.wire`). Zero-row messages are skipped on both sides (both know the sizes)."""
     if wire_dtype != EXACT_WIRE:  # encode what this step sends (and chunk 0, whose rows shape the receives)
         dtype, used = by_dest[0].dtype, {0, groups.rank, *pairwise_peers(groups.topology, groups.rank, step)[0]}
-        encoded = [encode(wire_dtype, chunk) if dest in used else chunk for dest, chunk in enumerate(by_dest)]
-        return {source: decode(wire_dtype, rows, dtype)
+        encoded = [to_wire(wire_dtype, chunk) if dest in used else chunk for dest, chunk in enumerate(by_dest)]
+        return {source: from_wire(wire_dtype, rows, dtype)
                 for source, rows in pairwise_step(encoded, groups, matrix, step).items()}
     me = groups.rank
     send_to, receive_from = pairwise_peers(groups.topology, me, step)
@@ -227,7 +227,7 @@ def exchange_on(
     None: a group of this rank alone, the rows kept (in the wire's precision, as sent)."""
     if group is None:
         with torch.no_grad():
-            return decode(wire_dtype, encode(wire_dtype, x), x.dtype)
+            return from_wire(wire_dtype, to_wire(wire_dtype, x), x.dtype)
     return _on_the_wire(x, groups, group, wire_dtype,
                         lambda sent: linear_all_to_all(sent, group, output_splits, input_splits))
 
@@ -237,11 +237,11 @@ def _on_the_wire(
     send: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     with torch.no_grad():
-        sent = encode(wire_dtype, x)
+        sent = to_wire(wire_dtype, x)
         nbytes = sent.numel() * sent.element_size()
         with groups.traffic.running(x.device), groups.ledger.tracked("all-to-all", group, nbytes):
             received = send(sent)
-        return decode(wire_dtype, received, x.dtype)
+        return from_wire(wire_dtype, received, x.dtype)
 
 
 def _exchange_rows(

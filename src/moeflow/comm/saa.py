@@ -1,24 +1,15 @@
-"""Parm's simultaneous all-to-all and all-gather (SAA, III-D).
+"""Parm's simultaneous all-to-all and all-gather (SAA, III-D), in the form S2's combine runs it.
 
-Computes ``all_gather(mp_group, all_to_all(a2a_group, x))`` with the two overlapped: the all-to-all
-runs as n pairwise phases (in phase j a rank sends to a2a peer i + j and receives from i - j), and
-the slice received in phase j is all-gathered over the MP group while phase j + 1 is in flight.
-The all-to-all is mostly inter-node and the all-gather intra-node, so the two use different links.
-
-Groups: the members of one MP group share their index in their own all-to-all group (Parm's S2
-layout), so in phase j every MP member receives from the same source index.
-
-Shapes: ``x`` holds n equal chunks laid out by destination (a2a group order); the result is
-(mp_size * n * chunk, ...) ordered by (MP member, source).
+The combine's all-to-all runs as pairwise phases, and the block a rank holds after a phase is
+all-gathered over the MP group while the next phase is in flight: the all-to-all is mostly
+inter-node and the all-gather intra-node, so the two use different links
+(:func:`ep_esp_combine_allgather`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import FunctionCtx, once_differentiable
-
-from moeflow.comm.alltoall import all_to_all
 
 
 def _exchange(operations: list[dist.P2POp]) -> None:
@@ -27,59 +18,6 @@ def _exchange(operations: list[dist.P2POp]) -> None:
     if operations:
         for request in dist.batch_isend_irecv(operations):
             request.wait()
-
-
-def _phases(x: torch.Tensor, a2a_group: dist.ProcessGroup, mp_group: dist.ProcessGroup) -> torch.Tensor:
-    n, me = dist.get_world_size(a2a_group), dist.get_rank(a2a_group)
-    mp_size = dist.get_world_size(mp_group)
-    chunks = x.chunk(n) if n > 0 else ()
-    gathered: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    pending = []
-    for step in range(n):
-        to_peer, from_peer = (me + step) % n, (me - step) % n
-        if step == 0:
-            received = chunks[me]
-        else:
-            received = torch.empty_like(chunks[0])
-            source, target = dist.get_global_rank(a2a_group, from_peer), dist.get_global_rank(a2a_group, to_peer)
-            _exchange([
-                dist.P2POp(dist.irecv, received, source, a2a_group),
-                dist.P2POp(dist.isend, chunks[to_peer].contiguous(), target, a2a_group),
-            ])
-        # overlap: gather this phase's slice over MP while the next phase's exchange proceeds
-        gathered[from_peer] = [torch.empty_like(received) for _ in range(mp_size)]
-        pending.append(dist.all_gather(gathered[from_peer], received.contiguous(), group=mp_group, async_op=True))
-    for work in pending:
-        work.wait()
-    return torch.cat([gathered[source][member] for member in range(mp_size) for source in range(n)])
-
-
-class _SimultaneousAllToAllAllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx, x: torch.Tensor, a2a_group: dist.ProcessGroup, mp_group: dist.ProcessGroup
-    ) -> torch.Tensor:
-        ctx.a2a_group, ctx.mp_group = a2a_group, mp_group
-        return _phases(x.contiguous(), a2a_group, mp_group)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
-        # all-gather's gradient is a reduce-scatter over MP (one all-to-all + local sum), then the
-        # all-to-all's own gradient: the reverse all-to-all
-        mp_size = dist.get_world_size(ctx.mp_group)
-        by_member = all_to_all(grad.contiguous(), ctx.mp_group)
-        mine = by_member.view(mp_size, -1, *grad.shape[1:]).sum(dim=0)
-        return all_to_all(mine.contiguous(), ctx.a2a_group), None, None
-
-
-def simultaneous_alltoall_allgather(
-    x: torch.Tensor, a2a_group: dist.ProcessGroup, mp_group: dist.ProcessGroup
-) -> torch.Tensor:
-    """``all_gather(mp_group, all_to_all(a2a_group, x))``, overlapped phase by phase (differentiable)."""
-    if x.shape[0] % dist.get_world_size(a2a_group):
-        raise ValueError(f"{x.shape[0]} rows cannot be split equally over the all-to-all group")
-    return _SimultaneousAllToAllAllGather.apply(x, a2a_group, mp_group)
 
 
 def ep_esp_combine_allgather(

@@ -23,7 +23,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 
 
-def encode(wire_dtype: str, x: torch.Tensor) -> torch.Tensor:
+def to_wire(wire_dtype: str, x: torch.Tensor) -> torch.Tensor:
     """``x``'s rows as they travel under ``wire_dtype``."""
     if wire_dtype == BF16_WIRE and x.element_size() > 2:
         return x.to(torch.bfloat16)
@@ -32,7 +32,7 @@ def encode(wire_dtype: str, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def decode(wire_dtype: str, sent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def from_wire(wire_dtype: str, sent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows that travelled under ``wire_dtype`` back in ``dtype``."""
     if wire_dtype == FP8_WIRE:
         return _from_fp8_rows(sent, dtype)

@@ -389,9 +389,9 @@ class ExpertFFN(nn.Module):
         return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
 
     def run_with_weights(self, x_TM: torch.Tensor, run: Callable[[torch.Tensor], Ran]) -> Ran:
-        """``run(x_TM)``: the one call inside which a layer reads these weights (its dispatcher:
-        the exchange, the schedule, the experts, the combine), returning the output first. A plain
-        call; it exists so that a wrapper holding the weights sharded has a seam: FSDP2
+        """``run(x_TM)``: the one call inside which a layer reads these weights (its dispatch's
+        experts step: the rows to the experts and back), ``x_TM`` its input rows. A plain call; it
+        exists so that a wrapper holding the weights sharded has a seam: FSDP2
         (``register_fsdp_forward_method``) gathers them around it and, after the backward of its
         output reaches ``x_TM``, reduce-scatters their gradients."""
         return run(x_TM)

@@ -7,10 +7,17 @@ chose, fetching from their owners the ones it does not store (:mod:`moeflow.para
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
+from moeflow.inference.assignment import (
+    MAX_EXPERTS_PER_RANK,
+    first_fit_decreasing,
+    popularity_assignment,
+    popularity_placement,
+)
 from moeflow.inference.paths import PATH_LENGTH, PROFILE_FILE, RoutingProfile, routing_fingerprint
-from moeflow.inference.plan import MAX_EXPERTS_PER_RANK, first_fit_decreasing, popularity_placement, popularity_plan
 from moeflow.inference.scheduler import (
     INFERENCE_SCHEDULES,
     InferenceScheduler,
@@ -27,10 +34,33 @@ from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.registry import check_techniques
 
 __all__ = [
-    "INFERENCE_SCHEDULES", "MAX_EXPERTS_PER_RANK", "PATH_LENGTH", "PROFILE_FILE", "InferenceScheduler", "LayerRecord",
-    "LayerScheduling", "RoutingProfile", "SchedulerSettings", "first_fit_decreasing", "popularity_placement",
-    "popularity_plan", "routing_fingerprint", "schedule_layer", "schedule_layers",
+    "INFERENCE_SCHEDULES",
+    "MAX_EXPERTS_PER_RANK",
+    "PATH_LENGTH",
+    "PROFILE_FILE",
+    "InferenceScheduler",
+    "LayerRecord",
+    "LayerScheduling",
+    "RoutingProfile",
+    "SchedulerSettings",
+    "first_fit_decreasing",
+    "popularity_assignment",
+    "popularity_placement",
+    "routing_fingerprint",
+    "schedule_layer",
+    "schedule_layers",
 ]
+
+_RENAMED = {"popularity_plan": "popularity_assignment"}
+"""Old names kept for one release: what a rank holds is an assignment, not a plan."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _RENAMED:
+        raise AttributeError(f"module 'moeflow.inference' has no attribute {name!r}")
+    warnings.warn(f"moeflow.inference.{name} is now moeflow.inference.{_RENAMED[name]} ({name} goes in the next "
+                  "release)", DeprecationWarning, stacklevel=2)
+    return globals()[_RENAMED[name]]
 
 
 def schedule_layers(layers: Sequence[MoELayer], scheduler: InferenceScheduler | None) -> None:

@@ -26,15 +26,15 @@ import torch
 
 from moeflow.config import LayerDims
 from moeflow.core.routing.selection import ExpertChoice
+from moeflow.inference.assignment import (
+    MAX_EXPERTS_PER_RANK,
+    assignment_placement,
+    check_max_experts_per_rank,
+    popularity_placement,
+    replica_slot_assignment,
+)
 from moeflow.inference.cost import PlanPrice, ReplicaPrices
 from moeflow.inference.paths import MIN_PATH_TOKENS, PATH_LENGTH, RoutingProfile
-from moeflow.inference.plan import (
-    MAX_EXPERTS_PER_RANK,
-    check_max_experts_per_rank,
-    plan_placement,
-    popularity_placement,
-    replica_slot_plan,
-)
 from moeflow.parallel.expert_fetch import ExpertFetch, fetches
 from moeflow.parallel.inference_hook import Fetch
 from moeflow.parallel.placement import ExpertPlacement
@@ -52,7 +52,7 @@ class SchedulerSettings:
     host, the path length l of the estimate, how many top experts must agree with the gate's to
     skip phase 2, and the fewest profiled tokens a path needs to be used. ``replica_slots`` R, a
     memory budget: each rank keeps its own experts and computes at most R copies of others
-    (:func:`~moeflow.inference.plan.replica_slot_plan`); None: Lina's replicate-then-pack
+    (:func:`~moeflow.inference.assignment.replica_slot_plan`); None: Lina's replicate-then-pack
     placement over ``max_experts_per_rank``."""
 
     schedule: str = "lina"
@@ -80,8 +80,8 @@ class SchedulerSettings:
         if self.replica_slots is None:
             return popularity_placement(load_E, world_size, hidden_dim, self.max_experts_per_rank)
         slots = self.replica_slots if price is None or price.copies_may_pay else 0
-        plan = replica_slot_plan(load_E, world_size, slots, price)
-        return plan_placement(plan, len(load_E), hidden_dim)
+        plan = replica_slot_assignment(load_E, world_size, slots, price)
+        return assignment_placement(plan, len(load_E), hidden_dim)
 
 
 @dataclass(frozen=True)

@@ -20,23 +20,23 @@ __all__ = ["SlotMap", "decode", "encode", "make_packed_slot_map", "make_slot_map
 
 
 def _bag_sum(
-    rows_SM: torch.Tensor, plan: SlotMap, weight_N: torch.Tensor | None = None
+    rows_SM: torch.Tensor, slots: SlotMap, weight_N: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y_t = sum over the kept assignments n of token t of (weight_n *) rows[slot_n]: one pass."""
-    if plan.num_tokens == 0 or rows_SM.shape[0] == 0:
-        return rows_SM.new_zeros((plan.num_tokens, rows_SM.shape[1]))
+    if slots.num_tokens == 0 or rows_SM.shape[0] == 0:
+        return rows_SM.new_zeros((slots.num_tokens, rows_SM.shape[1]))
     return F.embedding_bag(
-        plan.slot_idx_N, rows_SM, plan.offsets_T, mode="sum", per_sample_weights=weight_N
+        slots.slot_idx_N, rows_SM, slots.offsets_T, mode="sum", per_sample_weights=weight_N
     )
 
 
-def _rows_per_slot(rows_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None) -> torch.Tensor:
+def _rows_per_slot(rows_TM: torch.Tensor, slots: SlotMap, workspace: Workspace | None) -> torch.Tensor:
     """(S, M): the row of the token each slot holds (garbage for empty slots, callers mask). The
     result flows on through autograd; a workspace reuses it once nothing references it."""
-    shape = (plan.num_slots, rows_TM.shape[1])
-    if plan.num_tokens == 0:
+    shape = (slots.num_slots, rows_TM.shape[1])
+    if slots.num_tokens == 0:
         return rows_TM.new_zeros(shape)
-    return torch.index_select(rows_TM, 0, plan.slot_token_S, out=buffer(workspace, shape, rows_TM))
+    return torch.index_select(rows_TM, 0, slots.slot_token_S, out=buffer(workspace, shape, rows_TM))
 
 
 ROW_DOT_BLOCK = 256  # rows per block: a (256, M) product stays in cache
@@ -61,26 +61,26 @@ def _row_dots(a_SM: torch.Tensor, b_SM: torch.Tensor) -> torch.Tensor:
 class _FastEncode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None
+        ctx: FunctionCtx, x_TM: torch.Tensor, slots: SlotMap, workspace: Workspace | None
     ) -> torch.Tensor:
-        ctx.plan = plan
-        buffer_SM = _rows_per_slot(x_TM, plan, workspace)
-        return buffer_SM.index_fill_(0, plan.empty_slots, 0)
+        ctx.slots = slots
+        buffer_SM = _rows_per_slot(x_TM, slots, workspace)
+        return buffer_SM.index_fill_(0, slots.empty_slots, 0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        return _bag_sum(grad_SM.contiguous(), ctx.plan), None, None
+        return _bag_sum(grad_SM.contiguous(), ctx.slots), None, None
 
 
-def _slot_of_choice(plan: SlotMap) -> torch.Tensor:
+def _slot_of_choice(slots: SlotMap) -> torch.Tensor:
     """(T, K): the slot of every kept choice, 0 for a dropped one (whose weight is 0 where it is read)."""
-    slot_TK = torch.zeros(plan.choice_mask_TK.shape, dtype=torch.int64, device=plan.slot_idx_N.device)
-    slot_TK.view(-1).index_copy_(0, plan.choice_idx_N, plan.slot_idx_N)
+    slot_TK = torch.zeros(slots.choice_mask_TK.shape, dtype=torch.int64, device=slots.slot_idx_N.device)
+    slot_TK.view(-1).index_copy_(0, slots.choice_idx_N, slots.slot_idx_N)
     return slot_TK
 
 
-def _gathered_bag_sum(rows_SM: torch.Tensor, plan: SlotMap, weight_TK: torch.Tensor) -> torch.Tensor:
+def _gathered_bag_sum(rows_SM: torch.Tensor, slots: SlotMap, weight_TK: torch.Tensor) -> torch.Tensor:
     """y_t = sum over j of weight_tj * rows[slot_tj], as one gather of every token's K rows and one
     batched (1 x K) by (K x M) product: on a GPU ``embedding_bag`` reached 0.10 of the copy
     bandwidth at M = 1024 (an H200, 2026-11-26), a gather 0.47. A dropped choice reads row 0 with
@@ -88,7 +88,7 @@ def _gathered_bag_sum(rows_SM: torch.Tensor, plan: SlotMap, weight_TK: torch.Ten
     num_tokens, top_k = weight_TK.shape
     if num_tokens == 0 or rows_SM.shape[0] == 0:
         return rows_SM.new_zeros((num_tokens, rows_SM.shape[1]))
-    gathered_TKM = rows_SM.index_select(0, _slot_of_choice(plan).flatten()).view(num_tokens, top_k, -1)
+    gathered_TKM = rows_SM.index_select(0, _slot_of_choice(slots).flatten()).view(num_tokens, top_k, -1)
     return torch.bmm(weight_TK.to(rows_SM.dtype).unsqueeze(1), gathered_TKM).squeeze(1)
 
 
@@ -97,27 +97,27 @@ class _GatherDecode(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_TK: torch.Tensor, plan: SlotMap,
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_TK: torch.Tensor, slots: SlotMap,
         workspace: Workspace | None,
     ) -> torch.Tensor:
-        ctx.plan, ctx.workspace = plan, workspace
+        ctx.slots, ctx.workspace = slots, workspace
         ctx.save_for_backward(buffer_SM, weight_TK)
-        return _gathered_bag_sum(buffer_SM, plan, weight_TK)
+        return _gathered_bag_sum(buffer_SM, slots, weight_TK)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_TK = ctx.saved_tensors
-        plan: SlotMap = ctx.plan
+        slots: SlotMap = ctx.slots
         grad_TM = grad_TM.contiguous()
-        slot_TK = _slot_of_choice(plan)
+        slot_TK = _slot_of_choice(slots)
         grad_weight = None
         if ctx.needs_input_grad[1]:  # <grad y_t, rows[slot_tj]> for every choice (dropped ones are masked outside)
             gathered_TKM = buffer_SM.index_select(0, slot_TK.flatten()).view(*slot_TK.shape, buffer_SM.shape[1])
             grad_weight = torch.bmm(gathered_TKM, grad_TM.unsqueeze(2)).squeeze(2).to(weight_TK.dtype)
-        weight_S = weight_TK.new_zeros(plan.num_slots).index_put_((slot_TK.flatten(),), weight_TK.flatten(),
+        weight_S = weight_TK.new_zeros(slots.num_slots).index_put_((slot_TK.flatten(),), weight_TK.flatten(),
                                                                   accumulate=True)  # dropped: 0 into slot 0
-        grad_buffer = _rows_per_slot(grad_TM, plan, ctx.workspace).mul_(weight_S.to(grad_TM.dtype).unsqueeze(1))
+        grad_buffer = _rows_per_slot(grad_TM, slots, ctx.workspace).mul_(weight_S.to(grad_TM.dtype).unsqueeze(1))
         return grad_buffer, grad_weight, None, None
 
 
@@ -127,36 +127,36 @@ class _GatherEncode(_FastEncode):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        plan: SlotMap = ctx.plan
-        return _gathered_bag_sum(grad_SM.contiguous(), plan, plan.choice_mask_TK), None, None
+        slots: SlotMap = ctx.slots
+        return _gathered_bag_sum(grad_SM.contiguous(), slots, slots.choice_mask_TK), None, None
 
 
 class _FastDecode(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: SlotMap,
+        ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, slots: SlotMap,
         workspace: Workspace | None,
     ) -> torch.Tensor:
-        ctx.plan, ctx.workspace = plan, workspace
+        ctx.slots, ctx.workspace = slots, workspace
         ctx.save_for_backward(buffer_SM, weight_N)
-        return _bag_sum(buffer_SM, plan, weight_N)
+        return _bag_sum(buffer_SM, slots, weight_N)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_N = ctx.saved_tensors
-        plan: SlotMap = ctx.plan
-        grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), plan, ctx.workspace)
+        slots: SlotMap = ctx.slots
+        grad_per_slot_SM = _rows_per_slot(grad_TM.contiguous(), slots, ctx.workspace)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight_S = _row_dots(grad_per_slot_SM, buffer_SM)
-            grad_weight = grad_weight_S.index_select(0, plan.slot_idx_N)
-        grad_buffer = grad_per_slot_SM.mul_(plan.per_slot(weight_N).unsqueeze(1))  # empty slots: weight 0
+            grad_weight = grad_weight_S.index_select(0, slots.slot_idx_N)
+        grad_buffer = grad_per_slot_SM.mul_(slots.per_slot(weight_N).unsqueeze(1))  # empty slots: weight 0
         return grad_buffer, grad_weight, None, None
 
 
 def encode(
-    x_TM: torch.Tensor, plan: SlotMap, workspace: Workspace | None = None, backend: str = "torch"
+    x_TM: torch.Tensor, slots: SlotMap, workspace: Workspace | None = None, backend: str = "torch"
 ) -> torch.Tensor:
     """Scatter kept token copies into the expert buffer (E, C, M); empty slots are zero. A packed
     plan (:func:`~moeflow.core.slot_map.make_packed_slot_map`) gives the (N, M) kept rows instead.
@@ -164,28 +164,29 @@ def encode(
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonEncode
 
-        buffer_SM = TritonEncode.apply(x_TM.contiguous(), plan)
+        buffer_SM = TritonEncode.apply(x_TM.contiguous(), slots)
     elif backend == "gather":
-        buffer_SM = _GatherEncode.apply(x_TM.contiguous(), plan, workspace)
+        buffer_SM = _GatherEncode.apply(x_TM.contiguous(), slots, workspace)
     else:
-        buffer_SM = _FastEncode.apply(x_TM.contiguous(), plan, workspace)
-    if plan.packed_slots is not None:
+        buffer_SM = _FastEncode.apply(x_TM.contiguous(), slots, workspace)
+    if slots.packed_slots is not None:
         return buffer_SM
-    return buffer_SM.view(plan.num_experts, plan.capacity, x_TM.shape[1])
+    return buffer_SM.view(slots.num_experts, slots.capacity, x_TM.shape[1])
 
 
 def decode(
-    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, plan: SlotMap, workspace: Workspace | None = None,
+    buffer_ECM: torch.Tensor, weights_TK: torch.Tensor, slots: SlotMap, workspace: Workspace | None = None,
     backend: str = "torch",
 ) -> torch.Tensor:
     """Weighted gather back to tokens: y_t = sum over kept choices of w_tj * buffer[slot_tj]."""
-    buffer_SM = buffer_ECM.reshape(plan.num_slots, buffer_ECM.shape[-1]).contiguous()
+    buffer_SM = buffer_ECM.reshape(slots.num_slots, buffer_ECM.shape[-1]).contiguous()
     if backend == "gather":
-        kept_weights_TK = weights_TK * plan.choice_mask_TK  # a dropped choice's weight (and gradient) is 0
-        return _GatherDecode.apply(buffer_SM, kept_weights_TK.to(buffer_SM.dtype), plan, workspace)
-    weight_N = weights_TK.flatten().index_select(0, plan.choice_idx_N).to(buffer_ECM.dtype)  # no boolean index: no sync
+        kept_weights_TK = weights_TK * slots.choice_mask_TK  # a dropped choice's weight (and gradient) is 0
+        return _GatherDecode.apply(buffer_SM, kept_weights_TK.to(buffer_SM.dtype), slots, workspace)
+    # no boolean index: no sync
+    weight_N = weights_TK.flatten().index_select(0, slots.choice_idx_N).to(buffer_ECM.dtype)
     if backend == "triton":
         from moeflow.kernels.triton_dispatch import TritonDecode
 
-        return TritonDecode.apply(buffer_SM, weight_N, plan)
-    return _FastDecode.apply(buffer_SM, weight_N, plan, workspace)
+        return TritonDecode.apply(buffer_SM, weight_N, slots)
+    return _FastDecode.apply(buffer_SM, weight_N, slots, workspace)

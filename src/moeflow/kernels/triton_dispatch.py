@@ -91,16 +91,17 @@ def gather_rows(src_RM: torch.Tensor, index_S: torch.Tensor, scale_S: torch.Tens
     return out
 
 
-def bag_sum(rows_SM: torch.Tensor, plan: SlotMap, weight_N: torch.Tensor | None = None) -> torch.Tensor:
+def bag_sum(rows_SM: torch.Tensor, slots: SlotMap, weight_N: torch.Tensor | None = None) -> torch.Tensor:
     """(T, M): y_t = sum over token t's kept assignments n of (weight_n *) rows[slot_n]."""
     columns = rows_SM.shape[1]
-    out = rows_SM.new_empty((plan.num_tokens, columns))
-    if plan.num_tokens == 0 or columns == 0:
+    out = rows_SM.new_empty((slots.num_tokens, columns))
+    if slots.num_tokens == 0 or columns == 0:
         return out.zero_()
-    bounds = torch.nn.functional.pad(plan.offsets_T, (0, 1), value=plan.slot_idx_N.shape[0])  # no host tensor: no copy
+    # no host tensor: no copy
+    bounds = torch.nn.functional.pad(slots.offsets_T, (0, 1), value=slots.slot_idx_N.shape[0])
     block = _block(columns)
-    _bag_sum_kernel[(plan.num_tokens, triton.cdiv(columns, block))](
-        rows_SM, plan.slot_idx_N, bounds, weight_N if weight_N is not None else rows_SM, out, columns,
+    _bag_sum_kernel[(slots.num_tokens, triton.cdiv(columns, block))](
+        rows_SM, slots.slot_idx_N, bounds, weight_N if weight_N is not None else rows_SM, out, columns,
         rows_SM.stride(0), out.stride(0), HAS_WEIGHT=weight_N is not None, BLOCK=block,
     )
     return out
@@ -119,37 +120,37 @@ def pair_dots(a_XM: torch.Tensor, a_index_N: torch.Tensor, b_YM: torch.Tensor, b
     return out
 
 
-def slot_sources(plan: SlotMap) -> torch.Tensor:
+def slot_sources(slots: SlotMap) -> torch.Tensor:
     """The token of every slot, -1 for the empty ones (which the kernels fill with zeros)."""
-    return plan.slot_token_S.clone().index_fill_(0, plan.empty_slots, -1)
+    return slots.slot_token_S.clone().index_fill_(0, slots.empty_slots, -1)
 
 
 class TritonEncode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, plan: SlotMap) -> torch.Tensor:
-        ctx.plan = plan
-        return gather_rows(x_TM, slot_sources(plan))
+    def forward(ctx: FunctionCtx, x_TM: torch.Tensor, slots: SlotMap) -> torch.Tensor:
+        ctx.slots = slots
+        return gather_rows(x_TM, slot_sources(slots))
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_SM: torch.Tensor):  # type: ignore[override]
-        return bag_sum(grad_SM.contiguous(), ctx.plan), None
+        return bag_sum(grad_SM.contiguous(), ctx.slots), None
 
 
 class TritonDecode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, plan: SlotMap) -> torch.Tensor:
-        ctx.plan = plan
+    def forward(ctx: FunctionCtx, buffer_SM: torch.Tensor, weight_N: torch.Tensor, slots: SlotMap) -> torch.Tensor:
+        ctx.slots = slots
         ctx.save_for_backward(buffer_SM, weight_N)
-        return bag_sum(buffer_SM, plan, weight_N)
+        return bag_sum(buffer_SM, slots, weight_N)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_TM: torch.Tensor):  # type: ignore[override]
         buffer_SM, weight_N = ctx.saved_tensors
-        plan: SlotMap = ctx.plan
+        slots: SlotMap = ctx.slots
         grad_TM = grad_TM.contiguous()
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = pair_dots(grad_TM, plan.token_idx_N, buffer_SM, plan.slot_idx_N)
-        return gather_rows(grad_TM, slot_sources(plan), plan.per_slot(weight_N)), grad_weight, None
+            grad_weight = pair_dots(grad_TM, slots.token_idx_N, buffer_SM, slots.slot_idx_N)
+        return gather_rows(grad_TM, slot_sources(slots), slots.per_slot(weight_N)), grad_weight, None

@@ -1,7 +1,8 @@
-"""MoELayer: the public entry point. Its forward reads as the data flow of DESIGN.md:
+"""MoELayer: the public entry point. Its forward reads as the data flow of DESIGN.md, one named
+step after another:
 
-route -> agree (the load, one all-gather) -> the dispatcher: plan -> dispatch -> experts -> combine
--> record.
+route -> agree (the load, one all-gather, and the dispatcher) -> dispatch -> experts -> combine
+-> shared experts -> record.
 
 Shapes: T tokens on this rank, M model dim, E experts, L local experts (E / W under expert
 parallelism, E when replicated), W ranks in the group, C capacity (slots per expert per rank), K top-k.
@@ -9,7 +10,6 @@ parallelism, E when replicated), W ranks in the group, C capacity (slots per exp
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
@@ -25,20 +26,18 @@ from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_fr
 from moeflow.core.experts import ExpertFFN, shared_output
 from moeflow.core.routing import build_gate
 from moeflow.core.routing.router import Routing, route, update_expert_bias
-from moeflow.core.stats import PipelineTiming, RoutingStats
+from moeflow.core.stats import RoutingStats
 from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice, KernelTable
 from moeflow.kernels.precision import checked_tokens, compute_dtype
+from moeflow.moe.dispatchers.capacity import CapacityDispatcher
+from moeflow.moe.dispatchers.choice import Agreed, Dispatchers
+from moeflow.moe.dispatchers.protocol import LayerCall, Stats
+from moeflow.moe.forward_memory import ForwardMemory, GraphValue, LastForward, recomputing
+from moeflow.moe.online_planner import OnlinePlanner
 from moeflow.parallel.build import attach_mp_group, build_execution
-from moeflow.parallel.context import RunContext
-from moeflow.parallel.dispatchers.capacity import CapacityDispatcher, run_context
-from moeflow.parallel.dispatchers.choice import Agreed, CallFacts, agree, direct_path
-from moeflow.parallel.dispatchers.protocol import DispatchCall
-from moeflow.parallel.dispatchers.stats import DirectLabels
-from moeflow.parallel.expert_parameters import mark_expert_parameters, refuse_averaging_data_parallel
-from moeflow.parallel.forward_memory import ForwardMemory, ForwardRecord, GraphValue, LastForward, recomputing
+from moeflow.parallel.expert_parameters import mark_expert_parameters
 from moeflow.parallel.moves import move_experts
-from moeflow.parallel.online_planner import OnlinePlanner
 from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
@@ -62,7 +61,7 @@ class MoELayer(nn.Module):
     it) ``"s1"``, ``"s2"`` and ``"ds-baseline"`` are Parm's schedules and the DeepSpeed-MoE
     baseline, and ``"auto"`` chooses S1 or S2 per iteration. Under the expert schedule, dispatch ->
     experts -> combine runs pipelined over ``pipeline`` capacity chunks with the ``alltoall``
-    algorithm, both planned per forward (:mod:`moeflow.parallel.online_planner`): ``"auto"`` ranks the candidates
+    algorithm, both planned per forward (:mod:`moeflow.moe.online_planner`): ``"auto"`` ranks the candidates
     with the profile and times the best few online, ``"model"`` trusts the profile, ``"search"``
     times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
     algorithm name forces it.
@@ -130,6 +129,7 @@ class MoELayer(nn.Module):
         self.kernel_table = KernelTable()  # kernel_backend="auto"'s measured choices (see share_kernel_table)
         self._last = LastForward(GraphValue(torch.zeros(())))  # aux loss and statistics, for reading
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+        self.dispatchers = self._dispatchers()
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -142,12 +142,19 @@ class MoELayer(nn.Module):
         """The last forward's weighted balance (+ z) loss, in its graph: add it to the loss."""
         return self._last.aux_loss.value
 
+    def _dispatchers(self) -> Dispatchers:
+        """The dispatchers of this layer's schedule, placement and planner (made again on ``switch()``)."""
+        local = tuple(shard.expert for shard in self.placement.local(self.rank))
+        capacity = CapacityDispatcher(self.schedule, self.placement, self.groups, self.config, self.experts,
+                                      self.planner, self._memory, local)
+        return Dispatchers.of(capacity)
+
     def _planner(self, schedule: ParallelSchedule) -> OnlinePlanner:
         """The per-iteration planner of ``schedule`` (degree and all-to-all) in the space it allows."""
-        pipeline, algorithms, cost_model = schedule.plan_space(self.config.pipeline, self.algorithms, self.cost_model)
+        policy, algorithms, cost_model = schedule.plan_space(self.config.pipeline, self.algorithms, self.cost_model)
         reduce_max = self._reduce_max() if self.world_size > 1 else None
         return OnlinePlanner(
-            pipeline, algorithms, cost_model, reduce_max, self.config.capacity_bucket, schedule=schedule.model,
+            policy, algorithms, cost_model, reduce_max, self.config.capacity_bucket, schedule=schedule.model,
             ranker=SimulatedRanker.from_profile,
         )
 
@@ -167,6 +174,7 @@ class MoELayer(nn.Module):
         self.schedule, self.placement, self._replicas_equal = schedule, placement, True
         if planner is not None:
             self.planner = planner
+        self.dispatchers = self._dispatchers()
 
     @classmethod
     def from_config(
@@ -201,58 +209,39 @@ class MoELayer(nn.Module):
     def _forward(
         self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None
     ) -> torch.Tensor:
+        call = self._call(x, top_k, capacity_factor, r)
+        routing, estimate_E = self._route(call)
+        agreed = self.dispatchers.agree(call, routing, estimate_E, self._last.gather_bucket)
+        dispatch = agreed.dispatcher.dispatch(call, routing, agreed.load)
+        expert_rows = self.experts.run_with_weights(dispatch.rows, dispatch.experts)  # FSDP2 gathers around it
+        y_TM = dispatch.combine(expert_rows)
+        y_TM = self._with_shared_experts(call.x_TM, y_TM)
+        if not call.recompute:  # the balancing bias moves, the statistics are this forward's
+            self._after_forward(agreed, dispatch.stats())
+        return self._backward_window(y_TM, entering=False).view(x.shape)
+
+    def _call(self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None) -> LayerCall:
+        """The call's own values: its settings, its checked tokens, whether it is activation
+        checkpointing's recompute (which repeats its forward and counts nothing twice) and its record."""
         config = self.config
         k, factor = call_settings(config, top_k, capacity_factor, r, self.schedule.name, self.schedule.takes_r,
                                   self.world_size)
         x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
-        recompute = recomputing()  # activation checkpointing: repeat that forward, count nothing twice
+        recompute = recomputing()
         record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
-        path = self._direct_path(x_TM.shape[0], k, factor)  # what this call may skip (the capacity buffer)
-        # route -> agree on the load (one all-gather) -> the dispatcher: plan, dispatch, experts, combine
-        routing, estimate_E = self._route(x_TM, k, recompute, record, slots=path is None, dropless=factor == 0)
-        call = DispatchCall(x_TM, routing, k, factor, self._kernels(x_TM), recompute)
-        agreed = self._agree(path, call, estimate_E, record, r)
-        routed_TM, stats = self.experts.run_with_weights(x_TM, functools.partial(_dispatch, agreed, call))
-        y_TM = self._with_shared_experts(x_TM, routed_TM)
-        if not recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(agreed, stats)
-        return self._backward_window(y_TM, entering=False).view(x.shape)
+        return LayerCall(x_TM, k, factor, r, self._kernels(x_TM), recompute, record, self._step_workspace(recompute),
+                         self._moves_bias)
 
     def _ready(self) -> None:
         """Refuse a data-parallel wrapper that would average the experts; replicas copy their primary."""
-        self._last.checked_data_parallel = refuse_averaging_data_parallel(
+        self._last.checked_data_parallel = _refuse_averaging_data_parallel(
             self.experts, self.placement, self._last.checked_data_parallel)
         if not self._replicas_equal:
             self.switch(self.schedule, self.placement)
 
-    def _direct_path(self, num_tokens: int, k: int, factor: float) -> str | None:
-        """The dispatcher this call may take besides the capacity path, from the schedule's direct path
-        (:func:`moeflow.parallel.dispatchers.choice.direct_path`)."""
-        facts = CallFacts(num_tokens, k, factor, self._asks_direct, self._moves_bias,
-                          self.config.expert_kernel == "ragged")
-        declared = self.schedule.direct_path(self.placement, self.rank)
-        return direct_path(declared, self.world_size, self.config.num_experts, facts)
-
-    def _agree(
-        self, path: str | None, call: DispatchCall, estimate_E: np.ndarray | None, record: ForwardRecord, r: int | None
-    ) -> Agreed:
-        """The load every rank agrees and the dispatcher that runs on it (the capacity path's over
-        this layer's schedule, planner and workspace, unless ``path`` takes the call)."""
-        capacity = functools.partial(CapacityDispatcher, self.schedule, self.placement, self.groups, self.config,
-                                     self.experts, self.planner, self._memory, record,
-                                     self._step_workspace(call.recompute), r)
-        labels = DirectLabels(self.schedule.name, self.config.pipeline, self.groups.topology)
-        return agree(path, call, self.groups, estimate_E, self._last.gather_bucket, self._asks_direct, capacity,
-                     self.experts, labels)
-
     def _kernels(self, x_TM: torch.Tensor) -> KernelChoice:
         return self.kernel_table.resolve(self.config.kernel_backend, x_TM.device, x_TM.dtype)
-
-    @property
-    def _asks_direct(self) -> bool:
-        """Whether this forward may take a direct path: no backward, and no selection bias to move."""
-        return not torch.is_grad_enabled() and not self._moves_bias
 
     @property
     def last_stats(self) -> RoutingStats | None:
@@ -261,7 +250,7 @@ class MoELayer(nn.Module):
             self._last.stats = self._last.stats()
         return self._last.stats
 
-    def _after_forward(self, agreed: Agreed, stats: RoutingStats | Callable[[], RoutingStats] | None) -> None:
+    def _after_forward(self, agreed: Agreed, stats: Stats) -> None:
         """A forward (not a recompute) moves the loss-free balancing bias, keeps its statistics and
         the tokens the next load agreement carries."""
         if self._moves_bias:
@@ -275,23 +264,19 @@ class MoELayer(nn.Module):
         """Whether a forward moves the selection bias after routing (loss-free balancing, training)."""
         return self.config.expert_bias_update_rate > 0 and self.training
 
-    def _route(
-        self, x_TM: torch.Tensor, top_k: int, recompute: bool, record: ForwardRecord, slots: bool = True,
-        dropless: bool = False,
-    ) -> tuple[Routing, np.ndarray | None]:
+    def _route(self, call: LayerCall) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
         inference scheduler (the schedule's hook), which sees the gate's choice, its estimate of the
-        selections ahead (Lina's phase 1 for the next layer). Keeps the aux loss."""
-        hook = self.schedule.hook
-        with self._memory.routing_bias(record, self.gate.expert_bias, recompute):
-            if hook is None:
-                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, slots=slots, dropless=dropless)
-                estimate_E = None
-            else:
-                observe = functools.partial(hook.routed, num_experts=self.config.num_experts, rank=self.rank)
-                routing = route(self.gate, x_TM, top_k, self.config, self.node_limit, observe, dropless=dropless)
-                estimate_E = hook.estimate(x_TM.shape[0])
-        if not recompute:
+        selections ahead (Lina's phase 1 for the next layer). Keeps the aux loss. The capacity
+        slots are the capacity dispatcher's to assign (:meth:`Routing.slotted`)."""
+        hook, x_TM, dropless = self.dispatchers.hook, call.x_TM, call.capacity_factor == 0
+        with self._memory.routing_bias(call.record, self.gate.expert_bias, call.recompute):
+            observe = None if hook is None else functools.partial(hook.routed, num_experts=self.config.num_experts,
+                                                                  rank=self.rank)
+            routing = route(self.gate, x_TM, call.top_k, self.config, self.node_limit, observe, slots=False,
+                            dropless=dropless)
+            estimate_E = None if hook is None else hook.estimate(x_TM.shape[0])
+        if not call.recompute:
             self._last.aux_loss = GraphValue(routing.aux_loss)
         return routing, estimate_E
 
@@ -306,14 +291,6 @@ class MoELayer(nn.Module):
         if not recompute:  # a recompute belongs to the step whose backward runs it
             self.workspace.start_step(id(self))
         return self.workspace
-
-    def run_context(
-        self, dtype: torch.dtype, timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str,
-        estimate_E: np.ndarray | None = None, prepared: object | None = None, workspace: Workspace | None = None,
-    ) -> RunContext:
-        """What this layer's schedule runs with: its experts over its placement, the kept counts."""
-        return run_context(self.experts, self.placement, self.groups, self.config, dtype, timing, filled_WE, capacity,
-                           backend, estimate_E, prepared, workspace)
 
     def _with_shared_experts(self, x_TM: torch.Tensor, y_TM: torch.Tensor) -> torch.Tensor:
         """Add the dense shared experts' output (Qwen2-MoE: times its sigmoid gate)."""
@@ -360,8 +337,23 @@ class MoELayer(nn.Module):
         )
 
 
-def _dispatch(agreed: Agreed, call: DispatchCall, x_TM: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The agreed dispatcher on the call, with ``x_TM`` as the experts' input (the tokens the
-    experts' wrapper passes on: FSDP2 hooks its gradient)."""
-    done = agreed.dispatcher.run(call if x_TM is call.x_TM else dataclasses.replace(call, x_TM=x_TM), agreed.load)
-    return done.y_TM, done.stats
+def _refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacement, checked: int | None) -> int | None:
+    """Raise when the forward runs inside a plain ``DistributedDataParallel`` that reduces these
+    experts: it broadcast rank 0's experts over the others' when it was built and would average
+    every expert's gradient with other ranks' different experts. Replicated experts are ordinary
+    replicated weights, which it may average. Returns the id of the DDP module checked, which a
+    later call passes as ``checked`` to skip it (the check then costs one attribute read)."""
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)  # torch's, for torch.compile
+    ddp = active() if active is not None else None
+    if ddp is None or id(ddp) == checked or placement.is_replicated:
+        return checked
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ddp.module.parameters())}
+    if any(id(p) in reduced for p in experts.parameters()):
+        raise RuntimeError(
+            "a moeflow MoELayer runs inside a DistributedDataParallel that treats its experts as replicated "
+            "weights: DDP copied rank 0's experts over every other rank's when it was built and averages each "
+            "expert's gradient with other ranks' different experts, so the model would train E/W distinct experts. "
+            "Wrap the model with moeflow.training.data_parallel.expert_data_parallel(model) instead (DDP for the other "
+            "weights, on a process group of its own, each expert reduced over its own copies)."
+        )
+    return id(ddp)

@@ -28,7 +28,7 @@ import torch
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
-from moeflow.comm.wire import decode, encode
+from moeflow.comm.wire import from_wire, to_wire
 from moeflow.comm.zero import gather_shards
 from moeflow.config import EXACT_WIRE, check_switchable_layout, validate_r
 from moeflow.core.experts import FFNWeights
@@ -104,7 +104,7 @@ class SwitchableExchange(SelfAdjointExchange):
         chunk_ECM = pad_slots(chunk_ECM, self.group)
         model_dim = chunk_ECM.shape[-1]
         with torch.no_grad():
-            sent = encode(self.wire_dtype, chunk_ECM)  # once, before the r-fold repeat
+            sent = to_wire(self.wire_dtype, chunk_ECM)  # once, before the r-fold repeat
         experts, padded, width = sent.shape
         part = padded // self.group
         repeated = (
@@ -113,7 +113,7 @@ class SwitchableExchange(SelfAdjointExchange):
             .reshape(self.groups.size, part, width)
         )
         received = exchange(self.algorithm, repeated, self.groups)  # (W, Cj / g, wire row) by source
-        return decode(self.wire_dtype, received, chunk_ECM.dtype).view(1, self.groups.size * part, model_dim)
+        return from_wire(self.wire_dtype, received, chunk_ECM.dtype).view(1, self.groups.size * part, model_dim)
 
     def from_experts(self, y_LXM: torch.Tensor, rows: int) -> torch.Tensor:
         world, model_dim = self.groups.size, y_LXM.shape[-1]

@@ -43,18 +43,6 @@ from moeflow.core.workspace import Workspace, buffer
 from moeflow.kernels.saved_activations import save_with_records, saved_with_records
 from moeflow.perf.pipeline import capacity_chunks
 
-__all__ = [
-    "ChunkExchange",
-    "ExpertExchange",
-    "PipelineTiming",
-    "SelfAdjointExchange",
-    "capacity_chunks",
-    "overlap",
-    "overlap_on_worker",
-    "pipelined_experts",
-    "run_pipeline",
-]
-
 
 class ChunkExchange(Protocol):
     """How chunks travel between the (E, Cj, M) layout by destination expert and the rows of this

@@ -149,7 +149,7 @@ class DynamicPlacementSchedule(ModelledSchedule):
         return self.name
 
     def plan_space(
-        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+        self, degree_policy: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
         """One unpipelined linear exchange of unequal splits: nothing to plan."""
         return 1, ("linear",), None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from moeflow.comm.collectives import all_reduce
 from moeflow.comm.groups import ParallelGroups, group_size
@@ -85,25 +84,3 @@ def squared_norm_share(grad: torch.Tensor, sharding: Sharding, rank: int) -> flo
         return float(grad.double().pow(2).sum()) * block / sharding.world_size
     counted = sharding.counted_slots(rank)
     return float((grad if counted is None else grad[counted.to(grad.device)]).double().pow(2).sum())
-
-
-def refuse_averaging_data_parallel(experts: nn.Module, placement: ExpertPlacement, checked: int | None) -> int | None:
-    """Raise when the forward runs inside a plain ``DistributedDataParallel`` that reduces these
-    experts: it broadcast rank 0's experts over the others' when it was built and would average
-    every expert's gradient with other ranks' different experts. Replicated experts are ordinary
-    replicated weights, which it may average. Returns the id of the DDP module checked, which a
-    later call passes as ``checked`` to skip it (the check then costs one attribute read)."""
-    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)  # torch's, for torch.compile
-    ddp = active() if active is not None else None
-    if ddp is None or id(ddp) == checked or placement.is_replicated:
-        return checked
-    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ddp.module.parameters())}
-    if any(id(p) in reduced for p in experts.parameters()):
-        raise RuntimeError(
-            "a moeflow MoELayer runs inside a DistributedDataParallel that treats its experts as replicated "
-            "weights: DDP copied rank 0's experts over every other rank's when it was built and averages each "
-            "expert's gradient with other ranks' different experts, so the model would train E/W distinct experts. "
-            "Wrap the model with moeflow.training.data_parallel.expert_data_parallel(model) instead (DDP for the other "
-            "weights, on a process group of its own, each expert reduced over its own copies)."
-        )
-    return id(ddp)

@@ -11,7 +11,7 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.context import Prepared
-from moeflow.parallel.dispatchers.choice import DIRECT_LOCAL
+from moeflow.parallel.direct_path import DirectPath
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.token_share import ALL_TOKENS, TokenShare
@@ -37,11 +37,11 @@ class ModelledSchedule:
         """A per-forward placement's scheduler, which sees the routing (Lina's inference); None."""
         return None
 
-    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
-        """``"local"`` where ``rank`` holds every expert whole and no hook sees the routing: its
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
+        """``LOCAL`` where ``rank`` holds every expert whole and no hook sees the routing: its
         forward may skip the dispatch and compute its tokens on its own experts
-        (:mod:`moeflow.parallel.dispatchers.local`). No other direct path unless the schedule declares one."""
-        return DIRECT_LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
+        (:mod:`moeflow.moe.dispatchers.local`). No other direct path unless the schedule declares one."""
+        return DirectPath.LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
@@ -62,10 +62,10 @@ class ModelledSchedule:
         return plan.schedule
 
     def plan_space(
-        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+        self, degree_policy: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
         """The pipeline policy, all-to-all candidates and cost model its planner searches with."""
-        return pipeline, algorithms, cost_model
+        return degree_policy, algorithms, cost_model
 
     def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
         """This forward's :class:`~moeflow.parallel.context.Prepared`: the capacity as routed."""

@@ -33,7 +33,7 @@ from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.chunk_pipeline import ChunkExchange, ExpertExchange, pipelined_experts
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
 from moeflow.parallel.dedup_exchange import DedupExchange
-from moeflow.parallel.dispatchers.choice import DIRECT_EXCHANGE
+from moeflow.parallel.direct_path import DirectPath
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.modelled import ModelledSchedule
 from moeflow.parallel.placement import ExpertPlacement
@@ -65,10 +65,11 @@ class ParallelSchedule(Protocol):
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement: ...
 
-    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
-        """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``"local"`` on its own
-        experts (:mod:`moeflow.parallel.dispatchers.local`), ``"exchange"`` with each expert's one holder (gathered
-        or exchanged rows, :mod:`moeflow.parallel.dispatchers.choice`), or None (the capacity dispatcher)."""
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
+        """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``LOCAL`` on its own
+        experts (:mod:`moeflow.moe.dispatchers.local`), ``EXCHANGE`` with each expert's one holder
+        (gathered or exchanged rows, :mod:`moeflow.moe.dispatchers.choice`), or None (the capacity
+        dispatcher). Asked once per placement, when the layer is built and on ``switch()``."""
         ...
 
     def candidates(
@@ -86,7 +87,7 @@ class ParallelSchedule(Protocol):
     def plan_label(self, plan: Plan) -> str: ...
 
     def plan_space(
-        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+        self, degree_policy: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]: ...
 
     def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
@@ -140,12 +141,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)
 
-    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
         """Its own placement (each expert whole on one rank) exchanges the rows directly."""
         local = super().direct_path(placement, rank)
         if local is not None or self.hook is not None or not placement.is_expert_parallel:
             return local
-        return DIRECT_EXCHANGE
+        return DirectPath.EXCHANGE
 
     def exchange(self, plan: Plan, ctx: RunContext) -> ChunkExchange:
         """An all-to-all over the group: of every slot, or of the kept rows only (a ragged plan; under
@@ -236,10 +237,10 @@ class PackedSchedule(_ModelledSchedule):
         return self.name
 
     def plan_space(
-        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+        self, degree_policy: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
         """A block's all-to-all runs on a subgroup: the linear one."""
-        return pipeline, ("linear",), cost_model
+        return degree_policy, ("linear",), cost_model
 
 
 def packed_schedule(group_size: int, world_size: int) -> ParallelSchedule:

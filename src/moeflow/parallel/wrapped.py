@@ -12,7 +12,7 @@ import torch
 from moeflow.comm.groups import ParallelGroups
 from moeflow.core.stats import PipelineTiming
 from moeflow.parallel.context import Prepared, RunContext, ScheduleOutput
-from moeflow.parallel.dispatchers.choice import DIRECT_LOCAL
+from moeflow.parallel.direct_path import DirectPath
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule
@@ -50,12 +50,12 @@ class WrappingSchedule:
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return self.inner.placement(num_experts, world_size, hidden_dim)
 
-    def direct_path(self, placement: ExpertPlacement, rank: int) -> str | None:
+    def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
         """The inner schedule's on a rank that holds every expert (nothing travels, so there is no
         load to balance); none where tokens travel, which is what the wrapper's technique reshapes
         (shadowing, slots) and what the user turned it on for."""
         path = self.inner.direct_path(placement, rank)
-        return path if path == DIRECT_LOCAL else None
+        return path if path is DirectPath.LOCAL else None
 
     def candidates(
         self, shape: RegionShape, degrees: Iterable[int], algorithms: Iterable[str], cost: CostModel | None = None
@@ -74,9 +74,9 @@ class WrappingSchedule:
         return self.inner.plan_label(plan)
 
     def plan_space(
-        self, pipeline: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
+        self, degree_policy: int | str, algorithms: tuple[str, ...], cost_model: CostModel | None
     ) -> tuple[int | str, tuple[str, ...], CostModel | None]:
-        return self.inner.plan_space(pipeline, algorithms, cost_model)
+        return self.inner.plan_space(degree_policy, algorithms, cost_model)
 
     def prepare(self, capacity: int, filled_WE: torch.Tensor, placement: ExpertPlacement, rank: int) -> Prepared:
         return self.inner.prepare(capacity, filled_WE, placement, rank)

@@ -124,15 +124,6 @@ class ShadowDecision:
         return self.latency_without_s - self.latency_with_s
 
 
-def rank_compute_load(
-    tokens_WE: Sequence[Sequence[int]] | np.ndarray, owner_E: Sequence[int], shadowed: set[int]
-) -> np.ndarray:
-    """B_w per rank: the tokens of its un-shadowed experts from every rank, plus its own tokens of
-    the shadowed experts (computed where they are)."""
-    tokens = np.asarray(tokens_WE, dtype=np.float64)
-    return _compute_load(tokens, *_kept_tokens(tokens, owner_E, shadowed))
-
-
 def _compute_load(tokens: np.ndarray, owned_EW: np.ndarray, kept_WE: np.ndarray) -> np.ndarray:
     return kept_WE.sum(0) @ owned_EW + (tokens - kept_WE).sum(1)
 

@@ -181,8 +181,8 @@ def expert_fully_shard(
 def shard_experts_over_replicas(model: nn.Module, replicas: DeviceMesh, **fsdp_options: Any) -> None:
     """Each MoE layer's experts its own FSDP2 unit over ``replicas`` (a (dp, ep) mesh's ``"dp"``
     dimension: the ranks that hold the same experts in the other expert groups), as torchtitan
-    shards them: every rank keeps 1/DP of its expert group's share, gathered around the layer's
-    dispatcher (:meth:`~moeflow.core.experts.ExpertFFN.run_with_weights`), the gradients
+    shards them: every rank keeps 1/DP of its expert group's share, gathered around the
+    experts' step of each call (:meth:`~moeflow.core.experts.ExpertFFN.run_with_weights`), the gradients
     reduce-scattered over the replicas (a sum, then divided by every data-parallel replica: the mean
     loss; a sum because gloo has no pre-scaled reduction).
     Refused for placements whose experts have copies: their copies' gradients must add up first."""

@@ -40,7 +40,7 @@ def add(benches: Any) -> None:
                        help="experts without biases, as Mixtral's and Qwen-MoE's (default: with biases)")
     layer.add_argument("--expert-kernel", default="bmm", choices=EXPERT_KERNELS,
                        help="the layer's expert kernel: bmm (padded), loop, or ragged (dropless; on one process "
-                            "the packed path with no capacity buffer) (default bmm)")
+                            "the kept-rows path with no capacity buffer) (default bmm)")
     layer.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (one process; default cpu)")
     layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.core.experts import ExpertFFN, FFNWeights
+from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-from moeflow.parallel.agreement import GlobalLoad
-from moeflow.parallel.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.parallel.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
+from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
 
 CACHE_RESIDENT_BYTES = 1 << 20
 """Above this much intermediate (rows x hidden) on CPU, the direct path never builds the packed
@@ -95,9 +96,16 @@ class LocalDispatcher:
 
     experts: ExpertFFN
     labels: DirectLabels
+    exchange = STAYS_HOME
 
-    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
-        choice, timing = call.routing.choice, PipelineTiming()
-        y_TM = direct_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, call.routing.counts_E, self.experts,
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
+        return DirectDispatch.of(self, call, routing, load)
+
+    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
+                       timing: PipelineTiming) -> torch.Tensor:
+        choice = routing.choice
+        return direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, self.experts,
                               call.kernels.gemm)
-        return skipped_buffer(y_TM, call, load, self.labels, timing, STAYS_HOME)
+
+    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
+        return skipped_buffer(call, load, self.labels, timing, self.exchange)

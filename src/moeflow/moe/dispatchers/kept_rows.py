@@ -1,4 +1,4 @@
-"""The packed dispatcher: a forward with backward on a rank that holds every expert, with no capacity buffer.
+"""The kept-rows dispatcher: a forward with backward on a rank that holds every expert, with no capacity buffer.
 
 Under ``expert_kernel="ragged"`` the capacity path pays for its padded (E, C, M) layout three
 times over: encode scatters the kept rows into it, the ragged kernel gathers the filled slots back
@@ -25,12 +25,12 @@ from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.choice import KernelChoice
 from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
 from moeflow.kernels.slot_gather import decode, encode
-from moeflow.parallel.agreement import GlobalLoad
-from moeflow.parallel.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.parallel.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
+from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
 
 
-def packed_experts_output(
+def kept_rows_output(
     x_TM: torch.Tensor, routing: Routing, counts_E: torch.Tensor, capacity: int, experts: LocalExperts,
     kernels: KernelChoice,
 ) -> torch.Tensor:
@@ -43,26 +43,33 @@ def packed_experts_output(
     rows = FilledRows.counted(torch.arange(plan.num_slots), counts_E.clamp(max=capacity))
     x_NM = encode(x_TM, plan, backend=kernels.encode)
     weights = experts.weights().cast(x_TM.dtype)
-    y_NM = _PackedExperts.apply(x_NM, rows, experts.compute, kernels.gemm, *weights.as_tuple())
+    y_NM = _KeptRowsExperts.apply(x_NM, rows, experts.compute, kernels.gemm, *weights.as_tuple())
     return decode(y_NM, choice.weights_TK, plan, backend=kernels.decode)
 
 
 @dataclass(frozen=True)
-class PackedDispatcher:
+class KeptRowsDispatcher:
     """One rank under the ragged kernel, with a backward: the capacity path's kept slots, packed
-    (:func:`packed_experts_output`)."""
+    (:func:`kept_rows_output`)."""
 
     experts: LocalExperts
     labels: DirectLabels
+    exchange = STAYS_HOME
 
-    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
+        return DirectDispatch.of(self, call, routing, load)
+
+    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
+                       timing: PipelineTiming) -> torch.Tensor:
         capacity = load.capacity(call.capacity_factor, call.top_k)
-        slotted = call.routing.slotted(load.counts_WE.shape[1])
-        y_TM = packed_experts_output(call.x_TM, slotted, load.counts_WE[0], capacity, self.experts, call.kernels)
-        return skipped_buffer(y_TM, call, load, self.labels, PipelineTiming(), STAYS_HOME)
+        slotted = routing.slotted(load.counts_WE.shape[1])
+        return kept_rows_output(x_TM, slotted, load.counts_WE[0], capacity, self.experts, call.kernels)
+
+    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
+        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
-class _PackedExperts(torch.autograd.Function):
+class _KeptRowsExperts(torch.autograd.Function):
     """The experts over packed rows ordered by expert, as one autograd node (the ragged kernel's
     forward and backward without the gathers out of and scatters into the padded layout)."""
 

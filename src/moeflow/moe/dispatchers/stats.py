@@ -1,6 +1,6 @@
 """What a forward that skipped the capacity buffer reports: the statistics of the local, packed,
 gathered and row-exchange dispatchers (the capacity dispatcher's are
-:mod:`moeflow.parallel.dispatchers.capacity_stats`)."""
+:mod:`moeflow.moe.dispatchers.capacity_stats`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
 from moeflow.core.stats import ExecutionPlan, PipelineTiming, RoutingStats
-from moeflow.parallel.agreement import GlobalLoad
-from moeflow.parallel.dispatchers.protocol import DispatchCall, Dispatched
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.protocol import LayerCall, Stats
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that skipped the capacity buffer."""
@@ -32,14 +32,14 @@ class DirectLabels:
     topology: Topology | None = None
 
 
-def skipped_buffer(
-    y_TM: torch.Tensor, call: DispatchCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
-    exchange: str,
-) -> Dispatched:
-    """A dispatcher's result that skipped the capacity buffer: ``y_TM`` and its :func:`direct_stats`,
-    computed on first read."""
-    return Dispatched(y_TM, functools.partial(direct_stats, load, call.top_k, call.capacity_factor, labels, timing,
-                                              exchange, call.kernels.as_dict()))
+def skipped_buffer(call: LayerCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
+                   exchange: str) -> Stats:
+    """The statistics of a call that skipped the capacity buffer (:func:`direct_stats`), computed on
+    first read; none for a recompute."""
+    if call.recompute:
+        return None
+    return functools.partial(direct_stats, load, call.top_k, call.capacity_factor, labels, timing, exchange,
+                             call.kernels.as_dict())
 
 
 def direct_stats(
@@ -47,7 +47,7 @@ def direct_stats(
     exchange: str = STAYS_HOME, kernels: dict[str, str] | None = None,
 ) -> RoutingStats:
     """What a forward without the capacity buffer reports (on first read of ``MoELayer.last_stats``):
-    every rank's counts (one row on one rank), the assignments beyond capacity (only the packed path
+    every rank's counts (one row on one rank), the assignments beyond capacity (only the kept-rows path
     keeps fewer than all), one "chunk", how the tokens travelled (``exchange``) over the labels'
     topology, in ``timing``, and the ``kernels`` that ran."""
     schedule, policy, topology = labels.schedule, labels.policy, labels.topology

@@ -9,12 +9,12 @@ are sorted by expert once, which under the expert-parallel placement (rank d hol
 all-to-all: the splits come from the load all-gather every forward runs anyway (the per-expert
 counts of every rank), so no split exchange is added. Each rank runs its experts over what it
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
-its combine weights in one ``embedding_bag``, as :mod:`moeflow.parallel.dispatchers.local` does on one rank.
+its combine weights in one ``embedding_bag``, as :mod:`moeflow.moe.dispatchers.local` does on one rank.
 
 It runs where the capacity path would keep every token (capacity >= the busiest expert's count
 on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows, and its
-tokens did not come with the load agreement (:mod:`moeflow.parallel.dispatchers.gathered`); the decision is
-:func:`moeflow.parallel.dispatchers.choice.agree`'s, from the load every rank holds alike.
+tokens did not come with the load agreement (:mod:`moeflow.moe.dispatchers.gathered`); the decision is
+:func:`moeflow.moe.dispatchers.choice.agree`'s, from the load every rank holds alike.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.config import RAGGED
 from moeflow.core.device_copy import to_device
 from moeflow.core.experts import ExpertFFN
+from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.parallel.agreement import GlobalLoad
-from moeflow.parallel.dispatchers.local import DirectRows
-from moeflow.parallel.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.parallel.dispatchers.stats import DirectLabels, skipped_buffer
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.local import DirectRows
+from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
+from moeflow.moe.dispatchers.stats import DirectLabels, skipped_buffer
 
 DIRECT_EXCHANGE_ROWS = 256
 """The most rows (tokens x k) one rank may route for a no-grad forward to take the direct exchange:
@@ -53,11 +54,19 @@ class RowDispatcher:
     groups: ParallelGroups
     labels: DirectLabels
 
-    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
-        choice, timing = call.routing.choice, PipelineTiming()
-        y_TM = exchanged_experts(call.x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, self.experts,
+    exchange = RAGGED
+
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
+        return DirectDispatch.of(self, call, routing, load)
+
+    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
+                       timing: PipelineTiming) -> torch.Tensor:
+        choice = routing.choice
+        return exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, self.experts,
                                  self.groups, call.kernels.gemm, timing)
-        return skipped_buffer(y_TM, call, load, self.labels, timing, RAGGED)
+
+    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
+        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 def exchanged_experts(

@@ -106,7 +106,7 @@ class OnlinePlanner:
 
     def __init__(
         self,
-        pipeline: int | str,
+        degree_policy: int | str,
         algorithms: tuple[str, ...],
         cost_model: CostModel | None,
         reduce_max: ReduceMax | None,
@@ -117,7 +117,7 @@ class OnlinePlanner:
         min_gain: float = MIN_GAIN,
         ranker: Callable[[ClusterProfile], PlanRanker | None] | None = None,
     ) -> None:
-        validate_pipeline(pipeline)
+        validate_pipeline(degree_policy)
         self.reduce_max = reduce_max
         self.model = schedule if schedule is not None else ExpertParallelModel()
         self.schedule = self.model.name
@@ -127,16 +127,16 @@ class OnlinePlanner:
         if cost_model is not None and not self.model.can_predict(cost_model):
             modelled = ()
         self._predictor = cost_model if modelled else None  # predictions for the stats
-        self.cost_model = cost_model if modelled and pipeline != "search" else None  # ranks plans
+        self.cost_model = cost_model if modelled and degree_policy != "search" else None  # ranks plans
         if self.cost_model is not None:
             algorithms = modelled  # the model can only rank what the profile measured
-        if pipeline == "model" and self.cost_model is None:
+        if degree_policy == "model" and self.cost_model is None:
             raise ValueError(
                 "pipeline='model' needs a calibrated profile with the gemm fit and an all-to-all fit for "
                 f"{' or '.join(algorithms)}; pass profile=... (create one with `moeflow calibrate`) "
                 "or use pipeline='search'"
             )
-        self.pipeline = pipeline
+        self.degree_policy = degree_policy  # the setting `pipeline`: a degree or how to choose one
         self.algorithms = algorithms
         self.capacity_bucket = capacity_bucket
         self.search_trials = search_trials
@@ -144,7 +144,7 @@ class OnlinePlanner:
         self.min_gain = min_gain
         # under "auto", the simulator's ranking on the profile's twin (``ranker`` builds it) orders the trials
         self._simulator = None
-        if ranker is not None and pipeline == "auto" and self.cost_model is not None:
+        if ranker is not None and degree_policy == "auto" and self.cost_model is not None:
             self._simulator = ranker(self.cost_model.profile)
         self.dictionary: dict[int, Plan] = {}
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
@@ -155,20 +155,20 @@ class OnlinePlanner:
         """The plan for this forward, and the timing record its execution must fill; ``r`` forces
         Tutel's r for this call (the degree is then the forced one, or 1, on the first algorithm)."""
         timing = PipelineTiming()
-        degree = self.pipeline if isinstance(self.pipeline, int) else 1
+        degree = self.degree_policy if isinstance(self.degree_policy, int) else 1
         if r is not None:
             plan = Plan(self.schedule, degree, self.algorithms[0], r) if r else Plan(self.schedule, 1, LOCAL, 0)
             return self._with_prediction(plan, "forced", None, shape, backward), timing
         if self.reduce_max is None or not self.model.sends_tokens:  # nothing is sent: nothing to plan
             local = self.model.forced_plan(degree, LOCAL) or Plan(self.schedule, degree, LOCAL, 1)
             return self._with_prediction(local, "local", None, shape, backward), timing
-        if self.pipeline == SMART:
+        if self.degree_policy == SMART:
             return self._with_prediction(Plan(SMART, 1, SMART_PLAN_ALGORITHM), "forced", None, shape, backward), timing
-        degrees = (self.pipeline,) if isinstance(self.pipeline, int) else None
+        degrees = (self.degree_policy,) if isinstance(self.degree_policy, int) else None
         forced = self.model.forced_plan(degree, self.algorithms[0])
         if forced is not None and (forced.algorithm == LOCAL or (degrees is not None and len(self.algorithms) == 1)):
             return self._with_prediction(forced, "forced", None, shape, backward), timing
-        if self.pipeline == "model":
+        if self.degree_policy == "model":
             return self._with_prediction(self._model_choice(shape, backward), "model", None, shape, backward), timing
 
         key = shape.capacity // self.capacity_bucket

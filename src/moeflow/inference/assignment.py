@@ -82,7 +82,7 @@ def replica_options(share_E: np.ndarray, world_size: int, max_experts_per_rank: 
         ranks[min(spare, key=lambda e: (share_E[e] / ranks[e], e))] -= 1
 
 
-def popularity_plan(load_E: Sequence[float], world_size: int, max_experts_per_rank: int) -> list[list[int]]:
+def popularity_assignment(load_E: Sequence[float], world_size: int, max_experts_per_rank: int) -> list[list[int]]:
     """The experts of every rank (sorted) for ``load_E``: Lina's replicate-then-pack rule, with the
     replica counts trimmed where that unloads the busiest rank."""
     load = np.asarray(load_E, dtype=np.float64)
@@ -95,7 +95,7 @@ def popularity_plan(load_E: Sequence[float], world_size: int, max_experts_per_ra
     best_busiest = float("inf")
     for replicas in replica_options(share, world_size, max_experts_per_rank):
         plan = _pack(replicas, share, load, world_size, max_experts_per_rank)
-        busiest = max(plan_loads(plan, load))
+        busiest = max(assignment_loads(plan, load))
         if busiest < best_busiest - _SLACK:
             best, best_busiest = plan, busiest
     return best
@@ -115,7 +115,7 @@ def _pack(replicas: dict[int, int], share: np.ndarray, load: np.ndarray, world_s
     return [sorted(experts) for experts in ranks]
 
 
-def plan_loads(plan: Sequence[Sequence[int]], load: np.ndarray) -> list[float]:
+def assignment_loads(plan: Sequence[Sequence[int]], load: np.ndarray) -> list[float]:
     """Each rank's load when every expert's splits evenly over its copies."""
     copies = np.zeros(len(load))
     for experts in plan:
@@ -147,17 +147,18 @@ def _place_unloaded(experts: list[int], ranks: list[list[int]], max_items: int) 
 def popularity_placement(
     load_E: Sequence[float], world_size: int, hidden_dim: int, max_experts_per_rank: int = MAX_EXPERTS_PER_RANK
 ) -> ExpertPlacement:
-    """:func:`popularity_plan` as a placement whose replicated experts split their tokens."""
-    return plan_placement(popularity_plan(load_E, world_size, max_experts_per_rank), len(load_E), hidden_dim)
+    """:func:`popularity_assignment` as a placement whose replicated experts split their tokens."""
+    assignment = popularity_assignment(load_E, world_size, max_experts_per_rank)
+    return assignment_placement(assignment, len(load_E), hidden_dim)
 
 
-def plan_placement(plan: Sequence[Sequence[int]], num_experts: int, hidden_dim: int) -> ExpertPlacement:
+def assignment_placement(plan: Sequence[Sequence[int]], num_experts: int, hidden_dim: int) -> ExpertPlacement:
     """Whole experts on each rank as ``plan`` lists them; an expert on several ranks splits its tokens."""
     shards = tuple(tuple(ExpertShard(e, 0, hidden_dim) for e in experts) for experts in plan)
     return ExpertPlacement(num_experts, hidden_dim, shards, split_tokens=True)
 
 
-def own_plan(num_experts: int, world_size: int) -> list[list[int]]:
+def own_assignment(num_experts: int, world_size: int) -> list[list[int]]:
     """Each rank's own experts, E / W in a row (expert parallel): where the weights are stored."""
     if num_experts % world_size:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {world_size} ranks")
@@ -165,7 +166,7 @@ def own_plan(num_experts: int, world_size: int) -> list[list[int]]:
     return [list(range(rank * own, (rank + 1) * own)) for rank in range(world_size)]
 
 
-def replica_slot_plan(
+def replica_slot_assignment(
     load_E: Sequence[float], world_size: int, replica_slots: int,
     seconds: Callable[[list[list[int]]], float] | None = None,
 ) -> list[list[int]]:
@@ -179,15 +180,15 @@ def replica_slot_plan(
     load = np.asarray(load_E, dtype=np.float64)
     if not isinstance(replica_slots, int) or replica_slots < 0:
         raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
-    plan = own_plan(len(load), world_size)
+    plan = own_assignment(len(load), world_size)
     if replica_slots == 0:
         return plan
     limit = len(plan[0]) + replica_slots
-    price = seconds if seconds is not None else (lambda trial: max(plan_loads(trial, load)))
+    price = seconds if seconds is not None else (lambda trial: max(assignment_loads(trial, load)))
     best = price(plan)
     copies = np.ones(len(load))
     while True:
-        loads = plan_loads(plan, load)
+        loads = assignment_loads(plan, load)
         movable = [e for e in range(len(load)) if load[e] > 0 and any(
             len(held) < limit and e not in held for held in plan)]
         if not movable:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.core.stats import PipelineTiming, RoutingStats
-from moeflow.parallel.online_planner import PlanChoice
+from moeflow.moe.online_planner import PlanChoice
 
 #: Plans and biases a recompute can find: enough for a layer called this often in one step.
 KEPT = 8
@@ -54,7 +54,7 @@ class LastForward:
     aux_loss: GraphValue
     stats: RoutingStats | Callable[[], RoutingStats] | None = None  # a callable: computed on first read
     checked_data_parallel: int | None = None  # the data-parallel wrapper already checked (its id)
-    gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.parallel.agreement)
+    gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.moe.agreement)
 
 
 @dataclass

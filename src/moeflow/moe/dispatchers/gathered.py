@@ -2,8 +2,8 @@
 the load agreement.
 
 At a decode step the agreement's all-gather and the two all-to-alls of the row exchange
-(:mod:`moeflow.parallel.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
-agreement's all-gather carries the tokens as well (:mod:`moeflow.parallel.agreement`): each
+(:mod:`moeflow.moe.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
+agreement's all-gather carries the tokens as well (:mod:`moeflow.moe.agreement`): each
 rank's rows, its k experts and combine weights, in one fixed-size buffer. Every rank then holds
 every token. It runs its own experts over the choices that picked them, sums each token's weighted
 outputs per token (a partial sum over this rank's experts), and sends each rank the partial sums of
@@ -21,11 +21,12 @@ import torch
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import ParallelGroups
 from moeflow.core.experts import ExpertFFN
+from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.parallel.agreement import GatheredTokens, GlobalLoad
-from moeflow.parallel.dispatchers.protocol import DispatchCall, Dispatched
-from moeflow.parallel.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
+from moeflow.moe.agreement import GatheredTokens, GlobalLoad
+from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
+from moeflow.moe.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,18 @@ class GatheredDispatcher:
     experts: ExpertFFN
     groups: ParallelGroups
     labels: DirectLabels
+    exchange = GATHERED
 
-    def run(self, call: DispatchCall, load: GlobalLoad) -> Dispatched:
-        timing = PipelineTiming()
-        y_TM = gathered_output(self.tokens, load.counts_WE, self.experts, self.groups, call.kernels.gemm, timing)
-        return skipped_buffer(y_TM, call, load, self.labels, timing, GATHERED)
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
+        return DirectDispatch.of(self, call, routing, load)
+
+    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
+                       timing: PipelineTiming) -> torch.Tensor:
+        """Every rank's tokens came with the agreement: ``x_TM`` is this rank's share of them."""
+        return gathered_output(self.tokens, load.counts_WE, self.experts, self.groups, call.kernels.gemm, timing)
+
+    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
+        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 def gathered_output(

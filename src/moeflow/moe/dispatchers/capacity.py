@@ -1,0 +1,128 @@
+"""The capacity dispatcher: every forward that no direct dispatcher takes.
+
+The agreed load sizes the capacity; the schedule prepares its run over the kept counts; the planner
+chooses this call's plan (pipeline degree, all-to-all algorithm, exchange, r); the tokens this rank
+owns are gathered into an (E, C, M) buffer (dispatch), the schedule runs its exchange around the
+experts over it (padded or ragged, pipelined over capacity chunks), and the scatter sums each
+token's k rows (combine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.config import MoEConfig
+from moeflow.core.experts import ExpertFFN
+from moeflow.core.routing.router import Routing
+from moeflow.core.stats import PipelineTiming
+from moeflow.core.workspace import Workspace
+from moeflow.kernels.slot_gather import SlotMap, decode, encode, make_slot_map
+from moeflow.moe.agreement import GlobalLoad
+from moeflow.moe.dispatchers.capacity_stats import routing_stats
+from moeflow.moe.dispatchers.protocol import LayerCall, Stats
+from moeflow.moe.forward_memory import ForwardMemory
+from moeflow.moe.online_planner import OnlinePlanner, PlanChoice
+from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.placement import ExpertPlacement
+from moeflow.parallel.schedules import ParallelSchedule
+from moeflow.parallel.token_share import OwnedTokens, TokenShare
+from moeflow.perf.shape import RegionShape
+
+
+@dataclass(frozen=True)
+class CapacityDispatcher:
+    """A layer's capacity path: its schedule over its placement, its planner, and its forward memory
+    (what a recompute repeats). Made when the layer is built and on ``switch()``; a call's own
+    values come in its :class:`~moeflow.moe.dispatchers.protocol.LayerCall`."""
+
+    schedule: ParallelSchedule
+    placement: ExpertPlacement
+    groups: ParallelGroups
+    config: MoEConfig
+    experts: ExpertFFN
+    planner: OnlinePlanner
+    memory: ForwardMemory
+    local: tuple[int, ...]  # the global index of each local expert (its placement's, on this rank)
+
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> CapacityDispatch:
+        """The call's plan, the tokens this rank owns in their slots, gathered into the (E, C, M) buffer."""
+        config, rank, x_TM = self.config, self.groups.rank, call.x_TM
+        capacity = load.capacity(call.capacity_factor, call.top_k)
+        filled_WE = load.counts_WE.clamp(max=capacity)  # every rank's kept tokens per expert
+        prepared = self.schedule.prepare(capacity, filled_WE, self.placement, rank)
+        region = RegionShape(config.dims, self.groups.size, prepared.capacity, x_TM.element_size(),
+                             load.max_tokens_per_rank, load.needed_capacity, config.wire_dtype)
+        backward = torch.is_grad_enabled()
+        chosen, timing = self.memory.plan(call.record, call.recompute,
+                                          lambda: self.planner.choose(region, backward=backward, r=call.r))
+        if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
+            timing.synced_device = str(x_TM.device)
+        # the tokens this rank gathers and scatters back (Parm's S1: this MP member's share)
+        share = self.schedule.token_share(chosen.plan, self.groups, config.num_experts, timing)
+        label = self.schedule.plan_label(chosen.plan)  # the schedule the stats name for this plan
+        owned = share.own(x_TM, routing.slotted(config.num_experts), capacity, call.capacity_factor)
+        slots = make_slot_map(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
+                              share.kept_count(filled_WE, rank))
+        rows_ECM = encode(owned.x_TM, slots, call.workspace, call.kernels.encode)
+        ctx = RunContext(self.experts, x_TM.dtype, self.groups, self.placement, timing, call.workspace, filled_WE,
+                         self.local, capacity, config.expert_kernel, call.kernels.gemm, load.estimate_E, prepared.state,
+                         config.wire_dtype, slots, owned.weights_TK)
+        return CapacityDispatch(self, call, load, chosen, label, share, owned, slots, ctx, rows_ECM)
+
+
+@dataclass
+class CapacityDispatch:
+    """One call on the capacity path: its plan, its owned tokens' slots and the gathered buffer
+    (``rows``); the schedule's run (``experts``) and the scatter back (``combine``)."""
+
+    dispatcher: CapacityDispatcher
+    call: LayerCall
+    load: GlobalLoad
+    chosen: PlanChoice
+    label: str
+    share: TokenShare
+    owned: OwnedTokens
+    slots: SlotMap
+    ctx: RunContext
+    rows: torch.Tensor
+    ran: ScheduleOutput | None = None
+
+    def experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's exchange around the experts (dispatch -> experts -> combine, pipelined)."""
+        self.ran = self.dispatcher.schedule.run(self.chosen.plan, rows, self.ctx)
+        return self.ran.combined_ECM
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each owned token's k rows summed with its combine weights (already applied where the
+        exchange weighted them), then the share's tokens put back in the call's order."""
+        assert self.ran is not None, "combine runs after the experts"
+        weights_TK = torch.ones_like(self.owned.weights_TK) if self.ran.weighted else self.owned.weights_TK
+        call = self.call
+        y_TM = decode(rows, weights_TK, self.slots, call.workspace, call.kernels.decode)
+        return self.share.output(y_TM, len(call.x_TM))
+
+    def stats(self) -> Stats:
+        """None for a recompute (activation checkpointing's repeat: nothing to report twice)."""
+        call, dispatcher = self.call, self.dispatcher
+        if call.recompute or self.ran is None:
+            return None
+        return routing_stats(dispatcher.config, dispatcher.groups, self.load, self.ctx.capacity, call.top_k,
+                             call.capacity_factor, self.chosen, self.ctx.timing, self.label, self.owned, self.ran,
+                             call.kernels.as_dict())
+
+
+def run_context(
+    experts: ExpertFFN, placement: ExpertPlacement, groups: ParallelGroups, config: MoEConfig, dtype: torch.dtype,
+    timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str, estimate_E: np.ndarray | None = None,
+    prepared: object | None = None, workspace: Workspace | None = None, slots: SlotMap | None = None,
+    weights_TK: torch.Tensor | None = None,
+) -> RunContext:
+    """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts
+    (and, where the caller has the dispatched buffer's slot map and gate weights, each slot's token and weight)."""
+    local = tuple(shard.expert for shard in placement.local(groups.rank))
+    return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slots, weights_TK)

@@ -1,0 +1,109 @@
+"""Which dispatcher runs a layer call, decided in one place.
+
+A layer's :class:`Dispatchers` are made when it is built and on ``switch()``: the capacity
+dispatcher over its schedule, and the direct path its schedule declares for this rank
+(:class:`~moeflow.parallel.direct_path.DirectPath`: the local dispatcher on a rank that holds every
+expert, the row paths where each expert has one holder, or none). A call narrows that on this rank
+before its one load agreement (:meth:`Dispatchers.agree`) and picks the dispatcher from the load
+every rank then holds alike, so no rank skips a collective another runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeflow.comm.groups import ParallelGroups
+from moeflow.core.capacity import never_drops
+from moeflow.core.experts import ExpertFFN
+from moeflow.core.routing.router import Routing
+from moeflow.moe.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
+from moeflow.moe.dispatchers.capacity import CapacityDispatcher
+from moeflow.moe.dispatchers.gathered import GatheredDispatcher
+from moeflow.moe.dispatchers.kept_rows import KeptRowsDispatcher
+from moeflow.moe.dispatchers.local import LocalDispatcher
+from moeflow.moe.dispatchers.protocol import Dispatcher, LayerCall
+from moeflow.moe.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
+from moeflow.moe.dispatchers.stats import DirectLabels
+from moeflow.parallel.direct_path import DirectPath
+from moeflow.parallel.inference_hook import InferenceHook
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The call's dispatcher, the load it runs on, and the tokens per rank the layer's next load
+    agreement carries (None: as before)."""
+
+    dispatcher: Dispatcher
+    load: GlobalLoad
+    next_bucket: int | None = None
+
+
+@dataclass(frozen=True)
+class Dispatchers:
+    """A layer's dispatchers over one schedule and placement: the capacity path, and the direct path
+    the schedule declares for this rank (``declared``; None: every call takes the capacity path)."""
+
+    capacity: CapacityDispatcher
+    declared: DirectPath | None
+    local: LocalDispatcher
+    packed: KeptRowsDispatcher
+    rows: RowDispatcher
+    groups: ParallelGroups
+    experts: ExpertFFN
+    labels: DirectLabels
+    ragged_kernel: bool
+    hook: InferenceHook | None  # the schedule's per-forward placement scheduler, which sees the routing
+
+
+    @staticmethod
+    def of(capacity: CapacityDispatcher) -> Dispatchers:
+        """The dispatchers around ``capacity``, with its schedule's declaration for this rank."""
+        groups, experts, config = capacity.groups, capacity.experts, capacity.config
+        labels = DirectLabels(capacity.schedule.name, config.pipeline, groups.topology)
+        declared = capacity.schedule.direct_path(capacity.placement, groups.rank)
+        return Dispatchers(capacity, declared, LocalDispatcher(experts, labels), KeptRowsDispatcher(experts, labels),
+                           RowDispatcher(experts, groups, labels), groups, experts, labels,
+                           config.expert_kernel == "ragged", capacity.schedule.hook)
+
+    def agree(self, call: LayerCall, routing: Routing, estimate_E: np.ndarray | None, bucket: int) -> Agreed:
+        """The call's dispatcher and its load: the local and kept-rows ones on this rank's counts
+        alone; the capacity path and the row paths after the one load all-gather, which under the
+        row paths carries whether this rank asks for one and up to ``bucket`` tokens per rank.
+        Where every rank asked and the capacity path would drop nothing, tokens that all came along
+        run gathered, and up to :data:`DIRECT_EXCHANGE_ROWS` rows per rank run the row exchange."""
+        counts_E, num_tokens = routing.counts_E, call.x_TM.shape[0]
+        path = self._narrowed(call, routing)
+        if path is not None and path is not DirectPath.EXCHANGE:
+            counts = counts_E if path is self.local else counts_E.cpu()
+            return Agreed(path, GlobalLoad(counts.unsqueeze(0), num_tokens))
+        if path is None:
+            return Agreed(self.capacity, agree_load(counts_E, num_tokens, self.groups, estimate_E).load)
+        choice = routing.choice
+        carried = CarriedTokens(call.x_TM, choice.expert_idx_TK, choice.weights_TK, bucket)
+        agreement = agree_load(counts_E, num_tokens, self.groups, asks_direct=call.asks_direct, carried=carried)
+        load = agreement.load
+        if not agreement.all_direct or load.capacity(call.capacity_factor, call.top_k) < load.needed_capacity:
+            return Agreed(self.capacity, load, 0)  # the next agreement carries no tokens it could not use
+        following = bucket_after(load)
+        if agreement.tokens is not None:
+            return Agreed(GatheredDispatcher(agreement.tokens, self.experts, self.groups, self.labels), load, following)
+        if load.max_tokens_per_rank * call.top_k <= DIRECT_EXCHANGE_ROWS:
+            return Agreed(self.rows, load, following)
+        return Agreed(self.capacity, load, following)
+
+    def _narrowed(
+        self, call: LayerCall, routing: Routing
+    ) -> LocalDispatcher | KeptRowsDispatcher | DirectPath | None:
+        """This call's path from the declared one: on several ranks exactly the declared row paths
+        (each rank decides on its own token count, so none may skip a collective: the agreement
+        decides), none for the local one; on one rank the local dispatcher for a no-grad call that
+        cannot drop, else under the ragged kernel the kept-rows one (when no bias moves)."""
+        declared = self.declared
+        if declared is not DirectPath.LOCAL or self.groups.size > 1:
+            return declared if declared is not DirectPath.LOCAL else None
+        num_experts = routing.counts_E.numel()
+        if call.asks_direct and never_drops(call.capacity_factor, call.top_k, call.x_TM.shape[0], num_experts):
+            return self.local
+        return self.packed if self.ragged_kernel and not call.moves_bias else None
