@@ -25,12 +25,12 @@ from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
 from moeflow.moe.agreement import GatheredTokens, GlobalLoad
-from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
-from moeflow.moe.dispatchers.stats import GATHERED, DirectLabels, skipped_buffer
+from moeflow.moe.dispatchers.protocol import LayerCall
+from moeflow.moe.dispatchers.stats import GATHERED, DirectDispatcher, DirectLabels
 
 
 @dataclass(frozen=True)
-class GatheredDispatcher:
+class GatheredDispatcher(DirectDispatcher):
     """Every rank's tokens came with the agreement (:func:`gathered_output`)."""
 
     tokens: GatheredTokens
@@ -39,16 +39,11 @@ class GatheredDispatcher:
     labels: DirectLabels
     exchange = GATHERED
 
-    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch.of(self, call, routing, load)
-
     def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
                        timing: PipelineTiming) -> torch.Tensor:
         """Every rank's tokens came with the agreement: ``x_TM`` is this rank's share of them."""
         return gathered_output(self.tokens, load.counts_WE, self.experts, self.groups, call.kernels.gemm, timing)
 
-    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
-        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 def gathered_output(

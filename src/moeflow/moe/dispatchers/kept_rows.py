@@ -26,8 +26,8 @@ from moeflow.kernels.choice import KernelChoice
 from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
 from moeflow.kernels.slot_gather import decode, encode
 from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
-from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.dispatchers.protocol import LayerCall
+from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
 
 
 def kept_rows_output(
@@ -48,16 +48,12 @@ def kept_rows_output(
 
 
 @dataclass(frozen=True)
-class KeptRowsDispatcher:
+class KeptRowsDispatcher(DirectDispatcher):
     """One rank under the ragged kernel, with a backward: the capacity path's kept slots, packed
     (:func:`kept_rows_output`)."""
 
     experts: LocalExperts
     labels: DirectLabels
-    exchange = STAYS_HOME
-
-    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch.of(self, call, routing, load)
 
     def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
                        timing: PipelineTiming) -> torch.Tensor:
@@ -65,8 +61,6 @@ class KeptRowsDispatcher:
         slotted = routing.slotted(load.counts_WE.shape[1])
         return kept_rows_output(x_TM, slotted, load.counts_WE[0], capacity, self.experts, call.kernels)
 
-    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
-        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 class _KeptRowsExperts(torch.autograd.Function):

@@ -25,8 +25,8 @@ from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
 from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
-from moeflow.moe.dispatchers.stats import STAYS_HOME, DirectLabels, skipped_buffer
+from moeflow.moe.dispatchers.protocol import LayerCall
+from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
 
 CACHE_RESIDENT_BYTES = 1 << 20
 """Above this much intermediate (rows x hidden) on CPU, the direct path never builds the packed
@@ -91,15 +91,11 @@ def _expert_by_expert(
 
 
 @dataclass(frozen=True)
-class LocalDispatcher:
+class LocalDispatcher(DirectDispatcher):
     """Every expert on this rank and nothing to drop: the tokens stay home (:func:`direct_experts`)."""
 
     experts: ExpertFFN
     labels: DirectLabels
-    exchange = STAYS_HOME
-
-    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch.of(self, call, routing, load)
 
     def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
                        timing: PipelineTiming) -> torch.Tensor:
@@ -107,5 +103,3 @@ class LocalDispatcher:
         return direct_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, routing.counts_E, self.experts,
                               call.kernels.gemm)
 
-    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
-        return skipped_buffer(call, load, self.labels, timing, self.exchange)

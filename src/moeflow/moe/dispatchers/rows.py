@@ -34,8 +34,8 @@ from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
 from moeflow.moe.agreement import GlobalLoad
 from moeflow.moe.dispatchers.local import DirectRows
-from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
-from moeflow.moe.dispatchers.stats import DirectLabels, skipped_buffer
+from moeflow.moe.dispatchers.protocol import LayerCall
+from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
 
 DIRECT_EXCHANGE_ROWS = 256
 """The most rows (tokens x k) one rank may route for a no-grad forward to take the direct exchange:
@@ -47,7 +47,7 @@ exchange does not, so the bound stays at the sizes measured on the emulated clus
 
 
 @dataclass(frozen=True)
-class RowDispatcher:
+class RowDispatcher(DirectDispatcher):
     """Only the routed rows travel, one ragged all-to-all each way (:func:`exchanged_experts`)."""
 
     experts: ExpertFFN
@@ -56,17 +56,12 @@ class RowDispatcher:
 
     exchange = RAGGED
 
-    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch.of(self, call, routing, load)
-
     def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
                        timing: PipelineTiming) -> torch.Tensor:
         choice = routing.choice
         return exchanged_experts(x_TM, choice.expert_idx_TK, choice.weights_TK, load.counts_WE, self.experts,
                                  self.groups, call.kernels.gemm, timing)
 
-    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
-        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 def exchanged_experts(

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
+from moeflow.core.routing.router import Routing
 from moeflow.core.stats import ExecutionPlan, PipelineTiming, RoutingStats
 from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import LayerCall, Stats
+from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that skipped the capacity buffer."""
@@ -30,6 +32,25 @@ class DirectLabels:
     schedule: str
     policy: int | str
     topology: Topology | None = None
+
+
+class DirectDispatcher:
+    """What the dispatchers that skip the capacity buffer share: a dispatch that lays nothing out
+    (the rows are the tokens, :class:`DirectDispatch`) and their statistics. Each runs its tokens
+    to the experts and back in one step, :meth:`experts_output`."""
+
+    labels: DirectLabels
+    exchange: ClassVar[str] = STAYS_HOME  # how the tokens travelled, as the statistics name it
+
+    def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
+        return DirectDispatch.of(self, call, routing, load)
+
+    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
+                       timing: PipelineTiming) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
+        return skipped_buffer(call, load, self.labels, timing, self.exchange)
 
 
 def skipped_buffer(call: LayerCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
