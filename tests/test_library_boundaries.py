@@ -166,7 +166,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_every_package_has_one_layer() -> None:
     packages = sorted(package_graph(import_graph(SOURCE)))
-    assert [layer_of(package) for package in packages]
+    for package in packages:
+        layer_of(package)  # raises, naming the package, where it has no row
     listed = [package for layer in LAYERS for package in layer]
     assert len(listed) == len(set(listed)), "a package appears in two layers"
     assert set(listed) == set(packages), sorted(set(listed) ^ set(packages))

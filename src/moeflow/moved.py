@@ -41,9 +41,14 @@ MOVED: dict[str, str] = {
 
 
 def new_name(name: str) -> str | None:
-    """Where the module ``name`` lives now, or None if it did not move (the longest moved prefix wins)."""
-    for old in sorted(MOVED, key=len, reverse=True):
-        if name == old or name.startswith(old + "."):
+    """Where the module ``name`` lives now, or None if it did not move (the longest moved prefix
+    wins). Asked for every import in the process, so one dictionary lookup per dotted prefix."""
+    if not name.startswith("moeflow."):
+        return None
+    parts = name.split(".")
+    for end in range(len(parts), 1, -1):
+        old = ".".join(parts[:end])
+        if old in MOVED:
             return MOVED[old] + name[len(old):]
     return None
 

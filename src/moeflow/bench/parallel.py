@@ -48,7 +48,7 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     all-gather of the token rows (and its backward, the split's all-gather)."""
     from moeflow.comm.mp import gather_rows, split_rows
     from moeflow.core.stats import PipelineTiming
-    from moeflow.moe.dispatchers.capacity import run_context
+    from moeflow.parallel.context import layer_context
     from moeflow.perf.schedule_models import Plan
 
     ran = layer.last_stats.plan
@@ -62,8 +62,9 @@ def _region_step(layer: Any, buffer: Any, x: Any) -> None:
     import torch
 
     filled_WE = torch.full((layer.world_size, buffer.shape[0]), buffer.shape[1])  # every slot holds a token
-    ctx = run_context(layer.experts, layer.placement, layer.groups, layer.config, buffer.dtype, PipelineTiming(),
-                      filled_WE, buffer.shape[1], "torch", workspace=layer.workspace)
+    capacity = layer.dispatchers.capacity
+    ctx = layer_context(layer.experts, layer.placement, layer.groups, layer.config, capacity.local, buffer.dtype,
+                        PipelineTiming(), filled_WE, buffer.shape[1], "torch", workspace=layer.workspace)
     out = layer.schedule.run(plan, buffer, ctx).combined_ECM
     (out.square().mean() + extra).backward()
     layer.zero_grad(set_to_none=True)

@@ -144,9 +144,8 @@ class MoELayer(nn.Module):
 
     def _dispatchers(self) -> Dispatchers:
         """The dispatchers of this layer's schedule, placement and planner (made again on ``switch()``)."""
-        local = tuple(shard.expert for shard in self.placement.local(self.rank))
         capacity = CapacityDispatcher(self.schedule, self.placement, self.groups, self.config, self.experts,
-                                      self.planner, self._memory, local)
+                                      self.planner, self._memory)
         return Dispatchers.of(capacity)
 
     def _planner(self, schedule: ParallelSchedule) -> OnlinePlanner:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeflow.comm.groups import ParallelGroups
-from moeflow.config import EXACT_WIRE
+from moeflow.config import EXACT_WIRE, MoEConfig
 from moeflow.core.experts import ExpertCompute, FFNWeights, LocalExperts
 from moeflow.core.slot_map import SlotMap
 from moeflow.core.stats import PipelineTiming
@@ -101,6 +101,19 @@ class RunContext:
             self.experts.compute, filled_LW.contiguous(), keeps_activations=torch.is_grad_enabled(),
             backend=self.backend,
         )
+
+
+def layer_context(
+    experts: LocalExperts, placement: ExpertPlacement, groups: ParallelGroups, config: MoEConfig,
+    local: tuple[int, ...], dtype: torch.dtype, timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int,
+    backend: str, estimate_E: np.ndarray | None = None, prepared: object | None = None,
+    workspace: Workspace | None = None, slots: SlotMap | None = None, weights_TK: torch.Tensor | None = None,
+) -> RunContext:
+    """What a layer's schedule runs with: its experts over its placement (``local``: this rank's
+    experts' global indices), the layer's kernel and wire settings, the kept counts (and, where the
+    caller has the gathered buffer's slot map and gate weights, each slot's token and weight)."""
+    return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
+                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slots, weights_TK)
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,22 @@ token's k rows (combine).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig
 from moeflow.core.experts import ExpertFFN
 from moeflow.core.routing.router import Routing
-from moeflow.core.stats import PipelineTiming
-from moeflow.core.workspace import Workspace
 from moeflow.kernels.slot_gather import SlotMap, decode, encode, make_slot_map
 from moeflow.moe.agreement import GlobalLoad
 from moeflow.moe.dispatchers.capacity_stats import routing_stats
 from moeflow.moe.dispatchers.protocol import LayerCall, Stats
 from moeflow.moe.forward_memory import ForwardMemory
 from moeflow.moe.online_planner import OnlinePlanner, PlanChoice
-from moeflow.parallel.context import RunContext, ScheduleOutput
+from moeflow.parallel.context import RunContext, ScheduleOutput, layer_context
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import OwnedTokens, TokenShare
@@ -46,7 +44,11 @@ class CapacityDispatcher:
     experts: ExpertFFN
     planner: OnlinePlanner
     memory: ForwardMemory
-    local: tuple[int, ...]  # the global index of each local expert (its placement's, on this rank)
+
+    @functools.cached_property
+    def local(self) -> tuple[int, ...]:
+        """The global index of each local expert (its placement's, on this rank): read every call."""
+        return tuple(shard.expert for shard in self.placement.local(self.groups.rank))
 
     def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> CapacityDispatch:
         """The call's plan, the tokens this rank owns in their slots, gathered into the (E, C, M) buffer."""
@@ -68,10 +70,11 @@ class CapacityDispatcher:
         slots = make_slot_map(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
                               share.kept_count(filled_WE, rank))
         rows_ECM = encode(owned.x_TM, slots, call.workspace, call.kernels.encode)
-        ctx = RunContext(self.experts, x_TM.dtype, self.groups, self.placement, timing, call.workspace, filled_WE,
-                         self.local, capacity, config.expert_kernel, call.kernels.gemm, load.estimate_E, prepared.state,
-                         config.wire_dtype, slots, owned.weights_TK)
+        ctx = layer_context(self.experts, self.placement, self.groups, config, self.local, x_TM.dtype, timing,
+                            filled_WE, capacity, call.kernels.gemm, load.estimate_E, prepared.state, call.workspace,
+                            slots, owned.weights_TK)
         return CapacityDispatch(self, call, load, chosen, label, share, owned, slots, ctx, rows_ECM)
+
 
 
 @dataclass
@@ -113,16 +116,3 @@ class CapacityDispatch:
         return routing_stats(dispatcher.config, dispatcher.groups, self.load, self.ctx.capacity, call.top_k,
                              call.capacity_factor, self.chosen, self.ctx.timing, self.label, self.owned, self.ran,
                              call.kernels.as_dict())
-
-
-def run_context(
-    experts: ExpertFFN, placement: ExpertPlacement, groups: ParallelGroups, config: MoEConfig, dtype: torch.dtype,
-    timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int, backend: str, estimate_E: np.ndarray | None = None,
-    prepared: object | None = None, workspace: Workspace | None = None, slots: SlotMap | None = None,
-    weights_TK: torch.Tensor | None = None,
-) -> RunContext:
-    """What a schedule runs with: ``experts`` over ``placement`` on this rank of ``groups``, the kept counts
-    (and, where the caller has the dispatched buffer's slot map and gate weights, each slot's token and weight)."""
-    local = tuple(shard.expert for shard in placement.local(groups.rank))
-    return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slots, weights_TK)

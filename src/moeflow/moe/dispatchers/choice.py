@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeflow.comm.groups import ParallelGroups
 from moeflow.core.capacity import never_drops
-from moeflow.core.experts import ExpertFFN
 from moeflow.core.routing.router import Routing
 from moeflow.moe.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
 from moeflow.moe.dispatchers.capacity import CapacityDispatcher
@@ -48,14 +46,9 @@ class Dispatchers:
     capacity: CapacityDispatcher
     declared: DirectPath | None
     local: LocalDispatcher
-    packed: KeptRowsDispatcher
+    kept_rows: KeptRowsDispatcher
     rows: RowDispatcher
-    groups: ParallelGroups
-    experts: ExpertFFN
-    labels: DirectLabels
-    ragged_kernel: bool
     hook: InferenceHook | None  # the schedule's per-forward placement scheduler, which sees the routing
-
 
     @staticmethod
     def of(capacity: CapacityDispatcher) -> Dispatchers:
@@ -64,8 +57,7 @@ class Dispatchers:
         labels = DirectLabels(capacity.schedule.name, config.pipeline, groups.topology)
         declared = capacity.schedule.direct_path(capacity.placement, groups.rank)
         return Dispatchers(capacity, declared, LocalDispatcher(experts, labels), KeptRowsDispatcher(experts, labels),
-                           RowDispatcher(experts, groups, labels), groups, experts, labels,
-                           config.expert_kernel == "ragged", capacity.schedule.hook)
+                           RowDispatcher(experts, groups, labels), capacity.schedule.hook)
 
     def agree(self, call: LayerCall, routing: Routing, estimate_E: np.ndarray | None, bucket: int) -> Agreed:
         """The call's dispatcher and its load: the local and kept-rows ones on this rank's counts
@@ -73,22 +65,23 @@ class Dispatchers:
         row paths carries whether this rank asks for one and up to ``bucket`` tokens per rank.
         Where every rank asked and the capacity path would drop nothing, tokens that all came along
         run gathered, and up to :data:`DIRECT_EXCHANGE_ROWS` rows per rank run the row exchange."""
-        counts_E, num_tokens = routing.counts_E, call.x_TM.shape[0]
+        counts_E, num_tokens, groups = routing.counts_E, call.x_TM.shape[0], self.capacity.groups
         path = self._narrowed(call, routing)
         if path is not None and path is not DirectPath.EXCHANGE:
             counts = counts_E if path is self.local else counts_E.cpu()
             return Agreed(path, GlobalLoad(counts.unsqueeze(0), num_tokens))
         if path is None:
-            return Agreed(self.capacity, agree_load(counts_E, num_tokens, self.groups, estimate_E).load)
+            return Agreed(self.capacity, agree_load(counts_E, num_tokens, groups, estimate_E).load)
         choice = routing.choice
         carried = CarriedTokens(call.x_TM, choice.expert_idx_TK, choice.weights_TK, bucket)
-        agreement = agree_load(counts_E, num_tokens, self.groups, asks_direct=call.asks_direct, carried=carried)
+        agreement = agree_load(counts_E, num_tokens, groups, asks_direct=call.asks_direct, carried=carried)
         load = agreement.load
         if not agreement.all_direct or load.capacity(call.capacity_factor, call.top_k) < load.needed_capacity:
             return Agreed(self.capacity, load, 0)  # the next agreement carries no tokens it could not use
         following = bucket_after(load)
         if agreement.tokens is not None:
-            return Agreed(GatheredDispatcher(agreement.tokens, self.experts, self.groups, self.labels), load, following)
+            gathered = GatheredDispatcher(agreement.tokens, self.capacity.experts, groups, self.local.labels)
+            return Agreed(gathered, load, following)
         if load.max_tokens_per_rank * call.top_k <= DIRECT_EXCHANGE_ROWS:
             return Agreed(self.rows, load, following)
         return Agreed(self.capacity, load, following)
@@ -101,9 +94,10 @@ class Dispatchers:
         decides), none for the local one; on one rank the local dispatcher for a no-grad call that
         cannot drop, else under the ragged kernel the kept-rows one (when no bias moves)."""
         declared = self.declared
-        if declared is not DirectPath.LOCAL or self.groups.size > 1:
+        if declared is not DirectPath.LOCAL or self.capacity.groups.size > 1:
             return declared if declared is not DirectPath.LOCAL else None
         num_experts = routing.counts_E.numel()
         if call.asks_direct and never_drops(call.capacity_factor, call.top_k, call.x_TM.shape[0], num_experts):
             return self.local
-        return self.packed if self.ragged_kernel and not call.moves_bias else None
+        ragged_kernel = self.capacity.config.expert_kernel == "ragged"
+        return self.kept_rows if ragged_kernel and not call.moves_bias else None

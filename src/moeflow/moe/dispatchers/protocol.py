@@ -25,7 +25,8 @@ The dispatchers:
   parallelism: only the routed rows, in one ragged all-to-all each way.
 
 The four that skip the buffer run their tokens to the experts and back in one step
-(:class:`DirectDispatch`): their dispatch lays out nothing and their combine has nothing left to sum.
+(:class:`~moeflow.moe.dispatchers.stats.DirectDispatch`): their dispatch lays out nothing and their
+combine has nothing left to sum.
 Which dispatcher runs is :class:`~moeflow.moe.dispatchers.choice.Dispatchers`' choice.
 """
 
@@ -38,7 +39,7 @@ from typing import Protocol
 import torch
 
 from moeflow.core.routing.router import Routing
-from moeflow.core.stats import PipelineTiming, RoutingStats
+from moeflow.core.stats import RoutingStats
 from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice
 from moeflow.moe.agreement import GlobalLoad
@@ -94,40 +95,3 @@ class Dispatcher(Protocol):
     """Lays one call's routed tokens out for the experts, on the agreed load."""
 
     def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> Dispatch: ...
-
-
-class SkipsBuffer(Protocol):
-    """A dispatcher that skips the capacity buffer: its tokens go to the experts and back in one step."""
-
-    exchange: str  # how the tokens travelled, as the statistics name it
-
-    def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
-                       timing: PipelineTiming) -> torch.Tensor: ...
-
-    def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats: ...
-
-
-@dataclass
-class DirectDispatch:
-    """A call of a dispatcher that skips the buffer: its rows are the tokens themselves, its
-    experts' step is the whole trip (:meth:`SkipsBuffer.experts_output`), its combine returns it."""
-
-    dispatcher: SkipsBuffer
-    call: LayerCall
-    routing: Routing
-    load: GlobalLoad
-    rows: torch.Tensor
-    timing: PipelineTiming
-
-    @staticmethod
-    def of(dispatcher: SkipsBuffer, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch(dispatcher, call, routing, load, call.x_TM, PipelineTiming())
-
-    def experts(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.dispatcher.experts_output(self.call, self.routing, self.load, rows, self.timing)
-
-    def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows
-
-    def stats(self) -> Stats:
-        return self.dispatcher.stats(self.call, self.load, self.timing)

@@ -1,5 +1,5 @@
-"""What a forward that skipped the capacity buffer reports: the statistics of the local, packed,
-gathered and row-exchange dispatchers (the capacity dispatcher's are
+"""What the dispatchers that skip the capacity buffer (local, kept rows, gathered, row exchange)
+share: their call and their statistics (the capacity dispatcher's are
 :mod:`moeflow.moe.dispatchers.capacity_stats`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import ExecutionPlan, PipelineTiming, RoutingStats
 from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import DirectDispatch, LayerCall, Stats
+from moeflow.moe.dispatchers.protocol import LayerCall, Stats
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that skipped the capacity buffer."""
@@ -43,7 +43,7 @@ class DirectDispatcher:
     exchange: ClassVar[str] = STAYS_HOME  # how the tokens travelled, as the statistics name it
 
     def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
-        return DirectDispatch.of(self, call, routing, load)
+        return DirectDispatch(self, call, routing, load, call.x_TM, PipelineTiming())
 
     def experts_output(self, call: LayerCall, routing: Routing, load: GlobalLoad, x_TM: torch.Tensor,
                        timing: PipelineTiming) -> torch.Tensor:
@@ -51,6 +51,28 @@ class DirectDispatcher:
 
     def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
         return skipped_buffer(call, load, self.labels, timing, self.exchange)
+
+
+@dataclass
+class DirectDispatch:
+    """A call of a dispatcher that skips the buffer: its rows are the tokens themselves, its
+    experts' step is the whole trip (:meth:`DirectDispatcher.experts_output`), its combine returns it."""
+
+    dispatcher: DirectDispatcher
+    call: LayerCall
+    routing: Routing
+    load: GlobalLoad
+    rows: torch.Tensor
+    timing: PipelineTiming
+
+    def experts(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.dispatcher.experts_output(self.call, self.routing, self.load, rows, self.timing)
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def stats(self) -> Stats:
+        return self.dispatcher.stats(self.call, self.load, self.timing)
 
 
 def skipped_buffer(call: LayerCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
