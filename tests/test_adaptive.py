@@ -10,7 +10,7 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.config import LayerDims, check_switchable_layout, switchable_rs
-from moeflow.moe.online_planner import OnlinePlanner, ternary_next_r
+from moeflow.parallel.online_planner import OnlinePlanner, ternary_next_r
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.schedule_models import LOCAL, AdaptiveModel, Plan
 from moeflow.perf.shape import RegionShape

@@ -13,8 +13,8 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.core.capacity import never_drops
-from moeflow.moe.dispatchers.local import CACHE_RESIDENT_BYTES
-from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.parallel.dispatchers.local import CACHE_RESIDENT_BYTES
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from op_count import OpCount
 

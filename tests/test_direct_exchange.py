@@ -16,9 +16,9 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.core.stats import RoutingStats
-from moeflow.moe.agreement import GATHER_TOKENS
-from moeflow.moe.dispatchers.rows import DIRECT_EXCHANGE_ROWS
-from moeflow.moe.dispatchers.stats import GATHERED, SOURCE
+from moeflow.parallel.agreement import GATHER_TOKENS
+from moeflow.parallel.dispatchers.rows import DIRECT_EXCHANGE_ROWS
+from moeflow.parallel.dispatchers.stats import GATHERED, SOURCE
 from moeflow.reference import ReferenceMoE
 from op_count import OpCount
 from pool import run_distributed

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from moeflow import MoELayer
 from moeflow.core.routing import assign_slots
 from moeflow.kernels.slot_gather import encode, make_packed_slot_map, make_slot_map
-from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 
 M, H, E = 16, 24, 8

@@ -1,7 +1,9 @@
 """One default training forward of one layer, traced (``scripts/trace_forward.py``): how many
 moeflow modules it runs through and how often it crosses between the layer's package and the
-techniques'. The ceilings are today's figures, so a change that adds a module or a crossing to
-the forward fails here; issue 78's targets are 12 modules and 4 crossings."""
+techniques'. The layer enters the techniques' package twice: to make the call's record, and from the
+load agreement through the statistics (dispatch, experts, combine in one stretch). The module ceiling
+is today's figure, so a change that adds a module to the forward fails here; issue 78's target was
+12."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "trace_forward.py"
 MODULES_CEILING = 36
-CROSSINGS_CEILING = 8
+CROSSINGS_CEILING = 4
 
 
 def test_the_default_forward_stays_within_its_modules_and_crossings() -> None:

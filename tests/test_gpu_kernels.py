@@ -10,8 +10,8 @@ from moeflow.core.experts import ExpertFFN
 from moeflow.kernels import triton_installed
 from moeflow.kernels.choice import candidates, grouped_mm_works, measure_choice
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad
-from moeflow.moe.dispatchers.kept_rows import _KeptRowsExperts
-from moeflow.moe.dispatchers.stats import SOURCE
+from moeflow.parallel.dispatchers.kept_rows import _KeptRowsExperts
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -165,7 +165,7 @@ def test_algorithm_1_is_the_closed_form_of_section_5(esp: int | None) -> None:
 def test_auto_takes_algorithm_1s_schedule_before_any_trial(policy: str) -> None:
     """With a calibrated profile the candidates are those of Algorithm 1's schedule only, so the
     model policy and auto's trials choose within it; without one both schedules are timed."""
-    from moeflow.moe.online_planner import OnlinePlanner
+    from moeflow.parallel.online_planner import OnlinePlanner
 
     cost, model = _parm_cost(1.2e-8), ParmModel("parm", mp_size=2)
     for capacity, expected in [(8, "s2"), (2048, "s1")]:

@@ -149,7 +149,7 @@ def test_perf_and_the_planner_import_numpy_only() -> None:
     """The cost models and the planner are plain math: importing them loads no torch at all."""
     probe = (
         "import sys, moeflow.perf, moeflow.perf.schedule_models, moeflow.perf.shadowing, "
-        "moeflow.moe.online_planner, "
+        "moeflow.parallel.online_planner, "
         "moeflow.core.capacity; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )

@@ -18,8 +18,8 @@ from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
 from moeflow.core.experts import ExpertFFN
 from moeflow.core.stats import PipelineTiming, region_clock
-from moeflow.moe.online_planner import OnlinePlanner
 from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts, run_pipeline
+from moeflow.parallel.online_planner import OnlinePlanner
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import (
     capacity_chunks,

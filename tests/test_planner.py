@@ -15,7 +15,7 @@ from moeflow import MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
-from moeflow.moe.online_planner import MIN_GAIN, simplest_within
+from moeflow.parallel.online_planner import MIN_GAIN, simplest_within
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
 from moeflow.perf.pipeline import rank_plans
 from moeflow.perf.schedule_models import ExpertParallelModel, Plan, rank_schedule_plans
@@ -168,7 +168,7 @@ def test_a_restored_planner_makes_the_choices_the_interrupted_one_would_have_mad
     restored from :meth:`state_dict` (through JSON, as the trainer writes it) continues exactly."""
     import json
 
-    from moeflow.moe.online_planner import OnlinePlanner
+    from moeflow.parallel.online_planner import OnlinePlanner
     from moeflow.perf.shape import RegionShape
 
     def planner() -> OnlinePlanner:

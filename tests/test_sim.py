@@ -679,7 +679,7 @@ def test_parm_table4_is_reproduced_within_a_third() -> None:
 def test_layer_auto_ranks_its_candidates_on_the_profiles_twin() -> None:
     """pipeline='auto' with a profile that makes a twin times the simulator's top plans first; a
     profile without all-to-all link fits keeps the cost model's ranking."""
-    from moeflow.moe.online_planner import OnlinePlanner
+    from moeflow.parallel.online_planner import OnlinePlanner
     from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
     from moeflow.perf.shape import RegionShape
     from moeflow.sim.layer_ranking import SimulatedRanker, region_model, step_plan

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from moeflow.config import LayerDims
-from moeflow.moe.dispatchers.stats import SOURCE as DIRECT_SOURCE
+from moeflow.parallel.dispatchers.stats import SOURCE as DIRECT_SOURCE
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm")  # batched_mm pads every expert to all tokens: 10x slower here
 MOEFLOW = "moeflow"

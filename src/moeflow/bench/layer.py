@@ -27,8 +27,8 @@ from moeflow.core.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.core.routing import assign_slots, expert_capacity, select_experts
 from moeflow.kernels.precision import DTYPES
 from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map
-from moeflow.moe.dispatchers.stats import SOURCE
 from moeflow.moe.layer import MoELayer
+from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
 from moeflow.timing.measure import device_medians

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeflow.core.stats import PipelineTiming, RoutingStats
-from moeflow.moe.online_planner import PlanChoice
+from moeflow.core.stats import RoutingStats
+from moeflow.parallel.dispatchers.protocol import ForwardRecord
 
 #: Plans and biases a recompute can find: enough for a layer called this often in one step.
 KEPT = 8
@@ -54,16 +54,7 @@ class LastForward:
     aux_loss: GraphValue
     stats: RoutingStats | Callable[[], RoutingStats] | None = None  # a callable: computed on first read
     checked_data_parallel: int | None = None  # the data-parallel wrapper already checked (its id)
-    gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.moe.agreement)
-
-
-@dataclass
-class ForwardRecord:
-    """What one forward decided that its recompute must repeat: the plan it ran, and the routing
-    bias it routed with when the forward moves that bias afterwards (None: the bias stays)."""
-
-    bias: torch.Tensor | None = None
-    plan: PlanChoice | None = None
+    gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.parallel.agreement)
 
 
 class ForwardMemory:
@@ -82,16 +73,6 @@ class ForwardMemory:
         record = ForwardRecord(None if moving_bias is None else moving_bias.clone())
         self._records.append(record)
         return record
-
-    def plan(
-        self, record: ForwardRecord, recompute: bool, choose: Callable[[], tuple[PlanChoice, PipelineTiming]]
-    ) -> tuple[PlanChoice, PipelineTiming]:
-        """``choose()``'s plan, kept in the forward's record; a recompute takes its forward's plan
-        (with a timing record nobody reads)."""
-        if recompute and record.plan is not None:
-            return record.plan, PipelineTiming()
-        record.plan, timing = choose()
-        return record.plan, timing
 
     @staticmethod
     @contextlib.contextmanager

@@ -30,14 +30,14 @@ from moeflow.core.stats import RoutingStats
 from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice, KernelTable
 from moeflow.kernels.precision import checked_tokens, compute_dtype
-from moeflow.moe.dispatchers.capacity import CapacityDispatcher
-from moeflow.moe.dispatchers.choice import Agreed, Dispatchers
-from moeflow.moe.dispatchers.protocol import LayerCall, Stats
 from moeflow.moe.forward_memory import ForwardMemory, GraphValue, LastForward, recomputing
-from moeflow.moe.online_planner import OnlinePlanner
 from moeflow.parallel.build import attach_mp_group, build_execution
+from moeflow.parallel.dispatchers.capacity import CapacityDispatcher
+from moeflow.parallel.dispatchers.choice import Agreed, Dispatchers
+from moeflow.parallel.dispatchers.protocol import LayerCall, Stats
 from moeflow.parallel.expert_parameters import mark_expert_parameters
 from moeflow.parallel.moves import move_experts
+from moeflow.parallel.online_planner import OnlinePlanner
 from moeflow.parallel.placement import ExpertPlacement, gather_full_state, shard_expert_state
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.perf import ClusterProfile, CostModel
@@ -61,7 +61,7 @@ class MoELayer(nn.Module):
     it) ``"s1"``, ``"s2"`` and ``"ds-baseline"`` are Parm's schedules and the DeepSpeed-MoE
     baseline, and ``"auto"`` chooses S1 or S2 per iteration. Under the expert schedule, dispatch ->
     experts -> combine runs pipelined over ``pipeline`` capacity chunks with the ``alltoall``
-    algorithm, both planned per forward (:mod:`moeflow.moe.online_planner`): ``"auto"`` ranks the candidates
+    algorithm, both planned per forward (:mod:`moeflow.parallel.online_planner`): ``"auto"`` ranks the candidates
     with the profile and times the best few online, ``"model"`` trusts the profile, ``"search"``
     times {1, 2, 4, 8} x algorithms per capacity bucket of ``capacity_bucket`` slots; an int or an
     algorithm name forces it.
@@ -145,7 +145,7 @@ class MoELayer(nn.Module):
     def _dispatchers(self) -> Dispatchers:
         """The dispatchers of this layer's schedule, placement and planner (made again on ``switch()``)."""
         capacity = CapacityDispatcher(self.schedule, self.placement, self.groups, self.config, self.experts,
-                                      self.planner, self._memory)
+                                      self.planner)
         return Dispatchers.of(capacity)
 
     def _planner(self, schedule: ParallelSchedule) -> OnlinePlanner:
@@ -214,9 +214,10 @@ class MoELayer(nn.Module):
         dispatch = agreed.dispatcher.dispatch(call, routing, agreed.load)
         expert_rows = self.experts.run_with_weights(dispatch.rows, dispatch.experts)  # FSDP2 gathers around it
         y_TM = dispatch.combine(expert_rows)
+        stats = dispatch.stats()  # the dispatch's last step: what the call did (None for a recompute)
         y_TM = self._with_shared_experts(call.x_TM, y_TM)
-        if not call.recompute:  # the balancing bias moves, the statistics are this forward's
-            self._after_forward(agreed, dispatch.stats())
+        if not call.recompute:  # the balancing bias moves, the aux loss and statistics are this forward's
+            self._after_forward(agreed, routing, stats)
         return self._backward_window(y_TM, entering=False).view(x.shape)
 
     def _call(self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None) -> LayerCall:
@@ -227,10 +228,10 @@ class MoELayer(nn.Module):
                                   self.world_size)
         x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
-        recompute = recomputing()
-        record = self._memory.start(recompute, self.gate.expert_bias if self._moves_bias else None)
-        return LayerCall(x_TM, k, factor, r, self._kernels(x_TM), recompute, record, self._step_workspace(recompute),
-                         self._moves_bias)
+        recompute, moves_bias = recomputing(), self._moves_bias
+        kernels, workspace = self._kernels(x_TM), self._step_workspace(recompute)
+        record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None)
+        return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias)
 
     def _ready(self) -> None:
         """Refuse a data-parallel wrapper that would average the experts; replicas copy their primary."""
@@ -249,9 +250,10 @@ class MoELayer(nn.Module):
             self._last.stats = self._last.stats()
         return self._last.stats
 
-    def _after_forward(self, agreed: Agreed, stats: Stats) -> None:
-        """A forward (not a recompute) moves the loss-free balancing bias, keeps its statistics and
-        the tokens the next load agreement carries."""
+    def _after_forward(self, agreed: Agreed, routing: Routing, stats: Stats) -> None:
+        """A forward (not a recompute) moves the loss-free balancing bias, keeps its aux loss, its
+        statistics and the tokens the next load agreement carries."""
+        self._last.aux_loss = GraphValue(routing.aux_loss)
         if self._moves_bias:
             update_expert_bias(self.gate, agreed.load.counts_WE.sum(0), self.config.expert_bias_update_rate)
         self._last.stats = stats
@@ -266,7 +268,7 @@ class MoELayer(nn.Module):
     def _route(self, call: LayerCall) -> tuple[Routing, np.ndarray | None]:
         """This rank's routing (a recompute's with its forward's balancing bias) and, under Lina's
         inference scheduler (the schedule's hook), which sees the gate's choice, its estimate of the
-        selections ahead (Lina's phase 1 for the next layer). Keeps the aux loss. The capacity
+        selections ahead (Lina's phase 1 for the next layer). The capacity
         slots are the capacity dispatcher's to assign (:meth:`Routing.slotted`)."""
         hook, x_TM, dropless = self.dispatchers.hook, call.x_TM, call.capacity_factor == 0
         with self._memory.routing_bias(call.record, self.gate.expert_bias, call.recompute):
@@ -275,8 +277,6 @@ class MoELayer(nn.Module):
             routing = route(self.gate, x_TM, call.top_k, self.config, self.node_limit, observe, slots=False,
                             dropless=dropless)
             estimate_E = None if hook is None else hook.estimate(x_TM.shape[0])
-        if not call.recompute:
-            self._last.aux_loss = GraphValue(routing.aux_loss)
         return routing, estimate_E
 
     def _step_workspace(self, recompute: bool = False) -> Workspace | None:

@@ -1,7 +1,7 @@
 """How a schedule lets a call skip the capacity buffer on a rank: its declaration, typed.
 
 A schedule declares it once per placement and rank (``ParallelSchedule.direct_path``); the layer's
-dispatchers (:mod:`moeflow.moe.dispatchers.choice`) turn it into the dispatcher a call runs.
+dispatchers (:mod:`moeflow.parallel.dispatchers.choice`) turn it into the dispatcher a call runs.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class ModelledSchedule:
     def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
         """``LOCAL`` where ``rank`` holds every expert whole and no hook sees the routing: its
         forward may skip the dispatch and compute its tokens on its own experts
-        (:mod:`moeflow.moe.dispatchers.local`). No other direct path unless the schedule declares one."""
+        (:mod:`moeflow.parallel.dispatchers.local`). No other direct path unless the schedule declares one."""
         return DirectPath.LOCAL if self.hook is None and placement.holds_every_expert(rank) else None
 
     def candidates(

@@ -67,8 +67,8 @@ class ParallelSchedule(Protocol):
 
     def direct_path(self, placement: ExpertPlacement, rank: int) -> DirectPath | None:
         """How a small no-grad forward of ``rank`` may skip the capacity buffer: ``LOCAL`` on its own
-        experts (:mod:`moeflow.moe.dispatchers.local`), ``EXCHANGE`` with each expert's one holder
-        (gathered or exchanged rows, :mod:`moeflow.moe.dispatchers.choice`), or None (the capacity
+        experts (:mod:`moeflow.parallel.dispatchers.local`), ``EXCHANGE`` with each expert's one holder
+        (gathered or exchanged rows, :mod:`moeflow.parallel.dispatchers.choice`), or None (the capacity
         dispatcher). Asked once per placement, when the layer is built and on ``switch()``."""
         ...
 

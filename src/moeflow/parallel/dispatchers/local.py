@@ -24,9 +24,9 @@ from moeflow.core.experts import ExpertFFN, FFNWeights
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import LayerCall
-from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
+from moeflow.parallel.agreement import GlobalLoad
+from moeflow.parallel.dispatchers.protocol import LayerCall
+from moeflow.parallel.dispatchers.stats import DirectDispatcher, DirectLabels
 
 CACHE_RESIDENT_BYTES = 1 << 20
 """Above this much intermediate (rows x hidden) on CPU, the direct path never builds the packed

@@ -25,9 +25,9 @@ from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.choice import KernelChoice
 from moeflow.kernels.ragged import FilledRows, RaggedSaved, packed_backward_input, packed_forward, packed_weight_grads
 from moeflow.kernels.slot_gather import decode, encode
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import LayerCall
-from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
+from moeflow.parallel.agreement import GlobalLoad
+from moeflow.parallel.dispatchers.protocol import LayerCall
+from moeflow.parallel.dispatchers.stats import DirectDispatcher, DirectLabels
 
 
 def kept_rows_output(

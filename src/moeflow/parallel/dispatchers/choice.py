@@ -16,15 +16,15 @@ import numpy as np
 
 from moeflow.core.capacity import never_drops
 from moeflow.core.routing.router import Routing
-from moeflow.moe.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
-from moeflow.moe.dispatchers.capacity import CapacityDispatcher
-from moeflow.moe.dispatchers.gathered import GatheredDispatcher
-from moeflow.moe.dispatchers.kept_rows import KeptRowsDispatcher
-from moeflow.moe.dispatchers.local import LocalDispatcher
-from moeflow.moe.dispatchers.protocol import Dispatcher, LayerCall
-from moeflow.moe.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
-from moeflow.moe.dispatchers.stats import DirectLabels
+from moeflow.parallel.agreement import CarriedTokens, GlobalLoad, agree_load, bucket_after
 from moeflow.parallel.direct_path import DirectPath
+from moeflow.parallel.dispatchers.capacity import CapacityDispatcher
+from moeflow.parallel.dispatchers.gathered import GatheredDispatcher
+from moeflow.parallel.dispatchers.kept_rows import KeptRowsDispatcher
+from moeflow.parallel.dispatchers.local import LocalDispatcher
+from moeflow.parallel.dispatchers.protocol import Dispatcher, LayerCall
+from moeflow.parallel.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
+from moeflow.parallel.dispatchers.stats import DirectLabels
 from moeflow.parallel.inference_hook import InferenceHook
 
 

@@ -1,6 +1,6 @@
 """What the dispatchers that skip the capacity buffer (local, kept rows, gathered, row exchange)
 share: their call and their statistics (the capacity dispatcher's are
-:mod:`moeflow.moe.dispatchers.capacity_stats`)."""
+:mod:`moeflow.parallel.dispatchers.capacity_stats`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from moeflow.comm.topology import Topology, cross_node_rows, gathered_cross_node_rows
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import ExecutionPlan, PipelineTiming, RoutingStats
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.protocol import LayerCall, Stats
+from moeflow.parallel.agreement import GlobalLoad
+from moeflow.parallel.dispatchers.protocol import LayerCall, Stats
 
 SOURCE = "direct"
 """The plan source the statistics name for a forward that skipped the capacity buffer."""

@@ -19,12 +19,11 @@ from moeflow.config import MoEConfig
 from moeflow.core.experts import ExpertFFN
 from moeflow.core.routing.router import Routing
 from moeflow.kernels.slot_gather import SlotMap, decode, encode, make_slot_map
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.capacity_stats import routing_stats
-from moeflow.moe.dispatchers.protocol import LayerCall, Stats
-from moeflow.moe.forward_memory import ForwardMemory
-from moeflow.moe.online_planner import OnlinePlanner, PlanChoice
+from moeflow.parallel.agreement import GlobalLoad
 from moeflow.parallel.context import RunContext, ScheduleOutput, layer_context
+from moeflow.parallel.dispatchers.capacity_stats import routing_stats
+from moeflow.parallel.dispatchers.protocol import LayerCall, Stats
+from moeflow.parallel.online_planner import OnlinePlanner, PlanChoice
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import OwnedTokens, TokenShare
@@ -33,9 +32,9 @@ from moeflow.perf.shape import RegionShape
 
 @dataclass(frozen=True)
 class CapacityDispatcher:
-    """A layer's capacity path: its schedule over its placement, its planner, and its forward memory
-    (what a recompute repeats). Made when the layer is built and on ``switch()``; a call's own
-    values come in its :class:`~moeflow.moe.dispatchers.protocol.LayerCall`."""
+    """A layer's capacity path: its schedule over its placement and its planner (a recompute takes
+    its forward's plan from the call's record). Made when the layer is built and on ``switch()``; a call's own
+    values come in its :class:`~moeflow.parallel.dispatchers.protocol.LayerCall`."""
 
     schedule: ParallelSchedule
     placement: ExpertPlacement
@@ -43,7 +42,6 @@ class CapacityDispatcher:
     config: MoEConfig
     experts: ExpertFFN
     planner: OnlinePlanner
-    memory: ForwardMemory
 
     @functools.cached_property
     def local(self) -> tuple[int, ...]:
@@ -59,8 +57,8 @@ class CapacityDispatcher:
         region = RegionShape(config.dims, self.groups.size, prepared.capacity, x_TM.element_size(),
                              load.max_tokens_per_rank, load.needed_capacity, config.wire_dtype)
         backward = torch.is_grad_enabled()
-        chosen, timing = self.memory.plan(call.record, call.recompute,
-                                          lambda: self.planner.choose(region, backward=backward, r=call.r))
+        chosen, timing = call.record.planned(call.recompute,
+                                             lambda: self.planner.choose(region, backward=backward, r=call.r))
         if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
             timing.synced_device = str(x_TM.device)
         # the tokens this rank gathers and scatters back (Parm's S1: this MP member's share)

@@ -2,8 +2,8 @@
 the load agreement.
 
 At a decode step the agreement's all-gather and the two all-to-alls of the row exchange
-(:mod:`moeflow.moe.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
-agreement's all-gather carries the tokens as well (:mod:`moeflow.moe.agreement`): each
+(:mod:`moeflow.parallel.dispatchers.rows`) are three latencies per layer for a few rows each. Here the
+agreement's all-gather carries the tokens as well (:mod:`moeflow.parallel.agreement`): each
 rank's rows, its k experts and combine weights, in one fixed-size buffer. Every rank then holds
 every token. It runs its own experts over the choices that picked them, sums each token's weighted
 outputs per token (a partial sum over this rank's experts), and sends each rank the partial sums of
@@ -24,9 +24,9 @@ from moeflow.core.experts import ExpertFFN
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.moe.agreement import GatheredTokens, GlobalLoad
-from moeflow.moe.dispatchers.protocol import LayerCall
-from moeflow.moe.dispatchers.stats import GATHERED, DirectDispatcher, DirectLabels
+from moeflow.parallel.agreement import GatheredTokens, GlobalLoad
+from moeflow.parallel.dispatchers.protocol import LayerCall
+from moeflow.parallel.dispatchers.stats import GATHERED, DirectDispatcher, DirectLabels
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ every rank's routing counts (capacity and the exchange's splits must agree).
 The same buffer carries what the dispatchers need agreed with it: each rank's token count, whether
 it asks for a direct path (a no-grad forward: grad mode is each rank's own), an inference hook's
 estimate of the selections ahead (Lina), and at decode sizes the tokens themselves, so that the
-gathered dispatcher (:mod:`moeflow.moe.dispatchers.gathered`) needs no collective of its own.
+gathered dispatcher (:mod:`moeflow.parallel.dispatchers.gathered`) needs no collective of its own.
 
 An all-gather needs one size on every rank, and no rank knows the others' token counts
 beforehand. The buffer carries :func:`bucket_after` tokens: the largest rank's count of the layer's

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from moeflow.comm.groups import ParallelGroups
 from moeflow.config import MoEConfig, wire_row_bytes
 from moeflow.core.stats import ExecutionPlan, PipelineTiming, RoutingStats
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.online_planner import PlanChoice
+from moeflow.parallel.agreement import GlobalLoad
 from moeflow.parallel.context import ScheduleOutput
+from moeflow.parallel.online_planner import PlanChoice
 from moeflow.parallel.token_share import OwnedTokens
 from moeflow.perf.pipeline import capacity_chunks
 

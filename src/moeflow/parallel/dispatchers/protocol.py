@@ -1,7 +1,7 @@
 """The dispatcher protocol: how one layer call's tokens reach the experts that compute them and
 come back (cf. torchtitan's ``dispatch()`` / ``combine()`` pair, Megatron-Core's ``MoETokenDispatcher``).
 
-Once the ranks agree the load (:mod:`moeflow.moe.agreement`), one dispatcher runs the call in
+Once the ranks agree the load (:mod:`moeflow.parallel.agreement`), one dispatcher runs the call in
 three steps, which the layer's forward names one by one:
 
 1. ``dispatcher.dispatch(call, routing, load)`` lays this rank's routed tokens out for the experts
@@ -12,22 +12,22 @@ three steps, which the layer's forward names one by one:
 
 The dispatchers:
 
-- :class:`~moeflow.moe.dispatchers.capacity.CapacityDispatcher`: the slot gather into an (E, C, M)
+- :class:`~moeflow.parallel.dispatchers.capacity.CapacityDispatcher`: the slot gather into an (E, C, M)
   buffer, the schedule's exchange around the experts (padded or ragged, pipelined over capacity
   chunks), the scatter back; every call that no other dispatcher takes;
-- :class:`~moeflow.moe.dispatchers.local.LocalDispatcher`: every expert on this rank, no backward,
+- :class:`~moeflow.parallel.dispatchers.local.LocalDispatcher`: every expert on this rank, no backward,
   nothing dropped: the tokens stay home and skip the buffer;
-- :class:`~moeflow.moe.dispatchers.kept_rows.PackedDispatcher`: one rank under the ragged kernel, with a
+- :class:`~moeflow.parallel.dispatchers.kept_rows.PackedDispatcher`: one rank under the ragged kernel, with a
   backward: the capacity path's slots, packed;
-- :class:`~moeflow.moe.dispatchers.gathered.GatheredDispatcher`: a decode-sized no-grad forward under
+- :class:`~moeflow.parallel.dispatchers.gathered.GatheredDispatcher`: a decode-sized no-grad forward under
   expert parallelism whose tokens came with the agreement;
-- :class:`~moeflow.moe.dispatchers.rows.RowDispatcher`: a small no-grad forward under expert
+- :class:`~moeflow.parallel.dispatchers.rows.RowDispatcher`: a small no-grad forward under expert
   parallelism: only the routed rows, in one ragged all-to-all each way.
 
 The four that skip the buffer run their tokens to the experts and back in one step
-(:class:`~moeflow.moe.dispatchers.stats.DirectDispatch`): their dispatch lays out nothing and their
+(:class:`~moeflow.parallel.dispatchers.stats.DirectDispatch`): their dispatch lays out nothing and their
 combine has nothing left to sum.
-Which dispatcher runs is :class:`~moeflow.moe.dispatchers.choice.Dispatchers`' choice.
+Which dispatcher runs is :class:`~moeflow.parallel.dispatchers.choice.Dispatchers`' choice.
 """
 
 from __future__ import annotations
@@ -39,14 +39,35 @@ from typing import Protocol
 import torch
 
 from moeflow.core.routing.router import Routing
-from moeflow.core.stats import RoutingStats
+from moeflow.core.stats import PipelineTiming, RoutingStats
 from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.forward_memory import ForwardRecord
+from moeflow.parallel.agreement import GlobalLoad
+from moeflow.parallel.online_planner import PlanChoice
 
 Stats = RoutingStats | Callable[[], RoutingStats] | None
 """A call's statistics: computed, computed on first read (a callable), or none (a recompute)."""
+
+
+@dataclass
+class ForwardRecord:
+    """What one forward decided that its recompute (activation checkpointing's repeat, in the
+    backward) must repeat: the plan it ran, and the routing bias it routed with when the forward
+    moves that bias afterwards (None: the bias stays). The layer keeps them
+    (:class:`moeflow.moe.forward_memory.ForwardMemory`)."""
+
+    bias: torch.Tensor | None = None
+    plan: PlanChoice | None = None
+
+    def planned(
+        self, recompute: bool, choose: Callable[[], tuple[PlanChoice, PipelineTiming]]
+    ) -> tuple[PlanChoice, PipelineTiming]:
+        """``choose()``'s plan, kept here; a recompute takes its forward's plan (with a timing
+        record nobody reads)."""
+        if recompute and self.plan is not None:
+            return self.plan, PipelineTiming()
+        self.plan, timing = choose()
+        return self.plan, timing
 
 
 @dataclass(frozen=True)

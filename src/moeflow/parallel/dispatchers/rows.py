@@ -9,12 +9,12 @@ are sorted by expert once, which under the expert-parallel placement (rank d hol
 all-to-all: the splits come from the load all-gather every forward runs anyway (the per-expert
 counts of every rank), so no split exchange is added. Each rank runs its experts over what it
 received, sends the outputs back over the transposed splits, and every token sums its k rows with
-its combine weights in one ``embedding_bag``, as :mod:`moeflow.moe.dispatchers.local` does on one rank.
+its combine weights in one ``embedding_bag``, as :mod:`moeflow.parallel.dispatchers.local` does on one rank.
 
 It runs where the capacity path would keep every token (capacity >= the busiest expert's count
 on every rank) and the largest rank routes at most :data:`DIRECT_EXCHANGE_ROWS` rows, and its
-tokens did not come with the load agreement (:mod:`moeflow.moe.dispatchers.gathered`); the decision is
-:func:`moeflow.moe.dispatchers.choice.agree`'s, from the load every rank holds alike.
+tokens did not come with the load agreement (:mod:`moeflow.parallel.dispatchers.gathered`); the decision is
+:func:`moeflow.parallel.dispatchers.choice.agree`'s, from the load every rank holds alike.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from moeflow.core.experts import ExpertFFN
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, packed_ffn_output
-from moeflow.moe.agreement import GlobalLoad
-from moeflow.moe.dispatchers.local import DirectRows
-from moeflow.moe.dispatchers.protocol import LayerCall
-from moeflow.moe.dispatchers.stats import DirectDispatcher, DirectLabels
+from moeflow.parallel.agreement import GlobalLoad
+from moeflow.parallel.dispatchers.local import DirectRows
+from moeflow.parallel.dispatchers.protocol import LayerCall
+from moeflow.parallel.dispatchers.stats import DirectDispatcher, DirectLabels
 
 DIRECT_EXCHANGE_ROWS = 256
 """The most rows (tokens x k) one rank may route for a no-grad forward to take the direct exchange:
