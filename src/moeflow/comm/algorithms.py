@@ -217,6 +217,30 @@ def exchange(
                         lambda sent: _exchange_rows(algorithm, sent, groups, group, matrix))
 
 
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, x: torch.Tensor, algorithm: str, groups: ParallelGroups, matrix: SplitMatrix,
+        wire_dtype: str,
+    ) -> torch.Tensor:
+        ctx.algorithm, ctx.groups, ctx.matrix, ctx.wire_dtype = algorithm, groups, matrix, wire_dtype
+        return exchange(algorithm, x, groups, matrix, wire_dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):  # type: ignore[override]
+        back = exchange(ctx.algorithm, grad.contiguous(), ctx.groups, transpose(ctx.matrix), ctx.wire_dtype)
+        return back, None, None, None, None
+
+
+def differentiable_exchange(
+    algorithm: str, x: torch.Tensor, groups: ParallelGroups, matrix: SplitMatrix, wire_dtype: str = EXACT_WIRE
+) -> torch.Tensor:
+    """:func:`exchange` inside autograd: its backward sends the gradient rows back over the
+    transposed matrix, in the same wire format (for code that does not write its own backward)."""
+    return _Exchange.apply(x, algorithm, groups, matrix, wire_dtype)
+
+
 def exchange_on(
     group: dist.ProcessGroup | None, x: torch.Tensor, groups: ParallelGroups, output_splits: list[int],
     input_splits: list[int], wire_dtype: str = EXACT_WIRE,

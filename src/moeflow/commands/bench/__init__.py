@@ -1,5 +1,6 @@
 """``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
-contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire | dedup``: each
+contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire | dedup |
+hf-ep``: each
 prints one JSON object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from moeflow.commands.bench import (
     exchange,
     faults,
     generate,
+    hf_ep,
     kernels,
     layer,
     lina_inference,
@@ -30,7 +32,7 @@ from moeflow.commands.bench import (
 )
 
 BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
-            generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup)
+            generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup, hf_ep)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
 

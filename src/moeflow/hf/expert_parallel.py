@@ -1,0 +1,210 @@
+"""moeflow as an expert-parallel backend inside transformers: ``ep_implementation="moeflow"``.
+
+transformers (5.24) runs expert parallelism itself: ``from_pretrained(path, distributed_config=
+DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation=...))`` shards each MoE block's experts
+over the expert-parallel ranks and hands the block's routed batch (``hidden_states``,
+``top_k_index`` with global expert ids, ``top_k_weights``) to the ``EPImplementation`` that
+``ep_implementation`` names. ``import moeflow.hf`` registers ``"moeflow"`` there; the model's router
+and experts, their weights and their ``experts_implementation`` stay the model's own.
+
+What travels (``token_exchange``):
+
+- ``dedup`` (the default; DeepEP's dispatch): a token crosses to each rank once, whatever number of
+  its k experts that rank holds. It arrives with the local ids and gate weights of its experts there
+  (the other slots off-rank: id ``num_local_experts``, weight 0, which every transformers experts
+  implementation skips), the rank's experts return one weighted sum per token, and the sender adds
+  the ranks' sums. Rows each way: the distinct (token, rank) pairs, at most T * min(k, W).
+- ``pairs``: one row per (token, expert) pair, as transformers' own ``all_to_all`` sends.
+
+How: the all-to-all algorithm moeflow runs (``linear``, Tutel's ``2dh``, FasterMoE's ``pairwise``;
+:mod:`moeflow.comm.algorithms`), the rows in the wire format asked for both ways and in the backward
+(``exact``, ``bf16``, ``fp8``; :mod:`moeflow.comm.wire`), the gate weights always exact. Settings
+come from one call, :func:`configure`, which registers the backend again with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+
+from moeflow.comm.algorithms import SplitMatrix, differentiable_exchange, transpose
+from moeflow.comm.collectives import all_gather_into
+from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.topology import Topology
+from moeflow.config import ALLTOALL_ALGORITHMS, EXACT_WIRE, WIRE_DTYPES, require_choice
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+NAME = "moeflow"
+"""The ``ep_implementation`` name moeflow registers in transformers."""
+DEDUP = "dedup"
+"""A token sent once to each rank that holds one of its experts."""
+PAIRS = "pairs"
+"""One row sent per (token, expert) pair, as transformers' ``all_to_all`` sends."""
+TOKEN_EXCHANGES = (DEDUP, PAIRS)
+"""What the backend may send (``token_exchange``)."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """How the backend moves tokens; see the module's docstring. ``topology``: the world's ranks on
+    nodes, which ``2dh`` and ``pairwise`` need (None: all ranks on one node)."""
+
+    token_exchange: str = DEDUP
+    alltoall: str = "linear"
+    wire_dtype: str = EXACT_WIRE
+    topology: Topology | None = None
+
+    def __post_init__(self) -> None:
+        require_choice("token_exchange", self.token_exchange, TOKEN_EXCHANGES)
+        require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
+        require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The rows this rank sends, by destination rank: the token each carries, the local expert ids
+    and gate weights it takes there (the valid slots first, the rest off-rank with weight 0), and
+    how many rows go to each rank."""
+
+    token_N: torch.Tensor
+    ids_NK: torch.Tensor
+    weights_NK: torch.Tensor
+    sizes_W: torch.Tensor
+    width: int  # the expert slots a row needs: the most valid ones of any row (at least one)
+
+
+def dedup_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int) -> Routes:
+    """One row per (token, rank holding one of its experts), by rank then token."""
+    owner_TK = torch.div(top_k_index, num_local, rounding_mode="floor")
+    sent_WT = torch.zeros(world, top_k_index.shape[0], dtype=torch.bool, device=top_k_index.device)
+    sent_WT.scatter_(0, owner_TK.T, True)
+    rank_N, token_N = sent_WT.nonzero(as_tuple=True)  # row-major: by rank, then token
+    here_NK = owner_TK[token_N] == rank_N.unsqueeze(1)
+    valid_first = torch.argsort((~here_NK).to(torch.int8), dim=1, stable=True)
+    here_NK = here_NK.gather(1, valid_first)
+    ids_NK = torch.where(here_NK, (top_k_index[token_N] % num_local).gather(1, valid_first), num_local)
+    weights_NK = torch.where(here_NK, top_k_weights[token_N].gather(1, valid_first), 0.0)
+    width = int(here_NK.sum(1).max()) if len(token_N) else 1
+    return Routes(token_N, ids_NK, weights_NK, sent_WT.sum(1), width)
+
+
+def pair_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int) -> Routes:
+    """One row per (token, expert) pair, by expert (so by rank)."""
+    expert_S = top_k_index.reshape(-1)
+    order = torch.argsort(expert_S, stable=True)
+    owner_S = torch.div(expert_S, num_local, rounding_mode="floor")
+    sizes_W = torch.bincount(owner_S, minlength=world)
+    top_k = top_k_index.shape[1]
+    return Routes(order // top_k, (expert_S[order] % num_local).unsqueeze(1),
+                  top_k_weights.reshape(-1)[order].unsqueeze(1), sizes_W, 1)
+
+
+ROUTES = {DEDUP: dedup_routes, PAIRS: pair_routes}
+"""How each ``token_exchange`` lays out the rows it sends."""
+
+
+@dataclass
+class Backend:
+    """One configuration of the backend and the moeflow groups it made for each expert-parallel
+    group (made once per group, in the order transformers builds the blocks: the same on every rank)."""
+
+    settings: BackendSettings
+    groups: dict[dist.ProcessGroup, ParallelGroups] = field(default_factory=dict)
+
+    def groups_of(self, group: dist.ProcessGroup) -> ParallelGroups:
+        if group not in self.groups:
+            subgroups = {} if self.settings.alltoall == "linear" else None  # 2DH's node groups, made up front
+            self.groups[group] = ParallelGroups(group, self.settings.topology, subgroups=subgroups)
+        return self.groups[group]
+
+
+class MoeflowEP(EPImplementation):
+    """The rows of one MoE block to the ranks of their experts and back, as its :class:`Backend` says
+    (:func:`configure` registers a subclass that carries one)."""
+
+    backend: Backend
+
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+        super().__init__(experts, ep_mesh, tp_mesh)
+        if tp_mesh.size() > 1:
+            raise ValueError(f"ep_implementation={NAME!r} runs with tp_size=1 (got a tensor-parallel group of "
+                             f"{tp_mesh.size()}): use tp_size=1, or ep_implementation='all_to_all'")
+        self.groups = self.backend.groups_of(ep_mesh.get_group())
+
+    def __call__(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        settings, world = self.backend.settings, self.groups.size
+        routes = ROUTES[settings.token_exchange](top_k_index, top_k_weights, self.num_local_experts, world)
+        matrix, width = self._agree(routes)
+        rows_NM, ids_NK, weights_NK = self._dispatch(hidden_states, routes, matrix, width)
+        expert_NM = self._experts(rows_NM, ids_NK, weights_NK)
+        back_NM = differentiable_exchange(settings.alltoall, expert_NM, self.groups, transpose(matrix),
+                                          settings.wire_dtype)
+        return hidden_states.new_zeros(hidden_states.shape).index_add(0, routes.token_N, back_NM)
+
+    def _dispatch(
+        self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows, their local expert ids and gate weights at their ranks. The ids and weights ride
+        as extra columns of the rows where that is exact (exact wire, the weights in the rows' dtype,
+        the ids below its largest exact integer): one all-to-all instead of two."""
+        algorithm, wire, dtype = self.backend.settings.alltoall, self.backend.settings.wire_dtype, hidden_states.dtype
+        rows_NM = hidden_states[routes.token_N]
+        ids_NK, weights_NK = routes.ids_NK[:, :width], routes.weights_NK[:, :width]
+        exact_ints = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 0  # 2 ** (mantissa + 1)
+        if wire == EXACT_WIRE and weights_NK.dtype == dtype and self.num_local_experts < exact_ints:
+            packed = torch.cat([rows_NM, ids_NK.to(dtype), weights_NK], dim=1)
+            packed = differentiable_exchange(algorithm, packed, self.groups, matrix)
+            model_dim = rows_NM.shape[1]
+            return (packed[:, :model_dim], packed[:, model_dim:model_dim + width].detach().round().long(),
+                    packed[:, model_dim + width:])
+        rows_NM = differentiable_exchange(algorithm, rows_NM, self.groups, matrix, wire)
+        slots_NK = torch.cat([ids_NK.float(), weights_NK.float()], dim=1)
+        slots_NK = differentiable_exchange(algorithm, slots_NK, self.groups, matrix)  # the gate weights exact
+        return rows_NM, slots_NK[:, :width].detach().round().long(), slots_NK[:, width:].to(dtype)
+
+    def _agree(self, routes: Routes) -> tuple[SplitMatrix, int]:
+        """Every rank's rows to every rank and the widest row's expert slots: one all-gather."""
+        group, world = self.groups.expert, self.groups.size
+        mine = torch.cat([routes.sizes_W, routes.sizes_W.new_tensor([routes.width])])
+        every = mine.new_empty(world * (world + 1))
+        with self.groups.ledger.tracked("all-gather", group, every.numel() * every.element_size()):
+            all_gather_into(every, mine, group)
+        table = every.view(world, world + 1).tolist()
+        return [row[:world] for row in table], max(row[world] for row in table)
+
+    def _experts(self, rows_NM: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received, one weighted sum per row. A row of several
+        slots runs as its valid (row, expert) pairs, summed back per row: the experts implementations
+        gather, mask and weigh every slot they are given, the off-rank ones too. None received still
+        runs the experts on one zero row, so they stay in the graph (FSDP's gradient reduction runs on
+        every rank)."""
+        if not rows_NM.shape[0]:
+            zero = rows_NM.sum(0, keepdim=True)
+            return self.experts_forward(zero, ids_NK.new_zeros((1, 1)), weights_NK.new_ones((1, 1)))[:0]
+        if ids_NK.shape[1] == 1:
+            return self.experts_forward(rows_NM, ids_NK, weights_NK)
+        row_P, slot_P = (ids_NK < self.num_local_experts).nonzero(as_tuple=True)
+        pairs_PM = self.experts_forward(rows_NM[row_P], ids_NK[row_P, slot_P].unsqueeze(1),
+                                        weights_NK[row_P, slot_P].unsqueeze(1))
+        return rows_NM.new_zeros(rows_NM.shape).index_add(0, row_P, pairs_PM)
+
+
+def configure(
+    token_exchange: str = DEDUP, alltoall: str = "linear", wire_dtype: str = EXACT_WIRE,
+    topology: Topology | None = None,
+) -> BackendSettings:
+    """Register ``ep_implementation="moeflow"`` in transformers with these settings (``import
+    moeflow.hf`` registers the defaults). Models loaded afterwards run with them."""
+    settings = BackendSettings(token_exchange, alltoall, wire_dtype, topology)
+    configured = type(MoeflowEP.__name__, (MoeflowEP,), {"backend": Backend(settings), "__doc__": MoeflowEP.__doc__})
+    EPImplementationInterface.register(NAME, configured)
+    return settings

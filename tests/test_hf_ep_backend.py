@@ -1,0 +1,155 @@
+"""moeflow as transformers' expert-parallel backend (``ep_implementation="moeflow"``): a tiny model
+of each family loaded with ``DistributedConfig(fsdp_size=W, ep_size=W)`` on W gloo processes gives
+the logits the one-process model gives on each rank's batch, and the gradients (every parameter's
+local shard) that transformers' own ``all_to_all`` gives, for every way moeflow moves the tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hf_models import tiny_model
+from moeflow.comm.topology import Topology
+from pool import run_distributed
+
+TOKENS = (2, 10)  # each rank's batch: sequences x length
+
+
+def _batch(rank: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _ep_step(rank: int, world: int, path: str, implementation: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One forward and backward of the saved model under transformers' expert parallelism."""
+    import transformers
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed import DistributedConfig
+
+    import moeflow.hf
+
+    moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
+    layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
+    ids = _batch(rank, model.config.vocab_size)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for name, p in model.named_parameters() if p.grad is not None}
+    return {"logits": out.logits.detach(), "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    paths = {}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        paths[family] = tmp_path_factory.mktemp(family)
+        tiny_model(family, seed=1).save_pretrained(paths[family])
+    return paths
+
+
+def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(_batch(rank, model.config.vocab_size)).logits for rank in range(world)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("family", "world", "settings"), [
+    ("qwen3_moe", 2, {}),
+    ("qwen3_moe", 2, {"token_exchange": "pairs"}),
+    ("qwen3_moe", 2, {"alltoall": "pairwise"}),
+    ("deepseek_v3", 2, {}),
+    ("qwen3_moe", 4, {"alltoall": "2dh", "topology": Topology(4, 2)}),
+])
+def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
+    saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
+) -> None:
+    path = str(saved[family])
+    ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
+    theirs = run_distributed(_ep_step, world, path, "all_to_all", {}, timeout_s=300)
+    expected = _one_process_logits(saved[family], world)
+    for rank in range(world):
+        torch.testing.assert_close(ours[rank]["logits"], expected[rank], rtol=1e-5, atol=1e-5)
+        assert ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
+        assert any("experts" in name for name in ours[rank]["grads"])
+        for name, grad in ours[rank]["grads"].items():
+            torch.testing.assert_close(grad, theirs[rank]["grads"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str, Path]) -> None:
+    """bf16 rows both ways: the logits move by bf16's rounding, not more, and not at all exact."""
+    path = str(saved["qwen3_moe"])
+    exact = run_distributed(_ep_step, 2, path, "moeflow", {}, timeout_s=300)
+    bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16"}, timeout_s=300)
+    for rank in range(2):
+        difference = (bf16[rank]["logits"] - exact[rank]["logits"]).abs().max().item()
+        assert 0 < difference < 0.05
+
+
+def test_configure_names_the_bad_setting() -> None:
+    import moeflow.hf
+
+    with pytest.raises(ValueError, match="token_exchange 'dedupe'; choose one of dedup, pairs"):
+        moeflow.hf.configure(token_exchange="dedupe")
+    with pytest.raises(ValueError, match="alltoall '2d'"):
+        moeflow.hf.configure(alltoall="2d")
+    moeflow.hf.configure()  # the defaults again for the tests after this one
+
+
+@pytest.mark.parametrize("token_exchange", ["dedup", "pairs"])
+def test_routes_send_every_choice_once_and_dedup_a_token_once_per_rank(token_exchange: str) -> None:
+    """Every (token, expert) choice arrives once, with its weight, at the rank holding the expert;
+    under dedup each (token, rank) pair is one row, its valid slots first."""
+    from moeflow.hf.expert_parallel import ROUTES
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, top_k, local, world = 12, 3, 2, 4
+    index_TK = torch.stack([torch.randperm(local * world, generator=generator)[:top_k] for _ in range(tokens)])
+    weights_TK = torch.rand(tokens, top_k, generator=generator)
+    routes = ROUTES[token_exchange](index_TK, weights_TK, local, world)
+    ranks_N = torch.repeat_interleave(torch.arange(world), routes.sizes_W)
+    valid_NK = routes.ids_NK < local
+    received = {(int(t), int(r) * local + int(i), float(w)) for t, r, ids, ws, valid in
+                zip(routes.token_N, ranks_N, routes.ids_NK, routes.weights_NK, valid_NK, strict=True)
+                for i, w, v in zip(ids, ws, valid, strict=True) if v}
+    chosen = {(t, int(e), float(w)) for t in range(tokens) for e, w in zip(index_TK[t], weights_TK[t], strict=True)}
+    assert received == chosen and int(valid_NK.sum()) == tokens * top_k
+    assert bool((routes.weights_NK[~valid_NK] == 0).all())
+    if token_exchange == "dedup":
+        pairs = list(zip(routes.token_N.tolist(), ranks_N.tolist(), strict=True))
+        assert len(pairs) == len(set(pairs)) < tokens * top_k
+        assert routes.width == int(valid_NK.sum(1).max()) and bool((valid_NK.int().diff(dim=1) <= 0).all())
+
+
+TINY_BENCH = ["--num-experts", "4", "--top-k", "2", "--hidden-size", "16", "--moe-hidden", "8", "--layers", "1",
+              "--batch", "1", "--seq", "8", "--repeats", "1"]
+
+
+@pytest.mark.distributed
+def test_bench_hf_ep_prints_both_implementations_with_equal_logits(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from moeflow.cli import main
+
+    assert main(["bench", "hf-ep", "--workers", "2", *TINY_BENCH]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    record, summary = lines[0], lines[-1]
+    assert record["bench"] == "hf-ep" and record["workers"] == 2
+    assert record["step_ms_all_to_all"] > 0 and record["step_ms_moeflow"] > 0
+    assert record["logits_max_difference"] < 1e-5
+    assert summary["summary"] == "hf-ep" and len(summary["step_over_moeflow"]) == 1
+
+
+def test_bench_hf_ep_refuses_layouts_expert_parallelism_cannot_run() -> None:
+    from moeflow.cli import main
+
+    with pytest.raises(SystemExit, match="at least 2 ranks that divide --num-experts 4"):
+        main(["bench", "hf-ep", "--workers", "3", *TINY_BENCH])
+    with pytest.raises(SystemExit, match="--top-k 8 exceeds --num-experts 4"):
+        main(["bench", "hf-ep", *TINY_BENCH, "--top-k", "8"])
