@@ -153,3 +153,31 @@ def test_bench_hf_ep_refuses_layouts_expert_parallelism_cannot_run() -> None:
         main(["bench", "hf-ep", "--workers", "3", *TINY_BENCH])
     with pytest.raises(SystemExit, match="--top-k 8 exceeds --num-experts 4"):
         main(["bench", "hf-ep", *TINY_BENCH, "--top-k", "8"])
+
+
+def _ep_generate(rank: int, world: int, path: str, implementation: str) -> torch.Tensor:
+    """Greedy generation of each rank's prompt under transformers' expert parallelism."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import moeflow.hf
+
+    moeflow.hf.configure()
+    layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
+    prompt = _batch(rank, model.config.vocab_size)[:1, :4]
+    with torch.no_grad():  # every rank runs as many forwards: no early stop
+        return model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+@pytest.mark.distributed
+def test_moeflow_backend_generates_the_one_process_tokens(saved: dict[str, Path]) -> None:
+    import transformers
+
+    path = saved["qwen3_moe"]
+    generated = run_distributed(_ep_generate, 2, str(path), "moeflow", timeout_s=300)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for rank, tokens in enumerate(generated):
+        prompt = _batch(rank, model.config.vocab_size)[:1, :4]
+        expected = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert torch.equal(tokens, expected)
