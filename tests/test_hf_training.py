@@ -5,6 +5,7 @@ loss, a resumed run repeats an uninterrupted one, and bad input fails before any
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -111,6 +112,32 @@ def test_fine_tuning_starts_from_the_model_and_writes_its_trained_weights(
         assert all(sum(layer["tokens_per_expert"]) == 2 * 4 * 16 * 2 for layer in record["moe"])
     assert (tmp_path / "run" / "hf" / "tokenizer.json").is_file()
     assert (tmp_path / "run" / "loss.png").is_file()
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]
+    assert resolved["lr"] == {"value": 1e-2, "from": "--lr"}
+    assert resolved["aux_loss_weight"]["value"] == 0.0 and "output_router_logits" in resolved["aux_loss_weight"]["from"]
+    assert resolved["capacity_factor"] == {"value": 0.0, "from": "dropless, as the model was trained"}
+
+
+def test_fine_tuning_starts_at_a_fine_tuning_learning_rate_and_says_where_each_setting_came_from(
+    mixtral_dir: Path
+) -> None:
+    """Unset, --hf's learning rates are transformers' Trainer's (a from-scratch rate collapsed a
+    fine-tuned router within 10 steps); a given --lr ends its schedule at a tenth of itself."""
+    from moeflow.training.config import FINE_TUNING_LR, SCRATCH_LR
+    from moeflow.training.hf_model import model_settings, read_hf_info
+
+    fine_tuning, scratch = TrainConfig(hf=str(mixtral_dir)), TrainConfig()
+    assert (fine_tuning.peak_lr, fine_tuning.final_lr) == FINE_TUNING_LR == (5e-5, 5e-6)
+    assert (scratch.peak_lr, scratch.final_lr) == SCRATCH_LR == (3e-3, 3e-4)
+    assert (TrainConfig(lr=1e-3).final_lr, TrainConfig(lr=1e-3, min_lr=0.0).final_lr) == (1e-4, 0.0)
+    assert fine_tuning.resolved()["lr"]["from"] == "the fine-tuning default (transformers' Trainer's)"
+    info = read_hf_info(mixtral_dir)
+    balanced = model_settings(TrainConfig(hf=str(mixtral_dir), aux_loss_weight=0.01), info)
+    assert balanced["aux_loss_weight"] == {"value": 0.01, "from": "--aux-loss-weight"}
+    with_router_loss = dataclasses.replace(info, router_aux_loss_coef=0.02)
+    assert model_settings(fine_tuning, with_router_loss)["aux_loss_weight"]["value"] == 0.02
+    with pytest.raises(ValueError, match=r"min_lr=0\.001 exceeds lr=0\.0001"):
+        TrainConfig(lr=1e-4, min_lr=1e-3)
 
 
 @pytest.mark.distributed

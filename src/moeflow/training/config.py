@@ -36,6 +36,13 @@ LEGACY_GATES = ("plain", "topology")
 GRAD_SYNC_MODES = ("after", "overlap", "lina")
 """``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
 _MOE = model_moe_defaults()
+SCRATCH_LR = (3e-3, 3e-4)
+"""The peak and final learning rates of a model trained from scratch (moeflow's own small models)."""
+FINE_TUNING_LR = (5e-5, 5e-6)
+"""The peak and final learning rates of a --hf fine-tuning run: transformers' Trainer's default
+peak. At the from-scratch rate a fine-tuned Qwen3-MoE-like model's router collapsed within 10 steps."""
+FINAL_LR_DIVISOR = 10
+"""A given peak learning rate's schedule ends at the peak over this, unless min_lr is given."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,8 @@ class TrainConfig:
     steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
     batch_size: int = 16  # sequences per worker and step
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float | None = None  # None: SCRATCH_LR's, or FINE_TUNING_LR's with --hf (peak_lr resolves it)
+    min_lr: float | None = None  # None: the default's, or lr / FINAL_LR_DIVISOR (final_lr resolves it)
     warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -147,10 +154,13 @@ class TrainConfig:
         self._check_packing(moe)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
             value = getattr(self, name)
+            if value is None and name in ("lr", "min_lr"):
+                continue
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}; the schedule decays from lr to min_lr")
+        if self.final_lr > self.peak_lr:
+            raise ValueError(f"min_lr={self.final_lr} exceeds lr={self.peak_lr}; the schedule decays from lr to "
+                             "min_lr")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -317,6 +327,34 @@ class TrainConfig:
             **{name: value for name, value in settings.items() if value is not None},  # None: MoEConfig's
         )
 
+    @property
+    def peak_lr(self) -> float:
+        """The learning rate after warmup: ``lr``, else :data:`FINE_TUNING_LR`'s with --hf, else
+        :data:`SCRATCH_LR`'s."""
+        return self.lr if self.lr is not None else self._default_lrs[0]
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate at the last step: ``min_lr``, else a given ``lr`` over
+        :data:`FINAL_LR_DIVISOR`, else the default's."""
+        if self.min_lr is not None:
+            return self.min_lr
+        return self.lr / FINAL_LR_DIVISOR if self.lr is not None else self._default_lrs[1]
+
+    @property
+    def _default_lrs(self) -> tuple[float, float]:
+        return FINE_TUNING_LR if self.hf is not None else SCRATCH_LR
+
+    def resolved(self) -> dict[str, dict[str, Any]]:
+        """The settings a run resolves from defaults, each with its value and where it came from."""
+        default = "the fine-tuning default (transformers' Trainer's)" if self.hf is not None else \
+            "the from-scratch default"
+        peak_from = "--lr" if self.lr is not None else default
+        final_from = ("--min-lr" if self.min_lr is not None else
+                      f"--lr / {FINAL_LR_DIVISOR}" if self.lr is not None else default)
+        return {"lr": {"value": self.peak_lr, "from": peak_from},
+                "min_lr": {"value": self.final_lr, "from": final_from}}
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -328,10 +366,13 @@ class TrainConfig:
             values = {**values, "ep_size": None}
         return replace(self, **values)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, resolved: dict[str, dict[str, Any]] | None = None) -> None:
+        """The settings, and under ``"resolved"`` those resolved from defaults (and ``resolved``'s:
+        what a --hf model sets), each with where it came from."""
         from moeflow.files import write_atomic
 
-        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        settings = {**self.to_dict(), "resolved": {**self.resolved(), **(resolved or {})}}
+        write_atomic(path, json.dumps(settings, indent=2) + "\n")
 
 
 FIELD_HELP: dict[str, str] = {
@@ -406,8 +447,10 @@ FIELD_HELP: dict[str, str] = {
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",
     "batch_size": "sequences per worker and step",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr": "learning rate at the end of the cosine decay",
+    "lr": f"peak learning rate (AdamW); unset: {SCRATCH_LR[0]}, or with --hf {FINE_TUNING_LR[0]} (transformers' "
+    "Trainer's default: a fine-tuning rate)",
+    "min_lr": f"learning rate at the end of the cosine decay; unset: {SCRATCH_LR[1]}, with --hf {FINE_TUNING_LR[1]}, "
+    f"with --lr that over {FINAL_LR_DIVISOR}",
     "warmup_steps": "steps of linear learning-rate warm-up",
     "weight_decay": "AdamW weight decay of matrices",
     "beta1": "AdamW beta1",

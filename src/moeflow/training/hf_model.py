@@ -99,19 +99,34 @@ def prepare_hf_corpus(config: TrainConfig, cache_root: Path) -> PreparedCorpus:
     return corpus
 
 
+def model_settings(config: TrainConfig, info: HFModelInfo) -> dict[str, dict[str, Any]]:
+    """The MoE settings a --hf run takes from the model unless given, each with its value and where
+    it came from (what the run's config.json records beside the learning rates)."""
+    if config.aux_loss_weight is not None:
+        aux = {"value": config.aux_loss_weight, "from": "--aux-loss-weight"}
+    elif info.router_aux_loss_coef:
+        aux = {"value": info.router_aux_loss_coef, "from": "the model's router_aux_loss_coef (its config sets "
+               "output_router_logits)"}
+    else:
+        aux = {"value": 0.0, "from": "the model's config (output_router_logits off: no balancing loss; set "
+               "--aux-loss-weight to balance)"}
+    capacity = ({"value": config.capacity_factor, "from": "--capacity-factor"} if config.capacity_factor is not None
+                else {"value": 0.0, "from": "dropless, as the model was trained"})
+    return {"aux_loss_weight": aux, "capacity_factor": capacity}
+
+
 def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
-    """The MoE layers' settings from the trainer's: unset ones keep the model's own (dropless, its
-    router loss weight); the ragged expert kernel wherever the schedule allows it."""
-    options: dict[str, Any] = {
+    """The MoE layers' settings from the trainer's: unset ones keep the model's own
+    (:func:`model_settings`); the ragged expert kernel wherever the schedule allows it."""
+    from_model = model_settings(config, info)
+    return {
         "pipeline": config.pipeline, "alltoall": config.alltoall, "parallel": config.parallel,
         "token_exchange": config.token_exchange, "wire_dtype": config.wire_dtype, "profile": config.profile,
         "tokens_per_rank_hint": config.batch_size * config.context,
-        "aux_loss_weight": info.router_aux_loss_coef if config.aux_loss_weight is None else config.aux_loss_weight,
+        "aux_loss_weight": from_model["aux_loss_weight"]["value"],
+        "capacity_factor": from_model["capacity_factor"]["value"],
         "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) else "bmm",
     }
-    if config.capacity_factor is not None:
-        options["capacity_factor"] = config.capacity_factor
-    return options
 
 
 class HFCausalLM(nn.Module):

@@ -66,6 +66,15 @@ def _prepare_corpus(config: TrainConfig) -> PreparedCorpus:
     return prepared_corpus(config, default_cache_root(os.environ))
 
 
+def _model_settings(config: TrainConfig) -> dict[str, dict[str, Any]]:
+    """What a --hf model sets for the run, with where each value came from (none without --hf)."""
+    if config.hf is None:
+        return {}
+    from moeflow.training.hf_model import model_settings, read_hf_info
+
+    return model_settings(config, read_hf_info(config.hf))
+
+
 def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
     """Corpus, run folder and saved config; errors before any worker exists."""
     corpus = _prepare_corpus(config)
@@ -81,7 +90,7 @@ def prepare_job(config: TrainConfig, checkpoint: Path | None = None) -> Job:
             )
     run_dir.mkdir(parents=True, exist_ok=True)
     config = config.updated({"run_dir": str(run_dir)})
-    config.save(run_dir / "config.json")
+    config.save(run_dir / "config.json", _model_settings(config))
     if config.plan is not None and checkpoint is None:
         from moeflow.training.plan_file import RUN_RECORD, run_record
 

@@ -11,11 +11,12 @@ from moeflow.training.config import TrainConfig
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine decay from lr to min_lr at the last step."""
+    """Linear warmup, then cosine decay from the peak to the final learning rate at the last step."""
     if config.warmup_steps and step <= config.warmup_steps:
-        return config.lr * step / config.warmup_steps
+        return config.peak_lr * step / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    peak, final = config.peak_lr, config.final_lr
+    return final + 0.5 * (peak - final) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.AdamW:
@@ -24,5 +25,5 @@ def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.Adam
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(config.beta1, config.beta2), foreach=False,
+        lr=config.peak_lr, betas=(config.beta1, config.beta2), foreach=False,
     )
