@@ -30,6 +30,9 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
 
     import moeflow.hf
 
+    per_rank = settings.get("per_rank")  # each rank its own layout: the receivers take either
+    if per_rank is not None:
+        settings = {"token_exchange": per_rank[rank]}
     moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
     layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
@@ -61,10 +64,11 @@ def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.parametrize(("family", "world", "settings"), [
     ("qwen3_moe", 2, {}),
-    ("qwen3_moe", 2, {"token_exchange": "pairs"}),
-    ("qwen3_moe", 2, {"alltoall": "pairwise"}),
-    ("deepseek_v3", 2, {}),
-    ("qwen3_moe", 4, {"alltoall": "2dh", "topology": Topology(4, 2)}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup"}),
+    ("qwen3_moe", 2, {"per_rank": ["dedup", "pairs"]}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "alltoall": "pairwise"}),
+    ("deepseek_v3", 2, {"token_exchange": "dedup"}),
+    ("qwen3_moe", 4, {"token_exchange": "dedup", "alltoall": "2dh", "topology": Topology(4, 2)}),
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
     saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
@@ -86,7 +90,8 @@ def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str
     """bf16 rows both ways: the logits move by bf16's rounding, not more, and not at all exact."""
     path = str(saved["qwen3_moe"])
     exact = run_distributed(_ep_step, 2, path, "moeflow", {}, timeout_s=300)
-    bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16"}, timeout_s=300)
+    bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup"},
+                           timeout_s=300)
     for rank in range(2):
         difference = (bf16[rank]["logits"] - exact[rank]["logits"]).abs().max().item()
         assert 0 < difference < 0.05
@@ -95,24 +100,24 @@ def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str
 def test_configure_names_the_bad_setting() -> None:
     import moeflow.hf
 
-    with pytest.raises(ValueError, match="token_exchange 'dedupe'; choose one of dedup, pairs"):
+    with pytest.raises(ValueError, match="token_exchange 'dedupe'; choose one of auto, dedup, pairs"):
         moeflow.hf.configure(token_exchange="dedupe")
     with pytest.raises(ValueError, match="alltoall '2d'"):
         moeflow.hf.configure(alltoall="2d")
     moeflow.hf.configure()  # the defaults again for the tests after this one
 
 
-@pytest.mark.parametrize("token_exchange", ["dedup", "pairs"])
+@pytest.mark.parametrize("token_exchange", ["dedup", "pairs", "auto"])
 def test_routes_send_every_choice_once_and_dedup_a_token_once_per_rank(token_exchange: str) -> None:
     """Every (token, expert) choice arrives once, with its weight, at the rank holding the expert;
     under dedup each (token, rank) pair is one row, its valid slots first."""
-    from moeflow.hf.expert_parallel import ROUTES
+    from moeflow.hf.expert_parallel import DEDUP_MIN_PAIRS, routes_for
 
     generator = torch.Generator().manual_seed(0)
     tokens, top_k, local, world = 12, 3, 2, 4
     index_TK = torch.stack([torch.randperm(local * world, generator=generator)[:top_k] for _ in range(tokens)])
     weights_TK = torch.rand(tokens, top_k, generator=generator)
-    routes = ROUTES[token_exchange](index_TK, weights_TK, local, world)
+    routes = routes_for(token_exchange, index_TK, weights_TK, local, world)
     ranks_N = torch.repeat_interleave(torch.arange(world), routes.sizes_W)
     valid_NK = routes.ids_NK < local
     received = {(int(t), int(r) * local + int(i), float(w)) for t, r, ids, ws, valid in
@@ -121,6 +126,8 @@ def test_routes_send_every_choice_once_and_dedup_a_token_once_per_rank(token_exc
     chosen = {(t, int(e), float(w)) for t in range(tokens) for e, w in zip(index_TK[t], weights_TK[t], strict=True)}
     assert received == chosen and int(valid_NK.sum()) == tokens * top_k
     assert bool((routes.weights_NK[~valid_NK] == 0).all())
+    if token_exchange == "auto":  # a small batch goes as pairs
+        assert tokens * top_k < DEDUP_MIN_PAIRS and len(routes.token_N) == tokens * top_k
     if token_exchange == "dedup":
         pairs = list(zip(routes.token_N.tolist(), ranks_N.tolist(), strict=True))
         assert len(pairs) == len(set(pairs)) < tokens * top_k
@@ -141,9 +148,11 @@ def test_bench_hf_ep_prints_both_implementations_with_equal_logits(capsys: pytes
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     record, summary = lines[0], lines[-1]
     assert record["bench"] == "hf-ep" and record["workers"] == 2
-    assert record["step_ms_all_to_all"] > 0 and record["step_ms_moeflow"] > 0
-    assert record["logits_max_difference"] < 1e-5
-    assert summary["summary"] == "hf-ep" and len(summary["step_over_moeflow"]) == 1
+    for phase in ("step", "prefill", "decode"):
+        assert record[f"{phase}_all_to_all_ms"] > 0 and record[f"{phase}_moeflow_ms"] > 0
+        assert len(summary[f"{phase}_over_moeflow"]) == 1
+    assert record["logits_max_difference"] < 1e-5 and record["generated_equal"] is True
+    assert summary["summary"] == "hf-ep" and summary["generated_equal"] is True
 
 
 def test_bench_hf_ep_refuses_layouts_expert_parallelism_cannot_run() -> None:

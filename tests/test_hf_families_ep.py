@@ -66,7 +66,7 @@ def _families_step(rank: int, world: int, paths: dict[str, str]) -> dict[str, di
 
     import moeflow.hf
 
-    moeflow.hf.configure()
+    moeflow.hf.configure(token_exchange="dedup")  # the layout of training batches (auto sends these as pairs)
     results: dict[str, dict[str, Any]] = {}
     for family, path in paths.items():
         for implementation in IMPLEMENTATIONS:

@@ -4,10 +4,12 @@ transformers (``ep_implementation="moeflow"``), on the same model, side by side 
 Per point: a Qwen3-MoE-like model of random weights (saved by rank 0, loaded by every rank as a
 user loads one), each rank its own batch, loaded once per implementation with
 ``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation=...)`` (FSDP2 on the dense part, each
-rank W-th of the experts) and given AdamW. First the logits of one no-grad forward, checked equal
-between the implementations (the largest difference is reported); then training steps (forward,
-backward, optimizer), one per implementation per round, round-robin after a warm-up round, the
-slowest rank's medians. ``step_over_moeflow`` > 1: moeflow's backend is faster.
+rank W-th of the experts) and given AdamW. First the logits of one no-grad forward and the tokens
+of a greedy generation, checked equal between the implementations (the largest logits difference
+is reported); then, round-robin after a warm-up round, a training step (forward, backward,
+optimizer), a prefill (a no-grad forward of the batch) and a decode (8 greedy tokens of one
+sequence after a 16-token prompt), one of each per implementation per round, the slowest rank's
+medians. ``<phase>_over_moeflow`` > 1: moeflow's backend is faster.
 """
 
 from __future__ import annotations
@@ -74,43 +76,87 @@ def _step(model: Any, optimizer: Any, ids: Any) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure_point(rank: int, world: int, point: HFEPPoint, repeats: int) -> dict[str, Any] | None:
-    """Every rank's part of one point; rank 0's record."""
+DECODE_TOKENS = 8
+"""Tokens each rank generates (greedy, one sequence, every rank as many) in the decode phase."""
+
+
+def _decode(model: Any, prompt: Any) -> Any:
+    return model.generate(prompt, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, do_sample=False)
+
+
+def _phases(ids: Any) -> dict[str, Any]:
+    """What each round times, per implementation: a training step, a prefill (a no-grad forward of
+    the batch) and a decode (one sequence's greedy tokens after a short prompt)."""
+    import torch
+
+    def prefill(model: Any, optimizer: Any) -> None:
+        with torch.no_grad():
+            model(ids)
+
+    def decode(model: Any, optimizer: Any) -> None:
+        with torch.no_grad():
+            _decode(model, ids[:1, :16])
+
+    return {"step": lambda model, optimizer: _step(model, optimizer, ids), "prefill": prefill, "decode": decode}
+
+
+def _loaded_everywhere(point: HFEPPoint, rank: int, world: int) -> dict[str, tuple[Any, Any]]:
+    """Each implementation's model and optimizer, from the one checkpoint rank 0 saves."""
     import tempfile
 
-    import torch
-    import torch.distributed as dist
-
     from moeflow.comm.collectives import barrier, broadcast_objects
-    from moeflow.timing.measure import slowest_rank_seconds
 
     with tempfile.TemporaryDirectory() as mine:
         shared = [mine]
-        broadcast_objects(shared)  # rank 0's folder: every rank loads the one checkpoint it saves
+        broadcast_objects(shared)
         if rank == 0:
             _saved_model(point, mine)
         barrier()
         loaded = {name: _loaded(shared[0], world, name) for name in point.implementations}
         barrier()  # rank 0's folder goes when every rank has loaded
-    ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
+    return loaded
+
+
+def _agreement(loaded: dict[str, tuple[Any, Any]], ids: Any) -> tuple[float, bool]:
+    """The largest logits difference from the first implementation's, and whether every
+    implementation generates its tokens, over all ranks (before any step moves the weights)."""
+    import torch
+    import torch.distributed as dist
+
     with torch.no_grad():
-        logits = {name: model(ids).logits for name, (model, _) in loaded.items()}
-    first = logits[point.implementations[0]]
-    difference = torch.tensor(max((value - first).abs().max().item() for value in logits.values()))
-    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-    steps: dict[str, list[float]] = {name: [] for name in loaded}
+        logits = [model(ids).logits for model, _ in loaded.values()]
+        tokens = [_decode(model, ids[:1, :16]) for model, _ in loaded.values()]
+    values = torch.tensor([max((value - logits[0]).abs().max().item() for value in logits),
+                           float(not all(torch.equal(value, tokens[0]) for value in tokens))])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values[0].item(), values[1].item() == 0
+
+
+def measure_point(rank: int, world: int, point: HFEPPoint, repeats: int) -> dict[str, Any] | None:
+    """Every rank's part of one point; rank 0's record."""
+    import torch
+
+    from moeflow.timing.measure import slowest_rank_seconds
+
+    loaded = _loaded_everywhere(point, rank, world)
+    ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
+    difference, same_tokens = _agreement(loaded, ids)
+    phases = _phases(ids)
+    times: dict[str, list[float]] = {f"{phase}_{name}": [] for phase in phases for name in loaded}
     for round_index in range(repeats + 1):
-        for name, (model, optimizer) in loaded.items():
-            seconds = slowest_rank_seconds(lambda model=model, optimizer=optimizer: _step(model, optimizer, ids))
-            if round_index:
-                steps[name].append(seconds)
+        for phase, run in phases.items():
+            for name, (model, optimizer) in loaded.items():
+                seconds = slowest_rank_seconds(lambda run=run, model=model, optimizer=optimizer: run(model, optimizer))
+                if round_index:
+                    times[f"{phase}_{name}"].append(seconds)
     if rank:
         return None
-    step_ms = {name: statistics.median(values) * 1e3 for name, values in steps.items()}
-    record = {"bench": "hf-ep", "config": point.name, "workers": world, "logits_max_difference": difference.item(),
-              **{f"step_ms_{name}": value for name, value in step_ms.items()}}
-    if "moeflow" in step_ms and "all_to_all" in step_ms:
-        record["step_over_moeflow"] = step_ms["all_to_all"] / step_ms["moeflow"]
+    median_ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    record = {"bench": "hf-ep", "config": point.name, "workers": world, "logits_max_difference": difference,
+              "generated_equal": same_tokens, **{f"{key}_ms": value for key, value in median_ms.items()}}
+    if {"moeflow", "all_to_all"} <= set(point.implementations):
+        for phase in phases:
+            record[f"{phase}_over_moeflow"] = median_ms[f"{phase}_all_to_all"] / median_ms[f"{phase}_moeflow"]
     return record
 
 
@@ -152,12 +198,15 @@ def run_loopback(grid: list[HFEPPoint], workers: int, repeats: int, emit: Any) -
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per point: transformers' step time over moeflow's, and the largest logits difference."""
+    """Per point and phase: transformers' time over moeflow's; the largest logits difference, and
+    whether every point generated the same tokens."""
     rows = [r for r in records if r.get("bench") == "hf-ep"]
+    ratios = {phase: {f"{r['config']} W={r['workers']}": round(r[f"{phase}_over_moeflow"], 3)
+                      for r in rows if f"{phase}_over_moeflow" in r} for phase in ("step", "prefill", "decode")}
     return {"summary": "hf-ep", "configs": len(rows),
-            "step_over_moeflow": {f"{r['config']} W={r['workers']}": round(r["step_over_moeflow"], 3)
-                                  for r in rows if "step_over_moeflow" in r},
-            "logits_max_difference": max((r["logits_max_difference"] for r in rows), default=0.0)}
+            **{f"{phase}_over_moeflow": value for phase, value in ratios.items()},
+            "logits_max_difference": max((r["logits_max_difference"] for r in rows), default=0.0),
+            "generated_equal": all(r["generated_equal"] for r in rows)}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ and experts, their weights and their ``experts_implementation`` stay the model's
 
 What travels (``token_exchange``):
 
-- ``dedup`` (the default; DeepEP's dispatch): a token crosses to each rank once, whatever number of
+- ``auto`` (the default): ``dedup`` for a batch of at least :data:`DEDUP_MIN_PAIRS` routed (token,
+  expert) pairs, ``pairs`` below (decode sizes, where the bytes saved are nil and laying out the
+  deduplicated rows costs more host time: 75 against 25 µs a call on the development VM). Each
+  rank decides for its own batch; the receivers take either;
+- ``dedup`` (DeepEP's dispatch): a token crosses to each rank once, whatever number of
   its k experts that rank holds. It arrives with the local ids and gate weights of its experts there
   (the other slots off-rank: id ``num_local_experts``, weight 0, which every transformers experts
   implementation skips), the rank's experts return one weighted sum per token, and the sender adds
@@ -43,12 +47,16 @@ if TYPE_CHECKING:
 
 NAME = "moeflow"
 """The ``ep_implementation`` name moeflow registers in transformers."""
+AUTO = "auto"
+"""Each rank's batch sent deduplicated or as pairs by its size (:data:`DEDUP_MIN_PAIRS`)."""
 DEDUP = "dedup"
 """A token sent once to each rank that holds one of its experts."""
 PAIRS = "pairs"
 """One row sent per (token, expert) pair, as transformers' ``all_to_all`` sends."""
-TOKEN_EXCHANGES = (DEDUP, PAIRS)
+TOKEN_EXCHANGES = (AUTO, DEDUP, PAIRS)
 """What the backend may send (``token_exchange``)."""
+DEDUP_MIN_PAIRS = 256
+"""Under ``auto``, the routed (token, expert) pairs from which a batch is sent deduplicated."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class BackendSettings:
     """How the backend moves tokens; see the module's docstring. ``topology``: the world's ranks on
     nodes, which ``2dh`` and ``pairwise`` need (None: all ranks on one node)."""
 
-    token_exchange: str = DEDUP
+    token_exchange: str = AUTO
     alltoall: str = "linear"
     wire_dtype: str = EXACT_WIRE
     topology: Topology | None = None
@@ -78,6 +86,16 @@ class Routes:
     weights_NK: torch.Tensor
     sizes_W: torch.Tensor
     width: int  # the expert slots a row needs: the most valid ones of any row (at least one)
+
+    def slots(self, width: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids and weights cut or padded (off-rank, weight 0) to ``width`` slots: the group's
+        widest row's, which a rank sending pairs (one slot) may be under."""
+        ids_NK, weights_NK = self.ids_NK[:, :width], self.weights_NK[:, :width]
+        missing = width - ids_NK.shape[1]
+        if missing > 0:
+            ids_NK = torch.nn.functional.pad(ids_NK, (0, missing), value=num_local)
+            weights_NK = torch.nn.functional.pad(weights_NK, (0, missing))
+        return ids_NK, weights_NK
 
 
 def dedup_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int) -> Routes:
@@ -107,7 +125,16 @@ def pair_routes(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_loca
 
 
 ROUTES = {DEDUP: dedup_routes, PAIRS: pair_routes}
-"""How each ``token_exchange`` lays out the rows it sends."""
+"""How ``dedup`` and ``pairs`` lay out the rows they send."""
+
+
+def routes_for(
+    token_exchange: str, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int
+) -> Routes:
+    """The rows ``token_exchange`` sends of this batch (``auto``: by its routed pairs)."""
+    if token_exchange == AUTO:
+        token_exchange = DEDUP if top_k_index.numel() >= DEDUP_MIN_PAIRS else PAIRS
+    return ROUTES[token_exchange](top_k_index, top_k_weights, num_local, world)
 
 
 @dataclass
@@ -142,7 +169,7 @@ class MoeflowEP(EPImplementation):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         settings, world = self.backend.settings, self.groups.size
-        routes = ROUTES[settings.token_exchange](top_k_index, top_k_weights, self.num_local_experts, world)
+        routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
         matrix, width = self._agree(routes)
         rows_NM, ids_NK, weights_NK = self._dispatch(hidden_states, routes, matrix, width)
         expert_NM = self._experts(rows_NM, ids_NK, weights_NK)
@@ -158,7 +185,7 @@ class MoeflowEP(EPImplementation):
         the ids below its largest exact integer): one all-to-all instead of two."""
         algorithm, wire, dtype = self.backend.settings.alltoall, self.backend.settings.wire_dtype, hidden_states.dtype
         rows_NM = hidden_states[routes.token_N]
-        ids_NK, weights_NK = routes.ids_NK[:, :width], routes.weights_NK[:, :width]
+        ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
         exact_ints = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 0  # 2 ** (mantissa + 1)
         if wire == EXACT_WIRE and weights_NK.dtype == dtype and self.num_local_experts < exact_ints:
             packed = torch.cat([rows_NM, ids_NK.to(dtype), weights_NK], dim=1)
@@ -199,7 +226,7 @@ class MoeflowEP(EPImplementation):
 
 
 def configure(
-    token_exchange: str = DEDUP, alltoall: str = "linear", wire_dtype: str = EXACT_WIRE,
+    token_exchange: str = AUTO, alltoall: str = "linear", wire_dtype: str = EXACT_WIRE,
     topology: Topology | None = None,
 ) -> BackendSettings:
     """Register ``ep_implementation="moeflow"`` in transformers with these settings (``import
