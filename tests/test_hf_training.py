@@ -134,8 +134,18 @@ def test_fine_tuning_starts_at_a_fine_tuning_learning_rate_and_says_where_each_s
     info = read_hf_info(mixtral_dir)
     balanced = model_settings(TrainConfig(hf=str(mixtral_dir), aux_loss_weight=0.01), info)
     assert balanced["aux_loss_weight"] == {"value": 0.01, "from": "--aux-loss-weight"}
-    with_router_loss = dataclasses.replace(info, router_aux_loss_coef=0.02)
-    assert model_settings(fine_tuning, with_router_loss)["aux_loss_weight"]["value"] == 0.02
+    assert model_settings(fine_tuning, info)["aux_loss_weight"]["value"] == 0.0  # the config turns no loss on
+    coefficient = dataclasses.replace(info, router_aux_loss_coef=0.02)
+    assert model_settings(fine_tuning, coefficient)["aux_loss_weight"]["value"] == 0.0
+    turned_on = TrainConfig(hf=str(mixtral_dir), aux_loss_weight="model")  # the user turns the model's own on
+    assert model_settings(turned_on, coefficient)["aux_loss_weight"] == {
+        "value": 0.02, "from": "the model's router_aux_loss_coef (--aux-loss-weight model)"}
+    by_config = dataclasses.replace(coefficient, adds_router_loss=True)
+    assert model_settings(fine_tuning, by_config)["aux_loss_weight"]["value"] == 0.02
+    with pytest.raises(ValueError, match="sets none: give a number"):
+        model_settings(turned_on, dataclasses.replace(info, router_aux_loss_coef=0.0))
+    with pytest.raises(ValueError, match="takes a --hf model's router_aux_loss_coef: give --hf, or a number"):
+        TrainConfig(aux_loss_weight="model")
     with pytest.raises(ValueError, match=r"min_lr=0\.001 exceeds lr=0\.0001"):
         TrainConfig(lr=1e-4, min_lr=1e-3)
 

@@ -41,6 +41,8 @@ SCRATCH_LR = (3e-3, 3e-4)
 FINE_TUNING_LR = (5e-5, 5e-6)
 """The peak and final learning rates of a --hf fine-tuning run: transformers' Trainer's default
 peak. At the from-scratch rate a fine-tuned Qwen3-MoE-like model's router collapsed within 10 steps."""
+MODEL_BALANCING = "model"
+"""``aux_loss_weight``'s name for a --hf model's own balancing loss weight (its router_aux_loss_coef)."""
 FINAL_LR_DIVISOR = 10
 """A given peak learning rate's schedule ends at the peak over this, unless min_lr is given."""
 
@@ -67,7 +69,7 @@ class TrainConfig:
     moe_every: int = 1
     capacity_factor: float | None = None  # None: MoEConfig's; with hf, dropless as the model was trained
     eval_capacity_factor: float = 0.0
-    aux_loss_weight: float | None = None  # None: MoEConfig's; with hf, the model's router_aux_loss_coef
+    aux_loss_weight: str | float | None = None  # None: MoEConfig's, with hf the model's if it turns it on; "model"
     activation: str = _MOE.activation
     pipeline: int | str = _MOE.pipeline
     alltoall: str = _MOE.alltoall
@@ -137,6 +139,7 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a number of megabytes > 0, got {value!r}")
+        self._check_aux_loss_weight()
         moe = self.model_config(self.vocab_size).moe  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
@@ -168,6 +171,17 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
             raise ValueError(f"stop_at must be a step in [1, steps={self.steps}], got {self.stop_at!r}")
+
+    def _check_aux_loss_weight(self) -> None:
+        weight = self.aux_loss_weight
+        if weight == MODEL_BALANCING and self.hf is None:
+            raise ValueError(f"aux_loss_weight={MODEL_BALANCING!r} takes a --hf model's router_aux_loss_coef: give "
+                             "--hf, or a number")
+        if isinstance(weight, str) and weight != MODEL_BALANCING:
+            raise ValueError(f"aux_loss_weight must be a number >= 0 or {MODEL_BALANCING!r} (with --hf), got "
+                             f"{weight!r}")
+        if isinstance(weight, int | float) and not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"aux_loss_weight must be a finite number >= 0, got {weight!r}")
 
     def _check_parallel(self) -> None:
         """The MoE layers' schedule fits the workers (and the tensor-parallel attention, if any)."""
@@ -324,7 +338,8 @@ class TrainConfig:
         settings = {name: getattr(self, name) for name in MODEL_SETTINGS}
         return TransformerConfig.build(
             vocab_size=vocab_size, tokens_per_rank_hint=self.batch_size * self.context,
-            **{name: value for name, value in settings.items() if value is not None},  # None: MoEConfig's
+            **{name: value for name, value in settings.items()
+               if value is not None and value != MODEL_BALANCING},  # None: MoEConfig's; the --hf model's own
         )
 
     @property
@@ -395,7 +410,8 @@ FIELD_HELP: dict[str, str] = {
     f"{_MOE.capacity_factor}, or 0 with --hf",
     "eval_capacity_factor": "capacity factor at evaluation (0: no token dropped)",
     "aux_loss_weight": f"weight of the load-balancing loss of every MoE layer; unset: {_MOE.aux_loss_weight}, or with "
-    "--hf the model's router_aux_loss_coef (0 unless its config sets output_router_logits)",
+    f"--hf the model's router_aux_loss_coef if its config sets output_router_logits (else 0); {MODEL_BALANCING} "
+    "(with --hf): the model's router_aux_loss_coef",
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",

@@ -28,7 +28,7 @@ from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.parallel.registry import AUTO, RAGGED_SCHEDULES, REPLICATING_SCHEDULES, experts_must_divide
 from moeflow.timing.phases import PhaseClock
-from moeflow.training.config import TrainConfig
+from moeflow.training.config import MODEL_BALANCING, TrainConfig
 
 TOKENIZER_FILE = "tokenizer.json"
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # as transformers has named it
@@ -44,7 +44,8 @@ class HFModelInfo:
     vocab_size: int
     max_positions: int | None
     eos_token_id: int | None
-    router_aux_loss_coef: float  # 0 unless the config adds the router loss (output_router_logits)
+    router_aux_loss_coef: float  # the config's coefficient of its balancing loss (0: none)
+    adds_router_loss: bool  # whether the config turns that loss on (output_router_logits)
 
 
 def read_hf_info(path: str | Path) -> HFModelInfo:
@@ -63,7 +64,8 @@ def read_hf_info(path: str | Path) -> HFModelInfo:
         directory=str(directory), model_type=config.model_type, num_experts=int(num_experts),
         vocab_size=int(config.vocab_size), max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", 0.0)) if adds_router_loss else 0.0,
+        router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", None) or 0.0),
+        adds_router_loss=adds_router_loss,
     )
 
 
@@ -101,18 +103,31 @@ def prepare_hf_corpus(config: TrainConfig, cache_root: Path) -> PreparedCorpus:
 
 def model_settings(config: TrainConfig, info: HFModelInfo) -> dict[str, dict[str, Any]]:
     """The MoE settings a --hf run takes from the model unless given, each with its value and where
-    it came from (what the run's config.json records beside the learning rates)."""
+    it came from (what the run's config.json records beside the learning rates). The balancing
+    loss is the model's own weight when its config turns the loss on, or when the user does
+    (``--aux-loss-weight model``)."""
+    return {"aux_loss_weight": _balancing(config, info), "capacity_factor": _capacity(config)}
+
+
+def _balancing(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
+    coefficient = info.router_aux_loss_coef
+    if config.aux_loss_weight == MODEL_BALANCING:
+        if not coefficient:
+            raise ValueError(f"--aux-loss-weight {MODEL_BALANCING} takes the model's router_aux_loss_coef, and the "
+                             f"config of {info.directory!r} sets none: give a number, e.g. --aux-loss-weight 0.001")
+        return {"value": coefficient, "from": f"the model's router_aux_loss_coef (--aux-loss-weight {MODEL_BALANCING})"}
     if config.aux_loss_weight is not None:
-        aux = {"value": config.aux_loss_weight, "from": "--aux-loss-weight"}
-    elif info.router_aux_loss_coef:
-        aux = {"value": info.router_aux_loss_coef, "from": "the model's router_aux_loss_coef (its config sets "
-               "output_router_logits)"}
-    else:
-        aux = {"value": 0.0, "from": "the model's config (output_router_logits off: no balancing loss; set "
-               "--aux-loss-weight to balance)"}
-    capacity = ({"value": config.capacity_factor, "from": "--capacity-factor"} if config.capacity_factor is not None
-                else {"value": 0.0, "from": "dropless, as the model was trained"})
-    return {"aux_loss_weight": aux, "capacity_factor": capacity}
+        return {"value": float(config.aux_loss_weight), "from": "--aux-loss-weight"}
+    if info.adds_router_loss and coefficient:
+        return {"value": coefficient, "from": "the model's router_aux_loss_coef (its config sets output_router_logits)"}
+    return {"value": 0.0, "from": f"the model's config (output_router_logits off: no balancing loss; "
+            f"--aux-loss-weight {MODEL_BALANCING} turns on the model's own)"}
+
+
+def _capacity(config: TrainConfig) -> dict[str, Any]:
+    if config.capacity_factor is not None:
+        return {"value": config.capacity_factor, "from": "--capacity-factor"}
+    return {"value": 0.0, "from": "dropless, as the model was trained"}
 
 
 def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
