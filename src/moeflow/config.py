@@ -58,6 +58,12 @@ that rank holds (``dedup``, DeepEP's dispatch: :mod:`moeflow.parallel.dedup_exch
 TOKEN_EXCHANGE_CHOICES = (*TOKEN_EXCHANGES, "auto")
 """The ``token_exchange`` setting's values: one of :data:`TOKEN_EXCHANGES`, or ``auto``: each chunk
 ragged where it leaves enough of its slots empty to pay for the gather and scatter, else padded."""
+PAIRS = "pairs"
+"""One row per (token, expert) pair: how transformers' own ``all_to_all`` expert parallelism sends."""
+HF_EP_TOKEN_EXCHANGES = ("auto", DEDUP, PAIRS)
+"""What moeflow's expert-parallel backend inside transformers sends (:mod:`moeflow.hf.expert_parallel`):
+a token once to each rank holding one of its experts (``dedup``), one row per (token, expert)
+pair (``pairs``, transformers' own layout), or ``auto``: by the batch's size."""
 RAGGED_MIN_SAVING = 0.1
 """Under ``token_exchange='auto'``, the share of a chunk's slots (over all ranks) that must be empty
 for it to travel ragged: a nearly full chunk goes padded, which skips the gather and scatter (on the

@@ -36,11 +36,13 @@ class HFEPPoint:
     batch: int = 4
     seq: int = 128
     implementations: tuple[str, ...] = field(default=IMPLEMENTATIONS)
+    token_exchange: str = "auto"  # moeflow's (moeflow.hf.configure)
+    alltoall: str = "linear"  # moeflow's: linear, 2dh or pairwise (the cluster's node layout)
 
     @property
     def name(self) -> str:
         return (f"E{self.num_experts}-k{self.top_k}-M{self.hidden_size}-He{self.moe_hidden}-L{self.layers}"
-                f"-T{self.batch * self.seq}")
+                f"-T{self.batch * self.seq}-{self.token_exchange}-{self.alltoall}")
 
 
 def _saved_model(point: HFEPPoint, folder: str) -> None:
@@ -121,23 +123,29 @@ def _agreement(loaded: dict[str, tuple[Any, Any]], ids: Any) -> tuple[float, boo
     """The largest logits difference from the first implementation's, and whether every
     implementation generates its tokens, over all ranks (before any step moves the weights)."""
     import torch
-    import torch.distributed as dist
+
+    from moeflow.comm.collectives import reduce_values
 
     with torch.no_grad():
         logits = [model(ids).logits for model, _ in loaded.values()]
         tokens = [_decode(model, ids[:1, :16]) for model, _ in loaded.values()]
-    values = torch.tensor([max((value - logits[0]).abs().max().item() for value in logits),
-                           float(not all(torch.equal(value, tokens[0]) for value in tokens))])
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values[0].item(), values[1].item() == 0
+    difference = max((value - logits[0]).abs().max().item() for value in logits)
+    differs = float(not all(torch.equal(value, tokens[0]) for value in tokens))
+    difference, differs = reduce_values([difference, differs], None, "max")  # over the world, on its host device
+    return difference, differs == 0
 
 
-def measure_point(rank: int, world: int, point: HFEPPoint, repeats: int) -> dict[str, Any] | None:
-    """Every rank's part of one point; rank 0's record."""
+def measure_point(
+    rank: int, world: int, point: HFEPPoint, repeats: int, topology: Any = None
+) -> dict[str, Any] | None:
+    """Every rank's part of one point (``topology``: the ranks on nodes, for moeflow's 2DH and
+    pairwise all-to-alls); rank 0's record."""
     import torch
 
+    import moeflow.hf
     from moeflow.timing.measure import slowest_rank_seconds
 
+    moeflow.hf.configure(token_exchange=point.token_exchange, alltoall=point.alltoall, topology=topology)
     loaded = _loaded_everywhere(point, rank, world)
     ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
     difference, same_tokens = _agreement(loaded, ids)
@@ -167,7 +175,7 @@ def _rank_main(argv: list[str]) -> None:
 
     def measure(values: dict[str, Any], groups: Any, profile: Any, repeats: int, emit: Any) -> None:
         values["implementations"] = tuple(values["implementations"])
-        record = measure_point(dist.get_rank(), dist.get_world_size(), HFEPPoint(**values), repeats)
+        record = measure_point(dist.get_rank(), dist.get_world_size(), HFEPPoint(**values), repeats, groups.topology)
         if record is not None:
             emit(record)
 

@@ -39,7 +39,15 @@ from moeflow.comm.algorithms import SplitMatrix, differentiable_exchange, transp
 from moeflow.comm.collectives import all_gather_into
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.topology import Topology
-from moeflow.config import ALLTOALL_ALGORITHMS, EXACT_WIRE, WIRE_DTYPES, require_choice
+from moeflow.config import (
+    ALLTOALL_ALGORITHMS,
+    DEDUP,
+    EXACT_WIRE,
+    HF_EP_TOKEN_EXCHANGES,
+    PAIRS,
+    WIRE_DTYPES,
+    require_choice,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,14 +55,8 @@ if TYPE_CHECKING:
 
 NAME = "moeflow"
 """The ``ep_implementation`` name moeflow registers in transformers."""
-AUTO = "auto"
+AUTO = HF_EP_TOKEN_EXCHANGES[0]
 """Each rank's batch sent deduplicated or as pairs by its size (:data:`DEDUP_MIN_PAIRS`)."""
-DEDUP = "dedup"
-"""A token sent once to each rank that holds one of its experts."""
-PAIRS = "pairs"
-"""One row sent per (token, expert) pair, as transformers' ``all_to_all`` sends."""
-TOKEN_EXCHANGES = (AUTO, DEDUP, PAIRS)
-"""What the backend may send (``token_exchange``)."""
 DEDUP_MIN_PAIRS = 256
 """Under ``auto``, the routed (token, expert) pairs from which a batch is sent deduplicated."""
 
@@ -70,7 +72,7 @@ class BackendSettings:
     topology: Topology | None = None
 
     def __post_init__(self) -> None:
-        require_choice("token_exchange", self.token_exchange, TOKEN_EXCHANGES)
+        require_choice("token_exchange", self.token_exchange, HF_EP_TOKEN_EXCHANGES)
         require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
         require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from moeflow.commands import fail, positive_int
 from moeflow.commands.bench.common import add_cluster_layout, run_cluster_grid
+from moeflow.config import ALLTOALL_ALGORITHMS, HF_EP_TOKEN_EXCHANGES
 
 
 def add(benches: Any) -> None:
@@ -22,7 +23,7 @@ def add(benches: Any) -> None:
     hf_ep.add_argument("--workers", type=positive_int, default=2, help="local gloo workers (default 2)")
     hf_ep.add_argument("--cluster", action="store_true", help="on the emulated cluster (--nodes x --ranks-per-node)")
     add_cluster_layout(hf_ep, ranks_per_node=1)
-    hf_ep.add_argument("--num-experts", type=positive_int, default=16, help="experts E (default 16)")
+    hf_ep.add_argument("--num-experts", type=positive_int, default=16, help="number of experts E in each MoE layer (default 16)")
     hf_ep.add_argument("--top-k", type=positive_int, default=4, help="experts per token k (default 4)")
     hf_ep.add_argument("--hidden-size", type=positive_int, default=256, help="model hidden size (default 256)")
     hf_ep.add_argument("--moe-hidden", type=positive_int, default=256, help="expert hidden size (default 256)")
@@ -30,6 +31,10 @@ def add(benches: Any) -> None:
     hf_ep.add_argument("--batch", type=positive_int, default=4, help="sequences per rank (default 4)")
     hf_ep.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (default 128)")
     hf_ep.add_argument("--repeats", type=positive_int, default=5, help="timed steps per implementation (default 5)")
+    hf_ep.add_argument("--token-exchange", choices=HF_EP_TOKEN_EXCHANGES, default="auto",
+                       help="what moeflow's backend sends (moeflow.hf.configure; default auto)")
+    hf_ep.add_argument("--alltoall", choices=ALLTOALL_ALGORITHMS, default="linear",
+                       help="moeflow's all-to-all (2dh and pairwise read the cluster's nodes; default linear)")
     hf_ep.set_defaults(func=run_hf_ep)
 
 
@@ -46,7 +51,7 @@ def run_hf_ep(args: argparse.Namespace) -> int:
     if args.hidden_size % 4:
         raise fail("bench hf-ep", f"--hidden-size {args.hidden_size}: give a multiple of 4 (the model's 4 heads)")
     point = HFEPPoint(args.num_experts, args.top_k, args.hidden_size, args.moe_hidden, args.layers, args.batch,
-                      args.seq)
+                      args.seq, token_exchange=args.token_exchange, alltoall=args.alltoall)
     if args.cluster:
         return run_cluster_grid("bench hf-ep", run_cluster, summarize, [point], args)
     print_json(summarize(run_loopback([point], args.workers, args.repeats, print_json)))
