@@ -23,7 +23,8 @@ def add(benches: Any) -> None:
     hf_ep.add_argument("--workers", type=positive_int, default=2, help="local gloo workers (default 2)")
     hf_ep.add_argument("--cluster", action="store_true", help="on the emulated cluster (--nodes x --ranks-per-node)")
     add_cluster_layout(hf_ep, ranks_per_node=1)
-    hf_ep.add_argument("--num-experts", type=positive_int, default=16, help="number of experts E in each MoE layer (default 16)")
+    hf_ep.add_argument("--num-experts", type=positive_int, default=16,
+                       help="number of experts E in each MoE layer (default 16)")
     hf_ep.add_argument("--top-k", type=positive_int, default=4, help="experts per token k (default 4)")
     hf_ep.add_argument("--hidden-size", type=positive_int, default=256, help="model hidden size (default 256)")
     hf_ep.add_argument("--moe-hidden", type=positive_int, default=256, help="expert hidden size (default 256)")
