@@ -17,7 +17,7 @@ import pytest
 from moeflow.distributed import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TESTED = {"train_loop.py", "train_loop_fsdp2.py", "convert_hf.py", "plan_cluster.py"}
+TESTED = {"train_loop.py", "train_loop_fsdp2.py", "convert_hf.py", "plan_cluster.py", "hf_expert_parallel.py"}
 TINY_TRAINING = ["--steps", "12", "--batch", "4", "--sequence", "16", "--vocab", "32", "--model-dim", "16",
                  "--hidden-dim", "32", "--num-experts", "4"]
 
@@ -56,6 +56,17 @@ def test_train_loop_under_torchrun_on_two_processes(script: str) -> None:
                           "--master-port", str(free_port()), f"examples/{script}.py", *TINY_TRAINING)
     assert summary["example"] == script and summary["world_size"] == 2
     assert summary["last_loss"] < 0.7 * summary["first_loss"]
+    assert summary["stdout"].count('"example"') == 1  # rank 0 alone reports
+
+
+@pytest.mark.distributed
+def test_hf_expert_parallel_fine_tunes_and_generates_under_torchrun() -> None:
+    pytest.importorskip("transformers")
+    summary = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", str(free_port()), "examples/hf_expert_parallel.py", "--steps", "12",
+                          "--batch", "4", "--sequence", "16")
+    assert summary["example"] == "hf_expert_parallel" and summary["world_size"] == 2
+    assert summary["last_loss"] < 0.7 * summary["first_loss"] and summary["new_tokens"] == 8
     assert summary["stdout"].count('"example"') == 1  # rank 0 alone reports
 
 
