@@ -1,7 +1,8 @@
 """moeflow as transformers' expert-parallel backend (``ep_implementation="moeflow"``): a tiny model
-of each family loaded with ``DistributedConfig(fsdp_size=W, ep_size=W)`` on W gloo processes gives
-the logits the one-process model gives on each rank's batch, and the gradients (every parameter's
-local shard) that transformers' own ``all_to_all`` gives, for every way moeflow moves the tokens."""
+loaded with ``DistributedConfig(fsdp_size=W, ep_size=W)`` on W gloo processes (or ``tp_size=W``,
+the ranks sharing one batch) gives the logits the one-process model gives on each rank's batch, and
+the gradients (every parameter's local shard) that transformers' own ``all_to_all`` gives, for every
+way moeflow moves the tokens."""
 
 from __future__ import annotations
 
@@ -33,15 +34,19 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
     per_rank = settings.get("per_rank")  # each rank its own layout: the receivers take either
     if per_rank is not None:
         settings = {"token_exchange": per_rank[rank]}
+    tensor_parallel = settings.pop("tensor_parallel", False)  # the ranks share one batch, TP attention
     moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
-    layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
+    sizes = {"tp_size": world} if tensor_parallel else {"fsdp_size": world}
+    layout = DistributedConfig(**sizes, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
-    ids = _batch(rank, model.config.vocab_size)
+    ids = _batch(0 if tensor_parallel else rank, model.config.vocab_size)
     out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
              for name, p in model.named_parameters() if p.grad is not None}
-    return {"logits": out.logits.detach(), "grads": grads}
+    logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits  # TP's head: a DTensor
+    # numpy arrays: torch's shared-memory handover of a tensor result failed under tensor parallelism
+    return {"logits": logits.detach().numpy(), "grads": {name: grad.numpy() for name, grad in grads.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +74,25 @@ def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
     ("qwen3_moe", 2, {"token_exchange": "dedup", "alltoall": "pairwise"}),
     ("deepseek_v3", 2, {"token_exchange": "dedup"}),
     ("qwen3_moe", 4, {"token_exchange": "dedup", "alltoall": "2dh", "topology": Topology(4, 2)}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "tensor_parallel": True}),
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
     saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
 ) -> None:
     path = str(saved[family])
     ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
-    theirs = run_distributed(_ep_step, world, path, "all_to_all", {}, timeout_s=300)
+    shared = {"tensor_parallel": True} if settings.get("tensor_parallel") else {}
+    theirs = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
     expected = _one_process_logits(saved[family], world)
+    if shared:  # every rank the one batch
+        expected = [expected[0]] * world
     for rank in range(world):
-        torch.testing.assert_close(ours[rank]["logits"], expected[rank], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(ours[rank]["logits"]), expected[rank], rtol=1e-5, atol=1e-5)
         assert ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
         assert any("experts" in name for name in ours[rank]["grads"])
         for name, grad in ours[rank]["grads"].items():
-            torch.testing.assert_close(grad, theirs[rank]["grads"][name], rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(theirs[rank]["grads"][name]),
+                                       rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.distributed
@@ -93,7 +103,7 @@ def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str
     bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup"},
                            timeout_s=300)
     for rank in range(2):
-        difference = (bf16[rank]["logits"] - exact[rank]["logits"]).abs().max().item()
+        difference = abs(bf16[rank]["logits"] - exact[rank]["logits"]).max().item()
         assert 0 < difference < 0.05
 
 

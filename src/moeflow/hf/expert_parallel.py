@@ -37,7 +37,8 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 
 from moeflow.comm.algorithms import SplitMatrix, differentiable_exchange, transpose
 from moeflow.comm.collectives import all_gather_into
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, group_rank, group_size
+from moeflow.comm.mp import gather_rows, member_rows, split_rows
 from moeflow.comm.topology import Topology
 from moeflow.config import (
     ALLTOALL_ALGORITHMS,
@@ -162,14 +163,28 @@ class MoeflowEP(EPImplementation):
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
         super().__init__(experts, ep_mesh, tp_mesh)
-        if tp_mesh.size() > 1:
-            raise ValueError(f"ep_implementation={NAME!r} runs with tp_size=1 (got a tensor-parallel group of "
-                             f"{tp_mesh.size()}): use tp_size=1, or ep_implementation='all_to_all'")
         self.groups = self.backend.groups_of(ep_mesh.get_group())
+        self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
 
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        """Under tensor parallelism the ranks of a group share one batch: each moves its rows of it
+        (Megatron's split; its backward gathers the rows' gradients) and the outputs are gathered
+        back, so no token reaches an expert twice."""
+        group = self.shared_batch
+        if group is None:
+            return self._moved(hidden_states, top_k_index, top_k_weights)
+        start, stop = member_rows(len(hidden_states), group_size(group), group_rank(group))
+        hidden_states, top_k_weights = split_rows(hidden_states, group), split_rows(top_k_weights, group)
+        rows = self._moved(hidden_states, top_k_index[start:stop], top_k_weights)
+        with self.groups.ledger.tracked("all-gather", group, rows.numel() * rows.element_size()):
+            return gather_rows(rows, len(top_k_index), group)
+
+    def _moved(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token's weighted expert output: its rows to the experts' ranks and back."""
         settings, world = self.backend.settings, self.groups.size
         routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
         matrix, width = self._agree(routes)
