@@ -229,7 +229,8 @@ def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     (point,) = [r for r in records if r.get("bench") == "schedules"]
     assert point["expert_step_ms"] > 0 and point["replicated_step_ms"] > 0
-    assert point["auto_picked"] in ("expert", "replicated") and point["auto_reason"] == "model"
+    assert point["auto_picked"] in ("expert", "replicated", "adaptive") and point["auto_reason"] == "model"
+    assert point["auto_step_ms"] > 0  # auto's own model, timed beside the two
     assert point["expert_degree"] >= 1 and point["expert_alltoall"] in ("linear", "2dh", "pairwise")
     summary = records[-1]
     assert summary["summary"] == "schedules" and summary["configs"] == 1
