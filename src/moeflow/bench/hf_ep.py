@@ -65,8 +65,6 @@ def _loaded(folder: str, world: int, implementation: str) -> tuple[Any, Any]:
     import transformers
     from transformers.distributed import DistributedConfig
 
-    import moeflow.hf  # noqa: F401  registers ep_implementation="moeflow"
-
     layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=layout)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -82,8 +80,10 @@ DECODE_TOKENS = 8
 """Tokens each rank generates (greedy, one sequence, every rank as many) in the decode phase."""
 
 
-def _decode(model: Any, prompt: Any) -> Any:
-    return model.generate(prompt, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, do_sample=False)
+def _decode(model: Any, ids: Any) -> Any:
+    """Greedy tokens of the batch's first sequence after its first 16 tokens."""
+    return model.generate(ids[:1, :16], max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS,
+                          do_sample=False)
 
 
 def _phases(ids: Any) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def _phases(ids: Any) -> dict[str, Any]:
 
     def decode(model: Any, optimizer: Any) -> None:
         with torch.no_grad():
-            _decode(model, ids[:1, :16])
+            _decode(model, ids)
 
     return {"step": lambda model, optimizer: _step(model, optimizer, ids), "prefill": prefill, "decode": decode}
 
@@ -128,7 +128,7 @@ def _agreement(loaded: dict[str, tuple[Any, Any]], ids: Any) -> tuple[float, boo
 
     with torch.no_grad():
         logits = [model(ids).logits for model, _ in loaded.values()]
-        tokens = [_decode(model, ids[:1, :16]) for model, _ in loaded.values()]
+        tokens = [_decode(model, ids) for model, _ in loaded.values()]
     difference = max((value - logits[0]).abs().max().item() for value in logits)
     differs = float(not all(torch.equal(value, tokens[0]) for value in tokens))
     difference, differs = reduce_values([difference, differs], None, "max")  # over the world, on its host device
