@@ -36,24 +36,26 @@ def ep_families() -> list[str]:
                   if getattr(getattr(transformers, config, None), "base_model_ep_plan", None))
 
 
-def tiny_family_config(model_type: str) -> Any:
-    """A small config of ``model_type``: :data:`SMALL`'s fields it has, then its own needs."""
+def tiny_family_config(model_type: str, **overrides: Any) -> Any:
+    """A small config of ``model_type``: :data:`SMALL`'s fields it has, then its own needs, then
+    whichever of ``overrides`` it has."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config_class = getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
     defaults = config_class()
     sizes = {key: value for key, value in SMALL.items() if hasattr(defaults, key)}
-    return config_class(**{**sizes, **FAMILY_SIZES.get(model_type, {})})
+    changes = {key: value for key, value in overrides.items() if hasattr(defaults, key)}
+    return config_class(**{**sizes, **FAMILY_SIZES.get(model_type, {}), **changes})
 
 
-def tiny_family_model(model_type: str, seed: int = 0) -> Any:
+def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """The causal LM of ``model_type`` at :func:`tiny_family_config`'s sizes (its base model where
     it has no causal LM head class), fp32, random weights from ``seed``."""
     import torch
     import transformers
 
-    config = tiny_family_config(model_type)
+    config = tiny_family_config(model_type, **overrides)
     torch.manual_seed(seed)
     try:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -235,3 +235,26 @@ def test_a_model_without_tokenizer_or_of_another_architecture_is_refused(
     (bare / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert main(["train", "--hf", str(bare), "--data", str(corpus_file), "--run-dir", str(tmp_path / "b")]) == 2
     assert "supported architectures: Mixtral" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["granitemoe", "hunyuan_v1_moe", "glm4_moe"])
+def test_fine_tuning_runs_the_families_beyond_the_first_four(family: str, corpus_file: Path, tmp_path: Path) -> None:
+    """Families whose router lives elsewhere (Granite's ``router``, HunYuan's ``gate.wg``) or that copy
+    DeepSeek-V3 under another name: step 1's loss is transformers' own, the written checkpoint loads
+    in plain transformers with the run's validation loss."""
+    from hf_families import tiny_family_model
+
+    directory = tmp_path / family
+    model = tiny_family_model(family, seed=1)
+    model.config.eos_token_id = 2
+    model.save_pretrained(directory)
+    word_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    config = TrainConfig(**dict(FINE_TUNE, steps=2, eval_interval=2, checkpoint_interval=2), hf=str(directory),
+                         data=str(corpus_file), run_dir=str(tmp_path / "run"))
+    summary = run_training(config, report=False)
+    corpus = PreparedCorpus(**json.loads((tmp_path / "run" / "corpus.json").read_text()))
+    first = next(iter(iterate_records(tmp_path / "run")))
+    assert first["loss"] == pytest.approx(_first_step_loss(_plain(directory), corpus, config), rel=1e-5)
+    assert summary["val_loss"] == pytest.approx(_validation_loss(_plain(Path(summary["hf_checkpoint"])), corpus,
+                                                                 config), rel=1e-5)

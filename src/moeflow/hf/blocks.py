@@ -20,7 +20,15 @@ from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.core.workspace import share_workspace
-from moeflow.hf.families import SUPPORTED, Family, family_for_model_type, family_of, routing_settings
+from moeflow.hf.families import (
+    SUPPORTED,
+    V4_TUPLE_BLOCKS,
+    Family,
+    family_of,
+    router_weight,
+    routing_settings,
+    selection_bias,
+)
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.kernels.choice import share_kernel_table
 from moeflow.moe.layer import MoELayer
@@ -29,7 +37,12 @@ from moeflow.timing.phases import PhaseClock
 Group = ParallelGroups | dist.ProcessGroup | None
 
 
-def _check_silu(block: nn.Module) -> None:
+LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+"""transformers' experts-interface flags of the one expert layout moeflow reads: gated, bias-free,
+(E, 2I, M) [gate; up] then (E, M, I)."""
+
+
+def _check_experts(block: nn.Module) -> None:
     experts = block.experts
     act = experts[0].act_fn if isinstance(experts, nn.ModuleList) else getattr(experts, "act_fn", None)
     name = type(act).__name__.lower() if act is not None else "none"
@@ -38,13 +51,20 @@ def _check_silu(block: nn.Module) -> None:
             f"the experts of {type(block).__name__} use {type(act).__name__}; moeflow.hf converts SwiGLU "
             "experts with hidden_act='silu' only"
         )
+    differs = {flag: getattr(experts, flag) for flag, want in LAYOUT_FLAGS.items()
+               if getattr(experts, flag, want) != want}
+    if differs:
+        raise ValueError(
+            f"the experts of {type(block).__name__} have {differs}; moeflow.hf converts gated, bias-free experts in "
+            "the [gate; up] layout only: run this model through ep_implementation='moeflow' instead"
+        )
 
 
 def _returns_router_logits(block: nn.Module) -> bool:
     """transformers v4's Mixtral and Qwen-MoE blocks returned ``(hidden, router_logits)``; its
     per-expert layout is how a v4 block is told apart."""
     family = family_of(block)
-    return isinstance(block.experts, nn.ModuleList) and family is not None and family.name != "DeepSeek-V3"
+    return isinstance(block.experts, nn.ModuleList) and family is not None and family.model_type in V4_TUPLE_BLOCKS
 
 
 class HFMoEBlock(nn.Module):
@@ -88,7 +108,7 @@ def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) ->
     family = family_of(block)
     if family is None:
         raise ValueError(f"from_hf_block cannot convert {type(block).__name__}; supported blocks: {SUPPORTED}")
-    _check_silu(block)
+    _check_experts(block)
     gate_IH = expert_tensors(block.experts)[0]
     num_experts, hidden_dim, model_dim = gate_IH.shape
     options: dict[str, Any] = {
@@ -107,11 +127,12 @@ def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -
     """A moeflow module computing what ``block`` computes, with its weights; ``layer_options``
     go to :class:`~moeflow.MoELayer` (``pipeline``, ``alltoall``, ``aux_loss_weight``, ...)."""
     moe, family = _moe_layer(block, group, layer_options)
-    moe.to(device=block.gate.weight.device, dtype=block.gate.weight.dtype)
+    weight = router_weight(block, family)
+    moe.to(device=weight.device, dtype=weight.dtype)
     moe.load_full_state_dict(moeflow_state(block, family))
-    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    hf_bias = selection_bias(block, family)
     if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
-        moe.gate.expert_bias.data = hf_bias.detach().clone()
+        moe.gate.expert_bias.data = hf_bias.detach().reshape(-1).clone()
     moe.train(block.training)
     return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
 
@@ -121,10 +142,10 @@ def unloaded_hf_block(block: nn.Module, group: Group = None, **layer_options: An
     allocated but not loaded: for a loader that reads them from a checkpoint, so that no rank ever
     holds the experts of another (``block`` itself may be on the meta device)."""
     moe, family = _moe_layer(block, group, layer_options)
-    moe.to(dtype=block.gate.weight.dtype)
-    hf_bias = getattr(block.gate, "e_score_correction_bias", None)
+    moe.to(dtype=router_weight(block, family).dtype)
+    hf_bias = selection_bias(block, family)
     if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
-        moe.gate.expert_bias.data = torch.zeros(hf_bias.shape, dtype=hf_bias.dtype)
+        moe.gate.expert_bias.data = torch.zeros(hf_bias.numel(), dtype=hf_bias.dtype)
     moe.train(block.training)
     return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
 
@@ -151,12 +172,11 @@ def replace_moe_blocks_unloaded(model: nn.Module, group: Group = None, **layer_o
 
 
 def _replace_blocks(model: nn.Module, build: Callable[[nn.Module], HFMoEBlock]) -> nn.Module:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is not None:
-        family_for_model_type(model_type)  # unsupported architectures fail here, naming the supported
     targets = [(name, module) for name, module in model.named_modules() if family_of(module) is not None]
     if not targets:
-        raise ValueError(f"{type(model).__name__} has no sparse MoE block moeflow converts; supported: {SUPPORTED}")
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) has no sparse MoE block moeflow "
+                         f"converts; supported architectures: {SUPPORTED}")
     for name, module in targets:
         model.set_submodule(name, build(module))
     share_workspace(block.moe for block in moe_blocks(model))

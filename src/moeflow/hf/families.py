@@ -18,41 +18,122 @@ Read from transformers' source (v5.23 fused experts; v4 per-expert modules where
   the same in fp32 unless k sigmoids sum below 1e-13), then times ``routed_scaling_factor``.
   ``n_shared_experts`` shared experts run as one MLP of ``n_shared_experts * moe_intermediate_size``.
 
+Most other families are transformers' own copies of one of these four under another name, or differ
+in where a setting lives (the router at ``block.router``, the selection bias on the block, the scaling
+factor's name) or fix what these read (always renormalised, never): :data:`FAMILIES` says where each
+reads. Softmax over the k chosen logits (Granite, Jamba's cousins) is softmax then renormalisation.
+
 Everywhere the combine weights are fp32; transformers v5 casts Qwen's to the input's dtype (no
 change in fp32/fp64) and multiplies in fp32 before the cast back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 
 @dataclass(frozen=True)
 class Family:
-    """One architecture: how to read its routing settings from a block."""
+    """One architecture: its block, and where a block of it keeps each routing setting (paths
+    from the block, dotted)."""
 
     name: str
     model_type: str
     block_class: str
     score_function: str
     gate_precision: str
-    shared: str | None  # attribute of the shared expert MLP, if any
-    shared_gate: str | None  # attribute of Qwen2's sigmoid shared-expert gate, if any
+    shared: str | None  # the shared expert MLP, if any
+    shared_gate: str | None  # Qwen2's sigmoid shared-expert gate, if any
+    normalize: bool | None = None  # None: the router's ``norm_topk_prob``
+    grouped: bool = False  # DeepSeek-V3's group-limited selection (``n_group``, ``topk_group`` on the router)
+    router: str = "gate.weight"  # the router's (E, M) weight
+    bias: str | None = None  # the selection-only bias (E,), if any
+    scale: str | None = None  # the routed scaling factor, if any
+    requires: tuple[tuple[str, Any], ...] = ()  # (path, value) a block must hold to route as above
+
+
+def _mixtral(name: str, model_type: str, block_class: str, **where: Any) -> Family:
+    """Mixtral's block: softmax of input-dtype logits, the k weights always renormalised."""
+    return Family(name, model_type, block_class, "softmax", "input", None, None, normalize=True, **where)
+
+
+def _qwen2(name: str, model_type: str, block_class: str, **where: Any) -> Family:
+    """Qwen2-MoE's block: Qwen3's routing and a shared expert behind a sigmoid gate."""
+    return Family(name, model_type, block_class, "softmax", "input", "shared_expert", "shared_expert_gate", **where)
+
+
+def _qwen3(name: str, model_type: str, block_class: str, **where: Any) -> Family:
+    """Qwen3-MoE's block: softmax of input-dtype logits, renormalised with ``norm_topk_prob``."""
+    return Family(name, model_type, block_class, "softmax", "input", None, None, **where)
+
+
+DEEPSEEK_V3 = Family("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE", "sigmoid", "fp32", "shared_experts", None,
+                     grouped=True, bias="gate.e_score_correction_bias", scale="gate.routed_scaling_factor")
+"""DeepSeek-V3's block: fp32 sigmoid scores, correction bias, groups, scaling, shared experts."""
+
+
+def _deepseek_v3(name: str, model_type: str, block_class: str, **changes: Any) -> Family:
+    return replace(DEEPSEEK_V3, name=name, model_type=model_type, block_class=block_class, **changes)
 
 
 FAMILIES = (
-    Family("Mixtral", "mixtral", "MixtralSparseMoeBlock", "softmax", "input", None, None),
-    Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "softmax", "input", "shared_expert",
-           "shared_expert_gate"),
-    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "softmax", "input", None, None),
-    Family("DeepSeek-V3", "deepseek_v3", "DeepseekV3MoE", "sigmoid", "fp32", "shared_experts", None),
+    _mixtral("Mixtral", "mixtral", "MixtralSparseMoeBlock"),
+    _mixtral("MiniMax", "minimax", "MiniMaxSparseMoeBlock"),
+    _mixtral("GraniteMoE", "granitemoe", "GraniteMoeMoE", router="router.weight"),
+    _mixtral("GraniteMoE-SWA", "granitemoe_swa", "GraniteMoeSWAMoE", router="router.weight"),
+    _mixtral("GraniteMoE-Shared", "granitemoeshared", "GraniteMoeSharedMoE", router="router.weight"),
+    _qwen2("Qwen2-MoE", "qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+    _qwen2("Qwen3-Next", "qwen3_next", "Qwen3NextSparseMoeBlock"),
+    _qwen2("Qwen3.5-MoE", "qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", normalize=True),
+    _qwen2("Qwen4-Exp", "qwen4_exp_text", "Qwen4ExpTextSparseMoeBlock"),
+    _qwen3("Qwen3-MoE", "qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    _qwen3("Qwen3-VL-MoE", "qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock", normalize=True),
+    _qwen3("Mellum", "mellum", "MellumSparseMoeBlock"),
+    _qwen3("OLMoE", "olmoe", "OlmoeSparseMoeBlock"),
+    _qwen3("FlexOlmo", "flex_olmo", "FlexOlmoSparseMoeBlock"),
+    _qwen3("Jamba", "jamba", "JambaSparseMoeBlock", normalize=False, router="router.weight"),
+    Family("HunYuan-MoE-V1", "hunyuan_v1_moe", "HunYuanMoEV1Moe", "softmax", "input", "shared_mlp", None,
+           normalize=True, router="gate.wg.weight"),
+    Family("ERNIE-4.5-MoE", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "softmax", "fp32", "shared_experts", None,
+           normalize=True, bias="gate.moe_statics.e_score_correction_bias"),
+    Family("Flint", "flint", "FlintSparseMoeBlock", "sigmoid", "fp32", "shared_expert", None),
+    DEEPSEEK_V3,
+    _deepseek_v3("DeepSeek-V3.2", "deepseek_v32", "DeepseekV32MoE"),
+    _deepseek_v3("Sarvam-MLA", "sarvam_mla", "DeepseekV3MoE"),
+    _deepseek_v3("dots.llm1", "dots1", "Dots1MoE"),
+    _deepseek_v3("EXAONE-MoE", "exaone_moe", "ExaoneMoeSparseMoEBlock"),
+    _deepseek_v3("GLM-4-MoE", "glm4_moe", "Glm4MoeMoE"),
+    _deepseek_v3("GLM-4-MoE-Lite", "glm4_moe_lite", "Glm4MoeLiteMoE"),
+    _deepseek_v3("GLM-MoE-DSA", "glm_moe_dsa", "GlmMoeDsaMoE"),
+    _deepseek_v3("Solar-Open", "solar_open", "SolarOpenMoE"),
+    _deepseek_v3("Bailing-Hybrid", "bailing_hybrid", "BailingHybridMoE"),
+    _deepseek_v3("Kimi-Linear", "kimi_linear", "KimiLinearMoE"),
+    _deepseek_v3("MiMo-V2-Flash", "mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
+    _deepseek_v3("DeepSeek-V2", "deepseek_v2", "DeepseekV2Moe", score_function="softmax", normalize=False,
+                 grouped=False, bias=None, requires=(("gate.topk_method", "greedy"),)),
+    _deepseek_v3("Mistral-4", "mistral4", "Mistral4MoE", score_function="softmax", gate_precision="input",
+                 bias=None),
+    _deepseek_v3("Mistral-Large-4", "mistral_large4_text", "MistralLarge4TextMoE", score_function="softmax",
+                 normalize=True, bias=None),
+    _deepseek_v3("HY-V3", "hy_v3", "HYV3MoE", normalize=True, grouped=False, bias="e_score_correction_bias",
+                 scale="gate.router_scaling_factor"),
+    _deepseek_v3("MiniMax-M2", "minimax_m2", "MiniMaxM2SparseMoeBlock", gate_precision="input", normalize=True,
+                 grouped=False, bias="e_score_correction_bias", scale=None, shared=None),
+    _deepseek_v3("AFMoE", "afmoe", "AfmoeSparseMoeBlock", gate_precision="input", normalize=True, grouped=False,
+                 router="router.gate.weight", bias="expert_bias", scale="router.route_scale"),
+    _deepseek_v3("Laguna", "laguna", "LagunaSparseMoeBlock", gate_precision="input", normalize=True, grouped=False,
+                 scale="routed_scaling_factor", requires=(("gate.router_logit_softcapping", 0.0),)),
 )
-"""The transformers MoE families moeflow converts: each one's sparse block class and routing conventions."""
-SUPPORTED = ", ".join(f"{f.name} ({f.block_class})" for f in FAMILIES)
-"""The supported families and their block classes, as error messages name them."""
+"""The transformers MoE families moeflow converts: each one's sparse block class and where its routing
+settings live (most are transformers' own copies of Mixtral's, Qwen's or DeepSeek-V3's block)."""
+SUPPORTED = ", ".join(f.name for f in FAMILIES) + " (docs/guides/huggingface.md: which path each family takes)"
+"""The supported families, as error messages name them."""
+V4_TUPLE_BLOCKS = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""The model types whose transformers v4 block returned ``(hidden, router_logits)``."""
 
 
 def family_of(block: nn.Module) -> Family | None:
@@ -73,28 +154,60 @@ def _first(*candidates: Any) -> Any:
     return next((c for c in candidates if c is not None), None)
 
 
+def _at(block: nn.Module, path: str) -> Any:
+    value: Any = block
+    for name in path.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
+def router_weight(block: nn.Module, family: Family) -> torch.Tensor:
+    """The block's (E, M) router weight."""
+    return _at(block, family.router)
+
+
+def selection_bias(block: nn.Module, family: Family) -> torch.Tensor | None:
+    """The block's selection-only bias (any shape of E elements), if its family has one."""
+    return None if family.bias is None else _at(block, family.bias)
+
+
+def _router_modules(block: nn.Module, family: Family) -> list[Any]:
+    """The router module, its parents up to the block: where settings are looked up, nearest first."""
+    path = family.router.split(".")[:-1]
+    return [_at(block, ".".join(path[:n])) if n else block for n in range(len(path), -1, -1)]
+
+
+def _setting(block: nn.Module, family: Family, *names: str) -> Any:
+    return _first(*(getattr(module, name, None) for module in _router_modules(block, family) for name in names))
+
+
 def routing_settings(block: nn.Module, family: Family) -> dict[str, Any]:
     """The MoELayer routing arguments of ``block`` (v4 kept them on the block, v5 on its router)."""
-    gate = block.gate
-    top_k = _first(getattr(gate, "top_k", None), getattr(block, "top_k", None))
+    top_k = _setting(block, family, "top_k")
     if top_k is None:
-        raise ValueError(f"cannot find top_k on the {type(block).__name__} block or its gate")
+        raise ValueError(f"cannot find top_k on the {type(block).__name__} block or its router")
+    jitter = _first(_setting(block, family, "jitter_noise", "router_jitter_noise"), 0.0)
+    if jitter:
+        raise ValueError(
+            f"the {family.name} block has router_jitter_noise={jitter}; moeflow does not copy input jitter: "
+            "set config.router_jitter_noise=0 before converting"
+        )
+    for path, value in family.requires:
+        if _at(block, path) != value:
+            raise ValueError(
+                f"the {family.name} block has {path}={_at(block, path)!r}; moeflow converts it only with {value!r}: "
+                "run this model through ep_implementation='moeflow' instead"
+            )
+    norm = family.normalize
+    if norm is None:
+        norm = bool(_setting(block, family, "norm_topk_prob"))
     settings: dict[str, Any] = {
         "top_k": int(top_k), "score_function": family.score_function, "gate_precision": family.gate_precision,
+        "normalize_gate": norm,
     }
-    if family.name == "Mixtral":
-        jitter = _first(getattr(block, "jitter_noise", None), 0.0)
-        if jitter:
-            raise ValueError(
-                f"the Mixtral block has router_jitter_noise={jitter}; moeflow does not copy input jitter: "
-                "set config.router_jitter_noise=0 before converting"
-            )
-        settings["normalize_gate"] = True
-        return settings
-    norm = _first(getattr(gate, "norm_topk_prob", None), getattr(block, "norm_topk_prob", None))
-    settings["normalize_gate"] = bool(norm)
-    if family.name == "DeepSeek-V3":
-        settings["expert_groups"] = int(_first(getattr(gate, "n_group", None), getattr(gate, "num_group", None), 1))
-        settings["top_groups"] = int(_first(getattr(gate, "topk_group", None), 1))
-        settings["routed_scaling_factor"] = float(_first(getattr(gate, "routed_scaling_factor", None), 1.0))
+    if family.grouped:
+        settings["expert_groups"] = int(_first(_setting(block, family, "n_group", "num_group"), 1))
+        settings["top_groups"] = int(_first(_setting(block, family, "topk_group"), 1))
+    if family.scale is not None:
+        settings["routed_scaling_factor"] = float(_first(_at(block, family.scale), 1.0))
     return settings

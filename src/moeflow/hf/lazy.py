@@ -21,12 +21,10 @@ import torch
 from torch import nn
 
 from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
+from moeflow.hf.families import router_weight, selection_bias
 from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
 from moeflow.hf.weights import PER_EXPERT_NAMES
 from moeflow.moe.layer import MoELayer
-
-_RENAMES = {"mixtral": ((".block_sparse_moe.", ".mlp."),)}
-"""Checkpoint names transformers v5 renames on load (its conversion mapping) for our families."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ def load_lazily(
         model = _empty_model(transformers, config, dtype)
         replace_moe_blocks_unloaded(model, group, **layer_options)
         _materialize(model, torch.device("cpu"))
-        names = _checkpoint_names(checkpoint, config.model_type)
+        names = _checkpoint_names(checkpoint, _renamings(model))
         for target, read in _reads(model, names):
             _copy(checkpoint, target, read)
     _check_not_meta(model)
@@ -119,15 +117,20 @@ def _recreate_non_persistent_buffers(model: nn.Module, owners: dict[nn.Module, l
             )
 
 
-def _checkpoint_names(checkpoint: SafetensorsCheckpoint, model_type: str) -> dict[str, str]:
-    """Model-side name -> checkpoint key, after transformers' renames of the family."""
-    names: dict[str, str] = {}
-    for key in checkpoint.files:
-        name = key
-        for old, new in _RENAMES.get(model_type, ()):
-            name = name.replace(old, new)
-        names[name] = key
-    return names
+def _renamings(model: nn.Module) -> list[Any]:
+    """The renames transformers applies to ``model``'s checkpoint keys on load (its conversion
+    mapping's ``WeightRenaming`` entries; the expert merges it also lists are read per expert here)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+
+def _checkpoint_names(checkpoint: SafetensorsCheckpoint, renamings: list[Any]) -> dict[str, str]:
+    """Model-side name -> checkpoint key, after transformers' renames."""
+    from transformers.core_model_loading import apply_renamings
+
+    return {apply_renamings(key, renamings): key for key in checkpoint.files}
 
 
 def _reads(model: nn.Module, names: dict[str, str]) -> list[tuple[torch.Tensor, Read]]:
@@ -150,7 +153,10 @@ def _reads(model: nn.Module, names: dict[str, str]) -> list[tuple[torch.Tensor, 
             reads.append((tensors[ident], Read(key)))
     if missing:
         raise ValueError(f"the checkpoint holds no tensor for {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                         + "; where transformers builds such tensors from others on load (its conversion mapping), "
+                         "moeflow's per-rank reader cannot: load the model with transformers' DistributedConfig("
+                         "ep_implementation='moeflow')")
     return reads
 
 
@@ -164,12 +170,12 @@ def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[
     """A moeflow block's tensors from the transformers block's entries (``block``'s meta template
     holds the dtypes transformers would load them in)."""
     template, moe, family = block._template[0], block.moe, block.family
-    gate = template.gate
-    reads = [(moe.gate.weight, Read(_key(names, f"{prefix}.gate.weight"), via=gate.weight.dtype))]
-    bias = getattr(gate, "e_score_correction_bias", None)
+    weight = router_weight(template, family)
+    reads = [(moe.gate.weight, Read(_key(names, f"{prefix}.{family.router}"), via=weight.dtype))]
+    bias = selection_bias(template, family)
     if bias is not None:
-        key = _key(names, f"{prefix}.gate.e_score_correction_bias")
-        reads.append((moe.gate.expert_bias, Read(key, via=bias.dtype)))
+        key = _key(names, f"{prefix}.{family.bias}")
+        reads.append((moe.gate.expert_bias.view(bias.shape), Read(key, via=bias.dtype)))
     via = next(template.experts.parameters()).dtype
     reads += _expert_reads(prefix, moe, via, names)
     if family.shared is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.hf.families import Family
+from moeflow.hf.families import Family, router_weight, selection_bias
 
 PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -81,10 +81,10 @@ def _ffn_from_state(state: dict[str, torch.Tensor], prefix: str) -> tuple[torch.
 
 def moeflow_state(block: nn.Module, family: Family) -> dict[str, torch.Tensor]:
     """The full MoELayer state dict (all E experts) holding ``block``'s weights."""
-    state = {"gate.weight": block.gate.weight.detach().clone()}
-    bias = getattr(block.gate, "e_score_correction_bias", None)
+    state = {"gate.weight": router_weight(block, family).detach().clone()}
+    bias = selection_bias(block, family)
     state["gate.expert_bias"] = (
-        bias.detach().float().clone() if bias is not None else torch.zeros(state["gate.weight"].shape[0])
+        bias.detach().float().reshape(-1).clone() if bias is not None else torch.zeros(state["gate.weight"].shape[0])
     )
     state.update(_ffn_state("experts.", *expert_tensors(block.experts)))
     if family.shared is not None:
@@ -97,9 +97,10 @@ def moeflow_state(block: nn.Module, family: Family) -> dict[str, torch.Tensor]:
 
 def write_hf_block(block: nn.Module, family: Family, state: dict[str, torch.Tensor]) -> None:
     """Put a full MoELayer state back into an HF block of the same shapes."""
-    _copy(block.gate.weight, state["gate.weight"])
-    if getattr(block.gate, "e_score_correction_bias", None) is not None:
-        _copy(block.gate.e_score_correction_bias, state["gate.expert_bias"])
+    _copy(router_weight(block, family), state["gate.weight"])
+    bias = selection_bias(block, family)
+    if bias is not None:
+        _copy(bias, state["gate.expert_bias"].reshape(bias.shape))
     write_experts(block.experts, *_ffn_from_state(state, "experts."))
     if family.shared is not None:
         gate, up, down = (t[0] for t in _ffn_from_state(state, "shared_experts."))

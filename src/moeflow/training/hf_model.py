@@ -31,7 +31,8 @@ from moeflow.timing.phases import PhaseClock
 from moeflow.training.config import MODEL_BALANCING, TrainConfig
 
 TOKENIZER_FILE = "tokenizer.json"
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # as transformers has named it
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""The config keys transformers has named the expert count with."""
 
 
 @dataclass(frozen=True)
