@@ -258,3 +258,37 @@ def test_fine_tuning_runs_the_families_beyond_the_first_four(family: str, corpus
     assert first["loss"] == pytest.approx(_first_step_loss(_plain(directory), corpus, config), rel=1e-5)
     assert summary["val_loss"] == pytest.approx(_validation_loss(_plain(Path(summary["hf_checkpoint"])), corpus,
                                                                  config), rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("technique", ["redundant_experts", "shadowing", "expert_packing", "topology_gate"])
+def test_fine_tuning_runs_every_technique_on_the_model(technique: str, corpus_file: Path, tmp_path: Path) -> None:
+    """EPLB's slots, FasterMoE's shadowing, Lina's packing and the topology gate on a --hf model's
+    layers: the exact ones start from transformers' own loss; the gate (which changes the routing)
+    limits the tokens leaving a node."""
+    from test_train_skew import _profile
+
+    directory = _saved(tmp_path / "qwen", "qwen3_moe")
+    settings: dict[str, Any] = {
+        "redundant_experts": {"redundant_experts": 2},
+        "shadowing": {"shadowing": "auto", "profile": _profile(tmp_path / "profile.json"), "parallel": "expert"},
+        "expert_packing": {"expert_packing": 8},
+        "topology_gate": {"topology_gate": 0.25, "ranks_per_node": 1},
+    }[technique]
+    config = TrainConfig(**dict(FINE_TUNE, steps=2, eval_interval=2, checkpoint_interval=2), **settings,
+                         hf=str(directory), data=str(corpus_file), run_dir=str(tmp_path / "run"))
+    run_training(config, report=False)
+    first = next(iter(iterate_records(tmp_path / "run")))
+    corpus = PreparedCorpus(**json.loads((tmp_path / "run" / "corpus.json").read_text()))
+    expected = _first_step_loss(_plain(directory), corpus, config)
+    if technique == "topology_gate":
+        assert first["loss"] != pytest.approx(expected, rel=1e-5)  # the gate routes otherwise
+    else:
+        assert first["loss"] == pytest.approx(expected, rel=1e-5)
+    assert all(sum(layer["tokens_per_expert"]) == 2 * 4 * 16 * 2 for layer in first["moe"])
+    if technique == "expert_packing":
+        assert first["packing"]["experts_per_worker"] == 8
+    if technique == "shadowing":
+        assert any(layer["shadowed"] for layer in first["moe"])  # the profile's slow exchange shadows hot experts
+    if technique == "redundant_experts":
+        assert all(len(layer["tokens_per_expert"]) == 8 for layer in first["moe"])  # per expert, not per slot

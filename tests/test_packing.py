@@ -199,7 +199,7 @@ def test_fixed_packing_on_four_workers_trains_like_expert_parallelism(tmp_path: 
     ({"expert_packing": "auto", "parallel": "replicated"}, "use parallel='expert'"),
     ({"expert_packing": "auto", "alltoall": "2dh"}, "turn off alltoall"),
     ({"expert_packing": "auto", "redundant_experts": 2, "parallel": "expert"}, "turn off redundant_experts"),
-    ({"expert_packing": "4", "mp_size": 2, "parallel": "auto"}, "drop --hf and --mp-size"),
+    ({"expert_packing": "4", "mp_size": 2, "parallel": "auto"}, "drop --mp-size, or use --expert-packing off"),
 ])
 def test_bad_packing_settings_name_the_fix(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):

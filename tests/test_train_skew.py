@@ -59,8 +59,6 @@ def _profile(path: Path) -> str:
                                                        "topology_gate='off'"),
         ({"topology_gate": 0.14, "workers": 4, "mp_size": 2, "parallel": "s1"},
          "runs parallel='s1': use parallel='expert'"),
-        ({"topology_gate": "auto", "shadowing": "auto", "profile": "p.json", "hf": "some/model"},
-         "--shadowing auto and --topology-gate: only moeflow's own model passes these"),
     ],
 )
 def test_bad_fastermoe_settings_name_the_flag_and_the_fix(changes: dict[str, Any], message: str) -> None:

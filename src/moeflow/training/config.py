@@ -259,41 +259,50 @@ class TrainConfig:
         layers would refuse only once the workers run; ``auto`` shadowing prices with a profile."""
         from moeflow.parallel.registry import check_techniques
 
-        wanted = [flag for flag, on in (("--shadowing auto", self.shadowing == "auto"),
-                                        ("--topology-gate", self.topology_gate != "off"),
-                                        ("--redundant-experts", self.redundant_experts > 0)) if on]
-        if wanted and self.hf is not None:
-            raise ValueError(f"{' and '.join(wanted)}: only moeflow's own model passes these to its MoE layers, not a "
-                             "--hf model; drop --hf, or use --shadowing off and --topology-gate off")
         if self.balance == "auto" and self.profile is None:
             raise ValueError("--balance auto prices no balancing, shadowing and redundant slots with the cost model: "
                              "pass --profile <a calibrated cluster profile> (moeflow calibrate) or use --balance fixed")
         if self.shadowing == "auto" and self.profile is None:
             raise ValueError("--shadowing auto decides which experts to shadow with FasterMoE's cost model: pass "
                              "--profile <a calibrated cluster profile> (moeflow calibrate) or use --shadowing off")
-        if self.hf is None:
-            check_techniques(moe, self.layer_schedule())
+        if self.hf is not None:
+            return  # the model's expert count is read from it: check_hf_training checks these
+        check_techniques(moe, self.layer_schedule())
+        self.check_expert_slots(self.num_experts)
+
+    def check_expert_slots(self, num_experts: int) -> None:
+        """EPLB's slots split evenly over the expert group's workers."""
         over = self.expert_workers
-        if self.redundant_experts and (self.num_experts + self.redundant_experts) % over:
+        if self.redundant_experts and (num_experts + self.redundant_experts) % over:
             raise ValueError(
-                f"--redundant-experts {self.redundant_experts}: the {self.num_experts} + {self.redundant_experts} "
+                f"--redundant-experts {self.redundant_experts}: the {num_experts} + {self.redundant_experts} "
                 f"expert slots must split evenly over the {over} workers of {self.expert_workers_setting}; choose a "
                 f"value that makes the sum a multiple of {over}"
             )
 
     def _check_packing(self, moe: MoEConfig) -> None:
-        """Lina's packing re-places the expert-parallel layers of moeflow's own model."""
-        from moeflow.training.packing import check_packing, parse_packing
+        """Lina's packing re-places the expert-parallel layers (a --hf model's: checked by
+        check_hf_training, which knows its expert count)."""
+        from moeflow.training.packing import parse_packing
 
         packing = parse_packing(self.expert_packing)
         if packing == "off":
             return
-        if self.hf is not None or self.mp_size > 1:
-            raise ValueError("--expert-packing re-places the experts of moeflow's own model under the expert-parallel "
-                             "schedule: drop --hf and --mp-size, or use --expert-packing off")
-        least = self.num_experts // self.expert_workers
-        check_packing(moe, self.layer_schedule(), self.expert_workers,
-                      packing if isinstance(packing, int) else least)
+        if self.mp_size > 1:
+            raise ValueError("--expert-packing re-places the experts under the expert-parallel schedule, which "
+                             "tensor-parallel attention does not run: drop --mp-size, or use --expert-packing off")
+        if self.hf is None:
+            self.check_expert_packing(moe)
+
+    def check_expert_packing(self, moe: MoEConfig) -> None:
+        """Lina's packing of ``moe``'s layers over the expert group, where asked."""
+        from moeflow.training.packing import check_packing, parse_packing
+
+        packing = parse_packing(self.expert_packing)
+        if packing != "off":
+            least = moe.num_experts // self.expert_workers
+            check_packing(moe, self.layer_schedule(), self.expert_workers,
+                          packing if isinstance(packing, int) else least)
 
     def layer_schedule(self) -> str:
         """The schedule the MoE layers build (before a profile's choice for ``auto``)."""

@@ -10,6 +10,7 @@ transformers loads, from the last sharded checkpoint, one layer at a time.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,13 @@ from moeflow.hf.loading import check_model_dir, load_hf_model
 from moeflow.models.transformer import total_aux_loss
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
-from moeflow.parallel.registry import AUTO, RAGGED_SCHEDULES, REPLICATING_SCHEDULES, experts_must_divide
+from moeflow.parallel.registry import (
+    AUTO,
+    RAGGED_SCHEDULES,
+    REPLICATING_SCHEDULES,
+    check_techniques,
+    experts_must_divide,
+)
 from moeflow.timing.phases import PhaseClock
 from moeflow.training.config import MODEL_BALANCING, TrainConfig
 
@@ -84,6 +91,10 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--{name.replace('_', '-')} that divides {info.num_experts}, or --parallel "
             f"{' or '.join(REPLICATING_SCHEDULES)}"
         )
+    moe = dataclasses.replace(config.model_config(info.vocab_size).moe, num_experts=info.num_experts)
+    check_techniques(moe, config.layer_schedule())
+    config.check_expert_slots(info.num_experts)
+    config.check_expert_packing(moe)
     if info.max_positions is not None and config.context > info.max_positions:
         raise ValueError(f"context={config.context} exceeds the model's max_position_embeddings="
                          f"{info.max_positions}; use --context {info.max_positions} or less")
@@ -142,6 +153,8 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
         "aux_loss_weight": from_model["aux_loss_weight"]["value"],
         "capacity_factor": from_model["capacity_factor"]["value"],
         "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) else "bmm",
+        "shadowing": config.shadowing, "topology_gate": config.topology_gate,
+        "redundant_experts": config.redundant_experts, "balance": config.balance,
     }
 
 
