@@ -149,7 +149,8 @@ TINY_BENCH = ["--num-experts", "4", "--top-k", "2", "--hidden-size", "16", "--mo
 
 
 @pytest.mark.distributed
-def test_bench_hf_ep_prints_both_implementations_with_equal_logits(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_hf_ep_prints_every_implementation_with_equal_logits(capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' all_to_all, moeflow's backend and ``train --hf``'s model, side by side."""
     import json
 
     from moeflow.cli import main
@@ -160,7 +161,8 @@ def test_bench_hf_ep_prints_both_implementations_with_equal_logits(capsys: pytes
     assert record["bench"] == "hf-ep" and record["workers"] == 2
     for phase in ("step", "prefill", "decode"):
         assert record[f"{phase}_all_to_all_ms"] > 0 and record[f"{phase}_moeflow_ms"] > 0
-        assert len(summary[f"{phase}_over_moeflow"]) == 1
+        assert record[f"{phase}_train-hf_ms"] > 0
+        assert len(summary[f"{phase}_over_moeflow"]) == 1 and len(summary[f"{phase}_over_train_hf"]) == 1
     assert record["logits_max_difference"] < 1e-5 and record["generated_equal"] is True
     assert summary["summary"] == "hf-ep" and summary["generated_equal"] is True
 

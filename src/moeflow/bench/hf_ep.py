@@ -9,7 +9,8 @@ of a greedy generation, checked equal between the implementations (the largest l
 is reported); then, round-robin after a warm-up round, a training step (forward, backward,
 optimizer), a prefill (a no-grad forward of the batch) and a decode (8 greedy tokens of one
 sequence after a 16-token prompt), one of each per implementation per round, the slowest rank's
-medians. ``<phase>_over_moeflow`` > 1: moeflow's backend is faster.
+medians. ``<phase>_over_moeflow`` > 1: moeflow's backend is faster; ``<phase>_over_train_hf`` > 1:
+``moeflow train --hf``'s model is.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-IMPLEMENTATIONS = ("all_to_all", "moeflow")
-"""transformers' own all-to-all, and moeflow's backend with its defaults."""
+TRAIN_HF = "train-hf"
+IMPLEMENTATIONS = ("all_to_all", "moeflow", TRAIN_HF)
+"""transformers' own all-to-all, moeflow's backend with its defaults, and ``moeflow train --hf``'s
+model: the blocks converted to moeflow's layer with the trainer's settings, the dense part data
+parallel with the trainer's gradient synchronisation."""
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,52 @@ def _saved_model(point: HFEPPoint, folder: str) -> None:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
 
 
-def _loaded(folder: str, world: int, implementation: str) -> tuple[Any, Any]:
+class _SyncingAdamW:
+    """AdamW after the trainer's gradient synchronisation (replicated gradients averaged, experts'
+    scaled), as a ``moeflow train --hf`` step runs it."""
+
+    def __init__(self, trainable: Any, world: int) -> None:
+        import torch
+
+        self.trainable, self.world = trainable, world
+        self.adamw = torch.optim.AdamW(trainable.parameters(), lr=1e-5)
+
+    def step(self) -> None:
+        import torch.distributed as dist
+
+        from moeflow.training.gradients import synchronize_gradients
+
+        synchronize_gradients(self.trainable, self.trainable.expert_parameter_names(), dist.group.WORLD, self.world)
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+
+def _trainer_model(folder: str, world: int, point: HFEPPoint) -> tuple[Any, Any]:
+    """``moeflow train --hf``'s model (each rank reading its own experts) and its optimizer."""
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.comm.groups import ParallelGroups
+    from moeflow.hf.loading import load_hf_model
+    from moeflow.training import TrainConfig
+    from moeflow.training.hf_model import HFCausalLM, layer_options, read_hf_info
+
+    config = TrainConfig(hf=folder, batch_size=point.batch, context=point.seq, workers=world)
+    groups = ParallelGroups.from_group(dist.group.WORLD)
+    model = load_hf_model(folder, "float32", groups, **layer_options(config, read_hf_info(folder)))
+    trainable = HFCausalLM(model.to(torch.device("cpu")), groups, config.eval_capacity_factor)
+    return model, _SyncingAdamW(trainable, world)
+
+
+def _loaded(folder: str, world: int, implementation: str, point: HFEPPoint) -> tuple[Any, Any]:
     import torch
     import transformers
     from transformers.distributed import DistributedConfig
+
+    if implementation == TRAIN_HF:
+        return _trainer_model(folder, world, point)
 
     layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=layout)
@@ -114,7 +160,7 @@ def _loaded_everywhere(point: HFEPPoint, rank: int, world: int) -> dict[str, tup
         if rank == 0:
             _saved_model(point, mine)
         barrier()
-        loaded = {name: _loaded(shared[0], world, name) for name in point.implementations}
+        loaded = {name: _loaded(shared[0], world, name, point) for name in point.implementations}
         barrier()  # rank 0's folder goes when every rank has loaded
     return loaded
 
@@ -162,9 +208,11 @@ def measure_point(
     median_ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     record = {"bench": "hf-ep", "config": point.name, "workers": world, "logits_max_difference": difference,
               "generated_equal": same_tokens, **{f"{key}_ms": value for key, value in median_ms.items()}}
-    if {"moeflow", "all_to_all"} <= set(point.implementations):
-        for phase in phases:
-            record[f"{phase}_over_moeflow"] = median_ms[f"{phase}_all_to_all"] / median_ms[f"{phase}_moeflow"]
+    for name in ("moeflow", TRAIN_HF):
+        if {name, "all_to_all"} <= set(point.implementations):
+            for phase in phases:
+                record[f"{phase}_over_{name.replace('-', '_')}"] = (median_ms[f"{phase}_all_to_all"]
+                                                                     / median_ms[f"{phase}_{name}"])
     return record
 
 
@@ -206,13 +254,13 @@ def run_loopback(grid: list[HFEPPoint], workers: int, repeats: int, emit: Any) -
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per point and phase: transformers' time over moeflow's; the largest logits difference, and
-    whether every point generated the same tokens."""
+    """Per point and phase: transformers' time over moeflow's backend's and over ``train --hf``'s
+    model's; the largest logits difference, and whether every point generated the same tokens."""
     rows = [r for r in records if r.get("bench") == "hf-ep"]
-    ratios = {phase: {f"{r['config']} W={r['workers']}": round(r[f"{phase}_over_moeflow"], 3)
-                      for r in rows if f"{phase}_over_moeflow" in r} for phase in ("step", "prefill", "decode")}
-    return {"summary": "hf-ep", "configs": len(rows),
-            **{f"{phase}_over_moeflow": value for phase, value in ratios.items()},
+    ratios = {f"{phase}_over_{name}": {f"{r['config']} W={r['workers']}": round(r[f"{phase}_over_{name}"], 3)
+                                       for r in rows if f"{phase}_over_{name}" in r}
+              for name in ("moeflow", "train_hf") for phase in ("step", "prefill", "decode")}
+    return {"summary": "hf-ep", "configs": len(rows), **ratios,
             "logits_max_difference": max((r["logits_max_difference"] for r in rows), default=0.0),
             "generated_equal": all(r["generated_equal"] for r in rows)}
 

@@ -14,11 +14,14 @@ from moeflow.config import ALLTOALL_ALGORITHMS, HF_EP_TOKEN_EXCHANGES
 
 def add(benches: Any) -> None:
     hf_ep = benches.add_parser(
-        "hf-ep", help="transformers' expert parallelism (all_to_all) against ep_implementation='moeflow'",
+        "hf-ep", help="transformers' expert parallelism (all_to_all) against ep_implementation='moeflow' and "
+        "train --hf's model",
         description="A Qwen3-MoE-like model of random weights loaded with transformers' DistributedConfig("
-        "fsdp_size=W, ep_size=W) once per ep_implementation (all_to_all and moeflow, its defaults), each rank its "
-        "own batch: the logits checked equal, then training steps with AdamW, round-robin, the slowest rank's "
-        "medians. On local workers over loopback (--workers), or on the emulated cluster (--cluster, needs root).",
+        "fsdp_size=W, ep_size=W) once per ep_implementation (all_to_all and moeflow, its defaults), and as "
+        "moeflow train --hf loads it (the blocks on moeflow's layer, the dense part data parallel), each rank its "
+        "own batch: the logits checked equal, then training steps with AdamW, prefill and decode, round-robin, the "
+        "slowest rank's medians. On local workers over loopback (--workers), or on the emulated cluster "
+        "(--cluster, needs root).",
     )
     hf_ep.add_argument("--workers", type=positive_int, default=2, help="local gloo workers (default 2)")
     hf_ep.add_argument("--cluster", action="store_true", help="on the emulated cluster (--nodes x --ranks-per-node)")
