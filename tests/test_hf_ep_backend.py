@@ -36,6 +36,7 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
         settings = {"token_exchange": per_rank[rank]}
     tensor_parallel = settings.pop("tensor_parallel", False)  # the ranks share one batch, TP attention
     moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
+    exchanges = _count_chunk_exchanges()
     sizes = {"tp_size": world} if tensor_parallel else {"fsdp_size": world}
     layout = DistributedConfig(**sizes, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
@@ -46,7 +47,26 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
              for name, p in model.named_parameters() if p.grad is not None}
     logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits  # TP's head: a DTensor
     # numpy arrays: torch's shared-memory handover of a tensor result failed under tensor parallelism
-    return {"logits": logits.detach().numpy(), "grads": {name: grad.numpy() for name, grad in grads.items()}}
+    return {"logits": logits.detach().numpy(), "grads": {name: grad.numpy() for name, grad in grads.items()},
+            "chunk_exchanges": exchanges(),
+            "moe_layers": sum(hasattr(module, "has_gate") for module in model.modules())}
+
+
+def _count_chunk_exchanges() -> Any:
+    """The all-to-alls the pipelined path runs from now on (a counter; the pool's workers outlive a test,
+    so each call wraps the module's function afresh around the original)."""
+    import moeflow.hf.pipelined as pipelined
+
+    original = getattr(pipelined, "_original_exchange", pipelined.exchange)
+    pipelined._original_exchange = original
+    count = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    pipelined.exchange = counted
+    return lambda: count[0]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +95,9 @@ def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
     ("deepseek_v3", 2, {"token_exchange": "dedup"}),
     ("qwen3_moe", 4, {"token_exchange": "dedup", "alltoall": "2dh", "topology": Topology(4, 2)}),
     ("qwen3_moe", 2, {"token_exchange": "dedup", "tensor_parallel": True}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 3}),
+    ("deepseek_v3", 2, {"token_exchange": "pairs", "pipeline": 2}),
+    ("qwen3_moe", 4, {"token_exchange": "dedup", "pipeline": 2, "alltoall": "pairwise"}),
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
     saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
@@ -90,6 +113,9 @@ def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients
         torch.testing.assert_close(torch.from_numpy(ours[rank]["logits"]), expected[rank], rtol=1e-5, atol=1e-5)
         assert ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
         assert any("experts" in name for name in ours[rank]["grads"])
+        degree, layers = settings.get("pipeline", 1), ours[rank]["moe_layers"]
+        # packed (exact wire): per chunk and layer one all-to-all each way, forward and backward
+        assert ours[rank]["chunk_exchanges"] == (4 * degree * layers if degree > 1 else 0)
         for name, grad in ours[rank]["grads"].items():
             torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(theirs[rank]["grads"][name]),
                                        rtol=1e-5, atol=1e-6, msg=name)
@@ -102,9 +128,12 @@ def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str
     exact = run_distributed(_ep_step, 2, path, "moeflow", {}, timeout_s=300)
     bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup"},
                            timeout_s=300)
+    chunked = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup",
+                                                             "pipeline": 2}, timeout_s=300)
     for rank in range(2):
         difference = abs(bf16[rank]["logits"] - exact[rank]["logits"]).max().item()
         assert 0 < difference < 0.05
+        assert abs(chunked[rank]["logits"] - bf16[rank]["logits"]).max().item() == 0  # the same rows, in chunks
 
 
 def test_configure_names_the_bad_setting() -> None:
@@ -114,6 +143,8 @@ def test_configure_names_the_bad_setting() -> None:
         moeflow.hf.configure(token_exchange="dedupe")
     with pytest.raises(ValueError, match="alltoall '2d'"):
         moeflow.hf.configure(alltoall="2d")
+    with pytest.raises(ValueError, match="pipeline must be a number of chunks >= 1, got 0"):
+        moeflow.hf.configure(pipeline=0)
     moeflow.hf.configure()  # the defaults again for the tests after this one
 
 
@@ -202,3 +233,18 @@ def test_moeflow_backend_generates_the_one_process_tokens(saved: dict[str, Path]
         prompt = _batch(rank, model.config.vocab_size)[:1, :4]
         expected = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
         assert torch.equal(tokens, expected)
+
+
+def test_chunks_split_every_block_into_near_equal_parts_each_rank_can_compute() -> None:
+    from moeflow.hf.pipelined import chunk_matrices, chunk_rows
+
+    matrix = [[5, 0, 2], [1, 7, 3], [4, 4, 0]]
+    chunks = chunk_matrices(matrix, 3)
+    assert [[sum(c[s][d] for c in chunks) for d in range(3)] for s in range(3)] == matrix
+    assert all(max(c[s][d] for c in chunks) - min(c[s][d] for c in chunks) <= 1 for s in range(3) for d in range(3))
+    rows = chunk_rows(matrix[1], 3)  # rank 1 sends 1, 7 and 3 rows, laid out by destination
+    assert torch.cat(rows).sort().values.tolist() == list(range(11))
+    for c, index in enumerate(rows):  # chunk c's rows to each destination are that block's c-th part, in order
+        destination = torch.bucketize(index, torch.tensor([1, 8]), right=True)
+        assert torch.bincount(destination, minlength=3).tolist() == chunks[c][1]
+        assert index.tolist() == sorted(index.tolist())

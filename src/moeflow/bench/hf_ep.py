@@ -42,11 +42,13 @@ class HFEPPoint:
     implementations: tuple[str, ...] = field(default=IMPLEMENTATIONS)
     token_exchange: str = "auto"  # moeflow's (moeflow.hf.configure)
     alltoall: str = "linear"  # moeflow's: linear, 2dh or pairwise (the cluster's node layout)
+    pipeline: int = 1  # the chunks moeflow's backend moves a block's rows in
 
     @property
     def name(self) -> str:
         return (f"E{self.num_experts}-k{self.top_k}-M{self.hidden_size}-He{self.moe_hidden}-L{self.layers}"
-                f"-T{self.batch * self.seq}-{self.token_exchange}-{self.alltoall}")
+                f"-T{self.batch * self.seq}-{self.token_exchange}-{self.alltoall}"
+                + (f"-d{self.pipeline}" if self.pipeline > 1 else ""))
 
 
 def _saved_model(point: HFEPPoint, folder: str) -> None:
@@ -191,7 +193,8 @@ def measure_point(
     import moeflow.hf
     from moeflow.timing.measure import slowest_rank_seconds
 
-    moeflow.hf.configure(token_exchange=point.token_exchange, alltoall=point.alltoall, topology=topology)
+    moeflow.hf.configure(token_exchange=point.token_exchange, alltoall=point.alltoall, topology=topology,
+                         pipeline=point.pipeline)
     loaded = _loaded_everywhere(point, rank, world)
     ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
     difference, same_tokens = _agreement(loaded, ids)

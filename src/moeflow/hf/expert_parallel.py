@@ -49,6 +49,7 @@ from moeflow.config import (
     WIRE_DTYPES,
     require_choice,
 )
+from moeflow.hf.pipelined import ChunkPlan, pipelined
 
 if TYPE_CHECKING:
     from torch import nn
@@ -71,8 +72,11 @@ class BackendSettings:
     alltoall: str = "linear"
     wire_dtype: str = EXACT_WIRE
     topology: Topology | None = None
+    pipeline: int = 1  # the chunks a block's rows move and compute in (moeflow.hf.pipelined)
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int) or self.pipeline < 1:
+            raise ValueError(f"pipeline must be a number of chunks >= 1, got {self.pipeline!r}")
         require_choice("token_exchange", self.token_exchange, HF_EP_TOKEN_EXCHANGES)
         require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
         require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
@@ -188,11 +192,24 @@ class MoeflowEP(EPImplementation):
         settings, world = self.backend.settings, self.groups.size
         routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
         matrix, width = self._agree(routes)
-        rows_NM, ids_NK, weights_NK = self._dispatch(hidden_states, routes, matrix, width)
-        expert_NM = self._experts(rows_NM, ids_NK, weights_NK)
-        back_NM = differentiable_exchange(settings.alltoall, expert_NM, self.groups, transpose(matrix),
-                                          settings.wire_dtype)
+        if settings.pipeline > 1:
+            ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
+            plan = ChunkPlan.of(matrix, settings.pipeline, settings.alltoall, settings.wire_dtype, self.groups,
+                                self._packs(hidden_states.dtype, weights_NK.dtype))
+            back_NM = pipelined(hidden_states[routes.token_N], ids_NK, weights_NK, plan, self._experts)
+        else:
+            rows_NM, ids_NK, weights_NK = self._dispatch(hidden_states, routes, matrix, width)
+            expert_NM = self._experts(rows_NM, ids_NK, weights_NK)
+            back_NM = differentiable_exchange(settings.alltoall, expert_NM, self.groups, transpose(matrix),
+                                              settings.wire_dtype)
         return hidden_states.new_zeros(hidden_states.shape).index_add(0, routes.token_N, back_NM)
+
+    def _packs(self, dtype: torch.dtype, weights_dtype: torch.dtype) -> bool:
+        """Whether the ids and gate weights ride exactly as extra columns of the rows: exact wire, the
+        weights in the rows' dtype, the ids below the dtype's largest exact integer."""
+        exact_ints = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 0  # 2 ** (mantissa + 1)
+        return (self.backend.settings.wire_dtype == EXACT_WIRE and weights_dtype == dtype
+                and self.num_local_experts < exact_ints)
 
     def _dispatch(
         self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int
@@ -203,8 +220,7 @@ class MoeflowEP(EPImplementation):
         algorithm, wire, dtype = self.backend.settings.alltoall, self.backend.settings.wire_dtype, hidden_states.dtype
         rows_NM = hidden_states[routes.token_N]
         ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
-        exact_ints = round(2 / torch.finfo(dtype).eps) if dtype.is_floating_point else 0  # 2 ** (mantissa + 1)
-        if wire == EXACT_WIRE and weights_NK.dtype == dtype and self.num_local_experts < exact_ints:
+        if self._packs(dtype, weights_NK.dtype):
             packed = torch.cat([rows_NM, ids_NK.to(dtype), weights_NK], dim=1)
             packed = differentiable_exchange(algorithm, packed, self.groups, matrix)
             model_dim = rows_NM.shape[1]
@@ -244,11 +260,11 @@ class MoeflowEP(EPImplementation):
 
 def configure(
     token_exchange: str = AUTO, alltoall: str = "linear", wire_dtype: str = EXACT_WIRE,
-    topology: Topology | None = None,
+    topology: Topology | None = None, pipeline: int = 1,
 ) -> BackendSettings:
     """Register ``ep_implementation="moeflow"`` in transformers with these settings (``import
     moeflow.hf`` registers the defaults). Models loaded afterwards run with them."""
-    settings = BackendSettings(token_exchange, alltoall, wire_dtype, topology)
+    settings = BackendSettings(token_exchange, alltoall, wire_dtype, topology, pipeline)
     configured = type(MoeflowEP.__name__, (MoeflowEP,), {"backend": Backend(settings), "__doc__": MoeflowEP.__doc__})
     EPImplementationInterface.register(NAME, configured)
     return settings

@@ -39,6 +39,8 @@ def add(benches: Any) -> None:
                        help="what moeflow's backend sends (moeflow.hf.configure; default auto)")
     hf_ep.add_argument("--alltoall", choices=ALLTOALL_ALGORITHMS, default="linear",
                        help="moeflow's all-to-all (2dh and pairwise read the cluster's nodes; default linear)")
+    hf_ep.add_argument("--pipeline", type=positive_int, default=1,
+                       help="the chunks moeflow's backend moves and computes a block's rows in (default 1)")
     hf_ep.set_defaults(func=run_hf_ep)
 
 
@@ -55,7 +57,7 @@ def run_hf_ep(args: argparse.Namespace) -> int:
     if args.hidden_size % 4:
         raise fail("bench hf-ep", f"--hidden-size {args.hidden_size}: give a multiple of 4 (the model's 4 heads)")
     point = HFEPPoint(args.num_experts, args.top_k, args.hidden_size, args.moe_hidden, args.layers, args.batch,
-                      args.seq, token_exchange=args.token_exchange, alltoall=args.alltoall)
+                      args.seq, token_exchange=args.token_exchange, alltoall=args.alltoall, pipeline=args.pipeline)
     if args.cluster:
         return run_cluster_grid("bench hf-ep", run_cluster, summarize, [point], args)
     print_json(summarize(run_loopback([point], args.workers, args.repeats, print_json)))
