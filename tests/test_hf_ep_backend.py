@@ -17,10 +17,11 @@ from moeflow.comm.topology import Topology
 from pool import run_distributed
 
 TOKENS = (2, 10)  # each rank's batch: sequences x length
+PIPELINED = (6, 40)  # a batch whose rows fill chunks of PIPELINE_MIN_ROWS
 
 
-def _batch(rank: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(100 + rank))
+def _batch(rank: int, vocab: int, tokens: tuple[int, int] = TOKENS) -> torch.Tensor:
+    return torch.randint(0, vocab, tokens, generator=torch.Generator().manual_seed(100 + rank))
 
 
 def _ep_step(rank: int, world: int, path: str, implementation: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -34,13 +35,15 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
     per_rank = settings.get("per_rank")  # each rank its own layout: the receivers take either
     if per_rank is not None:
         settings = {"token_exchange": per_rank[rank]}
+    settings = dict(settings)
     tensor_parallel = settings.pop("tensor_parallel", False)  # the ranks share one batch, TP attention
+    tokens = settings.pop("tokens", TOKENS)
     moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
     exchanges = _count_chunk_exchanges()
     sizes = {"tp_size": world} if tensor_parallel else {"fsdp_size": world}
     layout = DistributedConfig(**sizes, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
-    ids = _batch(0 if tensor_parallel else rank, model.config.vocab_size)
+    ids = _batch(0 if tensor_parallel else rank, model.config.vocab_size, tokens)
     out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -78,12 +81,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
+def _one_process_logits(path: Path, world: int, tokens: tuple[int, int] = TOKENS) -> list[torch.Tensor]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
-        return [model(_batch(rank, model.config.vocab_size)).logits for rank in range(world)]
+        return [model(_batch(rank, model.config.vocab_size, tokens)).logits for rank in range(world)]
 
 
 @pytest.mark.distributed
@@ -95,25 +98,27 @@ def _one_process_logits(path: Path, world: int) -> list[torch.Tensor]:
     ("deepseek_v3", 2, {"token_exchange": "dedup"}),
     ("qwen3_moe", 4, {"token_exchange": "dedup", "alltoall": "2dh", "topology": Topology(4, 2)}),
     ("qwen3_moe", 2, {"token_exchange": "dedup", "tensor_parallel": True}),
-    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 3}),
-    ("deepseek_v3", 2, {"token_exchange": "pairs", "pipeline": 2}),
-    ("qwen3_moe", 4, {"token_exchange": "dedup", "pipeline": 2, "alltoall": "pairwise"}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 3, "tokens": PIPELINED}),
+    ("deepseek_v3", 2, {"token_exchange": "pairs", "pipeline": 2, "tokens": PIPELINED}),
+    ("qwen3_moe", 4, {"token_exchange": "dedup", "pipeline": 2, "alltoall": "pairwise", "tokens": PIPELINED}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 3}),  # a batch too small for chunks: one piece
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
     saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
 ) -> None:
     path = str(saved[family])
     ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
-    shared = {"tensor_parallel": True} if settings.get("tensor_parallel") else {}
+    shared = {key: settings[key] for key in ("tensor_parallel", "tokens") if key in settings}
     theirs = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
-    expected = _one_process_logits(saved[family], world)
-    if shared:  # every rank the one batch
+    expected = _one_process_logits(saved[family], world, settings.get("tokens", TOKENS))
+    if shared.get("tensor_parallel"):  # every rank the one batch
         expected = [expected[0]] * world
     for rank in range(world):
         torch.testing.assert_close(torch.from_numpy(ours[rank]["logits"]), expected[rank], rtol=1e-5, atol=1e-5)
         assert ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
         assert any("experts" in name for name in ours[rank]["grads"])
-        degree, layers = settings.get("pipeline", 1), ours[rank]["moe_layers"]
+        degree = settings.get("pipeline", 1) if "tokens" in settings else 1
+        layers = ours[rank]["moe_layers"]
         # packed (exact wire): per chunk and layer one all-to-all each way, forward and backward
         assert ours[rank]["chunk_exchanges"] == (4 * degree * layers if degree > 1 else 0)
         for name, grad in ours[rank]["grads"].items():
@@ -129,11 +134,14 @@ def test_moeflow_backend_sends_rows_in_the_wire_format_asked_for(saved: dict[str
     bf16 = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup"},
                            timeout_s=300)
     chunked = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup",
-                                                             "pipeline": 2}, timeout_s=300)
+                                                             "pipeline": 2, "tokens": PIPELINED}, timeout_s=300)
+    bf16_big = run_distributed(_ep_step, 2, path, "moeflow", {"wire_dtype": "bf16", "token_exchange": "dedup",
+                                                              "tokens": PIPELINED}, timeout_s=300)
     for rank in range(2):
         difference = abs(bf16[rank]["logits"] - exact[rank]["logits"]).max().item()
         assert 0 < difference < 0.05
-        assert abs(chunked[rank]["logits"] - bf16[rank]["logits"]).max().item() == 0  # the same rows, in chunks
+        assert abs(chunked[rank]["logits"] - bf16_big[rank]["logits"]).max().item() == 0  # the same rows, in chunks
+        assert chunked[rank]["chunk_exchanges"] > 0
 
 
 def test_configure_names_the_bad_setting() -> None:

@@ -61,6 +61,8 @@ AUTO = HF_EP_TOKEN_EXCHANGES[0]
 """Each rank's batch sent deduplicated or as pairs by its size (:data:`DEDUP_MIN_PAIRS`)."""
 DEDUP_MIN_PAIRS = 256
 """Under ``auto``, the routed (token, expert) pairs from which a batch is sent deduplicated."""
+PIPELINE_MIN_ROWS = 64
+"""The rows a rank sends per chunk at least: a batch of fewer (a decoding step) moves in one piece."""
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,10 @@ class MoeflowEP(EPImplementation):
         """Each token's weighted expert output: its rows to the experts' ranks and back."""
         settings, world = self.backend.settings, self.groups.size
         routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
-        matrix, width = self._agree(routes)
-        if settings.pipeline > 1:
+        matrix, width, degree = self._agree(routes, settings.pipeline)
+        if degree > 1:
             ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
-            plan = ChunkPlan.of(matrix, settings.pipeline, settings.alltoall, settings.wire_dtype, self.groups,
+            plan = ChunkPlan.of(matrix, degree, settings.alltoall, settings.wire_dtype, self.groups,
                                 self._packs(hidden_states.dtype, weights_NK.dtype))
             back_NM = pipelined(hidden_states[routes.token_N], ids_NK, weights_NK, plan, self._experts)
         else:
@@ -231,15 +233,18 @@ class MoeflowEP(EPImplementation):
         slots_NK = differentiable_exchange(algorithm, slots_NK, self.groups, matrix)  # the gate weights exact
         return rows_NM, slots_NK[:, :width].detach().round().long(), slots_NK[:, width:].to(dtype)
 
-    def _agree(self, routes: Routes) -> tuple[SplitMatrix, int]:
-        """Every rank's rows to every rank and the widest row's expert slots: one all-gather."""
+    def _agree(self, routes: Routes, pipeline: int) -> tuple[SplitMatrix, int, int]:
+        """Every rank's rows to every rank, the widest row's expert slots and the chunks all ranks'
+        batches fill (each rank offers up to ``pipeline``, :data:`PIPELINE_MIN_ROWS` rows a chunk;
+        the fewest offered runs): one all-gather."""
         group, world = self.groups.expert, self.groups.size
-        mine = torch.cat([routes.sizes_W, routes.sizes_W.new_tensor([routes.width])])
-        every = mine.new_empty(world * (world + 1))
+        offered = max(1, min(pipeline, len(routes.token_N) // PIPELINE_MIN_ROWS))
+        mine = torch.cat([routes.sizes_W, routes.sizes_W.new_tensor([routes.width, offered])])
+        every = mine.new_empty(world * (world + 2))
         with self.groups.ledger.tracked("all-gather", group, every.numel() * every.element_size()):
             all_gather_into(every, mine, group)
-        table = every.view(world, world + 1).tolist()
-        return [row[:world] for row in table], max(row[world] for row in table)
+        table = every.view(world, world + 2).tolist()
+        return [row[:world] for row in table], max(row[world] for row in table), min(row[-1] for row in table)
 
     def _experts(self, rows_NM: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received, one weighted sum per row. A row of several
