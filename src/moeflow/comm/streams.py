@@ -47,9 +47,11 @@ class CommunicationStreams:
             return self._streams[device]
 
 
-def _used_on(tensor: torch.Tensor, stream: Stream) -> None:
-    if tensor.is_cuda:
-        tensor.record_stream(stream)  # type: ignore[arg-type]
+def _used_on(value: torch.Tensor | tuple[torch.Tensor, ...], stream: Stream) -> None:
+    """``value`` (a tensor, or a piece's tensors) read on ``stream`` too."""
+    for tensor in value if isinstance(value, tuple) else (value,):
+        if tensor.is_cuda:
+            tensor.record_stream(stream)  # type: ignore[arg-type]
 
 
 def overlap_on_streams(
