@@ -191,3 +191,19 @@ def test_the_guide_says_which_path_each_family_takes() -> None:
     backend_only = set(ep_families()) - set(NOT_TESTED) - set(CONVERTED)
     assert backend_only <= named["backend"], sorted(backend_only - named["backend"])
     assert not named["backend"] & set(CONVERTED), sorted(named["backend"] & set(CONVERTED))
+
+
+@pytest.mark.parametrize(("model_type", "settings", "message"), [
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
+     "gate.topk_method='group_limited_greedy'; moeflow converts it only with 'greedy'"),
+    ("laguna", {"moe_router_logit_softcapping": 30.0}, "gate.router_logit_softcapping=30.0"),
+    ("axk2", {"n_group": 4, "topk_group": 2}, "gate.num_group=4; moeflow converts it only with None or 1"),
+])
+def test_a_variant_moeflow_does_not_compute_is_refused_naming_the_setting_and_the_backend(
+    model_type: str, settings: dict[str, Any], message: str
+) -> None:
+    import re
+
+    model = tiny_family_model(model_type, **settings)
+    with pytest.raises(ValueError, match=re.escape(message) + ".*ep_implementation='moeflow'"):
+        replace_moe_blocks(model)

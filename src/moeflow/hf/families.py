@@ -53,7 +53,7 @@ class Family:
     router: str = "gate.weight"  # the router's (E, M) weight
     bias: str | None = None  # the selection-only bias (E,), if any
     scale: str | None = None  # the routed scaling factor, if any
-    requires: tuple[tuple[str, Any], ...] = ()  # (path, value) a block must hold to route as above
+    requires: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (path, the values it may hold to route as above)
 
 
 def _mixtral(name: str, model_type: str, block_class: str, **where: Any) -> Family:
@@ -111,10 +111,11 @@ FAMILIES = (
     _deepseek_v3("GLM-MoE-DSA", "glm_moe_dsa", "GlmMoeDsaMoE"),
     _deepseek_v3("Solar-Open", "solar_open", "SolarOpenMoE"),
     _deepseek_v3("Bailing-Hybrid", "bailing_hybrid", "BailingHybridMoE"),
+    _deepseek_v3("A.X-K2", "axk2", "AXK2MoE", grouped=False, requires=(("gate.num_group", (None, 1)),)),
     _deepseek_v3("Kimi-Linear", "kimi_linear", "KimiLinearMoE"),
     _deepseek_v3("MiMo-V2-Flash", "mimo_v2_flash", "MiMoV2FlashMoE", shared=None),
     _deepseek_v3("DeepSeek-V2", "deepseek_v2", "DeepseekV2Moe", score_function="softmax", normalize=False,
-                 grouped=False, bias=None, requires=(("gate.topk_method", "greedy"),)),
+                 grouped=False, bias=None, requires=(("gate.topk_method", ("greedy",)),)),
     _deepseek_v3("Mistral-4", "mistral4", "Mistral4MoE", score_function="softmax", gate_precision="input",
                  bias=None),
     _deepseek_v3("Mistral-Large-4", "mistral_large4_text", "MistralLarge4TextMoE", score_function="softmax",
@@ -126,7 +127,7 @@ FAMILIES = (
     _deepseek_v3("AFMoE", "afmoe", "AfmoeSparseMoeBlock", gate_precision="input", normalize=True, grouped=False,
                  router="router.gate.weight", bias="expert_bias", scale="router.route_scale"),
     _deepseek_v3("Laguna", "laguna", "LagunaSparseMoeBlock", gate_precision="input", normalize=True, grouped=False,
-                 scale="routed_scaling_factor", requires=(("gate.router_logit_softcapping", 0.0),)),
+                 scale="routed_scaling_factor", requires=(("gate.router_logit_softcapping", (0.0,)),)),
 )
 """The transformers MoE families moeflow converts: each one's sparse block class and where its routing
 settings live (most are transformers' own copies of Mixtral's, Qwen's or DeepSeek-V3's block)."""
@@ -192,11 +193,11 @@ def routing_settings(block: nn.Module, family: Family) -> dict[str, Any]:
             f"the {family.name} block has router_jitter_noise={jitter}; moeflow does not copy input jitter: "
             "set config.router_jitter_noise=0 before converting"
         )
-    for path, value in family.requires:
-        if _at(block, path) != value:
+    for path, allowed in family.requires:
+        if _at(block, path) not in allowed:
             raise ValueError(
-                f"the {family.name} block has {path}={_at(block, path)!r}; moeflow converts it only with {value!r}: "
-                "run this model through ep_implementation='moeflow' instead"
+                f"the {family.name} block has {path}={_at(block, path)!r}; moeflow converts it only with "
+                f"{' or '.join(map(repr, allowed))}: run this model through ep_implementation='moeflow' instead"
             )
     norm = family.normalize
     if norm is None:
