@@ -38,12 +38,20 @@ def _ep_step(rank: int, world: int, path: str, implementation: str, settings: di
     settings = dict(settings)
     tensor_parallel = settings.pop("tensor_parallel", False)  # the ranks share one batch, TP attention
     tokens = settings.pop("tokens", TOKENS)
+    checkpointing = settings.pop("checkpointing", False)  # transformers' activation checkpointing
+    experts_only = settings.pop("experts_only", False)  # everything but the experts frozen
     moeflow.hf.configure(**settings)  # every call sets its own: the pool's workers outlive a test
     exchanges = _count_chunk_exchanges()
     sizes = {"tp_size": world} if tensor_parallel else {"fsdp_size": world}
     layout = DistributedConfig(**sizes, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
     ids = _batch(0 if tensor_parallel else rank, model.config.vocab_size, tokens)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    if experts_only:
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(".experts." in name)
     out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
@@ -102,13 +110,16 @@ def _one_process_logits(path: Path, world: int, tokens: tuple[int, int] = TOKENS
     ("deepseek_v3", 2, {"token_exchange": "pairs", "pipeline": 2, "tokens": PIPELINED}),
     ("qwen3_moe", 4, {"token_exchange": "dedup", "pipeline": 2, "alltoall": "pairwise", "tokens": PIPELINED}),
     ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 3}),  # a batch too small for chunks: one piece
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 2, "tokens": PIPELINED, "checkpointing": True}),
+    ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 2, "tokens": PIPELINED, "experts_only": True}),
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
     saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
 ) -> None:
     path = str(saved[family])
     ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
-    shared = {key: settings[key] for key in ("tensor_parallel", "tokens") if key in settings}
+    shared = {key: settings[key] for key in ("tensor_parallel", "tokens", "checkpointing", "experts_only")
+              if key in settings}
     theirs = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
     expected = _one_process_logits(saved[family], world, settings.get("tokens", TOKENS))
     if shared.get("tensor_parallel"):  # every rank the one batch
@@ -119,8 +130,10 @@ def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients
         assert any("experts" in name for name in ours[rank]["grads"])
         degree = settings.get("pipeline", 1) if "tokens" in settings else 1
         layers = ours[rank]["moe_layers"]
-        # packed (exact wire): per chunk and layer one all-to-all each way, forward and backward
-        assert ours[rank]["chunk_exchanges"] == (4 * degree * layers if degree > 1 else 0)
+        # packed (exact wire): per chunk and layer one all-to-all each way, forward and backward (and
+        # the forward again where activation checkpointing recomputes it)
+        runs = 3 if settings.get("checkpointing") else 2
+        assert ours[rank]["chunk_exchanges"] == (2 * runs * degree * layers if degree > 1 else 0)
         for name, grad in ours[rank]["grads"].items():
             torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(theirs[rank]["grads"][name]),
                                        rtol=1e-5, atol=1e-6, msg=name)

@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 
 from hf_families import ep_families, tiny_family_model
 from hf_models import randomize
-from moeflow.hf import FAMILIES, HFMoEBlock, replace_moe_blocks, to_hf
-from moeflow.hf.families import family_for_model_type, family_of
+from moeflow.hf import FAMILIES, HFMoEBlock, from_hf_block, replace_moe_blocks, to_hf
+from moeflow.hf.families import family_for_model_type, family_of, router_weight
 from moeflow.hf.weights import write_hf_block
 from pool import run_distributed
 
@@ -207,3 +207,47 @@ def test_a_variant_moeflow_does_not_compute_is_refused_naming_the_setting_and_th
     model = tiny_family_model(model_type, **settings)
     with pytest.raises(ValueError, match=re.escape(message) + ".*ep_implementation='moeflow'"):
         replace_moe_blocks(model)
+
+
+BF16_DEPARTS = {"mistral4": 0.02}
+"""Families whose bf16 routing moeflow computes otherwise, the share of tokens that may go elsewhere,
+as the guide says: Mistral-4 takes its softmax in bf16, moeflow in fp32."""
+
+
+@pytest.mark.parametrize("model_type", CONVERTED)
+def test_converted_block_routes_as_transformers_in_bf16(model_type: str, tmp_path) -> None:
+    """A bf16 model as from_pretrained gives it, where some families keep their router in fp32
+    (HunYuan's, DeepSeek's): the converted layer holds its experts in bf16 and its router in the
+    router's dtype, and chooses the same experts (the outputs differ by bf16's rounding, not by a
+    token's expert)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    _model(model_type).save_pretrained(tmp_path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    except ValueError:  # a text part of a multimodal model: its base model
+        model = transformers.AutoModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    block = next(module for module in model.modules() if family_of(module) is not None)
+    family = family_of(block)
+    assert family is not None
+    x = torch.randn(4, 256, block.experts.gate_up_proj.shape[-1], generator=torch.Generator().manual_seed(5))
+    ours = from_hf_block(block)
+    assert ours.moe.experts.w1.dtype == torch.bfloat16
+    assert ours.moe.gate.weight.dtype == router_weight(block, family).dtype
+    with torch.no_grad():
+        expected, got = block(x.to(torch.bfloat16)), ours(x.to(torch.bfloat16))
+    assert got.dtype == expected.dtype
+    scale = expected.float().abs().max().item()
+    rerouted = ((got.float() - expected.float()).abs().amax(-1) > 0.05 * scale).float().mean().item()
+    assert rerouted <= BF16_DEPARTS.get(model_type, 0.0), f"{rerouted:.1%} of the tokens routed otherwise"
+
+
+def test_an_ernie_block_without_a_shared_expert_converts_and_one_with_biases_is_refused() -> None:
+    model = tiny_family_model("ernie4_5_moe", moe_num_shared_experts=0)
+    converted = replace_moe_blocks(copy.deepcopy(model))
+    ids = _batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids, use_cache=False)[0], model(ids, use_cache=False)[0], **TOLERANCE)
+    with pytest.raises(ValueError, match=r"has biases.*ep_implementation='moeflow'"):
+        replace_moe_blocks(tiny_family_model("ernie4_5_moe", use_bias=True))

@@ -31,8 +31,8 @@ FINE_TUNE: dict[str, Any] = dict(
 )
 
 
-def _saved(directory: Path, family: str, tokenizer: bool = True) -> Path:
-    model = tiny_model(family, seed=1)
+def _saved(directory: Path, family: str, tokenizer: bool = True, **overrides: Any) -> Path:
+    model = tiny_model(family, seed=1, **overrides)
     model.config.eos_token_id = 2
     model.save_pretrained(directory)
     if tokenizer:
@@ -292,3 +292,22 @@ def test_fine_tuning_runs_every_technique_on_the_model(technique: str, corpus_fi
         assert any(layer["shadowed"] for layer in first["moe"])  # the profile's slow exchange shadows hot experts
     if technique == "redundant_experts":
         assert all(len(layer["tokens_per_expert"]) == 8 for layer in first["moe"])  # per expert, not per slot
+
+
+def test_the_techniques_are_checked_before_workers_start_against_the_models_own_experts(tmp_path: Path) -> None:
+    """The trainer's own expert count (8) is not the model's: on 16 workers a 64-expert model runs
+    the expert-parallel schedule, where shadowing, EPLB's slots and packing are allowed; the
+    topology gate beside a router that already limits the groups is refused, naming the flag."""
+    from moeflow.training.hf_model import check_hf_training, read_hf_info
+    from test_train_skew import _profile
+
+    wide = read_hf_info(_saved(tmp_path / "wide", "qwen3_moe", num_experts=64))
+    settings: dict[str, Any] = dict(hf=wide.directory, workers=16, parallel="auto")
+    for technique in ({"shadowing": "auto", "profile": _profile(tmp_path / "profile.json")},
+                      {"redundant_experts": 16}, {"expert_packing": 8}):
+        check_hf_training(TrainConfig(**settings, **technique), wide)
+    with pytest.raises(ValueError, match="the 64 \\+ 4 expert slots must split evenly over the 16 workers"):
+        check_hf_training(TrainConfig(**settings, redundant_experts=4), wide)
+    grouped = read_hf_info(_saved(tmp_path / "grouped", "deepseek_v3"))  # n_group 4
+    with pytest.raises(ValueError, match="n_group=4\\): use --topology-gate off"):
+        check_hf_training(TrainConfig(hf=grouped.directory, topology_gate=0.25), grouped)

@@ -47,7 +47,11 @@ class CommunicationStreams:
             return self._streams[device]
 
 
-def _used_on(value: torch.Tensor | tuple[torch.Tensor, ...], stream: Stream) -> None:
+Piece = torch.Tensor | tuple[torch.Tensor, ...]
+"""What a pipeline's send, compute or receive hands on: a tensor, or a piece's tensors."""
+
+
+def _used_on(value: Piece, stream: Stream) -> None:
     """``value`` (a tensor, or a piece's tensors) read on ``stream`` too."""
     for tensor in value if isinstance(value, tuple) else (value,):
         if tensor.is_cuda:
@@ -55,8 +59,8 @@ def _used_on(value: torch.Tensor | tuple[torch.Tensor, ...], stream: Stream) -> 
 
 
 def overlap_on_streams(
-    comm: Stream, compute_stream: Stream, sends: list[Callable[[], torch.Tensor]],
-    compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
+    comm: Stream, compute_stream: Stream, sends: list[Callable[[], Piece]],
+    compute: Callable[[int, Piece], Piece], receive: Callable[[int, Piece], None],
     after_compute: Callable[[], None] | None = None,
     on_stream: Callable[[Stream], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
@@ -65,7 +69,7 @@ def overlap_on_streams(
     the sends; ``after_compute`` on the compute stream while the last receives run."""
     use = on_stream or torch.cuda.stream
     comm.wait_stream(compute_stream)  # the buffer the sends read is complete
-    received: list[tuple[torch.Tensor, Any]] = []
+    received: list[tuple[Piece, Any]] = []
     with use(comm):
         for send in sends:
             rows = send()
@@ -73,7 +77,7 @@ def overlap_on_streams(
     # every piece's output stays referenced until the receives are done: an output may be a
     # workspace buffer, which the workspace hands out again as soon as nothing references it,
     # and record_stream cannot guard a block that never goes back to the caching allocator
-    outputs: list[torch.Tensor] = []
+    outputs: list[Piece] = []
     for index, (rows, sent) in enumerate(received):
         compute_stream.wait_event(sent)
         _used_on(rows, compute_stream)

@@ -28,6 +28,7 @@ from moeflow.hf.families import (
     router_weight,
     routing_settings,
     selection_bias,
+    shared_mlp,
 )
 from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.kernels.choice import share_kernel_table
@@ -97,6 +98,8 @@ class HFMoEBlock(nn.Module):
         state = self.moe.full_state_dict()
         block = self._template[0].to_empty(device=self.moe.gate.weight.device)
         block.to(self.moe.experts.w1.dtype)
+        router = router_weight(block, self.family)
+        router.data = router.data.to(self.moe.gate.weight.dtype)  # an fp32 router stays fp32
         write_hf_block(block, self.family, state)
         block.train(self.training)
         return block
@@ -116,9 +119,10 @@ def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) ->
         "expert_kernel": "ragged",
         "aux_loss_weight": 0.0, **layer_options,
     }
-    if family.shared is not None:
+    shared = shared_mlp(block, family)
+    if shared is not None:
         options["num_shared_experts"] = 1
-        options["shared_hidden_dim"] = mlp_tensors(getattr(block, family.shared))[0].shape[0]
+        options["shared_hidden_dim"] = mlp_tensors(shared)[0].shape[0]
     options["shared_expert_gate"] = family.shared_gate is not None
     return MoELayer(model_dim, hidden_dim, num_experts, group=group, **options), family
 
@@ -127,8 +131,7 @@ def from_hf_block(block: nn.Module, group: Group = None, **layer_options: Any) -
     """A moeflow module computing what ``block`` computes, with its weights; ``layer_options``
     go to :class:`~moeflow.MoELayer` (``pipeline``, ``alltoall``, ``aux_loss_weight``, ...)."""
     moe, family = _moe_layer(block, group, layer_options)
-    weight = router_weight(block, family)
-    moe.to(device=weight.device, dtype=weight.dtype)
+    _to_block_dtypes(moe, block, family, device=router_weight(block, family).device)
     moe.load_full_state_dict(moeflow_state(block, family))
     hf_bias = selection_bias(block, family)
     if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
@@ -142,12 +145,19 @@ def unloaded_hf_block(block: nn.Module, group: Group = None, **layer_options: An
     allocated but not loaded: for a loader that reads them from a checkpoint, so that no rank ever
     holds the experts of another (``block`` itself may be on the meta device)."""
     moe, family = _moe_layer(block, group, layer_options)
-    moe.to(dtype=router_weight(block, family).dtype)
+    _to_block_dtypes(moe, block, family)
     hf_bias = selection_bias(block, family)
     if hf_bias is not None:  # the selection bias keeps its own dtype, as in transformers
         moe.gate.expert_bias.data = torch.zeros(hf_bias.numel(), dtype=hf_bias.dtype)
     moe.train(block.training)
     return HFMoEBlock(moe, family, _returns_router_logits(block), _meta_copy(block))
+
+
+def _to_block_dtypes(moe: MoELayer, block: nn.Module, family: Family, device: torch.device | None = None) -> None:
+    """The layer in the experts' dtype, its router in the block's router's (which some families keep
+    in fp32 in a bf16 model)."""
+    moe.to(device=device, dtype=expert_tensors(block.experts)[0].dtype)
+    moe.gate.weight.data = moe.gate.weight.data.to(router_weight(block, family).dtype)
 
 
 def _meta_copy(block: nn.Module) -> nn.Module:

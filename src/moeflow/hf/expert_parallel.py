@@ -169,6 +169,7 @@ class MoeflowEP(EPImplementation):
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
         super().__init__(experts, ep_mesh, tp_mesh)
+        self.expert_module = experts  # its parameters: inputs of the pipelined chunks' graph
         self.groups = self.backend.groups_of(ep_mesh.get_group())
         self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
 
@@ -198,7 +199,8 @@ class MoeflowEP(EPImplementation):
             ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
             plan = ChunkPlan.of(matrix, degree, settings.alltoall, settings.wire_dtype, self.groups,
                                 self._packs(hidden_states.dtype, weights_NK.dtype))
-            back_NM = pipelined(hidden_states[routes.token_N], ids_NK, weights_NK, plan, self._experts)
+            back_NM = pipelined(hidden_states[routes.token_N], ids_NK, weights_NK, plan, self._experts,
+                                tuple(self.expert_module.parameters()))
         else:
             rows_NM, ids_NK, weights_NK = self._dispatch(hidden_states, routes, matrix, width)
             expert_NM = self._experts(rows_NM, ids_NK, weights_NK)

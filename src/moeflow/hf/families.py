@@ -21,7 +21,7 @@ Read from transformers' source (v5.23 fused experts; v4 per-expert modules where
 Most other families are transformers' own copies of one of these four under another name, or differ
 in where a setting lives (the router at ``block.router``, the selection bias on the block, the scaling
 factor's name) or fix what these read (always renormalised, never): :data:`FAMILIES` says where each
-reads. Softmax over the k chosen logits (Granite, Jamba's cousins) is softmax then renormalisation.
+reads. Softmax over the k chosen logits (Granite's) is softmax then renormalisation.
 
 Everywhere the combine weights are fp32; transformers v5 casts Qwen's to the input's dtype (no
 change in fp32/fp64) and multiplies in fp32 before the cast back.
@@ -172,6 +172,12 @@ def selection_bias(block: nn.Module, family: Family) -> torch.Tensor | None:
     return None if family.bias is None else _at(block, family.bias)
 
 
+def shared_mlp(block: nn.Module, family: Family) -> nn.Module | None:
+    """The block's shared expert MLP, if its family has one and this block holds it (ERNIE's is
+    None with ``moe_num_shared_experts=0``)."""
+    return None if family.shared is None else getattr(block, family.shared, None)
+
+
 def _router_modules(block: nn.Module, family: Family) -> list[Any]:
     """The router module, its parents up to the block: where settings are looked up, nearest first."""
     path = family.router.split(".")[:-1]
@@ -202,9 +208,10 @@ def routing_settings(block: nn.Module, family: Family) -> dict[str, Any]:
     norm = family.normalize
     if norm is None:
         norm = bool(_setting(block, family, "norm_topk_prob"))
+    fp32_router = router_weight(block, family).dtype == torch.float32  # its logits then fp32 in every family
     settings: dict[str, Any] = {
-        "top_k": int(top_k), "score_function": family.score_function, "gate_precision": family.gate_precision,
-        "normalize_gate": norm,
+        "top_k": int(top_k), "score_function": family.score_function,
+        "gate_precision": "fp32" if fp32_router else family.gate_precision, "normalize_gate": norm,
     }
     if family.grouped:
         settings["expert_groups"] = int(_first(_setting(block, family, "n_group", "num_group"), 1))

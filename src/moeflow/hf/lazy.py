@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
-from moeflow.hf.families import router_weight, selection_bias
+from moeflow.hf.families import router_weight, selection_bias, shared_mlp
 from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
 from moeflow.hf.weights import PER_EXPERT_NAMES
 from moeflow.moe.layer import MoELayer
@@ -178,9 +178,10 @@ def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[
         reads.append((moe.gate.expert_bias.view(bias.shape), Read(key, via=bias.dtype)))
     via = next(template.experts.parameters()).dtype
     reads += _expert_reads(prefix, moe, via, names)
-    if family.shared is not None:
+    shared_module = shared_mlp(template, family)
+    if shared_module is not None:
         shared = f"{prefix}.{family.shared}"
-        via = next(getattr(template, family.shared).parameters()).dtype
+        via = next(shared_module.parameters()).dtype
         projections = _projection_keys(names, shared)
         targets = (moe.shared_experts.w1[0], moe.shared_experts.w3[0], moe.shared_experts.w2[0])
         reads += [(t, Read(key, transpose=True, via=via)) for t, key in zip(targets, projections, strict=True)]

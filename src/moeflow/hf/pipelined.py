@@ -84,17 +84,23 @@ class ChunkPlan:
 
 
 def pipelined(rows_NM: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, plan: ChunkPlan,
-              experts: Experts) -> torch.Tensor:
+              experts: Experts, parameters: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Each row's weighted expert output, back at this rank in the rows' order, in chunks (the
-    experts' graphs kept for a backward only where grad mode is on)."""
-    return _Pipelined.apply(rows_NM, weights_NK, ids_NK, plan, experts, torch.is_grad_enabled())
+    experts' graphs kept for a backward only where grad mode is on). ``parameters``: the experts',
+    inputs of the graph so that their gradients are reached where nothing else needs one (frozen
+    embeddings and router); the chunks' own backwards accumulate them."""
+    return _Pipelined.apply(rows_NM, weights_NK, ids_NK, plan, experts, torch.is_grad_enabled(), *parameters)
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _Pipelined(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: FunctionCtx, rows_NM: torch.Tensor, weights_NK: torch.Tensor, ids_NK: torch.Tensor, plan: ChunkPlan,
-        experts: Experts, keep_graphs: bool,
+        experts: Experts, keep_graphs: bool, *parameters: torch.Tensor,
     ) -> torch.Tensor:
         out_NM = rows_NM.new_empty(rows_NM.shape)
         graphs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -102,13 +108,15 @@ class _Pipelined(torch.autograd.Function):
 
         def send(chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
             index = plan.rows[chunk]
-            slots = torch.cat([ids_NK[index].to(weights_NK.dtype), weights_NK[index]], dim=1)
+            slots = torch.cat([ids_NK[index].float(), weights_NK[index].float()], dim=1)  # the ids exact
             return plan.with_columns(plan.send, chunk, rows_NM[index], slots)
 
         def compute(chunk: int, received: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             x_NM, slots = received
             ids, weights = slots[:, :width].round().long(), slots[:, width:].to(weights_NK.dtype)
-            with torch.set_grad_enabled(keep_graphs):
+            # the chunk's own graph, its tensors saved as they are: under activation checkpointing the
+            # checkpoint's hooks would otherwise recompute the layer (its collectives) inside the backward
+            with torch.set_grad_enabled(keep_graphs), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
                 x_NM, weights = x_NM.detach().requires_grad_(keep_graphs), weights.detach().requires_grad_(keep_graphs)
                 y_NM = experts(x_NM, ids, weights)
             graphs.append((x_NM, weights, y_NM))
@@ -118,8 +126,8 @@ class _Pipelined(torch.autograd.Function):
             out_NM[plan.rows[chunk]] = plan.send_back(chunk, y_NM)
 
         sends = [functools.partial(send, chunk) for chunk in range(len(plan.rows))]
-        overlap(plan.groups, rows_NM.device, sends, compute, receive)  # type: ignore[arg-type]
-        ctx.plan, ctx.graphs = plan, graphs if keep_graphs else []
+        overlap(plan.groups, rows_NM.device, sends, compute, receive)  # type: ignore[arg-type]  # pieces: tuples
+        ctx.plan, ctx.graphs, ctx.parameters = plan, graphs if keep_graphs else [], len(parameters)
         ctx.shapes = (rows_NM.shape, weights_NK.shape, weights_NK.dtype)
         return out_NM
 
@@ -127,6 +135,9 @@ class _Pipelined(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_NM: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan, graphs = ctx.plan, ctx.graphs
+        if len(graphs) != len(plan.rows):
+            raise RuntimeError("the backend's pipelined chunks run one backward (their graphs are freed by it): for a "
+                               "second backward (retain_graph=True) use moeflow.hf.configure(pipeline=1)")
         rows_shape, weights_shape, weights_dtype = ctx.shapes
         grad_rows_NM = grad_NM.new_zeros(rows_shape)
         grad_weights_NK = grad_NM.new_zeros(weights_shape, dtype=weights_dtype)
@@ -147,6 +158,6 @@ class _Pipelined(torch.autograd.Function):
             grad_rows_NM[index], grad_weights_NK[index] = rows, weights.to(weights_dtype)
 
         sends = [functools.partial(send, chunk) for chunk in range(len(plan.rows))]
-        overlap(plan.groups, grad_NM.device, sends, compute, receive)  # type: ignore[arg-type]
+        overlap(plan.groups, grad_NM.device, sends, compute, receive)  # type: ignore[arg-type]  # pieces: tuples
         ctx.graphs = []
-        return grad_rows_NM, grad_weights_NK, None, None, None, None
+        return (grad_rows_NM, grad_weights_NK, None, None, None, None, *[None] * ctx.parameters)

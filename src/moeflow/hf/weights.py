@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.hf.families import Family, router_weight, selection_bias
+from moeflow.hf.families import Family, router_weight, selection_bias, shared_mlp
 
 PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -28,8 +28,12 @@ def _projection_names(module: nn.Module) -> tuple[str, str, str]:
 
 
 def mlp_tensors(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate (I, H), up (I, H), down (H, I)) of one SwiGLU MLP module."""
-    gate, up, down = (getattr(mlp, n).weight for n in _projection_names(mlp))
+    """(gate (I, H), up (I, H), down (H, I)) of one bias-free SwiGLU MLP module."""
+    projections = [getattr(mlp, n) for n in _projection_names(mlp)]
+    if any(getattr(p, "bias", None) is not None for p in projections):
+        raise ValueError(f"{type(mlp).__name__} has biases (the config's use_bias or mlp_bias); moeflow.hf converts "
+                         "bias-free SwiGLU MLPs only: run this model through ep_implementation='moeflow' instead")
+    gate, up, down = (p.weight for p in projections)
     return gate, up, down
 
 
@@ -87,8 +91,9 @@ def moeflow_state(block: nn.Module, family: Family) -> dict[str, torch.Tensor]:
         bias.detach().float().reshape(-1).clone() if bias is not None else torch.zeros(state["gate.weight"].shape[0])
     )
     state.update(_ffn_state("experts.", *expert_tensors(block.experts)))
-    if family.shared is not None:
-        gate, up, down = mlp_tensors(getattr(block, family.shared))
+    shared = shared_mlp(block, family)
+    if shared is not None:
+        gate, up, down = mlp_tensors(shared)
         state.update(_ffn_state("shared_experts.", gate[None], up[None], down[None]))
     if family.shared_gate is not None:
         state["shared_expert_gate.weight"] = getattr(block, family.shared_gate).weight.detach().clone()
@@ -102,8 +107,9 @@ def write_hf_block(block: nn.Module, family: Family, state: dict[str, torch.Tens
     if bias is not None:
         _copy(bias, state["gate.expert_bias"].reshape(bias.shape))
     write_experts(block.experts, *_ffn_from_state(state, "experts."))
-    if family.shared is not None:
+    shared = shared_mlp(block, family)
+    if shared is not None:
         gate, up, down = (t[0] for t in _ffn_from_state(state, "shared_experts."))
-        write_mlp(getattr(block, family.shared), gate, up, down)
+        write_mlp(shared, gate, up, down)
     if family.shared_gate is not None:
         _copy(getattr(block, family.shared_gate).weight, state["shared_expert_gate.weight"])

@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.comm.algorithms import exchange
 from moeflow.comm.groups import CommunicationWorker, ParallelGroups
-from moeflow.comm.streams import overlap_on_streams
+from moeflow.comm.streams import Piece, overlap_on_streams
 from moeflow.config import EXACT_WIRE
 from moeflow.core.experts import ExpertCompute, FFNSaved, FFNWeightGradInputs, FFNWeights
 from moeflow.core.stats import PipelineTiming
@@ -189,8 +189,8 @@ def run_pipeline(
 
 
 def overlap(
-    groups: ParallelGroups, device: torch.device, sends: list[Callable[[], torch.Tensor]],
-    compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
+    groups: ParallelGroups, device: torch.device, sends: list[Callable[[], Piece]],
+    compute: Callable[[int, Piece], Piece], receive: Callable[[int, Piece], None],
     after_compute: Callable[[], None] | None = None,
 ) -> None:
     """Sends, computes and receives overlapped: on CUDA tensors on the groups' communication stream
@@ -203,8 +203,8 @@ def overlap(
 
 
 def overlap_on_worker(
-    worker: CommunicationWorker, sends: list[Callable[[], torch.Tensor]],
-    compute: Callable[[int, torch.Tensor], torch.Tensor], receive: Callable[[int, torch.Tensor], None],
+    worker: CommunicationWorker, sends: list[Callable[[], Piece]],
+    compute: Callable[[int, Piece], Piece], receive: Callable[[int, Piece], None],
     after_compute: Callable[[], None] | None = None,
 ) -> None:
     """The overlap both pipelines share: every send on the communication worker, in order; each

@@ -301,14 +301,15 @@ class TrainConfig:
         packing = parse_packing(self.expert_packing)
         if packing != "off":
             least = moe.num_experts // self.expert_workers
-            check_packing(moe, self.layer_schedule(), self.expert_workers,
+            check_packing(moe, self.layer_schedule(moe.num_experts), self.expert_workers,
                           packing if isinstance(packing, int) else least)
 
-    def layer_schedule(self) -> str:
-        """The schedule the MoE layers build (before a profile's choice for ``auto``)."""
+    def layer_schedule(self, num_experts: int | None = None) -> str:
+        """The schedule the MoE layers of ``num_experts`` experts (unset: this config's model's; a
+        --hf model's own count) build, before a profile's choice for ``auto``."""
         from moeflow.parallel.registry import expected_schedule
 
-        return expected_schedule(self.parallel, self.num_experts, self.expert_workers, self.mp_size)
+        return expected_schedule(self.parallel, num_experts or self.num_experts, self.expert_workers, self.mp_size)
 
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""

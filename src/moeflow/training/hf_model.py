@@ -54,6 +54,7 @@ class HFModelInfo:
     eos_token_id: int | None
     router_aux_loss_coef: float  # the config's coefficient of its balancing loss (0: none)
     adds_router_loss: bool  # whether the config turns that loss on (output_router_logits)
+    expert_groups: int = 1  # the router's group-limited selection (DeepSeek-V3's n_group; 1: none)
 
 
 def read_hf_info(path: str | Path) -> HFModelInfo:
@@ -62,7 +63,7 @@ def read_hf_info(path: str | Path) -> HFModelInfo:
 
     directory = check_model_dir(path)
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    family_for_model_type(config.model_type)
+    family = family_for_model_type(config.model_type)
     num_experts = next((getattr(config, key) for key in EXPERT_COUNT_KEYS if getattr(config, key, None)), None)
     if num_experts is None:
         raise ValueError(f"the config of {str(path)!r} names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
@@ -74,6 +75,7 @@ def read_hf_info(path: str | Path) -> HFModelInfo:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", None) or 0.0),
         adds_router_loss=adds_router_loss,
+        expert_groups=int(getattr(config, "n_group", None) or 1) if family.grouped else 1,
     )
 
 
@@ -91,8 +93,11 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--{name.replace('_', '-')} that divides {info.num_experts}, or --parallel "
             f"{' or '.join(REPLICATING_SCHEDULES)}"
         )
+    if config.topology_gate != "off" and info.expert_groups > 1:
+        raise ValueError(f"--topology-gate limits the experts a token may pick, as the model's router already does "
+                         f"(n_group={info.expert_groups}): use --topology-gate off with this model")
     moe = dataclasses.replace(config.model_config(info.vocab_size).moe, num_experts=info.num_experts)
-    check_techniques(moe, config.layer_schedule())
+    check_techniques(moe, config.layer_schedule(info.num_experts))
     config.check_expert_slots(info.num_experts)
     config.check_expert_packing(moe)
     if info.max_positions is not None and config.context > info.max_positions:
