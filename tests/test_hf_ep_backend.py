@@ -213,7 +213,7 @@ def test_bench_hf_ep_prints_every_implementation_with_equal_logits(capsys: pytes
     assert record["bench"] == "hf-ep" and record["workers"] == 2
     for phase in ("step", "prefill", "decode"):
         assert record[f"{phase}_all_to_all_ms"] > 0 and record[f"{phase}_moeflow_ms"] > 0
-        assert record[f"{phase}_train-hf_ms"] > 0
+        assert record[f"{phase}_train_hf_ms"] > 0
         assert len(summary[f"{phase}_over_moeflow"]) == 1 and len(summary[f"{phase}_over_train_hf"]) == 1
     assert record["logits_max_difference"] < 1e-5 and record["generated_equal"] is True
     assert summary["summary"] == "hf-ep" and summary["generated_equal"] is True

@@ -277,14 +277,16 @@ def test_fine_tuning_runs_every_technique_on_the_model(technique: str, corpus_fi
     }[technique]
     config = TrainConfig(**dict(FINE_TUNE, steps=2, eval_interval=2, checkpoint_interval=2), **settings,
                          hf=str(directory), data=str(corpus_file), run_dir=str(tmp_path / "run"))
-    run_training(config, report=False)
+    summary = run_training(config, report=False)
     first = next(iter(iterate_records(tmp_path / "run")))
     corpus = PreparedCorpus(**json.loads((tmp_path / "run" / "corpus.json").read_text()))
     expected = _first_step_loss(_plain(directory), corpus, config)
     if technique == "topology_gate":
         assert first["loss"] != pytest.approx(expected, rel=1e-5)  # the gate routes otherwise
-    else:
+    else:  # exact: from transformers' own loss, and the written checkpoint (slots, packing undone) is the model
         assert first["loss"] == pytest.approx(expected, rel=1e-5)
+        written = _plain(Path(summary["hf_checkpoint"]))
+        assert summary["val_loss"] == pytest.approx(_validation_loss(written, corpus, config), rel=1e-5)
     assert all(sum(layer["tokens_per_expert"]) == 2 * 4 * 16 * 2 for layer in first["moe"])
     if technique == "expert_packing":
         assert first["packing"]["experts_per_worker"] == 8

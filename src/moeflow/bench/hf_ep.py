@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-TRAIN_HF = "train-hf"
+TRAIN_HF = "train_hf"
 IMPLEMENTATIONS = ("all_to_all", "moeflow", TRAIN_HF)
 """transformers' own all-to-all, moeflow's backend with its defaults, and ``moeflow train --hf``'s
 model: the blocks converted to moeflow's layer with the trainer's settings, the dense part data
@@ -214,8 +214,7 @@ def measure_point(
     for name in ("moeflow", TRAIN_HF):
         if {name, "all_to_all"} <= set(point.implementations):
             for phase in phases:
-                record[f"{phase}_over_{name.replace('-', '_')}"] = (median_ms[f"{phase}_all_to_all"]
-                                                                     / median_ms[f"{phase}_{name}"])
+                record[f"{phase}_over_{name}"] = median_ms[f"{phase}_all_to_all"] / median_ms[f"{phase}_{name}"]
     return record
 
 
@@ -262,7 +261,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     rows = [r for r in records if r.get("bench") == "hf-ep"]
     ratios = {f"{phase}_over_{name}": {f"{r['config']} W={r['workers']}": round(r[f"{phase}_over_{name}"], 3)
                                        for r in rows if f"{phase}_over_{name}" in r}
-              for name in ("moeflow", "train_hf") for phase in ("step", "prefill", "decode")}
+              for name in ("moeflow", TRAIN_HF) for phase in ("step", "prefill", "decode")}
     return {"summary": "hf-ep", "configs": len(rows), **ratios,
             "logits_max_difference": max((r["logits_max_difference"] for r in rows), default=0.0),
             "generated_equal": all(r["generated_equal"] for r in rows)}
