@@ -22,7 +22,8 @@ What travels (``token_exchange``):
 
 How: the all-to-all algorithm moeflow runs (``linear``, Tutel's ``2dh``, FasterMoE's ``pairwise``;
 :mod:`moeflow.comm.algorithms`), the rows in the wire format asked for both ways and in the backward
-(``exact``, ``bf16``, ``fp8``; :mod:`moeflow.comm.wire`), the gate weights always exact. Settings
+(``exact``, ``bf16``, ``fp8``; :mod:`moeflow.comm.wire`), the gate weights always exact, and in
+``pipeline`` chunks whose exchanges overlap the experts (:mod:`moeflow.hf.pipelined`). Settings
 come from one call, :func:`configure`, which registers the backend again with them.
 """
 
