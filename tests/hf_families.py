@@ -61,3 +61,11 @@ def tiny_family_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError:
         return transformers.AutoModel.from_config(config, dtype=torch.float32)
+
+
+def family_batch(rank: int) -> Any:
+    """Rank ``rank``'s batch of token ids for a tiny family model: 2 sequences of 8 (its vocabulary
+    of :data:`SMALL`)."""
+    import torch
+
+    return torch.randint(0, SMALL["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(100 + rank))

@@ -16,7 +16,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from hf_families import ep_families, tiny_family_model
+from hf_families import ep_families, family_batch, tiny_family_model
 from hf_models import randomize
 from moeflow.hf import FAMILIES, HFMoEBlock, from_hf_block, replace_moe_blocks, to_hf
 from moeflow.hf.families import family_for_model_type, family_of, router_weight
@@ -43,10 +43,6 @@ def _model(model_type: str) -> nn.Module:
         if family_of(module) is not None:
             randomize(module, seed=zlib.crc32(model_type.encode()) % 1000)
     return model.train()
-
-
-def _batch(rank: int) -> torch.Tensor:
-    return torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
 
 
 def _step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -84,7 +80,7 @@ def _converted_step(rank: int, world: int, model_type: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     model = replace_moe_blocks(_model(model_type), dist.group.WORLD if world > 1 else None)
-    out, grads = _step(model, _batch(rank))
+    out, grads = _step(model, family_batch(rank))
     grads = {name: g for name, g in grads.items() if ".moe." not in name}
     return {"out": out, "grads": {**grads, **_block_grads_as_hf(model)}}
 
@@ -102,7 +98,7 @@ def test_every_converted_family_has_an_expert_parallel_plan() -> None:
 def test_converted_family_equals_transformers_on_one_process(model_type: str) -> None:
     hf = _model(model_type)
     weights = {name: t.clone() for name, t in hf.state_dict().items()}
-    expected, expected_grads = _step(hf, _batch(0))
+    expected, expected_grads = _step(hf, family_batch(0))
     ours = replace_moe_blocks(copy.deepcopy(hf))
     got = _converted_step(0, 1, model_type)
     torch.testing.assert_close(got["out"], expected, **TOLERANCE)
@@ -122,7 +118,7 @@ def test_converted_families_under_expert_parallelism_equal_one_process() -> None
     results = run_distributed(_every_family, 2, timeout_s=600)
     for model_type in CONVERTED:
         hf = _model(model_type)
-        steps = [_step(hf, _batch(rank)) for rank in range(2)]
+        steps = [_step(hf, family_batch(rank)) for rank in range(2)]
         for rank, result in enumerate(results):
             got = result[model_type]
             torch.testing.assert_close(got["out"], steps[rank][0], **TOLERANCE, msg=model_type)
@@ -171,7 +167,8 @@ def test_per_rank_loading_equals_from_pretrained_in_every_family(tmp_path) -> No
         assert want.keys() == have.keys(), model_type
         assert all(torch.equal(have[name], tensor) for name, tensor in want.items()), model_type
         with torch.no_grad():
-            assert torch.equal(got(_batch(0), use_cache=False)[0], expected(_batch(0), use_cache=False)[0]), model_type
+            ids = family_batch(0)
+            assert torch.equal(got(ids, use_cache=False)[0], expected(ids, use_cache=False)[0]), model_type
 
 
 def test_the_guide_says_which_path_each_family_takes() -> None:
@@ -246,7 +243,7 @@ def test_converted_block_routes_as_transformers_in_bf16(model_type: str, tmp_pat
 def test_an_ernie_block_without_a_shared_expert_converts_and_one_with_biases_is_refused() -> None:
     model = tiny_family_model("ernie4_5_moe", moe_num_shared_experts=0)
     converted = replace_moe_blocks(copy.deepcopy(model))
-    ids = _batch(0)
+    ids = family_batch(0)
     with torch.no_grad():
         torch.testing.assert_close(converted(ids, use_cache=False)[0], model(ids, use_cache=False)[0], **TOLERANCE)
     with pytest.raises(ValueError, match=r"has biases.*ep_implementation='moeflow'"):

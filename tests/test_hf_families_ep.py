@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_families import ep_families, tiny_family_model
+from hf_families import ep_families, family_batch, tiny_family_model
 from pool import run_distributed
 
 NOT_TESTED = {
@@ -46,10 +46,6 @@ layout, not looked into): moeflow's must equal ``all_to_all``'s there."""
 IMPLEMENTATIONS = ("moeflow", "all_to_all")
 
 
-def _batch(rank: int) -> torch.Tensor:
-    return torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
-
-
 def _load(path: str, **kwargs: Any) -> Any:
     import transformers
 
@@ -72,7 +68,7 @@ def _families_step(rank: int, world: int, paths: dict[str, str]) -> dict[str, di
         for implementation in IMPLEMENTATIONS:
             layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
             model = _load(path, distributed_config=layout)
-            out = model(_batch(rank), use_cache=False)[0]
+            out = model(family_batch(rank), use_cache=False)[0]
             out.square().mean().backward()
             grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
                      for name, p in model.named_parameters() if p.grad is not None}
@@ -108,7 +104,7 @@ def test_every_family_runs_through_the_moeflow_backend(saved: dict[str, Path]) -
         model = _load(str(path))
         for rank, result in enumerate(results):
             with torch.no_grad():
-                expected = model(_batch(rank), use_cache=False)[0]
+                expected = model(family_batch(rank), use_cache=False)[0]
             ours, theirs = result[f"{family}/moeflow"], result[f"{family}/all_to_all"]
             if family in TRANSFORMERS_EP_DIFFERS:
                 expected = theirs["out"]

@@ -94,15 +94,12 @@ def _trainer_model(folder: str, world: int, point: HFEPPoint) -> tuple[Any, Any]
     import torch.distributed as dist
 
     from moeflow.comm.groups import ParallelGroups
-    from moeflow.hf.loading import load_hf_model
     from moeflow.training import TrainConfig
-    from moeflow.training.hf_model import HFCausalLM, layer_options, read_hf_info
+    from moeflow.training.hf_model import build_hf_model
 
     config = TrainConfig(hf=folder, batch_size=point.batch, context=point.seq, workers=world)
-    groups = ParallelGroups.from_group(dist.group.WORLD)
-    model = load_hf_model(folder, "float32", groups, **layer_options(config, read_hf_info(folder)))
-    trainable = HFCausalLM(model.to(torch.device("cpu")), groups, config.eval_capacity_factor)
-    return model, _SyncingAdamW(trainable, world)
+    trainable = build_hf_model(config, ParallelGroups.from_group(dist.group.WORLD), torch.device("cpu"))
+    return trainable.model, _SyncingAdamW(trainable, world)
 
 
 def _loaded(folder: str, world: int, implementation: str, point: HFEPPoint) -> tuple[Any, Any]:
