@@ -108,6 +108,9 @@ def grid_cases() -> list[Case]:
     return cases
 
 
+CLAMPED_SWIGLU = {"activation": "swiglu", "swiglu_limit": 0.5, "swiglu_alpha": 1.702, "swiglu_up_offset": 1.0}
+
+
 def extra_cases() -> list[Case]:
     base = {"top_k": 2, "capacity_factor": 1.0}
     return [
@@ -156,6 +159,14 @@ def extra_cases() -> list[Case]:
         Case("ragged-empty-rank", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0}, empty_ranks=(1,)),
         Case("ragged-replicated", {**base, "expert_kernel": "ragged", "parallel": "replicated",
                                    "activation": "swiglu"}),
+        # gpt-oss's clamped SwiGLU (a low cap, so that many values are capped) on each kernel and path
+        Case("clamped-swiglu-bmm-drops-bias", {**base, **CLAMPED_SWIGLU}),
+        Case("clamped-swiglu-loop-shared", {**base, **CLAMPED_SWIGLU, "expert_kernel": "loop",
+                                            "num_shared_experts": 1}),
+        Case("clamped-swiglu-ragged-d2-f0", {**base, **CLAMPED_SWIGLU, "expert_kernel": "ragged", "bias": False,
+                                             "capacity_factor": 0.0, "pipeline": 2}, tokens_per_rank=24),
+        Case("clamped-swiglu-ragged-replicated", {**base, **CLAMPED_SWIGLU, "expert_kernel": "ragged",
+                                                  "parallel": "replicated"}),
         # FasterMoE's shadowing: the shadowed experts run on every rank's own tokens
         Case("shadow-hot-expert-f0", {**base, "shadowing": [0], "capacity_factor": 0.0}, same_expert=True),
         Case("shadow-two-ragged-swiglu", {**base, "shadowing": [0, 5], "expert_kernel": "ragged",

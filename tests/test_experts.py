@@ -6,26 +6,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeflow.core.clamped_swiglu import ClampedSwiGLU
 from moeflow.core.experts import ExpertFFN, ffn_flops
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weight_grad, torch_grouped_mm_runs
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import shard_expert_state
 
 
+CLAMP = ClampedSwiGLU(limit=0.5, alpha=1.702, up_offset=1.0)
+"""gpt-oss's numbers with a cap low enough that many values are capped."""
+
+
 def dense_ffn(experts: ExpertFFN, e: int, x: torch.Tensor) -> torch.Tensor:
     h = x @ experts.w1[e] + experts.b1[e]
     act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[experts.activation](h)
     if experts.activation == "swiglu":
-        act = act * (x @ experts.w3[e])
+        up = x @ experts.w3[e]
+        if isinstance(experts.compute.activation, ClampedSwiGLU):  # torch's own clamps and their gradients
+            gate = h.clamp(max=CLAMP.limit)
+            act, up = gate * torch.sigmoid(CLAMP.alpha * gate), up.clamp(-CLAMP.limit, CLAMP.limit) + CLAMP.up_offset
+        act = act * up
     return act @ experts.w2[e] + experts.b2[e]
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", "swiglu", "clamped-swiglu"])
 @pytest.mark.parametrize("kernel", ["bmm", "loop"])
 @pytest.mark.parametrize("tokens", [0, 5, 64])
 def test_kernels_match_per_expert_dense_math(activation: str, kernel: str, tokens: int) -> None:
     torch.manual_seed(0)
-    experts = ExpertFFN(3, 6, 10, activation, kernel).double()
+    clamp = CLAMP if activation == "clamped-swiglu" else None
+    experts = ExpertFFN(3, 6, 10, "swiglu" if clamp else activation, kernel, clamp=clamp).double()
     with torch.no_grad():
         experts.b1.normal_()
         experts.b2.normal_()

@@ -32,13 +32,15 @@ GROUPED = {"n_group": 4, "topk_group": 2}
 SCALED = {name: 2.5 for name in ("routed_scaling_factor", "router_scaling_factor", "route_scale",
                                  "moe_routed_scaling_factor")}
 """Group-limited selection and a scaling factor (under a family's name for it), where a family has them."""
+CLAMPED = {"swiglu_limit": 0.5}
+"""A clamped SwiGLU's cap low enough that many of a tiny model's values are capped."""
 
 
 def _model(model_type: str) -> nn.Module:
     """The tiny model, its sparse blocks' weights and selection biases of unit-ish scale (no
     near-ties in routing: transformers' init draws them at 0.02 and zero)."""
     family = family_for_model_type(model_type)
-    model = tiny_family_model(model_type, **(GROUPED if family.grouped else {}), **SCALED)
+    model = tiny_family_model(model_type, **(GROUPED if family.grouped else {}), **SCALED, **CLAMPED)
     for module in model.modules():
         if family_of(module) is not None:
             randomize(module, seed=zlib.crc32(model_type.encode()) % 1000)

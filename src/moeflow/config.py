@@ -122,6 +122,22 @@ def ffn_projections(activation: str) -> int:
     return 3 if activation == "swiglu" else 2
 
 
+def validate_swiglu_clamp(activation: str, limit: float | None, alpha: float, up_offset: float) -> None:
+    """Clamped SwiGLU's settings: a positive finite limit on SwiGLU experts; alpha and the offset only with it."""
+    if limit is None:
+        if alpha != 1.0 or up_offset != 0.0:
+            raise ValueError(f"swiglu_alpha={alpha} and swiglu_up_offset={up_offset} shape clamped SwiGLU: "
+                             "set swiglu_limit too (or leave both at 1.0 and 0.0)")
+        return
+    if activation != "swiglu":
+        raise ValueError(f"swiglu_limit clamps SwiGLU experts; activation={activation!r}: use activation='swiglu'")
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha), ("swiglu_up_offset", up_offset)):
+        if not (isinstance(value, int | float) and math.isfinite(value)):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if limit <= 0:
+        raise ValueError(f"swiglu_limit must be > 0 (the cap on the gate and up halves), got {limit!r}")
+
+
 def resolve_normalize_gate(normalize_gate: bool | None, top_k: int) -> bool:
     """Tutel's rule: renormalise the k combine weights only when k > 1. At k = 1 renormalising
     makes every weight 1, so the router gets no gradient from the task loss; an explicit True
@@ -194,6 +210,9 @@ class MoEConfig:
     expert_groups: int = 1  # DeepSeek-V3's n_group: pick experts only in the top_groups best groups
     top_groups: int = 1
     routed_scaling_factor: float = 1.0  # DeepSeek-V3: the combine weights times this (after normalising)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (routed experts): gate <= this, |up| <= this
+    swiglu_alpha: float = 1.0  # clamped SwiGLU's gate: g * sigmoid(alpha g)
+    swiglu_up_offset: float = 0.0  # clamped SwiGLU's up half plus this (gpt-oss: 1)
     cosine_projection_dim: int = 256
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
@@ -241,6 +260,7 @@ class MoEConfig:
         if self.topology_gate != "off" and self.expert_groups > 1:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
+        validate_swiglu_clamp(self.activation, self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
         validate_redundant_experts(self.redundant_experts)
         validate_balance(self.balance, self.redundant_experts)
         if self.esp_size is not None:

@@ -66,6 +66,9 @@ class ReferenceMoE(nn.Module):
         expert_groups: int = 1,
         top_groups: int = 1,
         routed_scaling_factor: float = 1.0,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.0,
+        swiglu_up_offset: float = 0.0,
         cosine_projection_dim: int = 256,
         cosine_min_temperature: float = 0.01,
         node_experts: Sequence[int] | None = None,
@@ -80,6 +83,7 @@ class ReferenceMoE(nn.Module):
         self.max_logit_scale = math.log(1.0 / cosine_min_temperature)
         self.expert_groups, self.top_groups = expert_groups, top_groups
         self.routed_scaling_factor = routed_scaling_factor
+        self.swiglu_clamp = (swiglu_limit, swiglu_alpha, swiglu_up_offset)  # routed experts only
         self.gate_precision = gate_precision
         # FasterMoE's topology-aware gate: the experts on this rank's node, and the share of its
         # tokens that may pick experts elsewhere (None: no limit)
@@ -149,10 +153,18 @@ class ReferenceMoE(nn.Module):
         elif self.activation == "silu":
             h = F.silu(h)
         elif self.activation == "swiglu":
-            h = F.silu(h) * (x @ params.w3[e])
+            h = self.swiglu(h, x @ params.w3[e], clamped=params is self.experts)
         else:
             raise ValueError(f"unknown activation {self.activation!r}")
         return h @ params.w2[e] + (params.b2[e] if has_bias else 0.0)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, clamped: bool) -> torch.Tensor:
+        """silu(gate) * up; gpt-oss's clamped form on the routed experts when ``swiglu_limit`` is set."""
+        limit, alpha, up_offset = self.swiglu_clamp
+        if limit is None or not clamped:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + up_offset)
 
     def forward(
         self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None

@@ -24,10 +24,14 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
+from moeflow.core.clamped_swiglu import ClampedSwiGLU
 from moeflow.core.workspace import Workspace
 from moeflow.core.workspace import buffer as _buffer
 
 KERNELS = EXPERT_KERNELS
+Activation = str | ClampedSwiGLU
+"""What an expert's compute applies to ``x w1 + b1``: a name (``"silu"`` for SwiGLU's gate half), or a
+:class:`ClampedSwiGLU` (gpt-oss's experts)."""
 Ran = TypeVar("Ran", bound=tuple)
 """What :meth:`ExpertFFN.run_with_weights` returns: a tuple whose first item is the output."""
 
@@ -45,7 +49,9 @@ def batched_mm(
     return out
 
 
-def activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def activate(name: Activation, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if isinstance(name, ClampedSwiGLU):
+        return name.gate(h_LCH, out)
     if name == "relu":
         return torch.clamp(h_LCH, min=0, out=out)
     if name == "gelu":
@@ -53,9 +59,11 @@ def activate(name: str, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.silu.out(h_LCH, out=out)  # silu, and the gate half of swiglu
 
 
-def activate_(name: str, h: torch.Tensor) -> torch.Tensor:
+def activate_(name: Activation, h: torch.Tensor) -> torch.Tensor:
     """:func:`activate` in place, through the functional calls (``torch.ops`` costs about 10 µs a call
     more, which a one-token forward pays once per expert)."""
+    if isinstance(name, ClampedSwiGLU):
+        return name.gate(h)
     if name == "relu":
         return h.relu_()
     if name == "gelu":
@@ -63,12 +71,32 @@ def activate_(name: str, h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(h, inplace=True)
 
 
-def activation_grad(name: str, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def activation_grad(name: Activation, grad_LCH: torch.Tensor, h_LCH: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if isinstance(name, ClampedSwiGLU):
+        return name.gate_grad(grad_LCH, h_LCH, out)
     if name == "relu":
         return torch.mul(grad_LCH, h_LCH > 0, out=out)
     if name == "gelu":
         return torch.ops.aten.gelu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
     return torch.ops.aten.silu_backward.grad_input(grad_LCH, h_LCH, grad_input=out)
+
+
+def up_input(name: Activation, up: torch.Tensor) -> torch.Tensor:
+    """What multiplies the gate half: SwiGLU's ``x w3`` itself, or its clamped and offset value."""
+    return name.up(up) if isinstance(name, ClampedSwiGLU) else up
+
+
+def gated_grads(
+    name: Activation, grad_hidden: torch.Tensor, a: torch.Tensor, up: torch.Tensor,
+    grad_up_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient of ``x w3`` (the raw ``up``) from that of ``a * up_input(up)``; ``grad_hidden``
+    becomes, in place, the gradient of ``a``."""
+    grad_up = torch.mul(grad_hidden, a, out=grad_up_out)
+    if isinstance(name, ClampedSwiGLU):
+        name.up_grad_(grad_up, up)
+    grad_hidden.mul_(up_input(name, up))
+    return grad_up
 
 
 @dataclass(frozen=True)
@@ -160,7 +188,7 @@ class FFNCompute:
     """y = act(x w1 + b1) w2 + b2, biases optional. ``adds_output_bias=False`` is a hidden shard
     other than the first: its partial output is summed with the others, which add b2 once."""
 
-    activation: str = "gelu"
+    activation: Activation = "gelu"
     kernel: str = "bmm"
     adds_output_bias: bool = True
     projections: int = 2
@@ -183,7 +211,8 @@ class FFNCompute:
             h_LCH.add_(weights.b1.unsqueeze(1))
         a_LCH = activate(self.activation, h_LCH, _buffer(workspace, (*rows, hidden), x_LCM))
         up_LCH = self._up(x_LCM, weights, workspace)
-        hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
+        hidden_LCH = a_LCH if up_LCH is None else torch.mul(
+            a_LCH, up_input(self.activation, up_LCH), out=_buffer(workspace, a_LCH.shape, a_LCH))
         y_LCM = batched_mm(hidden_LCH, weights.w2, loop, _buffer(workspace, (*rows, model), x_LCM))
         if weights.b2 is not None and self.adds_output_bias:
             y_LCM.add_(weights.b2.unsqueeze(1))
@@ -194,12 +223,13 @@ class FFNCompute:
     ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
         loop = self.kernel == "loop"
         up_LCH, a_LCH = saved.up_LCH, saved.a_LCH
-        hidden_LCH = a_LCH if up_LCH is None else torch.mul(a_LCH, up_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
+        hidden_LCH = a_LCH if up_LCH is None else torch.mul(
+            a_LCH, up_input(self.activation, up_LCH), out=_buffer(workspace, a_LCH.shape, a_LCH))
         grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop, _buffer(workspace, a_LCH.shape, a_LCH))
         grad_up_LCH = None
         if up_LCH is not None:
-            grad_up_LCH = torch.mul(grad_a_LCH, a_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
-            grad_a_LCH.mul_(up_LCH)
+            grad_up_LCH = gated_grads(self.activation, grad_a_LCH, a_LCH, up_LCH,
+                                      _buffer(workspace, a_LCH.shape, a_LCH))
         grad_h_LCH = activation_grad(
             self.activation, grad_a_LCH, saved.h_LCH, _buffer(workspace, a_LCH.shape, a_LCH)
         )
@@ -258,9 +288,10 @@ class FFNCompute:
 
 @dataclass(frozen=True)
 class SwiGLUCompute(FFNCompute):
-    """y = (silu(x w1 + b1) * (x w3)) w2 + b2: the gated FFN of LLaMA-style experts."""
+    """y = (silu(x w1 + b1) * (x w3)) w2 + b2: the gated FFN of LLaMA-style experts (a
+    :class:`ClampedSwiGLU` as ``activation``: gpt-oss's)."""
 
-    activation: str = "silu"
+    activation: Activation = "silu"
     projections: int = 3
 
     def _up(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None) -> torch.Tensor | None:
@@ -269,10 +300,14 @@ class SwiGLUCompute(FFNCompute):
         return batched_mm(x_LCM, weights.w3, self.kernel == "loop", out)
 
 
-def expert_compute(activation: str, kernel: str = "bmm", adds_output_bias: bool = True) -> FFNCompute:
-    """The :class:`ExpertCompute` of an activation name."""
+def expert_compute(
+    activation: str, kernel: str = "bmm", adds_output_bias: bool = True, clamp: ClampedSwiGLU | None = None
+) -> FFNCompute:
+    """The :class:`ExpertCompute` of an activation name (``clamp``: SwiGLU's, clamped)."""
     if activation == "swiglu":
-        return SwiGLUCompute(kernel=kernel, adds_output_bias=adds_output_bias)
+        return SwiGLUCompute(kernel=kernel, adds_output_bias=adds_output_bias, activation=clamp or "silu")
+    if clamp is not None:
+        raise ValueError(f"swiglu_limit clamps SwiGLU experts only; activation={activation!r}: use activation='swiglu'")
     return FFNCompute(activation, kernel, adds_output_bias)
 
 
@@ -314,11 +349,11 @@ class LocalExperts(Protocol):
 
 class ExpertFFN(nn.Module):
     """``num_experts`` independent FFNs (or hidden shards of them) evaluated together on
-    (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``)."""
+    (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``), ``clamp`` clamped SwiGLU."""
 
     def __init__(
         self, num_experts: int, model_dim: int, hidden_dim: int, activation: str = "gelu",
-        kernel: str = "bmm", bias: bool = True, initialize: bool = True,
+        kernel: str = "bmm", bias: bool = True, initialize: bool = True, clamp: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -327,7 +362,7 @@ class ExpertFFN(nn.Module):
             raise ValueError(f"unknown expert kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
         self.activation = activation
         self.kernel = kernel
-        self.compute = expert_compute(activation, kernel)
+        self.compute = expert_compute(activation, kernel, clamp=clamp)
         self.w1 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim))
         self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim)) if bias else None
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, model_dim))

@@ -24,6 +24,7 @@ from moeflow.hf.families import (
     SUPPORTED,
     V4_TUPLE_BLOCKS,
     Family,
+    expert_settings,
     family_of,
     router_weight,
     routing_settings,
@@ -43,11 +44,11 @@ LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is
 (E, 2I, M) [gate; up] then (E, M, I)."""
 
 
-def _check_experts(block: nn.Module) -> None:
+def _check_experts(block: nn.Module, family: Family) -> None:
     experts = block.experts
     act = experts[0].act_fn if isinstance(experts, nn.ModuleList) else getattr(experts, "act_fn", None)
     name = type(act).__name__.lower() if act is not None else "none"
-    if "silu" not in name and getattr(act, "__name__", "") != "silu":
+    if family.clamp is None and "silu" not in name and getattr(act, "__name__", "") != "silu":
         raise ValueError(
             f"the experts of {type(block).__name__} use {type(act).__name__}; moeflow.hf converts SwiGLU "
             "experts with hidden_act='silu' only"
@@ -111,11 +112,12 @@ def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) ->
     family = family_of(block)
     if family is None:
         raise ValueError(f"from_hf_block cannot convert {type(block).__name__}; supported blocks: {SUPPORTED}")
-    _check_experts(block)
+    _check_experts(block, family)
     gate_IH = expert_tensors(block.experts)[0]
     num_experts, hidden_dim, model_dim = gate_IH.shape
     options: dict[str, Any] = {
-        **routing_settings(block, family), "capacity_factor": 0.0, "activation": "swiglu", "bias": False,
+        **routing_settings(block, family), **expert_settings(block, family), "capacity_factor": 0.0,
+        "activation": "swiglu", "bias": False,
         "expert_kernel": "ragged",
         "aux_loss_weight": 0.0, **layer_options,
     }

@@ -37,6 +37,16 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class ExpertsClamp:
+    """Where a family's experts keep clamped SwiGLU's cap and alpha (attributes of ``block.experts``;
+    alpha None: 1, silu) and the up half's fixed offset (:class:`moeflow.core.clamped_swiglu.ClampedSwiGLU`)."""
+
+    limit: str
+    alpha: str | None = None
+    up_offset: float = 0.0
+
+
+@dataclass(frozen=True)
 class Family:
     """One architecture: its block, and where a block of it keeps each routing setting (paths
     from the block, dotted)."""
@@ -54,6 +64,7 @@ class Family:
     bias: str | None = None  # the selection-only bias (E,), if any
     scale: str | None = None  # the routed scaling factor, if any
     requires: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (path, the values it may hold to route as above)
+    clamp: ExpertsClamp | None = None  # clamped SwiGLU experts (HY-V4's), else SwiGLU with silu
 
 
 def _mixtral(name: str, model_type: str, block_class: str, **where: Any) -> Family:
@@ -120,6 +131,7 @@ FAMILIES = (
                  bias=None),
     _deepseek_v3("Mistral-Large-4", "mistral_large4_text", "MistralLarge4TextMoE", score_function="softmax",
                  normalize=True, bias=None),
+    _deepseek_v3("HY-V4", "hy_v4", "HYV4MoE", clamp=ExpertsClamp("swiglu_limit")),
     _deepseek_v3("HY-V3", "hy_v3", "HYV3MoE", normalize=True, grouped=False, bias="e_score_correction_bias",
                  scale="gate.router_scaling_factor"),
     _deepseek_v3("MiniMax-M2", "minimax_m2", "MiniMaxM2SparseMoeBlock", gate_precision="input", normalize=True,
@@ -219,3 +231,14 @@ def routing_settings(block: nn.Module, family: Family) -> dict[str, Any]:
     if family.scale is not None:
         settings["routed_scaling_factor"] = float(_first(_at(block, family.scale), 1.0))
     return settings
+
+
+def expert_settings(block: nn.Module, family: Family) -> dict[str, Any]:
+    """The MoELayer arguments of the block's experts beyond SwiGLU: clamped SwiGLU's numbers, if any."""
+    clamp = family.clamp
+    if clamp is None:
+        return {}
+    experts = block.experts
+    alpha = 1.0 if clamp.alpha is None else float(getattr(experts, clamp.alpha))
+    return {"swiglu_limit": float(getattr(experts, clamp.limit)), "swiglu_alpha": alpha,
+            "swiglu_up_offset": clamp.up_offset}

@@ -33,6 +33,7 @@ import torch
 
 from moeflow.core.device_copy import to_device
 from moeflow.core.experts import (
+    Activation,
     FFNCompute,
     FFNSaved,
     FFNWeightGradInputs,
@@ -40,6 +41,8 @@ from moeflow.core.experts import (
     activate,
     activate_,
     activation_grad,
+    gated_grads,
+    up_input,
 )
 from moeflow.core.workspace import Workspace
 
@@ -186,7 +189,7 @@ def ragged_weight_grad(
 
 
 def packed_ffn(
-    x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, activation: str, backend: str = "torch",
+    x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, activation: Activation, backend: str = "torch",
     adds_output_bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The FFN of packed rows ordered by expert: y, and h, a and up (what a backward reads)."""
@@ -197,14 +200,14 @@ def packed_ffn(
         h_NH.add_(weights.b1.index_select(0, expert_N))  # h is the GEMM's own new tensor
     a_NH = activate(activation, h_NH, torch.empty_like(h_NH))
     up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows, backend)
-    y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_NH, weights.w2, rows, backend)
+    y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_input(activation, up_NH), weights.w2, rows, backend)
     if weights.b2 is not None and adds_output_bias:
         y_NM.add_(weights.b2.index_select(0, expert_N))
     return y_NM, h_NH, a_NH, up_NH
 
 
 def expert_rows_ffn(
-    x_RM: torch.Tensor, weights: FFNWeights, expert: int, activation: str, out: torch.Tensor | None = None
+    x_RM: torch.Tensor, weights: FFNWeights, expert: int, activation: Activation, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One expert's FFN on its rows without autograd, all its steps before the next expert's (its
     intermediates stay in cache), the activation in place; into ``out`` when given."""
@@ -214,7 +217,7 @@ def expert_rows_ffn(
         h_RH += b1
     a_RH = activate_(activation, h_RH)
     if w3 is not None:
-        a_RH *= torch.mm(x_RM, w3)
+        a_RH *= up_input(activation, torch.mm(x_RM, w3))
     y_RM = torch.mm(a_RH, w2) if out is None else torch.mm(a_RH, w2, out=out)
     if b2 is not None:
         y_RM += b2
@@ -222,7 +225,7 @@ def expert_rows_ffn(
 
 
 def packed_ffn_output(
-    x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, activation: str, backend: str = "torch",
+    x_NM: torch.Tensor, rows: FilledRows, weights: FFNWeights, activation: Activation, backend: str = "torch",
 ) -> torch.Tensor:
     """The FFN's output alone (no backward will read h, a or up): the grouped steps of
     :func:`packed_ffn` where many experts hold rows, else one expert after the other (on CPU a few
@@ -375,16 +378,15 @@ def packed_forward(
 
 
 def packed_backward_input(
-    activation: str, saved: RaggedSaved, grad_y_NM: torch.Tensor, weights: FFNWeights, backend: str
+    activation: Activation, saved: RaggedSaved, grad_y_NM: torch.Tensor, weights: FFNWeights, backend: str
 ) -> tuple[torch.Tensor, RaggedWeightGradInputs]:
     """The packed rows' input gradient, and what their weight gradients read."""
     rows = saved.rows
-    hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * saved.up_NH
+    hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * up_input(activation, saved.up_NH)
     grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, backend)
     grad_up_NH = None
     if saved.up_NH is not None:
-        grad_up_NH = grad_a_NH * saved.a_NH
-        grad_a_NH = grad_a_NH * saved.up_NH
+        grad_up_NH = gated_grads(activation, grad_a_NH, saved.a_NH, saved.up_NH)  # grad_a: the GEMM's own tensor
     grad_h_NH = activation_grad(activation, grad_a_NH, saved.h_NH, torch.empty_like(grad_a_NH))
     grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, backend)
     if grad_up_NH is not None:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_from_arguments, resolve_normalize_gate
+from moeflow.core.clamped_swiglu import ClampedSwiGLU
 from moeflow.core.experts import ExpertFFN, shared_output
 from moeflow.core.routing import build_gate
 from moeflow.core.routing.router import Routing, route, update_expert_bias
@@ -111,8 +112,9 @@ class MoELayer(nn.Module):
         )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
+        clamp = None if c.swiglu_limit is None else ClampedSwiGLU(c.swiglu_limit, c.swiglu_alpha, c.swiglu_up_offset)
         self.experts = ExpertFFN(len(local), c.model_dim, hidden_local, c.activation, c.expert_kernel, c.bias,
-                                 initialize=False)
+                                 initialize=False, clamp=clamp)
         # one draw from the global generator, whatever the placement: ranks seeded alike build the
         # experts one process would, each rank only its own (expert e from the seed and e)
         seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))

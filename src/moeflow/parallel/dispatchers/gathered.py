@@ -66,7 +66,7 @@ def gathered_output(
         choice_N, token_N, rows = _local_choices(gathered, rank * local, counts_L)
         weights = experts.weights().cast(x_WBM.dtype)
         y_NM = packed_ffn_output(x_WBM.reshape(-1, model_dim).index_select(0, token_N), rows, weights,
-                                 experts.activation, backend)
+                                 experts.compute.activation, backend)
         weight_N = gathered.weights_WBK.flatten().index_select(0, choice_N).to(partial_NM.dtype)
         partial_NM.index_add_(0, token_N, y_NM.to(partial_NM.dtype).mul_(weight_N.unsqueeze(1)))
     timing.expert_forward_s = timing.now() - start

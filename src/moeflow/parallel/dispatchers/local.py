@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeflow.core.experts import ExpertFFN, FFNWeights
+from moeflow.core.experts import Activation, ExpertFFN, FFNWeights
 from moeflow.core.routing.router import Routing
 from moeflow.core.stats import PipelineTiming
 from moeflow.kernels.ragged import FilledRows, expert_rows_ffn, packed_ffn_output
@@ -69,15 +69,15 @@ def direct_experts(
     packed = DirectRows.of(expert_idx_TK, counts_E)
     intermediate_bytes = packed.order_N.numel() * weights.w1.shape[2] * x_TM.element_size()
     if x_TM.device.type == "cpu" and backend == "torch" and intermediate_bytes > CACHE_RESIDENT_BYTES:
-        return _expert_by_expert(x_TM, packed, weights_TK, weights, experts.activation)
+        return _expert_by_expert(x_TM, packed, weights_TK, weights, experts.compute.activation)
     x_NM = x_TM.index_select(0, packed.token_N)
-    y_NM = packed_ffn_output(x_NM, packed.rows, weights, experts.activation, backend)
+    y_NM = packed_ffn_output(x_NM, packed.rows, weights, experts.compute.activation, backend)
     return F.embedding_bag(packed.row_of_choice().view_as(expert_idx_TK), y_NM, mode="sum",
                            per_sample_weights=weights_TK.to(y_NM.dtype))
 
 
 def _expert_by_expert(
-    x_TM: torch.Tensor, packed: DirectRows, weights_TK: torch.Tensor, weights: FFNWeights, activation: str
+    x_TM: torch.Tensor, packed: DirectRows, weights_TK: torch.Tensor, weights: FFNWeights, activation: Activation
 ) -> torch.Tensor:
     """Each expert gathers its rows, runs, and adds its weighted rows to their tokens: no (N, M) buffer."""
     weight_N = weights_TK.flatten().index_select(0, packed.order_N).to(x_TM.dtype).unsqueeze(1)

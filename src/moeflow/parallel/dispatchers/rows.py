@@ -101,5 +101,5 @@ def _local_experts(
     rows = FilledRows.counted(order_R, counts_WL.sum(0))
     order_R = to_device(order_R, received_RM.device)
     weights = experts.weights().cast(received_RM.dtype)
-    y_RM = packed_ffn_output(received_RM.index_select(0, order_R), rows, weights, experts.activation, backend)
+    y_RM = packed_ffn_output(received_RM.index_select(0, order_R), rows, weights, experts.compute.activation, backend)
     return torch.empty_like(y_RM).index_copy_(0, order_R, y_RM)
