@@ -167,6 +167,10 @@ def extra_cases() -> list[Case]:
                                              "capacity_factor": 0.0, "pipeline": 2}, tokens_per_rank=24),
         Case("clamped-swiglu-ragged-replicated", {**base, **CLAMPED_SWIGLU, "expert_kernel": "ragged",
                                                   "parallel": "replicated"}),
+        # gpt-oss's experts (clamped SwiGLU, biases on every projection) and router (a logit bias)
+        Case("gpt-oss-like-ragged-f0", {**base, **CLAMPED_SWIGLU, "gate_bias": True, "expert_kernel": "ragged",
+                                        "capacity_factor": 0.0, "gate_precision": "input"}),
+        Case("gate-bias-sigmoid-drops", {**base, "gate_bias": True, "score_function": "sigmoid"}),
         # FasterMoE's shadowing: the shadowed experts run on every rank's own tokens
         Case("shadow-hot-expert-f0", {**base, "shadowing": [0], "capacity_factor": 0.0}, same_expert=True),
         Case("shadow-two-ragged-swiglu", {**base, "shadowing": [0, 5], "expert_kernel": "ragged",
@@ -587,7 +591,7 @@ def _build(
     # non-zero biases, so that their gradients and the shared layout are exercised
     with torch.no_grad():
         for name, param in reference.named_parameters():
-            if name.endswith((".b1", ".b2")):
+            if name.endswith((".b1", ".b2", ".b3")):
                 param.normal_(std=0.1)
         reference.gate.expert_bias.normal_(std=case.expert_bias_std)
         if case.same_expert:

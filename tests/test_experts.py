@@ -12,7 +12,6 @@ from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm, ragged_weig
 from moeflow.parallel import ExpertPlacement
 from moeflow.parallel.placement import shard_expert_state
 
-
 CLAMP = ClampedSwiGLU(limit=0.5, alpha=1.702, up_offset=1.0)
 """gpt-oss's numbers with a cap low enough that many values are capped."""
 
@@ -21,7 +20,7 @@ def dense_ffn(experts: ExpertFFN, e: int, x: torch.Tensor) -> torch.Tensor:
     h = x @ experts.w1[e] + experts.b1[e]
     act = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": F.silu}[experts.activation](h)
     if experts.activation == "swiglu":
-        up = x @ experts.w3[e]
+        up = x @ experts.w3[e] + experts.b3[e]
         if isinstance(experts.compute.activation, ClampedSwiGLU):  # torch's own clamps and their gradients
             gate = h.clamp(max=CLAMP.limit)
             act, up = gate * torch.sigmoid(CLAMP.alpha * gate), up.clamp(-CLAMP.limit, CLAMP.limit) + CLAMP.up_offset
@@ -39,6 +38,8 @@ def test_kernels_match_per_expert_dense_math(activation: str, kernel: str, token
     with torch.no_grad():
         experts.b1.normal_()
         experts.b2.normal_()
+        if experts.b3 is not None:
+            experts.b3.normal_()
     x = torch.randn(3, tokens, 6, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(3, tokens, 6, dtype=torch.float64)
     (experts(x) * upstream).sum().backward()

@@ -238,11 +238,12 @@ def test_a_model_without_tokenizer_or_of_another_architecture_is_refused(
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["granitemoe", "hunyuan_v1_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["granitemoe", "hunyuan_v1_moe", "glm4_moe", "gpt_oss"])
 def test_fine_tuning_runs_the_families_beyond_the_first_four(family: str, corpus_file: Path, tmp_path: Path) -> None:
-    """Families whose router lives elsewhere (Granite's ``router``, HunYuan's ``gate.wg``) or that copy
-    DeepSeek-V3 under another name: step 1's loss is transformers' own, the written checkpoint loads
-    in plain transformers with the run's validation loss."""
+    """Families whose router lives elsewhere (Granite's ``router``, HunYuan's ``gate.wg``), that copy
+    DeepSeek-V3 under another name, or with biases everywhere and clamped experts (gpt-oss): step 1's
+    loss is transformers' own, the written checkpoint loads in plain transformers with the run's
+    validation loss."""
     from hf_families import tiny_family_model
 
     directory = tmp_path / family

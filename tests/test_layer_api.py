@@ -39,6 +39,7 @@ def make(**overrides) -> MoELayer:
         ({"activation": "swiglu", "swiglu_limit": 0.0}, "swiglu_limit must be > 0"),
         ({"activation": "swiglu", "swiglu_limit": float("inf")}, "swiglu_limit must be a finite number"),
         ({"activation": "swiglu", "swiglu_alpha": 1.702}, "set swiglu_limit too"),
+        ({"gate_bias": True, "gate": "cosine"}, "gate_bias=True adds a bias to the linear gate's logits"),
         ({"gate_precision": "fp16"}, "unknown gate_precision"),
         ({"gate_precision": "input", "gate": "cosine"}, "gate_precision='input' applies to the linear gate"),
         ({"expert_kernel": "ragged", "parallel": "adaptive"}, "expert_kernel='ragged' runs with parallel in"),
@@ -133,8 +134,8 @@ def test_state_dict_names_are_fixed() -> None:
     names = set(make(activation="swiglu", num_shared_experts=1).state_dict())
     assert names == {
         "gate.weight", "gate.expert_bias", "experts.w1", "experts.b1", "experts.w2", "experts.b2",
-        "experts.w3", "shared_experts.w1", "shared_experts.b1", "shared_experts.w2", "shared_experts.b2",
-        "shared_experts.w3",
+        "experts.w3", "experts.b3", "shared_experts.w1", "shared_experts.b1", "shared_experts.w2",
+        "shared_experts.b2", "shared_experts.w3", "shared_experts.b3",
     }
     cosine = make(gate="cosine", cosine_projection_dim=6).state_dict()
     assert cosine["gate.projection"].shape == (6, 8)

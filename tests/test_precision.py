@@ -20,7 +20,7 @@ def _layers(dtype: torch.dtype, **kwargs) -> tuple[MoELayer, MoELayer]:
     master = MoELayer(16, 24, 8, top_k=2, **kwargs)
     with torch.no_grad():
         for name, param in master.named_parameters():
-            if name.endswith(("b1", "b2")):
+            if name.endswith(("b1", "b2", "b3")):
                 param.normal_(std=0.1)
             param.copy_(param.to(dtype).float())
     return master, copy.deepcopy(master).to(dtype)

@@ -176,9 +176,10 @@ class LayerDims:
 
     @property
     def expert_parameters(self) -> int:
-        """Parameters of one expert: its projections' weights, and their biases when it has them."""
+        """Parameters of one expert: its projections' weights, and their biases when it has them (one
+        per hidden projection, SwiGLU's up included, and the output's)."""
         weights = self.projections * self.model_dim * self.hidden_dim
-        return weights + (self.hidden_dim + self.model_dim if self.bias else 0)
+        return weights + ((self.projections - 1) * self.hidden_dim + self.model_dim if self.bias else 0)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,7 @@ class MoEConfig:
     capacity_factor: float = 1.0
     gate: str = "softmax"
     gate_precision: str = "fp32"
+    gate_bias: bool = False  # gpt-oss: a learned bias on the linear gate's logits (not DeepSeek's selection bias)
     score_function: str = "softmax"
     activation: str = "gelu"
     normalize_gate: bool | None = None  # None: Tutel's rule, normalise only when k > 1
@@ -242,6 +244,8 @@ class MoEConfig:
         require_choice("gate", self.gate, GATES)
         require_choice("score_function", self.score_function, SCORE_FUNCTIONS)
         require_choice("gate_precision", self.gate_precision, GATE_PRECISIONS)
+        if self.gate_bias and self.gate != "softmax":
+            raise ValueError("gate_bias=True adds a bias to the linear gate's logits: use gate='softmax'")
         if self.gate_precision == "input" and self.gate != "softmax":
             raise ValueError(
                 "gate_precision='input' applies to the linear gate: use gate='softmax' or gate_precision='fp32'"

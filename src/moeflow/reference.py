@@ -36,6 +36,8 @@ def _expert_params(num: int, model_dim: int, hidden_dim: int, swiglu: bool, bias
         params.b2 = nn.Parameter(torch.zeros(num, model_dim))
     if swiglu:
         params.w3 = nn.Parameter(torch.randn(num, model_dim, hidden_dim) * model_dim**-0.5)
+        if bias:
+            params.b3 = nn.Parameter(torch.zeros(num, hidden_dim))
     return params
 
 
@@ -58,6 +60,7 @@ class ReferenceMoE(nn.Module):
         *,
         bias: bool = True,
         gate_precision: str = "fp32",
+        gate_bias: bool = False,
         score_function: str = "softmax",
         num_shared_experts: int = 0,
         shared_hidden_dim: int | None = None,
@@ -96,6 +99,8 @@ class ReferenceMoE(nn.Module):
             self.gate.logit_scale = nn.Parameter(torch.full((1,), math.log(2.0)))
         else:
             self.gate.weight = nn.Parameter(torch.randn(num_experts, model_dim) * model_dim**-0.5)
+            if gate_bias:
+                self.gate.bias = nn.Parameter(torch.randn(num_experts) * 0.5)
         self.gate.register_buffer("expert_bias", torch.zeros(num_experts))
         swiglu = activation == "swiglu"
         self.experts = _expert_params(num_experts, model_dim, hidden_dim, swiglu, bias)
@@ -114,15 +119,16 @@ class ReferenceMoE(nn.Module):
         self.capacity = 0
 
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.gate, "bias", None)  # gpt-oss's router bias
         if self.gate_precision == "input":  # Mixtral, Qwen-MoE: logits in x's dtype, then fp32
-            return (x @ self.gate.weight.t()).float()
+            return (x @ self.gate.weight.t() + (0.0 if bias is None else bias)).float()
         x = x.float()
         if self.gate_kind == "cosine":
             projected = F.normalize(x @ self.gate.projection.float().t(), dim=-1)
             experts = F.normalize(self.gate.weight.float(), dim=-1)
             scale = torch.exp(self.gate.logit_scale.float().clamp(max=self.max_logit_scale))
             return projected @ experts.t() * scale
-        return x @ self.gate.weight.float().t()
+        return x @ self.gate.weight.float().t() + (0.0 if bias is None else bias.float())
 
     def limit_to_node(self, chooser: torch.Tensor) -> torch.Tensor:
         """The topology-aware gate: if more than floor(share * T) tokens have their best expert off
@@ -153,7 +159,7 @@ class ReferenceMoE(nn.Module):
         elif self.activation == "silu":
             h = F.silu(h)
         elif self.activation == "swiglu":
-            h = self.swiglu(h, x @ params.w3[e], clamped=params is self.experts)
+            h = self.swiglu(h, x @ params.w3[e] + (params.b3[e] if has_bias else 0.0), clamped=params is self.experts)
         else:
             raise ValueError(f"unknown activation {self.activation!r}")
         return h @ params.w2[e] + (params.b2[e] if has_bias else 0.0)

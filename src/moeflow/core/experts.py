@@ -2,7 +2,7 @@
 
 Shapes: L local experts, C tokens per expert (W*C after dispatch), M model dim, H hidden dim.
 Parameters ``w1`` (L, M, H), ``b1`` (L, H), ``w2`` (L, H, M), ``b2`` (L, M), and for swiglu ``w3``
-(L, M, H) without bias: swiglu(x) = (silu(x w1 + b1) * (x w3)) w2 + b2.
+(L, M, H) and ``b3`` (L, H): swiglu(x) = (silu(x w1 + b1) * (x w3 + b3)) w2 + b2.
 
 Each GEMM runs either as one ``bmm`` over all experts or as one ``mm`` per expert written in place
 (``loop``); both compute the same function. Measured on the 2-core CPU (one thread, allocator
@@ -102,16 +102,17 @@ def gated_grads(
 @dataclass(frozen=True)
 class FFNWeights:
     """The parameters of L experts as plain tensors; the biases are None for bias-free experts
-    (Mixtral, Qwen-MoE, DeepSeek), ``w3`` is SwiGLU's up projection."""
+    (Mixtral, Qwen-MoE, DeepSeek), ``w3`` and ``b3`` are SwiGLU's up projection (gpt-oss's has a bias)."""
 
     w1: torch.Tensor
     b1: torch.Tensor | None
     w2: torch.Tensor
     b2: torch.Tensor | None
     w3: torch.Tensor | None = None
+    b3: torch.Tensor | None = None
 
     def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.w1, self.b1, self.w2, self.b2, self.w3)
+        return (self.w1, self.b1, self.w2, self.b2, self.w3, self.b3)
 
     def cast(self, dtype: torch.dtype) -> FFNWeights:
         """The weights in ``dtype`` (a differentiable cast: gradients return in the original dtype)."""
@@ -248,7 +249,7 @@ class FFNCompute:
     def weight_grads(
         self, inputs: FFNWeightGradInputs, weights: FFNWeights, workspace: Workspace | None = None
     ) -> list[torch.Tensor | None]:
-        """[grad w1, b1, w2, b2, w3], each one GEMM (or sum) over all rows; None where absent. With
+        """[grad w1, b1, w2, b2, w3, b3], each one GEMM (or sum) over all rows; None where absent. With
         a ``workspace`` the large ones reuse storage that no earlier gradient still uses."""
         loop = self.kernel == "loop"
 
@@ -262,20 +263,22 @@ class FFNCompute:
             assert weights.w3 is not None
             grad_w3 = grad_of(weights.w3, inputs.x_LCM, inputs.grad_up_LCH)
         return self.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_LCX: rows_LCX.sum(dim=1),
-                              inputs.grad_h_LCH, inputs.grad_y_LCM)
+                              inputs.grad_h_LCH, inputs.grad_y_LCM, inputs.grad_up_LCH)
 
     def all_grads(
         self, weights: FFNWeights, grad_w1: torch.Tensor, grad_w2: torch.Tensor, grad_w3: torch.Tensor | None,
         sum_per_expert: Callable[[torch.Tensor], torch.Tensor], grad_h: torch.Tensor, grad_y: torch.Tensor,
+        grad_up: torch.Tensor | None = None,
     ) -> list[torch.Tensor | None]:
-        """[grad w1, b1, w2, b2, w3] from the weight gradients and the per-expert row sums of the
-        hidden and output gradients (the biases'), scaled by ``weight_grad_scale``; the padded and
+        """[grad w1, b1, w2, b2, w3, b3] from the weight gradients and the per-expert row sums of the
+        hidden, output and up gradients (the biases'), scaled by ``weight_grad_scale``; the padded and
         ragged layouts differ only in how rows are summed per expert."""
         grad_b1 = sum_per_expert(grad_h) if weights.b1 is not None else None
         grad_b2 = None
         if weights.b2 is not None:
             grad_b2 = sum_per_expert(grad_y) if self.adds_output_bias else torch.zeros_like(weights.b2)
-        grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3]
+        grad_b3 = sum_per_expert(grad_up) if weights.b3 is not None and grad_up is not None else None
+        grads = [grad_w1, grad_b1, grad_w2, grad_b2, grad_w3, grad_b3]
         if self.weight_grad_scale != 1.0:
             for grad in grads:
                 if grad is not None:
@@ -288,7 +291,7 @@ class FFNCompute:
 
 @dataclass(frozen=True)
 class SwiGLUCompute(FFNCompute):
-    """y = (silu(x w1 + b1) * (x w3)) w2 + b2: the gated FFN of LLaMA-style experts (a
+    """y = (silu(x w1 + b1) * (x w3 + b3)) w2 + b2: the gated FFN of LLaMA-style experts (a
     :class:`ClampedSwiGLU` as ``activation``: gpt-oss's)."""
 
     activation: Activation = "silu"
@@ -297,7 +300,8 @@ class SwiGLUCompute(FFNCompute):
     def _up(self, x_LCM: torch.Tensor, weights: FFNWeights, workspace: Workspace | None) -> torch.Tensor | None:
         assert weights.w3 is not None, "SwiGLU experts need w3"
         out = _buffer(workspace, (*x_LCM.shape[:2], weights.w3.shape[2]), x_LCM)
-        return batched_mm(x_LCM, weights.w3, self.kernel == "loop", out)
+        up_LCH = batched_mm(x_LCM, weights.w3, self.kernel == "loop", out)
+        return up_LCH if weights.b3 is None else up_LCH.add_(weights.b3.unsqueeze(1))
 
 
 def expert_compute(
@@ -317,18 +321,18 @@ class _ExpertFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: FunctionCtx, x_LCM: torch.Tensor, compute: FFNCompute, w1: torch.Tensor, b1: torch.Tensor | None,
-        w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None,
+        w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None, b3: torch.Tensor | None,
     ) -> torch.Tensor:
-        y_LCM, saved = compute.forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3))
-        ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3, saved.h_LCH, saved.a_LCH, saved.up_LCH)
+        y_LCM, saved = compute.forward(x_LCM, FFNWeights(w1, b1, w2, b2, w3, b3))
+        ctx.save_for_backward(x_LCM, w1, b1, w2, b2, w3, b3, saved.h_LCH, saved.a_LCH, saved.up_LCH)
         ctx.compute = compute
         return y_LCM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_y_LCM: torch.Tensor):  # type: ignore[override]
-        x_LCM, w1, b1, w2, b2, w3, h_LCH, a_LCH, up_LCH = ctx.saved_tensors
-        weights = FFNWeights(w1, b1, w2, b2, w3)
+        x_LCM, w1, b1, w2, b2, w3, b3, h_LCH, a_LCH, up_LCH = ctx.saved_tensors
+        weights = FFNWeights(w1, b1, w2, b2, w3, b3)
         saved = FFNSaved(x_LCM, h_LCH, a_LCH, up_LCH)
         grad_x_LCM, inputs = ctx.compute.backward_input(saved, grad_y_LCM.contiguous(), weights)
         return grad_x_LCM, None, *ctx.compute.weight_grads(inputs, weights)
@@ -349,7 +353,8 @@ class LocalExperts(Protocol):
 
 class ExpertFFN(nn.Module):
     """``num_experts`` independent FFNs (or hidden shards of them) evaluated together on
-    (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``), ``clamp`` clamped SwiGLU."""
+    (L, C, M) input; ``bias=False`` gives bias-free experts (no ``b1``/``b2``/``b3``), ``clamp`` clamped
+    SwiGLU."""
 
     def __init__(
         self, num_experts: int, model_dim: int, hidden_dim: int, activation: str = "gelu",
@@ -370,6 +375,7 @@ class ExpertFFN(nn.Module):
         self.w3 = (
             nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim)) if activation == "swiglu" else None
         )
+        self.b3 = nn.Parameter(torch.zeros(num_experts, hidden_dim)) if bias and self.w3 is not None else None
         if initialize:  # else the owner initializes them (MoELayer: by global expert index)
             self.reset_parameters()
 
@@ -383,7 +389,7 @@ class ExpertFFN(nn.Module):
             if weight is not None:
                 bound = 1.0 / math.sqrt(fan_in)
                 nn.init.uniform_(weight, -bound, bound)
-        for bias in (self.b1, self.b2):
+        for bias in (self.b1, self.b2, self.b3):
             if bias is not None:
                 nn.init.zeros_(bias)
 
@@ -415,13 +421,13 @@ class ExpertFFN(nn.Module):
                         whole.normal_(0.0, normal_std[kind], generator=generator)
                     if not in_place:
                         weight[local].copy_(whole.narrow(axis, start, stop - start))
-            for bias in (self.b1, self.b2):
+            for bias in (self.b1, self.b2, self.b3):
                 if bias is not None:
                     bias.zero_()
 
     def weights(self) -> FFNWeights:
         """The parameters as plain tensors, for code that runs the FFN outside autograd."""
-        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3)
+        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3)
 
     def run_with_weights(self, x_TM: torch.Tensor, run: Callable[[torch.Tensor], Ran]) -> Ran:
         """``run(x_TM)``: the one call inside which a layer reads these weights (its dispatch's

@@ -39,9 +39,9 @@ from moeflow.timing.phases import PhaseClock
 Group = ParallelGroups | dist.ProcessGroup | None
 
 
-LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
-"""transformers' experts-interface flags of the one expert layout moeflow reads: gated, bias-free,
-(E, 2I, M) [gate; up] then (E, M, I)."""
+LAYOUT_FLAGS = {"has_gate": True}
+"""transformers' experts-interface flags moeflow needs: gated experts (the layout flags
+``is_transposed``, ``is_concatenated`` and ``has_bias`` are read: :mod:`moeflow.hf.weights`)."""
 
 
 def _check_experts(block: nn.Module, family: Family) -> None:
@@ -57,8 +57,13 @@ def _check_experts(block: nn.Module, family: Family) -> None:
                if getattr(experts, flag, want) != want}
     if differs:
         raise ValueError(
-            f"the experts of {type(block).__name__} have {differs}; moeflow.hf converts gated, bias-free experts in "
-            "the [gate; up] layout only: run this model through ep_implementation='moeflow' instead"
+            f"the experts of {type(block).__name__} have {differs}; moeflow.hf converts gated experts only: run "
+            "this model through ep_implementation='moeflow' instead"
+        )
+    if getattr(experts, "has_bias", False) and shared_mlp(block, family) is not None:
+        raise ValueError(
+            f"the experts of {type(block).__name__} have biases beside a shared MLP; moeflow's layer gives both "
+            "or neither biases: run this model through ep_implementation='moeflow' instead"
         )
 
 
@@ -66,6 +71,8 @@ def _returns_router_logits(block: nn.Module) -> bool:
     """transformers v4's Mixtral and Qwen-MoE blocks returned ``(hidden, router_logits)``; its
     per-expert layout is how a v4 block is told apart."""
     family = family_of(block)
+    if family is not None and family.returns_scores:
+        return True
     return isinstance(block.experts, nn.ModuleList) and family is not None and family.model_type in V4_TUPLE_BLOCKS
 
 
@@ -90,8 +97,8 @@ class HFMoEBlock(nn.Module):
         y = run(hidden_states) if self.clock is None else self.clock.around("moe", hidden_states, run)
         if not self.returns_router_logits:
             return y
-        # v4's router is an nn.Linear: its logits in the input's dtype
-        return y, F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), self.moe.gate.weight)
+        # v4's router is an nn.Linear: its logits in the input's dtype (gpt-oss's decoder layer drops them)
+        return y, F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), self.moe.gate.weight, self.moe.gate.bias)
 
     def to_hf(self) -> nn.Module:
         """The transformers block again, with this layer's weights (all experts: a collective
@@ -117,7 +124,7 @@ def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) ->
     num_experts, hidden_dim, model_dim = gate_IH.shape
     options: dict[str, Any] = {
         **routing_settings(block, family), **expert_settings(block, family), "capacity_factor": 0.0,
-        "activation": "swiglu", "bias": False,
+        "activation": "swiglu", "bias": bool(getattr(block.experts, "has_bias", False)),
         "expert_kernel": "ragged",
         "aux_loss_weight": 0.0, **layer_options,
     }
@@ -159,7 +166,10 @@ def _to_block_dtypes(moe: MoELayer, block: nn.Module, family: Family, device: to
     """The layer in the experts' dtype, its router in the block's router's (which some families keep
     in fp32 in a bf16 model)."""
     moe.to(device=device, dtype=expert_tensors(block.experts)[0].dtype)
-    moe.gate.weight.data = moe.gate.weight.data.to(router_weight(block, family).dtype)
+    router_dtype = router_weight(block, family).dtype
+    moe.gate.weight.data = moe.gate.weight.data.to(router_dtype)
+    if moe.gate.bias is not None:
+        moe.gate.bias.data = moe.gate.bias.data.to(router_dtype)
 
 
 def _meta_copy(block: nn.Module) -> nn.Module:

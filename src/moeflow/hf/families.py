@@ -21,7 +21,9 @@ Read from transformers' source (v5.23 fused experts; v4 per-expert modules where
 Most other families are transformers' own copies of one of these four under another name, or differ
 in where a setting lives (the router at ``block.router``, the selection bias on the block, the scaling
 factor's name) or fix what these read (always renormalised, never): :data:`FAMILIES` says where each
-reads. Softmax over the k chosen logits (Granite's) is softmax then renormalisation.
+reads. Softmax over the k chosen logits (Granite's, gpt-oss's) is softmax then renormalisation.
+gpt-oss adds a learned bias to the router's logits (``router_bias``) and its experts are clamped
+SwiGLU (``clamp``) with biases, in a transposed, interleaved layout (:mod:`moeflow.hf.weights`).
 
 Everywhere the combine weights are fp32; transformers v5 casts Qwen's to the input's dtype (no
 change in fp32/fp64) and multiplies in fp32 before the cast back.
@@ -65,6 +67,8 @@ class Family:
     scale: str | None = None  # the routed scaling factor, if any
     requires: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # (path, the values it may hold to route as above)
     clamp: ExpertsClamp | None = None  # clamped SwiGLU experts (HY-V4's), else SwiGLU with silu
+    router_bias: str | None = None  # a learned bias on the router's logits (gpt-oss's), if any
+    returns_scores: bool = False  # the block returns (hidden, router output), its decoder layer drops the second
 
 
 def _mixtral(name: str, model_type: str, block_class: str, **where: Any) -> Family:
@@ -132,6 +136,11 @@ FAMILIES = (
     _deepseek_v3("Mistral-Large-4", "mistral_large4_text", "MistralLarge4TextMoE", score_function="softmax",
                  normalize=True, bias=None),
     _deepseek_v3("HY-V4", "hy_v4", "HYV4MoE", clamp=ExpertsClamp("swiglu_limit")),
+    _mixtral("gpt-oss", "gpt_oss", "GptOssMLP", router="router.weight", router_bias="router.bias",
+             clamp=ExpertsClamp("limit", "alpha", up_offset=1.0), returns_scores=True),
+    Family("OpenAI-Privacy-Filter", "openai_privacy_filter", "OpenAIPrivacyFilterMLP", "softmax", "fp32", None, None,
+           normalize=True, router="router.weight", router_bias="router.bias",
+           clamp=ExpertsClamp("limit", "alpha", up_offset=1.0), returns_scores=True),
     _deepseek_v3("HY-V3", "hy_v3", "HYV3MoE", normalize=True, grouped=False, bias="e_score_correction_bias",
                  scale="gate.router_scaling_factor"),
     _deepseek_v3("MiniMax-M2", "minimax_m2", "MiniMaxM2SparseMoeBlock", gate_precision="input", normalize=True,
@@ -179,6 +188,11 @@ def router_weight(block: nn.Module, family: Family) -> torch.Tensor:
     return _at(block, family.router)
 
 
+def router_bias(block: nn.Module, family: Family) -> torch.Tensor | None:
+    """The block's (E,) bias on the router's logits, if its family has one."""
+    return None if family.router_bias is None else _at(block, family.router_bias)
+
+
 def selection_bias(block: nn.Module, family: Family) -> torch.Tensor | None:
     """The block's selection-only bias (any shape of E elements), if its family has one."""
     return None if family.bias is None else _at(block, family.bias)
@@ -224,6 +238,7 @@ def routing_settings(block: nn.Module, family: Family) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "top_k": int(top_k), "score_function": family.score_function,
         "gate_precision": "fp32" if fp32_router else family.gate_precision, "normalize_gate": norm,
+        "gate_bias": family.router_bias is not None,
     }
     if family.grouped:
         settings["expert_groups"] = int(_first(_setting(block, family, "n_group", "num_group"), 1))

@@ -30,12 +30,14 @@ from moeflow.moe.layer import MoELayer
 @dataclass(frozen=True)
 class Read:
     """Where a tensor comes from: checkpoint entry ``key``, its ``index`` slice, cast to ``via``
-    (the dtype transformers holds it in) on the way, transposed (HF's (out, in) to moeflow's)."""
+    (the dtype transformers holds it in) on the way, one of each pair along an axis (``pairs``:
+    (axis, which), gpt-oss's interleaved gate and up), transposed (HF's (out, in) to moeflow's)."""
 
     key: str
     index: Index | None = None
     transpose: bool = False
     via: torch.dtype | None = None
+    pairs: tuple[int, int] | None = None
 
 
 def load_lazily(
@@ -172,12 +174,14 @@ def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[
     template, moe, family = block._template[0], block.moe, block.family
     weight = router_weight(template, family)
     reads = [(moe.gate.weight, Read(_key(names, f"{prefix}.{family.router}"), via=weight.dtype))]
+    if family.router_bias is not None:
+        reads.append((moe.gate.bias, Read(_key(names, f"{prefix}.{family.router_bias}"), via=weight.dtype)))
     bias = selection_bias(template, family)
     if bias is not None:
         key = _key(names, f"{prefix}.{family.bias}")
         reads.append((moe.gate.expert_bias.view(bias.shape), Read(key, via=bias.dtype)))
     via = next(template.experts.parameters()).dtype
-    reads += _expert_reads(prefix, moe, via, names)
+    reads += _expert_reads(prefix, moe, template.experts, via, names)
     shared_module = shared_mlp(template, family)
     if shared_module is not None:
         shared = f"{prefix}.{family.shared}"
@@ -201,26 +205,53 @@ def _projection_keys(names: dict[str, str], prefix: str) -> tuple[str, str, str]
 
 
 def _expert_reads(
-    prefix: str, moe: MoELayer, via: torch.dtype, names: dict[str, str]
+    prefix: str, moe: MoELayer, hf_experts: nn.Module, via: torch.dtype, names: dict[str, str]
 ) -> list[tuple[torch.Tensor, Read]]:
     """This rank's expert shards only, per expert (v4's and the original checkpoints' layout) or
-    sliced out of fused ``gate_up_proj`` (E, 2I, H) / ``down_proj`` (E, H, I) tensors."""
-    experts, hidden = moe.experts, moe.placement.hidden_dim
-    fused = names.get(f"{prefix}.experts.gate_up_proj")
+    sliced out of fused ``gate_up_proj`` / ``down_proj`` tensors (:func:`_fused_reads`)."""
+    experts = moe.experts
+    fused = f"{prefix}.experts.gate_up_proj" in names
     every = slice(None)
     reads: list[tuple[torch.Tensor, Read]] = []
     for slot, shard in enumerate(moe.placement.local(moe.rank)):
+        if fused:
+            reads += _fused_reads(f"{prefix}.experts", moe, hf_experts, slot, via, names)
+            continue
         rows = slice(shard.hidden_start, shard.hidden_stop)
-        if fused is not None:
-            up = slice(hidden + shard.hidden_start, hidden + shard.hidden_stop)
-            down = _key(names, f"{prefix}.experts.down_proj")
-            sources = ((fused, (shard.expert, rows, every)), (fused, (shard.expert, up, every)),
-                       (down, (shard.expert, every, rows)))
-        else:
-            gate_key, up_key, down_key = _projection_keys(names, f"{prefix}.experts.{shard.expert}")
-            sources = ((gate_key, (rows, every)), (up_key, (rows, every)), (down_key, (every, rows)))
+        gate_key, up_key, down_key = _projection_keys(names, f"{prefix}.experts.{shard.expert}")
+        sources = ((gate_key, (rows, every)), (up_key, (rows, every)), (down_key, (every, rows)))
         targets = (experts.w1[slot], experts.w3[slot], experts.w2[slot])
         reads += [(t, Read(key, index, True, via)) for t, (key, index) in zip(targets, sources, strict=True)]
+    return reads
+
+
+def _fused_reads(
+    prefix: str, moe: MoELayer, hf_experts: nn.Module, slot: int, via: torch.dtype, names: dict[str, str]
+) -> list[tuple[torch.Tensor, Read]]:
+    """Slot ``slot``'s shard out of ``gate_up_proj`` ((E, 2I, H), or (E, H, 2I) transposed; halves or
+    interleaved pairs), ``down_proj`` ((E, H, I) or (E, I, H)) and, with ``has_bias``, their biases."""
+    experts, hidden = moe.experts, moe.placement.hidden_dim
+    shard = moe.placement.local(moe.rank)[slot]
+    start, stop, every = shard.hidden_start, shard.hidden_stop, slice(None)
+    transposed = bool(getattr(hf_experts, "is_transposed", False))
+    pairs = not getattr(hf_experts, "is_concatenated", True)
+    spans = [(slice(2 * start, 2 * stop), part) for part in (0, 1)] if pairs else \
+        [(slice(start, stop), None), (slice(hidden + start, hidden + stop), None)]
+    gate_up, down = _key(names, f"{prefix}.gate_up_proj"), _key(names, f"{prefix}.down_proj")
+    reads = []
+    for target, (span, part) in zip((experts.w1[slot], experts.w3[slot]), spans, strict=True):
+        index = (shard.expert, every, span) if transposed else (shard.expert, span, every)
+        axis = 1 if transposed else 0
+        reads.append((target, Read(gate_up, index, not transposed, via, None if part is None else (axis, part))))
+    rows = slice(start, stop)
+    reads.append((experts.w2[slot], Read(down, (shard.expert, rows, every) if transposed else
+                                         (shard.expert, every, rows), not transposed, via)))
+    if getattr(hf_experts, "has_bias", False):
+        bias = _key(names, f"{prefix}.gate_up_proj_bias")
+        for target, (span, part) in zip((experts.b1[slot], experts.b3[slot]), spans, strict=True):
+            reads.append((target, Read(bias, (shard.expert, span), False, via, None if part is None else (0, part))))
+        reads.append((experts.b2[slot], Read(_key(names, f"{prefix}.down_proj_bias"), (shard.expert, every),
+                                             False, via)))
     return reads
 
 
@@ -229,6 +260,9 @@ def _copy(checkpoint: SafetensorsCheckpoint, target: torch.Tensor, read: Read) -
     value = checkpoint.read(read.key, read.index)
     if read.via is not None:
         value = value.to(read.via)
+    if read.pairs is not None:
+        axis, which = read.pairs
+        value = value.unflatten(axis, (-1, 2)).select(axis + 1, which)
     if read.transpose:
         value = value.T
     if value.shape != target.shape:

@@ -3,8 +3,12 @@
 transformers stores a projection as ``nn.Linear`` weights, (out, in). Two expert layouts exist:
 per-expert modules (v4: ``w1``/``w3``/``w2`` for Mixtral, ``gate_proj``/``up_proj``/``down_proj``
 for Qwen-MoE and DeepSeek) and fused tensors (v5: ``gate_up_proj`` (E, 2I, H) holding the gate rows
-then the up rows, ``down_proj`` (E, H, I)). moeflow's experts multiply from the right: ``w1``
-(E, M, I) the gate, ``w3`` (E, M, I) the up projection, ``w2`` (E, I, M) the down projection.
+then the up rows, ``down_proj`` (E, H, I)). The fused tensors' experts-interface flags say where a
+family departs: ``is_transposed`` (gpt-oss: (E, H, 2I) and (E, I, H)), ``is_concatenated=False``
+(gpt-oss: gate and up rows interleaved, gate first) and ``has_bias`` (``gate_up_proj_bias`` (E, 2I)
+in the same order, ``down_proj_bias`` (E, H)). moeflow's experts multiply from the right: ``w1``
+(E, M, I) the gate, ``w3`` (E, M, I) the up projection, ``w2`` (E, I, M) the down projection, and
+``b1``, ``b3``, ``b2`` their biases.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.hf.families import Family, router_weight, selection_bias, shared_mlp
+from moeflow.hf.families import Family, router_bias, router_weight, selection_bias, shared_mlp
 
 PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -47,8 +51,35 @@ def expert_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torc
             f"{type(experts).__name__} is neither a ModuleList of expert MLPs (transformers v4) nor fused "
             "gate_up_proj/down_proj tensors (v5)"
         )
-    gate, up = experts.gate_up_proj.chunk(2, dim=1)
-    return gate, up, experts.down_proj
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = split_gate_up(experts, gate_up, dim=1)
+    return gate, up, down
+
+
+def split_gate_up(experts: nn.Module, gate_up: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up parts of fused ``gate_up`` along ``dim``: halves, or interleaved rows (gpt-oss)."""
+    if getattr(experts, "is_concatenated", True):
+        gate, up = gate_up.chunk(2, dim=dim)
+        return gate, up
+    pairs = gate_up.unflatten(dim, (-1, 2))
+    return pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+
+
+def join_gate_up(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+    """:func:`split_gate_up`'s inverse."""
+    if getattr(experts, "is_concatenated", True):
+        return torch.cat([gate, up], dim=dim)
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def expert_biases(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(gate (E, I), up (E, I), down (E, H)) biases of fused experts with ``has_bias``, else None."""
+    if not getattr(experts, "has_bias", False):
+        return None
+    gate, up = split_gate_up(experts, experts.gate_up_proj_bias, dim=1)
+    return gate, up, experts.down_proj_bias
 
 
 def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -66,8 +97,17 @@ def write_experts(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, down
         for e, mlp in enumerate(experts):
             write_mlp(mlp, gate[e], up[e], down[e])
         return
-    _copy(experts.gate_up_proj, torch.cat([gate, up], dim=1))
+    gate_up = join_gate_up(experts, gate, up, dim=1)
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    _copy(experts.gate_up_proj, gate_up)
     _copy(experts.down_proj, down)
+
+
+def write_expert_biases(experts: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    if getattr(experts, "has_bias", False):
+        _copy(experts.gate_up_proj_bias, join_gate_up(experts, state["experts.b1"], state["experts.b3"], dim=1))
+        _copy(experts.down_proj_bias, state["experts.b2"])
 
 
 def _ffn_state(prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -91,6 +131,13 @@ def moeflow_state(block: nn.Module, family: Family) -> dict[str, torch.Tensor]:
         bias.detach().float().reshape(-1).clone() if bias is not None else torch.zeros(state["gate.weight"].shape[0])
     )
     state.update(_ffn_state("experts.", *expert_tensors(block.experts)))
+    biases = expert_biases(block.experts)
+    if biases is not None:
+        names = ("experts.b1", "experts.b3", "experts.b2")
+        state.update({name: b.detach().clone() for name, b in zip(names, biases, strict=True)})
+    logit_bias = router_bias(block, family)
+    if logit_bias is not None:
+        state["gate.bias"] = logit_bias.detach().clone()
     shared = shared_mlp(block, family)
     if shared is not None:
         gate, up, down = mlp_tensors(shared)
@@ -107,6 +154,10 @@ def write_hf_block(block: nn.Module, family: Family, state: dict[str, torch.Tens
     if bias is not None:
         _copy(bias, state["gate.expert_bias"].reshape(bias.shape))
     write_experts(block.experts, *_ffn_from_state(state, "experts."))
+    write_expert_biases(block.experts, state)
+    logit_bias = router_bias(block, family)
+    if logit_bias is not None:
+        _copy(logit_bias, state["gate.bias"])
     shared = shared_mlp(block, family)
     if shared is not None:
         gate, up, down = (t[0] for t in _ffn_from_state(state, "shared_experts."))

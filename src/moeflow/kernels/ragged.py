@@ -193,13 +193,15 @@ def packed_ffn(
     adds_output_bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The FFN of packed rows ordered by expert: y, and h, a and up (what a backward reads)."""
-    has_bias = weights.b1 is not None or weights.b2 is not None
+    has_bias = any(bias is not None for bias in (weights.b1, weights.b2, weights.b3))
     expert_N = rows.expert_of_rows_on(x_NM.device) if has_bias else None
     h_NH = ragged_mm(x_NM, weights.w1, rows, backend)
     if weights.b1 is not None:
         h_NH.add_(weights.b1.index_select(0, expert_N))  # h is the GEMM's own new tensor
     a_NH = activate(activation, h_NH, torch.empty_like(h_NH))
     up_NH = None if weights.w3 is None else ragged_mm(x_NM, weights.w3, rows, backend)
+    if weights.b3 is not None:
+        up_NH.add_(weights.b3.index_select(0, expert_N))
     y_NM = ragged_mm(a_NH if up_NH is None else a_NH * up_input(activation, up_NH), weights.w2, rows, backend)
     if weights.b2 is not None and adds_output_bias:
         y_NM.add_(weights.b2.index_select(0, expert_N))
@@ -211,13 +213,13 @@ def expert_rows_ffn(
 ) -> torch.Tensor:
     """One expert's FFN on its rows without autograd, all its steps before the next expert's (its
     intermediates stay in cache), the activation in place; into ``out`` when given."""
-    w1, b1, w2, b2, w3 = (None if w is None else w[expert] for w in weights.as_tuple())
+    w1, b1, w2, b2, w3, b3 = (None if w is None else w[expert] for w in weights.as_tuple())
     h_RH = torch.mm(x_RM, w1)
     if b1 is not None:
         h_RH += b1
     a_RH = activate_(activation, h_RH)
     if w3 is not None:
-        a_RH *= up_input(activation, torch.mm(x_RM, w3))
+        a_RH *= up_input(activation, torch.mm(x_RM, w3) if b3 is None else torch.addmm(b3, x_RM, w3))
     y_RM = torch.mm(a_RH, w2) if out is None else torch.mm(a_RH, w2, out=out)
     if b2 is not None:
         y_RM += b2
@@ -400,11 +402,11 @@ def packed_backward_input(
 def packed_weight_grads(
     base: FFNCompute, inputs: RaggedWeightGradInputs, rows: FilledRows, weights: FFNWeights, backend: str
 ) -> list[torch.Tensor | None]:
-    """[grad w1, b1, w2, b2, w3] of packed rows ordered by expert (``rows``)."""
+    """[grad w1, b1, w2, b2, w3, b3] of packed rows ordered by expert (``rows``)."""
     grad_w1 = ragged_weight_grad(inputs.x_NM, inputs.grad_h_NH, rows, backend)
     grad_w2 = ragged_weight_grad(inputs.hidden_NH, inputs.grad_y_NM, rows, backend)
     grad_w3 = None
     if inputs.grad_up_NH is not None:
         grad_w3 = ragged_weight_grad(inputs.x_NM, inputs.grad_up_NH, rows, backend)
     return base.all_grads(weights, grad_w1, grad_w2, grad_w3, lambda rows_NX: _per_expert_sum(rows_NX, rows),
-                          inputs.grad_h_NH, inputs.grad_y_NM)
+                          inputs.grad_h_NH, inputs.grad_y_NM, inputs.grad_up_NH)

@@ -257,7 +257,7 @@ class MoETransformer(nn.Module):
             for name, parameter in self.named_parameters():
                 if name in experts and name not in heads:
                     continue
-                if parameter.dim() == 1 or name.endswith((".b1", ".b2")):  # biases zero, LayerNorm gains one
+                if parameter.dim() == 1 or name.endswith((".b1", ".b2", ".b3")):  # biases zero, LayerNorm gains one
                     parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
                     continue
                 std = residual_std if name.endswith(("proj.weight", ".w2")) else 0.02

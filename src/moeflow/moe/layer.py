@@ -108,7 +108,8 @@ class MoELayer(nn.Module):
         self.planner = self._planner(self.schedule)
         c = config
         self.gate = build_gate(
-            c.gate, c.model_dim, c.num_experts, c.cosine_projection_dim, c.cosine_min_temperature, c.gate_precision
+            c.gate, c.model_dim, c.num_experts, c.cosine_projection_dim, c.cosine_min_temperature, c.gate_precision,
+            c.gate_bias,
         )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start

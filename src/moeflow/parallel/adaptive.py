@@ -79,7 +79,8 @@ def gather_weights(
 
     start = region_clock(timing)
     joined = FFNWeights(
-        join(weights.w1, 2), join(weights.b1, 1), join(weights.w2, 1), join(weights.b2, None), join(weights.w3, 2)
+        join(weights.w1, 2), join(weights.b1, 1), join(weights.w2, 1), join(weights.b2, None), join(weights.w3, 2),
+        join(weights.b3, 1),
     )
     if timing is not None:
         timing.gather_s += region_clock(timing) - start

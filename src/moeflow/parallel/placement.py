@@ -14,7 +14,7 @@ parameter), which is what torch.distributed.checkpoint stores and reshards by
 (:mod:`moeflow.training.sharded_checkpoint`): one description for every placement, regular or not.
 
 Parameter kinds (the last part of a state-dict name) and the axis of their hidden dimension:
-``w1``/``w3`` (E, M, H) axis 2, ``b1`` (E, H) axis 1, ``w2`` (E, H, M) axis 1; ``b2`` (E, M) has
+``w1``/``w3`` (E, M, H) axis 2, ``b1``/``b3`` (E, H) axis 1, ``w2`` (E, H, M) axis 1; ``b2`` (E, M) has
 none: every shard of an expert holds it, and only the shard that starts at hidden 0 adds it.
 """
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moeflow.comm.collectives import all_reduce
 
-HIDDEN_AXIS: dict[str, int | None] = {"w1": 2, "w3": 2, "b1": 1, "w2": 1, "b2": None}
+HIDDEN_AXIS: dict[str, int | None] = {"w1": 2, "w3": 2, "b1": 1, "b3": 1, "w2": 1, "b2": None}
 
 
 @dataclass(frozen=True, order=True)

@@ -25,19 +25,22 @@ from torch import nn
 
 
 class LinearGate(nn.Module):
-    """logits = x W^T, the router of Switch/GShard/Tutel."""
+    """logits = x W^T (+ b), the router of Switch/GShard/Tutel (gpt-oss's has the bias ``b``)."""
 
-    def __init__(self, model_dim: int, num_experts: int, logits_in_input_dtype: bool = False) -> None:
+    def __init__(
+        self, model_dim: int, num_experts: int, logits_in_input_dtype: bool = False, bias: bool = False
+    ) -> None:
         super().__init__()
         self.logits_in_input_dtype = logits_in_input_dtype
         self.weight = nn.Parameter(torch.empty(num_experts, model_dim))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         nn.init.normal_(self.weight, std=model_dim**-0.5)
 
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
-        if self.logits_in_input_dtype:
-            return F.linear(x_TM, self.weight.to(x_TM.dtype)).float()
-        return F.linear(x_TM.float(), self.weight.float())
+        dtype = x_TM.dtype if self.logits_in_input_dtype else torch.float32
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x_TM.to(dtype), self.weight.to(dtype), bias).float()
 
 
 class CosineGate(nn.Module):
@@ -73,11 +76,11 @@ class CosineGate(nn.Module):
 
 def build_gate(
     kind: str, model_dim: int, num_experts: int, projection_dim: int, min_temperature: float,
-    precision: str = "fp32",
+    precision: str = "fp32", bias: bool = False,
 ) -> LinearGate | CosineGate:
     """The gate ``MoEConfig.gate`` names: ``softmax`` a :class:`LinearGate`, ``cosine`` a :class:`CosineGate`."""
     if kind == "softmax":
-        return LinearGate(model_dim, num_experts, logits_in_input_dtype=precision == "input")
+        return LinearGate(model_dim, num_experts, logits_in_input_dtype=precision == "input", bias=bias)
     if kind == "cosine":
         return CosineGate(model_dim, num_experts, projection_dim, min_temperature)
     raise ValueError(f"unknown gate {kind!r}; choose softmax or cosine")

@@ -71,17 +71,18 @@ class _KeptRowsExperts(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, x_NM: torch.Tensor, rows: FilledRows, base: FFNCompute, backend: str, w1: torch.Tensor,
         b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor | None,
+        b3: torch.Tensor | None,
     ) -> torch.Tensor:
-        y_NM, saved = packed_forward(base, x_NM, rows, FFNWeights(w1, b1, w2, b2, w3), backend)
-        ctx.save_for_backward(w1, b1, w2, b2, w3, saved.x_NM, saved.h_NH, saved.a_NH, saved.up_NH)
+        y_NM, saved = packed_forward(base, x_NM, rows, FFNWeights(w1, b1, w2, b2, w3, b3), backend)
+        ctx.save_for_backward(w1, b1, w2, b2, w3, b3, saved.x_NM, saved.h_NH, saved.a_NH, saved.up_NH)
         ctx.rows, ctx.base, ctx.backend = rows, base, backend
         return y_NM
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_y_NM: torch.Tensor):  # type: ignore[override]
-        w1, b1, w2, b2, w3, x_NM, h_NH, a_NH, up_NH = ctx.saved_tensors
-        weights = FFNWeights(w1, b1, w2, b2, w3)
+        w1, b1, w2, b2, w3, b3, x_NM, h_NH, a_NH, up_NH = ctx.saved_tensors
+        weights = FFNWeights(w1, b1, w2, b2, w3, b3)
         saved = RaggedSaved(ctx.rows, None, x_NM, h_NH, a_NH, up_NH)
         grad_x_NM, inputs = packed_backward_input(ctx.base.activation, saved, grad_y_NM.contiguous(), weights,
                                                   ctx.backend)
