@@ -163,6 +163,8 @@ def extra_cases() -> list[Case]:
         Case("clamped-swiglu-bmm-drops-bias", {**base, **CLAMPED_SWIGLU}),
         Case("clamped-swiglu-loop-shared", {**base, **CLAMPED_SWIGLU, "expert_kernel": "loop",
                                             "num_shared_experts": 1}),
+        Case("clamped-swiglu-clamped-shared", {**base, **CLAMPED_SWIGLU, "num_shared_experts": 1,
+                                               "swiglu_clamp_shared": True, "bias": False}),
         Case("clamped-swiglu-ragged-d2-f0", {**base, **CLAMPED_SWIGLU, "expert_kernel": "ragged", "bias": False,
                                              "capacity_factor": 0.0, "pipeline": 2}, tokens_per_rank=24),
         Case("clamped-swiglu-ragged-replicated", {**base, **CLAMPED_SWIGLU, "expert_kernel": "ragged",

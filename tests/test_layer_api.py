@@ -39,6 +39,7 @@ def make(**overrides) -> MoELayer:
         ({"activation": "swiglu", "swiglu_limit": 0.0}, "swiglu_limit must be > 0"),
         ({"activation": "swiglu", "swiglu_limit": float("inf")}, "swiglu_limit must be a finite number"),
         ({"activation": "swiglu", "swiglu_alpha": 1.702}, "set swiglu_limit too"),
+        ({"activation": "swiglu", "swiglu_clamp_shared": True}, "swiglu_clamp_shared=True clamps the shared"),
         ({"gate_bias": True, "gate": "cosine"}, "gate_bias=True adds a bias to the linear gate's logits"),
         ({"gate_precision": "fp16"}, "unknown gate_precision"),
         ({"gate_precision": "input", "gate": "cosine"}, "gate_precision='input' applies to the linear gate"),

@@ -215,6 +215,7 @@ class MoEConfig:
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (routed experts): gate <= this, |up| <= this
     swiglu_alpha: float = 1.0  # clamped SwiGLU's gate: g * sigmoid(alpha g)
     swiglu_up_offset: float = 0.0  # clamped SwiGLU's up half plus this (gpt-oss: 1)
+    swiglu_clamp_shared: bool = False  # the shared experts' SwiGLU clamped as well (MiniMax-M3)
     cosine_projection_dim: int = 256
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
@@ -265,6 +266,8 @@ class MoEConfig:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
         validate_swiglu_clamp(self.activation, self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
+        if self.swiglu_clamp_shared and self.swiglu_limit is None:
+            raise ValueError("swiglu_clamp_shared=True clamps the shared experts as the routed ones: set swiglu_limit")
         validate_redundant_experts(self.redundant_experts)
         validate_balance(self.balance, self.redundant_experts)
         if self.esp_size is not None:

@@ -72,6 +72,7 @@ class ReferenceMoE(nn.Module):
         swiglu_limit: float | None = None,
         swiglu_alpha: float = 1.0,
         swiglu_up_offset: float = 0.0,
+        swiglu_clamp_shared: bool = False,
         cosine_projection_dim: int = 256,
         cosine_min_temperature: float = 0.01,
         node_experts: Sequence[int] | None = None,
@@ -86,7 +87,8 @@ class ReferenceMoE(nn.Module):
         self.max_logit_scale = math.log(1.0 / cosine_min_temperature)
         self.expert_groups, self.top_groups = expert_groups, top_groups
         self.routed_scaling_factor = routed_scaling_factor
-        self.swiglu_clamp = (swiglu_limit, swiglu_alpha, swiglu_up_offset)  # routed experts only
+        self.swiglu_clamp = (swiglu_limit, swiglu_alpha, swiglu_up_offset)
+        self.swiglu_clamp_shared = swiglu_clamp_shared  # else the routed experts only
         self.gate_precision = gate_precision
         # FasterMoE's topology-aware gate: the experts on this rank's node, and the share of its
         # tokens that may pick experts elsewhere (None: no limit)
@@ -159,13 +161,14 @@ class ReferenceMoE(nn.Module):
         elif self.activation == "silu":
             h = F.silu(h)
         elif self.activation == "swiglu":
-            h = self.swiglu(h, x @ params.w3[e] + (params.b3[e] if has_bias else 0.0), clamped=params is self.experts)
+            clamped = params is self.experts or self.swiglu_clamp_shared
+            h = self.swiglu(h, x @ params.w3[e] + (params.b3[e] if has_bias else 0.0), clamped=clamped)
         else:
             raise ValueError(f"unknown activation {self.activation!r}")
         return h @ params.w2[e] + (params.b2[e] if has_bias else 0.0)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, clamped: bool) -> torch.Tensor:
-        """silu(gate) * up; gpt-oss's clamped form on the routed experts when ``swiglu_limit`` is set."""
+        """silu(gate) * up; gpt-oss's clamped form when ``swiglu_limit`` is set (``clamped``: experts it applies to)."""
         limit, alpha, up_offset = self.swiglu_clamp
         if limit is None or not clamped:
             return F.silu(gate) * up

@@ -46,6 +46,7 @@ class ExpertsClamp:
     limit: str
     alpha: str | None = None
     up_offset: float = 0.0
+    shared: bool = False  # the shared MLP clamped as well (MiniMax-M3's)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ FAMILIES = (
            clamp=ExpertsClamp("limit", "alpha", up_offset=1.0), returns_scores=True),
     _deepseek_v3("HY-V3", "hy_v3", "HYV3MoE", normalize=True, grouped=False, bias="e_score_correction_bias",
                  scale="gate.router_scaling_factor"),
+    _deepseek_v3("MiniMax-M3", "minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", gate_precision="input",
+                 normalize=True, grouped=False, scale="routed_scaling_factor",
+                 clamp=ExpertsClamp("swiglu_limit", "swiglu_alpha", up_offset=1.0, shared=True)),
     _deepseek_v3("MiniMax-M2", "minimax_m2", "MiniMaxM2SparseMoeBlock", gate_precision="input", normalize=True,
                  grouped=False, bias="e_score_correction_bias", scale=None, shared=None),
     _deepseek_v3("AFMoE", "afmoe", "AfmoeSparseMoeBlock", gate_precision="input", normalize=True, grouped=False,
@@ -256,4 +260,4 @@ def expert_settings(block: nn.Module, family: Family) -> dict[str, Any]:
     experts = block.experts
     alpha = 1.0 if clamp.alpha is None else float(getattr(experts, clamp.alpha))
     return {"swiglu_limit": float(getattr(experts, clamp.limit)), "swiglu_alpha": alpha,
-            "swiglu_up_offset": clamp.up_offset}
+            "swiglu_up_offset": clamp.up_offset, "swiglu_clamp_shared": clamp.shared}

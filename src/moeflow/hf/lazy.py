@@ -186,14 +186,25 @@ def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[
     if shared_module is not None:
         shared = f"{prefix}.{family.shared}"
         via = next(shared_module.parameters()).dtype
-        projections = _projection_keys(names, shared)
         targets = (moe.shared_experts.w1[0], moe.shared_experts.w3[0], moe.shared_experts.w2[0])
-        reads += [(t, Read(key, transpose=True, via=via)) for t, key in zip(targets, projections, strict=True)]
+        reads += [(t, read) for t, read in zip(targets, _shared_reads(names, shared, targets[0].shape[1], via),
+                                                strict=True)]
     if family.shared_gate is not None:
         weight = getattr(template, family.shared_gate).weight
         reads.append((moe.shared_expert_gate.weight,
                       Read(_key(names, f"{prefix}.{family.shared_gate}.weight"), via=weight.dtype)))
     return reads
+
+
+def _shared_reads(names: dict[str, str], prefix: str, hidden: int, via: torch.dtype) -> tuple[Read, Read, Read]:
+    """The shared MLP's (gate, up, down): apart, or the halves of one ``gate_up_proj`` (MiniMax-M3's)."""
+    fused = names.get(f"{prefix}.gate_up_proj.weight")
+    if fused is None:
+        gate, up, down = _projection_keys(names, prefix)
+        return Read(gate, None, True, via), Read(up, None, True, via), Read(down, None, True, via)
+    every, down = slice(None), _key(names, f"{prefix}.down_proj.weight")
+    gate, up = (Read(fused, (slice(start, start + hidden), every), True, via) for start in (0, hidden))
+    return gate, up, Read(down, None, True, via)
 
 
 def _projection_keys(names: dict[str, str], prefix: str) -> tuple[str, str, str]:

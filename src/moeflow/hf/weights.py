@@ -32,11 +32,16 @@ def _projection_names(module: nn.Module) -> tuple[str, str, str]:
 
 
 def mlp_tensors(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate (I, H), up (I, H), down (H, I)) of one bias-free SwiGLU MLP module."""
-    projections = [getattr(mlp, n) for n in _projection_names(mlp)]
+    """(gate (I, H), up (I, H), down (H, I)) of one bias-free SwiGLU MLP module (its gate and up
+    projections apart, or one ``gate_up_proj`` holding the gate rows then the up rows: MiniMax-M3's)."""
+    fused = hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")
+    projections = [mlp.gate_up_proj, mlp.down_proj] if fused else [getattr(mlp, n) for n in _projection_names(mlp)]
     if any(getattr(p, "bias", None) is not None for p in projections):
         raise ValueError(f"{type(mlp).__name__} has biases (the config's use_bias or mlp_bias); moeflow.hf converts "
                          "bias-free SwiGLU MLPs only: run this model through ep_implementation='moeflow' instead")
+    if fused:
+        gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)
+        return gate, up, mlp.down_proj.weight
     gate, up, down = (p.weight for p in projections)
     return gate, up, down
 
@@ -88,6 +93,10 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def write_mlp(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+        _copy(mlp.gate_up_proj.weight, torch.cat([gate, up], dim=0))
+        _copy(mlp.down_proj.weight, down)
+        return
     for name, value in zip(_projection_names(mlp), (gate, up, down), strict=True):
         _copy(getattr(mlp, name).weight, value)
 

@@ -123,7 +123,8 @@ class MoELayer(nn.Module):
         mark_expert_parameters(self.experts)  # so that data parallelism leaves them alone
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
         self.shared_experts = (
-            ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias)
+            ExpertFFN(c.num_shared_experts, c.model_dim, shared_hidden, c.activation, c.expert_kernel, c.bias,
+                      clamp=clamp if c.swiglu_clamp_shared else None)
             if c.num_shared_experts
             else None
         )
