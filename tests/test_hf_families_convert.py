@@ -198,6 +198,7 @@ def test_the_guide_says_which_path_each_family_takes() -> None:
      "gate.topk_method='group_limited_greedy'; moeflow converts it only with 'greedy'"),
     ("laguna", {"moe_router_logit_softcapping": 30.0}, "gate.router_logit_softcapping=30.0"),
     ("axk2", {"n_group": 4, "topk_group": 2}, "gate.num_group=4; moeflow converts it only with None or 1"),
+    ("aria_text", {"hidden_act": "gelu"}, "the shared MLP of AriaTextMoELayer use GELUActivation"),
 ])
 def test_a_variant_moeflow_does_not_compute_is_refused_naming_the_setting_and_the_backend(
     model_type: str, settings: dict[str, Any], message: str

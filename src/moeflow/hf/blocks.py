@@ -44,15 +44,21 @@ LAYOUT_FLAGS = {"has_gate": True}
 ``is_transposed``, ``is_concatenated`` and ``has_bias`` are read: :mod:`moeflow.hf.weights`)."""
 
 
+def _is_silu(act: object) -> bool:
+    return "silu" in type(act).__name__.lower() or getattr(act, "__name__", "") == "silu"
+
+
 def _check_experts(block: nn.Module, family: Family) -> None:
     experts = block.experts
     act = experts[0].act_fn if isinstance(experts, nn.ModuleList) else getattr(experts, "act_fn", None)
-    name = type(act).__name__.lower() if act is not None else "none"
-    if family.clamp is None and "silu" not in name and getattr(act, "__name__", "") != "silu":
-        raise ValueError(
-            f"the experts of {type(block).__name__} use {type(act).__name__}; moeflow.hf converts SwiGLU "
-            "experts with hidden_act='silu' only"
-        )
+    shared_act = getattr(shared_mlp(block, family), "act_fn", None)  # None: no shared MLP, or a clamped one
+    for what, function, checked in (("experts", act, family.clamp is None), ("shared MLP", shared_act,
+                                                                            shared_act is not None)):
+        if checked and not _is_silu(function):
+            raise ValueError(
+                f"the {what} of {type(block).__name__} use {type(function).__name__}; moeflow.hf converts SwiGLU "
+                "with hidden_act='silu' only: run this model through ep_implementation='moeflow' instead"
+            )
     differs = {flag: getattr(experts, flag) for flag, want in LAYOUT_FLAGS.items()
                if getattr(experts, flag, want) != want}
     if differs:

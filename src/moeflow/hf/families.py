@@ -137,6 +137,8 @@ FAMILIES = (
     _deepseek_v3("Mistral-Large-4", "mistral_large4_text", "MistralLarge4TextMoE", score_function="softmax",
                  normalize=True, bias=None),
     _deepseek_v3("HY-V4", "hy_v4", "HYV4MoE", clamp=ExpertsClamp("swiglu_limit")),
+    Family("Aria", "aria_text", "AriaTextMoELayer", "softmax", "input", "shared_experts", None, normalize=True,
+           router="router.weight"),
     _mixtral("gpt-oss", "gpt_oss", "GptOssMLP", router="router.weight", router_bias="router.bias",
              clamp=ExpertsClamp("limit", "alpha", up_offset=1.0), returns_scores=True),
     Family("OpenAI-Privacy-Filter", "openai_privacy_filter", "OpenAIPrivacyFilterMLP", "softmax", "fp32", None, None,
