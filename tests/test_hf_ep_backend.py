@@ -89,6 +89,12 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+@pytest.fixture(scope="module")
+def transformers_runs() -> dict[tuple[str, int, str], list[dict[str, Any]]]:
+    """transformers' own all_to_all runs, by (family, world, settings): several cases compare with one."""
+    return {}
+
+
 def _one_process_logits(path: Path, world: int, tokens: tuple[int, int] = TOKENS) -> list[torch.Tensor]:
     import transformers
 
@@ -114,13 +120,16 @@ def _one_process_logits(path: Path, world: int, tokens: tuple[int, int] = TOKENS
     ("qwen3_moe", 2, {"token_exchange": "dedup", "pipeline": 2, "tokens": PIPELINED, "experts_only": True}),
 ])
 def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients(
-    saved: dict[str, Path], family: str, world: int, settings: dict[str, Any]
+    saved: dict[str, Path], transformers_runs: dict, family: str, world: int, settings: dict[str, Any]
 ) -> None:
     path = str(saved[family])
     ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
     shared = {key: settings[key] for key in ("tensor_parallel", "tokens", "checkpointing", "experts_only")
               if key in settings}
-    theirs = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
+    key = (family, world, repr(sorted(shared.items())))
+    if key not in transformers_runs:
+        transformers_runs[key] = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
+    theirs = transformers_runs[key]
     expected = _one_process_logits(saved[family], world, settings.get("tokens", TOKENS))
     if shared.get("tensor_parallel"):  # every rank the one batch
         expected = [expected[0]] * world
