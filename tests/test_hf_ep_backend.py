@@ -173,7 +173,7 @@ def test_configure_names_the_bad_setting() -> None:
         moeflow.hf.configure(token_exchange="dedupe")
     with pytest.raises(ValueError, match="alltoall '2d'"):
         moeflow.hf.configure(alltoall="2d")
-    with pytest.raises(ValueError, match="pipeline must be a number of chunks >= 1, got 0"):
+    with pytest.raises(ValueError, match="pipeline must be 'auto' or a number of chunks >= 1, got 0"):
         moeflow.hf.configure(pipeline=0)
     moeflow.hf.configure()  # the defaults again for the tests after this one
 
@@ -225,16 +225,20 @@ def test_bench_hf_ep_prints_every_implementation_with_equal_logits(capsys: pytes
         assert record[f"{phase}_train_hf_ms"] > 0
         assert len(summary[f"{phase}_over_moeflow"]) == 1 and len(summary[f"{phase}_over_train_hf"]) == 1
     assert record["logits_max_difference"] < 1e-5 and record["generated_equal"] is True
+    assert record["moeflow_degrees"] == []  # pipeline auto: a batch this small fills no chunks, nothing searched
     assert summary["summary"] == "hf-ep" and summary["generated_equal"] is True
 
 
-def test_bench_hf_ep_refuses_layouts_expert_parallelism_cannot_run() -> None:
+def test_bench_hf_ep_refuses_layouts_expert_parallelism_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     from moeflow.cli import main
 
     with pytest.raises(SystemExit, match="at least 2 ranks that divide --num-experts 4"):
         main(["bench", "hf-ep", "--workers", "3", *TINY_BENCH])
     with pytest.raises(SystemExit, match="--top-k 8 exceeds --num-experts 4"):
         main(["bench", "hf-ep", *TINY_BENCH, "--top-k", "8"])
+    with pytest.raises(SystemExit):
+        main(["bench", "hf-ep", *TINY_BENCH, "--pipeline", "two"])
+    assert "--pipeline: give auto or a number of chunks >= 1, got 'two'" in capsys.readouterr().err
 
 
 def _ep_generate(rank: int, world: int, path: str, implementation: str) -> torch.Tensor:
@@ -278,3 +282,58 @@ def test_chunks_split_every_block_into_near_equal_parts_each_rank_can_compute() 
         destination = torch.bucketize(index, torch.tensor([1, 8]), right=True)
         assert torch.bincount(destination, minlength=3).tolist() == chunks[c][1]
         assert index.tolist() == sorted(index.tolist())
+
+
+def test_auto_degree_times_every_candidate_round_robin_and_keeps_the_fewest_chunks_within_the_gain() -> None:
+    from moeflow.hf.degree_search import TRIALS, WARMUP, DegreeSearch
+
+    search = DegreeSearch()
+    assert search.next(DegreeSearch.key(100, 1)) == (1, False)  # one candidate: nothing to time
+    key = DegreeSearch.key(1000, 4)
+    seconds = {1: 1.0, 2: 0.97, 4: 0.5}  # 2 within 5 % of 1; 4 much faster
+    order = []
+    for _ in range(3 * (WARMUP + TRIALS)):
+        degree, timed = search.next(key)
+        assert timed
+        order.append(degree)
+        search.record(key, degree, 10.0 if len([d for d in order if d == degree]) <= WARMUP else seconds[degree])
+    assert order[:3] == [1, 2, 4] and search.next(key) == (4, False)
+    other = DegreeSearch.key(1000, 2)  # a batch only two chunks fill: its own key
+    for _ in range(2 * (WARMUP + TRIALS)):
+        degree, _ = search.next(other)
+        search.record(other, degree, seconds[degree])
+    assert search.next(other) == (1, False)  # d=2 inside the gain: the fewer chunks
+
+
+def _auto_calls(rank: int, world: int, path: str, calls: int) -> dict[str, Any]:
+    """``calls`` forwards of a batch that fills chunks, under the default ``pipeline="auto"``."""
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    import moeflow.hf
+    from moeflow.hf.expert_parallel import searched_degrees
+
+    moeflow.hf.configure(token_exchange="dedup")
+    layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="moeflow")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
+    ids = _batch(rank, model.config.vocab_size, PIPELINED)
+    with torch.no_grad():
+        logits = [model(ids).logits.numpy() for _ in range(calls)]
+    return {"logits": logits, "chosen": searched_degrees()}
+
+
+@pytest.mark.distributed
+def test_auto_degree_searches_each_block_and_every_call_gives_the_one_process_logits(
+    saved: dict[str, Path],
+) -> None:
+    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+
+    calls = len(CANDIDATES) * (WARMUP + TRIALS) + 1
+    results = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, timeout_s=300)
+    expected = _one_process_logits(saved["qwen3_moe"], 2, PIPELINED)
+    for rank, result in enumerate(results):
+        for logits in result["logits"]:
+            torch.testing.assert_close(torch.from_numpy(logits), expected[rank], rtol=1e-5, atol=1e-5)
+        assert result["chosen"] == results[0]["chosen"]  # every rank the same choice
+        assert result["chosen"] and all(len(block) == 1 and set(block.values()) <= set(CANDIDATES)
+                                        for block in result["chosen"])

@@ -42,13 +42,13 @@ class HFEPPoint:
     implementations: tuple[str, ...] = field(default=IMPLEMENTATIONS)
     token_exchange: str = "auto"  # moeflow's (moeflow.hf.configure)
     alltoall: str = "linear"  # moeflow's: linear, 2dh or pairwise (the cluster's node layout)
-    pipeline: int = 1  # the chunks moeflow's backend moves a block's rows in
+    pipeline: int | str = "auto"  # the chunks moeflow's backend moves a block's rows in, or searched
 
     @property
     def name(self) -> str:
         return (f"E{self.num_experts}-k{self.top_k}-M{self.hidden_size}-He{self.moe_hidden}-L{self.layers}"
                 f"-T{self.batch * self.seq}-{self.token_exchange}-{self.alltoall}"
-                + (f"-d{self.pipeline}" if self.pipeline > 1 else ""))
+                + (f"-d{self.pipeline}" if self.pipeline != "auto" else ""))
 
 
 def _saved_model(point: HFEPPoint, folder: str) -> None:
@@ -180,6 +180,24 @@ def _agreement(loaded: dict[str, tuple[Any, Any]], ids: Any) -> tuple[float, boo
     return difference, differs == 0
 
 
+def _settle_search(loaded: dict[str, tuple[Any, Any]], ids: Any) -> list[int] | None:
+    """Under ``pipeline="auto"``: enough untimed forwards of the batch for the backend's blocks to
+    settle their chunk degree for it (a training step's forward and a prefill share the batch's key);
+    each block's choice, as a long run would time it. None without the backend."""
+    import torch
+
+    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+    from moeflow.hf.expert_parallel import searched_degrees
+
+    if "moeflow" not in loaded:
+        return None
+    model = loaded["moeflow"][0]
+    with torch.no_grad():
+        for _ in range(len(CANDIDATES) * (WARMUP + TRIALS)):
+            model(ids)
+    return [degree for block in searched_degrees() for key, degree in block.items() if key[1] > 1]  # searched keys
+
+
 def measure_point(
     rank: int, world: int, point: HFEPPoint, repeats: int, topology: Any = None
 ) -> dict[str, Any] | None:
@@ -195,6 +213,7 @@ def measure_point(
     loaded = _loaded_everywhere(point, rank, world)
     ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
     difference, same_tokens = _agreement(loaded, ids)
+    degrees = _settle_search(loaded, ids) if point.pipeline == "auto" else None
     phases = _phases(ids)
     times: dict[str, list[float]] = {f"{phase}_{name}": [] for phase in phases for name in loaded}
     for round_index in range(repeats + 1):
@@ -208,6 +227,8 @@ def measure_point(
     median_ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     record = {"bench": "hf-ep", "config": point.name, "workers": world, "logits_max_difference": difference,
               "generated_equal": same_tokens, **{f"{key}_ms": value for key, value in median_ms.items()}}
+    if degrees is not None:
+        record["moeflow_degrees"] = degrees
     for name in ("moeflow", TRAIN_HF):
         if {name, "all_to_all"} <= set(point.implementations):
             for phase in phases:

@@ -23,7 +23,8 @@ What travels (``token_exchange``):
 How: the all-to-all algorithm moeflow runs (``linear``, Tutel's ``2dh``, FasterMoE's ``pairwise``;
 :mod:`moeflow.comm.algorithms`), the rows in the wire format asked for both ways and in the backward
 (``exact``, ``bf16``, ``fp8``; :mod:`moeflow.comm.wire`), the gate weights always exact, and in
-``pipeline`` chunks whose exchanges overlap the experts (:mod:`moeflow.hf.pipelined`). Settings
+``pipeline`` chunks whose exchanges overlap the experts (:mod:`moeflow.hf.pipelined`; ``auto``, the
+default: each block searches its degree per batch size, :mod:`moeflow.hf.degree_search`). Settings
 come from one call, :func:`configure`, which registers the backend again with them.
 """
 
@@ -38,7 +39,7 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 
 from moeflow.comm.algorithms import SplitMatrix, differentiable_exchange, transpose
 from moeflow.comm.collectives import all_gather_into
-from moeflow.comm.groups import ParallelGroups, group_rank, group_size
+from moeflow.comm.groups import ParallelGroups, group_rank, group_size, max_over_ranks
 from moeflow.comm.mp import gather_rows, member_rows, split_rows
 from moeflow.comm.topology import Topology
 from moeflow.config import (
@@ -50,7 +51,9 @@ from moeflow.config import (
     WIRE_DTYPES,
     require_choice,
 )
+from moeflow.hf.degree_search import CANDIDATES, DegreeSearch
 from moeflow.hf.pipelined import ChunkPlan, pipelined
+from moeflow.timing.measure import sample_seconds
 
 if TYPE_CHECKING:
     from torch import nn
@@ -75,11 +78,12 @@ class BackendSettings:
     alltoall: str = "linear"
     wire_dtype: str = EXACT_WIRE
     topology: Topology | None = None
-    pipeline: int = 1  # the chunks a block's rows move and compute in (moeflow.hf.pipelined)
+    pipeline: int | str = "auto"  # the chunks a block's rows move and compute in, or "auto" (searched)
 
     def __post_init__(self) -> None:
-        if isinstance(self.pipeline, bool) or not isinstance(self.pipeline, int) or self.pipeline < 1:
-            raise ValueError(f"pipeline must be a number of chunks >= 1, got {self.pipeline!r}")
+        number = isinstance(self.pipeline, int) and not isinstance(self.pipeline, bool) and self.pipeline >= 1
+        if not (number or self.pipeline == "auto"):
+            raise ValueError(f"pipeline must be 'auto' or a number of chunks >= 1, got {self.pipeline!r}")
         require_choice("token_exchange", self.token_exchange, HF_EP_TOKEN_EXCHANGES)
         require_choice("alltoall", self.alltoall, ALLTOALL_ALGORITHMS)
         require_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
@@ -154,6 +158,7 @@ class Backend:
 
     settings: BackendSettings
     groups: dict[dist.ProcessGroup, ParallelGroups] = field(default_factory=dict)
+    searches: list[DegreeSearch] = field(default_factory=list)  # pipeline="auto": each block's, in build order
 
     def groups_of(self, group: dist.ProcessGroup) -> ParallelGroups:
         if group not in self.groups:
@@ -173,6 +178,9 @@ class MoeflowEP(EPImplementation):
         self.expert_module = experts  # its parameters: inputs of the pipelined chunks' graph
         self.groups = self.backend.groups_of(ep_mesh.get_group())
         self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
+        self.search = DegreeSearch() if self.backend.settings.pipeline == "auto" else None
+        if self.search is not None:
+            self.backend.searches.append(self.search)
 
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -195,7 +203,26 @@ class MoeflowEP(EPImplementation):
         """Each token's weighted expert output: its rows to the experts' ranks and back."""
         settings, world = self.backend.settings, self.groups.size
         routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
-        matrix, width, degree = self._agree(routes, settings.pipeline)
+        largest = max(CANDIDATES) if self.search is not None else int(settings.pipeline)
+        matrix, width, degree = self._agree(routes, largest)
+        if self.search is None:
+            return self._run(hidden_states, routes, matrix, width, degree)
+        key = DegreeSearch.key(sum(map(sum, matrix)), degree)
+        degree, timed = self.search.next(key)
+        if not timed:
+            return self._run(hidden_states, routes, matrix, width, degree)
+        out: list[torch.Tensor] = []
+        seconds = sample_seconds(lambda: out.append(self._run(hidden_states, routes, matrix, width, degree)),
+                                 hidden_states.device)
+        (slowest,) = max_over_ranks([seconds], self.groups.expert, self.groups.ledger)
+        self.search.record(key, degree, slowest)
+        return out[0]
+
+    def _run(
+        self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, degree: int
+    ) -> torch.Tensor:
+        """The rows to the experts and back in ``degree`` chunks (one piece at 1)."""
+        settings = self.backend.settings
         if degree > 1:
             ids_NK, weights_NK = routes.slots(width, self.num_local_experts)
             plan = ChunkPlan.of(matrix, degree, settings.alltoall, settings.wire_dtype, self.groups,
@@ -268,7 +295,7 @@ class MoeflowEP(EPImplementation):
 
 def configure(
     token_exchange: str = AUTO, alltoall: str = "linear", wire_dtype: str = EXACT_WIRE,
-    topology: Topology | None = None, pipeline: int = 1,
+    topology: Topology | None = None, pipeline: int | str = "auto",
 ) -> BackendSettings:
     """Register ``ep_implementation="moeflow"`` in transformers with these settings (``import
     moeflow.hf`` registers the defaults). Models loaded afterwards run with them."""
@@ -276,3 +303,9 @@ def configure(
     configured = type(MoeflowEP.__name__, (MoeflowEP,), {"backend": Backend(settings), "__doc__": MoeflowEP.__doc__})
     EPImplementationInterface.register(NAME, configured)
     return settings
+
+
+def searched_degrees() -> list[dict[tuple[int, int], int]]:
+    """Under ``pipeline="auto"``: each block's chosen chunk degree per batch key
+    (:meth:`~moeflow.hf.degree_search.DegreeSearch.key`), in the order the blocks were built."""
+    return [dict(search.chosen) for search in EPImplementationInterface()[NAME].backend.searches]

@@ -39,9 +39,16 @@ def add(benches: Any) -> None:
                        help="what moeflow's backend sends (moeflow.hf.configure; default auto)")
     hf_ep.add_argument("--alltoall", choices=ALLTOALL_ALGORITHMS, default="linear",
                        help="moeflow's all-to-all (2dh and pairwise read the cluster's nodes; default linear)")
-    hf_ep.add_argument("--pipeline", type=positive_int, default=1,
-                       help="the chunks moeflow's backend moves and computes a block's rows in (default 1)")
+    hf_ep.add_argument("--pipeline", type=_chunks, default="auto",
+                       help="the chunks moeflow's backend moves and computes a block's rows in, or auto: each "
+                            "block searches its degree per batch size (default auto)")
     hf_ep.set_defaults(func=run_hf_ep)
+
+
+def _chunks(text: str) -> int | str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"give auto or a number of chunks >= 1, got {text!r}")
 
 
 def run_hf_ep(args: argparse.Namespace) -> int:

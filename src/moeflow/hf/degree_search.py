@@ -1,0 +1,62 @@
+"""``pipeline="auto"`` in the transformers backend: each block picks its chunk degree per batch size.
+
+Tutel 3.3's dictionary search (the layer's ``pipeline="search"``, :mod:`moeflow.parallel.online_planner`),
+without a cost model: the backend sees only the routed rows, not the layer's shapes a profile prices.
+A block's calls are keyed by the group's rows (by power of two) and the largest degree every rank's
+batch can fill (:data:`~moeflow.hf.expert_parallel.PIPELINE_MIN_ROWS` rows a chunk); on a new key each
+candidate degree runs :data:`WARMUP` untimed and :data:`TRIALS` timed calls, round robin, each call's
+time the slowest rank's (one all-reduce), and the key keeps the fewest chunks within
+:data:`~moeflow.perf.schedule_models.MIN_GAIN` of the fastest median. Every rank makes the same
+choice: the key comes from the agreed row matrix, the times from the same all-reduce. No torch here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from moeflow.perf.schedule_models import MIN_GAIN
+
+CANDIDATES = (1, 2, 4)
+"""The chunk degrees ``auto`` tries (those every rank's batch fills)."""
+WARMUP = 1
+"""Untimed calls of a degree before its trials: the first at a new size grows buffers."""
+TRIALS = 2
+"""Timed calls of each candidate degree per key."""
+
+Key = tuple[int, int]
+"""(the group's rows as a power of two, the largest degree every rank's batch fills)."""
+
+
+@dataclass
+class DegreeSearch:
+    """One block's choices, and the samples of the keys still searched."""
+
+    chosen: dict[Key, int] = field(default_factory=dict)
+    samples: dict[Key, dict[int, list[float]]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(group_rows: int, largest: int) -> Key:
+        return group_rows.bit_length(), largest
+
+    def next(self, key: Key) -> tuple[int, bool]:
+        """The degree to run this call with, and whether to time it (then :meth:`record` its time)."""
+        if key in self.chosen:
+            return self.chosen[key], False
+        candidates = [d for d in CANDIDATES if d <= key[1]]
+        if len(candidates) == 1:
+            self.chosen[key] = candidates[0]
+            return candidates[0], False
+        runs = self.samples.setdefault(key, {d: [] for d in candidates})
+        degree = min(candidates, key=lambda d: len(runs[d]))  # round robin, the fewest chunks first
+        return degree, True
+
+    def record(self, key: Key, degree: int, seconds: float) -> None:
+        """A timed call's slowest-rank seconds; the key's choice once every candidate has its trials."""
+        runs = self.samples[key]
+        runs[degree].append(seconds)
+        if all(len(times) >= WARMUP + TRIALS for times in runs.values()):
+            medians = {d: statistics.median(times[WARMUP:]) for d, times in runs.items()}
+            fastest = min(medians.values())
+            self.chosen[key] = min(d for d, m in medians.items() if m <= fastest * (1 + MIN_GAIN))
+            del self.samples[key]
