@@ -305,9 +305,12 @@ def test_auto_degree_times_every_candidate_round_robin_and_keeps_the_fewest_chun
     assert search.next(other) == (1, False)  # d=2 inside the gain: the fewer chunks
 
 
-def _auto_calls(rank: int, world: int, path: str, calls: int) -> dict[str, Any]:
-    """``calls`` forwards of a batch that fills chunks, under the default ``pipeline="auto"``."""
+def _auto_calls(rank: int, world: int, path: str, calls: int, checkpointing: bool = False) -> dict[str, Any]:
+    """``calls`` forwards of a batch that fills chunks, under the default ``pipeline="auto"``; with
+    ``checkpointing`` each with its backward under transformers' activation checkpointing (whose
+    recompute must run the degree its forward ran, while the search moves on)."""
     import transformers
+    from torch.distributed.tensor import DTensor
     from transformers.distributed import DistributedConfig
 
     import moeflow.hf
@@ -317,9 +320,20 @@ def _auto_calls(rank: int, world: int, path: str, calls: int) -> dict[str, Any]:
     layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="moeflow")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
     ids = _batch(rank, model.config.vocab_size, PIPELINED)
-    with torch.no_grad():
-        logits = [model(ids).logits.numpy() for _ in range(calls)]
-    return {"logits": logits, "chosen": searched_degrees()}
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    logits, grads = [], {}
+    for _ in range(calls):
+        with torch.set_grad_enabled(checkpointing):
+            out = model(ids, labels=ids)
+        if checkpointing:
+            model.zero_grad(set_to_none=True)
+            out.loss.backward()
+            grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).numpy()
+                     for name, p in model.named_parameters() if p.grad is not None}
+        logits.append(out.logits.detach().numpy())
+    return {"logits": logits, "chosen": searched_degrees(), "grads": grads}
 
 
 @pytest.mark.distributed
@@ -337,3 +351,22 @@ def test_auto_degree_searches_each_block_and_every_call_gives_the_one_process_lo
         assert result["chosen"] == results[0]["chosen"]  # every rank the same choice
         assert result["chosen"] and all(len(block) == 1 and set(block.values()) <= set(CANDIDATES)
                                         for block in result["chosen"])
+
+
+@pytest.mark.distributed
+def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ran(saved: dict[str, Path]) -> None:
+    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+
+    calls = len(CANDIDATES) * (WARMUP + TRIALS) + 1
+    ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, True, timeout_s=300)
+    theirs = run_distributed(_ep_step, 2, str(saved["qwen3_moe"]), "all_to_all",
+                             {"tokens": PIPELINED, "checkpointing": True}, timeout_s=300)
+    for rank in range(2):
+        assert ours[rank]["chosen"] and ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
+        # the blocks' gradients (the recomputed ones); the root module's (final norm, head) add up over the
+        # calls in transformers' FSDP2 layout, set_to_none notwithstanding
+        layers = {name: grad for name, grad in ours[rank]["grads"].items() if name.startswith("model.layers.")}
+        assert any(".experts." in name for name in layers)
+        for name, grad in layers.items():  # the last call's: the search's choice
+            torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(theirs[rank]["grads"][name]),
+                                       rtol=1e-5, atol=1e-6, msg=name)

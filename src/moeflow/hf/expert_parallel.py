@@ -179,6 +179,7 @@ class MoeflowEP(EPImplementation):
         self.groups = self.backend.groups_of(ep_mesh.get_group())
         self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
         self.search = DegreeSearch() if self.backend.settings.pipeline == "auto" else None
+        self.ran: dict[tuple[int, int], int] = {}  # pipeline="auto": the degree each key's last forward ran
         if self.search is not None:
             self.backend.searches.append(self.search)
 
@@ -208,7 +209,10 @@ class MoeflowEP(EPImplementation):
         if self.search is None:
             return self._run(hidden_states, routes, matrix, width, degree)
         key = DegreeSearch.key(sum(map(sum, matrix)), degree)
+        if torch._C._current_autograd_node() is not None:  # activation checkpointing's recompute: as it ran
+            return self._run(hidden_states, routes, matrix, width, self.ran.get(key, 1))
         degree, timed = self.search.next(key)
+        self.ran[key] = degree
         if not timed:
             return self._run(hidden_states, routes, matrix, width, degree)
         out: list[torch.Tensor] = []
