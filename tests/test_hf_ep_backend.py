@@ -305,10 +305,13 @@ def test_auto_degree_times_every_candidate_round_robin_and_keeps_the_fewest_chun
     assert search.next(other) == (1, False)  # d=2 inside the gain: the fewer chunks
 
 
-def _auto_calls(rank: int, world: int, path: str, calls: int, checkpointing: bool = False) -> dict[str, Any]:
+def _auto_calls(
+    rank: int, world: int, path: str, calls: int, checkpointing: bool = False, forwards: int = 1
+) -> dict[str, Any]:
     """``calls`` forwards of a batch that fills chunks, under the default ``pipeline="auto"``; with
-    ``checkpointing`` each with its backward under transformers' activation checkpointing (whose
-    recompute must run the degree its forward ran, while the search moves on)."""
+    ``checkpointing`` each call ``forwards`` forwards and one backward of their summed losses under
+    transformers' activation checkpointing (whose recompute must run the degree its forward ran,
+    while the search moves on)."""
     import transformers
     from torch.distributed.tensor import DTensor
     from transformers.distributed import DistributedConfig
@@ -326,10 +329,11 @@ def _auto_calls(rank: int, world: int, path: str, calls: int, checkpointing: boo
     logits, grads = [], {}
     for _ in range(calls):
         with torch.set_grad_enabled(checkpointing):
-            out = model(ids, labels=ids)
+            outs = [model(ids, labels=ids) for _ in range(forwards)]
+        out = outs[-1]
         if checkpointing:
             model.zero_grad(set_to_none=True)
-            out.loss.backward()
+            sum(o.loss for o in outs).backward()
             grads = {name: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).numpy()
                      for name, p in model.named_parameters() if p.grad is not None}
         logits.append(out.logits.detach().numpy())
@@ -354,11 +358,16 @@ def test_auto_degree_searches_each_block_and_every_call_gives_the_one_process_lo
 
 
 @pytest.mark.distributed
-def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ran(saved: dict[str, Path]) -> None:
+@pytest.mark.parametrize("forwards", [1, 2])
+def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ran(
+    saved: dict[str, Path], forwards: int
+) -> None:
+    """One forward a backward, and two (a preference loss's): a forward waiting for its backward keeps
+    the key's degree, so that every recompute runs the degree its forward ran."""
     from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
 
     calls = len(CANDIDATES) * (WARMUP + TRIALS) + 1
-    ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, True, timeout_s=300)
+    ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, True, forwards, timeout_s=300)
     theirs = run_distributed(_ep_step, 2, str(saved["qwen3_moe"]), "all_to_all",
                              {"tokens": PIPELINED, "checkpointing": True}, timeout_s=300)
     for rank in range(2):
@@ -368,5 +377,5 @@ def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ra
         layers = {name: grad for name, grad in ours[rank]["grads"].items() if name.startswith("model.layers.")}
         assert any(".experts." in name for name in layers)
         for name, grad in layers.items():  # the last call's: the search's choice
-            torch.testing.assert_close(torch.from_numpy(grad), torch.from_numpy(theirs[rank]["grads"][name]),
+            torch.testing.assert_close(torch.from_numpy(grad) / forwards, torch.from_numpy(theirs[rank]["grads"][name]),
                                        rtol=1e-5, atol=1e-6, msg=name)

@@ -131,6 +131,16 @@ def test_bias_balancing_moves_load_toward_balance() -> None:
     torch.testing.assert_close(layer.gate.expert_bias, bias_before)  # eval never updates
 
 
+def test_a_swiglu_state_saved_before_the_up_bias_loads_with_it_zero() -> None:
+    layer = make(activation="swiglu", num_shared_experts=1)
+    old = {name: t for name, t in layer.full_state_dict().items() if not name.endswith(".b3")}
+    with torch.no_grad():
+        layer.experts.b3.fill_(1.0)
+        layer.shared_experts.b3.fill_(1.0)
+    layer.load_full_state_dict(old)
+    assert not layer.experts.b3.any() and not layer.shared_experts.b3.any()
+
+
 def test_state_dict_names_are_fixed() -> None:
     names = set(make(activation="swiglu", num_shared_experts=1).state_dict())
     assert names == {

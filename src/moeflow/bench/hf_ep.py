@@ -48,7 +48,7 @@ class HFEPPoint:
     def name(self) -> str:
         return (f"E{self.num_experts}-k{self.top_k}-M{self.hidden_size}-He{self.moe_hidden}-L{self.layers}"
                 f"-T{self.batch * self.seq}-{self.token_exchange}-{self.alltoall}"
-                + (f"-d{self.pipeline}" if self.pipeline != "auto" else ""))
+                + (f"-d{self.pipeline}" if self.pipeline != 1 else ""))  # unsuffixed: one piece, as before auto
 
 
 def _saved_model(point: HFEPPoint, folder: str) -> None:

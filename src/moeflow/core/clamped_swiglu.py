@@ -12,8 +12,12 @@ value was capped, as ``torch.clamp``'s).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moeflow.config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,10 @@ class ClampedSwiGLU:
     def up_grad_(self, grad_up: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``grad_up`` zeroed, in place, where the raw ``up`` was capped."""
         return grad_up.masked_fill_(up.abs() > self.limit, 0)
+
+
+def clamp_of(config: MoEConfig) -> ClampedSwiGLU | None:
+    """The clamped SwiGLU ``config`` asks for, if any (its ``swiglu_limit``, ``swiglu_alpha``, ``swiglu_up_offset``)."""
+    if config.swiglu_limit is None:
+        return None
+    return ClampedSwiGLU(config.swiglu_limit, config.swiglu_alpha, config.swiglu_up_offset)

@@ -26,6 +26,7 @@ from moeflow.hf.families import (
     Family,
     expert_settings,
     family_of,
+    router_bias,
     router_weight,
     routing_settings,
     selection_bias,
@@ -51,9 +52,11 @@ def _is_silu(act: object) -> bool:
 def _check_experts(block: nn.Module, family: Family) -> None:
     experts = block.experts
     act = experts[0].act_fn if isinstance(experts, nn.ModuleList) else getattr(experts, "act_fn", None)
-    shared_act = getattr(shared_mlp(block, family), "act_fn", None)  # None: no shared MLP, or a clamped one
-    for what, function, checked in (("experts", act, family.clamp is None), ("shared MLP", shared_act,
-                                                                            shared_act is not None)):
+    shared = shared_mlp(block, family)
+    shared_act = getattr(shared, "act_fn", None)
+    shared_clamped = family.clamp is not None and family.clamp.shared
+    for what, function, checked in (("experts", act, family.clamp is None),
+                                    ("shared MLP", shared_act, shared is not None and not shared_clamped)):
         if checked and not _is_silu(function):
             raise ValueError(
                 f"the {what} of {type(block).__name__} use {type(function).__name__}; moeflow.hf converts SwiGLU "
@@ -94,7 +97,7 @@ class HFMoEBlock(nn.Module):
         self.clock: PhaseClock | None = None  # a trainer's, to time the MoE phase
         self.eval_capacity_factor: float | None = None  # None: the layer's own capacity factor in eval too
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         factor = None if self.training else self.eval_capacity_factor
 
         def run(x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +106,10 @@ class HFMoEBlock(nn.Module):
         y = run(hidden_states) if self.clock is None else self.clock.around("moe", hidden_states, run)
         if not self.returns_router_logits:
             return y
-        # v4's router is an nn.Linear: its logits in the input's dtype (gpt-oss's decoder layer drops them)
-        return y, F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), self.moe.gate.weight, self.moe.gate.bias)
+        if self.family.returns_scores:
+            return y, None  # gpt-oss's decoder layer drops its block's second output
+        # v4's router is an nn.Linear: its logits in the input's dtype
+        return y, F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), self.moe.gate.weight)
 
     def to_hf(self) -> nn.Module:
         """The transformers block again, with this layer's weights (all experts: a collective
@@ -114,6 +119,9 @@ class HFMoEBlock(nn.Module):
         block.to(self.moe.experts.w1.dtype)
         router = router_weight(block, self.family)
         router.data = router.data.to(self.moe.gate.weight.dtype)  # an fp32 router stays fp32
+        logit_bias = router_bias(block, self.family)
+        if logit_bias is not None:
+            logit_bias.data = logit_bias.data.to(self.moe.gate.bias.dtype)
         write_hf_block(block, self.family, state)
         block.train(self.training)
         return block
@@ -172,10 +180,10 @@ def _to_block_dtypes(moe: MoELayer, block: nn.Module, family: Family, device: to
     """The layer in the experts' dtype, its router in the block's router's (which some families keep
     in fp32 in a bf16 model)."""
     moe.to(device=device, dtype=expert_tensors(block.experts)[0].dtype)
-    router_dtype = router_weight(block, family).dtype
-    moe.gate.weight.data = moe.gate.weight.data.to(router_dtype)
-    if moe.gate.bias is not None:
-        moe.gate.bias.data = moe.gate.bias.data.to(router_dtype)
+    moe.gate.weight.data = moe.gate.weight.data.to(router_weight(block, family).dtype)
+    hf_bias = router_bias(block, family)
+    if hf_bias is not None:
+        moe.gate.bias.data = moe.gate.bias.data.to(hf_bias.dtype)
 
 
 def _meta_copy(block: nn.Module) -> nn.Module:

@@ -4,8 +4,8 @@ Tutel 3.3's dictionary search (the layer's ``pipeline="search"``, :mod:`moeflow.
 without a cost model: the backend sees only the routed rows, not the layer's shapes a profile prices.
 A block's calls are keyed by the group's rows (by power of two) and the largest degree every rank's
 batch can fill (:data:`~moeflow.hf.expert_parallel.PIPELINE_MIN_ROWS` rows a chunk); on a new key each
-candidate degree runs :data:`WARMUP` untimed and :data:`TRIALS` timed calls, round robin, each call's
-time the slowest rank's (one all-reduce), and the key keeps the fewest chunks within
+candidate degree runs :data:`WARMUP` + :data:`TRIALS` calls, round robin, each call's time the slowest
+rank's (one all-reduce; the warm-up's time is dropped), and the key keeps the fewest chunks within
 :data:`~moeflow.perf.schedule_models.MIN_GAIN` of the fastest median. Every rank makes the same
 choice: the key comes from the agreed row matrix, the times from the same all-reduce. No torch here.
 """
@@ -20,7 +20,7 @@ from moeflow.perf.schedule_models import MIN_GAIN
 CANDIDATES = (1, 2, 4)
 """The chunk degrees ``auto`` tries (those every rank's batch fills)."""
 WARMUP = 1
-"""Untimed calls of a degree before its trials: the first at a new size grows buffers."""
+"""Calls of a degree whose time is dropped before its trials: the first at a new size grows buffers."""
 TRIALS = 2
 """Timed calls of each candidate degree per key."""
 

@@ -180,6 +180,7 @@ class MoeflowEP(EPImplementation):
         self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
         self.search = DegreeSearch() if self.backend.settings.pipeline == "auto" else None
         self.ran: dict[tuple[int, int], int] = {}  # pipeline="auto": the degree each key's last forward ran
+        self.awaiting: dict[tuple[int, int], int] = {}  # graphs of each key whose backward has not reached them
         if self.search is not None:
             self.backend.searches.append(self.search)
 
@@ -211,16 +212,44 @@ class MoeflowEP(EPImplementation):
         key = DegreeSearch.key(sum(map(sum, matrix)), degree)
         if torch._C._current_autograd_node() is not None:  # activation checkpointing's recompute: as it ran
             return self._run(hidden_states, routes, matrix, width, self.ran.get(key, 1))
-        degree, timed = self.search.next(key)
+        if self.awaiting.get(key, 0):  # a graph of this key awaits its backward: the degree it ran, untimed
+            degree, timed = self.ran[key], False
+        else:
+            degree, timed = self.search.next(key)
         self.ran[key] = degree
-        if not timed:
-            return self._run(hidden_states, routes, matrix, width, degree)
+        if timed:
+            output = self._timed(hidden_states, routes, matrix, width, degree, key)
+        else:
+            output = self._run(hidden_states, routes, matrix, width, degree)
+        if output.requires_grad:
+            self._await_backward(key, output)
+        return output
+
+    def _timed(
+        self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, degree: int,
+        key: tuple[int, int],
+    ) -> torch.Tensor:
+        """:meth:`_run`, its slowest rank's time recorded in the search (one all-reduce)."""
         out: list[torch.Tensor] = []
         seconds = sample_seconds(lambda: out.append(self._run(hidden_states, routes, matrix, width, degree)),
                                  hidden_states.device)
         (slowest,) = max_over_ranks([seconds], self.groups.expert, self.groups.ledger)
+        assert self.search is not None
         self.search.record(key, degree, slowest)
         return out[0]
+
+    def _await_backward(self, key: tuple[int, int], output: torch.Tensor) -> None:
+        """Count ``output``'s graph until its backward reaches it: until then every forward of this key
+        runs the degree it ran, so that activation checkpointing's recompute of any of them (two
+        forwards before one backward, as a preference loss takes) runs the degree its forward ran. A
+        graph never taken backward keeps the key's search where it is, not its results."""
+        self.awaiting[key] = self.awaiting.get(key, 0) + 1
+
+        def reached(grad: torch.Tensor) -> torch.Tensor:
+            self.awaiting[key] -= 1
+            return grad
+
+        output.register_hook(reached)
 
     def _run(
         self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, degree: int

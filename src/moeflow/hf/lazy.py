@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
-from moeflow.hf.families import router_weight, selection_bias, shared_mlp
+from moeflow.hf.families import router_bias, router_weight, selection_bias, shared_mlp
 from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
 from moeflow.hf.weights import PER_EXPERT_NAMES
 from moeflow.moe.layer import MoELayer
@@ -175,7 +175,8 @@ def _block_reads(prefix: str, block: HFMoEBlock, names: dict[str, str]) -> list[
     weight = router_weight(template, family)
     reads = [(moe.gate.weight, Read(_key(names, f"{prefix}.{family.router}"), via=weight.dtype))]
     if family.router_bias is not None:
-        reads.append((moe.gate.bias, Read(_key(names, f"{prefix}.{family.router_bias}"), via=weight.dtype)))
+        logit_bias = router_bias(template, family)
+        reads.append((moe.gate.bias, Read(_key(names, f"{prefix}.{family.router_bias}"), via=logit_bias.dtype)))
     bias = selection_bias(template, family)
     if bias is not None:
         key = _key(names, f"{prefix}.{family.bias}")

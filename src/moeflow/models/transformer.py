@@ -29,6 +29,7 @@ from moeflow.config import (
     require_positive_int,
     validate_capacity_factor,
 )
+from moeflow.core.clamped_swiglu import clamp_of
 from moeflow.core.experts import ExpertFFN
 from moeflow.core.workspace import share_workspace
 from moeflow.kernels.choice import share_kernel_table
@@ -146,7 +147,8 @@ class DenseFFN(ExpertFFN):
     so every activation, swiglu included, means the same in dense and MoE blocks)."""
 
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__(1, config.model_dim, config.moe.hidden_dim, config.moe.activation, bias=config.moe.bias)
+        super().__init__(1, config.model_dim, config.moe.hidden_dim, config.moe.activation, bias=config.moe.bias,
+                         clamp=clamp_of(config.moe))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.reshape(1, -1, x.shape[-1])).view(x.shape)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moeflow.comm.groups import ParallelGroups, max_over_ranks
 from moeflow.comm.traffic import mark_backward_window
 from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_from_arguments, resolve_normalize_gate
-from moeflow.core.clamped_swiglu import ClampedSwiGLU
+from moeflow.core.clamped_swiglu import clamp_of
 from moeflow.core.experts import ExpertFFN, shared_output
 from moeflow.core.routing import build_gate
 from moeflow.core.routing.router import Routing, route, update_expert_bias
@@ -113,7 +113,7 @@ class MoELayer(nn.Module):
         )
         local = self.placement.local(self.rank)
         hidden_local = local[0].hidden_stop - local[0].hidden_start
-        clamp = None if c.swiglu_limit is None else ClampedSwiGLU(c.swiglu_limit, c.swiglu_alpha, c.swiglu_up_offset)
+        clamp = clamp_of(c)
         self.experts = ExpertFFN(len(local), c.model_dim, hidden_local, c.activation, c.expert_kernel, c.bias,
                                  initialize=False, clamp=clamp)
         # one draw from the global generator, whatever the placement: ranks seeded alike build the
@@ -319,10 +319,17 @@ class MoELayer(nn.Module):
         """Load a state dict that holds all E experts (a single-process run's, a checkpoint's, a
         converted Hugging Face model's), keeping this rank's part of the placement. The
         auxiliary-loss-free selection bias ``gate.expert_bias`` may be absent, as it is from a
-        model that never had one: a strict load then sets it to zero, as in a new layer."""
+        model that never had one, and so may SwiGLU's up bias ``b3``, as it is from a layer saved
+        before it existed: a strict load then sets them to zero, which computes what those did."""
         state = dict(state_dict)
         if strict and "gate.expert_bias" not in state:
             state["gate.expert_bias"] = torch.zeros_like(self.gate.expert_bias)
+        c = self.config
+        full_b3 = {"experts.b3": (self.experts.b3, (c.num_experts, c.hidden_dim)),
+                   "shared_experts.b3": (getattr(self.shared_experts, "b3", None), None)}
+        for name, (parameter, shape) in full_b3.items():
+            if strict and parameter is not None and name not in state:
+                state[name] = parameter.new_zeros(shape or parameter.shape)
         self.load_state_dict(shard_expert_state(state, self.placement, self.rank), strict=strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
