@@ -303,6 +303,13 @@ def test_auto_degree_times_every_candidate_round_robin_and_keeps_the_fewest_chun
         degree, _ = search.next(other)
         search.record(other, degree, seconds[degree])
     assert search.next(other) == (1, False)  # d=2 inside the gain: the fewer chunks
+    waiting = DegreeSearch.key(4000, 4)
+    assert search.next(waiting) == (1, True)
+    search.record(waiting, 1, 1.0)
+    search.built(waiting)  # a graph of d=1 awaits its backward: the key's forwards and recomputes run d=1
+    assert search.next(waiting) == (1, False) and search.as_ran(waiting) == 1
+    search.reached(waiting)
+    assert search.next(waiting) == (2, True)  # the search moves on
 
 
 def _auto_calls(
@@ -344,10 +351,9 @@ def _auto_calls(
 def test_auto_degree_searches_each_block_and_every_call_gives_the_one_process_logits(
     saved: dict[str, Path],
 ) -> None:
-    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+    from moeflow.hf.degree_search import CANDIDATES, SETTLE_CALLS
 
-    calls = len(CANDIDATES) * (WARMUP + TRIALS) + 1
-    results = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, timeout_s=300)
+    results = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), SETTLE_CALLS + 1, timeout_s=300)
     expected = _one_process_logits(saved["qwen3_moe"], 2, PIPELINED)
     for rank, result in enumerate(results):
         for logits in result["logits"]:
@@ -364,10 +370,9 @@ def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ra
 ) -> None:
     """One forward a backward, and two (a preference loss's): a forward waiting for its backward keeps
     the key's degree, so that every recompute runs the degree its forward ran."""
-    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+    from moeflow.hf.degree_search import SETTLE_CALLS
 
-    calls = len(CANDIDATES) * (WARMUP + TRIALS) + 1
-    ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), calls, True, forwards, timeout_s=300)
+    ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), SETTLE_CALLS + 1, True, forwards, timeout_s=300)
     theirs = run_distributed(_ep_step, 2, str(saved["qwen3_moe"]), "all_to_all",
                              {"tokens": PIPELINED, "checkpointing": True}, timeout_s=300)
     for rank in range(2):

@@ -122,12 +122,17 @@ def ffn_projections(activation: str) -> int:
     return 3 if activation == "swiglu" else 2
 
 
-def validate_swiglu_clamp(activation: str, limit: float | None, alpha: float, up_offset: float) -> None:
-    """Clamped SwiGLU's settings: a positive finite limit on SwiGLU experts; alpha and the offset only with it."""
+def validate_swiglu_clamp(
+    activation: str, limit: float | None, alpha: float, up_offset: float, clamp_shared: bool
+) -> None:
+    """Clamped SwiGLU's settings: a positive finite limit on SwiGLU experts; alpha, the offset and the
+    shared experts' clamp only with it."""
     if limit is None:
         if alpha != 1.0 or up_offset != 0.0:
             raise ValueError(f"swiglu_alpha={alpha} and swiglu_up_offset={up_offset} shape clamped SwiGLU: "
                              "set swiglu_limit too (or leave both at 1.0 and 0.0)")
+        if clamp_shared:
+            raise ValueError("swiglu_clamp_shared=True clamps the shared experts as the routed ones: set swiglu_limit")
         return
     if activation != "swiglu":
         raise ValueError(f"swiglu_limit clamps SwiGLU experts; activation={activation!r}: use activation='swiglu'")
@@ -265,9 +270,8 @@ class MoEConfig:
         if self.topology_gate != "off" and self.expert_groups > 1:
             raise ValueError("topology_gate limits the experts a token may pick, as expert_groups does: use one of "
                              "them (topology_gate='off' or expert_groups=1)")
-        validate_swiglu_clamp(self.activation, self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset)
-        if self.swiglu_clamp_shared and self.swiglu_limit is None:
-            raise ValueError("swiglu_clamp_shared=True clamps the shared experts as the routed ones: set swiglu_limit")
+        validate_swiglu_clamp(self.activation, self.swiglu_limit, self.swiglu_alpha, self.swiglu_up_offset,
+                              self.swiglu_clamp_shared)
         validate_redundant_experts(self.redundant_experts)
         validate_balance(self.balance, self.redundant_experts)
         if self.esp_size is not None:

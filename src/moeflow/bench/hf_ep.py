@@ -186,14 +186,14 @@ def _settle_search(loaded: dict[str, tuple[Any, Any]], ids: Any) -> list[int] | 
     each block's choice, as a long run would time it. None without the backend."""
     import torch
 
-    from moeflow.hf.degree_search import CANDIDATES, TRIALS, WARMUP
+    from moeflow.hf.degree_search import SETTLE_CALLS
     from moeflow.hf.expert_parallel import searched_degrees
 
     if "moeflow" not in loaded:
         return None
     model = loaded["moeflow"][0]
     with torch.no_grad():
-        for _ in range(len(CANDIDATES) * (WARMUP + TRIALS)):
+        for _ in range(SETTLE_CALLS):
             model(ids)
     return [degree for block in searched_degrees() for key, degree in block.items() if key[1] > 1]  # searched keys
 

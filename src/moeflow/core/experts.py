@@ -87,15 +87,15 @@ def up_input(name: Activation, up: torch.Tensor) -> torch.Tensor:
 
 
 def gated_grads(
-    name: Activation, grad_hidden: torch.Tensor, a: torch.Tensor, up: torch.Tensor,
+    name: Activation, grad_hidden: torch.Tensor, a: torch.Tensor, up: torch.Tensor, up_in: torch.Tensor,
     grad_up_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gradient of ``x w3`` (the raw ``up``) from that of ``a * up_input(up)``; ``grad_hidden``
-    becomes, in place, the gradient of ``a``."""
+    """The gradient of ``x w3`` (the raw ``up``) from that of ``a * up_in`` (``up_in``: :func:`up_input`
+    of ``up``, as the forward multiplied); ``grad_hidden`` becomes, in place, the gradient of ``a``."""
     grad_up = torch.mul(grad_hidden, a, out=grad_up_out)
     if isinstance(name, ClampedSwiGLU):
         name.up_grad_(grad_up, up)
-    grad_hidden.mul_(up_input(name, up))
+    grad_hidden.mul_(up_in)
     return grad_up
 
 
@@ -224,12 +224,13 @@ class FFNCompute:
     ) -> tuple[torch.Tensor, FFNWeightGradInputs]:
         loop = self.kernel == "loop"
         up_LCH, a_LCH = saved.up_LCH, saved.a_LCH
-        hidden_LCH = a_LCH if up_LCH is None else torch.mul(
-            a_LCH, up_input(self.activation, up_LCH), out=_buffer(workspace, a_LCH.shape, a_LCH))
+        up_in_LCH = None if up_LCH is None else up_input(self.activation, up_LCH)
+        hidden_LCH = a_LCH if up_in_LCH is None else torch.mul(
+            a_LCH, up_in_LCH, out=_buffer(workspace, a_LCH.shape, a_LCH))
         grad_a_LCH = batched_mm(grad_y_LCM, weights.w2.transpose(1, 2), loop, _buffer(workspace, a_LCH.shape, a_LCH))
         grad_up_LCH = None
-        if up_LCH is not None:
-            grad_up_LCH = gated_grads(self.activation, grad_a_LCH, a_LCH, up_LCH,
+        if up_LCH is not None and up_in_LCH is not None:
+            grad_up_LCH = gated_grads(self.activation, grad_a_LCH, a_LCH, up_LCH, up_in_LCH,
                                       _buffer(workspace, a_LCH.shape, a_LCH))
         grad_h_LCH = activation_grad(
             self.activation, grad_a_LCH, saved.h_LCH, _buffer(workspace, a_LCH.shape, a_LCH)

@@ -32,7 +32,7 @@ from moeflow.hf.families import (
     selection_bias,
     shared_mlp,
 )
-from moeflow.hf.weights import expert_tensors, mlp_tensors, moeflow_state, write_hf_block
+from moeflow.hf.weights import FusedLayout, expert_tensors, mlp_tensors, moeflow_state, write_hf_block
 from moeflow.kernels.choice import share_kernel_table
 from moeflow.moe.layer import MoELayer
 from moeflow.timing.phases import PhaseClock
@@ -69,7 +69,7 @@ def _check_experts(block: nn.Module, family: Family) -> None:
             f"the experts of {type(block).__name__} have {differs}; moeflow.hf converts gated experts only: run "
             "this model through ep_implementation='moeflow' instead"
         )
-    if getattr(experts, "has_bias", False) and shared_mlp(block, family) is not None:
+    if FusedLayout.of(experts).biased and shared is not None:
         raise ValueError(
             f"the experts of {type(block).__name__} have biases beside a shared MLP; moeflow's layer gives both "
             "or neither biases: run this model through ep_implementation='moeflow' instead"
@@ -138,7 +138,7 @@ def _moe_layer(block: nn.Module, group: Group, layer_options: dict[str, Any]) ->
     num_experts, hidden_dim, model_dim = gate_IH.shape
     options: dict[str, Any] = {
         **routing_settings(block, family), **expert_settings(block, family), "capacity_factor": 0.0,
-        "activation": "swiglu", "bias": bool(getattr(block.experts, "has_bias", False)),
+        "activation": "swiglu", "bias": FusedLayout.of(block.experts).biased,
         "expert_kernel": "ragged",
         "aux_loss_weight": 0.0, **layer_options,
     }

@@ -23,6 +23,8 @@ WARMUP = 1
 """Calls of a degree whose time is dropped before its trials: the first at a new size grows buffers."""
 TRIALS = 2
 """Timed calls of each candidate degree per key."""
+SETTLE_CALLS = len(CANDIDATES) * (WARMUP + TRIALS)
+"""The calls of one key after which every block has chosen its degree for it."""
 
 Key = tuple[int, int]
 """(the group's rows as a power of two, the largest degree every rank's batch fills)."""
@@ -30,17 +32,40 @@ Key = tuple[int, int]
 
 @dataclass
 class DegreeSearch:
-    """One block's choices, and the samples of the keys still searched."""
+    """One block's choices, the samples of the keys still searched, the degree each key's last forward
+    ran and the graphs of each key a backward has yet to reach. While a graph awaits its backward, the
+    key's forwards run the degree it ran (untimed), so that activation checkpointing's recompute of any
+    of them (:meth:`as_ran`) runs the degree its forward ran; a graph never taken backward keeps the
+    key's search where it is."""
 
     chosen: dict[Key, int] = field(default_factory=dict)
     samples: dict[Key, dict[int, list[float]]] = field(default_factory=dict)
+    ran: dict[Key, int] = field(default_factory=dict)
+    awaiting: dict[Key, int] = field(default_factory=dict)
 
     @staticmethod
     def key(group_rows: int, largest: int) -> Key:
         return group_rows.bit_length(), largest
 
     def next(self, key: Key) -> tuple[int, bool]:
-        """The degree to run this call with, and whether to time it (then :meth:`record` its time)."""
+        """The degree to run this forward with, and whether to time it (then :meth:`record` its time)."""
+        degree, timed = (self.ran[key], False) if self.awaiting.get(key, 0) else self._searched(key)
+        self.ran[key] = degree
+        return degree, timed
+
+    def as_ran(self, key: Key) -> int:
+        """The degree a recompute of this key's forward runs: the one it ran."""
+        return self.ran.get(key, 1)
+
+    def built(self, key: Key) -> None:
+        """A forward of this key built a graph that a backward will reach."""
+        self.awaiting[key] = self.awaiting.get(key, 0) + 1
+
+    def reached(self, key: Key) -> None:
+        """A backward reached a graph of this key."""
+        self.awaiting[key] -= 1
+
+    def _searched(self, key: Key) -> tuple[int, bool]:
         if key in self.chosen:
             return self.chosen[key], False
         candidates = [d for d in CANDIDATES if d <= key[1]]

@@ -51,7 +51,7 @@ from moeflow.config import (
     WIRE_DTYPES,
     require_choice,
 )
-from moeflow.hf.degree_search import CANDIDATES, DegreeSearch
+from moeflow.hf.degree_search import CANDIDATES, DegreeSearch, Key
 from moeflow.hf.pipelined import ChunkPlan, pipelined
 from moeflow.timing.measure import sample_seconds
 
@@ -179,8 +179,6 @@ class MoeflowEP(EPImplementation):
         self.groups = self.backend.groups_of(ep_mesh.get_group())
         self.shared_batch = tp_mesh.get_group() if tp_mesh.size() > 1 else None  # the ranks that share a batch
         self.search = DegreeSearch() if self.backend.settings.pipeline == "auto" else None
-        self.ran: dict[tuple[int, int], int] = {}  # pipeline="auto": the degree each key's last forward ran
-        self.awaiting: dict[tuple[int, int], int] = {}  # graphs of each key whose backward has not reached them
         if self.search is not None:
             self.backend.searches.append(self.search)
 
@@ -211,12 +209,8 @@ class MoeflowEP(EPImplementation):
             return self._run(hidden_states, routes, matrix, width, degree)
         key = DegreeSearch.key(sum(map(sum, matrix)), degree)
         if torch._C._current_autograd_node() is not None:  # activation checkpointing's recompute: as it ran
-            return self._run(hidden_states, routes, matrix, width, self.ran.get(key, 1))
-        if self.awaiting.get(key, 0):  # a graph of this key awaits its backward: the degree it ran, untimed
-            degree, timed = self.ran[key], False
-        else:
-            degree, timed = self.search.next(key)
-        self.ran[key] = degree
+            return self._run(hidden_states, routes, matrix, width, self.search.as_ran(key))
+        degree, timed = self.search.next(key)
         if timed:
             output = self._timed(hidden_states, routes, matrix, width, degree, key)
         else:
@@ -227,7 +221,7 @@ class MoeflowEP(EPImplementation):
 
     def _timed(
         self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, degree: int,
-        key: tuple[int, int],
+        key: Key,
     ) -> torch.Tensor:
         """:meth:`_run`, its slowest rank's time recorded in the search (one all-reduce)."""
         out: list[torch.Tensor] = []
@@ -238,15 +232,15 @@ class MoeflowEP(EPImplementation):
         self.search.record(key, degree, slowest)
         return out[0]
 
-    def _await_backward(self, key: tuple[int, int], output: torch.Tensor) -> None:
-        """Count ``output``'s graph until its backward reaches it: until then every forward of this key
-        runs the degree it ran, so that activation checkpointing's recompute of any of them (two
-        forwards before one backward, as a preference loss takes) runs the degree its forward ran. A
-        graph never taken backward keeps the key's search where it is, not its results."""
-        self.awaiting[key] = self.awaiting.get(key, 0) + 1
+    def _await_backward(self, key: Key, output: torch.Tensor) -> None:
+        """Count ``output``'s graph in the search until its backward reaches it (two forwards before one
+        backward, as a preference loss takes, then run one degree: :class:`DegreeSearch`)."""
+        assert self.search is not None
+        search = self.search
+        search.built(key)
 
         def reached(grad: torch.Tensor) -> torch.Tensor:
-            self.awaiting[key] -= 1
+            search.reached(key)
             return grad
 
         output.register_hook(reached)
@@ -338,7 +332,7 @@ def configure(
     return settings
 
 
-def searched_degrees() -> list[dict[tuple[int, int], int]]:
+def searched_degrees() -> list[dict[Key, int]]:
     """Under ``pipeline="auto"``: each block's chosen chunk degree per batch key
     (:meth:`~moeflow.hf.degree_search.DegreeSearch.key`), in the order the blocks were built."""
     return [dict(search.chosen) for search in EPImplementationInterface()[NAME].backend.searches]

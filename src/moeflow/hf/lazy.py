@@ -23,7 +23,7 @@ from torch import nn
 from moeflow.hf.blocks import Group, HFMoEBlock, replace_moe_blocks_unloaded
 from moeflow.hf.families import router_bias, router_weight, selection_bias, shared_mlp
 from moeflow.hf.safetensors_files import Index, SafetensorsCheckpoint
-from moeflow.hf.weights import PER_EXPERT_NAMES
+from moeflow.hf.weights import PER_EXPERT_NAMES, FusedLayout
 from moeflow.moe.layer import MoELayer
 
 
@@ -245,8 +245,8 @@ def _fused_reads(
     experts, hidden = moe.experts, moe.placement.hidden_dim
     shard = moe.placement.local(moe.rank)[slot]
     start, stop, every = shard.hidden_start, shard.hidden_stop, slice(None)
-    transposed = bool(getattr(hf_experts, "is_transposed", False))
-    pairs = not getattr(hf_experts, "is_concatenated", True)
+    layout = FusedLayout.of(hf_experts)
+    transposed, pairs = layout.transposed, not layout.concatenated
     spans = [(slice(2 * start, 2 * stop), part) for part in (0, 1)] if pairs else \
         [(slice(start, stop), None), (slice(hidden + start, hidden + stop), None)]
     gate_up, down = _key(names, f"{prefix}.gate_up_proj"), _key(names, f"{prefix}.down_proj")
@@ -258,7 +258,7 @@ def _fused_reads(
     rows = slice(start, stop)
     reads.append((experts.w2[slot], Read(down, (shard.expert, rows, every) if transposed else
                                          (shard.expert, every, rows), not transposed, via)))
-    if getattr(hf_experts, "has_bias", False):
+    if layout.biased:
         bias = _key(names, f"{prefix}.gate_up_proj_bias")
         for target, (span, part) in zip((experts.b1[slot], experts.b3[slot]), spans, strict=True):
             reads.append((target, Read(bias, (shard.expert, span), False, via, None if part is None else (0, part))))

@@ -13,12 +13,36 @@ in the same order, ``down_proj_bias`` (E, H)). moeflow's experts multiply from t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from moeflow.hf.families import Family, router_bias, router_weight, selection_bias, shared_mlp
 
 PER_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """A fused experts module's experts-interface flags (transformers' defaults where one is unset:
+    per-expert v4 modules read as these defaults)."""
+
+    transposed: bool = False  # is_transposed: (E, H, 2I) and (E, I, H)
+    concatenated: bool = True  # is_concatenated: the gate rows, then the up rows (else interleaved pairs)
+    biased: bool = False  # has_bias: gate_up_proj_bias (E, 2I) and down_proj_bias (E, H)
+
+    @staticmethod
+    def of(experts: nn.Module) -> FusedLayout:
+        default = FusedLayout()
+        return FusedLayout(bool(getattr(experts, "is_transposed", default.transposed)),
+                           bool(getattr(experts, "is_concatenated", default.concatenated)),
+                           bool(getattr(experts, "has_bias", default.biased)))
+
+
+def _has_fused_projections(module: nn.Module) -> bool:
+    """Whether ``module`` holds its gate and up projections as one ``gate_up_proj``, beside ``down_proj``."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
 
 
 def _projection_names(module: nn.Module) -> tuple[str, str, str]:
@@ -34,7 +58,7 @@ def _projection_names(module: nn.Module) -> tuple[str, str, str]:
 def mlp_tensors(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate (I, H), up (I, H), down (H, I)) of one bias-free SwiGLU MLP module (its gate and up
     projections apart, or one ``gate_up_proj`` holding the gate rows then the up rows: MiniMax-M3's)."""
-    fused = hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")
+    fused = _has_fused_projections(mlp)
     projections = [mlp.gate_up_proj, mlp.down_proj] if fused else [getattr(mlp, n) for n in _projection_names(mlp)]
     if any(getattr(p, "bias", None) is not None for p in projections):
         raise ValueError(f"{type(mlp).__name__} has biases (the config's use_bias or mlp_bias); moeflow.hf converts "
@@ -51,39 +75,41 @@ def expert_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torc
     if isinstance(experts, nn.ModuleList):
         parts = [mlp_tensors(mlp) for mlp in experts]
         return tuple(torch.stack([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
-    if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")):
+    if not _has_fused_projections(experts):
         raise ValueError(
             f"{type(experts).__name__} is neither a ModuleList of expert MLPs (transformers v4) nor fused "
             "gate_up_proj/down_proj tensors (v5)"
         )
+    layout = FusedLayout.of(experts)
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if getattr(experts, "is_transposed", False):
+    if layout.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    gate, up = split_gate_up(experts, gate_up, dim=1)
+    gate, up = split_gate_up(layout, gate_up, dim=1)
     return gate, up, down
 
 
-def split_gate_up(experts: nn.Module, gate_up: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_gate_up(layout: FusedLayout, gate_up: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up parts of fused ``gate_up`` along ``dim``: halves, or interleaved rows (gpt-oss)."""
-    if getattr(experts, "is_concatenated", True):
+    if layout.concatenated:
         gate, up = gate_up.chunk(2, dim=dim)
         return gate, up
     pairs = gate_up.unflatten(dim, (-1, 2))
     return pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
 
 
-def join_gate_up(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
+def join_gate_up(layout: FusedLayout, gate: torch.Tensor, up: torch.Tensor, dim: int) -> torch.Tensor:
     """:func:`split_gate_up`'s inverse."""
-    if getattr(experts, "is_concatenated", True):
+    if layout.concatenated:
         return torch.cat([gate, up], dim=dim)
     return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
 
 
 def expert_biases(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(gate (E, I), up (E, I), down (E, H)) biases of fused experts with ``has_bias``, else None."""
-    if not getattr(experts, "has_bias", False):
+    layout = FusedLayout.of(experts)
+    if not layout.biased:
         return None
-    gate, up = split_gate_up(experts, experts.gate_up_proj_bias, dim=1)
+    gate, up = split_gate_up(layout, experts.gate_up_proj_bias, dim=1)
     return gate, up, experts.down_proj_bias
 
 
@@ -93,7 +119,7 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def write_mlp(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-    if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+    if _has_fused_projections(mlp):
         _copy(mlp.gate_up_proj.weight, torch.cat([gate, up], dim=0))
         _copy(mlp.down_proj.weight, down)
         return
@@ -106,16 +132,18 @@ def write_experts(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, down
         for e, mlp in enumerate(experts):
             write_mlp(mlp, gate[e], up[e], down[e])
         return
-    gate_up = join_gate_up(experts, gate, up, dim=1)
-    if getattr(experts, "is_transposed", False):
+    layout = FusedLayout.of(experts)
+    gate_up = join_gate_up(layout, gate, up, dim=1)
+    if layout.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     _copy(experts.gate_up_proj, gate_up)
     _copy(experts.down_proj, down)
 
 
 def write_expert_biases(experts: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    if getattr(experts, "has_bias", False):
-        _copy(experts.gate_up_proj_bias, join_gate_up(experts, state["experts.b1"], state["experts.b3"], dim=1))
+    layout = FusedLayout.of(experts)
+    if layout.biased:
+        _copy(experts.gate_up_proj_bias, join_gate_up(layout, state["experts.b1"], state["experts.b3"], dim=1))
         _copy(experts.down_proj_bias, state["experts.b2"])
 
 

@@ -384,11 +384,12 @@ def packed_backward_input(
 ) -> tuple[torch.Tensor, RaggedWeightGradInputs]:
     """The packed rows' input gradient, and what their weight gradients read."""
     rows = saved.rows
-    hidden_NH = saved.a_NH if saved.up_NH is None else saved.a_NH * up_input(activation, saved.up_NH)
+    up_in_NH = None if saved.up_NH is None else up_input(activation, saved.up_NH)
+    hidden_NH = saved.a_NH if up_in_NH is None else saved.a_NH * up_in_NH
     grad_a_NH = ragged_mm(grad_y_NM, weights.w2.transpose(1, 2), rows, backend)
     grad_up_NH = None
-    if saved.up_NH is not None:
-        grad_up_NH = gated_grads(activation, grad_a_NH, saved.a_NH, saved.up_NH)  # grad_a: the GEMM's own tensor
+    if saved.up_NH is not None and up_in_NH is not None:  # grad_a: the GEMM's own tensor
+        grad_up_NH = gated_grads(activation, grad_a_NH, saved.a_NH, saved.up_NH, up_in_NH)
     grad_h_NH = activation_grad(activation, grad_a_NH, saved.h_NH, torch.empty_like(grad_a_NH))
     grad_x_NM = ragged_mm(grad_h_NH, weights.w1.transpose(1, 2), rows, backend)
     if grad_up_NH is not None:

@@ -322,15 +322,19 @@ class MoELayer(nn.Module):
         model that never had one, and so may SwiGLU's up bias ``b3``, as it is from a layer saved
         before it existed: a strict load then sets them to zero, which computes what those did."""
         state = dict(state_dict)
-        if strict and "gate.expert_bias" not in state:
-            state["gate.expert_bias"] = torch.zeros_like(self.gate.expert_bias)
-        c = self.config
-        full_b3 = {"experts.b3": (self.experts.b3, (c.num_experts, c.hidden_dim)),
-                   "shared_experts.b3": (getattr(self.shared_experts, "b3", None), None)}
-        for name, (parameter, shape) in full_b3.items():
-            if strict and parameter is not None and name not in state:
-                state[name] = parameter.new_zeros(shape or parameter.shape)
+        if strict:
+            for name, zeros in self._absent_means_zero().items():
+                state.setdefault(name, zeros)
         self.load_state_dict(shard_expert_state(state, self.placement, self.rank), strict=strict)
+
+    def _absent_means_zero(self) -> dict[str, torch.Tensor]:
+        """The full-state entries a strict load fills with zeros where a state dict lacks them."""
+        zeros = {"gate.expert_bias": torch.zeros_like(self.gate.expert_bias)}
+        if self.experts.b3 is not None:
+            zeros["experts.b3"] = self.experts.b3.new_zeros(self.config.num_experts, self.config.hidden_dim)
+        if self.shared_experts is not None and self.shared_experts.b3 is not None:
+            zeros["shared_experts.b3"] = torch.zeros_like(self.shared_experts.b3)
+        return zeros
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The state with all E experts, on every rank: an explicit opt-in (tests, conversions, small
