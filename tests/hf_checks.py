@@ -32,3 +32,38 @@ def whole_model_logits(rank: int, world_size: int, family: str) -> dict[str, flo
         "weights": max((original[k] - restored[k]).abs().max().item() for k in original),
         "same_names": float(sorted(original) == sorted(restored)),
     }
+
+
+def tensor_parallel_attention(rank: int, world_size: int, model_type: str, overrides: dict) -> dict[str, float]:
+    """Every member splits the same tiny model's attention over the world (its own plan) and feeds
+    the same tokens: the logits, and each gradient (a split one assembled from the members' blocks,
+    a whole one averaged over them, as the trainer does), against the unsplit model's."""
+    from hf_families import family_batch, tiny_family_model
+    from moeflow.hf.tensor_parallel import split_attention
+
+    whole = tiny_family_model(model_type, seed=0, **overrides)
+    split = copy.deepcopy(whole)
+    placed = split_attention(split, dist.group.WORLD, world_size)
+    logits = {}
+    for name, model in (("whole", whole), ("split", split)):
+        logits[name] = model(input_ids=family_batch(0), use_cache=False).logits
+        logits[name].pow(2).mean().backward()
+    expected = dict(whole.named_parameters())
+    worst = 0.0
+    for name, parameter in split.named_parameters():
+        if parameter.grad is None:  # (a parameter the tokens do not reach: unused on both)
+            assert expected[name].grad is None, name
+            continue
+        if name in placed:
+            sharding, kind = placed[name]
+            grad = sharding.empty_full(kind, parameter.grad)
+            sharding.write_primary(kind, parameter.grad, rank, grad)
+            dist.all_reduce(grad)
+        else:
+            grad = parameter.grad.clone()
+            dist.all_reduce(grad)
+            grad /= world_size
+        worst = max(worst, (grad - expected[name].grad).abs().max().item())
+    return {"logits": (logits["whole"] - logits["split"]).abs().max().item(), "grads": worst,
+            "split": len(placed), "heads_here": sum(p.numel() for n, p in split.named_parameters() if n in placed)
+            / sum(expected[n].numel() for n in placed)}

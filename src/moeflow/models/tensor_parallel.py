@@ -82,3 +82,55 @@ class HeadShards:
         if rank // self.mp_size == 0:
             block = self._block(kind, full, rank)
             block.copy_(local.reshape(block.shape))
+
+
+@dataclass(frozen=True)
+class BlockShards:
+    """One axis of a tensor split into ``mp_size`` contiguous blocks over MP groups of ``mp_size``
+    consecutive ranks (a transformers model's attention projection split by heads): rank r holds
+    block r % mp_size; the ranks with r // mp_size == 0 hold the primary copies."""
+
+    world_size: int
+    mp_size: int
+    axis: int
+    full_size: int
+
+    @property
+    def is_replicated(self) -> bool:
+        return False
+
+    def _span(self, rank: int) -> tuple[int, int]:
+        width = self.full_size // self.mp_size
+        return rank % self.mp_size * width, width
+
+    def full_shape(self, kind: str, local: torch.Tensor) -> tuple[int, ...]:
+        shape = list(local.shape)
+        shape[self.axis] = self.full_size
+        return tuple(shape)
+
+    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor:
+        return local.new_zeros(self.full_shape(kind, local))
+
+    def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        if full.shape[self.axis] != self.full_size or self.full_size % self.mp_size:
+            raise ValueError(f"{kind} has {full.shape[self.axis]} along axis {self.axis}, not {self.full_size} "
+                             f"split into {self.mp_size} equal blocks")
+        return full.narrow(self.axis, *self._span(rank)).clone()
+
+    def copies_block(self) -> int | None:
+        return None  # the replicas of the same block average their gradients (the trainer's own rule)
+
+    def counted_slots(self, rank: int) -> torch.Tensor | None:
+        return None
+
+    def chunks(self, kind: str, local: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]:
+        """This rank's block as one chunk of the full tensor (none on a replica if ``primary_only``)."""
+        if primary_only and rank // self.mp_size:
+            return []
+        offsets = [0] * local.dim()
+        offsets[self.axis] = self._span(rank)[0]
+        return [Chunk(tuple(offsets), local)]
+
+    def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
+        if rank // self.mp_size == 0:
+            full.narrow(self.axis, *self._span(rank)).copy_(local)

@@ -151,8 +151,7 @@ class TrainConfig:
         if self.hf is None:
             self._check_parallel()
         elif self.mp_size > 1:
-            raise ValueError("--mp-size splits moeflow's own attention; a --hf model's attention runs data "
-                             "parallel: leave --mp-size at 1")
+            self._check_tensor_parallel_layout()  # the model's heads and experts: check_hf_training
         self._check_fastermoe(moe)
         self._check_packing(moe)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "collective_timeout_s"):
@@ -313,29 +312,39 @@ class TrainConfig:
 
     def _check_tensor_parallel(self) -> None:
         """--mp-size N: attention over N workers, Parm's schedules for the MoE layers behind it."""
+        self._check_tensor_parallel_layout()
+        if self.heads % self.mp_size:
+            raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
+                             "that divides the heads")
+        self.check_expert_shards(self.num_experts, self.hidden_dim)
+
+    def _check_tensor_parallel_layout(self) -> None:
+        """--mp-size N over the workers, with a schedule that runs behind tensor-parallel attention."""
         from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES
-        from moeflow.perf.parm import shard_count
 
         if self.workers % self.mp_size:
             raise ValueError(f"workers={self.workers} is not a multiple of mp_size={self.mp_size}; "
                              "tensor-parallel groups are mp_size consecutive workers")
-        if self.heads % self.mp_size:
-            raise ValueError(f"heads={self.heads} cannot be split over mp_size={self.mp_size}; use an mp_size "
-                             "that divides the heads")
         if self.parallel not in (AUTO, *MODEL_PARALLEL_SCHEDULES):
             raise ValueError(
                 f"--parallel {self.parallel} does not run behind tensor-parallel attention; with --mp-size use "
                 f"auto (Parm's per-iteration S1/S2 choice) or one of {', '.join(MODEL_PARALLEL_SCHEDULES)}"
             )
+
+    def check_expert_shards(self, num_experts: int, hidden_dim: int | None) -> None:
+        """Parm's experts behind --mp-size: ``num_experts`` over the expert-parallel groups, each
+        expert's ``hidden_dim`` over the esp_size shards (None: checked where the layers are built)."""
+        from moeflow.perf.parm import shard_count
+
         esp, experts_over = shard_count(self.mp_size, self.esp_size), self.expert_workers
         if experts_over % esp:
             raise ValueError(f"esp_size={esp} hidden shards per expert must divide "
                              f"{self.expert_workers_setting}={experts_over}")
         expert_groups = experts_over // esp
-        if self.num_experts % expert_groups or self.hidden_dim % esp:
+        if num_experts % expert_groups or (hidden_dim or esp) % esp:
             raise ValueError(
-                f"num_experts={self.num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
-                f"{self.hidden_dim} over esp_size={esp} shards: use a multiple of {expert_groups} experts "
+                f"num_experts={num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
+                f"{hidden_dim} over esp_size={esp} shards: use a multiple of {expert_groups} experts "
                 f"and a hidden_dim divisible by {esp}"
             )
 
@@ -438,7 +447,8 @@ FIELD_HELP: dict[str, str] = {
     "ranks_per_node": "workers per node, numbered node-major (what 2DH, pairwise, the smart schedule and the "
     "topology gate read); unset: the launcher's LOCAL_WORLD_SIZE, or every worker on one node",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "
-    "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline)",
+    "the MoE layers then run Parm's schedules (--parallel auto, s1, s2 or ds-baseline); with --hf the "
+    "attention splits as the model's own tensor-parallel plan does",
     "esp_size": "with --mp-size: hidden shards per expert (Parm's N_ESP; unset: the --mp-size), any divisor of "
     "--ep-size (unset: --workers); the experts split over ep-size / esp-size expert-parallel groups",
     "profile": "a calibrated cluster profile (moeflow calibrate) for the planner",

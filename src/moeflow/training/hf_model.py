@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.comm.groups import ParallelGroups
+from moeflow.comm.groups import ParallelGroups, group_size
 from moeflow.data import PreparedCorpus, PretrainedTokenizer, prepare_corpus
 from moeflow.hf.blocks import HFMoEBlock, moe_blocks
 from moeflow.hf.families import family_for_model_type
 from moeflow.hf.loading import check_model_dir, load_hf_model
+from moeflow.hf.tensor_parallel import split_attention
 from moeflow.models.transformer import total_aux_loss
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
@@ -96,6 +97,8 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
     if config.topology_gate != "off" and info.expert_groups > 1:
         raise ValueError(f"--topology-gate limits the experts a token may pick, as the model's router already does "
                          f"(n_group={info.expert_groups}): use --topology-gate off with this model")
+    if config.mp_size > 1:
+        check_tensor_parallel_attention(config, info)
     moe = dataclasses.replace(config.model_config(info.vocab_size).moe, num_experts=info.num_experts)
     check_techniques(moe, config.layer_schedule(info.num_experts))
     config.check_expert_slots(info.num_experts)
@@ -103,6 +106,17 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
     if info.max_positions is not None and config.context > info.max_positions:
         raise ValueError(f"context={config.context} exceeds the model's max_position_embeddings="
                          f"{info.max_positions}; use --context {info.max_positions} or less")
+
+
+def check_tensor_parallel_attention(config: TrainConfig, info: HFModelInfo) -> None:
+    """--mp-size N on a --hf model: its attention splits by its own plan over N, its experts over
+    Parm's expert-parallel groups."""
+    import transformers
+
+    from moeflow.hf.tensor_parallel import attention_split
+
+    attention_split(transformers.AutoConfig.from_pretrained(info.directory, local_files_only=True), config.mp_size)
+    config.check_expert_shards(info.num_experts, None)
 
 
 def prepare_hf_corpus(config: TrainConfig, cache_root: Path) -> PreparedCorpus:
@@ -149,7 +163,8 @@ def _capacity(config: TrainConfig) -> dict[str, Any]:
 
 def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
     """The MoE layers' settings from the trainer's: unset ones keep the model's own
-    (:func:`model_settings`); the ragged expert kernel wherever the schedule allows it."""
+    (:func:`model_settings`); the ragged expert kernel wherever the schedule allows it (not Parm's,
+    which tensor-parallel attention runs)."""
     from_model = model_settings(config, info)
     return {
         "pipeline": config.pipeline, "alltoall": config.alltoall, "parallel": config.parallel,
@@ -157,7 +172,7 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
         "tokens_per_rank_hint": config.batch_size * config.context,
         "aux_loss_weight": from_model["aux_loss_weight"]["value"],
         "capacity_factor": from_model["capacity_factor"]["value"],
-        "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) else "bmm",
+        "expert_kernel": "ragged" if config.parallel in (AUTO, *RAGGED_SCHEDULES) and config.mp_size == 1 else "bmm",
         "shadowing": config.shadowing, "topology_gate": config.topology_gate,
         "redundant_experts": config.redundant_experts, "balance": config.balance,
     }
@@ -168,9 +183,11 @@ class HFCausalLM(nn.Module):
     ``forward(idx, targets)`` returns (logits, loss), the loss being the mean cross-entropy plus the
     MoE layers' router losses."""
 
-    def __init__(self, model: nn.Module, groups: ParallelGroups, eval_capacity_factor: float) -> None:
+    def __init__(self, model: nn.Module, groups: ParallelGroups, eval_capacity_factor: float,
+                 attention_shards: dict[str, PlacedParameter] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.attention_shards = {f"model.{name}": placed for name, placed in (attention_shards or {}).items()}
         self.groups = groups
         self.clock = PhaseClock(enabled=False)
         self.last_lm_loss: torch.Tensor | None = None
@@ -191,14 +208,16 @@ class HFCausalLM(nn.Module):
         return [next(int(part) for part in name.split(".") if part.isdigit()) for name, _ in self._named_blocks()]
 
     def placed_parameters(self) -> dict[str, PlacedParameter]:
-        return {f"{name}.moe.experts.{kind}": PlacedParameter(block.moe.placement, kind)
-                for name, block in self._named_blocks() for kind, _ in block.moe.experts.named_parameters()}
+        experts = {f"{name}.moe.experts.{kind}": PlacedParameter(block.moe.placement, kind)
+                   for name, block in self._named_blocks() for kind, _ in block.moe.experts.named_parameters()}
+        return experts | self.attention_shards
 
     def expert_parameter_names(self) -> set[str]:
         return expert_parallel_names(self.placed_parameters())
 
     def tensor_parallel_parameter_names(self) -> set[str]:
-        return set()  # the attention runs data parallel
+        """The attention's tensors split over the MP group (--mp-size; none without it)."""
+        return set(self.attention_shards)
 
     def forward(
         self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None
@@ -219,4 +238,5 @@ def build_hf_model(config: TrainConfig, groups: ParallelGroups, device: torch.de
     assert config.hf is not None
     info = read_hf_info(config.hf)
     model = load_hf_model(config.hf, "float32", groups, **layer_options(config, info))
-    return HFCausalLM(model.to(device), groups, config.eval_capacity_factor)
+    shards = split_attention(model, groups.model, groups.size) if group_size(groups.model) > 1 else None
+    return HFCausalLM(model.to(device), groups, config.eval_capacity_factor, shards)
