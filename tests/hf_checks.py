@@ -34,10 +34,16 @@ def whole_model_logits(rank: int, world_size: int, family: str) -> dict[str, flo
     }
 
 
-def tensor_parallel_attention(rank: int, world_size: int, model_type: str, overrides: dict) -> dict[str, float]:
-    """Every member splits the same tiny model's attention over the world (its own plan) and feeds
-    the same tokens: the logits, and each gradient (a split one assembled from the members' blocks,
-    a whole one averaged over them, as the trainer does), against the unsplit model's."""
+def tensor_parallel_attention(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> dict[str, dict]:
+    """For each (family, config overrides): every member splits the same tiny model's attention over
+    the world (its own plan) and feeds the same tokens; the logits, and each gradient (a split one
+    assembled from the members' blocks, a whole one averaged over them, as the trainer does),
+    against the unsplit model's."""
+    return {f"{model_type}{overrides or ''}": _split_against_whole(rank, world_size, model_type, overrides)
+            for model_type, overrides in cases}
+
+
+def _split_against_whole(rank: int, world_size: int, model_type: str, overrides: dict) -> dict[str, float]:
     from hf_families import family_batch, tiny_family_model
     from moeflow.hf.tensor_parallel import split_attention
 
@@ -46,7 +52,8 @@ def tensor_parallel_attention(rank: int, world_size: int, model_type: str, overr
     placed = split_attention(split, dist.group.WORLD, world_size)
     logits = {}
     for name, model in (("whole", whole), ("split", split)):
-        logits[name] = model(input_ids=family_batch(0), use_cache=False).logits
+        output = model(input_ids=family_batch(0), use_cache=False)  # a text part has no LM head: its states
+        logits[name] = output.logits if hasattr(output, "logits") else output.last_hidden_state
         logits[name].pow(2).mean().backward()
     expected = dict(whole.named_parameters())
     worst = 0.0
@@ -66,4 +73,4 @@ def tensor_parallel_attention(rank: int, world_size: int, model_type: str, overr
         worst = max(worst, (grad - expected[name].grad).abs().max().item())
     return {"logits": (logits["whole"] - logits["split"]).abs().max().item(), "grads": worst,
             "split": len(placed), "heads_here": sum(p.numel() for n, p in split.named_parameters() if n in placed)
-            / sum(expected[n].numel() for n in placed)}
+            / sum(expected[n].numel() for n in placed) if placed else 0.0}

@@ -4,6 +4,9 @@ gradients; families whose plan it cannot run are refused with the reason."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,31 +14,61 @@ pytest.importorskip("transformers")
 
 from hf_checks import tensor_parallel_attention
 from hf_families import tiny_family_config
+from moeflow.hf.families import FAMILIES
 from moeflow.hf.tensor_parallel import attention_split
 from moeflow.models.tensor_parallel import BlockShards
 from pool import run_distributed
 
-SPLIT_FAMILIES = {
-    "mixtral": "q, k, v, o",
-    "qwen2_moe": "biases on q, k and v",
-    "qwen3_moe": "q and k norms kept whole, biases on q, k, v and o (o's added once)",
-    "deepseek_v2": "MLA: q_b and kv_b split, the down projections whole",
-    "deepseek_v3": "no plan in transformers: deepseek_v2's (the same attention)",
-    "gpt_oss": "no plan in transformers: mimo_v2_flash's (sinks), the output bias added once",
-    "mimo_v2_flash": "per-head sinks",
-    "minimax": "a hybrid: its lightning-attention layers run whole",
-    "laguna": "a per-head output gate",
+CASES = {  # what each family's case checks beyond q, k, v and o
+    ("qwen2_moe", ()): "biases on q, k and v",
+    ("qwen3_moe", (("attention_bias", True),)): "q and k norms kept whole, biases on q, k, v and o (o's added once)",
+    ("deepseek_v2", ()): "MLA: q_b and kv_b split, the down projections whole",
+    ("glm4_moe_lite", (("q_lora_rank", None),)): "MLA without a query LoRA: q_proj split where the plan names q_b_proj",
+    ("deepseek_v3", ()): "no plan in transformers: deepseek_v2's (the same attention)",
+    ("gpt_oss", ()): "no plan in transformers: mimo_v2_flash's (sinks), the output bias added once",
+    ("mimo_v2_flash", ()): "per-head sinks",
+    ("minimax", ()): "a hybrid: its lightning-attention layers run whole",
+    ("qwen3_next", (("num_hidden_layers", 4),)): "a hybrid whose fourth layer is full attention",
+    ("qwen3_5_moe_text", (("num_hidden_layers", 4),)): "a hybrid whose fourth layer is full attention",
+    ("laguna", ()): "a per-head output gate",
 }
 
 
+def _documented_split() -> set[str]:
+    """The converted families the Hugging Face guide says split their attention."""
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "huggingface.md").read_text()
+    said = guide.split("Of the converted families, ")[1].split("Refused")[0]
+    return set(re.findall(r"`([a-z0-9_]+)`", said))
+
+
+def _splitting_families() -> list[str]:
+    """The converted families whose attention the plan (theirs or a borrowed one) splits over 2."""
+    accepted = []
+    for family in FAMILIES:
+        try:
+            attention_split(tiny_family_config(family.model_type), 2)
+        except ValueError:
+            continue
+        accepted.append(family.model_type)
+    return accepted
+
+
+def test_the_guide_lists_the_families_that_split() -> None:
+    assert _documented_split() == set(_splitting_families())
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("model_type", sorted(SPLIT_FAMILIES))
-def test_split_attention_computes_the_whole_models_logits_and_gradients(model_type: str) -> None:
-    overrides = {"attention_bias": True} if model_type == "qwen3_moe" else {}
-    for result in run_distributed(tensor_parallel_attention, 2, model_type, overrides):
-        assert result["logits"] < 1e-6, SPLIT_FAMILIES[model_type]
-        assert result["grads"] < 1e-7, SPLIT_FAMILIES[model_type]
-        assert result["split"] > 0 and result["heads_here"] == pytest.approx(0.5)  # half of each split tensor
+def test_split_attention_computes_the_whole_models_logits_and_gradients() -> None:
+    """Every family that splits (one pool call), with the named cases' settings."""
+    named = {model_type: dict(overrides) for model_type, overrides in CASES}
+    cases = [(family, named.get(family, {})) for family in _splitting_families()]
+    cases += [(model_type, dict(overrides)) for model_type, overrides in CASES if dict(overrides) != named[model_type]
+              or model_type not in dict(cases)]
+    for result in run_distributed(tensor_parallel_attention, 2, cases):
+        assert result.keys() == {f"{model_type}{overrides or ''}" for model_type, overrides in cases}
+        for case, figures in result.items():
+            assert figures["logits"] < 1e-6 and figures["grads"] < 1e-6, (case, figures)
+            assert figures["split"] > 0 and figures["heads_here"] == pytest.approx(0.5), case  # half of each tensor
 
 
 @pytest.mark.parametrize(

@@ -189,25 +189,27 @@ def test_fine_tuning_with_experts_over_two_of_four_workers_trains_the_four_worke
 
 
 @pytest.mark.distributed
-def test_fine_tuning_with_tensor_parallel_attention_trains_the_one_worker_model(
+def test_fine_tuning_with_tensor_parallel_attention_trains_the_data_parallel_model(
     corpus_file: Path, tmp_path: Path
 ) -> None:
-    """--hf --mp-size 2: the attention's heads split over two workers by the model's own plan (q/k
-    norms and the output bias kept whole), Parm's schedules behind it; with clipping that binds it
-    takes the steps one worker takes, also when stopped and resumed (each worker reloads its heads),
-    and writes the same transformers model."""
+    """--hf --workers 4 --ep-size 2 --mp-size 2: the attention's heads split over pairs of workers by
+    the model's own plan (q/k norms and the output bias kept whole), two replicas of them, Parm's
+    schedules behind it on each expert group, the gradients reduced during the backward (lina); with
+    clipping that binds it takes the steps of --workers 2 (the same two batches), also when stopped
+    and resumed (each worker reloads its heads), and writes the same transformers model."""
     directory = _saved(tmp_path / "qwen", "qwen3_moe", attention_bias=True)
     settings = dict(FINE_TUNE, steps=4, checkpoint_interval=2, eval_interval=4, grad_clip=0.05, hf=str(directory),
                     data=str(corpus_file))
-    run_training(TrainConfig(**settings, workers=1, run_dir=str(tmp_path / "one")), report=False)
-    run_training(TrainConfig(**settings, workers=2, mp_size=2, stop_at=2, run_dir=str(tmp_path / "mp")), report=False)
+    run_training(TrainConfig(**settings, workers=2, run_dir=str(tmp_path / "dp")), report=False)
+    run_training(TrainConfig(**settings, workers=4, ep_size=2, mp_size=2, grad_sync="lina", stop_at=2,
+                             run_dir=str(tmp_path / "mp")), report=False)
     assert main(["train", "--resume", str(tmp_path / "mp")]) == 0
-    one, split = (list(iterate_records(tmp_path / name)) for name in ("one", "mp"))
+    data_parallel, split = (list(iterate_records(tmp_path / name)) for name in ("dp", "mp"))
     assert [r["step"] for r in split] == [1, 2, 3, 4]
-    assert all(r["grad_norm"] > 0.05 for r in one)  # the clipping binds
+    assert all(r["grad_norm"] > 0.05 for r in data_parallel)  # the clipping binds
     for name in ("loss", "grad_norm"):
-        assert [r[name] for r in split] == pytest.approx([r[name] for r in one], rel=1e-5)
-    exported, reference = _plain(tmp_path / "mp" / "hf").state_dict(), _plain(tmp_path / "one" / "hf").state_dict()
+        assert [r[name] for r in split] == pytest.approx([r[name] for r in data_parallel], rel=1e-5)
+    exported, reference = _plain(tmp_path / "mp" / "hf").state_dict(), _plain(tmp_path / "dp" / "hf").state_dict()
     assert exported.keys() == reference.keys()
     for name in reference:  # atol: as for --ep-size above (seen: 5e-5 on one element of an o_proj in 3 steps)
         torch.testing.assert_close(exported[name], reference[name], rtol=1e-5, atol=1e-4, msg=name)

@@ -170,22 +170,35 @@ def test_pipeline_equals_degree_one_and_the_reference_on_the_emulated_2x2_cluste
 
 @needs_testbed
 @pytest.mark.slow
-def test_bench_pipeline_measures_every_setting_and_summarizes() -> None:
+def test_bench_pipeline_measures_every_setting_and_summarizes(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "pipeline", "--tokens", "64", "--model-dims", "32",
          "--hidden-dims", "32", "--experts-per-rank", "1", "--top-k", "1", "--repeats", "1",
-         "--nodes", "2", "--ranks-per-node", "1"],
+         "--nodes", "2", "--ranks-per-node", "1", "--profile", _profile_2x1(tmp_path / "profile.json")],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     settings = {r["setting"] for r in records if r.get("bench") == "pipeline"}
     assert settings == {f"d{d}-{a}" for d in (1, 2, 4, 8) for a in ("linear", "pairwise")} | {"model", "auto"}
-    assert any(r.get("bench") == "pipeline-calibration" for r in records)
+    assert not any(r.get("bench") == "pipeline-calibration" for r in records)  # the profile given: no calibration
     assert any(r.get("bench") == "pipeline-ideal" and r["ideal_ms"] > 0 for r in records)
     summary = records[-1]
     assert summary["summary"] == "pipeline" and summary["configs"] == 1
     assert 0.0 <= summary["auto"]["share_within_5pct_of_best_fixed"] <= 1.0
+
+
+def _profile_2x1(path: Path) -> str:
+    """A profile of the benches' default cluster (2 nodes of 1 rank): a bench given it skips the
+    calibration (which the first bench_parallel run below does in the cluster)."""
+    from moeflow.comm.algorithms import ALGORITHMS
+    from moeflow.perf import AlphaBeta, ClusterProfile
+
+    link = AlphaBeta(1e-4, 8e-9)  # 1 Gbit/s
+    fits = {**{f"alltoall.{name}": link for name in ALGORITHMS}, "alltoall.inter_node": link,
+            **{name: link for name in ("allreduce", "allgather", "reducescatter")}, "gemm": AlphaBeta(1e-6, 1e-10)}
+    ClusterProfile(nodes=2, ranks_per_node=1, fits=fits).save(path)
+    return str(path)
 
 
 def _bench_parallel(*flags: str) -> list[dict]:
@@ -200,15 +213,16 @@ def _bench_parallel(*flags: str) -> list[dict]:
 
 @needs_testbed
 @pytest.mark.slow
-def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
+def test_bench_parallel_times_every_r_the_planner_and_parms_schedules(tmp_path: Path) -> None:
     records = _bench_parallel("--num-experts", "1")
+    assert any(r.get("bench") == "parallel-calibration" for r in records)  # calibrated in the cluster
     modes = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
     assert set(modes) == {"r0", "r1", "r2", "planner"} and modes["r2"]["r"] == 2
     assert all(r["layer_ms"] > 0 and r["predicted_region_ms"] > 0 for r in modes.values())
     (choice,) = [r for r in records if r.get("bench") == "parallel-choice"]
     assert choice["best_fixed"] in ("r0", "r1", "r2") and choice["planner_r"] in (0, 1, 2)
     assert records[-1]["summary"] == "parallel" and 0 <= records[-1]["planner_within_10pct_share"] <= 1
-    records = _bench_parallel("--num-experts", "2", "--mp", "2")
+    records = _bench_parallel("--num-experts", "2", "--mp", "2", "--profile", _profile_2x1(tmp_path / "profile.json"))
     parm = {r["mode"]: r for r in records if r.get("bench") == "parallel"}
     assert set(parm) == {"s1", "s2", "s2-saa", "ds-baseline", "planner"}
     assert parm["s2-saa"]["alltoall"] == "saa" and parm["planner"]["schedule"] in ("s1", "s2")
@@ -219,10 +233,11 @@ def test_bench_parallel_times_every_r_the_planner_and_parms_schedules() -> None:
 
 @needs_testbed
 @pytest.mark.slow
-def test_bench_schedules_times_both_schedules_and_records_auto() -> None:
+def test_bench_schedules_times_both_schedules_and_records_auto(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "moeflow", "bench", "schedules", "--num-experts", "2", "--hidden-dims", "32",
-         "--model-dim", "32", "--batch", "2", "--context", "16", "--repeats", "1"],
+         "--model-dim", "32", "--batch", "2", "--context", "16", "--repeats", "1",
+         "--profile", _profile_2x1(tmp_path / "profile.json")],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,8 +9,9 @@ partial gradients, the output projection's result is summed over the members. Th
 it receive every token on every member and run Parm's schedules over the same MP group.
 
 Why not transformers' own ``apply_tensor_parallelism``: its collectives are DTensor's, outside
-``moeflow.comm`` (the ledger, the strict-order checks, the hang reports); the plan is still the
-model's own, read from its config, so what is split is what transformers splits.
+``moeflow.comm``, where moeflow's own tensor-parallel attention and Parm's schedules behind it run
+theirs on the same group; the plan is still the model's own, read from its config, so what is
+split is what transformers splits.
 
 An attention parameter that stays whole (q/k norms, MLA's down projections, the output bias) gets
 only its member's heads' share of the gradient, so its gradient is scaled by N: the trainer's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -32,16 +34,21 @@ from moeflow.comm.mp import copy_to_region, reduce_from_region
 from moeflow.models.tensor_parallel import BlockShards
 from moeflow.parallel.placement import PlacedParameter
 
-SPLIT_AXIS = {"colwise": 0, "rowwise": 1}
+SPLIT_AXIS = MappingProxyType({"colwise": 0, "rowwise": 1})
 """The axis a plan entry splits: a colwise projection's output rows, a rowwise one's input columns."""
 KEPT_WHOLE = ("replicated_with_grad_allreduce", "mla_kv_a_proj", "local_params")
 """Plan entries that keep a tensor whole on every member (its gradient summed over them)."""
 PLAN_PREFIX = "layers.*."
-SAME_ATTENTION = {
+ATTENTION = "self_attn"
+"""A decoder layer's attention module in every family's plan."""
+EITHER_OF = MappingProxyType({"q_b_proj": "q_proj"})
+"""Projections of which a layer has one: MLA's query is q_proj without a query LoRA rank, q_b_proj
+with one, and some plans name only the second (both split alike)."""
+SAME_ATTENTION = MappingProxyType({
     "deepseek_v3": "deepseek_v2", "sarvam_mla": "deepseek_v2", "mistral4": "deepseek_v2",
     "gpt_oss": "mimo_v2_flash", "openai_privacy_filter": "mimo_v2_flash",
     "granitemoe": "mixtral", "granitemoeshared": "mixtral", "hunyuan_v1_moe": "qwen3_moe",
-}
+})
 """Families transformers ships without a tensor-parallel plan whose attention has the named
 family's projections, split as that family's plan splits them (each checked against the unsplit
 model in tests/test_hf_tensor_parallel.py)."""
@@ -49,10 +56,9 @@ model in tests/test_hf_tensor_parallel.py)."""
 
 @dataclass(frozen=True)
 class AttentionSplit:
-    """Which tensors of a decoder layer's attention module (``attention``, e.g. ``self_attn``) are
-    split over the MP group: the colwise ones (modules or parameters) and the rowwise output."""
+    """Which tensors of a decoder layer's attention module are split over the MP group: the
+    colwise ones (modules or parameters, paths in the attention module) and the rowwise output."""
 
-    attention: str
     colwise: tuple[str, ...]
     output: str
 
@@ -74,22 +80,24 @@ def attention_split(config: Any, mp_size: int) -> AttentionSplit:
         raise ValueError(f"--mp-size: {model_type}'s attention splits as {', '.join(odd)} in transformers' plan "
                          "(tensors needed whole between its projections, e.g. q/k norms over all heads), which "
                          "moeflow's tensor-parallel attention does not run: use --mp-size 1")
-    colwise = tuple(path.split(".", 1)[1] for path, kind in entries if kind == "colwise")
+    colwise = [path.split(".", 1)[1] for path, kind in entries if kind == "colwise"]
+    colwise += [other for named, other in EITHER_OF.items() if named in colwise and other not in colwise]
     rowwise = [path.split(".", 1)[1] for path, kind in entries if kind == "rowwise"]
     if len(rowwise) != 1 or not colwise:
         raise ValueError(f"--mp-size: {model_type}'s attention plan has no single rowwise output projection "
                          "behind colwise ones: use --mp-size 1")
     _check_heads(config, mp_size, model_type)
-    return AttentionSplit("self_attn", colwise, rowwise[0])
+    return AttentionSplit(tuple(colwise), rowwise[0])
 
 
 def _attention_entries(plan: dict[str, str] | None) -> list[tuple[str, str]]:
     """(path in a decoder layer, kind) of a plan's entries for the attention module."""
     return [(key.removeprefix(PLAN_PREFIX), kind) for key, kind in (plan or {}).items()
-            if key.startswith(PLAN_PREFIX) and key.removeprefix(PLAN_PREFIX).split(".")[0] == "self_attn"]
+            if key.startswith(PLAN_PREFIX) and key.removeprefix(PLAN_PREFIX).split(".")[0] == ATTENTION]
 
 
 def _check_heads(config: Any, mp_size: int, model_type: str) -> None:
+    """Each member gets whole heads: the query and the key/value heads divide by ``mp_size``."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
@@ -105,23 +113,25 @@ def split_attention(model: nn.Module, group: dist.ProcessGroup, world_size: int)
     members, member = group_size(group), group_rank(group)
     split = attention_split(model.config, members)
     placed: dict[str, PlacedParameter] = {}
-    for name, attention in _attention_modules(model, split.attention):
+    for name, attention in _attention_modules(model):
         if _find(attention, split.output) is None:
             continue  # a hybrid model's other attention (linear, lightning): it runs whole on every member
+        layer: dict[str, PlacedParameter] = {}
         for path in split.colwise:
-            if _find(attention, path) is not None:  # (a plan names both of a choice: q_proj or q_b_proj)
-                placed |= _split_tensors(attention, path, SPLIT_AXIS["colwise"], members, member, world_size, name)
-        placed |= _split_tensors(attention, split.output, SPLIT_AXIS["rowwise"], members, member, world_size, name,
-                                 weight_only=True)
-        _scale_whole_gradients(attention, {key.removeprefix(f"{name}.") for key in placed}, members)
+            if _find(attention, path) is not None:  # (of EITHER_OF's pairs a layer has one)
+                layer |= _split_tensors(attention, path, SPLIT_AXIS["colwise"], members, member, world_size)
+        layer |= _split_tensors(attention, split.output, SPLIT_AXIS["rowwise"], members, member, world_size,
+                                weight_only=True)
+        _scale_whole_gradients(attention, set(layer), members)
+        placed |= {f"{name}.{path}": where for path, where in layer.items()}
         attention.register_forward_pre_hook(_entering(group), with_kwargs=True)
         attention.get_submodule(split.output).register_forward_hook(_summed(group, members))
     return placed
 
 
-def _attention_modules(model: nn.Module, attention: str) -> list[tuple[str, nn.Module]]:
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every decoder layer's attention (a hybrid model's other layers have none)."""
-    return [(name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == attention
+    return [(name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == ATTENTION
             and ".layers." in f".{name}"]
 
 
@@ -136,18 +146,18 @@ def _find(attention: nn.Module, path: str) -> Any:
 
 
 def _split_tensors(attention: nn.Module, path: str, axis: int, members: int, member: int, world_size: int,
-                   prefix: str, weight_only: bool = False) -> dict[str, PlacedParameter]:
+                   weight_only: bool = False) -> dict[str, PlacedParameter]:
     """Replace the tensors at ``path`` (a Linear's weight and bias, or a parameter) by this member's
-    block along ``axis``; their layouts by full name."""
+    block along ``axis``; their layouts by name in ``attention``."""
     owner_path, _, leaf = path.rpartition(".")
     owner = attention.get_submodule(owner_path) if owner_path else attention
     target = getattr(owner, leaf)
     if isinstance(target, nn.Parameter):  # a per-head parameter (sinks)
-        tensors = [(owner, leaf, axis, f"{prefix}.{path}")]
+        tensors = [(owner, leaf, axis, path)]
     else:
-        tensors = [(target, "weight", axis, f"{prefix}.{path}.weight")]
-        if not weight_only and getattr(target, "bias", None) is not None:
-            tensors.append((target, "bias", 0, f"{prefix}.{path}.bias"))
+        tensors = [(target, "weight", axis, f"{path}.weight")]
+        if not weight_only and getattr(target, "bias", None) is not None:  # a colwise bias: its output rows
+            tensors.append((target, "bias", SPLIT_AXIS["colwise"], f"{path}.bias"))
     placed = {}
     for module, attribute, along, name in tensors:
         full: nn.Parameter = getattr(module, attribute)
@@ -186,7 +196,7 @@ def _summed(group: dist.ProcessGroup, members: int) -> Callable[..., torch.Tenso
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         bias = getattr(module, "bias", None)
         if bias is not None:
-            output = output - bias * (1 - 1 / members)
+            output = output - (bias * (1 - 1 / members)).to(output.dtype)
         return reduce_from_region(output, group)
 
     return hook

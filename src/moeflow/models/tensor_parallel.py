@@ -1,10 +1,11 @@
-"""Tensor-parallel (MP) attention's parameter layout: each member of an MP group of N ranks holds
-heads / N of the heads (Megatron: the QKV projection split by output rows, the output projection by
-input columns; its bias whole, added once after the sum).
+"""Tensor-parallel (MP) attention's parameter layouts: each member of an MP group of N ranks holds
+heads / N of the heads. :class:`HeadShards` is moeflow's own model's (Megatron: the QKV projection
+split by output rows, the output projection by input columns; its bias whole, added once after the
+sum); :class:`BlockShards` a transformers model's (``--hf``), one axis of a projection in N blocks.
 
-:class:`HeadShards` answers what checkpoints and initialization ask of a placement (the full
-shape, this rank's slice, the primary copy), so a checkpoint keeps the full tensors under their
-usual names and loads into any MP size that divides the heads.
+Both answer what checkpoints and initialization ask of a placement (the full shape, this rank's
+slice, the primary copy), so a checkpoint keeps the full tensors under their usual names and loads
+into any MP size that divides the heads.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class BlockShards:
         return False
 
     def _span(self, rank: int) -> tuple[int, int]:
+        """(start, width) of rank's block along the axis."""
         width = self.full_size // self.mp_size
         return rank % self.mp_size * width, width
 
@@ -112,6 +114,7 @@ class BlockShards:
         return local.new_zeros(self.full_shape(kind, local))
 
     def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """A copy of rank's block of the full tensor."""
         if full.shape[self.axis] != self.full_size or self.full_size % self.mp_size:
             raise ValueError(f"{kind} has {full.shape[self.axis]} along axis {self.axis}, not {self.full_size} "
                              f"split into {self.mp_size} equal blocks")
@@ -132,5 +135,7 @@ class BlockShards:
         return [Chunk(tuple(offsets), local)]
 
     def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
+        """Write rank's block into ``full`` if it holds the primary copy (a sum over all ranks then
+        assembles the tensor)."""
         if rank // self.mp_size == 0:
             full.narrow(self.axis, *self._span(rank)).copy_(local)

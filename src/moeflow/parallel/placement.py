@@ -316,8 +316,8 @@ class Chunk(NamedTuple):
 
 class Sharding(Protocol):
     """A parameter split over ranks: an :class:`ExpertPlacement`, or tensor-parallel attention's
-    heads (:class:`moeflow.models.tensor_parallel.HeadShards`). What checkpoints and gradient
-    synchronisation ask of it."""
+    heads (:class:`moeflow.models.tensor_parallel.HeadShards`, and ``BlockShards`` for a
+    transformers model's). What checkpoints and gradient synchronisation ask of it."""
 
     world_size: int
 

@@ -345,7 +345,7 @@ class TrainConfig:
             raise ValueError(
                 f"num_experts={num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
                 f"{hidden_dim} over esp_size={esp} shards: use a multiple of {expert_groups} experts "
-                f"and a hidden_dim divisible by {esp}"
+                f"and a hidden_dim divisible by {esp} (or another --ep-size, --esp-size or --mp-size)"
             )
 
     def model_config(self, vocab_size: int) -> TransformerConfig:

@@ -2,7 +2,8 @@
 
 The model's sparse blocks become moeflow layers (experts spread over the workers, tokens moved by
 all-to-all); everything else (attention, norms, embeddings) is the transformers model's own and
-runs data parallel. :class:`HFCausalLM` puts it behind the interface the trainer and its
+runs data parallel, the attention's heads split over ``--mp-size`` workers where asked
+(:mod:`moeflow.hf.tensor_parallel`). :class:`HFCausalLM` puts it behind the interface the trainer and its
 checkpoints use (:class:`moeflow.models.TrainableLM`), so checkpoints, resume, metrics and the
 report are the trainer's. At the end :func:`moeflow.training.hf_export.export_hf` writes a directory plain
 transformers loads, from the last sharded checkpoint, one layer at a time.
@@ -24,7 +25,7 @@ from moeflow.data import PreparedCorpus, PretrainedTokenizer, prepare_corpus
 from moeflow.hf.blocks import HFMoEBlock, moe_blocks
 from moeflow.hf.families import family_for_model_type
 from moeflow.hf.loading import check_model_dir, load_hf_model
-from moeflow.hf.tensor_parallel import split_attention
+from moeflow.hf.tensor_parallel import attention_split, split_attention
 from moeflow.models.transformer import total_aux_loss
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
@@ -41,6 +42,9 @@ from moeflow.training.config import MODEL_BALANCING, TrainConfig
 TOKENIZER_FILE = "tokenizer.json"
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 """The config keys transformers has named the expert count with."""
+EXPERT_HIDDEN_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+"""The config keys of an expert's hidden size, the MoE-specific ones first (``intermediate_size``
+is a dense MLP's where a family has both, and Mixtral's expert's where it has only that)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class HFModelInfo:
     router_aux_loss_coef: float  # the config's coefficient of its balancing loss (0: none)
     adds_router_loss: bool  # whether the config turns that loss on (output_router_logits)
     expert_groups: int = 1  # the router's group-limited selection (DeepSeek-V3's n_group; 1: none)
+    expert_hidden: int | None = None  # an expert's hidden size (None: the config names none we know)
 
 
 def read_hf_info(path: str | Path) -> HFModelInfo:
@@ -77,6 +82,8 @@ def read_hf_info(path: str | Path) -> HFModelInfo:
         router_aux_loss_coef=float(getattr(config, "router_aux_loss_coef", None) or 0.0),
         adds_router_loss=adds_router_loss,
         expert_groups=int(getattr(config, "n_group", None) or 1) if family.grouped else 1,
+        expert_hidden=next((int(getattr(config, key)) for key in EXPERT_HIDDEN_KEYS if getattr(config, key, None)),
+                           None),
     )
 
 
@@ -113,10 +120,8 @@ def check_tensor_parallel_attention(config: TrainConfig, info: HFModelInfo) -> N
     Parm's expert-parallel groups."""
     import transformers
 
-    from moeflow.hf.tensor_parallel import attention_split
-
     attention_split(transformers.AutoConfig.from_pretrained(info.directory, local_files_only=True), config.mp_size)
-    config.check_expert_shards(info.num_experts, None)
+    config.check_expert_shards(info.num_experts, info.expert_hidden)
 
 
 def prepare_hf_corpus(config: TrainConfig, cache_root: Path) -> PreparedCorpus:
