@@ -95,6 +95,14 @@ def transformers_runs() -> dict[tuple[str, int, str], list[dict[str, Any]]]:
     return {}
 
 
+def _transformers_run(runs: dict, family: str, world: int, path: str, shared: dict[str, Any]) -> list[dict[str, Any]]:
+    """transformers' all_to_all run of ``family`` with the ``shared`` settings (once per module)."""
+    key = (family, world, repr(sorted(shared.items())))
+    if key not in runs:
+        runs[key] = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
+    return runs[key]
+
+
 def _one_process_logits(path: Path, world: int, tokens: tuple[int, int] = TOKENS) -> list[torch.Tensor]:
     import transformers
 
@@ -126,10 +134,7 @@ def test_moeflow_backend_gives_the_one_process_logits_and_transformers_gradients
     ours = run_distributed(_ep_step, world, path, "moeflow", settings, timeout_s=300)
     shared = {key: settings[key] for key in ("tensor_parallel", "tokens", "checkpointing", "experts_only")
               if key in settings}
-    key = (family, world, repr(sorted(shared.items())))
-    if key not in transformers_runs:
-        transformers_runs[key] = run_distributed(_ep_step, world, path, "all_to_all", shared, timeout_s=300)
-    theirs = transformers_runs[key]
+    theirs = _transformers_run(transformers_runs, family, world, path, shared)
     expected = _one_process_logits(saved[family], world, settings.get("tokens", TOKENS))
     if shared.get("tensor_parallel"):  # every rank the one batch
         expected = [expected[0]] * world
@@ -366,15 +371,15 @@ def test_auto_degree_searches_each_block_and_every_call_gives_the_one_process_lo
 @pytest.mark.distributed
 @pytest.mark.parametrize("forwards", [1, 2])
 def test_auto_degree_under_activation_checkpointing_recomputes_as_the_forward_ran(
-    saved: dict[str, Path], forwards: int
+    saved: dict[str, Path], transformers_runs: dict, forwards: int
 ) -> None:
     """One forward a backward, and two (a preference loss's): a forward waiting for its backward keeps
     the key's degree, so that every recompute runs the degree its forward ran."""
     from moeflow.hf.degree_search import SETTLE_CALLS
 
     ours = run_distributed(_auto_calls, 2, str(saved["qwen3_moe"]), SETTLE_CALLS + 1, True, forwards, timeout_s=300)
-    theirs = run_distributed(_ep_step, 2, str(saved["qwen3_moe"]), "all_to_all",
-                             {"tokens": PIPELINED, "checkpointing": True}, timeout_s=300)
+    theirs = _transformers_run(transformers_runs, "qwen3_moe", 2, str(saved["qwen3_moe"]),
+                               {"tokens": PIPELINED, "checkpointing": True})
     for rank in range(2):
         assert ours[rank]["chosen"] and ours[rank]["grads"].keys() == theirs[rank]["grads"].keys()
         # the blocks' gradients (the recomputed ones); the root module's (final norm, head) add up over the

@@ -618,13 +618,13 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.distributed
 @pytest.mark.parametrize(("fault", "named", "within_s"), [
     (signal.SIGKILL, "died with exit code -9", 30),
-    (signal.SIGSTOP, "is stopped", 10 + 10),  # a stuck worker: the others time out (10 s), the job ends
+    (signal.SIGSTOP, "is stopped", 5 + 10),  # a stuck worker: the others time out (5 s), the job ends
 ])
 def test_a_killed_or_stopped_worker_fails_the_job_fast_and_keeps_the_checkpoint(
     tmp_path: Path, fault: signal.Signals, named: str, within_s: float
 ) -> None:
     run_dir = tmp_path / "killed"
-    flags = _tiny_flags(run_dir, steps=100_000, checkpoint_interval=2, eval_interval=100_000, collective_timeout_s=10)
+    flags = _tiny_flags(run_dir, steps=100_000, checkpoint_interval=2, eval_interval=100_000, collective_timeout_s=5)
     process = subprocess.Popen(
         [sys.executable, "-m", "moeflow", "train", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
