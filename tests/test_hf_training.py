@@ -241,6 +241,7 @@ def _assert_export_equals_save_pretrained(run_dir: Path, reference: Path) -> Non
         (["--workers", "6", "--ep-size", "3"], "not divisible by ep_size=3"),
         (["--mp-size", "2", "--workers", "2", "--parallel", "expert"], "does not run behind tensor-parallel"),
         (["--mp-size", "4", "--workers", "4"], "does not divide mixtral's num_key_value_heads=2"),
+        (["--mp-size", "2", "--workers", "6"], "num_experts=4 over 3 expert-parallel groups"),
         (["--context", "500"], "max_position_embeddings=128"),
     ],
 )

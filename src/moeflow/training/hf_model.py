@@ -94,8 +94,10 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
             f"--hf {info.directory!r} has no {TOKENIZER_FILE}: fine-tuning tokenizes the corpus with the "
             "model's own (fast) tokenizer; save one with tokenizer.save_pretrained(DIR)"
         )
+    if config.mp_size > 1:  # the heads first; the experts then over Parm's expert-parallel groups
+        check_tensor_parallel_attention(config, info)
     over, name = config.expert_workers, config.expert_workers_setting
-    if experts_must_divide(config.parallel) and info.num_experts % over:
+    if config.mp_size == 1 and experts_must_divide(config.parallel) and info.num_experts % over:
         raise ValueError(
             f"the model has {info.num_experts} experts per MoE block, not divisible by {name}={over}: use a "
             f"--{name.replace('_', '-')} that divides {info.num_experts}, or --parallel "
@@ -104,8 +106,6 @@ def check_hf_training(config: TrainConfig, info: HFModelInfo) -> None:
     if config.topology_gate != "off" and info.expert_groups > 1:
         raise ValueError(f"--topology-gate limits the experts a token may pick, as the model's router already does "
                          f"(n_group={info.expert_groups}): use --topology-gate off with this model")
-    if config.mp_size > 1:
-        check_tensor_parallel_attention(config, info)
     moe = dataclasses.replace(config.model_config(info.vocab_size).moe, num_experts=info.num_experts)
     check_techniques(moe, config.layer_schedule(info.num_experts))
     config.check_expert_slots(info.num_experts)
