@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from hf_models import tiny_model
 from moeflow.hf import moe_blocks, replace_moe_blocks, to_hf
+from moeflow.parallel.placement import gather_full
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_norm", "deepseek_v3")
 
@@ -63,9 +64,7 @@ def _split_against_whole(rank: int, world_size: int, model_type: str, overrides:
             continue
         if name in placed:
             sharding, kind = placed[name]
-            grad = sharding.empty_full(kind, parameter.grad)
-            sharding.write_primary(kind, parameter.grad, rank, grad)
-            dist.all_reduce(grad)
+            grad = gather_full(parameter.grad, sharding, kind, rank, dist.group.WORLD)
         else:
             grad = parameter.grad.clone()
             dist.all_reduce(grad)

@@ -135,11 +135,16 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and ".layers." in f".{name}"]
 
 
+def _owner(attention: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The module holding ``path``'s last part, and that part's name."""
+    owner_path, _, leaf = path.rpartition(".")
+    return attention.get_submodule(owner_path) if owner_path else attention, leaf
+
+
 def _find(attention: nn.Module, path: str) -> Any:
     """The module or parameter at ``path`` in ``attention``, or None where this layer has none."""
-    owner_path, _, leaf = path.rpartition(".")
     try:
-        owner = attention.get_submodule(owner_path) if owner_path else attention
+        owner, leaf = _owner(attention, path)
     except AttributeError:
         return None
     return getattr(owner, leaf, None)
@@ -149,8 +154,7 @@ def _split_tensors(attention: nn.Module, path: str, axis: int, members: int, mem
                    weight_only: bool = False) -> dict[str, PlacedParameter]:
     """Replace the tensors at ``path`` (a Linear's weight and bias, or a parameter) by this member's
     block along ``axis``; their layouts by name in ``attention``."""
-    owner_path, _, leaf = path.rpartition(".")
-    owner = attention.get_submodule(owner_path) if owner_path else attention
+    owner, leaf = _owner(attention, path)
     target = getattr(owner, leaf)
     if isinstance(target, nn.Parameter):  # a per-head parameter (sinks)
         tensors = [(owner, leaf, axis, path)]

@@ -21,18 +21,41 @@ TENSOR_PARALLEL_KINDS = ("qkv.weight", "qkv.bias", "proj.weight")
 
 
 @dataclass(frozen=True)
-class HeadShards:
-    """The heads layout over ``world_size`` ranks in MP groups of ``mp_size`` consecutive ranks:
-    rank r holds head block r % mp_size; the ranks with r // mp_size == 0 hold the primary copies
-    (the others are data-parallel replicas)."""
+class MemberShards:
+    """What every tensor-parallel layout shares: ``world_size`` ranks in MP groups of ``mp_size``
+    consecutive ranks, rank r holding member r % mp_size's part; the ranks with r // mp_size == 0
+    hold the primary copies (the others are data-parallel replicas, which average their gradients:
+    the trainer's own rule)."""
 
     world_size: int
     mp_size: int
-    model_dim: int
 
     @property
     def is_replicated(self) -> bool:
         return False
+
+    def holds_primary(self, rank: int) -> bool:
+        return rank // self.mp_size == 0
+
+    def full_shape(self, kind: str, local: torch.Tensor) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor:
+        return local.new_zeros(self.full_shape(kind, local))
+
+    def copies_block(self) -> int | None:
+        return None
+
+    def counted_slots(self, rank: int) -> torch.Tensor | None:
+        return None
+
+
+@dataclass(frozen=True)
+class HeadShards(MemberShards):
+    """moeflow's own attention: member r % mp_size holds head block r % mp_size of QKV (three row
+    blocks) and of the output projection (a column block)."""
+
+    model_dim: int
 
     def _block(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         """A view of ``full``: the part member ``rank % mp_size`` holds."""
@@ -49,25 +72,16 @@ class HeadShards:
             return (self.model_dim, self.model_dim)
         return (3 * self.model_dim, *local.shape[1:])
 
-    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor:
-        return local.new_zeros(self.full_shape(kind, local))
-
     def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         if tuple(full.shape[:2]) != self.full_shape(kind, full)[:2]:
             raise ValueError(f"{kind} has shape {tuple(full.shape)}, not the model's (model_dim={self.model_dim})")
         block = self._block(kind, full, rank)
         return block.reshape(-1, *block.shape[2:]) if kind != "proj.weight" else block.contiguous()
 
-    def copies_block(self) -> int | None:
-        return None  # the replicas of the same heads average their gradients (the trainer's own rule)
-
-    def counted_slots(self, rank: int) -> torch.Tensor | None:
-        return None
-
     def chunks(self, kind: str, local: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]:
         """This rank's heads as chunks of the full tensor: the output projection's column block, or
         QKV's three row blocks (one each of Q, K and V). ``primary_only``: none on a replica."""
-        if primary_only and rank // self.mp_size:
+        if primary_only and not self.holds_primary(rank):
             return []
         width = self.model_dim // self.mp_size
         start = rank % self.mp_size * width
@@ -80,25 +94,18 @@ class HeadShards:
     def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
         """Write this rank's block into ``full`` if it holds the primary copy (a sum over all
         ranks then assembles the tensor)."""
-        if rank // self.mp_size == 0:
+        if self.holds_primary(rank):
             block = self._block(kind, full, rank)
             block.copy_(local.reshape(block.shape))
 
 
 @dataclass(frozen=True)
-class BlockShards:
-    """One axis of a tensor split into ``mp_size`` contiguous blocks over MP groups of ``mp_size``
-    consecutive ranks (a transformers model's attention projection split by heads): rank r holds
-    block r % mp_size; the ranks with r // mp_size == 0 hold the primary copies."""
+class BlockShards(MemberShards):
+    """One axis of a tensor split into ``mp_size`` contiguous blocks (a transformers model's
+    attention projection split by heads): member r % mp_size holds block r % mp_size."""
 
-    world_size: int
-    mp_size: int
     axis: int
     full_size: int
-
-    @property
-    def is_replicated(self) -> bool:
-        return False
 
     def _span(self, rank: int) -> tuple[int, int]:
         """(start, width) of rank's block along the axis."""
@@ -110,9 +117,6 @@ class BlockShards:
         shape[self.axis] = self.full_size
         return tuple(shape)
 
-    def empty_full(self, kind: str, local: torch.Tensor) -> torch.Tensor:
-        return local.new_zeros(self.full_shape(kind, local))
-
     def shard_tensor(self, kind: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         """A copy of rank's block of the full tensor."""
         if full.shape[self.axis] != self.full_size or self.full_size % self.mp_size:
@@ -120,15 +124,9 @@ class BlockShards:
                              f"split into {self.mp_size} equal blocks")
         return full.narrow(self.axis, *self._span(rank)).clone()
 
-    def copies_block(self) -> int | None:
-        return None  # the replicas of the same block average their gradients (the trainer's own rule)
-
-    def counted_slots(self, rank: int) -> torch.Tensor | None:
-        return None
-
     def chunks(self, kind: str, local: torch.Tensor, rank: int, primary_only: bool) -> list[Chunk]:
         """This rank's block as one chunk of the full tensor (none on a replica if ``primary_only``)."""
-        if primary_only and rank // self.mp_size:
+        if primary_only and not self.holds_primary(rank):
             return []
         offsets = [0] * local.dim()
         offsets[self.axis] = self._span(rank)[0]
@@ -137,5 +135,5 @@ class BlockShards:
     def write_primary(self, kind: str, local: torch.Tensor, rank: int, full: torch.Tensor) -> None:
         """Write rank's block into ``full`` if it holds the primary copy (a sum over all ranks then
         assembles the tensor)."""
-        if rank // self.mp_size == 0:
+        if self.holds_primary(rank):
             full.narrow(self.axis, *self._span(rank)).copy_(local)

@@ -341,7 +341,7 @@ class TrainConfig:
             raise ValueError(f"esp_size={esp} hidden shards per expert must divide "
                              f"{self.expert_workers_setting}={experts_over}")
         expert_groups = experts_over // esp
-        if num_experts % expert_groups or (hidden_dim or esp) % esp:
+        if num_experts % expert_groups or (hidden_dim is not None and hidden_dim % esp):
             raise ValueError(
                 f"num_experts={num_experts} over {expert_groups} expert-parallel groups with hidden_dim="
                 f"{hidden_dim} over esp_size={esp} shards: use a multiple of {expert_groups} experts "
