@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from moeflow.comm.collectives import barrier
+from moeflow.parallel.online_planner import SETTLED
 
 DEGREES = (1, 2, 4, 8)
 WITHIN = 1.05
@@ -127,7 +128,7 @@ def _measure_point(point: GridPoint, profile: Any, repeats: int, emit: Any) -> N
     while True:  # let auto finish its online trials; they are the planner's cost, reported apart
         settle_iterations += 1
         _iteration(layers["auto"], x)
-        if layers["auto"].last_stats.plan.source == "dictionary":
+        if layers["auto"].last_stats.plan.source == SETTLED:
             break
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
     plans: dict[str, Any] = {}

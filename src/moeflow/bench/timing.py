@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from moeflow.parallel.online_planner import SETTLED
 from moeflow.timing.measure import slowest_rank_seconds
 
 
@@ -42,11 +43,11 @@ def layer_training_step(layer: Any, x: Any) -> None:
 
 
 def settle_planner(layer: Any, x: Any, limit: int = 300) -> int:
-    """Run training steps until the layer's planner serves from its dictionary (or has nothing to
+    """Run training steps until the layer's planner settles on a plan (or has nothing to
     plan); the iterations it took."""
     for iteration in range(1, limit + 1):
         layer_training_step(layer, x)
-        if layer.last_stats.plan.source in ("dictionary", "forced", "local"):
+        if layer.last_stats.plan.source in (SETTLED, "forced", "local"):
             return iteration
     return limit
 

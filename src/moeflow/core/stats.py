@@ -57,8 +57,9 @@ def region_clock(timing: PipelineTiming | None) -> float:
 class ExecutionPlan:
     """How one forward ran the experts, and why: the schedule, the all-to-all, the pipeline degree
     (``pipeline_degree`` chunks really ran, ``requested_degree`` was asked for), the planner policy
-    and the source of the choice (forced, model, trial, dictionary or local), its capacity bucket,
-    and the predicted seconds when a profile was given. ``slots`` is the slots per expert of the
+    and the source of the choice (forced, model, warmup, trial, settled or local), its capacity bucket,
+    the predicted seconds when a profile was given, and what the search that settled the plan spent
+    over running it throughout (``trial_cost_s``, the slowest rank's). ``slots`` is the slots per expert of the
     buffer this rank sent: the capacity, or under Parm's S1 this MP member's packed share."""
 
     schedule: str
@@ -74,6 +75,7 @@ class ExecutionPlan:
     predicted_forward_s: float | None = None
     predicted_backward_s: float | None = None
     predicted_gradient_sync_s: float | None = None
+    trial_cost_s: float | None = None
     slots: int | None = None
     token_exchange: str = "padded"  # how the tokens travelled: every slot, or the kept rows ("ragged")
     kernels: dict[str, str] = field(default_factory=dict)  # who ran encode, decode, the GEMMs (KernelChoice.as_dict)

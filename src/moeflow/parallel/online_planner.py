@@ -12,6 +12,13 @@ Policies (``pipeline=``):
   those within ``min_gain`` (5 %) of the fastest. Trials are a few noisy medians, and a pipelined
   plan whose measured gain is inside that noise costs more than it saves (on two gloo ranks over
   loopback, trial noise picked d=2 or d=8 where d=1 ran 5-15 % faster).
+
+  Where moeflow departs from Tutel, so that a run settles (:class:`TrialBudget`): the trials run in
+  rounds, one call of each candidate still in; after a round, a candidate whose median is over
+  ``prune_margin`` slower than the fastest stops; a search ends after ``calls`` timed calls or
+  ``seconds`` of trials, or when one candidate is left. A new key whose capacity lies within
+  ``replan_margin`` of a settled one's takes its plan (and joins a search in progress the same
+  way), so a dropless layer's capacity moving a little from step to step does not start a search.
 - ``"auto"`` (default): the candidates are ranked and only the top few are timed online, as in
   ``search``. The ranking is the simulator's on the profile's twin (:mod:`moeflow.sim.layer_ranking`)
   where the profile can make one and the schedule is simulated, else the cost model's; without a
@@ -25,6 +32,8 @@ the planner is plain bookkeeping over :mod:`moeflow.perf`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,6 +55,8 @@ from moeflow.perf.schedule_models import (
 )
 from moeflow.perf.shape import RegionShape
 
+SETTLED = "settled"
+"""The source of a plan the planner serves after its search (Tutel's dictionary)."""
 SEARCH_DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the online search times."""
 MAX_MODEL_DEGREE = 16
@@ -54,8 +65,28 @@ ReduceMax = Callable[[Sequence[float]], list[float]]
 
 
 @dataclass(frozen=True)
+class TrialBudget:
+    """How much a search may spend before it settles: ``calls`` timed calls and ``seconds`` of the
+    slowest rank's trial time; ``per_candidate`` calls of one candidate at most; a candidate whose
+    median is more than ``prune_margin`` over the fastest's stops after its round; a capacity
+    within ``replan_margin`` of a settled one takes its plan. With one warm-up call and the default
+    8 calls, a layer settles by its 10th forward."""
+
+    calls: int = 8
+    seconds: float = 30.0
+    per_candidate: int = 3
+    prune_margin: float = 0.3
+    replan_margin: float = 0.25
+
+    def near(self, capacity: int, settled: int) -> bool:
+        """Whether ``capacity`` is close enough to ``settled`` to run the same plan."""
+        return abs(capacity - settled) <= self.replan_margin * settled
+
+
+@dataclass(frozen=True)
 class PlanChoice:
-    """The plan of one forward and why: ``source`` is forced, model, warmup, trial, dictionary or local."""
+    """The plan of one forward and why: ``source`` is forced, model, warmup, trial, settled or local;
+    ``trial_cost_s`` is what the search that settled it spent over running its plan throughout."""
 
     plan: Plan
     source: str
@@ -63,30 +94,64 @@ class PlanChoice:
     predicted_forward_s: float | None = None
     predicted_backward_s: float | None = None
     predicted_gradient_sync_s: float | None = None
+    trial_cost_s: float | None = None
 
 
 @dataclass
 class _Search:
+    """One key's trials in rounds: ``alive`` the candidates still in, ``queue`` the rest of this
+    round's calls, ``capacity`` the capacity the search started at. The ternary search over Tutel's
+    r (O(log S) steps) adds a call to the budget for each plan it adds."""
+
     candidates: list[Plan]
-    trials: int
+    budget: TrialBudget
+    capacity: int = 0
     timings: list[list[PipelineTiming]] = field(default_factory=list)
     issued: int = 0
+    alive: list[int] = field(default_factory=list)
+    queue: list[int] = field(default_factory=list)
     held_back: list[Plan] = field(default_factory=list)  # plans of Tutel r's the ternary search may add
     interior_rs: tuple[int, ...] = ()
+    added: int = 0  # plans the ternary search over Tutel's r added: each adds a call to the budget
 
     def __post_init__(self) -> None:
         self.timings = [[] for _ in self.candidates]
+        self.alive = list(range(len(self.candidates)))
+        self.queue = self.alive[: self.budget.calls]
 
     def add(self, plans: list[Plan]) -> None:
+        first = len(self.candidates)
         self.candidates.extend(plans)
         self.timings.extend([] for _ in plans)
+        self.alive.extend(range(first, len(self.candidates)))
+        self.added += len(plans)
 
     def next_trial(self) -> int | None:
-        if self.issued >= len(self.candidates) * self.trials:
+        """The candidate of the next call of this round (None: the round is over)."""
+        if not self.queue:
             return None
-        index = self.issued // self.trials
         self.issued += 1
-        return index
+        return self.queue.pop(0)
+
+    def next_round(self, seconds: Sequence[float]) -> bool:
+        """Drop the candidates ``prune_margin`` behind the fastest (``seconds``: slowest-rank medians,
+        inf where untimed) and queue the next round within the budget; False: the search is over."""
+        budget = self.budget
+        timed = [seconds[i] for i in self.alive if self.timings[i]]
+        fastest = min(timed, default=math.inf)
+        self.alive = [i for i in self.alive if not self.timings[i] or seconds[i] <= fastest * (1 + budget.prune_margin)]
+        spent = sum(s * len(t) for s, t in zip(seconds, self.timings, strict=True) if t)
+        untimed = [i for i in self.alive if not self.timings[i]]
+        if spent >= budget.seconds or (len(self.alive) == 1 and not untimed):
+            return False
+        again = sorted((i for i in self.alive if 0 < len(self.timings[i]) < budget.per_candidate),
+                       key=lambda i: seconds[i])
+        self.queue = (untimed + again)[: budget.calls + self.added - self.issued]
+        return bool(self.queue)
+
+    def cost(self, seconds: Sequence[float], best: int) -> float:
+        """The trials' time over what the chosen plan would have taken in their calls (slowest rank)."""
+        return sum((s - seconds[best]) * len(t) for s, t in zip(seconds, self.timings, strict=True) if t)
 
 
 class PlanRanker(Protocol):
@@ -111,7 +176,7 @@ class OnlinePlanner:
         cost_model: CostModel | None,
         reduce_max: ReduceMax | None,
         capacity_bucket: int = 128,
-        search_trials: int = 3,
+        budget: TrialBudget | None = None,
         top_candidates: int = 3,
         schedule: ScheduleModel | None = None,
         min_gain: float = MIN_GAIN,
@@ -139,7 +204,7 @@ class OnlinePlanner:
         self.degree_policy = degree_policy  # the setting `pipeline`: a degree or how to choose one
         self.algorithms = algorithms
         self.capacity_bucket = capacity_bucket
-        self.search_trials = search_trials
+        self.budget = budget or TrialBudget()
         self.top_candidates = top_candidates
         self.min_gain = min_gain
         # under "auto", the simulator's ranking on the profile's twin (``ranker`` builds it) orders the trials
@@ -147,6 +212,8 @@ class OnlinePlanner:
         if ranker is not None and degree_policy == "auto" and self.cost_model is not None:
             self._simulator = ranker(self.cost_model.profile)
         self.dictionary: dict[int, Plan] = {}
+        self.settled_at: dict[int, int] = {}  # key -> the capacity its search ran at
+        self.trial_cost: dict[int, float] = {}  # key -> what its search spent over its plan (slowest rank)
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
         self._searches: dict[int, _Search] = {}
         self._model_cache: dict[tuple[RegionShape, bool], Plan] = {}
@@ -171,22 +238,40 @@ class OnlinePlanner:
         if self.degree_policy == "model":
             return self._with_prediction(self._model_choice(shape, backward), "model", None, shape, backward), timing
 
-        key = shape.capacity // self.capacity_bucket
+        key = self._key(shape.capacity)
         if key in self.dictionary:
-            return self._with_prediction(self.dictionary[key], "dictionary", key, shape, backward), timing
+            return self._settled(key, shape, backward), timing
         search = self._searches.get(key)
         if search is None:  # the first call at a new key pays one-time costs: run it untimed
-            search = self._new_search(self._candidates(shape, backward, degrees))
+            search = self._new_search(self._candidates(shape, backward, degrees), shape.capacity)
             self._searches[key] = search
             return self._with_prediction(search.candidates[0], "warmup", key, shape, backward), timing
         index = search.next_trial()
-        if index is None and self._next_r(search):
+        if index is None and self._next_round(search):
             index = search.next_trial()
         if index is not None:
             search.timings[index].append(timing)
             return self._with_prediction(search.candidates[index], "trial", key, shape, backward), timing
-        best = self._finish_search(key, search)
-        return self._with_prediction(best, "dictionary", key, shape, backward), timing
+        self._finish_search(key, search)
+        return self._settled(key, shape, backward), timing
+
+    def _key(self, capacity: int) -> int:
+        """Tutel's key of ``capacity``, or the key of a settled plan or a search in progress whose
+        capacity it is near (the replan margin): the load moving a little keeps the plan."""
+        key = capacity // self.capacity_bucket
+        if key in self.dictionary or key in self._searches:
+            return key
+        near = [k for k, at in self.settled_at.items() if self.budget.near(capacity, at)]
+        near += [k for k, search in self._searches.items() if self.budget.near(capacity, search.capacity)]
+        return min(near, key=lambda k: (abs(self._capacity_of(k) - capacity), k), default=key)
+
+    def _capacity_of(self, key: int) -> int:
+        search = self._searches.get(key)
+        return search.capacity if search is not None else self.settled_at[key]
+
+    def _settled(self, key: int, shape: RegionShape, backward: bool) -> PlanChoice:
+        choice = self._with_prediction(self.dictionary[key], SETTLED, key, shape, backward)
+        return dataclasses.replace(choice, trial_cost_s=self.trial_cost.get(key))
 
     # -- checkpointing ---------------------------------------------------------------------------
 
@@ -196,18 +281,25 @@ class OnlinePlanner:
         run makes the choices the interrupted one would have made."""
         return {
             "dictionary": {str(key): asdict(plan) for key, plan in self.dictionary.items()},
+            "settled_at": {str(key): capacity for key, capacity in self.settled_at.items()},
+            "trial_cost": {str(key): seconds for key, seconds in self.trial_cost.items()},
             "searches": {str(key): _search_state(search) for key, search in self._searches.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the cost-model cache rebuilds itself)."""
+        """Restore :meth:`state_dict`'s output (the cost-model cache rebuilds itself). A state saved
+        before the replan margin existed settles each key at its bucket's first capacity."""
         self.dictionary = {int(key): Plan(**plan) for key, plan in state.get("dictionary", {}).items()}
-        self._searches = {int(key): _restored_search(search) for key, search in state.get("searches", {}).items()}
+        saved_at = {int(key): int(capacity) for key, capacity in state.get("settled_at", {}).items()}
+        self.settled_at = {key: saved_at.get(key, key * self.capacity_bucket) for key in self.dictionary}
+        self.trial_cost = {int(key): float(seconds) for key, seconds in state.get("trial_cost", {}).items()}
+        self._searches = {int(key): _restored_search(search, self.budget)
+                          for key, search in state.get("searches", {}).items()}
 
     # -- internals ------------------------------------------------------------------------------
 
     def _candidates(self, shape: RegionShape, backward: bool, degrees: tuple[int, ...] | None) -> list[Plan]:
-        """Search: {1, 2, 4, 8} x algorithms. Auto: the model's top few of every degree up to 16, then
+        """Search: {1, 2, 4, 8} x algorithms, by degree. Auto: the model's top few of every degree up to 16, then
         {1, 2, 4, 8} with the model's best algorithm as anchors: when the model is wrong (on the 2x1
         emulated cluster it put d=16 first for compute-bound layers, 2-3x slower than d=2), the
         online check still has a good plan to find."""
@@ -220,28 +312,37 @@ class OnlinePlanner:
             best_algorithm = sending[:1] or (top[0].algorithm,)
             anchors = model.candidates(shape, degrees or SEARCH_DEGREES, best_algorithm, self.cost_model)
             return list(dict.fromkeys(top + anchors))
-        return model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
+        # fewest chunks first, every algorithm at each: what the budget's first round leaves out is
+        # the deepest pipelines, not a whole algorithm
+        return sorted(model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms), key=lambda p: p.degree)
 
-    def _new_search(self, candidates: list[Plan]) -> _Search:
+    def _new_search(self, candidates: list[Plan], capacity: int) -> _Search:
         """Trials of every candidate; with more than two Tutel r between 1 and S - 1, only r = 0,
         r = S and the ternary search's first r at first (Tutel §3.3), the others held back."""
         rs = sorted({plan.r for plan in candidates if plan.r is not None})
         interior = tuple(rs[1:-1]) if rs and rs[0] == 0 else tuple(rs[:-1])
         if len(interior) <= 2:
-            return _Search(candidates, self.search_trials)
+            return _Search(candidates, self.budget, capacity)
         first = {r for r in rs if r not in interior} | {ternary_next_r(interior, {})}
-        search = _Search([p for p in candidates if p.r in first], self.search_trials)
+        search = _Search([p for p in candidates if p.r in first], self.budget, capacity)
         search.held_back, search.interior_rs = [p for p in candidates if p.r not in first], interior
         return search
 
-    def _next_r(self, search: _Search) -> bool:
-        """Add the plans of the ternary search's next r (all ranks agree: slowest-rank medians)."""
+    def _next_round(self, search: _Search) -> bool:
+        """After a round: the ternary search's next r joins, the slow candidates stop, the next
+        round is queued (all ranks agree: one all-reduce of the slowest-rank medians)."""
+        values = self._slowest_medians(search)
+        if self._next_r(search, values):
+            values = [*values, *[math.inf] * (len(search.candidates) - len(values))]
+        return search.next_round(values)
+
+    def _next_r(self, search: _Search, values: Sequence[float]) -> bool:
+        """Add the plans of the ternary search's next r."""
         if not search.held_back:
             return False
-        values = self._slowest_medians(search)
         best_of_r: dict[int, float] = {}
         for plan, seconds in zip(search.candidates, values, strict=True):
-            if plan.r in search.interior_rs:
+            if plan.r in search.interior_rs and math.isfinite(seconds):
                 best_of_r[plan.r] = min(seconds, best_of_r.get(plan.r, seconds))
         r = ternary_next_r(search.interior_rs, best_of_r)
         if r is None:
@@ -268,17 +369,22 @@ class OnlinePlanner:
         return self._model_cache[cache_key]
 
     def _slowest_medians(self, search: _Search) -> list[float]:
-        """Each candidate's median trial time on the slowest rank (every rank gets the same list)."""
-        medians = [statistics.median(t.total_s for t in timings) for timings in search.timings]
+        """Each candidate's median trial time on the slowest rank, inf where untimed (every rank gets
+        the same list)."""
+        medians = [statistics.median(t.total_s for t in timings) if timings else math.inf
+                   for timings in search.timings]
         return medians if self.reduce_max is None else self.reduce_max(medians)
 
-    def _finish_search(self, key: int, search: _Search) -> Plan:
+    def _finish_search(self, key: int, search: _Search) -> None:
+        """Settle ``key`` on the simplest of the timed candidates within ``min_gain`` of the fastest."""
         values = self._slowest_medians(search)
-        best = simplest_within(search.candidates, values, self.min_gain)
-        self.dictionary[key] = best
-        self.measured[key] = dict(zip(search.candidates, values, strict=True))
+        timed = [i for i, timings in enumerate(search.timings) if timings]
+        choice = simplest_within([search.candidates[i] for i in timed], [values[i] for i in timed], self.min_gain)
+        best = search.candidates.index(choice)
+        self.dictionary[key], self.settled_at[key] = choice, search.capacity
+        self.trial_cost[key] = search.cost(values, best)
+        self.measured[key] = {search.candidates[i]: values[i] for i in timed}
         del self._searches[key]
-        return best
 
     def _with_prediction(
         self, plan: Plan, source: str, key: int | None, shape: RegionShape, backward: bool
@@ -294,18 +400,24 @@ class OnlinePlanner:
 
 
 def _search_state(search: _Search) -> dict[str, Any]:
-    return {"candidates": [asdict(p) for p in search.candidates], "trials": search.trials, "issued": search.issued,
+    return {"candidates": [asdict(p) for p in search.candidates], "capacity": search.capacity,
+            "issued": search.issued, "alive": search.alive, "queue": search.queue, "added": search.added,
             "seconds": [[t.total_s for t in timings] for timings in search.timings],
             "held_back": [asdict(p) for p in search.held_back], "interior_rs": list(search.interior_rs)}
 
 
-def _restored_search(state: dict[str, Any]) -> _Search:
-    """A search as saved; a finished trial's time comes back as its total (all the search reads)."""
-    search = _Search([Plan(**p) for p in state["candidates"]], int(state["trials"]))
-    search.timings = [[PipelineTiming(forward_s=float(t)) for t in times] for times in state["seconds"]]
-    search.issued = int(state["issued"])
+def _restored_search(state: dict[str, Any], budget: TrialBudget) -> _Search:
+    """A search as saved; a finished trial's time comes back as its total (all the search reads).
+    A search saved before the rounds existed restarts its trials."""
+    search = _Search([Plan(**p) for p in state["candidates"]], budget, int(state.get("capacity", 0)))
     search.held_back = [Plan(**p) for p in state.get("held_back", [])]
     search.interior_rs = tuple(int(r) for r in state.get("interior_rs", []))
+    if "queue" not in state:
+        return search
+    search.timings = [[PipelineTiming(forward_s=float(t)) for t in times] for times in state["seconds"]]
+    search.issued = int(state["issued"])
+    search.alive, search.queue = [int(i) for i in state["alive"]], [int(i) for i in state["queue"]]
+    search.added = int(state["added"])
     return search
 
 

@@ -21,7 +21,8 @@ TIMELINE = "timeline.json"  # one step's communication and compute events (rank 
 
 
 def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
-    """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan, and
+    """Per MoE block, what its last forward routed and how it ran: the load, drops, the plan (a
+    trial's cost is its ``region_s``; a settled plan carries its search's ``trial_cost_s``), and
     FasterMoE's shadowed experts with the gain the cost model predicted for them (None: no profile),
     and the load balancing it runs (off, shadowing or redundant slots: ``balance='auto'`` changes it)."""
     records = []
@@ -34,6 +35,7 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "capacity": stats.capacity, "alltoall": stats.plan.alltoall if stats.plan else None,
             "pipeline_degree": stats.plan.pipeline_degree if stats.plan else None,
             "plan_source": stats.plan.source if stats.plan else None,
+            "region_s": stats.timing.total_s, "trial_cost_s": stats.plan.trial_cost_s if stats.plan else None,
             "schedule": stats.plan.schedule if stats.plan else None,
             "r": stats.plan.r if stats.plan else None,
             "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,

@@ -57,6 +57,7 @@ def routing_stats(
         predicted_forward_s=chosen.predicted_forward_s,
         predicted_backward_s=chosen.predicted_backward_s,
         predicted_gradient_sync_s=chosen.predicted_gradient_sync_s,
+        trial_cost_s=chosen.trial_cost_s,
         slots=slots,
         token_exchange=chosen.plan.exchange,
         kernels=kernels or {},
