@@ -26,7 +26,7 @@ def make(**overrides) -> MoELayer:
         ({"capacity_factor": float("nan")}, "capacity_factor must be finite"),
         ({"aux_loss_weight": -1.0}, "aux_loss_weight must be a finite number >= 0"),
         ({"num_shared_experts": -1}, "num_shared_experts"),
-        ({"expert_kernel": "auto"}, "unknown expert_kernel"),
+        ({"expert_kernel": "fastest"}, "unknown expert_kernel"),
         ({"alltoall": "ring"}, "unknown alltoall 'ring'"),
         ({"expert_groups": 3}, "cannot form expert_groups=3 equal groups"),
         ({"expert_groups": 4}, "equal groups of at least 2"),

@@ -200,7 +200,7 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(
     assert list(resumed) == list(range(1, 13))  # no step twice in metrics.jsonl
     assert resumed == uninterrupted  # bit for bit
     state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
-    saved = {"dictionary", "settled_at", "trial_cost", "searches"}  # the planners' state travels
+    saved = {"dictionary", "settled_at", "trial_cost", "searches", "kernel_rates"}  # the planners' state travels
     assert len(state["planners"]) == TINY["layers"] // TINY.get("moe_every", 1)
     assert all(set(p) == saved for p in state["planners"])
 

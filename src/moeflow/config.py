@@ -22,9 +22,11 @@ GATE_PRECISIONS = ("fp32", "input")
 DeepSeek-V3), or ``input`` in the input's dtype and only then cast to fp32 (Mixtral, Qwen-MoE)."""
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 """The experts' activations; ``swiglu`` gives an expert three projections instead of two."""
-EXPERT_KERNELS = ("bmm", "loop", "ragged")
+EXPERT_KERNELS = ("auto", "bmm", "loop", "ragged")
 """How the experts' GEMMs run: one batched GEMM per projection (``bmm``), one ``mm`` per expert (``loop``),
-or the dropless ragged grouped GEMM over the received slots (``ragged``)."""
+the dropless ragged grouped GEMM over the received slots (``ragged``), or per call the faster of
+``bmm`` and ``ragged`` for the slots it fills, by rates probed on the layer's shapes (``auto``,
+:mod:`moeflow.perf.kernel_rates`; ``bmm`` where the schedule runs no ragged kernel)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """The one dtype table: moeflow's names and their bytes per element (torch's dtypes:
 :data:`moeflow.kernels.precision.DTYPES`)."""
@@ -224,7 +226,7 @@ class MoEConfig:
     cosine_projection_dim: int = 256
     cosine_min_temperature: float = 0.01
     check_finite: bool = False
-    expert_kernel: str = "bmm"
+    expert_kernel: str = "auto"
     kernel_backend: str = "auto"  # who runs encode/decode and the ragged GEMMs: torch, triton, or auto
     alltoall: str = "auto"
     pipeline: int | str = "auto"

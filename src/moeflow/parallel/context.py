@@ -53,7 +53,7 @@ class RunContext:
     filled_WE: torch.Tensor
     local: tuple[int, ...]
     capacity: int
-    kernel: str  # the layer's expert_kernel: "bmm", "loop" or "ragged"
+    kernel: str  # this call's expert kernel: "bmm", "loop" or "ragged" (expert_kernel="auto" resolved)
     backend: str  # the resolved kernel backend of the ragged kernel
     estimate_E: np.ndarray | None = None  # an inference hook's estimated selections, summed over ranks
     prepared: object | None = None  # the schedule's own Prepared.state of this forward
@@ -108,12 +108,15 @@ def layer_context(
     local: tuple[int, ...], dtype: torch.dtype, timing: PipelineTiming, filled_WE: torch.Tensor, capacity: int,
     backend: str, estimate_E: np.ndarray | None = None, prepared: object | None = None,
     workspace: Workspace | None = None, slots: SlotMap | None = None, weights_TK: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> RunContext:
     """What a layer's schedule runs with: its experts over its placement (``local``: this rank's
-    experts' global indices), the layer's kernel and wire settings, the kept counts (and, where the
-    caller has the gathered buffer's slot map and gate weights, each slot's token and weight)."""
+    experts' global indices), the call's expert kernel (``kernel``, else the layer's setting) and the
+    layer's wire setting, the kept counts (and, where the caller has the gathered buffer's slot map
+    and gate weights, each slot's token and weight)."""
     return RunContext(experts, dtype, groups, placement, timing, workspace, filled_WE, local, capacity,
-                      config.expert_kernel, backend, estimate_E, prepared, config.wire_dtype, slots, weights_TK)
+                      config.expert_kernel if kernel is None else kernel, backend, estimate_E, prepared,
+                      config.wire_dtype, slots, weights_TK)
 
 
 @dataclass(frozen=True)

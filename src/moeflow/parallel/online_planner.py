@@ -42,6 +42,7 @@ from typing import Any, Protocol
 from moeflow.config import validate_pipeline
 from moeflow.core.stats import PipelineTiming
 from moeflow.perf import ClusterProfile, CostModel
+from moeflow.perf.kernel_rates import KernelRates
 from moeflow.perf.schedule_models import (
     LOCAL,
     MIN_GAIN,
@@ -216,6 +217,7 @@ class OnlinePlanner:
         self.trial_cost: dict[int, float] = {}  # key -> what its search spent over its plan (slowest rank)
         self.measured: dict[int, dict[Plan, float]] = {}  # key -> slowest-rank median per candidate
         self._searches: dict[int, _Search] = {}
+        self.kernel_rates: KernelRates | None = None  # expert_kernel="auto": probed once, agreed by all ranks
         self._model_cache: dict[tuple[RegionShape, bool], Plan] = {}
 
     def choose(self, shape: RegionShape, backward: bool, r: int | None = None) -> tuple[PlanChoice, PipelineTiming]:
@@ -276,14 +278,15 @@ class OnlinePlanner:
     # -- checkpointing ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What the planner has decided and measured so far, as JSON: the dictionary of best plans
-        and the searches in progress (candidates, trials issued, finished trial times), so a resumed
-        run makes the choices the interrupted one would have made."""
+        """What the planner has decided and measured so far, as JSON: the dictionary of best plans,
+        the searches in progress (candidates, trials issued, finished trial times) and the probed
+        expert-kernel rates, so a resumed run makes the choices the interrupted one would have made."""
         return {
             "dictionary": {str(key): asdict(plan) for key, plan in self.dictionary.items()},
             "settled_at": {str(key): capacity for key, capacity in self.settled_at.items()},
             "trial_cost": {str(key): seconds for key, seconds in self.trial_cost.items()},
             "searches": {str(key): _search_state(search) for key, search in self._searches.items()},
+            "kernel_rates": None if self.kernel_rates is None else self.kernel_rates.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -295,6 +298,8 @@ class OnlinePlanner:
         self.trial_cost = {int(key): float(seconds) for key, seconds in state.get("trial_cost", {}).items()}
         self._searches = {int(key): _restored_search(search, self.budget)
                           for key, search in state.get("searches", {}).items()}
+        rates = state.get("kernel_rates")
+        self.kernel_rates = None if rates is None else KernelRates.from_state(rates)
 
     # -- internals ------------------------------------------------------------------------------
 

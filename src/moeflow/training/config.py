@@ -432,8 +432,9 @@ FIELD_HELP: dict[str, str] = {
     "activation": "expert activation: relu, gelu, silu or swiglu",
     "pipeline": "pipeline degree of the MoE layers, or the planner policy auto, model or search",
     "alltoall": "all-to-all algorithm (linear, 2dh, pairwise) or auto",
-    "expert_kernel": "the experts' GEMMs: bmm (one batched GEMM over the capacity), loop (one per expert) or "
-    "ragged (only the filled slots, forward and backward: for dropless routing)",
+    "expert_kernel": "the experts' GEMMs: bmm (one batched GEMM over the capacity), loop (one per expert), "
+    "ragged (only the filled slots, forward and backward: for dropless routing) or auto (per call the faster "
+    "of bmm and ragged for the slots it fills, by rates timed once on the layer's shapes)",
     "token_exchange": "how tokens travel in the expert-parallel all-to-all: padded (every capacity slot), ragged "
     "(only the kept tokens), dedup (the kept tokens, each sent once to a rank however many of its experts the "
     "rank holds) or auto (each chunk ragged where it leaves 10 % of its slots empty, else padded)",

@@ -41,6 +41,7 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "shadowed": list(stats.shadowed_experts), "shadow_gain_s": stats.shadow_predicted_gain_s,
             "rank_tokens": list(stats.rank_tokens), "cross_node_rows": stats.cross_node_rows,
             "token_exchange": stats.plan.token_exchange if stats.plan else None,
+            "expert_kernel": stats.plan.expert_kernel if stats.plan else None,
             "dedup_saved_bytes": stats.dedup_saved_bytes,
             "balance": balance_mode(layer.schedule),
         })

@@ -23,10 +23,12 @@ from moeflow.parallel.agreement import GlobalLoad
 from moeflow.parallel.context import RunContext, ScheduleOutput, layer_context
 from moeflow.parallel.dispatchers.capacity_stats import routing_stats
 from moeflow.parallel.dispatchers.protocol import LayerCall, Stats
+from moeflow.parallel.kernel_probe import probe_kernel_rates
 from moeflow.parallel.online_planner import OnlinePlanner, PlanChoice
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.token_share import OwnedTokens, TokenShare
+from moeflow.perf.kernel_rates import AUTO, BMM
 from moeflow.perf.shape import RegionShape
 
 
@@ -48,6 +50,25 @@ class CapacityDispatcher:
         """The global index of each local expert (its placement's, on this rank): read every call."""
         return tuple(shard.expert for shard in self.placement.local(self.groups.rank))
 
+    def expert_kernel(self, filled_WE: torch.Tensor, capacity: int, x_TM: torch.Tensor, backend: str) -> str:
+        """The kernel this call's experts run: the setting, or under ``auto`` the faster of ``bmm`` and
+        ``ragged`` for the slots this rank's experts fill (``filled_WE``: kept tokens per source rank
+        and expert), by the rates probed at the first call that needs them. ``bmm`` where no backward
+        runs (the experts then run ragged anyway: :meth:`RunContext.compute_on`) or the schedule
+        runs no ragged kernel."""
+        kernel = self.config.expert_kernel
+        if kernel != AUTO:
+            return kernel
+        if not torch.is_grad_enabled() or not self.schedule.takes_ragged or capacity == 0:
+            return BMM
+        sources, local = filled_WE.shape[0], list(self.local)
+        if self.planner.kernel_rates is None:
+            self.planner.kernel_rates = probe_kernel_rates(
+                self.experts.compute, self.experts.weights(), sources, capacity, x_TM.dtype, x_TM.device, backend,
+                self.planner.reduce_max)
+        filled = int(filled_WE[:, local].sum())
+        return self.planner.kernel_rates.kernel(filled, len(local) * sources * capacity)
+
     def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> CapacityDispatch:
         """The call's plan, the tokens this rank owns in their slots, gathered into the (E, C, M) buffer."""
         config, rank, x_TM = self.config, self.groups.rank, call.x_TM
@@ -68,9 +89,10 @@ class CapacityDispatcher:
         slots = make_slot_map(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
                               share.kept_count(filled_WE, rank))
         rows_ECM = encode(owned.x_TM, slots, call.workspace, call.kernels.encode)
+        kernel = self.expert_kernel(filled_WE, capacity, x_TM, call.kernels.gemm)
         ctx = layer_context(self.experts, self.placement, self.groups, config, self.local, x_TM.dtype, timing,
                             filled_WE, capacity, call.kernels.gemm, load.estimate_E, prepared.state, call.workspace,
-                            slots, owned.weights_TK)
+                            slots, owned.weights_TK, kernel)
         return CapacityDispatch(self, call, load, chosen, label, share, owned, slots, ctx, rows_ECM)
 
 
@@ -113,4 +135,4 @@ class CapacityDispatch:
             return None
         return routing_stats(dispatcher.config, dispatcher.groups, self.load, self.ctx.capacity, call.top_k,
                              call.capacity_factor, self.chosen, self.ctx.timing, self.label, self.owned, self.ran,
-                             call.kernels.as_dict())
+                             call.kernels.as_dict(), self.ctx.kernel)

@@ -26,6 +26,7 @@ from moeflow.parallel.dispatchers.protocol import Dispatcher, LayerCall
 from moeflow.parallel.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
 from moeflow.parallel.dispatchers.stats import DirectLabels
 from moeflow.parallel.inference_hook import InferenceHook
+from moeflow.perf.kernel_rates import AUTO, RAGGED
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,19 @@ class Dispatchers:
         """This call's path from the declared one: on several ranks exactly the declared row paths
         (each rank decides on its own token count, so none may skip a collective: the agreement
         decides), none for the local one; on one rank the local dispatcher for a no-grad call that
-        cannot drop, else under the ragged kernel the kept-rows one (when no bias moves)."""
+        cannot drop, else under the ragged kernel (``auto``'s choice for the call) the kept-rows one
+        (when no bias moves)."""
         declared = self.declared
         if declared is not DirectPath.LOCAL or self.capacity.groups.size > 1:
             return declared if declared is not DirectPath.LOCAL else None
         num_experts = routing.counts_E.numel()
         if call.asks_direct and never_drops(call.capacity_factor, call.top_k, call.x_TM.shape[0], num_experts):
             return self.local
-        ragged_kernel = self.capacity.config.expert_kernel == "ragged"
-        return self.kept_rows if ragged_kernel and not call.moves_bias else None
+        if call.moves_bias:
+            return None
+        kernel = self.capacity.config.expert_kernel
+        if kernel == AUTO:  # the kept rows where the ragged kernel is the faster for the slots this call fills
+            counts_WE = routing.counts_E.cpu().unsqueeze(0)
+            capacity = GlobalLoad(counts_WE, call.x_TM.shape[0]).capacity(call.capacity_factor, call.top_k)
+            kernel = self.capacity.expert_kernel(counts_WE.clamp(max=capacity), capacity, call.x_TM, call.kernels.gemm)
+        return self.kept_rows if kernel == RAGGED else None
