@@ -25,6 +25,7 @@ from moeflow.config import switchable_rs
 from moeflow.parallel.placement import shard_expert_state
 from moeflow.parallel.registry import MODEL_PARALLEL_SCHEDULES
 from moeflow.perf import AlphaBeta, ClusterProfile
+from moeflow.perf.kernel_rates import KernelRates
 from moeflow.reference import ReferenceMoE
 from moeflow.training.packing import pack_layer
 from moeflow.training.rebalance import rebalance_layer
@@ -44,6 +45,12 @@ BF16_TOLERANCE = {"rtol": 4 * BF16_EPS, "atol": 4 * BF16_EPS}
 # fp32 on a GPU (TF32 off, torch's default for matmuls): other kernels' summation orders, as in test_gpu.py
 GPU_FP32_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 TOLERANCES = {torch.float64: FP64_TOLERANCE, torch.float32: FP32_TOLERANCE, torch.bfloat16: BF16_TOLERANCE}
+
+
+PLANTED_RATES = {  # expert_kernel="auto" decided by these rates, not by a probe (its ragged_below: 2, 0, 0.5)
+    "auto-ragged": KernelRates(1.0, 0.0, 0.5), "auto-bmm": KernelRates(1.0, 1.0, 1.0),
+    "auto-half": KernelRates(1.0, 0.0, 2.0),
+}
 
 
 PROFILE_FAVOURING_2DH = ClusterProfile(
@@ -157,6 +164,13 @@ def extra_cases() -> list[Case]:
         Case("ragged-d2-bpr", {**base, "expert_kernel": "ragged", "pipeline": 2, "batch_prioritized_routing": True,
                                "capacity_factor": 2.0}, tokens_per_rank=24),
         Case("ragged-empty-rank", {**base, "expert_kernel": "ragged", "capacity_factor": 0.0}, empty_ranks=(1,)),
+        # expert_kernel="auto" with planted rates: always ragged (one process: the kept rows), never, and
+        # ragged under half the slots filled (calls and ranks then differ in their kernel)
+        Case("auto-kernel-ragged-f0-swiglu", {**base, "expert_kernel": "auto-ragged", "capacity_factor": 0.0,
+                                              "activation": "swiglu"}),
+        Case("auto-kernel-bmm-f1", {**base, "expert_kernel": "auto-bmm", "top_k": 3}),
+        Case("auto-kernel-half-f2-empty-rank", {**base, "expert_kernel": "auto-half", "capacity_factor": 2.0},
+             empty_ranks=(1,), steps=2),
         Case("ragged-replicated", {**base, "expert_kernel": "ragged", "parallel": "replicated",
                                    "activation": "swiglu"}),
         # gpt-oss's clamped SwiGLU (a low cap, so that many values are capped) on each kernel and path
@@ -567,6 +581,9 @@ def _build(
 ) -> tuple[ReferenceMoE, MoELayer]:
     torch.manual_seed(7)
     kwargs = dict(case.layer)
+    planted_rates = PLANTED_RATES.get(kwargs.get("expert_kernel", "bmm"))
+    if planted_rates is not None:
+        kwargs["expert_kernel"] = "auto"
     execution = {  # how the layer runs, not what it computes: the reference has no such knobs
         "expert_kernel": kwargs.pop("expert_kernel", "bmm"),
         "kernel_backend": kwargs.pop("kernel_backend", "auto"),
@@ -606,6 +623,7 @@ def _build(
                      topology_gate=case.layer.get("topology_gate", "off"))
     layer = layer.to(case.dtype)
     layer.load_full_state_dict(reference.state_dict())
+    layer.planner.kernel_rates = planted_rates
     if world_size > 1:
         reference.global_load = functools.partial(_sum_over_ranks, group=world)
     return reference, layer

@@ -67,8 +67,8 @@ def test_one_expert_equals_a_dense_ffn() -> None:
 
 
 def test_unknown_kernel_is_rejected() -> None:
-    with pytest.raises(ValueError, match="unknown expert kernel 'auto'"):
-        ExpertFFN(2, 4, 4, kernel="auto")
+    with pytest.raises(ValueError, match="unknown expert kernel 'fastest'"):
+        ExpertFFN(2, 4, 4, kernel="fastest")
 
 
 def test_flops_and_sharding() -> None:

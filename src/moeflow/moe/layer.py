@@ -235,7 +235,7 @@ class MoELayer(nn.Module):
         recompute, moves_bias = recomputing(), self._moves_bias
         kernels, workspace = self._kernels(x_TM), self._step_workspace(recompute)
         record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None)
-        return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias)
+        return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias, self.training)
 
     def _ready(self) -> None:
         """Refuse a data-parallel wrapper that would average the experts; replicas copy their primary."""

@@ -317,9 +317,10 @@ class OnlinePlanner:
             best_algorithm = sending[:1] or (top[0].algorithm,)
             anchors = model.candidates(shape, degrees or SEARCH_DEGREES, best_algorithm, self.cost_model)
             return list(dict.fromkeys(top + anchors))
-        # fewest chunks first, every algorithm at each: what the budget's first round leaves out is
-        # the deepest pipelines, not a whole algorithm
-        return sorted(model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms), key=lambda p: p.degree)
+        # the schedule's own plans by fewest chunks, every algorithm at each, then the others (FasterMoE's
+        # smart schedule): what the budget's first round leaves out is the deepest pipelines, not an algorithm
+        plans = model.candidates(shape, degrees or SEARCH_DEGREES, self.algorithms)
+        return sorted(plans, key=lambda plan: (plan.schedule != plans[0].schedule, plan.degree))
 
     def _new_search(self, candidates: list[Plan], capacity: int) -> _Search:
         """Trials of every candidate; with more than two Tutel r between 1 and S - 1, only r = 0,

@@ -30,7 +30,6 @@ from moeflow.models.transformer import total_aux_loss
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
 from moeflow.parallel.registry import (
-    RAGGED_SCHEDULES,
     REPLICATING_SCHEDULES,
     check_techniques,
     experts_must_divide,
@@ -167,8 +166,8 @@ def _capacity(config: TrainConfig) -> dict[str, Any]:
 
 def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
     """The MoE layers' settings from the trainer's: unset ones keep the model's own
-    (:func:`model_settings`); the ragged expert kernel wherever the schedule the layers build
-    takes it (not Parm's, which tensor-parallel attention runs)."""
+    (:func:`model_settings`); the trainer's expert kernel (``auto`` by default: per call the faster
+    of ``bmm`` and ``ragged``, ``bmm`` under Parm's schedules, which tensor-parallel attention runs)."""
     from_model = model_settings(config, info)
     return {
         "pipeline": config.pipeline, "alltoall": config.alltoall, "parallel": config.parallel,
@@ -176,7 +175,7 @@ def layer_options(config: TrainConfig, info: HFModelInfo) -> dict[str, Any]:
         "tokens_per_rank_hint": config.batch_size * config.context,
         "aux_loss_weight": from_model["aux_loss_weight"]["value"],
         "capacity_factor": from_model["capacity_factor"]["value"],
-        "expert_kernel": "ragged" if config.layer_schedule(info.num_experts) in RAGGED_SCHEDULES else "bmm",
+        "expert_kernel": config.expert_kernel,
         "shadowing": config.shadowing, "topology_gate": config.topology_gate,
         "redundant_experts": config.redundant_experts, "balance": config.balance,
     }

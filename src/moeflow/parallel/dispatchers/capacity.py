@@ -50,22 +50,25 @@ class CapacityDispatcher:
         """The global index of each local expert (its placement's, on this rank): read every call."""
         return tuple(shard.expert for shard in self.placement.local(self.groups.rank))
 
-    def expert_kernel(self, filled_WE: torch.Tensor, capacity: int, x_TM: torch.Tensor, backend: str) -> str:
+    def expert_kernel(self, call: LayerCall, filled_WE: torch.Tensor, capacity: int) -> str:
         """The kernel this call's experts run: the setting, or under ``auto`` the faster of ``bmm`` and
         ``ragged`` for the slots this rank's experts fill (``filled_WE``: kept tokens per source rank
-        and expert), by the rates probed at the first call that needs them. ``bmm`` where no backward
-        runs (the experts then run ragged anyway: :meth:`RunContext.compute_on`) or the schedule
-        runs no ragged kernel."""
+        and expert), by the rates probed at the layer's first call in training mode (on every rank
+        at once: the probe's times are agreed in a collective, and grad mode may differ between
+        ranks, training mode not). ``bmm`` where no backward runs (the experts then run ragged
+        anyway: :meth:`RunContext.compute_on`) or the schedule runs no ragged kernel."""
         kernel = self.config.expert_kernel
         if kernel != AUTO:
             return kernel
-        if not torch.is_grad_enabled() or not self.schedule.takes_ragged or capacity == 0:
+        if not self.schedule.takes_ragged or capacity == 0:
             return BMM
-        sources, local = filled_WE.shape[0], list(self.local)
-        if self.planner.kernel_rates is None:
+        sources, local, x_TM = filled_WE.shape[0], list(self.local), call.x_TM
+        if self.planner.kernel_rates is None and call.training:
             self.planner.kernel_rates = probe_kernel_rates(
-                self.experts.compute, self.experts.weights(), sources, capacity, x_TM.dtype, x_TM.device, backend,
-                self.planner.reduce_max)
+                self.experts.compute, self.experts.weights(), sources, capacity, x_TM.dtype, x_TM.device,
+                call.kernels.gemm, self.planner.reduce_max)
+        if self.planner.kernel_rates is None or not torch.is_grad_enabled():
+            return BMM
         filled = int(filled_WE[:, local].sum())
         return self.planner.kernel_rates.kernel(filled, len(local) * sources * capacity)
 
@@ -89,7 +92,7 @@ class CapacityDispatcher:
         slots = make_slot_map(owned.expert_idx_TK, owned.location_TK, config.num_experts, owned.capacity,
                               share.kept_count(filled_WE, rank))
         rows_ECM = encode(owned.x_TM, slots, call.workspace, call.kernels.encode)
-        kernel = self.expert_kernel(filled_WE, capacity, x_TM, call.kernels.gemm)
+        kernel = self.expert_kernel(call, filled_WE, capacity)
         ctx = layer_context(self.experts, self.placement, self.groups, config, self.local, x_TM.dtype, timing,
                             filled_WE, capacity, call.kernels.gemm, load.estimate_E, prepared.state, call.workspace,
                             slots, owned.weights_TK, kernel)

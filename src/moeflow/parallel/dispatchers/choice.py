@@ -107,5 +107,5 @@ class Dispatchers:
         if kernel == AUTO:  # the kept rows where the ragged kernel is the faster for the slots this call fills
             counts_WE = routing.counts_E.cpu().unsqueeze(0)
             capacity = GlobalLoad(counts_WE, call.x_TM.shape[0]).capacity(call.capacity_factor, call.top_k)
-            kernel = self.capacity.expert_kernel(counts_WE.clamp(max=capacity), capacity, call.x_TM, call.kernels.gemm)
+            kernel = self.capacity.expert_kernel(call, counts_WE.clamp(max=capacity), capacity)
         return self.kept_rows if kernel == RAGGED else None

@@ -75,8 +75,9 @@ class LayerCall:
     """One layer call's own values, which every step reads: this rank's tokens, the call's k and
     capacity factor, Tutel's r (None: the planner's), the kernels it runs, whether it is activation
     checkpointing's recompute (which repeats its forward's plan and counts nothing), that forward's
-    record, the workspace of a forward whose buffers a backward uses (None: a no-grad call), and
-    whether the call moves the loss-free balancing bias after routing."""
+    record, the workspace of a forward whose buffers a backward uses (None: a no-grad call),
+    whether the call moves the loss-free balancing bias after routing, and the layer's training mode
+    (set alike on every rank by ``model.train()``, where grad mode may differ between ranks)."""
 
     x_TM: torch.Tensor
     top_k: int
@@ -87,6 +88,7 @@ class LayerCall:
     record: ForwardRecord
     workspace: Workspace | None
     moves_bias: bool
+    training: bool = True
 
     @property
     def asks_direct(self) -> bool:
