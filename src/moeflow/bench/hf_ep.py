@@ -99,7 +99,7 @@ def _trainer_model(folder: str, world: int, point: HFEPPoint) -> tuple[Any, Any]
 
     config = TrainConfig(hf=folder, batch_size=point.batch, context=point.seq, workers=world)
     trainable = build_hf_model(config, ParallelGroups.from_group(dist.group.WORLD), torch.device("cpu"))
-    return trainable.model, _SyncingAdamW(trainable, world)
+    return trainable.model.train(), _SyncingAdamW(trainable, world)  # in training mode, as the trainer runs it
 
 
 def _loaded(folder: str, world: int, implementation: str, point: HFEPPoint) -> tuple[Any, Any]:
@@ -112,7 +112,7 @@ def _loaded(folder: str, world: int, implementation: str, point: HFEPPoint) -> t
 
     layout = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation=implementation)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, distributed_config=layout)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return model.train(), torch.optim.AdamW(model.parameters(), lr=1e-5)  # as transformers' Trainer trains it
 
 
 def _step(model: Any, optimizer: Any, ids: Any) -> None:
@@ -198,6 +198,28 @@ def _settle_search(loaded: dict[str, tuple[Any, Any]], ids: Any) -> list[int] | 
     return [degree for block in searched_degrees() for key, degree in block.items() if key[1] > 1]  # searched keys
 
 
+SETTLE_LIMIT = 30
+"""Training steps ``moeflow train --hf``'s model may take to settle its plans before the timed rounds."""
+
+
+def _settle_trainer(loaded: dict[str, tuple[Any, Any]], ids: Any) -> int | None:
+    """Training steps of ``moeflow train --hf``'s model until every MoE layer's planner has settled
+    (its trials are the start of a run, timed apart: ``plan_source`` in ``metrics.jsonl``), as the
+    backend's search is settled first; the steps it took. None without that model."""
+    from moeflow.moe.layer import MoELayer
+    from moeflow.parallel.online_planner import SETTLED
+
+    if TRAIN_HF not in loaded:
+        return None
+    model, optimizer = loaded[TRAIN_HF]
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    for step in range(1, SETTLE_LIMIT + 1):
+        _step(model, optimizer, ids)
+        if all(layer.last_stats.plan.source in (SETTLED, "forced", "local") for layer in layers):
+            return step
+    return SETTLE_LIMIT
+
+
 def measure_point(
     rank: int, world: int, point: HFEPPoint, repeats: int, topology: Any = None
 ) -> dict[str, Any] | None:
@@ -214,6 +236,7 @@ def measure_point(
     ids = torch.randint(0, 1024, (point.batch, point.seq), generator=torch.Generator().manual_seed(1000 + rank))
     difference, same_tokens = _agreement(loaded, ids)
     degrees = _settle_search(loaded, ids) if point.pipeline == "auto" else None
+    settle_steps = _settle_trainer(loaded, ids)
     phases = _phases(ids)
     times: dict[str, list[float]] = {f"{phase}_{name}": [] for phase in phases for name in loaded}
     for round_index in range(repeats + 1):
@@ -229,6 +252,8 @@ def measure_point(
               "generated_equal": same_tokens, **{f"{key}_ms": value for key, value in median_ms.items()}}
     if degrees is not None:
         record["moeflow_degrees"] = degrees
+    if settle_steps is not None:
+        record["train_hf_settle_steps"] = settle_steps
     for name in ("moeflow", TRAIN_HF):
         if {name, "all_to_all"} <= set(point.implementations):
             for phase in phases:
