@@ -145,6 +145,65 @@ def test_dedup_refuses_what_hands_it_other_buffers() -> None:
     check_techniques(MoEConfig(16, 32, 4, token_exchange="dedup"), "expert")
 
 
+def test_auto_prices_dedup_where_its_record_allows_it() -> None:
+    """token_exchange='auto' (the default) adds each plan as a dedup plan where a cost model prices
+    it and a token's choices share ranks; not without a profile, not at one expert per rank, and
+    not beside the wrappers whose records refuse dedup."""
+    from moeflow.config import LayerDims
+    from moeflow.parallel.registry import dedup_allowed
+    from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
+    from moeflow.perf.schedule_models import ExpertParallelModel
+    from moeflow.perf.shape import RegionShape
+
+    cost = CostModel(ClusterProfile(nodes=2, ranks_per_node=1, fits={
+        "alltoall.linear": AlphaBeta(1e-4, 1e-8), "gemm": AlphaBeta(1e-5, 1e-11)}))
+    model = ExpertParallelModel(exchange="auto", dedup_candidate=True)
+
+    def exchanges(experts: int, priced: CostModel | None, candidate: ExpertParallelModel = model) -> set[str]:
+        shape = RegionShape.for_tokens(LayerDims(64, 128, experts, top_k=2), 256, world_size=2)
+        return {plan.exchange for plan in candidate.candidates(shape, (1, 2), ("linear",), priced)}
+
+    assert exchanges(8, cost) == {"auto", "dedup"}
+    assert exchanges(8, None) == {"auto"}  # unpriced: the search times no dedup plan
+    assert exchanges(2, cost) == {"auto"}  # one expert per rank: nothing to save
+    assert exchanges(8, cost, ExpertParallelModel(exchange="auto")) == {"auto"}
+    assert dedup_allowed(MoEConfig(16, 32, 4))
+    for refusing in ({"shadowing": "auto"}, {"redundant_experts": 2}, {"balance": "auto", "redundant_experts": 2}):
+        assert not dedup_allowed(MoEConfig(16, 32, 4, **refusing)), refusing
+
+
+def _auto_with_dedup(rank: int, world_size: int) -> dict[str, object]:
+    """A layer on defaults with a profile whose links make dedup the model's pick: its search times
+    dedup plans, and whatever it settles on computes the padded layer's function."""
+    from moeflow.perf import AlphaBeta, ClusterProfile
+
+    profile = ClusterProfile(nodes=2, ranks_per_node=1, fits={
+        "alltoall.linear": AlphaBeta(1e-4, 1e-6), "gemm": AlphaBeta(1e-6, 1e-12)})
+    groups = ParallelGroups(dist.group.WORLD, Topology(world_size, 1))
+    torch.manual_seed(0)
+    layer = MoELayer(MODEL_DIM, 32, 8, top_k=2, capacity_factor=0.0, group=groups, profile=profile)
+    torch.manual_seed(0)
+    padded = MoELayer(MODEL_DIM, 32, 8, top_k=2, capacity_factor=0.0, group=groups, token_exchange="padded",
+                      pipeline=1)
+    exchanges, equal = [], True
+    for step in range(11):
+        x = torch.randn(40, MODEL_DIM, generator=torch.Generator().manual_seed(100 * rank + step))
+        y = layer(x.clone().requires_grad_())
+        y.sum().backward()
+        exchanges.append(layer.last_stats.plan.token_exchange)
+        equal &= torch.allclose(y.detach(), padded(x).detach(), rtol=1e-5, atol=1e-6)
+        layer.zero_grad(set_to_none=True)
+    return {"exchanges": exchanges, "equal": bool(equal), "source": layer.last_stats.plan.source}
+
+
+@pytest.mark.distributed
+def test_the_default_exchange_times_dedup_when_the_profile_prices_it_first() -> None:
+    results = run_distributed(_auto_with_dedup, 2, timeout_s=120)
+    first = results[0]
+    assert "dedup" in first["exchanges"][1:9] and first["source"] == "settled"
+    assert all(result["equal"] for result in results) and results[0]["exchanges"] == results[1]["exchanges"]
+
+
 def _crossings(rank: int, world_size: int, algorithm: str) -> dict[str, int]:
     """One dropless training step on 2 nodes of 2 ranks: the layer's cross-node rows and saved rows,
     and both counted from the routing (distinct (token, node) and (token, rank) pairs off this

@@ -18,7 +18,6 @@ from moeflow.comm.topology import Topology
 from moeflow.config import LayerDims
 from moeflow.parallel.online_planner import MIN_GAIN, simplest_within
 from moeflow.perf import AlphaBeta, ClusterProfile, CostModel
-from moeflow.perf.pipeline import rank_plans
 from moeflow.perf.schedule_models import ExpertParallelModel, Plan, rank_schedule_plans
 from moeflow.perf.shape import RegionShape
 from pool import run_distributed
@@ -28,6 +27,10 @@ PROFILE = ClusterProfile(
     fits={"gemm": AlphaBeta(2e-5, 1.3e-11), "alltoall.linear": AlphaBeta(3e-4, 8e-9),
           "alltoall.pairwise": AlphaBeta(4e-4, 8e-9)},
 )
+
+
+LAYER_MODEL = ExpertParallelModel(exchange="auto", dedup_candidate=True)
+"""The plans a default layer's planner ranks (token_exchange='auto', dedup priced where a profile is)."""
 
 
 def _steps(layer: MoELayer, steps: int, tokens: int) -> list[dict[str, Any]]:
@@ -100,27 +103,34 @@ def test_auto_times_the_models_top_three_and_the_power_of_two_anchors(two_ranks:
     plans = two_ranks[0]["auto"]
     capacity = 16  # 64 tokens, k=2, 8 experts, f=1
     shape = RegionShape(LayerDims(16, 32, 8), 2, capacity)
-    expert = ExpertParallelModel()  # capacity-chunk plans and FasterMoE's smart schedule
+    expert = LAYER_MODEL  # capacity-chunk plans (token_exchange='auto' and dedup) and FasterMoE's smart schedule
     ranked = rank_schedule_plans(CostModel(PROFILE), shape, [expert], range(1, 17), ("linear", "pairwise"), True)
     top = [plan for plan, _ in ranked[:3]]
-    anchors = expert.candidates(shape, (1, 2, 4, 8), (top[0].algorithm,))
-    candidates = [(p.schedule, p.degree, p.algorithm) for p in dict.fromkeys(top + anchors)]
+    best = next(plan for plan, _ in ranked if plan.schedule == "expert")
+    anchors = [p for p in expert.candidates(shape, (1, 2, 4, 8), (top[0].algorithm,), CostModel(PROFILE))
+               if p.schedule != "expert" or p.exchange == best.exchange]
+    candidates = [(p.schedule, p.degree, p.algorithm, p.exchange) for p in dict.fromkeys(top + anchors)]
     assert 4 <= len(candidates) <= 8
     trials = sum(p["source"] == "trial" for p in plans)  # the first round times each, in the model's order
     assert len(candidates) <= trials <= 8
     assert [p["source"] for p in plans] == ["warmup"] + ["trial"] * trials + ["settled"] * (len(plans) - trials - 1)
-    assert [(p["schedule"], p["requested_degree"], p["alltoall"]) for p in plans[1:len(candidates) + 1]] == candidates
-    assert (plans[-1]["schedule"], plans[-1]["requested_degree"], plans[-1]["alltoall"]) in candidates
+    ran = [(p["schedule"], p["requested_degree"], p["alltoall"], p["token_exchange"]) for p in plans]
+    ran = [(schedule, degree, algorithm, "padded" if schedule == "smart" else exchange)
+           for schedule, degree, algorithm, exchange in ran]  # smart's steps send padded slots
+    assert ran[1:len(candidates) + 1] == candidates and ran[-1] in candidates
     assert all(p["predicted_forward_s"] > 0 and p["predicted_backward_s"] > 0 for p in plans)
 
 
 @pytest.mark.distributed
 def test_model_and_forced_plans(two_ranks: list[dict[str, Any]]) -> None:
     shape = RegionShape(LayerDims(16, 32, 8), 2, 16)
-    best = rank_plans(CostModel(PROFILE), shape, range(1, 17), ("linear", "pairwise"))[0]
+    cost = CostModel(PROFILE)
+    (best, _), *_ = rank_schedule_plans(cost, shape, [LAYER_MODEL], range(1, 17), ("linear", "pairwise"), True)
+    predicted = LAYER_MODEL.predict(best, cost, shape, True)
     for plan in two_ranks[0]["model"]:
-        assert (plan["source"], plan["requested_degree"], plan["alltoall"]) == ("model", best.degree, best.algorithm)
-        assert plan["predicted_forward_s"] == pytest.approx(best.forward_s)
+        assert (plan["source"], plan["requested_degree"], plan["alltoall"], plan["token_exchange"]) == \
+            ("model", best.degree, best.algorithm, best.exchange)
+        assert plan["predicted_forward_s"] == pytest.approx(predicted.forward_s)
     (forced,) = two_ranks[0]["forced"]
     assert (forced["source"], forced["pipeline_degree"], forced["alltoall"]) == ("forced", 4, "pairwise")
 
@@ -132,7 +142,7 @@ def test_single_process_runs_one_chunk_unless_forced() -> None:
     assert layer.last_stats is not None
     assert layer.last_stats.plan is not None
     assert (layer.last_stats.plan.alltoall, layer.last_stats.plan.pipeline_degree) == ("none", 1)
-    forced = MoELayer(16, 32, 4, pipeline=4)
+    forced = MoELayer(16, 32, 4, pipeline=4, expert_kernel="bmm")  # the ragged kernel on one rank runs no chunks
     forced(x)
     assert forced.last_stats is not None and forced.last_stats.plan is not None
     assert forced.last_stats.plan.pipeline_degree == 4

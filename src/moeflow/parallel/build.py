@@ -19,7 +19,14 @@ from moeflow.core.routing import NodeLimit, expert_capacity
 from moeflow.parallel.parm import check_mp_group
 from moeflow.parallel.placement import ExpertPlacement
 from moeflow.parallel.redundant import SlotSchedule, balanced_placement, slots_per_rank
-from moeflow.parallel.registry import AUTO, MODEL_PARALLEL_SCHEDULES, ShardingLayout, check_techniques, select_schedule
+from moeflow.parallel.registry import (
+    AUTO,
+    MODEL_PARALLEL_SCHEDULES,
+    ShardingLayout,
+    check_techniques,
+    dedup_allowed,
+    select_schedule,
+)
 from moeflow.parallel.schedules import ParallelSchedule
 from moeflow.parallel.shadowing import ShadowedSchedule, check_shadowing
 from moeflow.parallel.smart import check_smart_pipeline
@@ -53,7 +60,8 @@ def build_execution(config: MoEConfig, groups: ParallelGroups, cost_model: CostM
     choice = select_schedule(
         config.parallel, config.num_experts, groups.size, cost_model,
         _hint_shape(config, groups.size, cost_model, algorithms), algorithms, config.pipeline,
-        ShardingLayout(mp_size, config.esp_size, config.token_exchange),
+        ShardingLayout(mp_size, config.esp_size, config.token_exchange,
+                       config.token_exchange == AUTO and dedup_allowed(config)),
     )
     schedule = choice.schedule
     check_techniques(config, schedule.name)

@@ -305,7 +305,7 @@ class OnlinePlanner:
 
     def _candidates(self, shape: RegionShape, backward: bool, degrees: tuple[int, ...] | None) -> list[Plan]:
         """Search: {1, 2, 4, 8} x algorithms, by degree. Auto: the model's top few of every degree up to 16, then
-        {1, 2, 4, 8} with the model's best algorithm as anchors: when the model is wrong (on the 2x1
+        {1, 2, 4, 8} with the model's best algorithm and exchange as anchors: when the model is wrong (on the 2x1
         emulated cluster it put d=16 first for compute-bound layers, 2-3x slower than d=2), the
         online check still has a good plan to find."""
         model = self.model
@@ -313,9 +313,12 @@ class OnlinePlanner:
             every = degrees or range(1, MAX_MODEL_DEGREE + 1)
             ranked = self._simulated(shape, every, backward) or self._ranked(shape, every, backward)
             top = [plan for plan, _ in ranked[: self.top_candidates]]
-            sending = [plan.algorithm for plan, _ in ranked if plan.algorithm != LOCAL]
-            best_algorithm = sending[:1] or (top[0].algorithm,)
-            anchors = model.candidates(shape, degrees or SEARCH_DEGREES, best_algorithm, self.cost_model)
+            best = next((plan for plan, _ in ranked if plan.algorithm != LOCAL), top[0])
+            plain = model.forced_plan(1, best.algorithm)  # the schedule's own exchange, where the best is another's
+            exchange = best.exchange if best.schedule == model.name or plain is None else plain.exchange
+            anchors = [plan for plan in model.candidates(shape, degrees or SEARCH_DEGREES, (best.algorithm,),
+                                                         self.cost_model)
+                       if plan.schedule != model.name or plan.exchange == exchange]
             return list(dict.fromkeys(top + anchors))
         # the schedule's own plans by fewest chunks, every algorithm at each, then the others (FasterMoE's
         # smart schedule): what the budget's first round leaves out is the deepest pipelines, not an algorithm

@@ -41,6 +41,7 @@ class ShardingLayout:
     mp_size: int = 1
     esp_size: int | None = None  # None: N_MP (moeflow.perf.parm.shard_count)
     token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
+    dedup_candidate: bool = False  # under auto, the planner may also price dedup (its record allows it here)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ Adding a technique is its module plus one record below (the docs' recipe).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -49,7 +50,7 @@ PARM_AUTO = "parm"
 
 def _expert(layout: ShardingLayout) -> ParallelSchedule:
     from moeflow.parallel.schedules import ExpertParallelSchedule
-    return ExpertParallelSchedule(token_exchange=layout.token_exchange)
+    return ExpertParallelSchedule(token_exchange=layout.token_exchange, dedup_candidate=layout.dedup_candidate)
 
 
 def _replicated(layout: ShardingLayout) -> ParallelSchedule:
@@ -220,6 +221,17 @@ def check_techniques(config: MoEConfig, schedule: str, applied: tuple[str, ...] 
             offs = ", ".join(other.off for other in clash)
             raise ValueError(f"{feature.name} {feature.does} and runs without {names}: turn off {names} ({offs}), "
                              f"or {feature.off}")
+
+
+def dedup_allowed(config: MoEConfig) -> bool:
+    """Whether ``token_exchange='auto'`` may plan the dedup exchange: its record runs beside every
+    technique ``config`` turns on (the wrappers that refuse it, shadowing and EPLB's slots, say so in
+    their records' clash with it)."""
+    try:
+        check_techniques(dataclasses.replace(config, token_exchange=DEDUP), DEFAULT_SCHEDULE)
+    except ValueError:
+        return False
+    return True
 
 
 def expected_schedule(parallel: str | int, num_experts: int, world_size: int, mp_size: int = 1) -> str:

@@ -132,11 +132,12 @@ class ExpertParallelSchedule(_ModelledSchedule):
 
     name: str = "expert"
     token_exchange: str = PADDED  # padded, ragged or auto (moeflow.config.TOKEN_EXCHANGE_CHOICES)
+    dedup_candidate: bool = False  # under auto, dedup plans are candidates too (priced by the cost model)
     takes_ragged = True
 
     @property
     def model(self) -> ScheduleModel:
-        return ExpertParallelModel(exchange=self.token_exchange)
+        return ExpertParallelModel(exchange=self.token_exchange, dedup_candidate=self.dedup_candidate)
 
     def placement(self, num_experts: int, world_size: int, hidden_dim: int) -> ExpertPlacement:
         return ExpertPlacement.expert_parallel(num_experts, world_size, hidden_dim)

@@ -75,11 +75,14 @@ class ScheduleModel(Protocol):
 @dataclass(frozen=True)
 class ExpertParallelModel:
     """Expert parallelism over capacity chunks (and FasterMoE's smart schedule), its tokens sent by
-    ``exchange``: padded, ragged, auto (ragged where a chunk leaves enough slots empty) or dedup."""
+    ``exchange``: padded, ragged, auto (ragged where a chunk leaves enough slots empty) or dedup.
+    ``dedup_candidate``: under auto, each plan also as a dedup plan where a cost model prices it and
+    a token's k choices share ranks (the planner then ranks and times both)."""
 
     name: str = "expert"
     sends_tokens: bool = True
     exchange: str = PADDED
+    dedup_candidate: bool = False
 
     def can_predict(self, cost: CostModel) -> bool:
         return "gemm" in cost.profile.fits and any(f.startswith("alltoall.") for f in cost.profile.fits)
@@ -98,6 +101,8 @@ class ExpertParallelModel:
         smart = [Plan(SMART, 1, SMART_PLAN_ALGORITHM)] if SMART_PLAN_ALGORITHM in algorithms else []
         smart = smart if self.exchange not in (RAGGED, DEDUP) else []  # its pairwise steps send padded slots
         plans = [Plan(self.name, d, a, exchange=self.exchange) for a in algorithms for d in usable]
+        if self.dedup_candidate and cost is not None and dedup_exchange_share(shape) < 1.0:
+            plans += [dataclasses.replace(plan, exchange=DEDUP) for plan in plans]
         return plans + smart
 
     def predict(self, plan: Plan, cost: CostModel, shape: RegionShape, backward: bool) -> PlanPrediction:
