@@ -271,3 +271,27 @@ def test_the_plan_is_kept_while_the_capacity_stays_within_the_margin() -> None:
     far = _drive(planner, [1024], times.get)
     assert far == [("warmup", 1)] and set(planner._searches) == {8}
     assert planner.settled_at == {4: 512}
+
+
+def test_a_call_outside_training_mode_spends_no_trial() -> None:
+    """An evaluation forward during a search runs the first candidate untimed (its time has no
+    backward in it): the search's trials and its settled plan are those of the training calls."""
+    from moeflow.parallel.online_planner import UNTIMED
+    from moeflow.perf.shape import RegionShape
+
+    times = {1: 0.010, 2: 0.009, 4: 0.011, 8: 0.0115}
+    planner, shape = _search_planner(), RegionShape(LayerDims(16, 32, 8), 2, 512)
+    training = _drive(planner, [512] * 3, times.get)
+    evaluation, _ = planner.choose(shape, backward=False, timed=False)
+    assert (evaluation.source, evaluation.plan.degree) == (UNTIMED, 1)
+    rest = _drive(planner, [512] * 9, times.get)
+    assert [source for source, _ in training + rest] == ["warmup"] + ["trial"] * 8 + ["settled"] * 3
+    settled, _ = planner.choose(shape, backward=False, timed=False)
+    assert settled.source == "settled"
+
+
+def test_a_budget_without_calls_names_its_fields() -> None:
+    from moeflow.parallel.online_planner import TrialBudget
+
+    with pytest.raises(ValueError, match="calls >= 1"):
+        TrialBudget(calls=0)

@@ -32,10 +32,14 @@ def probe_kernel_rates(
     ``sources`` ranks: padded, ragged with every slot filled and ragged with half of each filled."""
     experts = like.w1.shape[0]
     model_dim = like.w1.shape[1]
-    weights = FFNWeights(*(None if w is None else torch.randn(tuple(w.shape), dtype=dtype, device=device) * 0.02
-                           for w in like.as_tuple()))
-    x = torch.randn(experts, sources * capacity, model_dim, dtype=dtype, device=device)
-    grad = torch.randn_like(x)
+    generator = torch.Generator(device).manual_seed(0)  # its own: the run's random stream stays untouched
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=dtype, device=device)
+
+    weights = FFNWeights(*(None if w is None else draw(*w.shape) * 0.02 for w in like.as_tuple()))
+    x = draw(experts, sources * capacity, model_dim)
+    grad = draw(*x.shape)
     half = capacity // 2
 
     def ragged(filled: int) -> RaggedFFNCompute:

@@ -58,6 +58,8 @@ from moeflow.perf.shape import RegionShape
 
 SETTLED = "settled"
 """The source of a plan the planner serves after its search (Tutel's dictionary)."""
+UNTIMED = "untimed"
+"""The source of a plan served outside training mode while its key is still searched."""
 SEARCH_DEGREES = (1, 2, 4, 8)
 """The pipeline degrees the online search times."""
 MAX_MODEL_DEGREE = 16
@@ -78,6 +80,10 @@ class TrialBudget:
     per_candidate: int = 3
     prune_margin: float = 0.3
     replan_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.calls < 1 or self.per_candidate < 1 or self.seconds <= 0:
+            raise ValueError(f"a trial budget needs calls >= 1, per_candidate >= 1 and seconds > 0; got {self}")
 
     def near(self, capacity: int, settled: int) -> bool:
         """Whether ``capacity`` is close enough to ``settled`` to run the same plan."""
@@ -142,12 +148,13 @@ class _Search:
         fastest = min(timed, default=math.inf)
         self.alive = [i for i in self.alive if not self.timings[i] or seconds[i] <= fastest * (1 + budget.prune_margin)]
         spent = sum(s * len(t) for s, t in zip(seconds, self.timings, strict=True) if t)
-        untimed = [i for i in self.alive if not self.timings[i]]
+        first_added = len(self.candidates) - self.added  # the ternary search's r's go first
+        untimed = sorted((i for i in self.alive if not self.timings[i]), key=lambda i: (i < first_added, i))
         if spent >= budget.seconds or (len(self.alive) == 1 and not untimed):
             return False
         again = sorted((i for i in self.alive if 0 < len(self.timings[i]) < budget.per_candidate),
                        key=lambda i: seconds[i])
-        self.queue = (untimed + again)[: budget.calls + self.added - self.issued]
+        self.queue = (untimed + again)[: max(0, budget.calls + self.added - self.issued)]
         return bool(self.queue)
 
     def cost(self, seconds: Sequence[float], best: int) -> float:
@@ -220,9 +227,13 @@ class OnlinePlanner:
         self.kernel_rates: KernelRates | None = None  # expert_kernel="auto": probed once, agreed by all ranks
         self._model_cache: dict[tuple[RegionShape, bool], Plan] = {}
 
-    def choose(self, shape: RegionShape, backward: bool, r: int | None = None) -> tuple[PlanChoice, PipelineTiming]:
+    def choose(
+        self, shape: RegionShape, backward: bool, r: int | None = None, timed: bool = True
+    ) -> tuple[PlanChoice, PipelineTiming]:
         """The plan for this forward, and the timing record its execution must fill; ``r`` forces
-        Tutel's r for this call (the degree is then the forced one, or 1, on the first algorithm)."""
+        Tutel's r for this call (the degree is then the forced one, or 1, on the first algorithm).
+        ``timed=False`` (a call outside training mode, alike on every rank): a settled plan or the
+        first candidate, with no trial spent on a forward that has no backward to time."""
         timing = PipelineTiming()
         degree = self.degree_policy if isinstance(self.degree_policy, int) else 1
         if r is not None:
@@ -244,6 +255,9 @@ class OnlinePlanner:
         if key in self.dictionary:
             return self._settled(key, shape, backward), timing
         search = self._searches.get(key)
+        if not timed:
+            plan = search.candidates[0] if search is not None else self._candidates(shape, backward, degrees)[0]
+            return self._with_prediction(plan, UNTIMED, key, shape, backward), timing
         if search is None:  # the first call at a new key pays one-time costs: run it untimed
             search = self._new_search(self._candidates(shape, backward, degrees), shape.capacity)
             self._searches[key] = search
@@ -354,9 +368,10 @@ class OnlinePlanner:
             if plan.r in search.interior_rs and math.isfinite(seconds):
                 best_of_r[plan.r] = min(seconds, best_of_r.get(plan.r, seconds))
         r = ternary_next_r(search.interior_rs, best_of_r)
-        if r is None:
+        added = [p for p in search.held_back if p.r == r]
+        if r is None or not added:
             return False
-        search.add([p for p in search.held_back if p.r == r])
+        search.add(added)
         search.held_back = [p for p in search.held_back if p.r != r]
         return True
 

@@ -37,7 +37,8 @@ class KernelRates:
     ) -> KernelRates:
         """The rates of a probe over ``slots`` slots: padded, ragged with every slot filled, and
         ragged with ``half_rows`` of them filled; the fit keeps both ragged rates non-negative."""
-        per_row = max((ragged_full_s - ragged_half_s) / (slots - half_rows), 0.0)
+        slots = max(slots, 1)  # a rank with no local expert: rates no call of it reads
+        per_row = max((ragged_full_s - ragged_half_s) / max(slots - half_rows, 1), 0.0)
         per_slot = max(ragged_full_s / slots - per_row, 0.0)
         return cls(padded_s / slots, per_slot, per_row)
 

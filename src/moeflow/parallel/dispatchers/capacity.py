@@ -82,7 +82,7 @@ class CapacityDispatcher:
                              load.max_tokens_per_rank, load.needed_capacity, config.wire_dtype)
         backward = torch.is_grad_enabled()
         chosen, timing = call.record.planned(call.recompute,
-                                             lambda: self.planner.choose(region, backward=backward, r=call.r))
+                                             lambda: self.planner.choose(region, backward, call.r, call.training))
         if chosen.source == "trial" and x_TM.is_cuda:  # the trial compares device time, not queueing time
             timing.synced_device = str(x_TM.device)
         # the tokens this rank gathers and scatters back (Parm's S1: this MP member's share)
