@@ -26,6 +26,7 @@ TINY: dict[str, Any] = dict(
     data=str(stdlib_directory() / "json"), vocab_size=512, context=32, layers=2, heads=2, model_dim=32,
     hidden_dim=64, num_experts=4, top_k=2, batch_size=4, steps=2, eval_interval=2, eval_windows=4,
     checkpoint_interval=2, warmup_steps=1, pipeline=1, alltoall="linear", progress=False,
+    expert_kernel="bmm",  # runs compared bit for bit: expert_kernel='auto' probes each run's own rates
 )
 
 

@@ -37,6 +37,7 @@ TINY: dict[str, Any] = dict(
     data=DATA, vocab_size=512, context=32, layers=2, heads=2, model_dim=32, hidden_dim=64, num_experts=4,
     top_k=2, batch_size=4, steps=12, eval_interval=6, eval_windows=8, checkpoint_interval=6, warmup_steps=2,
     lr=1e-2, min_lr=1e-3, pipeline=1, alltoall="linear", progress=False,
+    expert_kernel="bmm",  # two runs compared bit for bit: expert_kernel='auto' probes each run's own rates
 )
 
 
