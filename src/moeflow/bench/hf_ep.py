@@ -207,7 +207,7 @@ def _settle_trainer(loaded: dict[str, tuple[Any, Any]], ids: Any) -> int | None:
     (its trials are the start of a run, timed apart: ``plan_source`` in ``metrics.jsonl``), as the
     backend's search is settled first; the steps it took. None without that model."""
     from moeflow.moe.layer import MoELayer
-    from moeflow.parallel.online_planner import SETTLED
+    from moeflow.parallel.online_planner import DECIDED
 
     if TRAIN_HF not in loaded:
         return None
@@ -215,7 +215,7 @@ def _settle_trainer(loaded: dict[str, tuple[Any, Any]], ids: Any) -> int | None:
     layers = [module for module in model.modules() if isinstance(module, MoELayer)]
     for step in range(1, SETTLE_LIMIT + 1):
         _step(model, optimizer, ids)
-        if all(layer.last_stats.plan.source in (SETTLED, "forced", "local") for layer in layers):
+        if all(layer.last_stats.plan.source in DECIDED for layer in layers):
             return step
     return SETTLE_LIMIT
 

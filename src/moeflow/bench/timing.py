@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from moeflow.parallel.online_planner import SETTLED
+from moeflow.parallel.online_planner import DECIDED
 from moeflow.timing.measure import slowest_rank_seconds
 
 
@@ -47,7 +47,7 @@ def settle_planner(layer: Any, x: Any, limit: int = 300) -> int:
     plan); the iterations it took."""
     for iteration in range(1, limit + 1):
         layer_training_step(layer, x)
-        if layer.last_stats.plan.source in (SETTLED, "forced", "local"):
+        if layer.last_stats.plan.source in DECIDED:
             return iteration
     return limit
 

@@ -58,6 +58,8 @@ from moeflow.perf.shape import RegionShape
 
 SETTLED = "settled"
 """The source of a plan the planner serves after its search (Tutel's dictionary)."""
+DECIDED = (SETTLED, "forced", "local")
+"""The sources of a plan the planner no longer searches for (settled, or nothing to search)."""
 UNTIMED = "untimed"
 """The source of a plan served outside training mode while its key is still searched."""
 SEARCH_DEGREES = (1, 2, 4, 8)
@@ -140,9 +142,9 @@ class _Search:
         self.issued += 1
         return self.queue.pop(0)
 
-    def next_round(self, seconds: Sequence[float]) -> bool:
+    def next_round(self, seconds: Sequence[float]) -> None:
         """Drop the candidates ``prune_margin`` behind the fastest (``seconds``: slowest-rank medians,
-        inf where untimed) and queue the next round within the budget; False: the search is over."""
+        inf where untimed) and queue the next round within the budget (none: the search is over)."""
         budget = self.budget
         timed = [seconds[i] for i in self.alive if self.timings[i]]
         fastest = min(timed, default=math.inf)
@@ -151,11 +153,10 @@ class _Search:
         first_added = len(self.candidates) - self.added  # the ternary search's r's go first
         untimed = sorted((i for i in self.alive if not self.timings[i]), key=lambda i: (i < first_added, i))
         if spent >= budget.seconds or (len(self.alive) == 1 and not untimed):
-            return False
+            return
         again = sorted((i for i in self.alive if 0 < len(self.timings[i]) < budget.per_candidate),
                        key=lambda i: seconds[i])
         self.queue = (untimed + again)[: max(0, budget.calls + self.added - self.issued)]
-        return bool(self.queue)
 
     def cost(self, seconds: Sequence[float], best: int) -> float:
         """The trials' time over what the chosen plan would have taken in their calls (slowest rank)."""
@@ -263,13 +264,14 @@ class OnlinePlanner:
             self._searches[key] = search
             return self._with_prediction(search.candidates[0], "warmup", key, shape, backward), timing
         index = search.next_trial()
-        if index is None and self._next_round(search):
+        if index is None:  # the round is over: one all-reduce of its medians serves both what follows
+            values = self._next_round(search)
             index = search.next_trial()
-        if index is not None:
-            search.timings[index].append(timing)
-            return self._with_prediction(search.candidates[index], "trial", key, shape, backward), timing
-        self._finish_search(key, search)
-        return self._settled(key, shape, backward), timing
+            if index is None:
+                self._finish_search(key, search, values)
+                return self._settled(key, shape, backward), timing
+        search.timings[index].append(timing)
+        return self._with_prediction(search.candidates[index], "trial", key, shape, backward), timing
 
     def _key(self, capacity: int) -> int:
         """Tutel's key of ``capacity``, or the key of a settled plan or a search in progress whose
@@ -351,13 +353,15 @@ class OnlinePlanner:
         search.held_back, search.interior_rs = [p for p in candidates if p.r not in first], interior
         return search
 
-    def _next_round(self, search: _Search) -> bool:
+    def _next_round(self, search: _Search) -> list[float]:
         """After a round: the ternary search's next r joins, the slow candidates stop, the next
-        round is queued (all ranks agree: one all-reduce of the slowest-rank medians)."""
+        round is queued, if any (all ranks agree: one all-reduce of the slowest-rank medians,
+        returned, inf for the plans just added)."""
         values = self._slowest_medians(search)
         if self._next_r(search, values):
             values = [*values, *[math.inf] * (len(search.candidates) - len(values))]
-        return search.next_round(values)
+        search.next_round(values)
+        return values
 
     def _next_r(self, search: _Search, values: Sequence[float]) -> bool:
         """Add the plans of the ternary search's next r."""
@@ -399,9 +403,9 @@ class OnlinePlanner:
                    for timings in search.timings]
         return medians if self.reduce_max is None else self.reduce_max(medians)
 
-    def _finish_search(self, key: int, search: _Search) -> None:
-        """Settle ``key`` on the simplest of the timed candidates within ``min_gain`` of the fastest."""
-        values = self._slowest_medians(search)
+    def _finish_search(self, key: int, search: _Search, values: Sequence[float]) -> None:
+        """Settle ``key`` on the simplest of the timed candidates within ``min_gain`` of the fastest
+        (``values``: the last round's slowest-rank medians)."""
         timed = [i for i, timings in enumerate(search.timings) if timings]
         choice = simplest_within([search.candidates[i] for i in timed], [values[i] for i in timed], self.min_gain)
         best = search.candidates.index(choice)

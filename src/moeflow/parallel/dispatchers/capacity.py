@@ -138,4 +138,4 @@ class CapacityDispatch:
             return None
         return routing_stats(dispatcher.config, dispatcher.groups, self.load, self.ctx.capacity, call.top_k,
                              call.capacity_factor, self.chosen, self.ctx.timing, self.label, self.owned, self.ran,
-                             call.kernels.as_dict(), self.ctx.kernel)
+                             self.ctx.kernel, call.kernels.as_dict())

@@ -23,18 +23,18 @@ from moeflow.perf.pipeline import capacity_chunks
 def routing_stats(
     config: MoEConfig, groups: ParallelGroups, load: GlobalLoad, capacity: int, top_k: int, factor: float,
     chosen: PlanChoice, timing: PipelineTiming, label: str, owned: OwnedTokens, ran: ScheduleOutput,
-    kernels: dict[str, str] | None = None, expert_kernel: str | None = None,
+    expert_kernel: str, kernels: dict[str, str] | None = None,
 ) -> RoutingStats | Callable[[], RoutingStats]:
     """``label``: the schedule's name for the plan that ran; ``owned``: the tokens this rank
     encoded (Parm's S1: its MP member's share, whose buffer and, partitioned, drops are its own);
-    ``kernels``: who ran encode, decode and the ragged GEMMs; ``expert_kernel``: the call's experts'
-    kernel (``expert_kernel="auto"`` resolved; None: the layer's setting). Where the schedule's dedup totals
+    ``expert_kernel``: the call's experts' kernel (``expert_kernel="auto"`` resolved); ``kernels``:
+    who ran encode, decode and the ragged GEMMs. Where the schedule's dedup totals
     are still on their way (an all-reduce the forward did not wait for), the statistics are a
     function that reads them on first read of ``MoELayer.last_stats``."""
     if ran.dedup_totals is not None:
         settled = dataclasses.replace(owned, x_TM=owned.x_TM[:0])  # its dtype, not its tokens, stays alive
         arguments = (config, groups, load, capacity, top_k, factor, chosen, timing, label, settled)
-        return functools.partial(_after_totals, arguments, ran, kernels, expert_kernel)
+        return functools.partial(_after_totals, arguments, ran, expert_kernel, kernels)
     slots = owned.capacity
     counts_WE = load.counts_WE
     if groups.model is not None:  # MP members hold the same tokens: count them once
@@ -53,7 +53,7 @@ def routing_stats(
         policy=config.pipeline,
         source=chosen.source,
         world_size=groups.size,
-        expert_kernel=config.expert_kernel if expert_kernel is None else expert_kernel,
+        expert_kernel=expert_kernel,
         capacity_key=chosen.key,
         predicted_forward_s=chosen.predicted_forward_s,
         predicted_backward_s=chosen.predicted_backward_s,
@@ -82,12 +82,12 @@ def routing_stats(
 
 
 def _after_totals(
-    arguments: tuple[Any, ...], ran: ScheduleOutput, kernels: dict[str, str] | None, expert_kernel: str | None
+    arguments: tuple[Any, ...], ran: ScheduleOutput, expert_kernel: str, kernels: dict[str, str] | None
 ) -> RoutingStats:
     """The statistics once a dedup exchange's totals are read (they wait for their all-reduce here)."""
     assert ran.dedup_totals is not None
     saved, crossed = ran.dedup_totals()
     read = dataclasses.replace(ran, dedup_totals=None, dedup_saved_rows=saved, cross_node_rows=crossed)
-    stats = routing_stats(*arguments, read, kernels, expert_kernel)
+    stats = routing_stats(*arguments, read, expert_kernel, kernels)
     assert isinstance(stats, RoutingStats)
     return stats
