@@ -3,10 +3,11 @@
 # that docs/guides/gpu.md lists, and the suite's single-process tests, each bounded in time, all
 # within one ~9-minute command. Logs go to $OUT (the device tool's folder) or /tmp/moeflow-gpu-check.
 # Run from the repository root with the machine's own python3 (torch with CUDA): no install needed.
-#   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer profile calibrate overlap suite
-#                                             (default: all but overlap)
+#   bash scripts/gpu-check.sh [steps...]     steps: env tests kernels layer static profile calibrate overlap
+#                                             suite (default: all but overlap and static)
 # BUDGET_S bounds the whole run (default 560), LAYER_ARGS adds flags to both bench layer runs, SHAPES picks
-# the layer step's shapes (default "mixtral qwen"), TEST_FILES the tests step's files. The suite's
+# the layer and static steps' shapes (default "mixtral qwen"), MODES the static step's (default "dynamic static
+# graph"), TEST_FILES the tests step's files. The suite's
 # xdist workers run one intra-op thread each (with torch's default of one per core, 12 workers on 16 cores
 # oversubscribed the CPU and two CPU-heavy tests hit their 120 s timeout).
 set -u
@@ -29,6 +30,16 @@ step() {  # step NAME LIMIT_S COMMAND...: run bounded by LIMIT_S and the deadlin
 
 bench() { step "$1" "$2" "$PY" -m moeflow bench "${@:3}"; }
 
+shape_args() {  # the bench layer flags of the issues' two GPU shapes (bf16, SwiGLU)
+    local common="--device cuda --dtype bf16 --activation swiglu --tokens 8192"
+    case $1 in
+    mixtral) echo "$common --num-experts 8 --model-dim 4096 --hidden-dim 14336 --top-k 2" ;;
+    qwen) echo "$common --num-experts 64 --model-dim 2048 --hidden-dim 1408 --top-k 8" ;;
+    esac
+}
+
+shape_limit() { case $1 in mixtral) echo 90 ;; *) echo 75 ;; esac; }
+
 run_step() {
     case $1 in
     env) { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -42,16 +53,20 @@ run_step() {
            step tests 180 "$PY" -m pytest -q -p no:cacheprovider "${files[@]}" \
                -k "cuda or triton or gpu or nccl or grouped or encode or packed or auto or calibrate" ;;
     kernels) bench kernels 80 kernels --device cuda --dtype bf16 ;;
-    layer) local shape
+    layer) local shape kernel
            for kernel in ${EXPERT_KERNELS:-ragged bmm}; do for shape in ${SHAPES:-mixtral qwen}; do
-               case $shape in
-               mixtral) bench "layer-mixtral-$kernel" 90 layer --device cuda --dtype bf16 --activation swiglu \
-                            --num-experts 8 --model-dim 4096 --hidden-dim 14336 --tokens 8192 --top-k 2 \
-                            --expert-kernel "$kernel" ${LAYER_ARGS:-} ;;
-               qwen) bench "layer-qwen-$kernel" 75 layer --device cuda --dtype bf16 --activation swiglu --num-experts 64 \
-                         --model-dim 2048 --hidden-dim 1408 --tokens 8192 --top-k 8 --expert-kernel "$kernel" \
-                         ${LAYER_ARGS:-} ;;
+               bench "layer-$shape-$kernel" "$(shape_limit "$shape")" layer $(shape_args "$shape") \
+                   --expert-kernel "$kernel" ${LAYER_ARGS:-}
+           done; done ;;
+    static) local shape mode  # the static step (issue 76), eager and captured, beside the dynamic one
+           for shape in ${SHAPES:-mixtral qwen}; do for mode in ${MODES:-dynamic static graph}; do
+               case $mode in
+               dynamic) flags=(--step-shapes dynamic --expert-kernel bmm) ;;
+               static) flags=(--step-shapes static) ;;
+               graph) flags=(--step-shapes static --cuda-graph) ;;
                esac
+               bench "static-$shape-$mode" "$(shape_limit "$shape")" layer $(shape_args "$shape") "${flags[@]}" \
+                   ${LAYER_ARGS:-}
            done; done ;;
     profile) PATTERN=. TAIL=70 step profile 60 "$PY" scripts/gpu_profile_layer.py ;;
     calibrate) step calibrate 90 bash -c "$PY -m moeflow calibrate --device cuda --out $OUT/profile-cuda.json \
@@ -59,7 +74,7 @@ run_step() {
     overlap) bench overlap 60 overlap --device cuda --degrees 1 2 4 8 ;;
     suite) OMP_NUM_THREADS=1 step suite 600 "$PY" -m pytest -q -p no:cacheprovider -n "${JOBS:-12}" -m "not distributed" \
                --timeout 120 ;;
-    *) echo "unknown step $1 (env tests kernels layer overlap suite)"; return 2 ;;
+    *) echo "unknown step $1 (env tests kernels layer static profile calibrate overlap suite)"; return 2 ;;
     esac
 }
 

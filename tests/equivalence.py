@@ -541,6 +541,25 @@ def wire_cases(base: dict[str, Any]) -> list[Case]:
     ]
 
 
+def static_cases() -> list[Case]:
+    """``step_shapes="static"`` (one rank only: several ranks refuse it): drops and none, each k,
+    batch-prioritized order, a call's own factor, no tokens, the moving balancing bias, shared
+    experts, bf16."""
+    static = {"step_shapes": "static", "top_k": 2, "capacity_factor": 1.0}
+    return [Case(f"static-{name}", {**static, **layer}, **extra) for name, layer, extra in (
+        ("f1-drops", {}, {"tokens_per_rank": 24}),
+        ("k1-f0.5-relu", {"top_k": 1, "capacity_factor": 0.5, "activation": "relu"}, {}),
+        ("k3-f2-swiglu-no-bias", {"top_k": 3, "capacity_factor": 2.0, "activation": "swiglu", "bias": False}, {}),
+        ("bpr-cosine", {"batch_prioritized_routing": True, "gate": "cosine", "cosine_projection_dim": 6}, {}),
+        ("call-f0.25", {}, {"call": {"capacity_factor": 0.25, "top_k": 3}}),
+        ("no-tokens", {}, {"tokens_per_rank": 0}),
+        ("same-expert", {}, {"same_expert": True}),
+        ("bias-balancing", {"expert_bias_update_rate": 0.05, "score_function": "sigmoid"}, {"steps": 3}),
+        ("shared-gated-swiglu", {"num_shared_experts": 1, "shared_expert_gate": True, "activation": "swiglu"}, {}),
+        ("bf16-swiglu", {"activation": "swiglu"}, {"dtype": torch.bfloat16, "tokens_per_rank": 24}),
+    )]
+
+
 def all_cases(device: str = "cpu") -> list[Case]:
     """Every case; on a CPU, the Triton ones only where Triton's interpreter runs them (conftest sets
     it without a GPU: on a GPU machine Triton compiles for CUDA and refuses CPU tensors)."""
@@ -597,6 +616,8 @@ def _build(
         "redundant_experts": kwargs.pop("redundant_experts", 0),
         "balance": kwargs.pop("balance", "fixed"),
         "esp_size": kwargs.pop("esp_size", None),
+        # the static step has static_cases() (auto would take it for every case on a GPU)
+        "step_shapes": kwargs.pop("step_shapes", "dynamic"),
         "group": groups,
     }
     node_limit = _reference_node_limit(case, kwargs.pop("topology_gate", "off"), rank, world_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -9,9 +11,10 @@ from moeflow import MoELayer
 from moeflow.core.experts import ExpertFFN
 from moeflow.distributed import free_port
 from moeflow.kernels.ragged import RaggedFFNCompute
+from moeflow.moe.cuda_graph import graphed_layer
 from moeflow.reference import ReferenceMoE
 
-from equivalence import all_cases, check_cases
+from equivalence import all_cases, check_cases, static_cases
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -56,7 +59,7 @@ def test_layer_on_cuda_matches_reference(kwargs: dict) -> None:
 def test_equivalence_table_on_cuda(dtype: torch.dtype) -> None:
     """The equivalence table's cases in this dtype with the layer on the GPU (Triton compiled, not
     interpreted: conftest sets TRITON_INTERPRET only without CUDA), one process."""
-    cases = [case for case in all_cases("cuda") if case.dtype == dtype]
+    cases = [case for case in all_cases("cuda") + static_cases() if case.dtype == dtype]
     count, failures = check_cases(0, 1, cases, device="cuda")
     assert count == len(cases) > 10 and not failures, "\n".join(failures[:40])
 
@@ -88,6 +91,62 @@ def test_ragged_experts_never_stall_the_host(backend: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert y_LCM.shape == grad_x_LCM.shape == x_LCM.shape and grads[0].shape == weights.w1.shape
+
+
+@cuda
+def test_the_default_step_on_cuda_is_static_and_never_waits_for_the_device() -> None:
+    """``step_shapes="auto"`` takes the static step for a training call on a GPU: not one host wait
+    in its forward and backward (capacity from the factor, the counts read only with the statistics)."""
+    torch.manual_seed(0)
+    layer = MoELayer(64, 96, 8, top_k=2, capacity_factor=1.0, activation="swiglu").cuda()
+    x = torch.randn(256, 64, device="cuda")
+
+    def step() -> None:
+        leaf = x.detach().requires_grad_()
+        ((layer(leaf) ** 2).sum() + layer.aux_loss).backward()
+
+    step()  # the first call measures its kernels and grows the allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = layer.last_stats
+    assert stats.plan.source == "static" and stats.capacity == 64 and sum(stats.tokens_per_expert) == 512
+
+
+def _graphed_and_eager_step(run, layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor):  # type: ignore[no-untyped-def]
+    layer.zero_grad(set_to_none=True)
+    leaf = x.clone().requires_grad_()
+    y = run(leaf)
+    ((y * upstream).sum() + layer.aux_loss).backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    return y.detach().clone(), leaf.grad.clone(), grads, layer.last_stats
+
+
+@cuda
+def test_a_graphed_layer_replays_the_static_step_on_cuda() -> None:
+    """Captured in CUDA graphs, the layer computes what it computes eagerly on each replay's own
+    tokens (their routing, drops and aux loss), and its statistics are the replay's."""
+    torch.manual_seed(0)
+    layer = MoELayer(64, 96, 8, top_k=2, capacity_factor=1.0, activation="swiglu", step_shapes="static").cuda()
+    eager = copy.deepcopy(layer)
+    step = graphed_layer(layer, torch.randn(256, 64, device="cuda", requires_grad=True))
+    generator = torch.Generator("cuda").manual_seed(1)
+    loads = set()
+    for _ in range(2):
+        x, upstream = torch.randn(2, 256, 64, device="cuda", generator=generator).unbind(0)
+        graphed_run = _graphed_and_eager_step(step, layer, x, upstream)
+        eager_run = _graphed_and_eager_step(eager, eager, x, upstream)
+        for got, expected in zip(graphed_run[:2], eager_run[:2], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for name, grad in graphed_run[2].items():
+            torch.testing.assert_close(grad, eager_run[2][name], rtol=1e-5, atol=1e-5, msg=name)
+        assert graphed_run[3].tokens_per_expert == eager_run[3].tokens_per_expert
+        assert graphed_run[3].dropped == eager_run[3].dropped
+        loads.add(tuple(graphed_run[3].tokens_per_expert))
+    assert len(loads) == 2  # each replay's own statistics
 
 
 @cuda

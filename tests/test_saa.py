@@ -21,13 +21,13 @@ def _combine_order(rank: int, world: int, esp_size: int, mp_size: int) -> tuple[
     local, capacity, model_dim = 2, 3, 4
     partial = torch.randn(local, world * capacity, model_dim, generator=torch.Generator().manual_seed(rank))
     order: list[str] = []
-    exchange, gather = saa.dist.batch_isend_irecv, saa.dist.all_gather_single
+    exchange, gather = saa.dist.batch_isend_irecv, saa.dist.all_gather_into_tensor
     saa.dist.batch_isend_irecv = lambda ops: order.append("x") or exchange(ops)
-    saa.dist.all_gather_single = lambda *args, **kwargs: order.append("g") or gather(*args, **kwargs)
+    saa.dist.all_gather_into_tensor = lambda *args, **kwargs: order.append("g") or gather(*args, **kwargs)
     try:
         fused = saa.ep_esp_combine_allgather(partial, esp_size, capacity, dist.group.WORLD, mp_group)
     finally:
-        saa.dist.batch_isend_irecv, saa.dist.all_gather_single = exchange, gather
+        saa.dist.batch_isend_irecv, saa.dist.all_gather_into_tensor = exchange, gather
     combined = ep_esp_combine(partial, world // esp_size, esp_size, capacity, dist.group.WORLD)
     parts = [torch.empty_like(combined) for _ in range(mp_size)]
     dist.all_gather(parts, combined.contiguous(), group=mp_group)

@@ -36,6 +36,11 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 """Who runs encode/decode and the ragged grouped GEMM: pure torch (the reference, everywhere),
 Triton (an optional dependency; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``), or
 ``auto``: Triton for CUDA tensors when it is installed, torch otherwise."""
+STEP_SHAPES = ("auto", "dynamic", "static")
+"""How a step's shapes are set: ``dynamic`` from the routing counts read on the host (capacity, kept rows,
+the plan); ``static`` from the shapes alone (capacity from the factor, no read of the counts: one rank,
+capacity_factor > 0), a step a CUDA graph can capture; ``auto`` static on a GPU for a training call on
+one rank with capacity_factor > 0, else dynamic (:mod:`moeflow.parallel.dispatchers.static`)."""
 ALLTOALL_ALGORITHMS = ("linear", "2dh", "pairwise")
 """The all-to-all algorithms (:mod:`moeflow.comm.algorithms`)."""
 SAA = "saa"
@@ -228,6 +233,7 @@ class MoEConfig:
     check_finite: bool = False
     expert_kernel: str = "auto"
     kernel_backend: str = "auto"  # who runs encode/decode and the ragged GEMMs: torch, triton, or auto
+    step_shapes: str = "auto"  # STEP_SHAPES: "static" sizes a one-rank step without reading the routing counts
     alltoall: str = "auto"
     pipeline: int | str = "auto"
     token_exchange: str = "auto"  # the expert-parallel exchange: "padded", "ragged" (kept rows only), "dedup" or "auto"
@@ -261,6 +267,11 @@ class MoEConfig:
         require_choice("activation", self.activation, ACTIVATIONS)
         require_choice("expert_kernel", self.expert_kernel, EXPERT_KERNELS)
         require_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        require_choice("step_shapes", self.step_shapes, STEP_SHAPES)
+        if self.step_shapes == "static" and self.capacity_factor <= 0:
+            raise ValueError(f"step_shapes='static' sizes capacity from capacity_factor > 0, got "
+                             f"{self.capacity_factor!r} (its capacity is the routing's largest count, read on the "
+                             "host): use capacity_factor > 0 or step_shapes='auto'")
         require_choice("alltoall", self.alltoall, ALLTOALL_CHOICES)
         validate_pipeline(self.pipeline)
         require_choice("token_exchange", self.token_exchange, TOKEN_EXCHANGE_CHOICES)

@@ -12,6 +12,7 @@ expert parallelism).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from collections.abc import Callable
@@ -26,8 +27,10 @@ from moeflow.config import LayerDims, ffn_projections
 from moeflow.core.experts import KERNELS, ExpertFFN, ffn_flops
 from moeflow.core.routing import assign_slots, expert_capacity, select_experts
 from moeflow.kernels.precision import DTYPES
-from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map
+from moeflow.kernels.slot_gather import decode, encode, make_packed_slot_map, make_slot_map, make_static_slot_map
+from moeflow.moe.cuda_graph import graphed_layer
 from moeflow.moe.layer import MoELayer
+from moeflow.parallel.dispatchers.static import GATHER, STATIC
 from moeflow.parallel.dispatchers.stats import SOURCE
 from moeflow.reference import ReferenceMoE
 from moeflow.runtime import tune_cpu_allocator, tuning_requested
@@ -52,6 +55,8 @@ class LayerBenchConfig:
     dtype: str = "fp32"  # bf16/fp16: the layer's parameters and tokens (the router stays fp32)
     matmul_size: int = 2048  # the square matmul whose rate defines the floor
     expert_kernel: str = "bmm"  # the layer's (ragged on one process: the kept-rows path)
+    step_shapes: str = "auto"  # the layer's: static on a GPU (shapes from the call, no host read), dynamic on a CPU
+    cuda_graph: bool = False  # time the layer's step captured in CUDA graphs (moeflow.moe.cuda_graph)
 
     def __post_init__(self) -> None:
         if self.dims.projections != ffn_projections(self.activation):
@@ -65,7 +70,8 @@ class LayerBenchConfig:
         return {"tokens": self.tokens, "model_dim": d.model_dim, "hidden_dim": d.hidden_dim, "experts": d.num_experts,
                 "top_k": d.top_k, "capacity_factor": self.capacity_factor, "activation": self.activation,
                 "repeats": self.repeats, "warmup": self.warmup, "device": self.device, "dtype": self.dtype,
-                "matmul_size": self.matmul_size, "expert_kernel": self.expert_kernel, "bias": d.bias}
+                "matmul_size": self.matmul_size, "expert_kernel": self.expert_kernel, "bias": d.bias,
+                "step_shapes": self.step_shapes, "cuda_graph": self.cuda_graph}
 
 
 # The two shapes of the issue's targets: few large experts, many small ones.
@@ -97,7 +103,8 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     # one chunk and the linear all-to-all: this benchmark measures the layer's kernels, not the
     # planner (moeflow bench pipeline does), so its trials must not mix into the medians
     layer = MoELayer(d.model_dim, d.hidden_dim, d.num_experts, top_k=d.top_k, capacity_factor=c.capacity_factor,
-                     activation=c.activation, bias=d.bias, pipeline=1, alltoall="linear", expert_kernel=c.expert_kernel)
+                     activation=c.activation, bias=d.bias, pipeline=1, alltoall="linear", expert_kernel=c.expert_kernel,
+                     step_shapes=c.step_shapes)
     layer.load_full_state_dict(reference.state_dict())
     device, dtype = torch.device(c.device), DTYPES[c.dtype]
     reference, layer = reference.to(device, dtype), layer.to(device, dtype)
@@ -111,13 +118,13 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
             barrier()
 
     fns: dict[str, Callable[[], object]] = {
-        "moeflow": lambda: _forward_backward(layer, x, upstream),
+        "moeflow": _layer_step(layer, x, upstream, c.cuda_graph),
         "reference": lambda: _forward_backward(reference, x, upstream),
     }
     layer(x)  # a training forward (the parameters need grad): its routing stats, capacity and path
     stats = layer.last_stats
     assert stats is not None and stats.plan is not None
-    fns["encode_decode"] = _encode_decode_step(layer, x, upstream, c, packed=stats.plan.source == SOURCE)
+    fns["encode_decode"] = _encode_decode_step(layer, x, upstream, c, stats.plan.source)
     if c.measure_kernels:
         expert_tokens = world_size * stats.capacity
         for kernel in KERNELS:
@@ -157,24 +164,40 @@ def measure_layer(rank: int, world_size: int, config: LayerBenchConfig) -> dict[
     return result
 
 
+def _layer_step(layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, graphed: bool) -> Callable[[], None]:
+    """The layer's forward and backward, as a user runs it or (``graphed``) captured in CUDA graphs."""
+    if not graphed:
+        return lambda: _forward_backward(layer, x, upstream)
+    step = graphed_layer(layer, x.detach().requires_grad_())
+
+    def replay() -> None:
+        y = step(x.detach().requires_grad_())
+        ((y * upstream).sum() + layer.aux_loss).backward()
+        layer.zero_grad(set_to_none=True)
+
+    return replay
+
+
 def _encode_decode_step(
-    layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, c: LayerBenchConfig, packed: bool = False
+    layer: MoELayer, x: torch.Tensor, upstream: torch.Tensor, c: LayerBenchConfig, source: str | None = None
 ) -> Callable[[], None]:
     """Encode and decode alone, forward and backward, with the routing these tokens get, into the
-    capacity buffer or (``packed``: the layer's kept-rows path) the packed rows."""
+    capacity buffer, the packed rows (the layer's kept-rows path) or a static plan (the static step)."""
     d = c.dims
     with torch.no_grad():
         choice = select_experts(layer.gate(x), d.top_k)
     location, counts = assign_slots(choice.expert_idx_TK, d.num_experts)
     counts = counts.cpu()
     capacity = expert_capacity(c.capacity_factor, d.top_k, c.tokens, d.num_experts, int(counts.max()))
-    if packed:
+    kernels = layer.kernel_table.resolve(layer.config.kernel_backend, x.device, x.dtype)
+    if source == SOURCE:
         plan = make_packed_slot_map(choice.expert_idx_TK, location, counts, capacity)
+    elif source == STATIC:
+        plan = make_static_slot_map(choice.expert_idx_TK, location, d.num_experts, capacity)
+        kernels = dataclasses.replace(kernels, encode=GATHER, decode=GATHER)
     else:
         plan = make_slot_map(choice.expert_idx_TK, location, d.num_experts, capacity)
     weights = choice.weights_TK.detach()
-
-    kernels = layer.kernel_table.resolve(layer.config.kernel_backend, x.device, x.dtype)
 
     def step() -> None:
         x_leaf = x.detach().requires_grad_()

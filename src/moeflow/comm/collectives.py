@@ -100,13 +100,13 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: dist.Proc
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                     async_op: bool = False) -> dist.Work | None:
     """Every rank's ``tensor`` concatenated into ``output`` (rank-major)."""
-    return dist.all_gather_single(output, tensor, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                         async_op: bool = False) -> dist.Work | None:
     """``tensor`` summed over ``group``, each rank keeping its rank-major block in ``output``."""
-    return dist.reduce_scatter_single(output, tensor, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,

@@ -33,7 +33,7 @@ def _all_gather_rows(rows: torch.Tensor, num_rows: int, group: dist.ProcessGroup
     padded = rows.new_zeros((share, *rows.shape[1:]))
     padded[: rows.shape[0]] = rows
     gathered = rows.new_empty((members * share, *rows.shape[1:]))
-    dist.all_gather_single(gathered, padded, group=group)
+    dist.all_gather_into_tensor(gathered, padded, group=group)
     return gathered[:num_rows]
 
 

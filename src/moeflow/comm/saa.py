@@ -62,7 +62,7 @@ def ep_esp_combine_allgather(
         _exchange(operations)
         summed_blocks[source_ep] = received.sum(dim=0)  # the local combine of this group's experts
         for block in gathered_after[phase]:
-            pending.append(dist.all_gather_single(gathered[block], summed_blocks[block], group=mp_group,
+            pending.append(dist.all_gather_into_tensor(gathered[block], summed_blocks[block], group=mp_group,
                                                   async_op=True))
     for work in pending:
         work.wait()

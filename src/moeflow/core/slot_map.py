@@ -34,6 +34,7 @@ class SlotMap:
     num_experts: int
     capacity: int
     packed_slots: int | None = None  # a packed plan's kept rows (:func:`make_packed_slot_map`); None: E * C
+    occupied_S: torch.Tensor | None = None  # a static plan's filled slots (:func:`make_static_slot_map`)
 
     @property
     def num_slots(self) -> int:
@@ -65,6 +66,37 @@ def make_packed_slot_map(
     first_slot_E = to_device(torch.cumsum(kept_E, 0) - kept_E, expert_idx_TK.device)
     kept = int(kept_E.sum())
     return _plan(expert_idx_TK, location_TK, counts_E.numel(), capacity, first_slot_E, kept, kept)
+
+
+def make_static_slot_map(
+    expert_idx_TK: torch.Tensor, location_TK: torch.Tensor, num_experts: int, capacity: int
+) -> SlotMap:
+    """The (E, C) plan with shapes that depend on T, K, E and C alone, so a CUDA graph can hold it:
+    every one of the T*K choices is listed (N = T*K, token-major), a dropped one at slot 0 with
+    ``choice_mask_TK`` False, and the filled slots are a mask (``occupied_S``) instead of a list
+    of the empty ones. Only the kernels that weight each choice by that mask read it right: the
+    ``gather`` encode and decode (:mod:`moeflow.kernels.slot_gather`)."""
+    num_tokens, top_k = expert_idx_TK.shape
+    device, num_slots = expert_idx_TK.device, num_experts * capacity
+    kept_TK = location_TK < capacity
+    slot_TK = torch.where(kept_TK, expert_idx_TK * capacity + location_TK, num_slots)  # dropped: one slot past the end
+    choice_N = torch.arange(num_tokens * top_k, device=device)
+    token_N = choice_N.div(top_k, rounding_mode="floor")
+    slot_token_S = torch.zeros(num_slots + 1, dtype=torch.int64, device=device).scatter_(0, slot_TK.flatten(), token_N)
+    occupied_S = torch.zeros(num_slots + 1, dtype=torch.bool, device=device).index_fill_(0, slot_TK.flatten(), True)
+    return SlotMap(
+        token_idx_N=token_N,
+        slot_idx_N=slot_TK.flatten().masked_fill(~kept_TK.flatten(), 0),
+        choice_idx_N=choice_N,
+        choice_mask_TK=kept_TK,
+        offsets_T=torch.arange(num_tokens, device=device) * top_k,
+        slot_token_S=slot_token_S[:num_slots],
+        empty_slots=torch.zeros(0, dtype=torch.int64, device=device),
+        num_tokens=num_tokens,
+        num_experts=num_experts,
+        capacity=capacity,
+        occupied_S=occupied_S[:num_slots],
+    )
 
 
 def _plan(

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from moeflow.core.slot_map import SlotMap, make_packed_slot_map, make_slot_map
+from moeflow.core.slot_map import SlotMap, make_packed_slot_map, make_slot_map, make_static_slot_map
 from moeflow.core.workspace import Workspace, buffer
 
-__all__ = ["SlotMap", "decode", "encode", "make_packed_slot_map", "make_slot_map"]
+__all__ = ["SlotMap", "decode", "encode", "make_packed_slot_map", "make_slot_map", "make_static_slot_map"]
 
 
 def _bag_sum(
@@ -65,6 +65,8 @@ class _FastEncode(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.slots = slots
         buffer_SM = _rows_per_slot(x_TM, slots, workspace)
+        if slots.occupied_S is not None:  # a static plan: the empty slots by mask, not by a list sized by their count
+            return buffer_SM.mul_(slots.occupied_S.unsqueeze(1))
         return buffer_SM.index_fill_(0, slots.empty_slots, 0)
 
     @staticmethod

@@ -11,7 +11,7 @@ from moeflow.commands import add_renamed_flag, fail, positive_int
 from moeflow.commands.bench.common import (
     device_for,
 )
-from moeflow.config import DTYPE_NAMES, EXPERT_KERNELS
+from moeflow.config import DTYPE_NAMES, EXPERT_KERNELS, STEP_SHAPES
 
 
 def add(benches: Any) -> None:
@@ -41,6 +41,11 @@ def add(benches: Any) -> None:
     layer.add_argument("--expert-kernel", default="bmm", choices=EXPERT_KERNELS,
                        help="the layer's expert kernel: bmm (padded), loop, or ragged (dropless; on one process "
                             "the kept-rows path with no capacity buffer) (default bmm)")
+    layer.add_argument("--step-shapes", default="auto", choices=STEP_SHAPES,
+                       help="the layer's step: static sizes it from the call alone (one process, no host read of "
+                            "the routing counts), dynamic from those counts, auto static on a GPU (default auto)")
+    layer.add_argument("--cuda-graph", action="store_true",
+                       help="time the layer's static step captured in CUDA graphs (needs --device cuda)")
     layer.add_argument("--device", default="cpu", help="device to run on: cpu or cuda[:N] (one process; default cpu)")
     layer.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
@@ -77,6 +82,11 @@ def run_layer(args: argparse.Namespace) -> int:
     device = device_for(args.device, "bench layer")
     if device.type != "cpu" and args.workers > 1:
         raise fail("bench layer", f"--device {args.device} runs one process: leave --workers at 1")
+    if args.cuda_graph and (device.type != "cuda" or args.step_shapes == "dynamic" or args.capacity_factor <= 0):
+        raise fail("bench layer", "--cuda-graph captures the static step: use --device cuda, --capacity-factor > 0 "
+                   "and --step-shapes static or auto")
+    if args.step_shapes == "static" and (args.workers > 1 or args.capacity_factor <= 0):
+        raise fail("bench layer", "--step-shapes static runs one process with --capacity-factor > 0")
     results = []
     for num_experts, hidden_dim in _layer_shapes(args):
         dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation),
@@ -85,6 +95,7 @@ def run_layer(args: argparse.Namespace) -> int:
             dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
             repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
             device=str(device), dtype=args.dtype, matmul_size=args.matmul_size, expert_kernel=args.expert_kernel,
+            step_shapes=args.step_shapes, cuda_graph=args.cuda_graph,
         )
         if args.workers == 1:
             torch.set_num_threads(1)

@@ -24,6 +24,7 @@ from moeflow.parallel.dispatchers.kept_rows import KeptRowsDispatcher
 from moeflow.parallel.dispatchers.local import LocalDispatcher
 from moeflow.parallel.dispatchers.protocol import Dispatcher, LayerCall
 from moeflow.parallel.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
+from moeflow.parallel.dispatchers.static import STATIC, StaticDispatcher, runs_static
 from moeflow.parallel.dispatchers.stats import DirectLabels
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.perf.kernel_rates import AUTO, RAGGED
@@ -49,6 +50,7 @@ class Dispatchers:
     local: LocalDispatcher
     kept_rows: KeptRowsDispatcher
     rows: RowDispatcher
+    static: StaticDispatcher
     hook: InferenceHook | None  # the schedule's per-forward placement scheduler, which sees the routing
 
     @staticmethod
@@ -57,8 +59,13 @@ class Dispatchers:
         groups, experts, config = capacity.groups, capacity.experts, capacity.config
         labels = DirectLabels(capacity.schedule.name, config.pipeline, groups.topology)
         declared = capacity.schedule.direct_path(capacity.placement, groups.rank)
+        if config.step_shapes == STATIC and (groups.size > 1 or declared is not DirectPath.LOCAL):
+            raise ValueError(f"step_shapes='static' runs on one rank that holds every expert (this layer's expert "
+                             f"group has {groups.size} ranks, schedule {capacity.schedule.name!r}): several ranks "
+                             "agree their routing counts before the exchange; use step_shapes='auto' or 'dynamic'")
         return Dispatchers(capacity, declared, LocalDispatcher(experts, labels), KeptRowsDispatcher(experts, labels),
-                           RowDispatcher(experts, groups, labels), capacity.schedule.hook)
+                           RowDispatcher(experts, groups, labels), StaticDispatcher(experts, labels),
+                           capacity.schedule.hook)
 
     def agree(self, call: LayerCall, routing: Routing, estimate_E: np.ndarray | None, bucket: int) -> Agreed:
         """The call's dispatcher and its load: the local and kept-rows ones on this rank's counts
@@ -69,7 +76,7 @@ class Dispatchers:
         counts_E, num_tokens, groups = routing.counts_E, call.x_TM.shape[0], self.capacity.groups
         path = self._narrowed(call, routing)
         if path is not None and path is not DirectPath.EXCHANGE:
-            counts = counts_E if path is self.local else counts_E.cpu()
+            counts = counts_E if path is self.local or path is self.static else counts_E.cpu()
             return Agreed(path, GlobalLoad(counts.unsqueeze(0), num_tokens))
         if path is None:
             return Agreed(self.capacity, agree_load(counts_E, num_tokens, groups, estimate_E).load)
@@ -89,15 +96,17 @@ class Dispatchers:
 
     def _narrowed(
         self, call: LayerCall, routing: Routing
-    ) -> LocalDispatcher | KeptRowsDispatcher | DirectPath | None:
+    ) -> LocalDispatcher | KeptRowsDispatcher | StaticDispatcher | DirectPath | None:
         """This call's path from the declared one: on several ranks exactly the declared row paths
         (each rank decides on its own token count, so none may skip a collective: the agreement
-        decides), none for the local one; on one rank the local dispatcher for a no-grad call that
-        cannot drop, else under the ragged kernel (``auto``'s choice for the call) the kept-rows one
-        (when no bias moves)."""
+        decides), none for the local one; on one rank the static step where the step-shapes
+        setting takes it, the local dispatcher for a no-grad call that cannot drop, else under the
+        ragged kernel (``auto``'s choice for the call) the kept-rows one (when no bias moves)."""
         declared = self.declared
         if declared is not DirectPath.LOCAL or self.capacity.groups.size > 1:
             return declared if declared is not DirectPath.LOCAL else None
+        if runs_static(self.capacity.config.step_shapes, call):
+            return self.static
         num_experts = routing.counts_E.numel()
         if call.asks_direct and never_drops(call.capacity_factor, call.top_k, call.x_TM.shape[0], num_experts):
             return self.local

@@ -41,6 +41,8 @@ class DirectDispatcher:
 
     labels: DirectLabels
     exchange: ClassVar[str] = STAYS_HOME  # how the tokens travelled, as the statistics name it
+    expert_kernel: ClassVar[str] = "ragged"  # how the experts ran, as the statistics name it
+    source: ClassVar[str] = SOURCE  # the plan source the statistics name
 
     def dispatch(self, call: LayerCall, routing: Routing, load: GlobalLoad) -> DirectDispatch:
         return DirectDispatch(self, call, routing, load, call.x_TM, PipelineTiming())
@@ -50,7 +52,7 @@ class DirectDispatcher:
         raise NotImplementedError
 
     def stats(self, call: LayerCall, load: GlobalLoad, timing: PipelineTiming) -> Stats:
-        return skipped_buffer(call, load, self.labels, timing, self.exchange)
+        return skipped_buffer(call, load, self.labels, timing, self.exchange, self.expert_kernel, self.source)
 
 
 @dataclass
@@ -76,30 +78,31 @@ class DirectDispatch:
 
 
 def skipped_buffer(call: LayerCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
-                   exchange: str) -> Stats:
+                   exchange: str, expert_kernel: str = "ragged", source: str = SOURCE) -> Stats:
     """The statistics of a call that skipped the capacity buffer (:func:`direct_stats`), computed on
     first read; none for a recompute."""
     if call.recompute:
         return None
     return functools.partial(direct_stats, load, call.top_k, call.capacity_factor, labels, timing, exchange,
-                             call.kernels.as_dict())
+                             call.kernels.as_dict(), expert_kernel, source)
 
 
 def direct_stats(
     load: GlobalLoad, top_k: int, capacity_factor: float, labels: DirectLabels, timing: PipelineTiming | None = None,
-    exchange: str = STAYS_HOME, kernels: dict[str, str] | None = None,
+    exchange: str = STAYS_HOME, kernels: dict[str, str] | None = None, expert_kernel: str = "ragged",
+    source: str = SOURCE,
 ) -> RoutingStats:
     """What a forward without the capacity buffer reports (on first read of ``MoELayer.last_stats``):
     every rank's counts (one row on one rank), the assignments beyond capacity (only the kept-rows path
     keeps fewer than all), one "chunk", how the tokens travelled (``exchange``) over the labels'
-    topology, in ``timing``, and the ``kernels`` that ran."""
+    topology, in ``timing``, the ``kernels`` that ran, the ``expert_kernel`` and the plan's ``source``."""
     schedule, policy, topology = labels.schedule, labels.policy, labels.topology
     counts_WE = load.counts_WE.cpu()
     world = counts_WE.shape[0]
     capacity = load.capacity(capacity_factor, top_k)
     plan = ExecutionPlan(schedule=schedule, alltoall="none" if world == 1 else "linear", pipeline_degree=1,
-                         requested_degree=1, policy=policy, source=SOURCE, world_size=world, expert_kernel="ragged",
-                         slots=capacity, token_exchange=exchange, kernels=kernels or {})
+                         requested_degree=1, policy=policy, source=source, world_size=world,
+                         expert_kernel=expert_kernel, slots=capacity, token_exchange=exchange, kernels=kernels or {})
     tokens_W = (counts_WE.sum(1) // top_k).tolist()
     dropped_E = (counts_WE - capacity).clamp(min=0).sum(0).tolist()
     return RoutingStats(num_tokens=sum(tokens_W), top_k=top_k, capacity=capacity, capacity_factor=capacity_factor,
