@@ -88,6 +88,31 @@ def test_the_measurement_keeps_the_fastest_of_each_kernel_it_timed() -> None:
     assert choice.gemm == fastest and {choice.encode, choice.decode} <= {"torch", "gather"}
 
 
+def test_each_probe_sample_queues_several_steps_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sample times ``queued`` steps in a row, so that on CUDA the host's launches count where
+    they outlast the device's work (one step alone times the device only)."""
+    import moeflow.timing.measure as measure
+
+    calls: list[int] = []
+    real_running = choice_module._running
+
+    def counting(fns):  # type: ignore[no-untyped-def]
+        kept = real_running(fns)
+        step = kept["decode.torch"]
+        kept["decode.torch"] = lambda: calls.append(1) or step()
+        return kept
+
+    def one_sample(fns, device, repeats, warmup=1, before_each=None):  # type: ignore[no-untyped-def]
+        calls.clear()
+        fns["decode.torch"]()
+        assert len(calls) == TINY.queued == 4
+        return {name: 1.0 for name in fns}
+
+    monkeypatch.setattr(choice_module, "_running", counting)
+    monkeypatch.setattr(measure, "device_medians", one_sample)
+    assert measure_choice(CPU, torch.float32, TINY).source == "measured"
+
+
 def test_grouped_mm_backend_equals_the_loop_with_an_empty_expert() -> None:
     if not grouped_mm_works(CPU, torch.float32):
         pytest.skip("this torch has no CPU grouped GEMM")

@@ -16,6 +16,7 @@ grouped GEMM keeps the rule measured on CPUs (:func:`moeflow.kernels.ragged.ragg
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -67,6 +68,7 @@ class ProbeShape:
     num_experts: int = 32
     top_k: int = 4
     repeats: int = 5
+    queued: int = 4  # steps a sample queues back to back
 
 
 PROBE_SHAPE = ProbeShape()
@@ -172,7 +174,7 @@ def _measure(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> Ker
         fns[f"decode.{backend}"] = steps.decode(backend)
     for backend in gemm_backends:
         fns[f"gemm.{backend}"] = steps.gemm(backend)
-    medians = device_medians(_running(fns), device, shape.repeats, warmup=2)
+    medians = device_medians(_queued(_running(fns), shape.queued), device, shape.repeats, warmup=2)
 
     def fastest(kernel: str, backends: list[str]) -> str:
         return min((b for b in backends if f"{kernel}.{b}" in medians), key=lambda b: medians[f"{kernel}.{b}"])
@@ -180,6 +182,20 @@ def _measure(device: torch.device, dtype: torch.dtype, shape: ProbeShape) -> Ker
     timings = {name: round(seconds * 1e3, 4) for name, seconds in medians.items()}
     return KernelChoice(fastest("encode", dispatch_backends), fastest("decode", dispatch_backends),
                         fastest("gemm", gemm_backends), MEASURED, timings)
+
+
+def _queued(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, Callable[[], object]]:
+    """Each step ``steps`` times in a row, as one sample. A sample's CUDA events bracket the device's
+    work from idle to done, so one step alone times the device only. Queued back to back, the
+    host's launches are timed too, where they take longer than the device's work: a kernel of many
+    small launches is slower in a layer than its device time says (2026-11-27, an H200: the
+    64-expert step waited a third of its time for the host)."""
+    return {name: functools.partial(_repeat, fn, steps) for name, fn in fns.items()}
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def _running(fns: dict[str, Callable[[], object]]) -> dict[str, Callable[[], object]]:
