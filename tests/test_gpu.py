@@ -150,6 +150,21 @@ def test_a_graphed_layer_replays_the_static_step_on_cuda() -> None:
 
 
 @cuda
+def test_the_dedup_combines_sum_gives_the_same_bf16_bits_twice_on_cuda() -> None:
+    """The dedup and node-dedup combines sum a token's copies in a fixed order, in fp32, rounded once:
+    on CUDA, where ``index_add_``'s atomic adds changed the bf16 result from run to run."""
+    from moeflow.parallel.ragged_exchange import summed_rows
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(8192, 512, generator=generator).to("cuda", torch.bfloat16)
+    into = torch.randint(0, 1024, (8192,), generator=generator)  # about 8 copies a token
+    first, second = (summed_rows(rows, into, 1024) for _ in range(2))
+    assert first.dtype == torch.bfloat16 and torch.equal(first, second)
+    expected = torch.zeros(1024, 512, dtype=torch.float64).index_add_(0, into, rows.double().cpu())
+    torch.testing.assert_close(first.cpu().double(), expected, rtol=2 * 2**-8, atol=1e-2)
+
+
+@cuda
 def test_layer_over_one_rank_nccl_group() -> None:
     import torch.distributed as dist
 

@@ -24,10 +24,24 @@ from moeflow.parallel.dispatchers.kept_rows import KeptRowsDispatcher
 from moeflow.parallel.dispatchers.local import LocalDispatcher
 from moeflow.parallel.dispatchers.protocol import Dispatcher, LayerCall
 from moeflow.parallel.dispatchers.rows import DIRECT_EXCHANGE_ROWS, RowDispatcher
-from moeflow.parallel.dispatchers.static import STATIC, StaticDispatcher, runs_static
+from moeflow.parallel.dispatchers.static import STATIC, StaticDispatcher
 from moeflow.parallel.dispatchers.stats import DirectLabels
 from moeflow.parallel.inference_hook import InferenceHook
 from moeflow.perf.kernel_rates import AUTO, RAGGED
+
+
+def runs_static(setting: str, call: LayerCall) -> bool:
+    """Whether ``call`` takes the static step under the ``step_shapes`` setting: always under
+    ``static`` (the layer refuses several ranks and the config a factor <= 0), and under ``auto``
+    for a call with a backward on a GPU with capacity_factor > 0 (where the host's read of the
+    counts leaves the device idle; on a CPU the host is the device, and the dynamic paths skip
+    the padding)."""
+    if setting == STATIC:
+        if call.capacity_factor <= 0:
+            raise ValueError(f"step_shapes='static' sizes capacity from capacity_factor > 0, got a call with "
+                             f"capacity_factor={call.capacity_factor!r}: pass one > 0 or use step_shapes='auto'")
+        return True
+    return setting == "auto" and call.x_TM.is_cuda and call.capacity_factor > 0 and call.workspace is not None
 
 
 @dataclass(frozen=True)

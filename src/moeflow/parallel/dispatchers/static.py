@@ -35,20 +35,6 @@ GATHER = "gather"
 """The encode and decode kernels a static plan runs: the ones that weight each choice by its mask."""
 
 
-def runs_static(setting: str, call: LayerCall) -> bool:
-    """Whether ``call`` takes the static step under the ``step_shapes`` setting: always under
-    ``static`` (the layer refuses several ranks and the config a factor <= 0), and under ``auto``
-    for a call with a backward on a GPU with capacity_factor > 0 (where the host's read of the
-    counts leaves the device idle; on a CPU the host is the device, and the dynamic paths skip
-    the padding)."""
-    if setting == STATIC:
-        if call.capacity_factor <= 0:
-            raise ValueError(f"step_shapes='static' sizes capacity from capacity_factor > 0, got a call with "
-                             f"capacity_factor={call.capacity_factor!r}: pass one > 0 or use step_shapes='auto'")
-        return True
-    return setting == "auto" and call.x_TM.is_cuda and call.capacity_factor > 0 and call.workspace is not None
-
-
 def static_output(x_TM: torch.Tensor, routing: Routing, experts: ExpertFFN, capacity_factor: float,
                   top_k: int) -> torch.Tensor:
     """y_t = sum over token t's kept choices of weight * expert(x_t), with capacity
