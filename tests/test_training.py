@@ -30,6 +30,7 @@ from moeflow.training.gradients import synchronize_gradients
 from moeflow.training.launch import run_training
 from moeflow.training.metrics import iterate_records
 from moeflow.training.sharded_checkpoint import saved_tensors
+from moeflow.training.trainer import rank_planner_states
 from pool import run_distributed
 
 DATA = str(stdlib_directory() / "json")
@@ -247,6 +248,15 @@ def _plan_choices(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
     return {r["step"]: [(m["pipeline_degree"], m["plan_source"]) for m in r["moe"]] for r in iterate_records(run_dir)}
 
 
+def test_a_resumed_rank_takes_back_its_own_planners() -> None:
+    own = [[{"searches": {"3": {"rank": rank}}}] for rank in range(3)]
+    state = {"planners": own[0], "planners_by_rank": own}
+    assert [rank_planner_states(state, rank, 3) for rank in range(3)] == own
+    assert rank_planner_states(state, 1, 2) == own[0]  # another world size: rank 0's, as before
+    assert rank_planner_states({"planners": own[2]}, 1, 3) == own[2]  # a checkpoint from before
+    assert rank_planner_states({}, 0, 1) == []
+
+
 @pytest.mark.distributed
 def test_resume_under_auto_continues_the_planners_search_bit_for_bit(tmp_path: Path) -> None:
     """pipeline=auto's first round of trials walks d = 1, 2, 4 (the pipelined degrees change the
@@ -257,6 +267,10 @@ def test_resume_under_auto_continues_the_planners_search_bit_for_bit(tmp_path: P
     steps = dict(pipeline="auto", steps=4, checkpoint_interval=100)
     run_training(tiny(tmp_path / "whole", **steps), report=False)
     run_training(tiny(tmp_path / "resumed", stop_at=2, **steps), report=False)
+    saved = read_state(latest_checkpoint(tmp_path / "resumed"))
+    by_rank = saved["planners_by_rank"]  # each rank's own trial times, which it takes back
+    assert len(by_rank) == 2 and by_rank[0] == saved["planners"] and len(by_rank[1]) == TINY["layers"]
+    assert all(layer["searches"] for rank in by_rank for layer in rank)  # interrupted mid-search
     run_training(tiny(tmp_path / "resumed", **steps), latest_checkpoint(tmp_path / "resumed"), report=False)
     whole, resumed = _plan_choices(tmp_path / "whole"), _plan_choices(tmp_path / "resumed")
     assert resumed == whole and {degree for layers in whole.values() for degree, _ in layers} == {1, 2, 4}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from moeflow.comm.collectives import all_gather_objects
 from moeflow.comm.groups import ParallelGroups, proper_divisors
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.comm.topology import Topology
@@ -189,7 +190,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         if rebalancer is not None:
             rebalancer.restore(state.get("rebalancer", {}), model, optimizer)
     packer = _packer(config, model, optimizer, state, replicas)
-    for layer, planned in zip(model.moe_layers(), (state or {}).get("planners", []), strict=False):
+    for layer, planned in zip(model.moe_layers(), rank_planner_states(state or {}, rank, world_size), strict=False):
         layer.planner.load_state_dict(planned)  # the same plans as the interrupted run: bit-exact under auto
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
@@ -415,9 +416,11 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
         if "val_loss" in record:  # the timeline of a step now and then (the report draws the last)
             write_timeline(Path(run.job.run_dir) / TIMELINE, step, run.last_timeline)
     if step % config.checkpoint_interval == 0 or step == last_step:
+        planners = [layer.planner.state_dict() for layer in run.model.moe_layers()]
+        every_rank = all_gather_objects(planners, run.group) if run.group is not None else [planners]
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
-                 "loss": run.last_loss, "val_loss": run.val_loss,
-                 "planners": [layer.planner.state_dict() for layer in run.model.moe_layers()],
+                 "loss": run.last_loss, "val_loss": run.val_loss, "planners": planners,
+                 "planners_by_rank": every_rank,
                  **({"grad_scaler": run.scaler.state_dict()} if run.scaler is not None else {})}
         if run.rebalancer is not None:
             state["rebalancer"] = run.rebalancer.state()
@@ -428,6 +431,17 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
                 Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
                 [corpus.tokenizer_path, *_hf_files(config)], config.keep_checkpoints,  # state.json holds the config
             )
+
+
+def rank_planner_states(state: dict[str, Any], rank: int, world_size: int) -> list[dict[str, Any]]:
+    """This rank's planners as the checkpoint saved them. Every rank saves its own: a search in
+    progress holds the rank's own trial times (the slowest rank's are agreed only at a round's end),
+    and each expert group settles on its own; a state saved with another world size, or before
+    the ranks' states were kept, gives rank 0's."""
+    by_rank = state.get("planners_by_rank")
+    if by_rank is not None and len(by_rank) == world_size:
+        return by_rank[rank]
+    return state.get("planners", [])
 
 
 def _hf_files(config: TrainConfig) -> list[Path]:
