@@ -54,23 +54,21 @@ class _ScalarReads(TorchDispatchMode):
 def _host_reads() -> Iterator[list[str]]:
     """Every Python-level read of a tensor's values (and the dispatched scalar reads) inside the block."""
     seen: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def watching(name: str):  # type: ignore[no-untyped-def]
+        original = getattr(torch.Tensor, name)
+
         def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             seen.append(name)
-            return originals[name](self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         return read
 
-    for name in HOST_READS:
-        setattr(torch.Tensor, name, watching(name))
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # undone exactly: the methods torch.Tensor inherits stay inherited
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, watching(name))
         with _ScalarReads() as scalars:
             yield seen
-        seen.extend(scalars.seen)
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    seen.extend(scalars.seen)
 
 
 @pytest.mark.parametrize("moves_bias", [False, True])

@@ -203,8 +203,10 @@ def test_resume_repeats_the_losses_of_an_uninterrupted_run(
     assert resumed == uninterrupted  # bit for bit
     state = json.loads((latest_checkpoint(tmp_path / "resumed") / "state.json").read_text())
     saved = {"dictionary", "settled_at", "trial_cost", "searches", "kernel_rates"}  # the planners' state travels
-    assert len(state["planners"]) == TINY["layers"] // TINY.get("moe_every", 1)
-    assert all(set(p) == saved for p in state["planners"])
+    assert len(state["planners_by_rank"]) == 2  # every rank's own
+    for planners in state["planners_by_rank"]:
+        assert len(planners) == TINY["layers"] // TINY.get("moe_every", 1)
+        assert all(set(p) == saved for p in planners)
 
     capsys.readouterr()
     assert main(["train", "--resume", str(tmp_path / "resumed")]) == 0  # complete: says so, trains nothing
@@ -250,7 +252,7 @@ def _plan_choices(run_dir: Path) -> dict[int, list[tuple[int, str]]]:
 
 def test_a_resumed_rank_takes_back_its_own_planners() -> None:
     own = [[{"searches": {"3": {"rank": rank}}}] for rank in range(3)]
-    state = {"planners": own[0], "planners_by_rank": own}
+    state = {"planners_by_rank": own}
     assert [rank_planner_states(state, rank, 3) for rank in range(3)] == own
     assert rank_planner_states(state, 1, 2) == own[0]  # another world size: rank 0's, as before
     assert rank_planner_states({"planners": own[2]}, 1, 3) == own[2]  # a checkpoint from before
@@ -269,7 +271,7 @@ def test_resume_under_auto_continues_the_planners_search_bit_for_bit(tmp_path: P
     run_training(tiny(tmp_path / "resumed", stop_at=2, **steps), report=False)
     saved = read_state(latest_checkpoint(tmp_path / "resumed"))
     by_rank = saved["planners_by_rank"]  # each rank's own trial times, which it takes back
-    assert len(by_rank) == 2 and by_rank[0] == saved["planners"] and len(by_rank[1]) == TINY["layers"]
+    assert "planners" not in saved and len(by_rank) == 2 and all(len(rank) == TINY["layers"] for rank in by_rank)
     assert all(layer["searches"] for rank in by_rank for layer in rank)  # interrupted mid-search
     run_training(tiny(tmp_path / "resumed", **steps), latest_checkpoint(tmp_path / "resumed"), report=False)
     whole, resumed = _plan_choices(tmp_path / "whole"), _plan_choices(tmp_path / "resumed")

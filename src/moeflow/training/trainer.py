@@ -419,8 +419,7 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
         planners = [layer.planner.state_dict() for layer in run.model.moe_layers()]
         every_rank = all_gather_objects(planners, run.group) if run.group is not None else [planners]
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": corpus.to_dict(),
-                 "loss": run.last_loss, "val_loss": run.val_loss, "planners": planners,
-                 "planners_by_rank": every_rank,
+                 "loss": run.last_loss, "val_loss": run.val_loss, "planners_by_rank": every_rank,
                  **({"grad_scaler": run.scaler.state_dict()} if run.scaler is not None else {})}
         if run.rebalancer is not None:
             state["rebalancer"] = run.rebalancer.state()
@@ -436,12 +435,12 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
 def rank_planner_states(state: dict[str, Any], rank: int, world_size: int) -> list[dict[str, Any]]:
     """This rank's planners as the checkpoint saved them. Every rank saves its own: a search in
     progress holds the rank's own trial times (the slowest rank's are agreed only at a round's end),
-    and each expert group settles on its own; a state saved with another world size, or before
-    the ranks' states were kept, gives rank 0's."""
+    and each expert group settles on its own; a state saved with another world size gives rank 0's,
+    and one saved before the ranks' states were kept its one list (``planners``, rank 0's)."""
     by_rank = state.get("planners_by_rank")
-    if by_rank is not None and len(by_rank) == world_size:
-        return by_rank[rank]
-    return state.get("planners", [])
+    if by_rank is None:
+        return state.get("planners", [])
+    return by_rank[rank] if len(by_rank) == world_size else by_rank[0]
 
 
 def _hf_files(config: TrainConfig) -> list[Path]:

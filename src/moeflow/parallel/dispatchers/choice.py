@@ -41,7 +41,7 @@ def runs_static(setting: str, call: LayerCall) -> bool:
             raise ValueError(f"step_shapes='static' sizes capacity from capacity_factor > 0, got a call with "
                              f"capacity_factor={call.capacity_factor!r}: pass one > 0 or use step_shapes='auto'")
         return True
-    return setting == "auto" and call.x_TM.is_cuda and call.capacity_factor > 0 and call.workspace is not None
+    return setting == AUTO and call.x_TM.is_cuda and call.capacity_factor > 0 and call.workspace is not None
 
 
 @dataclass(frozen=True)

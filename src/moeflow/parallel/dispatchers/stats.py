@@ -78,19 +78,18 @@ class DirectDispatch:
 
 
 def skipped_buffer(call: LayerCall, load: GlobalLoad, labels: DirectLabels, timing: PipelineTiming,
-                   exchange: str, expert_kernel: str = "ragged", source: str = SOURCE) -> Stats:
+                   exchange: str, expert_kernel: str, source: str) -> Stats:
     """The statistics of a call that skipped the capacity buffer (:func:`direct_stats`), computed on
     first read; none for a recompute."""
     if call.recompute:
         return None
     return functools.partial(direct_stats, load, call.top_k, call.capacity_factor, labels, timing, exchange,
-                             call.kernels.as_dict(), expert_kernel, source)
+                             call.kernels.as_dict(), expert_kernel=expert_kernel, source=source)
 
 
 def direct_stats(
     load: GlobalLoad, top_k: int, capacity_factor: float, labels: DirectLabels, timing: PipelineTiming | None = None,
-    exchange: str = STAYS_HOME, kernels: dict[str, str] | None = None, expert_kernel: str = "ragged",
-    source: str = SOURCE,
+    exchange: str = STAYS_HOME, kernels: dict[str, str] | None = None, *, expert_kernel: str, source: str,
 ) -> RoutingStats:
     """What a forward without the capacity buffer reports (on first read of ``MoELayer.last_stats``):
     every rank's counts (one row on one rank), the assignments beyond capacity (only the kept-rows path
