@@ -36,7 +36,7 @@ def _run(layer: MoELayer, x: torch.Tensor, autocast: torch.dtype | None) -> tupl
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kwargs", [{}, {"activation": "swiglu", "bias": False, "capacity_factor": 0.0,
-                                         "num_shared_experts": 1, "shared_expert_gate": True},
+                                         "num_shared_experts": 1, "shared_expert_gate": True, "expert_kernel": "bmm"},
                                     {"expert_kernel": "ragged", "capacity_factor": 0.0, "pipeline": 2}])
 def test_autocast_over_fp32_master_weights_equals_the_cast_layer(dtype: torch.dtype, kwargs: dict) -> None:
     master, low = _layers(dtype, **kwargs)

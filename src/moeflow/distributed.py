@@ -55,6 +55,7 @@ def _worker(
 ) -> None:
     prepare_worker_process(tune_allocator)
     torch.set_num_threads(threads)
+    gc.freeze()  # the imports' objects: the group's teardown collects twice, and need not pass over them
     run_in_group(rank, world_size, port, fn, args, results, collective_timeout_s, strict)
 
 
