@@ -95,3 +95,27 @@ def test_the_collectives_on_gloo(world_size: int) -> None:
         assert result["received"] == [float((rank - 1) % world_size)] * 3
         assert result["max"] == [world_size - 1, 0] and result["sum"] == [world_size]
         assert result["objects"] == [{"rank": r} for r in range(world_size)]
+
+
+def _gather_and_scatter_worker(rank: int, world_size: int) -> dict[str, object]:
+    import warnings
+
+    from moeflow.comm.collectives import all_gather_into, reduce_scatter_into
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gathered = torch.empty(world_size * 2)
+        all_gather_into(gathered, torch.full((2,), float(rank)), dist.group.WORLD)
+        scattered = torch.empty(2)
+        reduce_scatter_into(scattered, torch.arange(world_size * 2, dtype=torch.float32), dist.group.WORLD)
+    return {"gathered": gathered.tolist(), "scattered": scattered.tolist(),
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def test_gather_into_and_reduce_scatter_into_compute_without_a_deprecation_warning() -> None:
+    """torch 2.13 renamed both (``*_single``) and warns on the old names, which torch 2.11 alone has:
+    each worker of every run printed the warning."""
+    for rank, result in enumerate(run_distributed(_gather_and_scatter_worker, 2)):
+        assert result["gathered"] == [0.0, 0.0, 1.0, 1.0]
+        assert result["scattered"] == [2.0 * (2 * rank), 2.0 * (2 * rank + 1)]
+        assert result["warnings"] == []

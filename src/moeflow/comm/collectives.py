@@ -99,14 +99,18 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: dist.Proc
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                     async_op: bool = False) -> dist.Work | None:
-    """Every rank's ``tensor`` concatenated into ``output`` (rank-major)."""
-    return dist.all_gather_into_tensor(output, tensor, group=group, async_op=async_op)
+    """Every rank's ``tensor`` concatenated into ``output`` (rank-major). torch 2.13 names it
+    ``all_gather_single`` and warns on the old name, which torch 2.11 alone has."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                         async_op: bool = False) -> dist.Work | None:
-    """``tensor`` summed over ``group``, each rank keeping its rank-major block in ``output``."""
-    return dist.reduce_scatter_tensor(output, tensor, group=group, async_op=async_op)
+    """``tensor`` summed over ``group``, each rank keeping its rank-major block in ``output``
+    (``reduce_scatter_single`` where torch has it, as :func:`all_gather_into`)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, tensor, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from moeflow.comm.collectives import all_gather_into
 from moeflow.comm.groups import group_rank, group_size
 from moeflow.core.stats import PipelineTiming, region_clock
 
@@ -33,7 +34,7 @@ def _all_gather_rows(rows: torch.Tensor, num_rows: int, group: dist.ProcessGroup
     padded = rows.new_zeros((share, *rows.shape[1:]))
     padded[: rows.shape[0]] = rows
     gathered = rows.new_empty((members * share, *rows.shape[1:]))
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    all_gather_into(gathered, padded, group)
     return gathered[:num_rows]
 
 

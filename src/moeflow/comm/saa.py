@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moeflow.comm.collectives import all_gather_into
+
 
 def _exchange(operations: list[dist.P2POp]) -> None:
     """One phase's sends and receives, posted as one batch (NCCL would deadlock on two ranks that
@@ -62,8 +64,7 @@ def ep_esp_combine_allgather(
         _exchange(operations)
         summed_blocks[source_ep] = received.sum(dim=0)  # the local combine of this group's experts
         for block in gathered_after[phase]:
-            pending.append(dist.all_gather_into_tensor(gathered[block], summed_blocks[block], group=mp_group,
-                                                  async_op=True))
+            pending.append(all_gather_into(gathered[block], summed_blocks[block], mp_group, async_op=True))
     for work in pending:
         work.wait()
     by_member = gathered.view(ep_size, mp_size, local, capacity, model_dim)

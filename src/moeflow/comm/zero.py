@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from moeflow.comm.collectives import all_gather_into, reduce_scatter_into
 from moeflow.comm.groups import group_size
 from moeflow.core.stats import PipelineTiming, region_clock
 
@@ -24,7 +25,7 @@ class _GatherShards(torch.autograd.Function):
         ctx.group, ctx.timing = group, timing
         world = group_size(group)
         full = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+        all_gather_into(full, shard.contiguous(), group)
         return full
 
     @staticmethod
@@ -33,7 +34,7 @@ class _GatherShards(torch.autograd.Function):
         start = region_clock(ctx.timing)
         world = group_size(ctx.group)
         grad_shard = grad_full.new_empty((grad_full.shape[0] // world, *grad_full.shape[1:]))
-        dist.reduce_scatter_tensor(grad_shard, grad_full.contiguous(), group=ctx.group)
+        reduce_scatter_into(grad_shard, grad_full.contiguous(), ctx.group)
         if ctx.timing is not None:  # the layer's backward includes its gradient reduce-scatter
             ctx.timing.backward_s = (ctx.timing.backward_s or 0.0) + region_clock(ctx.timing) - start
         return grad_shard, None, None
