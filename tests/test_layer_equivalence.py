@@ -22,7 +22,7 @@ def test_single_process_without_process_group_matches_reference() -> None:
     _assert_no_failures([check_cases(0, 1, cases)], len(cases))
 
 
-def _grid_share(world_size: int) -> list[str]:
+def _grid_left_out(world_size: int) -> list[str]:
     """The routing grid's cases a world leaves out: 1 process runs the whole grid, 2 and 4 processes
     one half each (every other case, the halves complementary), so that every grid case also runs
     expert parallel. The grid varies the routing (k, capacity factor, gate, activation), not the
@@ -34,7 +34,7 @@ def _grid_share(world_size: int) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.smoke), 4])
 def test_expert_parallel_matches_reference(world_size: int) -> None:
-    left_out = set(_grid_share(world_size))
+    left_out = set(_grid_left_out(world_size))
     cases = [case for case in all_cases() if case.name not in left_out]
     results = run_distributed(check_cases, world_size, cases, timeout_s=300, collective_timeout_s=60)
     _assert_no_failures(results, len(cases))
@@ -42,8 +42,8 @@ def test_expert_parallel_matches_reference(world_size: int) -> None:
 
 def test_two_and_four_processes_share_the_routing_grid_between_them() -> None:
     grid = {case.name for case in grid_cases()}
-    left_out_2, left_out_4 = set(_grid_share(2)), set(_grid_share(4))
-    assert not left_out_2 & left_out_4 and left_out_2 | left_out_4 == grid and not _grid_share(1)
+    left_out_2, left_out_4 = set(_grid_left_out(2)), set(_grid_left_out(4))
+    assert not left_out_2 & left_out_4 and left_out_2 | left_out_4 == grid and not _grid_left_out(1)
 
 
 @pytest.mark.distributed
