@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -25,6 +25,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from moeflow.config import ACTIVATIONS, EXPERT_KERNELS, ffn_projections
 from moeflow.core.clamped_swiglu import ClampedSwiGLU
+from moeflow.core.expert_views import ExpertViews, ExpertWeights
 from moeflow.core.workspace import Workspace
 from moeflow.core.workspace import buffer as _buffer
 
@@ -110,6 +111,7 @@ class FFNWeights:
     b2: torch.Tensor | None
     w3: torch.Tensor | None = None
     b3: torch.Tensor | None = None
+    views: ExpertViews | None = field(default=None, compare=False, repr=False)  # the owner's (per_expert)
 
     def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
         return (self.w1, self.b1, self.w2, self.b2, self.w3, self.b3)
@@ -119,6 +121,23 @@ class FFNWeights:
         if self.w1.dtype == dtype:
             return self
         return FFNWeights(*(None if w is None else w.to(dtype) for w in self.as_tuple()))
+
+    def per_expert(self) -> Sequence[ExpertWeights]:
+        """Expert e's (w1, b1, w2, b2, w3, b3) at ``[e]``: the owner's kept views where these are its
+        parameters (:class:`~moeflow.core.expert_views.ExpertViews`), else indexed on each read."""
+        if self.views is not None:
+            return self.views.of(self.as_tuple())
+        return _Indexed(self.as_tuple())
+
+
+class _Indexed:
+    """Each expert's weights indexed when read (weights made for one call: a cast, a fetched copy)."""
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        self.weights = weights
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        return tuple(None if w is None else w[expert] for w in self.weights)
 
 
 @dataclass(frozen=True)
@@ -369,6 +388,7 @@ class ExpertFFN(nn.Module):
         self.activation = activation
         self.kernel = kernel
         self.compute = expert_compute(activation, kernel, clamp=clamp)
+        self.expert_views = ExpertViews()  # each expert's weights, for the loops over a few experts
         self.w1 = nn.Parameter(torch.empty(num_experts, model_dim, hidden_dim))
         self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim)) if bias else None
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, model_dim))
@@ -428,7 +448,19 @@ class ExpertFFN(nn.Module):
 
     def weights(self) -> FFNWeights:
         """The parameters as plain tensors, for code that runs the FFN outside autograd."""
-        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3)
+        return FFNWeights(self.w1, self.b1, self.w2, self.b2, self.w3, self.b3, self.expert_views)
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """A replaced weight (a move to another placement) drops the kept per-expert views."""
+        super().register_parameter(name, param)
+        views = self.__dict__.get("expert_views")
+        if views is not None:
+            views.clear()
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> ExpertFFN:
+        """``to()``, ``cuda()`` and the like replace the weights' storage: drop the kept views first."""
+        self.expert_views.clear()
+        return super()._apply(fn, recurse)
 
     def run_with_weights(self, x_TM: torch.Tensor, run: Callable[[torch.Tensor], Ran]) -> Ran:
         """``run(x_TM)``: the one call inside which a layer reads these weights (its dispatch's

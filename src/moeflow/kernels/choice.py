@@ -85,16 +85,22 @@ class KernelTable:
 
     measure: Measurer | None = None
     choices: dict[tuple[str, str], KernelChoice] = field(default_factory=dict)
+    fixed: dict[tuple[str, str], KernelChoice] = field(default_factory=dict)  # (setting, device type): no measure
 
     def resolve(self, setting: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
-        """The kernels for tensors of ``dtype`` on ``device`` under ``kernel_backend=setting``."""
+        """The kernels for tensors of ``dtype`` on ``device`` under ``kernel_backend=setting`` (a
+        fixed choice made once per setting and device type: every layer call asks)."""
+        fixed = self.fixed.get((setting, device.type))
+        if fixed is not None:
+            return fixed
         from moeflow.kernels import resolve_backend
 
         backend = resolve_backend(setting, device)  # validates the setting and an explicit triton
-        if setting != "auto":
-            return KernelChoice.uniform(backend)
-        if device.type != "cuda":
-            return KernelChoice(backend, backend, backend, HOST)
+        if setting != "auto" or device.type != "cuda":
+            fixed = KernelChoice.uniform(backend) if setting != "auto" else KernelChoice(backend, backend, backend,
+                                                                                          HOST)
+            self.fixed[(setting, device.type)] = fixed
+            return fixed
         key = (device_name(device), str(dtype).removeprefix("torch."))
         if key not in self.choices:
             self.choices[key] = (self.measure or measure_choice)(device, dtype)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.core.device_copy import to_device
+from moeflow.core.expert_views import ExpertWeights
 from moeflow.core.experts import (
     Activation,
     FFNCompute,
@@ -209,11 +210,12 @@ def packed_ffn(
 
 
 def expert_rows_ffn(
-    x_RM: torch.Tensor, weights: FFNWeights, expert: int, activation: Activation, out: torch.Tensor | None = None
+    x_RM: torch.Tensor, expert_weights: ExpertWeights, activation: Activation, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One expert's FFN on its rows without autograd, all its steps before the next expert's (its
-    intermediates stay in cache), the activation in place; into ``out`` when given."""
-    w1, b1, w2, b2, w3, b3 = (None if w is None else w[expert] for w in weights.as_tuple())
+    intermediates stay in cache), the activation in place; into ``out`` when given.
+    ``expert_weights``: the expert's own (:meth:`FFNWeights.per_expert`)."""
+    w1, b1, w2, b2, w3, b3 = expert_weights
     h_RH = torch.mm(x_RM, w1)
     if b1 is not None:
         h_RH += b1
@@ -235,8 +237,9 @@ def packed_ffn_output(
     if backend == "triton" or x_NM.device.type != "cpu" or not rows.few_filled:
         return packed_ffn(x_NM, rows, weights, activation, backend)[0]
     y_NM = x_NM.new_empty((x_NM.shape[0], weights.w2.shape[2]))
+    per_expert = weights.per_expert()
     for expert, x_RM, y_RM in zip(rows.experts, x_NM.split(rows.counts), y_NM.split(rows.counts), strict=True):
-        expert_rows_ffn(x_RM, weights, expert, activation, out=y_RM)
+        expert_rows_ffn(x_RM, per_expert[expert], activation, out=y_RM)
     return y_NM
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -206,8 +207,10 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
         dtype = compute_dtype(x, self.experts.w1.dtype) if x.is_floating_point() else x.dtype
-        with torch.autocast(x.device.type, enabled=False), self.groups.ledger.at(layer=self.index, direction="forward"):
-            return self._forward(x.to(dtype), top_k, capacity_factor, r)
+        device = x.device.type  # autocast off inside (the layer casts itself); entered only where it is on
+        autocast_off = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
+        with autocast_off, self.groups.ledger.at(layer=self.index, direction="forward"):
+            return self._forward(x if x.dtype == dtype else x.to(dtype), top_k, capacity_factor, r)
 
     def _forward(
         self, x: torch.Tensor, top_k: int | None, capacity_factor: float | None, r: int | None
@@ -228,14 +231,23 @@ class MoELayer(nn.Module):
         """The call's own values: its settings, its checked tokens, whether it is activation
         checkpointing's recompute (which repeats its forward and counts nothing twice) and its record."""
         config = self.config
-        k, factor = call_settings(config, top_k, capacity_factor, r, self.schedule.name, self.schedule.takes_r,
-                                  self.world_size)
+        k, factor = self._settings(top_k, capacity_factor, r)
         x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
         recompute, moves_bias = recomputing(), self._moves_bias
         kernels, workspace = self._kernels(x_TM), self._step_workspace(recompute)
         record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None)
         return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias, self.training)
+
+    def _settings(self, top_k: int | None, capacity_factor: float | None, r: int | None) -> tuple[int, float]:
+        """The call's k and capacity factor, checked (:func:`~moeflow.config.call_settings`); a call
+        that passes none takes the config's, checked once (a one-token forward is short)."""
+        if top_k is None and capacity_factor is None and r is None:
+            if self._last.default_settings is None:
+                self._last.default_settings = self._settings(self.config.top_k, self.config.capacity_factor, None)
+            return self._last.default_settings
+        return call_settings(self.config, top_k, capacity_factor, r, self.schedule.name, self.schedule.takes_r,
+                             self.world_size)
 
     def _ready(self) -> None:
         """Refuse a data-parallel wrapper that would average the experts; replicas copy their primary."""

@@ -39,8 +39,10 @@ class LinearGate(nn.Module):
 
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
         dtype = x_TM.dtype if self.logits_in_input_dtype else torch.float32
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x_TM.to(dtype), self.weight.to(dtype), bias).float()
+        weight, bias = self.weight, self.bias
+        if dtype == torch.float32 == weight.dtype == x_TM.dtype and (bias is None or bias.dtype == dtype):
+            return F.linear(x_TM, weight, bias)  # fp32 already: no cast to call (a cold op each, at one token)
+        return F.linear(x_TM.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
 
 
 class CosineGate(nn.Module):

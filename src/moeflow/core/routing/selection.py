@@ -90,7 +90,8 @@ def select_experts(
     FasterMoE's topology-aware gate after the group limit.
     """
     scores_TE = routing_scores(logits_TE, score_function)
-    selection_TE = scores_TE.detach() if expert_bias_E is None else scores_TE.detach() + expert_bias_E.detach()
+    detached_TE = _detached(scores_TE)
+    selection_TE = detached_TE if expert_bias_E is None else detached_TE + _detached(expert_bias_E)
     if expert_groups > 1:
         selection_TE = group_limited(selection_TE, expert_groups, top_groups)
     if node_limit is not None:
@@ -102,4 +103,9 @@ def select_experts(
         weights_TK = scores_TK / scores_TK.sum(dim=-1, keepdim=True)
     if routed_scaling_factor != 1.0:
         weights_TK = weights_TK * routed_scaling_factor
-    return ExpertChoice(expert_idx_TK, weights_TK, scores_TK.detach(), scores_TE)
+    return ExpertChoice(expert_idx_TK, weights_TK, _detached(scores_TK), scores_TE)
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` outside the graph; itself where it has none (no op to call: a no-grad forward)."""
+    return tensor.detach() if tensor.requires_grad else tensor

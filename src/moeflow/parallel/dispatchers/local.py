@@ -52,9 +52,9 @@ class DirectRows:
         return DirectRows(order_N, order_N // expert_idx_TK.shape[1], FilledRows.counted(order_N, counts_E))
 
     def row_of_choice(self) -> torch.Tensor:
-        """Where each choice's row landed (flat, T*k): what the weighted sum gathers."""
-        positions = torch.arange(self.order_N.numel(), device=self.order_N.device)
-        return torch.empty_like(self.order_N).scatter_(0, self.order_N, positions)
+        """Where each choice's row landed (flat, T*k): what the weighted sum gathers (the inverse
+        of the order, one op)."""
+        return torch.argsort(self.order_N)
 
 
 def direct_experts(
@@ -72,8 +72,9 @@ def direct_experts(
         return _expert_by_expert(x_TM, packed, weights_TK, weights, experts.compute.activation)
     x_NM = x_TM.index_select(0, packed.token_N)
     y_NM = packed_ffn_output(x_NM, packed.rows, weights, experts.compute.activation, backend)
+    weights_TK = weights_TK if weights_TK.dtype == y_NM.dtype else weights_TK.to(y_NM.dtype)
     return F.embedding_bag(packed.row_of_choice().view_as(expert_idx_TK), y_NM, mode="sum",
-                           per_sample_weights=weights_TK.to(y_NM.dtype))
+                           per_sample_weights=weights_TK)
 
 
 def _expert_by_expert(
@@ -83,9 +84,10 @@ def _expert_by_expert(
     weight_N = weights_TK.flatten().index_select(0, packed.order_N).to(x_TM.dtype).unsqueeze(1)
     counts = packed.rows.counts
     y_TM = torch.zeros_like(x_TM)
+    per_expert = weights.per_expert()
     for expert, token_R, weight_R in zip(packed.rows.experts, packed.token_N.split(counts), weight_N.split(counts),
                                          strict=True):
-        y_RM = expert_rows_ffn(x_TM.index_select(0, token_R), weights, expert, activation)
+        y_RM = expert_rows_ffn(x_TM.index_select(0, token_R), per_expert[expert], activation)
         y_TM.index_add_(0, token_R, y_RM.mul_(weight_R))
     return y_TM
 
