@@ -70,6 +70,24 @@ def test_a_recompute_in_eval_mode_after_training_forwards_routes_with_the_curren
     _assert_equal(_step(layer, x, "non-reentrant"), expected, "eval recompute")
 
 
+def test_a_no_grad_forward_between_a_checkpointed_forward_and_its_backward_leaves_its_recompute_alone() -> None:
+    """A forward without grad (a probe, an evaluation batch) before the backward is never recomputed:
+    it keeps no record, so the recompute still finds its own forward's plan and bias."""
+    settings = {"expert_bias_update_rate": 0.05, "aux_loss_weight": 0.0, "pipeline": "search",
+                "capacity_factor": 0.0}
+    plain, checkpointed = _layer(**settings), _layer(**settings)
+    x = torch.randn(4, 8, M)
+    expected = _step(plain, x, "plain")
+    leaf = x.detach().requires_grad_(True)
+    y = checkpoint(checkpointed, leaf, use_reentrant=False)
+    with torch.no_grad():
+        checkpointed(torch.randn(4, 8, M))  # moves the bias too (training mode)
+    y.square().sum().backward()
+    np.testing.assert_allclose(leaf.grad.numpy(), expected["x"], rtol=1e-5, atol=1e-6)
+    for name, parameter in checkpointed.named_parameters():
+        np.testing.assert_allclose(parameter.grad.numpy(), expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def _twice(layer: MoELayer, x: torch.Tensor, mode: str) -> dict[str, np.ndarray]:
     """The layer called twice on same-shaped inputs in one step (each call checkpointed)."""
     x = x.detach().requires_grad_(True)

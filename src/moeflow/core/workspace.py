@@ -77,6 +77,8 @@ class Workspace:
     def release(self) -> None:
         """Drop every buffer no tensor uses (before a no-grad forward, whose buffers are of
         other shapes: held, they would add to its peak)."""
+        if not self._held:  # nothing to look at (every no-grad forward asks)
+            return
         with self._lock:
             self._drop_free(keep=())
 

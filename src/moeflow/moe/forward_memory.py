@@ -77,9 +77,9 @@ class ForwardMemory:
 
     @staticmethod
     @contextlib.contextmanager
-    def routing_bias(record: ForwardRecord, bias: torch.Tensor, recompute: bool) -> Iterator[None]:
-        """Within: ``bias`` as the recomputed forward routed with it (the forward moved it after)."""
-        if not recompute or record.bias is None:
+    def routing_bias(record: ForwardRecord, bias: torch.Tensor) -> Iterator[None]:
+        """Within a recompute: ``bias`` as its forward routed with it (the forward moved it after)."""
+        if record.bias is None:
             yield
             return
         current = bias.clone()

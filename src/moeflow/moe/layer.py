@@ -36,7 +36,7 @@ from moeflow.moe.forward_memory import ForwardMemory, GraphValue, LastForward, r
 from moeflow.parallel.build import attach_mp_group, build_execution
 from moeflow.parallel.dispatchers.capacity import CapacityDispatcher
 from moeflow.parallel.dispatchers.choice import Agreed, Dispatchers
-from moeflow.parallel.dispatchers.protocol import LayerCall, Stats
+from moeflow.parallel.dispatchers.protocol import ForwardRecord, LayerCall, Stats
 from moeflow.parallel.expert_parameters import mark_expert_parameters
 from moeflow.parallel.moves import move_experts
 from moeflow.parallel.online_planner import OnlinePlanner
@@ -234,9 +234,11 @@ class MoELayer(nn.Module):
         k, factor = self._settings(top_k, capacity_factor, r)
         x_TM = self._backward_window(checked_tokens(x, config.model_dim, config.check_finite), entering=True)
         self._ready()
-        recompute, moves_bias = recomputing(), self._moves_bias
+        grad = torch.is_grad_enabled()  # a no-grad forward is never a recompute (that runs with grad) nor rerun
+        recompute, moves_bias = grad and recomputing(), self._moves_bias
         kernels, workspace = self._kernels(x_TM), self._step_workspace(recompute)
-        record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None)
+        record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None) if grad else (
+            ForwardRecord())  # kept for no recompute: it would take a checkpointed forward's place
         return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias, self.training)
 
     def _settings(self, top_k: int | None, capacity_factor: float | None, r: int | None) -> tuple[int, float]:
@@ -287,7 +289,7 @@ class MoELayer(nn.Module):
         selections ahead (Lina's phase 1 for the next layer). The capacity
         slots are the capacity dispatcher's to assign (:meth:`Routing.slotted`)."""
         hook, x_TM, dropless = self.dispatchers.hook, call.x_TM, call.capacity_factor == 0
-        with self._memory.routing_bias(call.record, self.gate.expert_bias, call.recompute):
+        with self._memory.routing_bias(call.record, self.gate.expert_bias) if call.recompute else nullcontext():
             observe = None if hook is None else functools.partial(hook.routed, num_experts=self.config.num_experts,
                                                                   rank=self.rank)
             routing = route(self.gate, x_TM, call.top_k, self.config, self.node_limit, observe, slots=False,
