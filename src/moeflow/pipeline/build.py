@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from moeflow.comm.collectives import reduce_values
+from moeflow.comm.collectives import all_reduce, reduce_values
+from moeflow.comm.groups import group_size
 from moeflow.models.transformer import MoETransformer
 from moeflow.pipeline.schedules import PipelineSchedule, build_runtime, schedule_named
 from moeflow.pipeline.split import StageSplit
@@ -44,6 +45,8 @@ class Pipeline:
     pp_group: dist.ProcessGroup
     tied_group: dist.ProcessGroup | None
     microbatches: int
+    data_group: dist.ProcessGroup | None  # the stage's expert group, whose ranks read different batches
+    expert_names: frozenset[str]  # the expert-parallel parameters (their gradients sum the group's tokens)
 
     @property
     def holds_first(self) -> bool:
@@ -53,14 +56,19 @@ class Pipeline:
     def holds_last(self) -> bool:
         return any(stage.is_last for stage in self.stages)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, each once (a V schedule's two stages share the tied embedding)."""
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's names, each once (a V schedule's two stages
+        share the tied embedding)."""
         seen: set[int] = set()
         for stage in self.stages:
-            for parameter in stage.parameters():
+            for name, parameter in stage.named_parameters():
                 if id(parameter) not in seen:
                     seen.add(id(parameter))
-                    yield parameter
+                    yield name, parameter
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters, each once: what its optimizer takes."""
+        return (parameter for _, parameter in self.named_parameters())
 
     def step(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
         """One forward and backward of the whole batch in micro-batches; the gradients are then
@@ -75,9 +83,34 @@ class Pipeline:
             if parameter.grad is not None:
                 parameter.grad.div_(self.microbatches)
         sum_tied_gradients(self._tied_weight(), self.tied_group)
+        self._average_over_data()
         lm = float(torch.stack(losses).detach().mean()) if losses else 0.0
         aux = sum(float(stage.take_aux_losses()) for stage in self.stages)
-        return sum(reduce_values([lm, aux], self.pp_group))
+        loss = sum(reduce_values([lm, aux], self.pp_group))
+        size = group_size(self.data_group)
+        return loss if size == 1 else reduce_values([loss], self.data_group)[0] / size
+
+    def _average_over_data(self) -> None:
+        """The gradients of the mean loss over the expert group's ranks, which read different
+        batches: the replicated parameters' averaged over them (one all-reduce), the experts'
+        (each already sums every rank's tokens, through the all-to-all's backward) divided by their
+        number."""
+        size = group_size(self.data_group)
+        if size == 1:
+            return
+        replicated = []
+        for name, parameter in self.named_parameters():
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            if name in self.expert_names:
+                parameter.grad.div_(size)
+            else:
+                replicated.append(parameter.grad)
+        flat = torch.cat([grad.flatten() for grad in replicated])
+        all_reduce(flat, self.data_group)
+        flat.div_(size)
+        for grad, part in zip(replicated, flat.split([grad.numel() for grad in replicated]), strict=True):
+            grad.copy_(part.view_as(grad))
 
     def _tied_weight(self) -> nn.Parameter | None:
         for stage in self.stages:
@@ -95,6 +128,7 @@ def pipeline_stages(
     stages (evenly by default), ``batch_size`` sequences of ``seq_len`` (the model's context) a
     step in ``microbatches`` micro-batches."""
     kind = schedule_named(schedule)
+    _check_mesh(mesh)
     if batch_size % microbatches:
         raise ValueError(f"batch_size={batch_size} must split into microbatches={microbatches} equal micro-batches; "
                          "choose a batch size that the number of micro-batches divides")
@@ -111,7 +145,17 @@ def pipeline_stages(
                              output_args=_example_output(stage, shape, device), group=pp_group)
                for stage in stages]
     runtime = build_runtime(kind, wrapped, microbatches, lm_loss)
-    return Pipeline(stages, kind, runtime, pp_group, tied, microbatches)
+    data_group = mesh.get_group("ep") if "ep" in mesh.mesh_dim_names else None
+    return Pipeline(stages, kind, runtime, pp_group, tied, microbatches, data_group,
+                    frozenset(model.expert_parameter_names()))
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    """A (pp,) or (pp, ep) mesh: data parallelism beside expert parallelism inside a stage comes later."""
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names or set(names) - {"pp", "ep"}:
+        raise ValueError(f"pipeline_stages takes a mesh with dimensions ('pp',) or ('pp', 'ep'), got {names}: "
+                         "init_device_mesh(device, (pp, ep), mesh_dim_names=('pp', 'ep'))")
 
 
 def _rank_of_stage(kind: PipelineSchedule, stage: int, pp_size: int, stages_per_rank: int) -> int:
