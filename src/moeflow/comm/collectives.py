@@ -68,6 +68,21 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     return dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=async_op)
 
 
+def flat_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divisor: int = 1) -> None:
+    """Each tensor summed in place over ``group`` (None: left as it is), over ``divisor``, in one
+    flat all-reduce (gradients: one collective instead of one per parameter)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if group is not None:
+        all_reduce(flat, group)
+    flat.div_(divisor)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 def reduce_values(values: Sequence[float], group: dist.ProcessGroup | None, op: str = "sum") -> list[float]:
     """Host numbers reduced over ``group`` (float64), on the group's host device."""
     tensor = host_tensor(values, torch.float64, group)

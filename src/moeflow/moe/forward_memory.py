@@ -55,7 +55,6 @@ class LastForward:
     stats: RoutingStats | Callable[[], RoutingStats] | None = None  # a callable: computed on first read
     checked_data_parallel: int | None = None  # the data-parallel wrapper already checked (its id)
     gather_bucket: int = 0  # tokens per rank the next load agreement carries (moeflow.parallel.agreement)
-    default_settings: tuple[int, float] | None = None  # a call's k and factor when it passes none, checked
 
 
 class ForwardMemory:

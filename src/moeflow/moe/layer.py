@@ -105,6 +105,8 @@ class MoELayer(nn.Module):
         execution = build_execution(config, self.groups, self.cost_model)
         self.schedule, self.schedule_reason, self.placement = execution.schedule, execution.reason, execution.placement
         self.algorithms, self.node_limit = execution.algorithms, execution.node_limit
+        self._default_settings = call_settings(config, None, None, None, self.schedule.name, self.schedule.takes_r,
+                                               self.world_size)  # a call that passes no k, factor or r: checked once
         self._replicas_equal = not self.placement.split_tokens  # replicas copy their primary before a forward
         self.planner = self._planner(self.schedule)
         c = config
@@ -243,11 +245,9 @@ class MoELayer(nn.Module):
 
     def _settings(self, top_k: int | None, capacity_factor: float | None, r: int | None) -> tuple[int, float]:
         """The call's k and capacity factor, checked (:func:`~moeflow.config.call_settings`); a call
-        that passes none takes the config's, checked once (a one-token forward is short)."""
+        that passes none takes the config's, checked when the layer was built (a one-token forward is short)."""
         if top_k is None and capacity_factor is None and r is None:
-            if self._last.default_settings is None:
-                self._last.default_settings = self._settings(self.config.top_k, self.config.capacity_factor, None)
-            return self._last.default_settings
+            return self._default_settings
         return call_settings(self.config, top_k, capacity_factor, r, self.schedule.name, self.schedule.takes_r,
                              self.world_size)
 

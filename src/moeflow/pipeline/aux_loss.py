@@ -4,8 +4,8 @@ Under a pipeline no stage sees the loss but the last, and the schedule calls bac
 stage's output alone. The MoE layers' aux (and z) losses of a stage are therefore attached to the
 activation the stage sends on: the forward returns a copy of the activation, and its backward
 returns, besides the activation's gradient, a gradient of one for the stage's aux loss, as if that
-loss had been added to the model's. The schedule scales every gradient by 1 / micro-batches at the
-end of the step, as it scales the language-model loss's.
+loss had been added to the model's. :meth:`moeflow.pipeline.build.Pipeline.step` divides every
+gradient by the micro-batches at the end of the step, the aux losses' with the language model's.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-from moeflow.comm.collectives import all_reduce, reduce_values
+from moeflow.comm.collectives import flat_sum, reduce_values
 from moeflow.comm.groups import group_size
 from moeflow.models.transformer import MoETransformer
 from moeflow.pipeline.schedules import PipelineSchedule, build_runtime, schedule_named
@@ -79,38 +79,31 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         inputs = (idx_BT,) if self.holds_first else ()
         self.runtime.step(*inputs, target=targets_BT if self.holds_last else None, losses=losses)
-        for parameter in self.parameters():  # the mean over the micro-batches, each parameter once
-            if parameter.grad is not None:
-                parameter.grad.div_(self.microbatches)
-        sum_tied_gradients(self._tied_weight(), self.tied_group)
-        self._average_over_data()
+        self._mean_gradients()
         lm = float(torch.stack(losses).detach().mean()) if losses else 0.0
         aux = sum(float(stage.take_aux_losses()) for stage in self.stages)
         loss = sum(reduce_values([lm, aux], self.pp_group))
         size = group_size(self.data_group)
         return loss if size == 1 else reduce_values([loss], self.data_group)[0] / size
 
-    def _average_over_data(self) -> None:
-        """The gradients of the mean loss over the expert group's ranks, which read different
-        batches: the replicated parameters' averaged over them (one all-reduce), the experts'
-        (each already sums every rank's tokens, through the all-to-all's backward) divided by their
-        number."""
+    def _mean_gradients(self) -> None:
+        """The gradients of the mean loss over the micro-batches and the expert group's ranks (which
+        read different batches): each parameter's divided once by both counts (torch's per-stage
+        scaling would divide a parameter two stages share twice), the tied embedding's copies
+        summed, the replicated parameters' summed over the group in one all-reduce. The experts'
+        already sum every rank's tokens, through the all-to-all's backward."""
         size = group_size(self.data_group)
-        if size == 1:
-            return
         replicated = []
         for name, parameter in self.named_parameters():
             if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            if name in self.expert_names:
-                parameter.grad.div_(size)
-            else:
+                if size == 1:
+                    continue
+                parameter.grad = torch.zeros_like(parameter)  # every rank adds the same flat tensor
+            parameter.grad.div_(self.microbatches * size)
+            if size > 1 and name not in self.expert_names:
                 replicated.append(parameter.grad)
-        flat = torch.cat([grad.flatten() for grad in replicated])
-        all_reduce(flat, self.data_group)
-        flat.div_(size)
-        for grad, part in zip(replicated, flat.split([grad.numel() for grad in replicated]), strict=True):
-            grad.copy_(part.view_as(grad))
+        sum_tied_gradients(self._tied_weight(), self.tied_group)
+        flat_sum(replicated, self.data_group)
 
     def _tied_weight(self) -> nn.Parameter | None:
         for stage in self.stages:

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moeflow.comm.collectives import all_reduce
+from moeflow.comm.collectives import all_reduce, flat_sum
 from moeflow.comm.groups import group_size
 from moeflow.comm.ledger import CollectiveLedger, tracked
 from moeflow.models import TrainableLM
@@ -71,7 +71,7 @@ def synchronize_gradients(
             replicated.append(parameter.grad)
     copies_of_experts = group_size(expert_replicas)
     if copies_of_experts > 1:
-        _flat_sum([grad for grad, _ in experts], expert_replicas)  # summed over the copies
+        flat_sum([grad for grad, _ in experts], expert_replicas)  # summed over the copies
     for grad, where in experts:
         grad.div_(replicas)
         sharded_sq += squared_norm_share(grad, where.sharding, model.groups.rank) / copies_of_experts
@@ -84,7 +84,7 @@ def synchronize_gradients(
     for block, parameters in packed.items():  # each block's copy summed its own tokens: add the copies
         grads = [p.grad for p, _ in parameters]
         if copies is None:  # (the scheduler's groups span the world: the expert groups' copies too)
-            _flat_sum(grads, model.groups.strided(block))
+            flat_sum(grads, model.groups.strided(block))
             _average(grads, expert_replicas if copies_of_experts > 1 else None, replicas)
         sharded_sq += sum(squared_norm_share(p.grad, placed.sharding, model.groups.rank)
                           for p, placed in parameters) / copies_of_experts
@@ -103,21 +103,7 @@ def packed_block(placed: PlacedParameter | None) -> int | None:
 
 def _average(grads: list[torch.Tensor], group: dist.ProcessGroup | None, size: int) -> None:
     """The mean of each gradient over ``group`` of ``size`` workers (one flat all-reduce)."""
-    _flat_sum(grads, group if size > 1 else None, size)
-
-
-def _flat_sum(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int = 1) -> None:
-    """Each gradient summed over ``group`` (None: left as it is), over ``divisor``, in one flat all-reduce."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        all_reduce(flat, group)
-    flat.div_(divisor)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    flat_sum(grads, group if size > 1 else None, size)
 
 
 def clip_gradients(model: TrainableLM, expert_names: set[str], expert_sq_global: float, max_norm: float) -> float:
