@@ -1,6 +1,7 @@
 """Pipeline parallelism (issue 81): a MoETransformer in stages over the ``pp`` dimension of a mesh,
 run by torch.distributed.pipelining's schedules, equals the one-process model trained on the same
-micro-batches (losses and parameters after 3 AdamW steps, fp32, dropless, aux loss on)."""
+micro-batches (losses, gradient norms and parameters after 3 AdamW steps, fp32, dropless, aux loss
+and loss-free balancing on, clipping that binds)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from moeflow.models.transformer import MoETransformer, TransformerConfig
 from moeflow.pipeline import StageSplit, pipeline_stages, schedule_named
-from moeflow.pipeline.build import _check_mesh
+from moeflow.pipeline.groups import check_mesh
 from pool import run_distributed
 
 STEPS, MICROBATCHES, BATCH = 3, 4, 8
+CLIP = 0.05  # below every step's gradient norm (the reference checks): clipping binds
 ADAM_EPS = 1e-6  # Adam divides by sqrt(v) + eps: at the default 1e-8 a gradient of ~1e-10 (an expert element few
 # tokens reach, the key bias's zero) turns its summation-order rounding into a 1e-5 step difference
 
@@ -24,7 +26,7 @@ ADAM_EPS = 1e-6  # Adam divides by sqrt(v) + eps: at the default 1e-8 a gradient
 def _config() -> TransformerConfig:
     return TransformerConfig.build(vocab_size=64, context=8, layers=4, heads=2, model_dim=16, hidden_dim=32,
                                    num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_weight=0.01,
-                                   expert_kernel="bmm")
+                                   expert_kernel="bmm", expert_bias_update_rate=0.01)
 
 
 def _batches(replicas: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -36,13 +38,16 @@ def _batches(replicas: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _reference(replicas: int = 1) -> dict[str, Any]:
     """One process: each step's batch in the same micro-batches (of each of ``replicas`` ranks'
-    batches), the mean of their losses (the language model's and the aux losses) backpropagated."""
+    batches), the mean of their losses (the language model's and the aux losses) backpropagated,
+    the balancing bias moved once a step from all of their load."""
     torch.manual_seed(0)
     model = MoETransformer(_config(), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    losses = []
+    losses, norms = [], []
     for idx, targets in _batches(replicas):
         total = 0.0
+        for layer in model.moe_layers():
+            layer.hold_bias_updates()
         for replica in range(replicas):
             rows = slice(replica * BATCH, (replica + 1) * BATCH)
             for idx_mb, targets_mb in zip(idx[rows].chunk(MICROBATCHES), targets[rows].chunk(MICROBATCHES),
@@ -50,42 +55,59 @@ def _reference(replicas: int = 1) -> dict[str, Any]:
                 _, loss = model(idx_mb, targets_mb)
                 (loss / (MICROBATCHES * replicas)).backward()
                 total += float(loss.detach()) / (MICROBATCHES * replicas)
+        for layer in model.moe_layers():
+            layer.release_bias_updates()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
-    return {"losses": losses, "parameters": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    assert min(norms) > CLIP  # the clipping binds
+    biases = {f"blocks.{i}.ffn.gate.expert_bias": model.blocks[i].moe.gate.expert_bias.clone()
+              for i in model.moe_block_indices()}
+    assert all(bias.abs().sum() > 0 for bias in biases.values())  # the balancing moved them
+    return {"losses": losses, "norms": norms, "biases": biases,
+            "parameters": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _pipelined(rank: int, world_size: int, schedule: str, ep_size: int = 1) -> dict[str, Any]:
+def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_size: int = 1) -> dict[str, Any]:
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world_size // ep_size, ep_size), mesh_dim_names=("pp", "ep"))
-    model = MoETransformer(_config(), group=mesh.get_group("ep"), seed=0)
-    pipeline = pipeline_stages(model, mesh, schedule=schedule, microbatches=MICROBATCHES, batch_size=BATCH)
+    pp_size = world_size // (dp_size * ep_size)
+    mesh = init_device_mesh("cpu", (pp_size, dp_size, ep_size), mesh_dim_names=("pp", "dp", "ep"))
+    pipeline = pipeline_stages(_config(), mesh, schedule=schedule, microbatches=MICROBATCHES, batch_size=BATCH)
+    model = pipeline.model
     optimizer = torch.optim.AdamW(list(pipeline.parameters()), lr=1e-2, eps=ADAM_EPS)
-    losses, replica = [], mesh.get_local_rank("ep")
-    for idx, targets in _batches(ep_size):
+    losses, norms, replica = [], [], mesh.get_local_rank("dp") * ep_size + mesh.get_local_rank("ep")
+    for idx, targets in _batches(dp_size * ep_size):
         rows = slice(replica * BATCH, (replica + 1) * BATCH)
         losses.append(pipeline.step(idx[rows], targets[rows]))
+        norms.append(pipeline.clip_gradients(CLIP))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     held = {name: p.detach().clone() for name, p in pipeline.named_parameters()}
     if ep_size > 1:  # each rank's experts are its share: the whole ones are compared
         held = {name: p for name, p in held.items() if name not in model.expert_parameter_names()}
-        for stage in pipeline.stages:  # a collective over each stage's expert group, in block order
-            for index, block in stage.blocks.items():
-                full = block.moe.full_state_dict() if block.moe is not None else {}
-                held |= {f"blocks.{index}.ffn.{name}": value for name, value in full.items()
-                         if name.startswith("experts.")}
-    return {"losses": losses, "parameters": held, "stages": [stage.index for stage in pipeline.stages]}
+        for index, layer in zip(model.moe_block_indices(), model.moe_layers(), strict=True):  # a collective each
+            held |= {f"blocks.{index}.ffn.{name}": value for name, value in layer.full_state_dict().items()
+                     if name.startswith("experts.")}
+    biases = {f"blocks.{i}.ffn.gate.expert_bias": model.blocks[i].moe.gate.expert_bias.clone()
+              for i in model.moe_block_indices()}
+    return {"losses": losses, "norms": norms, "parameters": held, "biases": biases,
+            "stages": [stage.index for stage in pipeline.stages],
+            "blocks": sorted(model.part.blocks), "stage_blocks": [list(stage.blocks) for stage in pipeline.stages]}
 
 
 def _compare(results: list[dict[str, Any]], expected: dict[str, Any], schedule: str, pp_size: int) -> None:
     held = sorted({index for result in results for index in result["stages"]})
     assert held == list(range(schedule_named(schedule).num_stages(pp_size)))
     seen = set()
-    for result in results:
+    for result in results:  # a rank builds its own stages' blocks only
+        assert result["blocks"] == sorted(int(index) for blocks in result["stage_blocks"] for index in blocks)
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5,
                                    atol=1e-6)
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5,
+                                   atol=1e-6)
+        for name, bias in result["biases"].items():
+            torch.testing.assert_close(bias, expected["biases"][name], rtol=0, atol=0)
         for name, value in result["parameters"].items():
             torch.testing.assert_close(value, expected["parameters"][name], rtol=1e-5, atol=1e-5,
                                        msg=lambda m, name=name: f"{name}: {m}")
@@ -104,7 +126,13 @@ def test_two_stages_equal_the_one_process_model(schedule: str) -> None:
 def test_two_stages_of_two_expert_parallel_ranks_equal_the_one_process_model(schedule: str) -> None:
     """P 2 x EP 2 on 4 processes: each stage's experts split over its two ranks, which read
     different batches; the one process runs both batches' micro-batches."""
-    _compare(run_distributed(_pipelined, 4, schedule, 2, timeout_s=300), _reference(2), schedule, 2)
+    _compare(run_distributed(_pipelined, 4, schedule, 1, 2, timeout_s=300), _reference(2), schedule, 2)
+
+
+@pytest.mark.distributed
+def test_two_stages_of_two_data_parallel_copies_equal_the_one_process_model() -> None:
+    """P 2 x DP 2 on 4 processes: each stage copied on two ranks reading different batches."""
+    _compare(run_distributed(_pipelined, 4, "interleaved", 2, 1, timeout_s=300), _reference(2), "interleaved", 2)
 
 
 def test_the_split_is_even_or_as_given_and_refuses_what_cannot_run() -> None:
@@ -116,5 +144,7 @@ def test_the_split_is_even_or_as_given_and_refuses_what_cannot_run() -> None:
         StageSplit.of(4, 2, [1, 2])
     with pytest.raises(ValueError, match="pp_schedule='zb' is unknown"):
         schedule_named("zb")
-    with pytest.raises(ValueError, match=r"\('pp', 'ep'\)"):  # data parallelism inside a stage: not yet
-        _check_mesh(SimpleNamespace(mesh_dim_names=("pp", "dp", "ep")))
+    with pytest.raises(ValueError, match=r"'pp' first, got \('ep', 'pp'\)"):
+        check_mesh(SimpleNamespace(mesh_dim_names=("ep", "pp")))
+    with pytest.raises(ValueError, match=r"got \('pp', 'tp'\)"):
+        check_mesh(SimpleNamespace(mesh_dim_names=("pp", "tp")))

@@ -13,6 +13,7 @@ T positions, M model dim, V vocabulary, E experts.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from moeflow.core.clamped_swiglu import clamp_of
 from moeflow.core.experts import ExpertFFN
 from moeflow.core.workspace import share_workspace
 from moeflow.kernels.choice import share_kernel_table
+from moeflow.models.model_part import AbsentBlock, ModelPart
 from moeflow.models.tensor_parallel import TENSOR_PARALLEL_KINDS, HeadShards
 from moeflow.moe.layer import MoELayer
 from moeflow.parallel.placement import PlacedParameter, expert_parallel_names
@@ -186,18 +188,21 @@ class MoETransformer(nn.Module):
 
     def __init__(
         self, config: TransformerConfig, group: ParallelGroups | dist.ProcessGroup | None = None, seed: int = 0,
-        profile: str | None = None,
+        profile: str | None = None, part: ModelPart | None = None,
     ) -> None:
+        """``part``: only those blocks and ends (a pipeline rank's stages); the rest is absent, no
+        parameter of it made, and what is held is initialised as in the whole model."""
         super().__init__()
-        self.config = config
+        self.config, self.part, self.profile = config, part or ModelPart.whole(config.layers), profile
         groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
         self.groups = groups
-        self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim)
-        self.position_embedding = nn.Embedding(config.context, config.model_dim)
+        self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim) if self.part.token_embedding else None
+        self.position_embedding = nn.Embedding(config.context, config.model_dim) if self.part.embeddings else None
         self.blocks = nn.ModuleList(
-            Block(config, config.is_moe_block(i), groups, profile) for i in range(config.layers)
+            Block(config, config.is_moe_block(i), groups, profile) if i in self.part.blocks else AbsentBlock(i)
+            for i in range(config.layers)
         )
-        self.ln_final = nn.LayerNorm(config.model_dim)
+        self.ln_final = nn.LayerNorm(config.model_dim) if self.part.head else None
         share_workspace(self.moe_layers())  # one set of backward buffers for all the layers
         share_kernel_table(self.moe_layers())  # kernel_backend="auto" measures once for all of them
         for index, layer in zip(self.moe_block_indices(), self.moe_layers(), strict=True):
@@ -213,7 +218,7 @@ class MoETransformer(nn.Module):
 
     def moe_block_indices(self) -> list[int]:
         """The block number of each of :meth:`moe_layers`."""
-        return self.config.moe_blocks
+        return [index for index in self.config.moe_blocks if index in self.part.blocks]
 
     def placed_parameters(self) -> dict[str, PlacedParameter]:
         """Every expert parameter's placement and kind (``w1``, ``b1``, ...) and every
@@ -250,29 +255,50 @@ class MoETransformer(nn.Module):
     def _initialize(self, seed: int) -> None:
         """GPT-2 initialization from one seed, the same on every rank and for any number of ranks:
         each MoE layer draws expert e from the layer's seed and e (only this rank's experts), so a
-        model is the same function whether it runs on 1 or W workers."""
+        model is the same function whether it runs on 1 or W workers. A part draws what it does
+        not hold too (one tensor at a time, then dropped; no expert), so that it holds what the
+        whole model would."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
-        experts = self.placed_parameters()
         heads = self._head_shards()
         with torch.no_grad():
-            for name, parameter in self.named_parameters():
-                if name in experts and name not in heads:
+            for name, parameter in self._parameters_in_drawing_order():
+                held = not parameter.is_meta
+                if _is_expert_parameter(name) or (not held and parameter.dim() == 1):
                     continue
                 if parameter.dim() == 1 or name.endswith((".b1", ".b2", ".b3")):  # biases zero, LayerNorm gains one
-                    parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
+                    if held:
+                        parameter.fill_(1.0 if "ln_" in name and name.endswith("weight") else 0.0)
                     continue
                 std = residual_std if name.endswith(("proj.weight", ".w2")) else 0.02
-                if name in heads:  # drawn whole, so any MP size gives the same model
-                    shards, kind = heads[name]
-                    full = torch.randn(shards.full_shape(kind, parameter), generator=generator) * std
-                    parameter.copy_(shards.shard_tensor(kind, full, self.groups.rank))
-                    continue
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+                shards, kind = heads.get(name, (None, None))
+                shape = shards.full_shape(kind, parameter) if shards is not None else parameter.shape
+                drawn = torch.randn(shape, generator=generator) * std  # a head's drawn whole: any MP size alike
+                if held:
+                    parameter.copy_(drawn if shards is None else shards.shard_tensor(kind, drawn, self.groups.rank))
             stds = {"w1": 0.02, "w3": 0.02, "w2": residual_std}
-            for layer_index, layer in enumerate(self.moe_layers()):  # each rank draws its own experts alone
-                layer.experts.reset_by_expert(layer.placement.local_slices(layer.rank), seed * 1000 + layer_index + 1,
-                                              layer.config.hidden_dim, stds)
+            for ordinal, index in enumerate(self.config.moe_blocks):  # each rank draws its own experts alone
+                if (layer := self.blocks[index].moe) is not None:
+                    layer.experts.reset_by_expert(layer.placement.local_slices(layer.rank), seed * 1000 + ordinal + 1,
+                                                  layer.config.hidden_dim, stds)
+
+    def _parameters_in_drawing_order(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The whole model's parameters in their order: this part's, and stand-ins on the meta
+        device (shapes, no storage) for what another part holds."""
+        config = self.config
+        with torch.device("meta"):
+            stand_ins = {"token_embedding": nn.Embedding(config.vocab_size, config.model_dim),
+                         "position_embedding": nn.Embedding(config.context, config.model_dim)}
+        for name, stand_in in stand_ins.items():
+            module = getattr(self, name)
+            yield from (module or stand_in).named_parameters(prefix=name)
+        for index, block in enumerate(self.blocks):
+            if isinstance(block, AbsentBlock):
+                with torch.device("meta"):
+                    block = Block(config, config.is_moe_block(index), self.groups, self.profile)
+            yield from block.named_parameters(prefix=f"blocks.{index}")
+        if self.ln_final is not None:
+            yield from self.ln_final.named_parameters(prefix="ln_final")
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -312,6 +338,11 @@ class MoETransformer(nn.Module):
             next_token = torch.multinomial(probabilities, 1, generator=generator)
             idx_BT = torch.cat([idx_BT, next_token], dim=1)
         return idx_BT
+
+
+def _is_expert_parameter(name: str) -> bool:
+    """An MoE layer's expert weight (``blocks.3.ffn.experts.w1``): drawn by expert, not in model order."""
+    return name.split(".")[2:4] == ["ffn", "experts"]
 
 
 def total_aux_loss(layers: list[MoELayer], like: torch.Tensor) -> torch.Tensor:

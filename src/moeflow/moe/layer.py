@@ -27,11 +27,12 @@ from moeflow.config import TUTEL_POSITIONAL, MoEConfig, call_settings, config_fr
 from moeflow.core.clamped_swiglu import clamp_of
 from moeflow.core.experts import ExpertFFN, shared_output
 from moeflow.core.routing import build_gate
-from moeflow.core.routing.router import Routing, route, update_expert_bias
+from moeflow.core.routing.router import Routing, route
 from moeflow.core.stats import RoutingStats
 from moeflow.core.workspace import Workspace
 from moeflow.kernels.choice import KernelChoice, KernelTable
 from moeflow.kernels.precision import checked_tokens, compute_dtype
+from moeflow.moe.bias_updates import BiasUpdates
 from moeflow.moe.forward_memory import ForwardMemory, GraphValue, LastForward, recomputing
 from moeflow.parallel.build import attach_mp_group, build_execution
 from moeflow.parallel.dispatchers.capacity import CapacityDispatcher
@@ -121,7 +122,7 @@ class MoELayer(nn.Module):
                                  initialize=False, clamp=clamp)
         # one draw from the global generator, whatever the placement: ranks seeded alike build the
         # experts one process would, each rank only its own (expert e from the seed and e)
-        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64, device="cpu"))
         self.experts.reset_by_expert(self.placement.local_slices(self.rank), seed, c.hidden_dim)
         mark_expert_parameters(self.experts)  # so that data parallelism leaves them alone
         shared_hidden = c.hidden_dim if c.shared_hidden_dim is None else c.shared_hidden_dim
@@ -136,6 +137,7 @@ class MoELayer(nn.Module):
         self.kernel_table = KernelTable()  # kernel_backend="auto"'s measured choices (see share_kernel_table)
         self._last = LastForward(GraphValue(torch.zeros(())))  # aux loss and statistics, for reading
         self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+        self._bias_updates = BiasUpdates()  # after each forward, or held over a step's micro-batches
         self.dispatchers = self._dispatchers()
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
 
@@ -273,10 +275,21 @@ class MoELayer(nn.Module):
         statistics and the tokens the next load agreement carries."""
         self._last.aux_loss = GraphValue(routing.aux_loss)
         if self._moves_bias:
-            update_expert_bias(self.gate, agreed.load.counts_WE.sum(0), self.config.expert_bias_update_rate)
+            rate = self.config.expert_bias_update_rate
+            self._bias_updates.after_forward(self.gate, agreed.load.counts_WE.sum(0), rate)
         self._last.stats = stats
         if agreed.next_bucket is not None:
             self._last.gather_bucket = agreed.next_bucket
+
+    def hold_bias_updates(self) -> None:
+        """Loss-free balancing over several forwards that make one step (a pipeline's
+        micro-batches): the selection bias stays as it is until :meth:`release_bias_updates`."""
+        self._bias_updates.hold()
+
+    def release_bias_updates(self, replicas: dist.ProcessGroup | None = None) -> None:
+        """Move the selection bias once, from the load of every forward since :meth:`hold_bias_updates`
+        and of every copy of this layer in ``replicas``: what one forward of the step's tokens would."""
+        self._bias_updates.release(self.gate, self.config.expert_bias_update_rate, replicas)
 
     @property
     def _moves_bias(self) -> bool:

@@ -1,33 +1,39 @@
-"""A model's pipeline on this rank: its stages, torch's schedule over them, and one training step.
+"""A model's pipeline on this rank: its part of the model, its stages, torch's schedule over them,
+and one training step.
 
-    mesh = init_device_mesh("cpu", (pp, ep), mesh_dim_names=("pp", "ep"))
-    model = MoETransformer(config, group=mesh.get_group("ep"))
-    pipeline = pipeline_stages(model, mesh, schedule="1f1b", microbatches=4, batch_size=8)
-    loss = pipeline.step(idx_BT, targets_BT)   # forward and backward; then optimizer.step()
+    mesh = init_device_mesh("cpu", (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
+    pipeline = pipeline_stages(config, mesh, schedule="1f1b", microbatches=4, batch_size=8)
+    optimizer = torch.optim.AdamW(pipeline.parameters())
+    loss = pipeline.step(idx_BT, targets_BT)   # forward and backward of every micro-batch
+    pipeline.clip_gradients(1.0)
+    optimizer.step()
 
-Every rank of the mesh calls :func:`pipeline_stages` together (it makes the tied embedding's
-groups). ``pipeline.parameters()`` are this rank's stages' (what its optimizer takes).
+Every rank of the mesh calls :func:`pipeline_stages` together (it makes the pipeline's groups).
+A rank builds only the blocks of its own stages; ``pipeline.parameters()`` are those.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 from moeflow.comm.collectives import flat_sum, reduce_values
-from moeflow.comm.groups import group_size
-from moeflow.models.transformer import MoETransformer
+from moeflow.comm.groups import ParallelGroups
+from moeflow.models.model_part import ModelPart
+from moeflow.models.transformer import MoETransformer, TransformerConfig
+from moeflow.moe.layer import MoELayer
+from moeflow.pipeline.groups import PipelineGroups, check_mesh, pipeline_groups
 from moeflow.pipeline.schedules import PipelineSchedule, build_runtime, schedule_named
 from moeflow.pipeline.split import StageSplit
 from moeflow.pipeline.stage import TransformerStage
-from moeflow.pipeline.tied import sum_tied_gradients, tied_embedding_group
+from moeflow.pipeline.tied import sum_tied_gradients
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -37,15 +43,14 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Pipeline:
-    """This rank's stages of a pipelined model and the schedule that runs them."""
+    """This rank's part of a pipelined model, its stages and the schedule that runs them."""
 
+    model: MoETransformer  # this rank's part (:class:`~moeflow.models.model_part.ModelPart`)
     stages: list[TransformerStage]
     schedule: PipelineSchedule
     runtime: object
-    pp_group: dist.ProcessGroup
-    tied_group: dist.ProcessGroup | None
+    groups: PipelineGroups
     microbatches: int
-    data_group: dist.ProcessGroup | None  # the stage's expert group, whose ranks read different batches
     expert_names: frozenset[str]  # the expert-parallel parameters (their gradients sum the group's tokens)
 
     @property
@@ -57,102 +62,134 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the model's names, each once (a V schedule's two stages
-        share the tied embedding)."""
-        seen: set[int] = set()
-        for stage in self.stages:
-            for name, parameter in stage.named_parameters():
-                if id(parameter) not in seen:
-                    seen.add(id(parameter))
-                    yield name, parameter
+        """This rank's parameters under the model's names, each once."""
+        return self.model.named_parameters()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, each once: what its optimizer takes."""
-        return (parameter for _, parameter in self.named_parameters())
+        return self.model.parameters()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return self.model.moe_layers()
 
     def step(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
         """One forward and backward of the whole batch in micro-batches; the gradients are then
-        those of the mean loss over the micro-batches (language model plus every stage's aux
-        losses), the tied embedding's summed over its copies. Returns that loss, on every rank.
-        Every rank of the pipeline passes the same batch (the first stage reads the ids, the last
-        the targets)."""
+        those of the mean loss over the micro-batches and the stage's data ranks (language model
+        plus every stage's aux losses), the tied embedding's summed over its copies, and the
+        loss-free balancing bias moved once, from the whole step's load. Returns that loss, on
+        every rank. Every rank of a pipeline passes the same batch (the first stage reads the ids,
+        the last the targets)."""
         losses: list[torch.Tensor] = []
         inputs = (idx_BT,) if self.holds_first else ()
+        for layer in self.moe_layers():
+            layer.hold_bias_updates()
         self.runtime.step(*inputs, target=targets_BT if self.holds_last else None, losses=losses)
+        for layer in self.moe_layers():
+            layer.release_bias_updates(self.groups.replicas)
         self._mean_gradients()
         lm = float(torch.stack(losses).detach().mean()) if losses else 0.0
         aux = sum(float(stage.take_aux_losses()) for stage in self.stages)
-        loss = sum(reduce_values([lm, aux], self.pp_group))
-        size = group_size(self.data_group)
-        return loss if size == 1 else reduce_values([loss], self.data_group)[0] / size
+        return self._mean_over_pipelines(lm + aux)
+
+    @torch.no_grad()
+    def evaluate(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
+        """The mean language-model loss of a batch, forward only and in eval mode (no capacity
+        drop unless the config's evaluation factor asks), on every rank."""
+        losses: list[torch.Tensor] = []
+        self.model.eval()
+        try:
+            self.runtime.eval(*((idx_BT,) if self.holds_first else ()),
+                              target=targets_BT if self.holds_last else None, losses=losses)
+        finally:
+            self.model.train()
+            for stage in self.stages:
+                stage.take_aux_losses()
+        return self._mean_over_pipelines(float(torch.stack(losses).mean()) if losses else 0.0)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale every gradient so that the whole model's gradient norm, over every stage and
+        expert, is at most ``max_norm`` (0: no clipping; torch's formula); returns that norm."""
+        replicated_sq = expert_sq = 0.0
+        for name, parameter in self.named_parameters():
+            if parameter.grad is None or (name.startswith("token_embedding.") and not self.model.part.embeddings):
+                continue  # the tied embedding's copy on the last stage is counted on the first
+            if name in self.expert_names:
+                expert_sq += float(parameter.grad.pow(2).sum()) if self.groups.counts_experts else 0.0
+            elif self.groups.counts_replicated:
+                replicated_sq += float(parameter.grad.pow(2).sum())
+        stage_sums = reduce_values([replicated_sq, expert_sq], self.groups.pp)
+        norm = math.sqrt(sum(reduce_values(stage_sums, self.groups.data) if self.groups.data else stage_sums))
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, torch.tensor(norm))
+        return norm
+
+    def _mean_over_pipelines(self, own_share: float) -> float:
+        """A value each stage holds a share of, summed over the stages and averaged over the
+        stage's data ranks."""
+        total = sum(reduce_values([own_share], self.groups.pp))
+        size = self.groups.data_size
+        return total if size == 1 else reduce_values([total], self.groups.data)[0] / size
 
     def _mean_gradients(self) -> None:
-        """The gradients of the mean loss over the micro-batches and the expert group's ranks (which
-        read different batches): each parameter's divided once by both counts (torch's per-stage
-        scaling would divide a parameter two stages share twice), the tied embedding's copies
-        summed, the replicated parameters' summed over the group in one all-reduce. The experts'
-        already sum every rank's tokens, through the all-to-all's backward."""
-        size = group_size(self.data_group)
-        replicated = []
+        """The gradients of the mean loss over the micro-batches and the stage's data ranks: each
+        divided once by both counts (torch's per-stage scaling would divide a parameter two
+        stages share twice), the tied embedding's copies summed, the replicated parameters' summed
+        over the data ranks and the experts' over their copies, each in one flat all-reduce."""
+        size = self.groups.data_size
+        replicated, experts = [], []
         for name, parameter in self.named_parameters():
             if parameter.grad is None:
                 if size == 1:
                     continue
                 parameter.grad = torch.zeros_like(parameter)  # every rank adds the same flat tensor
             parameter.grad.div_(self.microbatches * size)
-            if size > 1 and name not in self.expert_names:
-                replicated.append(parameter.grad)
-        sum_tied_gradients(self._tied_weight(), self.tied_group)
-        flat_sum(replicated, self.data_group)
-
-    def _tied_weight(self) -> nn.Parameter | None:
-        for stage in self.stages:
-            if stage.token_embedding is not None:
-                return stage.token_embedding.weight
-        return None
+            (experts if name in self.expert_names else replicated).append(parameter.grad)
+        sum_tied_gradients(self.model.token_embedding.weight if self.model.token_embedding else None,
+                           self.groups.tied)
+        flat_sum(replicated, self.groups.data)
+        flat_sum(experts, self.groups.replicas)
 
 
 def pipeline_stages(
-    model: MoETransformer, mesh: DeviceMesh, schedule: str = "1f1b", microbatches: int = 4, batch_size: int = 8,
-    seq_len: int | None = None, split: Sequence[int] | None = None, stages_per_rank: int = 2,
+    config: TransformerConfig, mesh: DeviceMesh, schedule: str = "1f1b", microbatches: int = 4,
+    batch_size: int = 8, seq_len: int | None = None, split: Sequence[int] | None = None, stages_per_rank: int = 2,
+    seed: int = 0, expert_groups: ParallelGroups | None = None, device: torch.device | None = None,
 ) -> Pipeline:
-    """This rank's stages of ``model`` over ``mesh``'s ``pp`` dimension under ``schedule``
-    (``gpipe``, ``1f1b``, ``interleaved``, ``zbv``, ``dualpipev``): the blocks ``split`` over the
-    stages (evenly by default), ``batch_size`` sequences of ``seq_len`` (the model's context) a
-    step in ``microbatches`` micro-batches."""
+    """This rank's stages of a :class:`MoETransformer` of ``config`` (initialised from ``seed`` as
+    the whole model would be) over ``mesh``'s ``pp`` dimension under ``schedule`` (``gpipe``,
+    ``1f1b``, ``interleaved``, ``zbv``, ``dualpipev``): the blocks ``split`` over the stages (evenly
+    by default), ``batch_size`` sequences of ``seq_len`` (the model's context) a step and data rank,
+    in ``microbatches`` micro-batches. ``expert_groups``: the MoE layers' groups over the mesh's
+    ``ep`` dimension with a topology and a ledger (made from the mesh when not given)."""
     kind = schedule_named(schedule)
-    _check_mesh(mesh)
+    check_mesh(mesh)
     if batch_size % microbatches:
         raise ValueError(f"batch_size={batch_size} must split into microbatches={microbatches} equal micro-batches; "
                          "choose a batch size that the number of micro-batches divides")
-    pp_group = mesh.get_group("pp")
-    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    groups = pipeline_groups(mesh, kind, stages_per_rank)
+    pp_rank, pp_size = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
     num_stages = kind.num_stages(pp_size, stages_per_rank)
-    stage_split = StageSplit.of(model.config.layers, num_stages, split)
+    stage_split = StageSplit.of(config.layers, num_stages, split)
     indices = kind.stage_indices(pp_rank, pp_size, stages_per_rank)
-    tied = tied_embedding_group(mesh, 0, _rank_of_stage(kind, num_stages - 1, pp_size, stages_per_rank))
-    device = next(model.parameters()).device
-    shape = (batch_size // microbatches, seq_len or model.config.context)
+    part = ModelPart.of_stages([stage_split.blocks[index] for index in indices], 0 in indices,
+                               num_stages - 1 in indices)
+    device = device or _mesh_device(mesh)
+    expert_groups = expert_groups or (ParallelGroups.from_group(groups.experts) if groups.experts is not None
+                                      else ParallelGroups.single_process())
+    model = MoETransformer(config, group=expert_groups, seed=seed, part=part).to(device)
+    shape = (batch_size // microbatches, seq_len or config.context)
     stages = [TransformerStage(model, index, stage_split) for index in indices]
     wrapped = [PipelineStage(stage, stage.index, num_stages, device, input_args=_example_input(stage, shape, device),
-                             output_args=_example_output(stage, shape, device), group=pp_group)
+                             output_args=_example_output(stage, shape, device), group=groups.pp)
                for stage in stages]
     runtime = build_runtime(kind, wrapped, microbatches, lm_loss)
-    data_group = mesh.get_group("ep") if "ep" in mesh.mesh_dim_names else None
-    return Pipeline(stages, kind, runtime, pp_group, tied, microbatches, data_group,
-                    frozenset(model.expert_parameter_names()))
+    return Pipeline(model, stages, kind, runtime, groups, microbatches, frozenset(model.expert_parameter_names()))
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
-    """A (pp,) or (pp, ep) mesh: data parallelism beside expert parallelism inside a stage comes later."""
-    names = mesh.mesh_dim_names or ()
-    if "pp" not in names or set(names) - {"pp", "ep"}:
-        raise ValueError(f"pipeline_stages takes a mesh with dimensions ('pp',) or ('pp', 'ep'), got {names}: "
-                         "init_device_mesh(device, (pp, ep), mesh_dim_names=('pp', 'ep'))")
-
-
-def _rank_of_stage(kind: PipelineSchedule, stage: int, pp_size: int, stages_per_rank: int) -> int:
-    return next(rank for rank in range(pp_size) if stage in kind.stage_indices(rank, pp_size, stages_per_rank))
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _example_input(stage: TransformerStage, shape: tuple[int, int], device: torch.device) -> torch.Tensor:

@@ -38,6 +38,10 @@ class PipelineSchedule:
     def num_stages(self, pp_size: int, stages_per_rank: int = 2) -> int:
         return pp_size * (self.stages_per_rank or stages_per_rank)
 
+    def rank_of(self, stage: int, pp_size: int, stages_per_rank: int = 2) -> int:
+        """The ``pp`` rank that holds ``stage``."""
+        return next(rank for rank in range(pp_size) if stage in self.stage_indices(rank, pp_size, stages_per_rank))
+
 
 SCHEDULES = {
     "gpipe": PipelineSchedule("gpipe", ScheduleGPipe, 1, "loop"),
