@@ -17,7 +17,8 @@ import pytest
 from moeflow.distributed import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TESTED = {"train_loop.py", "train_loop_fsdp2.py", "convert_hf.py", "plan_cluster.py", "hf_expert_parallel.py"}
+TESTED = {"train_loop.py", "train_loop_fsdp2.py", "convert_hf.py", "plan_cluster.py", "hf_expert_parallel.py",
+          "pipeline_loop.py"}
 TINY_TRAINING = ["--steps", "12", "--batch", "4", "--sequence", "16", "--vocab", "32", "--model-dim", "16",
                  "--hidden-dim", "32", "--num-experts", "4"]
 
@@ -57,6 +58,16 @@ def test_train_loop_under_torchrun_on_two_processes(script: str) -> None:
     assert summary["example"] == script and summary["world_size"] == 2
     assert summary["last_loss"] < 0.7 * summary["first_loss"]
     assert summary["stdout"].count('"example"') == 1  # rank 0 alone reports
+
+
+@pytest.mark.distributed
+def test_pipeline_loop_trains_in_two_stages_of_two_expert_parallel_ranks_under_torchrun() -> None:
+    summary = run_example("-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                          "--master-port", str(free_port()), "examples/pipeline_loop.py", "--pp", "2", "--ep", "2",
+                          "--steps", "20")
+    assert summary["example"] == "pipeline_loop" and summary["world_size"] == 4
+    assert summary["blocks_here"] == [0, 1]  # rank 0 builds the first stage's blocks only
+    assert summary["last_loss"] < 0.7 * summary["first_loss"]
 
 
 @pytest.mark.distributed

@@ -30,7 +30,8 @@ from moeflow.models.model_part import ModelPart
 from moeflow.models.transformer import MoETransformer, TransformerConfig
 from moeflow.moe.layer import MoELayer
 from moeflow.pipeline.groups import PipelineGroups, check_mesh, pipeline_groups
-from moeflow.pipeline.schedules import PipelineSchedule, build_runtime, schedule_named
+from moeflow.pipeline.layout import PipelineSchedule, schedule_named
+from moeflow.pipeline.schedules import build_runtime
 from moeflow.pipeline.split import StageSplit
 from moeflow.pipeline.stage import TransformerStage
 from moeflow.pipeline.tied import sum_tied_gradients

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from moeflow.comm.groups import group_size
-from moeflow.pipeline.schedules import PipelineSchedule
+from moeflow.comm.groups import group_size, group_timeout
+from moeflow.comm.mesh import backend_options
+from moeflow.pipeline.layout import PipelineSchedule
 from moeflow.pipeline.tied import tied_embedding_group
 
 MESH_DIMS = ("pp", "dp", "ep")
@@ -63,10 +64,12 @@ def pipeline_groups(mesh: DeviceMesh, kind: PipelineSchedule, stages_per_rank: i
     check_mesh(mesh)
     names = mesh.mesh_dim_names
     inside = [dim for dim in ("dp", "ep") if dim in names and mesh.size(names.index(dim)) > 1]
-    data = (None if not inside else mesh.get_group(inside[0]) if len(inside) == 1
-            else mesh["dp", "ep"]._flatten("stage").get_group())  # torch's own flattening (torchtitan's way)
+    timeout = group_timeout(mesh.get_group("pp"))  # the groups made here time out as the mesh's do
+    override = backend_options(timeout) if timeout is not None else None
+    data = (None if not inside else mesh.get_group(inside[0]) if len(inside) == 1  # torch's flattening (torchtitan's)
+            else mesh["dp", "ep"]._flatten("stage", backend_override=override).get_group())
     pp_size = mesh.size(names.index("pp"))
     last = kind.num_stages(pp_size, stages_per_rank) - 1
-    tied = tied_embedding_group(mesh, 0, kind.rank_of(last, pp_size, stages_per_rank))
+    tied = tied_embedding_group(mesh, 0, kind.rank_of(last, pp_size, stages_per_rank), timeout)
     return PipelineGroups(mesh.get_group("pp"), data, mesh.get_group("ep") if "ep" in inside else None,
                           mesh.get_group("dp") if "dp" in inside else None, tied)

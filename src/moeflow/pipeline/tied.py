@@ -5,6 +5,8 @@ are made up front by every rank, in one order, from the mesh."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,7 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from moeflow.comm.collectives import all_reduce
 
 
-def tied_embedding_group(mesh: DeviceMesh, first_pp_rank: int, last_pp_rank: int) -> dist.ProcessGroup | None:
+def tied_embedding_group(
+    mesh: DeviceMesh, first_pp_rank: int, last_pp_rank: int, timeout: timedelta | None = None,
+) -> dist.ProcessGroup | None:
     """The group of this rank's two copies (the ranks at ``first_pp_rank`` and ``last_pp_rank`` on
     the ``pp`` dimension, the other coordinates equal); None where one rank holds both stages or
     this rank holds neither. Every rank of the mesh must call it (it makes every pair's group)."""
@@ -22,7 +26,7 @@ def tied_embedding_group(mesh: DeviceMesh, first_pp_rank: int, last_pp_rank: int
     firsts, lasts = ranks[first_pp_rank].flatten().tolist(), ranks[last_pp_rank].flatten().tolist()
     mine = None
     for first, last in zip(firsts, lasts, strict=True):
-        group = dist.new_group([first, last])
+        group = dist.new_group([first, last], timeout=timeout)
         if dist.get_rank() in (first, last):
             mine = group
     return mine

@@ -60,10 +60,13 @@ LEGACY_MODEL = "model.safetensors"
 def save_checkpoint(
     run_dir: Path, step: int, model: TrainableLM, optimizer: torch.optim.Optimizer,
     group: dist.ProcessGroup | None, rank: int, world_size: int, state: dict[str, Any],
-    extra_files: list[Path], keep: int,
+    extra_files: list[Path], keep: int, first_expert_copy: bool | None = None,
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically (a collective: every rank writes its part;
-    rank 0 completes it) and return its path on every rank."""
+    rank 0 completes it) and return its path on every rank. ``first_expert_copy``: whether this
+    rank's expert group is the first of its copies, which writes the experts (None: the group
+    whose expert ranks are the global ranks, as ``--ep-size`` lays them out)."""
+    first_copy = rank == model.groups.rank if first_expert_copy is None else first_expert_copy
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:06d}"
     temporary = root / f".step-{step:06d}.tmp"
@@ -72,7 +75,7 @@ def save_checkpoint(
         # exist_ok: another rank's DCP writer may create the (still empty) folder meanwhile (seen in CI)
         temporary.mkdir(parents=True, exist_ok=True)
     try:
-        save_sharded(temporary, model_and_optimizer_state(model, optimizer, rank, primary_only=True), group)
+        save_sharded(temporary, model_and_optimizer_state(model, optimizer, first_copy, primary_only=True), group)
         if rank != 0:
             return final
         for path in extra_files:
@@ -192,7 +195,7 @@ def load_checkpoint(
     """Load this rank's part of the checkpoint into ``model`` (and ``optimizer``); return its state."""
     if (checkpoint / METADATA).exists():
         keys = saved_keys(checkpoint) if optimizer is not None else None
-        state = model_and_optimizer_state(model, optimizer, rank, primary_only=False, optimizer_keys=keys)
+        state = model_and_optimizer_state(model, optimizer, True, primary_only=False, optimizer_keys=keys)
         load_sharded(checkpoint, state)
         if optimizer is not None:
             install_optimizer_state(model, optimizer, state)

@@ -26,6 +26,7 @@ from moeflow.config import (
     validate_topology_gate,
 )
 from moeflow.data import TOKENIZERS
+from moeflow.training.pipeline_settings import check_pipeline
 
 if TYPE_CHECKING:
     from moeflow.models import TransformerConfig
@@ -81,6 +82,9 @@ class TrainConfig:
     ranks_per_node: int | None = None  # workers per node, node-major; None: the launcher's, or one node
     mp_size: int = 1  # tensor-parallel attention over this many consecutive workers (Parm's MP)
     esp_size: int | None = None  # Parm's N_ESP: hidden shards per expert behind --mp-size; None: mp_size
+    pp_size: int = 1  # pipeline stages over this many groups of consecutive workers (outermost); 1: none
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv | dualpipev (torch.distributed.pipelining's)
+    microbatches: int | None = None  # with --pp-size: micro-batches a step; None: the schedule's stage count
     profile: str | None = None  # a calibrated cluster profile for the planner
     plan: str | None = None  # a plan file (moeflow plan --out): its settings, and its prediction in summary.json
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
@@ -147,6 +151,7 @@ class TrainConfig:
         require_choice("backend", self.backend, BACKENDS)
         require_choice("dtype", self.dtype, DTYPE_NAMES)
         self._check_nodes()
+        check_pipeline(self)
         self._check_expert_parallel_size()
         if self.hf is None:
             self._check_parallel()
@@ -218,8 +223,14 @@ class TrainConfig:
 
     @property
     def expert_workers(self) -> int:
-        """The workers each MoE layer places its experts over: ``ep_size``, or every worker."""
-        return self.ep_size or self.workers
+        """The workers each MoE layer places its experts over: ``ep_size``, or every worker of a
+        pipeline stage (every worker without a pipeline)."""
+        return self.ep_size or self.stage_workers
+
+    @property
+    def stage_workers(self) -> int:
+        """The workers that run each pipeline stage (``workers / pp_size``; every worker without one)."""
+        return self.workers // self.pp_size
 
     @property
     def expert_workers_setting(self) -> str:
@@ -238,12 +249,13 @@ class TrainConfig:
     def _check_expert_parallel_size(self) -> None:
         """--ep-size N: the experts over N consecutive workers, those groups copies of each other over
         the data-parallel rest; a layout that cannot be is refused here."""
-        if self.ep_size is None or self.ep_size == self.workers:
+        if self.ep_size is None or self.ep_size == self.stage_workers:
             return
         require_positive_int("ep_size", self.ep_size)
-        if self.workers % self.ep_size:
-            raise ValueError(f"workers={self.workers} is not a multiple of ep_size={self.ep_size}: the workers form "
-                             f"workers / ep-size data-parallel copies of ep-size expert-parallel workers")
+        if self.stage_workers % self.ep_size:
+            workers = "workers" if self.pp_size == 1 else "the workers of a pipeline stage (workers / pp_size)"
+            raise ValueError(f"{workers}={self.stage_workers} is not a multiple of ep_size={self.ep_size}: they form "
+                             f"data-parallel copies of ep-size expert-parallel workers")
         if self.ep_size % self.mp_size:
             raise ValueError(f"ep_size={self.ep_size} is not a multiple of mp_size={self.mp_size}: each expert group "
                              "holds whole tensor-parallel groups (Parm's MP inside its EP group)")
@@ -445,6 +457,12 @@ FIELD_HELP: dict[str, str] = {
     "ep_size": "the experts of every MoE layer over this many consecutive workers, those groups data-parallel "
     "copies of each other (expert parallel inside data parallel); unset: over every worker; a multiple of "
     "--mp-size",
+    "pp_size": "pipeline parallelism: the blocks in stages over this many groups of workers / pp-size consecutive "
+    "workers (pp outermost, then data parallel, then --ep-size); 1: no pipeline. See the pipeline guide",
+    "pp_schedule": "with --pp-size: gpipe, 1f1b, interleaved (two stages per worker), zbv or dualpipev (a V: each "
+    "worker holds stage r and 2P - 1 - r)",
+    "microbatches": "with --pp-size: micro-batches a step (they divide --batch-size; at least the schedule's stage "
+    "count); unset: that count",
     "ranks_per_node": "workers per node, numbered node-major (what 2DH, pairwise, the smart schedule and the "
     "topology gate read); unset: the launcher's LOCAL_WORLD_SIZE, or every worker on one node",
     "mp_size": "tensor-parallel attention over this many consecutive workers, data parallel over the rest; "

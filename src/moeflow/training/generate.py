@@ -35,11 +35,11 @@ def load_model(path: str, groups: ParallelGroups | None = None) -> tuple[MoETran
             f"{str(checkpoint)!r} is from a run that fine-tuned a transformers model (--hf); generate from the "
             "transformers directory it wrote at the end: moeflow generate --hf <run-dir>/hf --prompts FILE"
         )
-    # the plain expert-parallel layer: no pipelining, all-to-all choice or re-placed experts
+    # the plain expert-parallel layer: no pipelining (of chunks or of stages), all-to-all choice or re-placed experts
     workers = 1 if groups is None else groups.size
     plain = {"workers": workers, "pipeline": 1, "alltoall": "linear", "profile": None, "shadowing": "off",
              "topology_gate": "off", "redundant_experts": 0, "balance": "fixed", "parallel": DEFAULT_SCHEDULE,
-             "mp_size": 1, "esp_size": None, "expert_packing": "off"}
+             "mp_size": 1, "esp_size": None, "expert_packing": "off", "pp_size": 1, "microbatches": None}
     config = TrainConfig(**checked_keys(state["config"], "checkpoint")).updated(plain)
     tokenizer = load_tokenizer(checkpoint / "tokenizer.json")
     model = MoETransformer(config.model_config(tokenizer.get_vocab_size()), group=groups)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,15 @@ from moeflow.training.corpus import prepared_corpus
 from moeflow.training.faults import FaultPlan
 from moeflow.training.metrics import METRICS
 from moeflow.training.trainer import Job, device_for, train_worker
+
+
+def worker_for(config: TrainConfig) -> Callable[[int, int, Job], dict[str, Any]]:
+    """The training loop every worker runs: the pipelined one with ``--pp-size`` > 1."""
+    if config.pp_size > 1:
+        from moeflow.training.pipeline_trainer import pipeline_train_worker
+
+        return pipeline_train_worker
+    return train_worker
 
 
 def launched_by_torchrun() -> bool:
@@ -125,7 +135,7 @@ def run_training(
 
     job = replace(prepare_job(config, checkpoint), faults=faults)
     summary = run_distributed(
-        train_worker, job.config.workers, job, threads_per_worker=job.config.threads_per_worker,
+        worker_for(job.config), job.config.workers, job, threads_per_worker=job.config.threads_per_worker,
         timeout_s=float("inf"), collective_timeout_s=job.config.collective_timeout_s,
     )[0]
     if report:
@@ -149,7 +159,8 @@ def _run_as_launched_rank(config: TrainConfig, checkpoint: Path | None, report: 
         assert job[0] is not None
         if rank != 0:  # every other rank prepares (or finds) the corpus in its own node's cache
             job[0] = replace(job[0], corpus=_prepare_corpus(config))
-        summary = train_worker(rank, world_size, replace(job[0], ranks_per_node=ranks_per_node, local_rank=local_rank))
+        worker = worker_for(config)
+        summary = worker(rank, world_size, replace(job[0], ranks_per_node=ranks_per_node, local_rank=local_rank))
     finally:
         destroy_process_groups()
     if report and rank == 0:

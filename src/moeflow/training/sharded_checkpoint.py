@@ -74,7 +74,7 @@ class ShardedState:
 
 
 def model_and_optimizer_state(
-    model: TrainableLM, optimizer: torch.optim.Optimizer | None, rank: int, primary_only: bool,
+    model: TrainableLM, optimizer: torch.optim.Optimizer | None, first_copy: bool, primary_only: bool,
     optimizer_keys: set[str] | None = None,
 ) -> ShardedState:
     """This rank's model and AdamW state as DCP entries, views of the live tensors (loading writes
@@ -82,11 +82,11 @@ def model_and_optimizer_state(
     it holds. ``optimizer_keys``: when loading, the optimizer entries the checkpoint has (their
     tensors are created here and installed by :func:`install_optimizer_state`). The experts' chunks
     are this rank's in its expert group; where the expert groups are copies of each other
-    (``--ep-size``), only the first group's ranks (global rank = expert rank) write them."""
+    (``--ep-size``), only the ``first_copy``'s ranks write them."""
     placed_params = model.placed_parameters()
     state = ShardedState({}, {}, {})
     expert_rank = model.groups.rank
-    holds_primary = not primary_only or rank == expert_rank
+    holds_primary = not primary_only or first_copy
 
     def add(key: str, name: str, tensor: torch.Tensor) -> None:
         state.local[key] = tensor

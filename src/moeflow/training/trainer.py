@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from moeflow.comm.collectives import all_gather_objects
 from moeflow.comm.groups import ParallelGroups, proper_divisors
 from moeflow.comm.ledger import CollectiveLedger, tracked
+from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
@@ -90,7 +90,7 @@ def device_for(config: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _progress(config: TrainConfig, rank: int, start: int) -> Any:
+def progress_bar(config: TrainConfig, rank: int, start: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(
@@ -215,8 +215,8 @@ def expert_layout(
     (None, None) where the experts span every worker."""
     if config.expert_workers == world_size:
         return None, None
-    mesh = init_device_mesh(device.type, (world_size // config.expert_workers, config.expert_workers),
-                            mesh_dim_names=(EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM))
+    mesh = timed_mesh(device.type, (world_size // config.expert_workers, config.expert_workers),
+                      (EXPERT_REPLICA_DIM, EXPERT_PARALLEL_DIM), timedelta(seconds=config.collective_timeout_s))
     return mesh[EXPERT_PARALLEL_DIM].get_group(), mesh[EXPERT_REPLICA_DIM].get_group()
 
 
@@ -229,8 +229,8 @@ def tensor_parallel_layout(
     group); (None, None) without tensor parallelism."""
     if config.mp_size == 1:
         return None, None
-    mesh = init_device_mesh(device.type, (world_size // config.mp_size, config.mp_size),
-                            mesh_dim_names=("replica", "mp"))
+    mesh = timed_mesh(device.type, (world_size // config.mp_size, config.mp_size), ("replica", "mp"),
+                      timedelta(seconds=config.collective_timeout_s))
     return mesh["mp"].get_group(), mesh["replica"].get_group()
 
 
@@ -478,7 +478,7 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     run, start_step = _start_run(rank, world_size, job)
     run.model.train()
     run.model.clock.enabled = True
-    progress = _progress(run.config, rank, start_step)
+    progress = progress_bar(run.config, rank, start_step)
     last_step = run.config.stop_at or run.config.steps
     try:
         for step in range(start_step + 1, last_step + 1):
