@@ -69,11 +69,13 @@ def _reference(replicas: int = 1) -> dict[str, Any]:
             "parameters": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_size: int = 1) -> dict[str, Any]:
+def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_size: int = 1,
+               checkpointed: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     pp_size = world_size // (dp_size * ep_size)
     mesh = init_device_mesh("cpu", (pp_size, dp_size, ep_size), mesh_dim_names=("pp", "dp", "ep"))
-    pipeline = pipeline_stages(_config(), mesh, schedule=schedule, microbatches=MICROBATCHES, batch_size=BATCH)
+    pipeline = pipeline_stages(_config(), mesh, schedule=schedule, microbatches=MICROBATCHES, batch_size=BATCH,
+                               activation_checkpointing=checkpointed)
     model = pipeline.model
     optimizer = torch.optim.AdamW(list(pipeline.parameters()), lr=1e-2, eps=ADAM_EPS)
     losses, norms, replica = [], [], mesh.get_local_rank("dp") * ep_size + mesh.get_local_rank("ep")
@@ -130,6 +132,14 @@ def test_two_stages_of_two_expert_parallel_ranks_equal_the_one_process_model(sch
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
+def test_activation_checkpointing_inside_the_stages_equals_the_one_process_model(schedule: str) -> None:
+    """Every block recomputed in the backward, its MoE layers replaying each micro-batch's plan in
+    forward order (gpipe: all four forwards before the first backward; zbv: backward split in two)."""
+    _compare(run_distributed(_pipelined, 2, schedule, 1, 1, True, timeout_s=300), _reference(), schedule, 2)
+
+
+@pytest.mark.distributed
 def test_two_stages_of_two_data_parallel_copies_equal_the_one_process_model() -> None:
     """P 2 x DP 2 on 4 processes: each stage copied on two ranks reading different batches."""
     _compare(run_distributed(_pipelined, 4, "interleaved", 2, 1, timeout_s=300), _reference(2), "interleaved", 2)
@@ -148,3 +158,19 @@ def test_the_split_is_even_or_as_given_and_refuses_what_cannot_run() -> None:
         check_mesh(SimpleNamespace(mesh_dim_names=("ep", "pp")))
     with pytest.raises(ValueError, match=r"got \('pp', 'tp'\)"):
         check_mesh(SimpleNamespace(mesh_dim_names=("pp", "tp")))
+
+
+def test_a_stage_replays_its_micro_batches_records_in_their_forward_order() -> None:
+    """A recompute takes its forward's record: in one model the latest (backwards run in reverse),
+    in a pipeline's stage the earliest (its micro-batches' backwards run in their forwards' order),
+    and a stage keeps as many as its step's micro-batches, beyond the usual few."""
+    from moeflow.moe.forward_memory import KEPT, ForwardMemory
+
+    memory = ForwardMemory()
+    records = [memory.start(False, torch.tensor([float(i)])) for i in range(3)]
+    assert memory.start(True, None) is records[-1]
+    memory = ForwardMemory()
+    memory.replay_in_forward_order(KEPT + 4)
+    records = [memory.start(False, torch.tensor([float(i)])) for i in range(KEPT + 4)]
+    replayed = [memory.start(True, None) for _ in records]
+    assert all(got is want for got, want in zip(replayed, records, strict=True))

@@ -60,16 +60,26 @@ class LastForward:
 class ForwardMemory:
     """One record per forward, latest last: a recompute takes the latest record not yet taken,
     since recomputes run in the backward, in reverse order of their forwards. (A layer whose calls
-    in one step are only partly checkpointed would hand a recompute a later call's record.)"""
+    in one step are only partly checkpointed would hand a recompute a later call's record.) In a
+    pipeline's stage, micro-batches run their backwards in the order of their forwards: there a
+    recompute takes the earliest (:meth:`replay_in_forward_order`)."""
 
     def __init__(self) -> None:
         self._records: deque[ForwardRecord] = deque(maxlen=KEPT)
+        self._earliest_first = False
+
+    def replay_in_forward_order(self, calls_per_step: int) -> None:
+        """Recomputes take the records in the order of their forwards, ``calls_per_step`` kept."""
+        self._records = deque(self._records, maxlen=max(KEPT, calls_per_step))
+        self._earliest_first = True
 
     def start(self, recompute: bool, moving_bias: torch.Tensor | None) -> ForwardRecord:
         """A forward's record, kept (``moving_bias``: the bias this forward will move, copied as
         it routes with it); a recompute's is its forward's, taken (an empty one if none is kept)."""
         if recompute:
-            return self._records.pop() if self._records else ForwardRecord()
+            if not self._records:
+                return ForwardRecord()
+            return self._records.popleft() if self._earliest_first else self._records.pop()
         record = ForwardRecord(None if moving_bias is None else moving_bias.clone())
         self._records.append(record)
         return record

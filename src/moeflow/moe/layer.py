@@ -136,7 +136,7 @@ class MoELayer(nn.Module):
         self.workspace = Workspace()  # the experts' large intermediates, reused step to step (see share_workspace)
         self.kernel_table = KernelTable()  # kernel_backend="auto"'s measured choices (see share_kernel_table)
         self._last = LastForward(GraphValue(torch.zeros(())))  # aux loss and statistics, for reading
-        self._memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
+        self.forward_memory = ForwardMemory()  # what activation checkpointing's recompute must repeat
         self._bias_updates = BiasUpdates()  # after each forward, or held over a step's micro-batches
         self.dispatchers = self._dispatchers()
         self.index: int | None = None  # its place in its model (the block number), named in hang reports
@@ -241,7 +241,7 @@ class MoELayer(nn.Module):
         grad = torch.is_grad_enabled()  # a no-grad forward is never a recompute (that runs with grad) nor rerun
         recompute, moves_bias = grad and recomputing(), self._moves_bias
         kernels, workspace = self._kernels(x_TM), self._step_workspace(recompute)
-        record = self._memory.start(recompute, self.gate.expert_bias if moves_bias else None) if grad else (
+        record = self.forward_memory.start(recompute, self.gate.expert_bias if moves_bias else None) if grad else (
             ForwardRecord())  # kept for no recompute: it would take a checkpointed forward's place
         return LayerCall(x_TM, k, factor, r, kernels, recompute, record, workspace, moves_bias, self.training)
 
@@ -302,7 +302,7 @@ class MoELayer(nn.Module):
         selections ahead (Lina's phase 1 for the next layer). The capacity
         slots are the capacity dispatcher's to assign (:meth:`Routing.slotted`)."""
         hook, x_TM, dropless = self.dispatchers.hook, call.x_TM, call.capacity_factor == 0
-        with self._memory.routing_bias(call.record, self.gate.expert_bias) if call.recompute else nullcontext():
+        with self.forward_memory.routing_bias(call.record, self.gate.expert_bias) if call.recompute else nullcontext():
             observe = None if hook is None else functools.partial(hook.routed, num_experts=self.config.num_experts,
                                                                   rank=self.rank)
             routing = route(self.gate, x_TM, call.top_k, self.config, self.node_limit, observe, slots=False,

@@ -155,13 +155,15 @@ def pipeline_stages(
     config: TransformerConfig, mesh: DeviceMesh, schedule: str = "1f1b", microbatches: int = 4,
     batch_size: int = 8, seq_len: int | None = None, split: Sequence[int] | None = None, stages_per_rank: int = 2,
     seed: int = 0, expert_groups: ParallelGroups | None = None, device: torch.device | None = None,
+    activation_checkpointing: bool = False,
 ) -> Pipeline:
     """This rank's stages of a :class:`MoETransformer` of ``config`` (initialised from ``seed`` as
     the whole model would be) over ``mesh``'s ``pp`` dimension under ``schedule`` (``gpipe``,
     ``1f1b``, ``interleaved``, ``zbv``, ``dualpipev``): the blocks ``split`` over the stages (evenly
     by default), ``batch_size`` sequences of ``seq_len`` (the model's context) a step and data rank,
     in ``microbatches`` micro-batches. ``expert_groups``: the MoE layers' groups over the mesh's
-    ``ep`` dimension with a topology and a ledger (made from the mesh when not given)."""
+    ``ep`` dimension with a topology and a ledger (made from the mesh when not given);
+    ``activation_checkpointing``: every block's activations recomputed in the backward."""
     kind = schedule_named(schedule)
     check_mesh(mesh)
     if batch_size % microbatches:
@@ -179,7 +181,10 @@ def pipeline_stages(
                                       else ParallelGroups.single_process())
     model = MoETransformer(config, group=expert_groups, seed=seed, part=part).to(device)
     shape = (batch_size // microbatches, seq_len or config.context)
-    stages = [TransformerStage(model, index, stage_split) for index in indices]
+    stages = [TransformerStage(model, index, stage_split, activation_checkpointing) for index in indices]
+    if activation_checkpointing:  # a stage's micro-batches run their backwards in their forwards' order
+        for layer in model.moe_layers():
+            layer.forward_memory.replay_in_forward_order(microbatches)
     wrapped = [PipelineStage(stage, stage.index, num_stages, device, input_args=_example_input(stage, shape, device),
                              output_args=_example_output(stage, shape, device), group=groups.pp)
                for stage in stages]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moeflow.models.transformer import MoETransformer, total_aux_loss
 from moeflow.moe.layer import MoELayer
@@ -24,8 +25,11 @@ class TransformerStage(nn.Module):
     first and the last stage both hold the token embedding (the head is tied to it): on different
     ranks, their gradients are summed after the backward (:mod:`moeflow.pipeline.tied`)."""
 
-    def __init__(self, model: MoETransformer, index: int, split: StageSplit) -> None:
+    def __init__(self, model: MoETransformer, index: int, split: StageSplit, checkpointed: bool = False) -> None:
+        """``checkpointed``: each block's activations recomputed in the backward (activation
+        checkpointing), the MoE layers replaying each micro-batch's plans in its forward's order."""
         super().__init__()
+        self.checkpointed = checkpointed
         self.index, self.num_stages = index, split.num_stages
         self.is_first, self.is_last = index == 0, index == split.num_stages - 1
         self.config, self.clock = model.config, model.clock
@@ -46,7 +50,10 @@ class TransformerStage(nn.Module):
             x = self.token_embedding(x) + self.position_embedding(positions)
         capacity_factor = None if self.training else self.config.eval_capacity_factor
         for block in self.blocks.values():
-            x = block(x, self.clock, capacity_factor)
+            if self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.clock, capacity_factor, use_reentrant=False)
+            else:
+                x = block(x, self.clock, capacity_factor)
         aux_loss = total_aux_loss(self.moe_layers(), x)
         self.aux_losses.append(aux_loss.detach())
         x = attach_aux_loss(x, aux_loss)
