@@ -5,6 +5,8 @@ and loss-free balancing on, clipping that binds)."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from moeflow.models.transformer import MoETransformer, TransformerConfig
 from moeflow.pipeline import StageSplit, pipeline_stages, schedule_named
+from moeflow.pipeline.build import lm_loss
 from moeflow.pipeline.groups import check_mesh
 from pool import run_distributed
 
@@ -95,15 +98,18 @@ def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_s
               for i in model.moe_block_indices()}
     return {"losses": losses, "norms": norms, "parameters": held, "biases": biases,
             "stages": [stage.index for stage in pipeline.stages],
-            "blocks": sorted(model.part.blocks), "stage_blocks": [list(stage.blocks) for stage in pipeline.stages]}
+            "blocks": sorted({int(name.split(".")[1]) for name, _ in pipeline.named_parameters()
+                              if name.startswith("blocks.")}),
+            "stage_blocks": [list(stage.blocks) for stage in pipeline.stages]}
 
 
 def _compare(results: list[dict[str, Any]], expected: dict[str, Any], schedule: str, pp_size: int) -> None:
     held = sorted({index for result in results for index in result["stages"]})
     assert held == list(range(schedule_named(schedule).num_stages(pp_size)))
     seen = set()
-    for result in results:  # a rank builds its own stages' blocks only
+    for result in results:  # a rank holds parameters of its own stages' blocks only, a part of the model
         assert result["blocks"] == sorted(int(index) for blocks in result["stage_blocks"] for index in blocks)
+        assert len(result["blocks"]) == _config().layers // pp_size
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected["losses"]), rtol=1e-5,
                                    atol=1e-6)
         torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(expected["norms"]), rtol=1e-5,
@@ -160,17 +166,42 @@ def test_the_split_is_even_or_as_given_and_refuses_what_cannot_run() -> None:
         check_mesh(SimpleNamespace(mesh_dim_names=("pp", "tp")))
 
 
-def test_a_stage_replays_its_micro_batches_records_in_their_forward_order() -> None:
-    """A recompute takes its forward's record: in one model the latest (backwards run in reverse),
-    in a pipeline's stage the earliest (its micro-batches' backwards run in their forwards' order),
-    and a stage keeps as many as its step's micro-batches, beyond the usual few."""
+def test_a_stage_names_each_forward_so_that_its_recomputes_find_its_record() -> None:
+    """A recompute takes its forward's record: in one model the latest (backwards run in reverse);
+    in a pipeline's stage the one of its name, whatever the order of the backwards and however
+    often it recomputes (a zero-bubble backward in two parts recomputes twice), the names of a
+    step's micro-batches kept beyond the usual few."""
     from moeflow.moe.forward_memory import KEPT, ForwardMemory
 
     memory = ForwardMemory()
     records = [memory.start(False, torch.tensor([float(i)])) for i in range(3)]
     assert memory.start(True, None) is records[-1]
-    memory = ForwardMemory()
-    memory.replay_in_forward_order(KEPT + 4)
-    records = [memory.start(False, torch.tensor([float(i)])) for i in range(KEPT + 4)]
-    replayed = [memory.start(True, None) for _ in records]
-    assert all(got is want for got, want in zip(replayed, records, strict=True))
+    memory, calls = ForwardMemory(), KEPT + 4
+    records = []
+    for name in range(calls):
+        with memory.call(name, calls):
+            records.append(memory.start(False, torch.tensor([float(name)])))
+    for name in [0, 0, 5, 1, 1, calls - 1]:  # in forward order, each twice, or out of it
+        with memory.call(name, calls):
+            assert memory.start(True, None) is records[name]
+
+
+def _evaluated(rank: int, world_size: int, config: TransformerConfig) -> float:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    pipeline = pipeline_stages(config, mesh, schedule="1f1b", microbatches=MICROBATCHES, batch_size=BATCH)
+    idx, targets = _batches()[0]
+    return pipeline.evaluate(idx, targets)
+
+
+@pytest.mark.distributed
+def test_evaluation_runs_the_stages_in_eval_mode_with_the_evaluation_capacity() -> None:
+    """Trained at a capacity factor that drops tokens, evaluated dropless (the config's evaluation
+    factor) as the one-process model is."""
+    config = dataclasses.replace(_config(), moe=dataclasses.replace(_config().moe, capacity_factor=0.5))
+    model = MoETransformer(config, seed=0).eval()
+    idx, targets = _batches()[0]
+    with torch.no_grad():  # the language model's loss (the aux losses are training's), a mean over micro-batches
+        chunks = zip(idx.chunk(MICROBATCHES), targets.chunk(MICROBATCHES), strict=True)
+        expected = statistics.fmean(float(lm_loss(model(i)[0], t)) for i, t in chunks)
+    for loss in run_distributed(_evaluated, 2, config, timeout_s=300):
+        assert loss == pytest.approx(expected, rel=1e-5)

@@ -89,3 +89,19 @@ def test_a_stage_rank_stopped_mid_step_ends_the_job_within_the_timeout_and_is_na
     with pytest.raises(WorkerError, match="worker 3 of 4 is stopped"):
         run_training(config, report=False, faults=FaultPlan(workers=(WorkerFault("stop", 3, "forward", step=2),)))
     assert time.monotonic() - began < 60
+
+
+def test_a_resumed_worker_takes_back_its_own_planners_or_each_blocks_first() -> None:
+    """Saved by 4 workers of 2 stages: the same layout resumes each worker's own, another takes
+    each block's first holder's; a run without a pipeline reads them in block order, and a
+    pipelined one reads a run without a pipeline's rank 0 by block."""
+    from moeflow.training.pipeline_trainer import planners_by_block
+    from moeflow.training.trainer import rank_planner_states
+
+    saved = {"planners_by_rank_block": [{"0": "a0", "1": "a1"}, {"0": "b0", "1": "b1"}, {"2": "c2", "3": "c3"},
+                                        {"2": "d2", "3": "d3"}]}  # as state.json keeps them: str keys
+    assert planners_by_block(saved, 1, 4, [0, 1, 2, 3]) == {0: "b0", 1: "b1"}
+    assert planners_by_block(saved, 0, 2, [0, 1, 2, 3]) == {0: "a0", 1: "a1", 2: "c2", 3: "c3"}
+    assert rank_planner_states(saved, 1, 2) == ["a0", "a1", "c2", "c3"]
+    unpipelined = {"planners_by_rank": [["r0", "r1"], ["s0", "s1"]]}
+    assert planners_by_block(unpipelined, 3, 4, [1, 3]) == {1: "r0", 3: "r1"}

@@ -25,5 +25,8 @@ def backend_options(timeout: timedelta) -> tuple[str, object]:
 def timed_mesh(device_type: str, shape: Sequence[int], names: Sequence[str], timeout: timedelta) -> DeviceMesh:
     """``init_device_mesh(device_type, shape, names)`` with every dimension's group timing out after ``timeout``."""
     override = backend_options(timeout)
-    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names),
-                            backend_override=dict.fromkeys(names, override))
+    try:
+        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names),
+                                backend_override=dict.fromkeys(names, override))
+    except TypeError:  # a torch before backend_override (2.9): the groups keep torch's default timeout
+        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))

@@ -15,7 +15,7 @@ teacher copy of the model taken after a forward): :class:`GraphValue` copies its
 from __future__ import annotations
 
 import contextlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -60,28 +60,45 @@ class LastForward:
 class ForwardMemory:
     """One record per forward, latest last: a recompute takes the latest record not yet taken,
     since recomputes run in the backward, in reverse order of their forwards. (A layer whose calls
-    in one step are only partly checkpointed would hand a recompute a later call's record.) In a
-    pipeline's stage, micro-batches run their backwards in the order of their forwards: there a
-    recompute takes the earliest (:meth:`replay_in_forward_order`)."""
+    in one step are only partly checkpointed would hand a recompute a later call's record.) A
+    pipeline's stage names its calls instead (:meth:`call`): its micro-batches' backwards run in
+    their forwards' order, and a backward split in two (zero-bubble) recomputes twice."""
 
     def __init__(self) -> None:
         self._records: deque[ForwardRecord] = deque(maxlen=KEPT)
-        self._earliest_first = False
+        self._named: OrderedDict[int, ForwardRecord] = OrderedDict()
+        self._name: int | None = None
+        self._kept_named = KEPT
 
-    def replay_in_forward_order(self, calls_per_step: int) -> None:
-        """Recomputes take the records in the order of their forwards, ``calls_per_step`` kept."""
-        self._records = deque(self._records, maxlen=max(KEPT, calls_per_step))
-        self._earliest_first = True
+    @contextlib.contextmanager
+    def call(self, name: int, kept: int) -> Iterator[None]:
+        """Within: the forward named ``name`` (its recompute repeats the name), its record kept
+        under it with the ``kept`` latest names' (one step's calls at least)."""
+        self._name, self._kept_named = name, max(KEPT, kept)
+        try:
+            yield
+        finally:
+            self._name = None
 
     def start(self, recompute: bool, moving_bias: torch.Tensor | None) -> ForwardRecord:
         """A forward's record, kept (``moving_bias``: the bias this forward will move, copied as
         it routes with it); a recompute's is its forward's, taken (an empty one if none is kept)."""
+        if self._name is not None:
+            return self._start_named(recompute, moving_bias)
         if recompute:
-            if not self._records:
-                return ForwardRecord()
-            return self._records.popleft() if self._earliest_first else self._records.pop()
+            return self._records.pop() if self._records else ForwardRecord()
         record = ForwardRecord(None if moving_bias is None else moving_bias.clone())
         self._records.append(record)
+        return record
+
+    def _start_named(self, recompute: bool, moving_bias: torch.Tensor | None) -> ForwardRecord:
+        """:meth:`start` for a named call: a recompute reads its forward's record (and may again)."""
+        assert self._name is not None
+        if recompute:
+            return self._named.get(self._name, ForwardRecord())
+        record = self._named[self._name] = ForwardRecord(None if moving_bias is None else moving_bias.clone())
+        while len(self._named) > self._kept_named:
+            self._named.popitem(last=False)
         return record
 
     @staticmethod

@@ -97,12 +97,15 @@ class Pipeline:
         """The mean language-model loss of a batch, forward only and in eval mode (no capacity
         drop unless the config's evaluation factor asks), on every rank."""
         losses: list[torch.Tensor] = []
-        self.model.eval()
+        modules = [self.model, *self.stages]  # a stage's own mode picks the evaluation's capacity factor
+        for module in modules:
+            module.eval()
         try:
             self.runtime.eval(*((idx_BT,) if self.holds_first else ()),
                               target=targets_BT if self.holds_last else None, losses=losses)
         finally:
-            self.model.train()
+            for module in modules:
+                module.train()
             for stage in self.stages:
                 stage.take_aux_losses()
         return self._mean_over_pipelines(float(torch.stack(losses).mean()) if losses else 0.0)
@@ -181,10 +184,8 @@ def pipeline_stages(
                                       else ParallelGroups.single_process())
     model = MoETransformer(config, group=expert_groups, seed=seed, part=part).to(device)
     shape = (batch_size // microbatches, seq_len or config.context)
-    stages = [TransformerStage(model, index, stage_split, activation_checkpointing) for index in indices]
-    if activation_checkpointing:  # a stage's micro-batches run their backwards in their forwards' order
-        for layer in model.moe_layers():
-            layer.forward_memory.replay_in_forward_order(microbatches)
+    stages = [TransformerStage(model, index, stage_split, activation_checkpointing, microbatches)
+              for index in indices]
     wrapped = [PipelineStage(stage, stage.index, num_stages, device, input_args=_example_input(stage, shape, device),
                              output_args=_example_output(stage, shape, device), group=groups.pp)
                for stage in stages]

@@ -25,11 +25,13 @@ class TransformerStage(nn.Module):
     first and the last stage both hold the token embedding (the head is tied to it): on different
     ranks, their gradients are summed after the backward (:mod:`moeflow.pipeline.tied`)."""
 
-    def __init__(self, model: MoETransformer, index: int, split: StageSplit, checkpointed: bool = False) -> None:
+    def __init__(self, model: MoETransformer, index: int, split: StageSplit, checkpointed: bool = False,
+                 microbatches: int = 1) -> None:
         """``checkpointed``: each block's activations recomputed in the backward (activation
-        checkpointing), the MoE layers replaying each micro-batch's plans in its forward's order."""
+        checkpointing), each recompute naming its forward to the MoE layers (``microbatches``:
+        the calls a step makes, whose records they keep)."""
         super().__init__()
-        self.checkpointed = checkpointed
+        self.checkpointed, self.microbatches, self.calls = checkpointed, microbatches, 0
         self.index, self.num_stages = index, split.num_stages
         self.is_first, self.is_last = index == 0, index == split.num_stages - 1
         self.config, self.clock = model.config, model.clock
@@ -51,7 +53,8 @@ class TransformerStage(nn.Module):
         capacity_factor = None if self.training else self.config.eval_capacity_factor
         for block in self.blocks.values():
             if self.checkpointed and torch.is_grad_enabled():
-                x = checkpoint(block, x, self.clock, capacity_factor, use_reentrant=False)
+                self.calls += 1
+                x = checkpoint(self._named_call, block, self.calls, x, capacity_factor, use_reentrant=False)
             else:
                 x = block(x, self.clock, capacity_factor)
         aux_loss = total_aux_loss(self.moe_layers(), x)
@@ -60,6 +63,15 @@ class TransformerStage(nn.Module):
         if self.is_last:
             return F.linear(self.ln_final(x), self.token_embedding.weight)
         return x
+
+    def _named_call(self, block: nn.Module, name: int, x: torch.Tensor, capacity_factor: float | None) -> torch.Tensor:
+        """A block's forward named ``name`` (its recompute passes the same name), so that its MoE
+        layer's recompute repeats this forward's plan whatever order the backwards run in."""
+        layer = block.moe
+        if layer is None:
+            return block(x, self.clock, capacity_factor)
+        with layer.forward_memory.call(name, self.microbatches):
+            return block(x, self.clock, capacity_factor)
 
     def take_aux_losses(self) -> torch.Tensor:
         """The sum of this stage's aux losses over the step's micro-batches, divided by their

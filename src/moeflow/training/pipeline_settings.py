@@ -22,7 +22,7 @@ class PipelineSettings(Protocol):
 
 NOT_WITH_PIPELINE: dict[str, Any] = {
     "hf": None, "mp_size": 1, "esp_size": None, "expert_packing": "off", "redundant_experts": 0,
-    "grad_sync": "after", "dtype": "fp32", "shadowing": "off", "balance": "fixed",
+    "grad_sync": "after", "dtype": "fp32", "shadowing": "off", "balance": "fixed", "profile": None,
 }
 """Settings a pipelined run keeps at these values: the pipelined trainer does not run the others yet."""
 

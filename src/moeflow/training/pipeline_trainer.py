@@ -91,7 +91,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         state = load_checkpoint(Path(job.resume_from), pipeline.model, optimizer, rank, world_size)
         give_back_free_memory()
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
-        _restore_planners(pipeline, state)
+        _restore_planners(pipeline, state, rank, world_size)
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
     run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, np.empty(0), log, tokens_seen)
     run.train_shard = shard_of(job.corpus.load("train"), run.replica, run.replicas)
@@ -151,11 +151,9 @@ def _evaluate_log_checkpoint(run: _PipelinedRun, step: int, last_step: int, reco
         planners = {index: layer.planner.state_dict()
                     for index, layer in zip(run.pipeline.model.moe_block_indices(), run.pipeline.moe_layers(),
                                             strict=True)}
-        by_block: dict[int, Any] = {}
-        for held in all_gather_objects(planners, dist.group.WORLD):  # each block's first rank's plan (its stage agreed)
-            by_block = {**held, **by_block}
+        every_rank = all_gather_objects(planners, dist.group.WORLD)  # each rank's own, by block
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": run.job.corpus.to_dict(),
-                 "loss": run.last_loss, "val_loss": run.val_loss, "planners_by_block": by_block}
+                 "loss": run.last_loss, "val_loss": run.val_loss, "planners_by_rank_block": every_rank}
         run.checkpoint = save_checkpoint(
             Path(run.job.run_dir), step, run.pipeline.model, run.optimizer, dist.group.WORLD, run.rank,
             config.workers, state, [run.job.corpus.tokenizer_path], config.keep_checkpoints,
@@ -163,15 +161,28 @@ def _evaluate_log_checkpoint(run: _PipelinedRun, step: int, last_step: int, reco
         )
 
 
-def _restore_planners(pipeline: Pipeline, state: dict[str, Any]) -> None:
-    """Each held MoE layer's planner as the checkpoint saved it: by block (a pipelined run's), or
-    rank 0's list in block order (a run without a pipeline)."""
-    by_block = {int(block): planned for block, planned in state.get("planners_by_block", {}).items()}
-    if not by_block and state.get("planners_by_rank"):
-        by_block = dict(zip(pipeline.model.config.moe_blocks, state["planners_by_rank"][0], strict=False))
+def _restore_planners(pipeline: Pipeline, state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Each held MoE layer's planner as the checkpoint saved it (:func:`planners_by_block`)."""
+    by_block = planners_by_block(state, rank, world_size, pipeline.model.config.moe_blocks)
     for index, layer in zip(pipeline.model.moe_block_indices(), pipeline.moe_layers(), strict=True):
         if index in by_block:
             layer.planner.load_state_dict(by_block[index])
+
+
+def planners_by_block(state: dict[str, Any], rank: int, world_size: int, moe_blocks: list[int]) -> dict[int, Any]:
+    """The planners a rank resumes with, by block: its own where the checkpoint was saved by as
+    many ranks (a search in progress holds the rank's own trial times), else each block's first
+    holder's; from a run without a pipeline, rank 0's list in block order."""
+    if "planners_by_rank_block" in state:
+        saved = [{int(block): planned for block, planned in held.items()} for held in state["planners_by_rank_block"]]
+        if len(saved) == world_size:
+            return saved[rank]
+        first: dict[int, Any] = {}
+        for held in saved:
+            first = {**held, **first}
+        return first
+    by_rank = state.get("planners_by_rank") or [state.get("planners", [])]
+    return dict(zip(moe_blocks, by_rank[0], strict=False))
 
 
 def pipeline_train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:

@@ -91,6 +91,7 @@ def device_for(config: TrainConfig, local_rank: int) -> torch.device:
 
 
 def progress_bar(config: TrainConfig, rank: int, start: int) -> Any:
+    """Rank 0's bar of the run's steps (off with --no-progress and on the other ranks)."""
     from tqdm import tqdm
 
     return tqdm(
@@ -438,6 +439,11 @@ def rank_planner_states(state: dict[str, Any], rank: int, world_size: int) -> li
     and each expert group settles on its own; a state saved with another world size gives rank 0's,
     and one saved before the ranks' states were kept its one list (``planners``, rank 0's)."""
     by_rank = state.get("planners_by_rank")
+    if by_rank is None and "planners_by_rank_block" in state:  # a pipelined run's: each block's first holder's
+        first: dict[int, Any] = {}
+        for held in state["planners_by_rank_block"]:
+            first = {**{int(block): planned for block, planned in held.items()}, **first}
+        return [first[block] for block in sorted(first)]
     if by_rank is None:
         return state.get("planners", [])
     return by_rank[rank] if len(by_rank) == world_size else by_rank[0]
