@@ -264,7 +264,7 @@ class MoETransformer(nn.Module):
         with torch.no_grad():
             for name, parameter in self._parameters_in_drawing_order():
                 held = not parameter.is_meta
-                if _is_expert_parameter(name) or (not held and parameter.dim() == 1):
+                if _is_expert_parameter(name):
                     continue
                 if parameter.dim() == 1 or name.endswith((".b1", ".b2", ".b3")):  # biases zero, LayerNorm gains one
                     if held:

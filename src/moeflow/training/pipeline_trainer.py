@@ -26,6 +26,7 @@ from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
 from moeflow.pipeline import Pipeline, pipeline_stages
+from moeflow.pipeline.groups import MESH_DIMS
 from moeflow.runtime import give_back_free_memory
 from moeflow.training.batches import shard_of, token_windows, training_batch, validation_windows
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
@@ -34,9 +35,13 @@ from moeflow.training.metrics import METRICS, PROGRESS, MetricsLog
 from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, learning_rate
 from moeflow.training.pipeline_settings import pipeline_microbatches
-from moeflow.training.trainer import Job, device_for, progress_bar
-
-PIPELINE_MESH = ("pp", "dp", "ep")
+from moeflow.training.trainer import (
+    Job,
+    device_for,
+    first_holders_planners,
+    progress_bar,
+    saved_planners_by_block,
+)
 
 
 @dataclass
@@ -76,7 +81,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
     device = device_for(config, rank if job.local_rank is None else job.local_rank)
     expert_size = config.expert_workers
     mesh = timed_mesh(device.type, (config.pp_size, config.stage_workers // expert_size, expert_size),
-                      PIPELINE_MESH, timedelta(seconds=config.collective_timeout_s))
+                      MESH_DIMS, timedelta(seconds=config.collective_timeout_s))
     ledger = worker_ledger(rank, world_size, Path(job.run_dir) / PROGRESS, job.faults)
     topology = Topology(world_size, config.ranks_per_node or job.ranks_per_node or world_size)
     experts = ParallelGroups.from_group(mesh.get_group("ep"), topology, ledger)
@@ -174,13 +179,8 @@ def planners_by_block(state: dict[str, Any], rank: int, world_size: int, moe_blo
     many ranks (a search in progress holds the rank's own trial times), else each block's first
     holder's; from a run without a pipeline, rank 0's list in block order."""
     if "planners_by_rank_block" in state:
-        saved = [{int(block): planned for block, planned in held.items()} for held in state["planners_by_rank_block"]]
-        if len(saved) == world_size:
-            return saved[rank]
-        first: dict[int, Any] = {}
-        for held in saved:
-            first = {**held, **first}
-        return first
+        saved = saved_planners_by_block(state)
+        return saved[rank] if len(saved) == world_size else first_holders_planners(saved)
     by_rank = state.get("planners_by_rank") or [state.get("planners", [])]
     return dict(zip(moe_blocks, by_rank[0], strict=False))
 

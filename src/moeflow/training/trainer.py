@@ -440,13 +440,24 @@ def rank_planner_states(state: dict[str, Any], rank: int, world_size: int) -> li
     and one saved before the ranks' states were kept its one list (``planners``, rank 0's)."""
     by_rank = state.get("planners_by_rank")
     if by_rank is None and "planners_by_rank_block" in state:  # a pipelined run's: each block's first holder's
-        first: dict[int, Any] = {}
-        for held in state["planners_by_rank_block"]:
-            first = {**{int(block): planned for block, planned in held.items()}, **first}
+        first = first_holders_planners(saved_planners_by_block(state))
         return [first[block] for block in sorted(first)]
     if by_rank is None:
         return state.get("planners", [])
     return by_rank[rank] if len(by_rank) == world_size else by_rank[0]
+
+
+def saved_planners_by_block(state: dict[str, Any]) -> list[dict[int, Any]]:
+    """A pipelined run's planners, each rank's by block (state.json keeps the blocks as strings)."""
+    return [{int(block): planned for block, planned in held.items()} for held in state["planners_by_rank_block"]]
+
+
+def first_holders_planners(by_rank: list[dict[int, Any]]) -> dict[int, Any]:
+    """Each block's planner from the lowest rank that holds it."""
+    first: dict[int, Any] = {}
+    for held in by_rank:
+        first = {**held, **first}
+    return first
 
 
 def _hf_files(config: TrainConfig) -> list[Path]:
