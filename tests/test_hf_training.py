@@ -28,6 +28,7 @@ from moeflow.training.metrics import iterate_records
 FINE_TUNE: dict[str, Any] = dict(
     context=16, batch_size=4, steps=24, eval_interval=12, eval_windows=8, checkpoint_interval=12, warmup_steps=2,
     lr=1e-2, min_lr=1e-3, pipeline=1, alltoall="linear", progress=False,
+    expert_kernel="bmm",  # runs compared bit for bit: expert_kernel='auto' probes each run's own rates
 )
 
 
