@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,10 +27,15 @@ ADAM_EPS = 1e-6  # Adam divides by sqrt(v) + eps: at the default 1e-8 a gradient
 # tokens reach, the key bias's zero) turns its summation-order rounding into a 1e-5 step difference
 
 
-def _config() -> TransformerConfig:
+def _config(**plan: Any) -> TransformerConfig:
+    """``plan``: the MoE layers' pipeline degree and all-to-all, fixed for runs compared bit for bit
+    (``auto`` times its candidates, and a chunked plan sums in another order)."""
     return TransformerConfig.build(vocab_size=64, context=8, layers=4, heads=2, model_dim=16, hidden_dim=32,
                                    num_experts=4, top_k=2, capacity_factor=0.0, aux_loss_weight=0.01,
-                                   expert_kernel="bmm", expert_bias_update_rate=0.01)
+                                   expert_kernel="bmm", expert_bias_update_rate=0.01, **plan)
+
+
+FIXED_PLAN = {"pipeline": 1, "alltoall": "linear"}
 
 
 def _batches(replicas: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -73,13 +79,22 @@ def _reference(replicas: int = 1) -> dict[str, Any]:
 
 
 def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_size: int = 1,
-               checkpointed: bool = False) -> dict[str, Any]:
+               checkpointed: bool = False, overlap: bool | None = None, plan: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     torch.manual_seed(0)
     pp_size = world_size // (dp_size * ep_size)
     mesh = init_device_mesh("cpu", (pp_size, dp_size, ep_size), mesh_dim_names=("pp", "dp", "ep"))
-    pipeline = pipeline_stages(_config(), mesh, schedule=schedule, microbatches=MICROBATCHES, batch_size=BATCH,
-                               activation_checkpointing=checkpointed)
+    pipeline = pipeline_stages(_config(**plan or {}), mesh, schedule=schedule, microbatches=MICROBATCHES,
+                               batch_size=BATCH, activation_checkpointing=checkpointed, overlap=overlap)
     model = pipeline.model
+    backward_threads: set[str] = set()  # the threads the MoE layers' backwards ran in
+
+    def note_backward_thread(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(lambda _grad: backward_threads.add(threading.current_thread().name.split()[0]))
+
+    for layer in model.moe_layers():
+        layer.register_forward_hook(note_backward_thread)
     optimizer = torch.optim.AdamW(list(pipeline.parameters()), lr=1e-2, eps=ADAM_EPS)
     losses, norms, replica = [], [], mesh.get_local_rank("dp") * ep_size + mesh.get_local_rank("ep")
     for idx, targets in _batches(dp_size * ep_size):
@@ -97,7 +112,7 @@ def _pipelined(rank: int, world_size: int, schedule: str, dp_size: int = 1, ep_s
     biases = {f"blocks.{i}.ffn.gate.expert_bias": model.blocks[i].moe.gate.expert_bias.clone()
               for i in model.moe_block_indices()}
     return {"losses": losses, "norms": norms, "parameters": held, "biases": biases,
-            "stages": [stage.index for stage in pipeline.stages],
+            "backward_threads": backward_threads, "stages": [stage.index for stage in pipeline.stages],
             "blocks": sorted({int(name.split(".")[1]) for name, _ in pipeline.named_parameters()
                               if name.startswith("blocks.")}),
             "stage_blocks": [list(stage.blocks) for stage in pipeline.stages]}
@@ -135,6 +150,25 @@ def test_two_stages_of_two_expert_parallel_ranks_equal_the_one_process_model(sch
     """P 2 x EP 2 on 4 processes: each stage's experts split over its two ranks, which read
     different batches; the one process runs both batches' micro-batches."""
     _compare(run_distributed(_pipelined, 4, schedule, 1, 2, timeout_s=300), _reference(2), schedule, 2)
+
+
+@pytest.mark.distributed
+def test_dualpipev_with_the_overlap_equals_it_without_bit_for_bit_also_with_checkpointing() -> None:
+    """P 2 x EP 2 under DualPipeV, every block recomputed in the backward (what torchtitan's overlap
+    did not compose with): each paired backward runs in a second thread beside the forward, its
+    stage's MoE layers on their own expert group, and the run equals the same schedule taking one
+    action at a time bit for bit (the same operations on the same values, each gradient summed in
+    the same order), and the one-process model."""
+    overlapped, one_at_a_time = (run_distributed(_pipelined, 4, "dualpipev", 1, 2, True, overlap, FIXED_PLAN,
+                                                                 timeout_s=300)
+                                 for overlap in (None, False))
+    for paired, alone in zip(overlapped, one_at_a_time, strict=True):
+        assert paired["backward_threads"] == {"MainThread", "pipeline"}  # some ran beside a forward
+        assert alone["backward_threads"] == {"MainThread"}
+        assert (paired["losses"], paired["norms"]) == (alone["losses"], alone["norms"])
+        for name, value in paired["parameters"].items():
+            torch.testing.assert_close(value, alone["parameters"][name], rtol=0, atol=0, msg=name)
+    _compare(overlapped, _reference(2), "dualpipev", 2)
 
 
 @pytest.mark.distributed

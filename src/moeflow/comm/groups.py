@@ -140,6 +140,7 @@ class ParallelGroups:
                 "build it from the launcher's LOCAL_WORLD_SIZE for this job"
             )
         self.expert = expert
+        self._world_topology = topology
         self.members = tuple(dist.get_process_group_ranks(expert)) if expert is not None else (0,)
         """The expert group's global ranks, by group rank."""
         self.topology, self.node_layout_problem = _node_layout(expert, self.members, topology)
@@ -217,6 +218,17 @@ class ParallelGroups:
             packed.ledger = self.ledger
             self._packed[size] = packed
         return self._packed[size]
+
+    def over(self, expert: ProcessGroup) -> ParallelGroups:
+        """These groups over ``expert``, another group of the same ranks, with subgroups of its own
+        (made here, by every rank of the world) and this ledger: a second lane, whose collectives
+        never pair with this one's when two threads issue them (a pipeline's overlapped forward and
+        backward)."""
+        members = tuple(dist.get_process_group_ranks(expert))
+        if members != self.members:
+            raise ValueError(f"a second lane of the expert group {self.members} needs a group of the same ranks, "
+                             f"got {members}")
+        return ParallelGroups(expert, self._world_topology, self.model, self.ledger)
 
     def strided(self, stride: int) -> ProcessGroup | None:
         """This rank's group of the ranks of the expert group with its index modulo ``stride``

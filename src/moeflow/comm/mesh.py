@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moeflow.comm.groups import group_timeout
+
 
 def backend_options(timeout: timedelta) -> tuple[str, object]:
     """The world's backend and its options with ``timeout``: what a new mesh group is made with."""
@@ -30,3 +32,15 @@ def timed_mesh(device_type: str, shape: Sequence[int], names: Sequence[str], tim
                                 backend_override=dict.fromkeys(names, override))
     except TypeError:  # a torch before backend_override (2.9): the groups keep torch's default timeout
         return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def second_group(mesh: DeviceMesh, dim: str) -> dist.ProcessGroup:
+    """This rank's second group along ``mesh``'s ``dim``: the ranks of ``mesh.get_group(dim)`` in a
+    group of their own (timing out as it does), so that two threads' collectives, one on each,
+    never pair. Every rank of the mesh makes every one of them, in the mesh's order (torch's
+    ``new_subgroups_by_enumeration``)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    axis = names.index(dim)
+    rows = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.size(axis)).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(rows, timeout=group_timeout(mesh.get_group(dim)))
+    return group

@@ -13,7 +13,7 @@ T positions, M model dim, V vocabulary, E experts.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +182,14 @@ class Block(nn.Module):
         return x + clock.around("moe", x, lambda h: moe(self.ln_ffn(h), capacity_factor=capacity_factor))
 
 
+def _by_lane(layers: list[MoELayer]) -> list[list[MoELayer]]:
+    """``layers`` grouped by the ParallelGroups they communicate over, in order of first use."""
+    lanes: dict[int, list[MoELayer]] = {}
+    for layer in layers:
+        lanes.setdefault(id(layer.groups), []).append(layer)
+    return list(lanes.values())
+
+
 class MoETransformer(nn.Module):
     """The language model. ``forward(idx, targets)`` returns (logits, loss) where loss is the mean
     cross-entropy of the targets plus the sum of the MoE aux losses (``None`` without targets)."""
@@ -189,22 +197,27 @@ class MoETransformer(nn.Module):
     def __init__(
         self, config: TransformerConfig, group: ParallelGroups | dist.ProcessGroup | None = None, seed: int = 0,
         profile: str | None = None, part: ModelPart | None = None,
+        block_groups: Mapping[int, ParallelGroups] | None = None,
     ) -> None:
         """``part``: only those blocks and ends (a pipeline rank's stages); the rest is absent, no
-        parameter of it made, and what is held is initialised as in the whole model."""
+        parameter of it made, and what is held is initialised as in the whole model.
+        ``block_groups``: other groups for some blocks (a second lane, :meth:`ParallelGroups.over`:
+        those blocks may run in another thread beside the others, with buffers of their own)."""
         super().__init__()
         self.config, self.part, self.profile = config, part or ModelPart.whole(config.layers), profile
         groups = group if isinstance(group, ParallelGroups) else ParallelGroups.from_group(group)
         self.groups = groups
+        lanes = block_groups or {}
         self.token_embedding = nn.Embedding(config.vocab_size, config.model_dim) if self.part.token_embedding else None
         self.position_embedding = nn.Embedding(config.context, config.model_dim) if self.part.embeddings else None
         self.blocks = nn.ModuleList(
-            Block(config, config.is_moe_block(i), groups, profile) if i in self.part.blocks else AbsentBlock(i)
-            for i in range(config.layers)
+            Block(config, config.is_moe_block(i), lanes.get(i, groups), profile) if i in self.part.blocks
+            else AbsentBlock(i) for i in range(config.layers)
         )
         self.ln_final = nn.LayerNorm(config.model_dim) if self.part.head else None
-        share_workspace(self.moe_layers())  # one set of backward buffers for all the layers
-        share_kernel_table(self.moe_layers())  # kernel_backend="auto" measures once for all of them
+        for lane in _by_lane(self.moe_layers()):
+            share_workspace(lane)  # one set of backward buffers for all the layers of a lane
+            share_kernel_table(lane)  # kernel_backend="auto" measures once for all of them
         for index, layer in zip(self.moe_block_indices(), self.moe_layers(), strict=True):
             layer.index = index  # what a hang report calls it
         self.clock = PhaseClock(enabled=False)

@@ -158,7 +158,7 @@ def pipeline_stages(
     config: TransformerConfig, mesh: DeviceMesh, schedule: str = "1f1b", microbatches: int = 4,
     batch_size: int = 8, seq_len: int | None = None, split: Sequence[int] | None = None, stages_per_rank: int = 2,
     seed: int = 0, expert_groups: ParallelGroups | None = None, device: torch.device | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, overlap: bool | None = None,
 ) -> Pipeline:
     """This rank's stages of a :class:`MoETransformer` of ``config`` (initialised from ``seed`` as
     the whole model would be) over ``mesh``'s ``pp`` dimension under ``schedule`` (``gpipe``,
@@ -166,13 +166,17 @@ def pipeline_stages(
     by default), ``batch_size`` sequences of ``seq_len`` (the model's context) a step and data rank,
     in ``microbatches`` micro-batches. ``expert_groups``: the MoE layers' groups over the mesh's
     ``ep`` dimension with a topology and a ledger (made from the mesh when not given);
-    ``activation_checkpointing``: every block's activations recomputed in the backward."""
+    ``activation_checkpointing``: every block's activations recomputed in the backward;
+    ``overlap``: under a schedule that pairs one micro-batch's forward with another's backward
+    (``dualpipev``), run the two side by side, each one's all-to-alls beside the other's compute
+    (None: wherever the stages have an expert group to wait on; :mod:`moeflow.pipeline.overlap`)."""
     kind = schedule_named(schedule)
     check_mesh(mesh)
+    overlap = _overlaps(kind, mesh, overlap)
     if batch_size % microbatches:
         raise ValueError(f"batch_size={batch_size} must split into microbatches={microbatches} equal micro-batches; "
                          "choose a batch size that the number of micro-batches divides")
-    groups = pipeline_groups(mesh, kind, stages_per_rank)
+    groups = pipeline_groups(mesh, kind, stages_per_rank, overlap)
     pp_rank, pp_size = mesh.get_local_rank("pp"), mesh.size(mesh.mesh_dim_names.index("pp"))
     num_stages = kind.num_stages(pp_size, stages_per_rank)
     stage_split = StageSplit.of(config.layers, num_stages, split)
@@ -182,15 +186,28 @@ def pipeline_stages(
     device = device or _mesh_device(mesh)
     expert_groups = expert_groups or (ParallelGroups.from_group(groups.experts) if groups.experts is not None
                                       else ParallelGroups.single_process())
-    model = MoETransformer(config, group=expert_groups, seed=seed, part=part).to(device)
+    second = {} if groups.second_experts is None else dict.fromkeys(  # the V's second stage: the other lane
+        stage_split.blocks[indices[1]], expert_groups.over(groups.second_experts))
+    model = MoETransformer(config, group=expert_groups, seed=seed, part=part, block_groups=second).to(device)
     shape = (batch_size // microbatches, seq_len or config.context)
     stages = [TransformerStage(model, index, stage_split, activation_checkpointing, microbatches)
               for index in indices]
     wrapped = [PipelineStage(stage, stage.index, num_stages, device, input_args=_example_input(stage, shape, device),
                              output_args=_example_output(stage, shape, device), group=groups.pp)
                for stage in stages]
-    runtime = build_runtime(kind, wrapped, microbatches, lm_loss)
+    runtime = build_runtime(kind, wrapped, microbatches, lm_loss, overlap)
     return Pipeline(model, stages, kind, runtime, groups, microbatches, frozenset(model.expert_parameter_names()))
+
+
+def _overlaps(kind: PipelineSchedule, mesh: DeviceMesh, overlap: bool | None) -> bool:
+    """Whether the pipeline runs its paired forwards and backwards side by side."""
+    if overlap and not kind.pairs_forward_backward:
+        raise ValueError(f"overlap=True needs a schedule that pairs a forward with a backward (dualpipev); "
+                         f"{kind.name!r} runs one action at a time: pass overlap=None or False")
+    if overlap is None:
+        names = mesh.mesh_dim_names or ()
+        return kind.pairs_forward_backward and "ep" in names and mesh.size(names.index("ep")) > 1
+    return overlap
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from moeflow.comm.groups import group_size, group_timeout
-from moeflow.comm.mesh import backend_options
+from moeflow.comm.mesh import backend_options, second_group
 from moeflow.pipeline.layout import PipelineSchedule
 from moeflow.pipeline.tied import tied_embedding_group
 
@@ -25,13 +25,16 @@ MESH_DIMS = ("pp", "dp", "ep")
 @dataclass(frozen=True)
 class PipelineGroups:
     """This rank's groups: its pipeline (``pp``), its stage's data ranks (``dp`` x ``ep``), its
-    expert group (``ep``), its experts' copies (``dp``), and the tied embedding's pair."""
+    expert group (``ep``), its experts' copies (``dp``), the tied embedding's pair, and, for an
+    overlapped V schedule, a second expert group of the same ranks (``second_experts``: the
+    rank's second stage's, whose collectives run beside the first's)."""
 
     pp: dist.ProcessGroup
     data: dist.ProcessGroup | None
     experts: dist.ProcessGroup | None
     replicas: dist.ProcessGroup | None
     tied: dist.ProcessGroup | None
+    second_experts: dist.ProcessGroup | None = None
 
     @property
     def data_size(self) -> int:
@@ -59,8 +62,11 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          "mesh_dim_names=('pp', 'dp', 'ep'))")
 
 
-def pipeline_groups(mesh: DeviceMesh, kind: PipelineSchedule, stages_per_rank: int) -> PipelineGroups:
-    """The groups of ``mesh`` for a pipeline under ``kind``; every rank of the mesh calls it."""
+def pipeline_groups(
+    mesh: DeviceMesh, kind: PipelineSchedule, stages_per_rank: int, overlap: bool = False
+) -> PipelineGroups:
+    """The groups of ``mesh`` for a pipeline under ``kind`` (``overlap``: with the second expert
+    group the overlap needs, where there is an expert group); every rank of the mesh calls it."""
     check_mesh(mesh)
     names = mesh.mesh_dim_names
     inside = [dim for dim in ("dp", "ep") if dim in names and mesh.size(names.index(dim)) > 1]
@@ -71,5 +77,7 @@ def pipeline_groups(mesh: DeviceMesh, kind: PipelineSchedule, stages_per_rank: i
     pp_size = mesh.size(names.index("pp"))
     last = kind.num_stages(pp_size, stages_per_rank) - 1
     tied = tied_embedding_group(mesh, 0, kind.rank_of(last, pp_size, stages_per_rank), timeout)
-    return PipelineGroups(mesh.get_group("pp"), data, mesh.get_group("ep") if "ep" in inside else None,
-                          mesh.get_group("dp") if "dp" in inside else None, tied)
+    experts = mesh.get_group("ep") if "ep" in inside else None
+    second = second_group(mesh, "ep") if overlap and experts is not None else None
+    return PipelineGroups(mesh.get_group("pp"), data, experts, mesh.get_group("dp") if "dp" in inside else None,
+                          tied, second)

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PipelineSchedule:
     """A schedule's name, the stages each rank holds (None: ``stages_per_rank`` of the user's, at
-    least two) and how they are laid out (``loop`` or ``v``)."""
+    least two), how they are laid out (``loop`` or ``v``), and whether its runtime pairs one
+    micro-batch's forward on one of a rank's stages with another's backward on the other
+    (``OVERLAP_F_B``: what :mod:`moeflow.pipeline.overlap` runs side by side)."""
 
     name: str
     stages_per_rank: int | None
     style: str
+    pairs_forward_backward: bool = False
 
     def stage_indices(self, pp_rank: int, pp_size: int, stages_per_rank: int = 2) -> list[int]:
         """The stage indices ``pp_rank`` holds, in the order its schedule takes them."""
@@ -36,7 +39,7 @@ SCHEDULES = {
     "1f1b": PipelineSchedule("1f1b", 1, "loop"),
     "interleaved": PipelineSchedule("interleaved", None, "loop"),
     "zbv": PipelineSchedule("zbv", 2, "v"),
-    "dualpipev": PipelineSchedule("dualpipev", 2, "v"),
+    "dualpipev": PipelineSchedule("dualpipev", 2, "v", pairs_forward_backward=True),
 }
 
 

@@ -85,6 +85,7 @@ class TrainConfig:
     pp_size: int = 1  # pipeline stages over this many groups of consecutive workers (outermost); 1: none
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv | dualpipev (torch.distributed.pipelining's)
     microbatches: int | None = None  # with --pp-size: micro-batches a step; None: the schedule's stage count
+    pp_overlap: bool = True  # dualpipev: a paired forward and backward side by side (where there is an expert group)
     profile: str | None = None  # a calibrated cluster profile for the planner
     plan: str | None = None  # a plan file (moeflow plan --out): its settings, and its prediction in summary.json
     shadowing: str = "off"  # FasterMoE's dynamic shadowing of every MoE layer: off | auto (needs --profile)
@@ -461,6 +462,9 @@ FIELD_HELP: dict[str, str] = {
     "workers (pp outermost, then data parallel, then --ep-size); 1: no pipeline. See the pipeline guide",
     "pp_schedule": "with --pp-size: gpipe, 1f1b, interleaved (two stages per worker), zbv or dualpipev (a V: each "
     "worker holds stage r and 2P - 1 - r)",
+    "pp_overlap": "with --pp-schedule dualpipev and an expert group in each stage: run each paired forward and "
+    "backward side by side, one micro-batch's all-to-alls beside the other's compute (DualPipe's overlap); "
+    "--no-pp-overlap runs them one after the other",
     "microbatches": "with --pp-size: micro-batches a step (they divide --batch-size; at least the schedule's stage "
     "count); unset: that count",
     "ranks_per_node": "workers per node, numbered node-major (what 2DH, pairwise, the smart schedule and the "

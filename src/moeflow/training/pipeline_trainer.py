@@ -88,7 +88,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
     pipeline = pipeline_stages(
         config.model_config(job.corpus.vocab_size), mesh, schedule=config.pp_schedule,
         microbatches=pipeline_microbatches(config), batch_size=config.batch_size, seq_len=config.context,
-        seed=config.seed, expert_groups=experts, device=device,
+        seed=config.seed, expert_groups=experts, device=device, overlap=None if config.pp_overlap else False,
     )
     optimizer = build_optimizer(pipeline.model, config)
     start_step, tokens_seen = 0, 0
