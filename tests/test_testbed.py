@@ -188,6 +188,25 @@ def test_bench_pipeline_measures_every_setting_and_summarizes(tmp_path: Path) ->
     assert 0.0 <= summary["auto"]["share_within_5pct_of_best_fixed"] <= 1.0
 
 
+@needs_testbed
+@pytest.mark.slow
+def test_bench_stages_measures_every_schedule_and_the_overlap_side_by_side() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "moeflow", "bench", "stages", "--layers", "4", "--model-dim", "16", "--hidden-dim",
+         "16", "--context", "8", "--batch", "8", "--microbatches", "4", "--repeats", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    measured = {r["setting"]: r for r in records if r.get("bench") == "stages"}
+    assert set(measured) == {"gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "dualpipev+overlap"}
+    assert all(r["step_ms"] > 0 and (r["pp_size"], r["ep_size"]) == (2, 2) for r in measured.values())
+    summary = records[-1]
+    assert summary["summary"] == "stages"
+    (gain,) = summary["overlap_gain"].values()
+    assert gain == 1 - measured["dualpipev+overlap"]["step_ms"] / measured["dualpipev"]["step_ms"]
+
+
 def _profile_2x1(path: Path) -> str:
     """A profile of the benches' default cluster (2 nodes of 1 rank): a bench given it skips the
     calibration (which the first bench_parallel run below does in the cluster)."""

@@ -27,11 +27,12 @@ from moeflow.commands.bench import (
     schedules,
     simulator,
     skew,
+    stages,
     train,
     wire,
 )
 
-BENCHES = (layer, kernels, overlap, alltoall, pipeline, schedules, parallel, skew, exchange, contention, train,
+BENCHES = (layer, kernels, overlap, alltoall, pipeline, stages, schedules, parallel, skew, exchange, contention, train,
             generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup, hf_ep)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
