@@ -1,12 +1,26 @@
 """The pipeline schedules' prices against their closed forms: GPipe's and 1F1B's step is
 (M + P - 1)(F + B), Megatron's interleaved 1F1B's (v M + P - 1)(F + B) / v for stages of 1 / v of
-a rank's blocks; a send between ranks adds to the critical path, never to a rank's busy time."""
+a rank's blocks; DualPipeV's bubble is DeepSeek's published one; the V orders are torch's; a send
+between ranks adds to the critical path, never to a rank's busy time."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from moeflow.perf.stage_schedule import BACKWARD, FORWARD, simulate_stages, stage_orders
+from moeflow.perf.stage_schedule import (
+    BACKWARD,
+    FORWARD,
+    INPUT,
+    WEIGHT,
+    OrderItem,
+    Paired,
+    StageAction,
+    simulate_stages,
+    stage_orders,
+)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -49,5 +63,67 @@ def test_orders_that_wait_on_each_other_are_refused() -> None:
         simulate_stages(orders, 1.0, 1.0)
     with pytest.raises(ValueError, match="multiple of pp_size"):
         stage_orders("interleaved", 4, 6)
-    with pytest.raises(ValueError, match="gpipe, 1f1b and interleaved"):
-        stage_orders("dualpipev", 2, 4)
+    with pytest.raises(ValueError, match="zbv and dualpipev are"):
+        stage_orders("chimera", 2, 4)
+    with pytest.raises(ValueError, match="at least the 4 stages"):
+        stage_orders("dualpipev", 2, 3)
+
+
+_KINDS = {"FORWARD": FORWARD, "FULL_BACKWARD": BACKWARD, "BACKWARD_INPUT": INPUT, "BACKWARD_WEIGHT": WEIGHT}
+
+
+def _torchs_order(runtime: type, rank: int, pp_size: int, microbatches: int) -> list[OrderItem]:
+    """torch's own order of one rank (its schedule's generator, given the sizes it reads)."""
+    sizes = SimpleNamespace(pp_group_size=pp_size, _n_microbatches=microbatches, num_stages=2 * pp_size)
+
+    def action(a: Any) -> StageAction:
+        return StageAction(_KINDS[a.computation_type.name], a.stage_index, a.microbatch_index)
+
+    return [Paired(*map(action, a.sub_actions)) if a.sub_actions else action(a)
+            for a in runtime._calculate_single_rank_operations(sizes, rank) if a is not None]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_the_v_orders_are_torchs(schedule: str) -> None:
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    runtime = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule]
+    for pp_size in (1, 2, 3, 4):
+        for microbatches in sorted({2 * pp_size, 2 * pp_size + 1, 3 * pp_size, 8, 12}):
+            expected = [_torchs_order(runtime, rank, pp_size, microbatches) for rank in range(pp_size)]
+            assert stage_orders(schedule, pp_size, microbatches) == expected, (pp_size, microbatches)
+
+
+@pytest.mark.parametrize("pp_size", [2, 3, 4, 6])
+@pytest.mark.parametrize("paired", [3.0, 2.5, 2.0])
+def test_dualpipev_takes_deepseeks_published_bubble(pp_size: int, paired: float) -> None:
+    """DualPipe's table: (S/2 - 1)(F&B + B - 3W) over S = 2P stages, for F = B/2 = W (the table's
+    symmetric case), from a pair run one after the other (F&B = F + B) to one whose overlap hides
+    the forward (F&B = B); the most idle rank waits exactly that."""
+    for microbatches in (2 * pp_size, 3 * pp_size, 20):
+        times = simulate_stages(stage_orders("dualpipev", pp_size, microbatches), 1.0, 2.0, weight_s=1.0,
+                                paired_s=paired)
+        idle = max(times.step_s - busy for busy in times.busy_s)
+        assert idle == pytest.approx((pp_size - 1) * (paired + 2.0 - 3 * 1.0))
+
+
+def test_the_overlap_shortens_dualpipev_by_at_least_what_a_ranks_pairs_hide() -> None:
+    orders = stage_orders("dualpipev", 2, 8)
+    apart = simulate_stages(orders, 1.0, 2.0, weight_s=1.0)
+    overlapped = simulate_stages(orders, 1.0, 2.0, weight_s=1.0, paired_s=2.4)
+    pairs = [sum(isinstance(item, Paired) for item in order) for order in orders]
+    for rank, count in enumerate(pairs):  # each pair's work is 0.6 shorter: each rank's busy time, by its pairs
+        assert apart.busy_s[rank] - overlapped.busy_s[rank] == pytest.approx(count * 0.6)
+    assert apart.step_s - overlapped.step_s >= max(pairs) * 0.6 - 1e-9
+    assert simulate_stages(orders, 1.0, 2.0, weight_s=1.0, paired_s=3.0) == apart
+
+
+def test_every_v_order_runs_each_stage_once_per_microbatch() -> None:
+    for schedule in ("zbv", "dualpipev"):
+        actions = [action for order in stage_orders(schedule, 3, 9) for item in order
+                   for action in ((item.forward, item.backward) if isinstance(item, Paired) else (item,))]
+        forwards = [(a.stage, a.microbatch) for a in actions if a.kind == FORWARD]
+        inputs = [(a.stage, a.microbatch) for a in actions if a.kind in (BACKWARD, INPUT)]
+        weights = [(a.stage, a.microbatch) for a in actions if a.kind in (BACKWARD, WEIGHT)]
+        everything = sorted((stage, m) for stage in range(6) for m in range(9))
+        assert sorted(forwards) == sorted(inputs) == sorted(weights) == everything
