@@ -18,6 +18,7 @@ from moeflow.perf.stage_schedule import (
     OrderItem,
     Paired,
     StageAction,
+    actions_of,
     simulate_stages,
     stage_orders,
 )
@@ -120,8 +121,7 @@ def test_the_overlap_shortens_dualpipev_by_at_least_what_a_ranks_pairs_hide() ->
 
 def test_every_v_order_runs_each_stage_once_per_microbatch() -> None:
     for schedule in ("zbv", "dualpipev"):
-        actions = [action for order in stage_orders(schedule, 3, 9) for item in order
-                   for action in ((item.forward, item.backward) if isinstance(item, Paired) else (item,))]
+        actions = [action for order in stage_orders(schedule, 3, 9) for item in order for action in actions_of(item)]
         forwards = [(a.stage, a.microbatch) for a in actions if a.kind == FORWARD]
         inputs = [(a.stage, a.microbatch) for a in actions if a.kind in (BACKWARD, INPUT)]
         weights = [(a.stage, a.microbatch) for a in actions if a.kind in (BACKWARD, WEIGHT)]

@@ -27,17 +27,18 @@ SETTINGS = (("gpipe", False), ("1f1b", False), ("interleaved", False), ("zbv", F
 
 @dataclass(frozen=True)
 class StagePoint:
-    """One model and batch: blocks, widths, experts, and a step's sequences in micro-batches."""
+    """One model and batch: blocks, widths, experts, and a step's sequences in micro-batches (the
+    command line's values: ``moeflow bench stages``)."""
 
-    layers: int = 8
-    model_dim: int = 256
-    hidden_dim: int = 512
-    experts: int = 4
-    top_k: int = 2
-    heads: int = 4
-    context: int = 64
-    batch: int = 16
-    microbatches: int = 8
+    layers: int
+    model_dim: int
+    hidden_dim: int
+    experts: int
+    top_k: int
+    heads: int
+    context: int
+    batch: int
+    microbatches: int
 
     @property
     def name(self) -> str:

@@ -125,9 +125,8 @@ def _zero_bubble_v(rank: int, pp_size: int, microbatches: int) -> list[OrderItem
     order: list[StageAction] = []
     counts = dict.fromkeys(((kind, stage) for kind in (FORWARD, INPUT, WEIGHT) for stage in (chunk0, chunk1)), 0)
 
-    def run(kind: str, stage: int, microbatch: int | None = None) -> None:
-        index = counts[(kind, stage)] if microbatch is None else microbatch
-        order.append(StageAction(kind, stage, index))
+    def run(kind: str, stage: int) -> None:
+        order.append(StageAction(kind, stage, counts[(kind, stage)]))
         counts[(kind, stage)] += 1
 
     for _ in range(2 * (pp_size - rank) - 1):
@@ -142,11 +141,11 @@ def _zero_bubble_v(rank: int, pp_size: int, microbatches: int) -> list[OrderItem
     while counts[(FORWARD, chunk1)] < counts[(FORWARD, chunk0)] or counts[(FORWARD, chunk0)] < total:
         if counts[(FORWARD, chunk0)] < total:
             run(FORWARD, chunk0)
-        for stage in (chunk0, chunk1):
-            if stage == chunk1:
-                run(FORWARD, chunk1)
-            run(INPUT, stage)
-            run(WEIGHT, stage)
+        run(INPUT, chunk0)
+        run(WEIGHT, chunk0)
+        run(FORWARD, chunk1)
+        run(INPUT, chunk1)
+        run(WEIGHT, chunk1)
     for _ in range(rank):
         run(INPUT, chunk0)
         run(INPUT, chunk1)
@@ -220,7 +219,7 @@ def simulate_stages(
     there (``send_s`` later where it comes from another rank); the actions take what
     :class:`StageCosts` says of ``forward_s``, ``backward_s``, ``weight_s`` and ``paired_s``."""
     costs = StageCosts(forward_s, backward_s, weight_s, paired_s, send_s)
-    holder = {action.stage: rank for rank, order in enumerate(orders) for item in order for action in _actions(item)}
+    holder = {action.stage: rank for rank, order in enumerate(orders) for item in order for action in actions_of(item)}
     last = max(holder)
     done: dict[tuple[str, int, int], float] = {}
     free, position = [0.0] * len(orders), [0] * len(orders)
@@ -229,11 +228,11 @@ def simulate_stages(
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 item = order[position[rank]]
-                inputs = [_ready(action, done, holder, rank, last, send_s) for action in _actions(item)]
+                inputs = [_ready(action, done, holder, rank, last, send_s) for action in actions_of(item)]
                 if any(ready is None for ready in inputs):
                     break
                 free[rank] = max(free[rank], *inputs) + costs.seconds(item)  # type: ignore[type-var]
-                for action in _actions(item):
+                for action in actions_of(item):
                     done[_output(action)] = free[rank]
                 position[rank] += 1
                 progressed = True
@@ -243,7 +242,8 @@ def simulate_stages(
     return StageTimes(max(free), busy)
 
 
-def _actions(item: OrderItem) -> tuple[StageAction, ...]:
+def actions_of(item: OrderItem) -> tuple[StageAction, ...]:
+    """The stage actions an order item runs: one, or a pair's two."""
     return (item.forward, item.backward) if isinstance(item, Paired) else (item,)
 
 
