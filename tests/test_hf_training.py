@@ -21,7 +21,7 @@ from hf_models import tiny_model, word_tokenizer
 from moeflow.cli import main
 from moeflow.data import PreparedCorpus
 from moeflow.training import TrainConfig
-from moeflow.training.batches import shard_of, token_windows, training_batch, validation_windows
+from moeflow.training.batches import token_windows, training_batch, validation_windows
 from moeflow.training.launch import run_training
 from moeflow.training.metrics import iterate_records
 
@@ -79,8 +79,8 @@ def _first_step_loss(model: torch.nn.Module, corpus: PreparedCorpus, config: Tra
     stream = corpus.load("train")
     losses = []
     for rank in range(config.workers):
-        inputs, targets = training_batch(shard_of(stream, rank, config.workers), 1, rank, config.seed,
-                                         config.batch_size, config.context)
+        inputs, targets = training_batch(stream, 1, rank, config.workers, config.seed, config.batch_size,
+                                         config.context)
         losses.append(float(_cross_entropy(model, torch.cat([inputs, targets[:, -1:]], dim=1))))
     return sum(losses) / len(losses)
 

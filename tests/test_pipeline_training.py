@@ -38,8 +38,9 @@ def _resumed(source: Path, target: Path, **overrides: Any) -> dict[int, float]:
 @pytest.mark.distributed
 def test_a_pipelined_run_resumes_exactly_and_at_other_layouts(tmp_path: Path) -> None:
     """P 2 x EP 2 on 4 workers, stopped after step 2: resumed as it was, bit for bit; at P 2 x DP 2
-    (the experts copied, not split) and at P 1 on 2 workers (no pipeline, EP 2), the same batches
-    give the same losses within the summation order's rounding."""
+    (the experts copied, not split), at P 1 on 2 workers (no pipeline, EP 2), at P 1 x EP 4 (half
+    the batch on each of 4 workers) and on one process (the whole global batch), the same global
+    batch gives the same losses within the summation order's rounding."""
     whole = summary = run_training(TrainConfig(**{**PIPELINED, "run_dir": str(tmp_path / "whole")}), report=False)
     assert (summary["pp_size"], summary["ep_size"], summary["microbatches"]) == (2, 2, 2)
     expected = _losses(tmp_path / "whole")
@@ -47,7 +48,10 @@ def test_a_pipelined_run_resumes_exactly_and_at_other_layouts(tmp_path: Path) ->
     run_training(TrainConfig(**{**PIPELINED, "run_dir": str(tmp_path / "stopped"), "stop_at": 2}), report=False)
     assert _losses(tmp_path / "stopped") == {step: expected[step] for step in (1, 2)}
     assert _resumed(tmp_path / "stopped", tmp_path / "same") == expected
-    for name, overrides in (("dp2", {"ep_size": 1}), ("p1", {"pp_size": 1, "workers": 2, "ep_size": None})):
+    batch = PIPELINED["batch_size"]
+    for name, overrides in (("dp2", {"ep_size": 1}), ("p1", {"pp_size": 1, "workers": 2, "ep_size": None}),
+                            ("p1-ep4", {"pp_size": 1, "ep_size": None, "batch_size": batch // 2}),
+                            ("one", {"pp_size": 1, "workers": 1, "ep_size": None, "batch_size": 2 * batch})):
         resumed = _resumed(tmp_path / "stopped", tmp_path / name, **overrides)
         assert list(resumed) == [1, 2, 3, 4], name
         for step in (3, 4):

@@ -5,8 +5,8 @@ running interpreter's standard library, without its test suites and ``site-packa
 10 MB on CPython 3.11). ``--data PATH`` takes any text file or folder instead. Documents are split
 into train and validation deterministically by a hash of their path, the tokenizer is a byte-level
 BPE trained with Hugging Face ``tokenizers`` on the training documents only (or raw bytes), and
-the token streams are stored as flat arrays that every worker memory-maps and samples from its
-own shard. A lock makes concurrent workers (torchrun, the emulated cluster) prepare it once.
+the token streams are stored as flat arrays that every worker memory-maps and samples its rows of
+each step's global batch from. A lock makes concurrent workers (torchrun, the emulated cluster) prepare it once.
 """
 
 from __future__ import annotations

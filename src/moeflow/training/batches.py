@@ -1,16 +1,11 @@
-"""The tokens a training step and an evaluation read: a pure function of (seed, step, rank), so a
-resumed run repeats an uninterrupted one."""
+"""The tokens a training step and an evaluation read: a pure function of (seed, step), so a resumed
+run repeats an uninterrupted one, and a run at another layout with the same global batch (batch size
+times data-parallel replicas) reads the same tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-
-def shard_of(stream: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """This worker's contiguous part of the training stream."""
-    size = stream.shape[0]
-    return stream[rank * size // world_size : (rank + 1) * size // world_size]
 
 
 def data_replica(rank: int, world_size: int, mp_size: int) -> tuple[int, int]:
@@ -31,14 +26,16 @@ def token_windows(stream: np.ndarray, starts: list[int], context: int) -> torch.
 
 
 def training_batch(
-    shard: np.ndarray, step: int, rank: int, seed: int, batch_size: int, context: int
+    stream: np.ndarray, step: int, replica: int, replicas: int, seed: int, batch_size: int, context: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random windows of the shard; a pure function of (seed, step, rank)."""
-    require_windows(shard.shape[0], context, "a worker's share of the training data",
-                    "use more data, a shorter context or fewer workers")
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
-    starts = torch.randint(0, shard.shape[0] - context - 1, (batch_size,), generator=generator).tolist()
-    tokens = token_windows(shard, starts, context)
+    """Replica ``replica``'s ``batch_size`` rows of the step's global batch: ``batch_size * replicas``
+    random windows of the whole stream drawn from (seed, step) alone, so that a checkpoint resumed
+    at another split of the same global batch (P 2 x EP 2 as P 1 x EP 4 or one process) reads
+    the same tokens, as Megatron's data-parallel sampler splits its global batch."""
+    require_windows(stream.shape[0], context, "the training data", "use more data or a shorter context")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, stream.shape[0] - context - 1, (batch_size * replicas,), generator=generator)
+    tokens = token_windows(stream, starts[replica * batch_size : (replica + 1) * batch_size].tolist(), context)
     return tokens[:, :-1], tokens[:, 1:]
 
 

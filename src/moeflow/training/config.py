@@ -104,7 +104,7 @@ class TrainConfig:
     # optimization
     steps: int = 200
     stop_at: int | None = None  # end this invocation after this step (checkpointed); --resume goes on
-    batch_size: int = 16  # sequences per worker and step
+    batch_size: int = 16  # sequences per data rank and step
     lr: float | None = None  # None: SCRATCH_LR's, or FINE_TUNING_LR's with --hf (peak_lr resolves it)
     min_lr: float | None = None  # None: the default's, or lr / FINAL_LR_DIVISOR (final_lr resolves it)
     warmup_steps: int = 20
@@ -503,7 +503,7 @@ FIELD_HELP: dict[str, str] = {
     "bucket_mb": "with --grad-sync overlap: megabytes at which a gradient bucket closes (DDP's bucket_cap_mb)",
     "steps": "training steps of the whole run (the learning-rate schedule's length)",
     "stop_at": "end this invocation after this step, with a checkpoint; --resume goes on",
-    "batch_size": "sequences per worker and step",
+    "batch_size": "sequences per data rank and step (the global batch: this times the data ranks)",
     "lr": f"peak learning rate (AdamW); unset: {SCRATCH_LR[0]}, or with --hf {FINE_TUNING_LR[0]} (transformers' "
     "Trainer's default: a fine-tuning rate)",
     "min_lr": f"learning rate at the end of the cosine decay; unset: {SCRATCH_LR[1]}, with --hf {FINE_TUNING_LR[1]}, "

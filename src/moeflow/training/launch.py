@@ -63,9 +63,8 @@ def resume_config(resume: str, overrides: dict[str, Any]) -> tuple[TrainConfig, 
 
 def check_data_fits(config: TrainConfig, corpus: PreparedCorpus) -> None:
     """The workers' own checks, made here so that they fail before any worker starts."""
-    require_windows(corpus.train_tokens // config.workers, context=config.context,
-                    what=f"each of the {config.workers} workers' share of the training data",
-                    fix="use more data, a shorter --context or fewer --workers")
+    require_windows(corpus.train_tokens, context=config.context, what="the training data",
+                    fix="use more data or a shorter --context")
     require_windows(corpus.val_tokens, context=config.context, what="the validation split",
                     fix="use more data, a larger --val-percent or a shorter --context")
 

@@ -28,7 +28,7 @@ from moeflow.comm.topology import Topology
 from moeflow.pipeline import Pipeline, pipeline_stages
 from moeflow.pipeline.groups import MESH_DIMS
 from moeflow.runtime import give_back_free_memory
-from moeflow.training.batches import shard_of, token_windows, training_batch, validation_windows
+from moeflow.training.batches import token_windows, training_batch, validation_windows
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.faults import worker_ledger
 from moeflow.training.metrics import METRICS, PROGRESS, MetricsLog
@@ -53,7 +53,7 @@ class _PipelinedRun:
     mesh: DeviceMesh
     pipeline: Pipeline
     optimizer: torch.optim.Optimizer
-    train_shard: np.ndarray
+    train_stream: np.ndarray  # memory-mapped: every replica draws its rows of the global batch from it
     log: MetricsLog | None
     tokens_seen: int = 0
     throughput: list[float] = field(default_factory=list)
@@ -98,8 +98,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         _restore_planners(pipeline, state, rank, world_size)
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
-    run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, np.empty(0), log, tokens_seen)
-    run.train_shard = shard_of(job.corpus.load("train"), run.replica, run.replicas)
+    run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, job.corpus.load("train"), log, tokens_seen)
     return run, start_step
 
 
@@ -110,7 +109,8 @@ def _train_step(run: _PipelinedRun, step: int) -> dict[str, Any]:
     lr = learning_rate(config, step)
     for group_settings in run.optimizer.param_groups:
         group_settings["lr"] = lr
-    idx, targets = training_batch(run.train_shard, step, run.replica, config.seed, config.batch_size, config.context)
+    idx, targets = training_batch(run.train_stream, step, run.replica, run.replicas, config.seed,
+                                      config.batch_size, config.context)
     device = next(run.pipeline.parameters()).device
     data_s = time.perf_counter() - began
     loss = run.pipeline.step(idx.to(device), targets.to(device))

@@ -30,7 +30,7 @@ from moeflow.data import PreparedCorpus
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.runtime import give_back_free_memory
-from moeflow.training.batches import data_replica, shard_of, training_batch
+from moeflow.training.batches import data_replica, training_batch
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.data_parallel import EXPERT_PARALLEL_DIM, EXPERT_REPLICA_DIM
@@ -111,7 +111,7 @@ class _Run:
     group: dist.ProcessGroup | None
     model: TrainableLM
     optimizer: torch.optim.Optimizer
-    train_shard: np.ndarray
+    train_stream: np.ndarray  # memory-mapped: every replica draws its rows of the global batch from it
     val_stream: np.ndarray
     log: MetricsLog | None
     tokens_seen: int = 0
@@ -194,8 +194,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     for layer, planned in zip(model.moe_layers(), rank_planner_states(state or {}, rank, world_size), strict=False):
         layer.planner.load_state_dict(planned)  # the same plans as the interrupted run: bit-exact under auto
     log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
-    train_shard = shard_of(corpus.load("train"), *data_replica(rank, world_size, config.mp_size))
-    run = _Run(job, rank, world_size, device, group, model, optimizer, train_shard, corpus.load("val"), log,
+    run = _Run(job, rank, world_size, device, group, model, optimizer, corpus.load("train"), corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
                expert_replicas=replicas, head_replicas=head_replicas)
     run.copy_groups = _copy_groups(run)
@@ -316,7 +315,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     lr = learning_rate(config, step)
     for group_settings in run.optimizer.param_groups:
         group_settings["lr"] = lr
-    inputs, targets = training_batch(run.train_shard, step, run.replica, config.seed, config.batch_size, config.context)
+    inputs, targets = training_batch(run.train_stream, step, run.replica, run.replicas, config.seed,
+                                      config.batch_size, config.context)
     inputs, targets = inputs.to(run.device), targets.to(run.device)
     data_s = time.perf_counter() - began
 
