@@ -18,7 +18,9 @@ from moeflow.perf.stage_schedule import (
     OrderItem,
     Paired,
     StageAction,
+    StageCosts,
     actions_of,
+    simulate_stage_costs,
     simulate_stages,
     stage_orders,
 )
@@ -127,3 +129,18 @@ def test_every_v_order_runs_each_stage_once_per_microbatch() -> None:
         weights = [(a.stage, a.microbatch) for a in actions if a.kind in (BACKWARD, WEIGHT)]
         everything = sorted((stage, m) for stage in range(6) for m in range(9))
         assert sorted(forwards) == sorted(inputs) == sorted(weights) == everything
+
+
+@pytest.mark.parametrize("microbatches", [2, 4, 9])
+def test_a_slower_stage_bounds_1f1b_and_equal_costs_price_as_before(microbatches: int) -> None:
+    """Stage 1 (F 2, B 4) slower than stage 0 (F 1, B 2): 1F1B's step is stage 0's forward, M of
+    stage 1's F + B, then stage 0's backward; equal per-stage costs give simulate_stages' times."""
+    orders = stage_orders("1f1b", 2, microbatches)
+    slow = simulate_stage_costs(orders, [StageCosts(1.0, 2.0), StageCosts(2.0, 4.0)])
+    assert slow.step_s == pytest.approx(1.0 + microbatches * 6.0 + 2.0)
+    assert slow.busy_s == (microbatches * 3.0, microbatches * 6.0)
+    orders = stage_orders("dualpipev", 2, 8)
+    equal = simulate_stage_costs(orders, [StageCosts(1.0, 2.0, 1.0, 2.5)] * 4, send_s=0.1)
+    assert equal == simulate_stages(orders, 1.0, 2.0, send_s=0.1, weight_s=1.0, paired_s=2.5)
+    with pytest.raises(ValueError, match="costs has 3 stages; the orders run 4"):
+        simulate_stage_costs(orders, [StageCosts(1.0, 2.0)] * 3)

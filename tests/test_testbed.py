@@ -201,8 +201,14 @@ def test_bench_stages_measures_every_schedule_and_the_overlap_side_by_side() -> 
     measured = {r["setting"]: r for r in records if r.get("bench") == "stages"}
     assert set(measured) == {"gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "dualpipev+overlap"}
     assert all(r["step_ms"] > 0 and (r["pp_size"], r["ep_size"]) == (2, 2) for r in measured.values())
+    for record in measured.values():  # each stage's costs timed, the schedule priced on them
+        assert record["predicted_ms"] > 0 and record["error"] == record["predicted_ms"] / record["step_ms"] - 1
+        assert all(forward > 0 for forward in record["stage_ms"]["F"]), record["stage_ms"]
+    assert all(pair > 0 for pair in measured["dualpipev+overlap"]["stage_ms"]["pair"])
+    assert not any(measured["dualpipev"]["stage_ms"]["pair"])
     summary = records[-1]
     assert summary["summary"] == "stages"
+    assert summary["max_prediction_error"] == pytest.approx(max(abs(r["error"]) for r in measured.values()), abs=1e-4)
     (gain,) = summary["overlap_gain"].values()
     assert gain == 1 - measured["dualpipev+overlap"]["step_ms"] / measured["dualpipev"]["step_ms"]
 

@@ -8,9 +8,11 @@ sends stay inside a node, the all-to-alls cross the slow link, DualPipe's settin
 is built up front, each with the same model and batch: one pipeline per schedule, and DualPipeV
 twice (``overlap`` on and off). A step is the forward and backward of every micro-batch
 (:meth:`~moeflow.pipeline.build.Pipeline.step`); the settings are timed round-robin after a warm-up
-round, the slowest rank's time kept, median over the repeats. Rank 0 prints one JSON object per
-setting; the summary gives each schedule's step time, the overlap's speed-up and, with a profile,
-the simulator's prediction of each schedule (:mod:`moeflow.perf.stage_schedule`).
+round, the slowest rank's time kept, median over the repeats. Each action of each stage is timed
+as the runtime calls it (:mod:`moeflow.bench.stage_clock`), and the schedule's step is priced on
+those stage costs by :mod:`moeflow.perf.stage_schedule`. Rank 0 prints one JSON object per setting
+(measured, predicted, each stage's medians); the summary gives each schedule's step time, the
+overlap's speed-up and the largest prediction error.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def _measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: i
     import torch
     import torch.distributed as dist
 
+    from moeflow.bench.stage_clock import COLUMNS, ActionClock, predicted_step_s
     from moeflow.comm.collectives import barrier, reduce_values
     from moeflow.models.transformer import TransformerConfig
     from moeflow.pipeline import pipeline_stages
@@ -80,8 +83,12 @@ def _measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: i
     tokens = torch.randint(0, 256, (point.batch, point.context + 1),
                            generator=torch.Generator().manual_seed(mesh.get_local_rank("ep")))
     samples: dict[str, list[float]] = {name: [] for name in pipelines}
+    clocks = {name: ActionClock() for name in pipelines}
+    for name, pipeline in pipelines.items():
+        clocks[name].attach(pipeline.torch_stages)
     for round_index in range(repeats + 1):  # round 0 warms every setting up
         for name, pipeline in pipelines.items():
+            clocks[name].recording = round_index > 0
             barrier()
             start = time.perf_counter()
             pipeline.step(tokens[:, :-1], tokens[:, 1:])
@@ -90,12 +97,19 @@ def _measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: i
                 parameter.grad = None
             if round_index:
                 samples[name].append(reduce_values([seconds], dist.group.WORLD, op="max")[0])
+    tables = {name: reduce_values(clocks[name].table(pipeline.schedule.num_stages(mesh.size(0))), dist.group.WORLD,
+                                  op="max") for name, pipeline in pipelines.items()}
     if dist.get_rank() != 0:
         return
     for (schedule, overlap), (name, values_s) in zip(SETTINGS, samples.items(), strict=True):
+        step_ms = statistics.median(values_s) * 1e3
+        predicted_ms = predicted_step_s(schedule, mesh.size(0), point.microbatches, tables[name]) * 1e3
         emit({"bench": "stages", "config": point.name, **asdict(point), "setting": name, "schedule": schedule,
-              "overlap": overlap, "pp_size": mesh.size(0), "ep_size": mesh.size(1),
-              "step_ms": statistics.median(values_s) * 1e3, "repeats": len(values_s)})
+              "overlap": overlap, "pp_size": mesh.size(0), "ep_size": mesh.size(1), "step_ms": step_ms,
+              "predicted_ms": predicted_ms, "error": predicted_ms / step_ms - 1, "repeats": len(values_s),
+              "stage_ms": {column: [round(tables[name][stage * len(COLUMNS) + i] * 1e3, 3)
+                                    for stage in range(len(tables[name]) // len(COLUMNS))]
+                           for i, column in enumerate(COLUMNS)}})
 
 
 def run(
@@ -117,8 +131,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if record.get("bench") == "stages":
             steps.setdefault(record["config"], {})[record["setting"]] = record["step_ms"]
     gains = {config: 1 - times["dualpipev+overlap"] / times["dualpipev"] for config, times in steps.items()}
+    errors = [abs(record["error"]) for record in records if record.get("bench") == "stages"]
     return {"summary": "stages", "step_ms": steps, "overlap_gain": gains,
-            "min_overlap_gain": min(gains.values()) if gains else None}
+            "min_overlap_gain": min(gains.values()) if gains else None,
+            "max_prediction_error": max(errors) if errors else None}
 
 
 def main(argv: list[str]) -> None:

@@ -43,14 +43,13 @@ OrderItem = StageAction | Paired
 @dataclass(frozen=True)
 class StageCosts:
     """What a stage's actions take: a forward, a full backward (of which ``weight_s`` is the weight
-    gradient, zero-bubble's W), a paired forward and backward (None: the two one after the other),
-    and a send of an activation or its gradient between ranks."""
+    gradient, zero-bubble's W), and its forward paired with a backward on the rank's other stage
+    (None: the two one after the other)."""
 
     forward_s: float
     backward_s: float
     weight_s: float = 0.0
     paired_s: float | None = None
-    send_s: float = 0.0
 
     def seconds(self, item: OrderItem) -> float:
         if isinstance(item, Paired):
@@ -215,11 +214,21 @@ def simulate_stages(
     orders: list[list[OrderItem]], forward_s: float, backward_s: float, send_s: float = 0.0, weight_s: float = 0.0,
     paired_s: float | None = None,
 ) -> StageTimes:
+    """Run each rank's ``orders`` with every stage's actions at the same costs: what
+    :class:`StageCosts` says of ``forward_s``, ``backward_s``, ``weight_s`` and ``paired_s``
+    (:func:`simulate_stage_costs`)."""
+    stages = 1 + max(action.stage for order in orders for item in order for action in actions_of(item))
+    return simulate_stage_costs(orders, [StageCosts(forward_s, backward_s, weight_s, paired_s)] * stages, send_s)
+
+
+def simulate_stage_costs(orders: list[list[OrderItem]], costs: list[StageCosts], send_s: float = 0.0) -> StageTimes:
     """Run each rank's ``orders`` in order: an action starts when its rank is free and its input is
-    there (``send_s`` later where it comes from another rank); the actions take what
-    :class:`StageCosts` says of ``forward_s``, ``backward_s``, ``weight_s`` and ``paired_s``."""
-    costs = StageCosts(forward_s, backward_s, weight_s, paired_s, send_s)
+    there (``send_s`` later where it comes from another rank) and takes what ``costs[stage]`` says
+    (a pair: its forward's stage's ``paired_s``), so that stages of unequal cost (the first holds
+    the embedding, the last the LM head) are priced as measured."""
     holder = {action.stage: rank for rank, order in enumerate(orders) for item in order for action in actions_of(item)}
+    if len(costs) <= max(holder):
+        raise ValueError(f"costs has {len(costs)} stages; the orders run {max(holder) + 1}")
     last = max(holder)
     done: dict[tuple[str, int, int], float] = {}
     free, position = [0.0] * len(orders), [0] * len(orders)
@@ -231,15 +240,19 @@ def simulate_stages(
                 inputs = [_ready(action, done, holder, rank, last, send_s) for action in actions_of(item)]
                 if any(ready is None for ready in inputs):
                     break
-                free[rank] = max(free[rank], *inputs) + costs.seconds(item)  # type: ignore[type-var]
+                free[rank] = max(free[rank], *inputs) + _seconds(item, costs)  # type: ignore[type-var]
                 for action in actions_of(item):
                     done[_output(action)] = free[rank]
                 position[rank] += 1
                 progressed = True
         if not progressed:
             raise ValueError("the ranks' orders wait on each other: no schedule runs them")
-    busy = tuple(sum(costs.seconds(item) for item in order) for order in orders)
+    busy = tuple(sum(_seconds(item, costs) for item in order) for order in orders)
     return StageTimes(max(free), busy)
+
+
+def _seconds(item: OrderItem, costs: list[StageCosts]) -> float:
+    return costs[actions_of(item)[0].stage].seconds(item)
 
 
 def actions_of(item: OrderItem) -> tuple[StageAction, ...]:

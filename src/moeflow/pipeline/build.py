@@ -53,6 +53,7 @@ class Pipeline:
     groups: PipelineGroups
     microbatches: int
     expert_names: frozenset[str]  # the expert-parallel parameters (their gradients sum the group's tokens)
+    torch_stages: list[PipelineStage]  # torch's stage over each of ``stages``: what the runtime's actions call
 
     @property
     def holds_first(self) -> bool:
@@ -196,7 +197,8 @@ def pipeline_stages(
                              output_args=_example_output(stage, shape, device), group=groups.pp)
                for stage in stages]
     runtime = build_runtime(kind, wrapped, microbatches, lm_loss, overlap)
-    return Pipeline(model, stages, kind, runtime, groups, microbatches, frozenset(model.expert_parameter_names()))
+    return Pipeline(model, stages, kind, runtime, groups, microbatches, frozenset(model.expert_parameter_names()),
+                    wrapped)
 
 
 def _overlaps(kind: PipelineSchedule, mesh: DeviceMesh, overlap: bool | None) -> bool:
