@@ -19,8 +19,10 @@ from moeflow.config import EXACT_WIRE
 from moeflow.parallel.registry import FEATURE_SPECS, FEATURES, ONE_RANK_SCHEDULE, SIMULATED, SimulatedSpec
 from moeflow.perf.sim.builder import StepBuilder
 from moeflow.perf.sim.cluster import Cluster
+from moeflow.perf.sim.engine import Timeline
 from moeflow.perf.sim.plan import StepPlan
 from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
+from moeflow.sim.pipelined import simulate_pipelined
 
 SLOTS_FEATURE = "redundant_experts"
 """The feature record of EPLB's slots (``plan.redundant_slots``): the schedules it runs on are its."""
@@ -122,13 +124,29 @@ def _check_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan, spec: Simu
 def simulate_step(cluster: Cluster, model: ModelSpec, plan: StepPlan | None = None, training: bool = True,
                   loads: list[LayerLoad] | None = None, layer_only: bool = False) -> StepResult:
     """Simulate one training step (``training``) or one inference batch; the slowest rank's time.
-    ``layer_only``: the MoE layers alone (what a layer benchmark measures)."""
+    ``layer_only``: the MoE layers alone (what a layer benchmark measures). A pipelined plan
+    (``pp`` > 1) is priced from one stage's micro-batch (:mod:`moeflow.sim.pipelined`)."""
     plan = plan or StepPlan()
+    if plan.pp > 1:
+        if not training or layer_only:
+            raise ValueError(f"pp={plan.pp} prices a pipelined training step: simulate it with training and the "
+                             "whole model, or set pp=1")
+        step, layout = simulate_pipelined(cluster, model, plan, loads, stage_timeline)
+        return StepResult(plan, step.step_s, step.busy_s, step.dropped, step.operations, step.extra(layout))
     builder = step_builder(cluster, model, plan, training, layer_only)
     loads = routing_loads(model, builder.cluster.world_size) if loads is None else loads
     timeline = builder.build(loads).run()
     dropped = sum(load.dropped(model) for load in loads)
     return StepResult(plan, timeline.makespan(), timeline.busy(), dropped, len(timeline.ops))
+
+
+def stage_timeline(cluster: Cluster, model: ModelSpec, plan: StepPlan,
+                   loads: list[LayerLoad] | None) -> tuple[Timeline, int]:
+    """One unpipelined training step of ``plan`` run: its timeline and how many of its operations
+    are the forward's (a pipeline stage's micro-batch, :data:`moeflow.sim.pipelined.StageRun`)."""
+    builder = step_builder(cluster, model, plan)
+    loads = routing_loads(model, builder.cluster.world_size) if loads is None else loads
+    return builder.build(loads).run(), builder.forward_ops
 
 
 def simulated_ms(cluster: Cluster, model: ModelSpec, plan: StepPlan, layer_only: bool = True) -> float:
