@@ -87,7 +87,8 @@ def test_plan_settings_name_train_settings_for_each_schedule() -> None:
     expert = plan_settings(StepPlan(degree=2, algorithm="2dh", ep=4, shadowed=1, bucket_mb=math.inf), c)
     assert expert == {"workers": 8, "ranks_per_node": 4, "ep_size": 4, "parallel": "expert", "pipeline": 2,
                            "alltoall": "2dh", "token_exchange": "padded", "wire_dtype": "exact", "shadowing": "auto",
-                           "redundant_experts": 0, "balance": "fixed", "expert_packing": "off", "grad_sync": "after"}
+                           "redundant_experts": 0, "balance": "fixed", "expert_packing": "off", "grad_sync": "after",
+                      "pp_size": 1}  # no pipeline: a base config's pp_size is the plan's to decide
     assert plan_settings(StepPlan(wire_dtype="fp8"), c)["wire_dtype"] == "fp8"  # what the plan was priced in
     assert plan_settings(StepPlan("adaptive", r=2, bucket_mb=1.0), c)["parallel"] == 2
     assert plan_settings(StepPlan("smart"), c).items() >= {"parallel": "expert", "pipeline": "smart"}.items()

@@ -36,6 +36,11 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--ep-size", type=positive_int, default=None,
                       help="joint planner: only this expert-parallel group size (default: every size that tiles "
                       "the nodes)")
+    plan.add_argument("--pp-size", type=positive_int, default=None,
+                      help="joint planner: only this pipeline size (stages over pp-size groups of consecutive "
+                      "ranks, as moeflow train --pp-size; 1: no pipeline). Default: 1 and every size whose stages "
+                      "tile the nodes and fit the layers, each at the 1f1b, interleaved and dualpipev schedules "
+                      "and 1, 2 or 4 times their stage count of micro-batches")
     plan.add_argument("--top", type=positive_int, default=5, help="joint planner: plans to print (default 5)")
     plan.add_argument("--prioritize-alltoall", action="store_true",
                       help="joint planner: all-to-alls take the links before the gradient all-reduce (Lina)")

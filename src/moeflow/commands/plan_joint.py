@@ -1,5 +1,5 @@
 """``moeflow plan --cluster`` (or ``--profile`` with ``--config`` or ``--out``): the joint planner.
-It ranks whole training steps' plans (layout, schedule, degree, algorithm, shadowing) on the
+It ranks whole training steps' plans (pipeline, layout, schedule, degree, algorithm, shadowing) on the
 simulator and, with ``--out``, writes the fastest plan that ``moeflow train`` accepts as a plan file
 that ``moeflow train --plan`` runs."""
 
@@ -17,7 +17,7 @@ def wants_joint_plan(args: argparse.Namespace) -> bool:
     """The joint planner runs for --cluster, and for --profile with a model, a train config or a plan
     file to write."""
     return any(value is not None for value in (args.cluster, args.out, args.config, args.model, args.ep_size,
-                                                args.wire_dtype))
+                                                args.wire_dtype, args.pp_size))
 
 
 def joint_plan(args: argparse.Namespace) -> int:
@@ -36,7 +36,8 @@ def joint_plan(args: argparse.Namespace) -> int:
         results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2),
                          space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp,
                                            ep_sizes=(args.ep_size,) if args.ep_size else (),
-                                           wire_dtype=args.wire_dtype or base.get("wire_dtype", EXACT_WIRE)))
+                                           wire_dtype=args.wire_dtype or base.get("wire_dtype", EXACT_WIRE),
+                                           pp_sizes=_pp_sizes(args, base)))
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("plan", error) from None
     for rank, result in enumerate(results[:args.top], 1):
@@ -48,6 +49,21 @@ def joint_plan(args: argparse.Namespace) -> int:
         profile = source if str(source).endswith(".json") else None
         _write(Path(args.out), results, cluster, model, base, profile, not args.forward_only)
     return 0
+
+
+def _pp_sizes(args: argparse.Namespace, base: dict[str, Any]) -> tuple[int, ...]:
+    """The pipeline sizes to search: ``--pp-size``'s, or every one; none above 1 for a plan file
+    whose base settings the pipelined trainer refuses (it says so)."""
+    from moeflow.training.plan_file import pipeline_blockers
+
+    blockers = pipeline_blockers(base) if args.out is not None else []
+    if blockers and (args.pp_size or 1) > 1:
+        raise ValueError(f"--pp-size {args.pp_size}: the pipelined trainer does not run {', '.join(blockers)} (the "
+                         "config's): change them, or drop --pp-size")
+    if blockers:
+        print(f"# no pipeline searched: the pipelined trainer does not run {', '.join(blockers)}", flush=True)
+        return (1,)
+    return (args.pp_size,) if args.pp_size else ()
 
 
 def _model(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:

@@ -1,16 +1,18 @@
 """``moeflow simulate``: one training step (or inference batch) of an MoE transformer on a simulated
-cluster, for every requested plan (schedule x pipeline degree x all-to-all algorithm); one JSON line
-per plan and a summary naming the fastest."""
+cluster, for every requested plan (schedule x pipeline degree x all-to-all algorithm), pipelined
+over stages with ``--pp-size``; one JSON line per plan and a summary naming the fastest."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import math
 import time
 from typing import Any
 
 from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.pipeline.layout import SCHEDULES
 
 
 def add_parser(commands: Any) -> None:
@@ -43,6 +45,17 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--allreduce", default="auto", choices=("auto", "ring", "tree"),
                      help="the gradient all-reduce's algorithm: ring, tree, or auto (the faster alone, as NCCL's "
                      "tuner picks; default auto)")
+    sim.add_argument("--pp-size", type=positive_int, default=1,
+                     help="pipeline parallelism: the blocks in stages over this many groups of consecutive ranks, "
+                     "priced from one stage's simulated micro-batch and the schedule's orders (default 1: none)")
+    sim.add_argument("--pp-schedule", default="1f1b", choices=tuple(SCHEDULES),
+                     help="with --pp-size: the pipeline schedule (default 1f1b)")
+    sim.add_argument("--microbatches", type=positive_int, default=None,
+                     help="with --pp-size: micro-batches a step; they divide --tokens-per-rank and are at least the "
+                     "schedule's stage count (default: that count)")
+    sim.add_argument("--pp-overlap", action="store_true",
+                     help="with --pp-schedule dualpipev: each paired forward and backward hide each other's "
+                     "all-to-alls (DualPipe's ideal overlap)")
     sim.add_argument("--prioritize-alltoall", action="store_true",
                      help="all-to-alls take the links before the gradient all-reduce (Lina)")
     sim.add_argument("--inference", action="store_true", help="one forward batch instead of a training step")
@@ -67,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
             layers=args.layers, num_experts=args.num_experts, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
             top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, capacity_factor=args.capacity_factor,
             routing=args.routing)
+        pipeline = _pipeline_knobs(args, cluster, model)
         plans = [StepPlan(schedule, degree, algorithm, args.allreduce, args.prioritize_alltoall, mp=args.mp,
-                          esp=args.esp)
+                          esp=args.esp, **pipeline)
                  for schedule, degree, algorithm in itertools.product(
                      _words(args.schedule), [_degree(d) for d in _words(args.degree)], _words(args.algorithm))]
         plans = _unique(plans)
@@ -82,6 +96,45 @@ def run(args: argparse.Namespace) -> int:
           f"{model.layers} layers; best {best['plan']} at {best['step_ms']:.4g} ms per "
           f"{'batch' if args.inference else 'step'}")
     return 0
+
+
+def _pipeline_knobs(args: argparse.Namespace, cluster: Any, model: Any) -> dict[str, Any]:
+    """The plans' pipeline knobs from the flags; a flag that needs --pp-size, that the pipelined
+    step refuses or that does not fit the cluster and model is named, with the fix."""
+    from moeflow.perf.sim.plan import schedule_stages
+    from moeflow.sim.pipelined import pipeline_sizes
+
+    if args.pp_size == 1:
+        given = [flag for flag, value in (("--pp-schedule", args.pp_schedule != "1f1b"),
+                                          ("--microbatches", args.microbatches is not None),
+                                          ("--pp-overlap", args.pp_overlap)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape a pipelined step: add --pp-size N (N > 1), or drop them")
+        return {}
+    if args.inference:
+        raise ValueError("--pp-size prices a pipelined training step: drop --inference or --pp-size")
+    if args.pp_overlap and args.pp_schedule != "dualpipev":
+        raise ValueError(f"--pp-overlap overlaps DualPipeV's paired forward and backward: add --pp-schedule "
+                         f"dualpipev (not {args.pp_schedule}), or drop --pp-overlap")
+    if args.mp > 1 or args.esp > 1 or args.prioritize_alltoall:
+        raise ValueError("--pp-size runs as moeflow's pipelined trainer: --mp 1, --esp 1, the gradient sync once "
+                         "after the pipeline drains (no --prioritize-alltoall); drop those flags or --pp-size")
+    sizes = pipeline_sizes(cluster)
+    if args.pp_size not in sizes:
+        raise ValueError(f"--pp-size {args.pp_size} must split the {cluster.nodes} x {cluster.gpus_per_node} ranks "
+                         f"into stages of consecutive ranks that tile the nodes: use one of {sizes[1:]}")
+    stages = schedule_stages(args.pp_schedule, args.pp_size)
+    if model.layers < stages:
+        raise ValueError(f"--pp-size {args.pp_size} --pp-schedule {args.pp_schedule} makes {stages} stages and the "
+                         f"model has {model.layers} layers: use more --layers, a smaller --pp-size or a schedule of "
+                         "one stage per rank (1f1b, gpipe)")
+    microbatches = args.microbatches or stages
+    if microbatches < stages or model.tokens_per_rank % microbatches:
+        raise ValueError(f"--microbatches {microbatches} must be at least the {stages} stages of --pp-schedule "
+                         f"{args.pp_schedule} and divide the {model.tokens_per_rank} tokens per rank: change "
+                         "--microbatches or --tokens-per-rank")
+    return {"pp": args.pp_size, "pp_schedule": args.pp_schedule, "microbatches": args.microbatches,
+            "pp_overlap": args.pp_overlap, "bucket_mb": math.inf}
 
 
 def _simulate(cluster: Any, model: Any, plan: Any, training: bool) -> dict[str, Any]:

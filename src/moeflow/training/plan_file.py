@@ -35,7 +35,8 @@ ADAPTIVE = MappingProxyType({
 """What a plan leaves to run time, by the setting that turns it on ("capacity" always)."""
 PLAN_OWNED = ("workers", "ranks_per_node", "ep_size", "mp_size", "esp_size", "parallel", "pipeline", "alltoall",
               "token_exchange", "wire_dtype", "shadowing", "topology_gate", "redundant_experts", "balance",
-              "expert_packing", "grad_sync", "bucket_mb", "microop_mb")
+              "expert_packing", "grad_sync", "bucket_mb", "microop_mb", "pp_size", "pp_schedule", "microbatches",
+              "pp_overlap")
 """The settings a plan decides: a base config's values of them are dropped, so the run is the plan's
 layout and schedule (an unset one takes ``moeflow train``'s default)."""
 WARMUP_SHARE = 5
@@ -79,7 +80,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
     from moeflow.sim.step import technique_of
 
     settings: dict[str, Any] = {"workers": cluster.world_size, "ranks_per_node": cluster.gpus_per_node}
-    if plan.ep is not None and plan.ep != cluster.world_size:
+    if plan.ep is not None and plan.ep != cluster.world_size // plan.pp:
         settings["ep_size"] = plan.ep
     settings.update(technique_of(plan).simulated.settings(plan))
     settings["token_exchange"] = "dedup" if plan.dedup_top_k is not None else "ragged" if plan.ragged_exchange \
@@ -95,7 +96,21 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
         settings["grad_sync"] = "after"
     else:  # DDP's buckets; a plan of one all-reduce per layer (bucket 0) runs as the trainer's default buckets
         settings.update(grad_sync="overlap", bucket_mb=plan.bucket_mb or GRADIENT_BUCKET_MB)
+    settings["pp_size"] = plan.pp
+    if plan.pp > 1:
+        settings.update(pp_schedule=plan.pp_schedule, microbatches=plan.pipeline_microbatches,
+                        pp_overlap=plan.pp_overlap)
     return settings
+
+
+def pipeline_blockers(base: dict[str, Any]) -> list[str]:
+    """The settings of ``base`` (a plan's starting config) that keep ``moeflow train`` from running
+    any pipelined plan and that a plan does not decide (``--dtype bf16``, ``--hf``): the joint
+    planner then searches no pipeline. A calibrated profile is not one: a pipelined plan drops it."""
+    from moeflow.training.pipeline_settings import NOT_WITH_PIPELINE
+
+    return [f"{key}={base[key]!r}" for key, value in NOT_WITH_PIPELINE.items()
+            if key not in PLAN_OWNED and key != "profile" and key in base and base[key] != value]
 
 
 def plan_table(results: list[StepResult], cluster: Cluster, model: ModelSpec, fixed: dict[str, Any],
@@ -123,11 +138,13 @@ def plan_table(results: list[StepResult], cluster: Cluster, model: ModelSpec, fi
 def expert_weight_bytes(plan: StepPlan, cluster: Cluster, model: ModelSpec) -> float:
     """Bytes of expert weights one rank holds under ``plan``: every expert under a replicating
     schedule, else its expert group's share (a smaller group holds more per rank)."""
+    from moeflow.sim.pipelined import blocks_per_rank
     from moeflow.sim.step import technique_of
 
     dims = model.dims
-    holders = 1 if technique_of(plan).replicates_experts else (plan.ep or cluster.world_size)
-    return model.layers * dims.num_experts / holders * dims.expert_parameters * model.element_bytes
+    holders = 1 if technique_of(plan).replicates_experts else (plan.ep or cluster.world_size // plan.pp)
+    return blocks_per_rank(model.layers, plan) * dims.num_experts / holders * dims.expert_parameters * \
+        model.element_bytes
 
 
 def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: ModelSpec, base: dict[str, Any],
@@ -141,6 +158,8 @@ def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: M
     while results:
         owned = {key: value for key, value in base.items() if key not in PLAN_OWNED}
         settings = {**owned, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
+        if results[0].plan.pp > 1:  # the pipelined trainer takes no profile (it plans nothing at run time)
+            settings.pop("profile", None)
         problem = train_refusal(settings)
         if problem is None:
             break
@@ -164,8 +183,9 @@ def train_refusal(settings: dict[str, Any]) -> str | None:
     refusal: the plan file says to add one."""
     from moeflow.training.config import TrainConfig
 
+    placeholder = {"profile": "<calibrated profile>"} if settings.get("pp_size", 1) == 1 else {}
     try:
-        TrainConfig(**{"profile": "<calibrated profile>", **settings})
+        TrainConfig(**{**placeholder, **settings})
     except ValueError as error:
         return str(error)
     return None
