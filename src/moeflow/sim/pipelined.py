@@ -1,7 +1,9 @@
 """A pipelined training step (``plan.pp`` > 1), priced from one stage's simulated micro-batch.
 
 The ranks form ``pp`` stages of world / pp consecutive ranks (``pp`` outermost, as ``moeflow train
---pp-size``). Every stage runs alike, so one stage's ranks are simulated as a cluster of their own,
+--pp-size``), and the global batch stays the model's (its ``tokens_per_rank`` times the world), so
+each of the world / pp data ranks reads ``pp`` times the tokens (:func:`data_rank_tokens`). Every
+stage runs alike, so one stage's ranks are simulated as a cluster of their own,
 on its blocks (the model's layers over the schedule's stages, the largest stage where they do not
 divide) and one micro-batch's tokens. That timeline gives the schedule's costs: F (the forward), B
 (the backward up to the gradient sync), W (zero-bubble's weight-gradient share of B), the pair of
@@ -85,6 +87,14 @@ class PipelinedStep:
             "tail_ms": self.tail_s * 1e3, "bubble": self.times.bubble}}
 
 
+def data_rank_tokens(model: ModelSpec, pp: int) -> int:
+    """A data rank's tokens a step under ``pp`` stages, for the same global batch: the model's
+    ``tokens_per_rank`` is the global batch over the world, and only world / pp ranks read data
+    (every rank of a stage), so each reads ``pp`` times as many. A plan compares layouts on the
+    batch the optimizer steps on, and a pipelined plan file says ``batch_size`` times ``pp``."""
+    return model.tokens_per_rank * pp
+
+
 def pipeline_sizes(cluster: Cluster) -> list[int]:
     """The pipeline sizes whose stages tile the nodes (each divides a node or spans whole ones), 1 first."""
     world, per_node = cluster.world_size, cluster.gpus_per_node
@@ -110,10 +120,11 @@ def pipeline_layout(cluster: Cluster, model: ModelSpec, plan: StepPlan) -> Pipel
     if model.layers < stages:
         raise ValueError(f"pp={pp} with pp_schedule={plan.pp_schedule!r} makes {stages} stages and the model has "
                          f"{model.layers} layers: use a smaller pp, a schedule of fewer stages or more layers")
-    if model.tokens_per_rank % microbatches:
-        raise ValueError(f"microbatches={microbatches} must divide the model's tokens_per_rank="
-                         f"{model.tokens_per_rank} (every micro-batch the same tokens)")
-    tokens = model.tokens_per_rank // microbatches
+    if data_rank_tokens(model, pp) % microbatches:
+        raise ValueError(f"microbatches={microbatches} must divide a data rank's {data_rank_tokens(model, pp)} tokens "
+                         f"(the model's tokens_per_rank={model.tokens_per_rank} x pp={pp}: the same global batch "
+                         "on world / pp data ranks), every micro-batch the same tokens")
+    tokens = data_rank_tokens(model, pp) // microbatches
     micro = model.with_overrides(tokens_per_rank=tokens, sequence_length=min(model.sequence_length, tokens))
     blocks = math.ceil(model.layers / stages)
     return PipelineLayout(cluster.expert_group(cluster.world_size // pp), micro.with_overrides(layers=blocks),

@@ -19,7 +19,7 @@ from moeflow.perf.sim.cluster import Cluster
 from moeflow.perf.sim.plan import StepPlan, schedule_pairs, schedule_stages
 from moeflow.perf.sim.technique import PlanSpace
 from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
-from moeflow.sim.pipelined import pipeline_sizes, stage_plan
+from moeflow.sim.pipelined import data_rank_tokens, pipeline_sizes, stage_plan
 from moeflow.sim.step import WIRE_FEATURE, StepResult, sends_wire, simulate_step
 
 DEGREES = (1, 2, 4, 8)
@@ -87,7 +87,8 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
         if not found and pp > 1 and space.pp_sizes:
             raise ValueError(f"pp {pp}: no stage plan fits: a schedule's stages (P or 2P) must be at most the "
                              f"{model.layers} layers, its micro-batches (1, 2 or 4 times the stages) must divide the "
-                             f"{sequences_per_rank(model)} sequences per rank (tokens_per_rank / sequence_length), and "
+                             f"{sequences_per_rank(model) * pp} sequences of a data rank (the global batch's over "
+                             f"world / pp ranks), and "
                              "the experts must divide over a stage's expert group: change --pp-size, the layers or "
                              "the sequences per rank (--batch-size)")
         plans += found
@@ -157,9 +158,10 @@ def _pipelined_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace, pp:
 def pipelined_variants(plan: StepPlan, pp: int, model: ModelSpec, group: int) -> list[StepPlan]:
     """``plan`` as one stage of ``pp`` under each searched schedule (:data:`PIPELINE_SCHEDULES`)
     whose stages fit the layers, at 1, 2 and 4 times its stage count of micro-batches where they
-    divide the sequences per rank; DualPipeV's pairs overlapped where the stage has an expert
+    divide a data rank's sequences (:func:`~moeflow.sim.pipelined.data_rank_tokens`); DualPipeV's
+    pairs overlapped where the stage has an expert
     group (``group`` > 1 ranks: ``moeflow train``'s default)."""
-    sequences, variants = sequences_per_rank(model), []
+    sequences, variants = sequences_per_rank(model) * pp, []  # a data rank's: the same global batch
     for schedule in PIPELINE_SCHEDULES:
         stages = schedule_stages(schedule, pp)
         if stages > model.layers:
@@ -232,7 +234,7 @@ def _pipelined(cluster: Cluster, model: ModelSpec, candidates: list[StepPlan], p
     :data:`PIPELINE_FINALISTS` at full depth."""
     pp = candidates[0].pp
     stage = cluster.expert_group(cluster.world_size // pp)
-    tokens = model.tokens_per_rank // min(plan.pipeline_microbatches for plan in candidates)
+    tokens = data_rank_tokens(model, pp) // min(plan.pipeline_microbatches for plan in candidates)
     proxy = model.with_overrides(layers=min(proxy_layers, model.layers), tokens_per_rank=tokens,
                                  sequence_length=min(model.sequence_length, tokens))
     proxy_loads = _Loads(proxy)

@@ -73,10 +73,12 @@ def settings_of_model(model: ModelSpec) -> dict[str, Any]:
             **({"vocab_size": model.vocab_size} if model.vocab_size else {})}
 
 
-def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
+def plan_settings(plan: StepPlan, cluster: Cluster, model: ModelSpec | None = None) -> dict[str, Any]:
     """``moeflow train``'s settings that run ``plan`` on ``cluster``: the workers and their layout,
-    the schedule (its record's settings) and the options every schedule shares."""
+    the schedule (its record's settings) and the options every schedule shares. A pipelined plan
+    also sets ``batch_size`` from ``model``: the same global batch on its world / pp data ranks."""
     from moeflow.config import GRADIENT_BUCKET_MB
+    from moeflow.sim.pipelined import data_rank_tokens
     from moeflow.sim.step import technique_of
 
     settings: dict[str, Any] = {"workers": cluster.world_size, "ranks_per_node": cluster.gpus_per_node}
@@ -98,8 +100,11 @@ def plan_settings(plan: StepPlan, cluster: Cluster) -> dict[str, Any]:
         settings.update(grad_sync="overlap", bucket_mb=plan.bucket_mb or GRADIENT_BUCKET_MB)
     settings["pp_size"] = plan.pp
     if plan.pp > 1:
+        if model is None:
+            raise ValueError("a pipelined plan's settings need the model: its batch_size keeps the global batch")
         settings.update(pp_schedule=plan.pp_schedule, microbatches=plan.pipeline_microbatches,
-                        pp_overlap=plan.pp_overlap)
+                        pp_overlap=plan.pp_overlap,
+                        batch_size=data_rank_tokens(model, plan.pp) // model.sequence_length)
     return settings
 
 
@@ -157,7 +162,8 @@ def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: M
     results, refused = list(results), []
     while results:
         owned = {key: value for key, value in base.items() if key not in PLAN_OWNED}
-        settings = {**owned, **plan_settings(results[0].plan, cluster), **({"profile": profile} if profile else {})}
+        settings = {**owned, **plan_settings(results[0].plan, cluster, model),
+                    **({"profile": profile} if profile else {})}
         if results[0].plan.pp > 1:  # the pipelined trainer takes no profile (it plans nothing at run time)
             settings.pop("profile", None)
         problem = train_refusal(settings)
@@ -166,7 +172,7 @@ def write_plan(path: Path, results: list[StepResult], cluster: Cluster, model: M
         refused.append(f"{plan_label(results.pop(0).plan)}: {problem}")
     if not results:
         raise ValueError("moeflow train accepts none of the top plans: " + "; ".join(refused))
-    table = plan_table(results, cluster, model, plan_settings(results[0].plan, cluster), training)
+    table = plan_table(results, cluster, model, plan_settings(results[0].plan, cluster, model), training)
     header = (f"moeflow plan: {table['label']} on {cluster.name} ({cluster.world_size} ranks), model {model.name}.\n"
               f"Run it with: moeflow train --plan {path}")
     if refused:
