@@ -51,7 +51,8 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--pp-schedule", default="1f1b", choices=tuple(SCHEDULES),
                      help="with --pp-size: the pipeline schedule (default 1f1b)")
     sim.add_argument("--microbatches", type=positive_int, default=None,
-                     help="with --pp-size: micro-batches a step; they divide --tokens-per-rank and are at least the "
+                     help="with --pp-size: micro-batches a step; they divide a data rank's tokens (--tokens-per-rank x "
+                     "--pp-size) and are at least the "
                      "schedule's stage count (default: that count)")
     sim.add_argument("--pp-overlap", action="store_true",
                      help="with --pp-schedule dualpipev: each paired forward and backward hide each other's "
@@ -102,7 +103,7 @@ def _pipeline_knobs(args: argparse.Namespace, cluster: Any, model: Any) -> dict[
     """The plans' pipeline knobs from the flags; a flag that needs --pp-size, that the pipelined
     step refuses or that does not fit the cluster and model is named, with the fix."""
     from moeflow.perf.sim.plan import schedule_stages
-    from moeflow.sim.pipelined import pipeline_sizes
+    from moeflow.sim.pipelined import data_rank_tokens, pipeline_sizes
 
     if args.pp_size == 1:
         given = [flag for flag, value in (("--pp-schedule", args.pp_schedule != "1f1b"),
@@ -128,11 +129,11 @@ def _pipeline_knobs(args: argparse.Namespace, cluster: Any, model: Any) -> dict[
         raise ValueError(f"--pp-size {args.pp_size} --pp-schedule {args.pp_schedule} makes {stages} stages and the "
                          f"model has {model.layers} layers: use more --layers, a smaller --pp-size or a schedule of "
                          "one stage per rank (1f1b, gpipe)")
-    microbatches = args.microbatches or stages
-    if microbatches < stages or model.tokens_per_rank % microbatches:
+    microbatches, tokens = args.microbatches or stages, data_rank_tokens(model, args.pp_size)
+    if microbatches < stages or tokens % microbatches:
         raise ValueError(f"--microbatches {microbatches} must be at least the {stages} stages of --pp-schedule "
-                         f"{args.pp_schedule} and divide the {model.tokens_per_rank} tokens per rank: change "
-                         "--microbatches or --tokens-per-rank")
+                         f"{args.pp_schedule} and divide a data rank's {tokens} tokens (--tokens-per-rank x "
+                         "--pp-size: the same global batch): change --microbatches or --tokens-per-rank")
     return {"pp": args.pp_size, "pp_schedule": args.pp_schedule, "microbatches": args.microbatches,
             "pp_overlap": args.pp_overlap, "bucket_mb": math.inf}
 

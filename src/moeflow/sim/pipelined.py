@@ -95,6 +95,14 @@ def data_rank_tokens(model: ModelSpec, pp: int) -> int:
     return model.tokens_per_rank * pp
 
 
+def data_rank_sequences(model: ModelSpec, pp: int) -> int:
+    """A data rank's whole sequences a step under ``pp`` stages (:func:`data_rank_tokens`; 0 where
+    a rank's tokens are not whole sequences): what the micro-batches divide, and a pipelined plan's
+    ``batch_size``."""
+    whole = model.tokens_per_rank % model.sequence_length == 0
+    return model.tokens_per_rank // model.sequence_length * pp if whole else 0
+
+
 def pipeline_sizes(cluster: Cluster) -> list[int]:
     """The pipeline sizes whose stages tile the nodes (each divides a node or spans whole ones), 1 first."""
     world, per_node = cluster.world_size, cluster.gpus_per_node

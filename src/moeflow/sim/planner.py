@@ -19,7 +19,7 @@ from moeflow.perf.sim.cluster import Cluster
 from moeflow.perf.sim.plan import StepPlan, schedule_pairs, schedule_stages
 from moeflow.perf.sim.technique import PlanSpace
 from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
-from moeflow.sim.pipelined import data_rank_tokens, pipeline_sizes, stage_plan
+from moeflow.sim.pipelined import data_rank_sequences, data_rank_tokens, pipeline_sizes, stage_plan
 from moeflow.sim.step import WIRE_FEATURE, StepResult, sends_wire, simulate_step
 
 DEGREES = (1, 2, 4, 8)
@@ -87,7 +87,7 @@ def candidate_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace = Sea
         if not found and pp > 1 and space.pp_sizes:
             raise ValueError(f"pp {pp}: no stage plan fits: a schedule's stages (P or 2P) must be at most the "
                              f"{model.layers} layers, its micro-batches (1, 2 or 4 times the stages) must divide the "
-                             f"{sequences_per_rank(model) * pp} sequences of a data rank (the global batch's over "
+                             f"{data_rank_sequences(model, pp)} sequences of a data rank (the global batch's over "
                              f"world / pp ranks), and "
                              "the experts must divide over a stage's expert group: change --pp-size, the layers or "
                              "the sequences per rank (--batch-size)")
@@ -158,10 +158,10 @@ def _pipelined_plans(cluster: Cluster, model: ModelSpec, space: SearchSpace, pp:
 def pipelined_variants(plan: StepPlan, pp: int, model: ModelSpec, group: int) -> list[StepPlan]:
     """``plan`` as one stage of ``pp`` under each searched schedule (:data:`PIPELINE_SCHEDULES`)
     whose stages fit the layers, at 1, 2 and 4 times its stage count of micro-batches where they
-    divide a data rank's sequences (:func:`~moeflow.sim.pipelined.data_rank_tokens`); DualPipeV's
-    pairs overlapped where the stage has an expert
-    group (``group`` > 1 ranks: ``moeflow train``'s default)."""
-    sequences, variants = sequences_per_rank(model) * pp, []  # a data rank's: the same global batch
+    divide a data rank's sequences (:func:`~moeflow.sim.pipelined.data_rank_sequences`: the same
+    global batch); DualPipeV's pairs overlapped where the stage has an expert group (``group`` > 1
+    ranks: ``moeflow train``'s default)."""
+    sequences, variants = data_rank_sequences(model, pp), []
     for schedule in PIPELINE_SCHEDULES:
         stages = schedule_stages(schedule, pp)
         if stages > model.layers:
@@ -171,11 +171,6 @@ def pipelined_variants(plan: StepPlan, pp: int, model: ModelSpec, group: int) ->
                              bucket_mb=math.inf)
                      for k in MICROBATCH_MULTIPLES if sequences >= stages * k and sequences % (stages * k) == 0]
     return variants
-
-
-def sequences_per_rank(model: ModelSpec) -> int:
-    """Whole sequences in a rank's tokens (0 where they do not split into sequences): what micro-batches divide."""
-    return model.tokens_per_rank // model.sequence_length if model.tokens_per_rank % model.sequence_length == 0 else 0
 
 
 def _group_plans(group: Cluster, model: ModelSpec, space: SearchSpace, whole_world: bool) -> list[StepPlan]:

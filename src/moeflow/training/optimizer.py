@@ -19,6 +19,14 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return final + 0.5 * (peak - final) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, config: TrainConfig, step: int) -> float:
+    """Every parameter group at the schedule's rate for ``step``; returns it (the step's record)."""
+    lr = learning_rate(config, step)
+    for group_settings in optimizer.param_groups:
+        group_settings["lr"] = lr
+    return lr
+
+
 def build_optimizer(model: TrainableLM, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (biases, norms) do not (nanoGPT)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]

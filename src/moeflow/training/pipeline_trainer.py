@@ -33,7 +33,7 @@ from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.faults import worker_ledger
 from moeflow.training.metrics import METRICS, PROGRESS, MetricsLog
 from moeflow.training.nonfinite import NonfiniteSteps
-from moeflow.training.optimizer import build_optimizer, learning_rate
+from moeflow.training.optimizer import build_optimizer, set_learning_rate
 from moeflow.training.pipeline_settings import pipeline_microbatches
 from moeflow.training.trainer import (
     Job,
@@ -106,11 +106,9 @@ def _train_step(run: _PipelinedRun, step: int) -> dict[str, Any]:
     """One optimizer step over the pipeline; returns its metrics record."""
     config = run.job.config
     began = time.perf_counter()
-    lr = learning_rate(config, step)
-    for group_settings in run.optimizer.param_groups:
-        group_settings["lr"] = lr
+    lr = set_learning_rate(run.optimizer, config, step)
     idx, targets = training_batch(run.train_stream, step, run.replica, run.replicas, config.seed,
-                                      config.batch_size, config.context)
+                                  config.batch_size, config.context)
     device = next(run.pipeline.parameters()).device
     data_s = time.perf_counter() - began
     loss = run.pipeline.step(idx.to(device), targets.to(device))

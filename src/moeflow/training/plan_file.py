@@ -78,7 +78,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster, model: ModelSpec | None = No
     the schedule (its record's settings) and the options every schedule shares. A pipelined plan
     also sets ``batch_size`` from ``model``: the same global batch on its world / pp data ranks."""
     from moeflow.config import GRADIENT_BUCKET_MB
-    from moeflow.sim.pipelined import data_rank_tokens
+    from moeflow.sim.pipelined import data_rank_sequences
     from moeflow.sim.step import technique_of
 
     settings: dict[str, Any] = {"workers": cluster.world_size, "ranks_per_node": cluster.gpus_per_node}
@@ -104,7 +104,7 @@ def plan_settings(plan: StepPlan, cluster: Cluster, model: ModelSpec | None = No
             raise ValueError("a pipelined plan's settings need the model: its batch_size keeps the global batch")
         settings.update(pp_schedule=plan.pp_schedule, microbatches=plan.pipeline_microbatches,
                         pp_overlap=plan.pp_overlap,
-                        batch_size=data_rank_tokens(model, plan.pp) // model.sequence_length)
+                        batch_size=data_rank_sequences(model, plan.pp))
     return settings
 
 

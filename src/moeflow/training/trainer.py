@@ -46,7 +46,7 @@ from moeflow.training.gradients import (
 )
 from moeflow.training.metrics import METRICS, PROGRESS, TIMELINE, MetricsLog, moe_records, write_timeline
 from moeflow.training.nonfinite import NonfiniteSteps
-from moeflow.training.optimizer import build_optimizer, learning_rate
+from moeflow.training.optimizer import build_optimizer, set_learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
 from moeflow.training.rebalance import ExpertRebalancer
 
@@ -312,11 +312,9 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     """One optimizer step; returns its metrics record (phase times included)."""
     config, model, expert_names = run.config, run.model, run.expert_names
     began = time.perf_counter()
-    lr = learning_rate(config, step)
-    for group_settings in run.optimizer.param_groups:
-        group_settings["lr"] = lr
+    lr = set_learning_rate(run.optimizer, config, step)
     inputs, targets = training_batch(run.train_stream, step, run.replica, run.replicas, config.seed,
-                                      config.batch_size, config.context)
+                                     config.batch_size, config.context)
     inputs, targets = inputs.to(run.device), targets.to(run.device)
     data_s = time.perf_counter() - began
 
