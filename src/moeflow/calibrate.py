@@ -330,22 +330,49 @@ def _fit_with_holdout(name: str, points: list[tuple[float, float]], unit: str) -
                  "heldout_median_rel_error": error, "points": len(points)}
 
 
-def calibrate_rank(rank: int, world: int, config: CalibrationConfig) -> dict[str, Any] | None:
+def _measurements(config: CalibrationConfig, world: int, kernels: KernelTable) -> dict[str, Callable[[], Any]]:
+    """What a calibration measures, in order, by name: every rank runs each (the collectives and
+    the interference only with more than one rank)."""
+    several = world > 1
+    return {
+        "gemm": lambda: _gemm_points(config),
+        "ffn": lambda: _ffn_points(config),
+        "dispatch": lambda: _dispatch_points(config, kernels),
+        **({"collectives": lambda: _collective_points(config, world),
+            "interference": lambda: _interference(config, world)} if several else {}),
+        "layer": lambda: _layer_points(config, world, kernels),
+        **({"pipelined": lambda: _pipeline_points(config, world, kernels)} if several else {}),
+    }
+
+
+def _measure(measurements: dict[str, Callable[[], Any]], progress: bool) -> dict[str, Any]:
+    """Each measurement's points; ``progress``: rank 0's bar of them on a terminal (a calibration
+    takes minutes)."""
+    from moeflow.progress import progress_bar
+
+    measured = {}
+    with progress_bar("calibrate", "fit", len(measurements), enabled=progress) as bar:
+        for name, measure in measurements.items():
+            bar.note(name)
+            measured[name] = measure()
+            bar.advance()
+    return measured
+
+
+def calibrate_rank(rank: int, world: int, config: CalibrationConfig, progress: bool = False) -> dict[str, Any] | None:
     """Run on every rank of an initialized process group (on CUDA: with a backend for CUDA tensors,
-    :func:`process_group_backend`); rank 0 returns the profile as a dict."""
+    :func:`process_group_backend`); rank 0 returns the profile as a dict (and shows its progress
+    when ``progress``: the command's stderr is a terminal)."""
     torch.set_num_threads(1)
     device = config.torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     topology = _topology(config, world)
     kernels = KernelTable()  # kernel_backend="auto"'s choice, measured once on a GPU
-    gemm = _gemm_points(config)
-    ffn = _ffn_points(config)
-    dispatch = _dispatch_points(config, kernels)
-    collectives = _collective_points(config, world) if world > 1 else {}
-    interference = _interference(config, world) if world > 1 else 1.0
-    layer = _layer_points(config, world, kernels)
-    pipelined = _pipeline_points(config, world, kernels) if world > 1 else {}
+    measured = _measure(_measurements(config, world, kernels), progress and rank == 0)
+    gemm, ffn, dispatch, layer = measured["gemm"], measured["ffn"], measured["dispatch"], measured["layer"]
+    collectives, pipelined = measured.get("collectives", {}), measured.get("pipelined", {})
+    interference = measured.get("interference", 1.0)
     if rank != 0:
         return None
     fits, quality = {}, []
@@ -389,27 +416,28 @@ def process_group_backend(config: CalibrationConfig) -> str:
     return "cpu:gloo,cuda:nccl" if config.torch_device.type == "cuda" else "gloo"
 
 
-def calibrate_from_env(config: CalibrationConfig) -> dict[str, Any] | None:
+def calibrate_from_env(config: CalibrationConfig, progress: bool = False) -> dict[str, Any] | None:
     """Entry point for ranks started by ``moeflow launch`` or torchrun (env:// rendezvous); on
-    CUDA, ``config.device`` is the rank's own GPU (``cuda:<local rank>``)."""
+    CUDA, ``config.device`` is the rank's own GPU (``cuda:<local rank>``). ``progress``: as
+    :func:`calibrate_rank`'s."""
     if config.torch_device.type == "cuda":
         torch.cuda.set_device(config.torch_device)  # before the first collective
     dist.init_process_group(process_group_backend(config), timeout=timedelta(seconds=120))
     try:
-        return calibrate_rank(dist.get_rank(), dist.get_world_size(), config)
+        return calibrate_rank(dist.get_rank(), dist.get_world_size(), config, progress)
     finally:
         destroy_process_groups()
 
 
-def calibrate_in_process(config: CalibrationConfig) -> dict[str, Any]:
+def calibrate_in_process(config: CalibrationConfig, progress: bool = False) -> dict[str, Any]:
     """One rank in this process (``moeflow calibrate --device cuda`` without a launcher: one GPU),
-    over a one-rank process group on a free local port."""
+    over a one-rank process group on a free local port; ``progress``: as :func:`calibrate_rank`'s."""
     if config.torch_device.type == "cuda":
         torch.cuda.set_device(config.torch_device)
     dist.init_process_group(process_group_backend(config), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=120))
     try:
-        profile = calibrate_rank(0, 1, config)
+        profile = calibrate_rank(0, 1, config, progress)
     finally:
         destroy_process_groups()
     assert profile is not None

@@ -8,6 +8,10 @@ from dataclasses import asdict
 from typing import Any
 
 from moeflow.files import json_text
+from moeflow.progress import Progress, Quiet
+
+POINT_DONE = "# grid point done"
+"""What rank 0 of a grid benchmark prints after each point: the driver counts them (its progress)."""
 
 
 def record_fields(point: Any) -> dict[str, Any]:
@@ -18,11 +22,12 @@ def record_fields(point: Any) -> dict[str, Any]:
 
 class RankZeroRecords(io.StringIO):
     """A sink for :func:`moeflow.testbed.launch`: keeps all output, and collects and prints rank
-    0's JSON lines (with ``extra`` fields merged in) as they arrive."""
+    0's JSON lines (with ``extra`` fields merged in) as they arrive; rank 0's :data:`POINT_DONE`
+    lines advance ``progress``."""
 
-    def __init__(self, **extra: Any) -> None:
+    def __init__(self, progress: Progress | None = None, **extra: Any) -> None:
         super().__init__()
-        self.extra = extra
+        self.extra, self.progress = extra, progress or Quiet()
         self.records: list[dict[str, Any]] = []
         self._pending = ""
 
@@ -34,6 +39,8 @@ class RankZeroRecords(io.StringIO):
                 record = {**json.loads(line.removeprefix("[rank 0] ")), **self.extra}
                 self.records.append(record)
                 print(json_text(record), flush=True)
+            elif line == f"[rank 0] {POINT_DONE}":
+                self.progress.advance()
         return super().write(text)
 
 
@@ -73,11 +80,12 @@ def cluster_profile(path: str | None, save_to: str | None, bench: str, emit: Any
 def run_on_cluster(
     module: str, name: str, grid: list[Any], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
     profile: str | None, master_port: int, timeout_s: float, calibrate: bool = True, save_profile: str | None = None,
+    progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch an emulated cluster that runs ``python -m module`` as every rank over a grid of
     dataclass points (calibrating first, into ``save_profile`` when given, unless ``profile`` is given
     or ``calibrate`` is off);
-    return rank 0's records, printed as they come."""
+    return rank 0's records, printed as they come. ``progress`` counts the points done."""
     import json
     import os
     import sys
@@ -95,7 +103,8 @@ def run_on_cluster(
             command += ["--profile", profile]
         else:
             command += ["--save-profile", save_profile or os.path.join(folder, "profile.json")]
-        sink = RankZeroRecords(nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
+        sink = RankZeroRecords(progress, nodes=nodes, ranks_per_node=ranks_per_node, inter_gbit=inter_gbit)
+        sink.progress.expect(len(grid))
         code = launch(ClusterSpec(nodes, ranks_per_node, inter_gbit), command, master_port=master_port,
                       timeout_s=timeout_s, sink=sink)
         if code:
@@ -135,4 +144,6 @@ def grid_rank_main(argv: list[str], bench: str, measure: Any) -> None:
     profile = None if args.no_profile else cluster_profile(args.profile, args.save_profile, bench, emit)
     for values in json.loads(args.grid):
         measure(values, groups, profile, args.repeats, emit)
+        if dist.get_rank() == 0:
+            print(POINT_DONE, flush=True)
     destroy_process_groups()

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from moeflow.comm.collectives import all_reduce
+from moeflow.progress import Progress
 
 LINA_ALLTOALL_GOAL = 1.1  # Lina's all-to-all at most this much slower than alone
 LINK_MODES = ("alone", "beside", "overlap", "lina")
@@ -260,14 +261,14 @@ def _rank_main(argv: list[str]) -> None:
 
 def run(
     grid: list[ContentionPoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29795, timeout_s: float = 3600,
+    profile: str | None = None, master_port: int = 29795, timeout_s: float = 3600, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster (no calibration: nothing here plans), run the grid, return rank
     0's records (printed as they come)."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.contention", "contention", grid, nodes, ranks_per_node, inter_gbit,
-                          repeats, profile, master_port, timeout_s, calibrate=False)
+                          repeats, profile, master_port, timeout_s, calibrate=False, progress=progress)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.progress import Progress
+
 MODES = {"padded-bmm": ("padded", "bmm"), "padded": ("padded", "ragged"), "ragged": ("ragged", "ragged"),
          "auto": ("auto", "ragged")}
 """Each mode's (token_exchange, expert_kernel)."""
@@ -139,13 +141,13 @@ def _rank_main(argv: list[str]) -> None:
 
 def run(
     grid: list[ExchangePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29795, timeout_s: float = 3600,
+    profile: str | None = None, master_port: int = 29795, timeout_s: float = 3600, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.exchange", "exchange", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          profile, master_port, timeout_s)
+                          profile, master_port, timeout_s, progress=progress)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from moeflow.config import LayerDims
 from moeflow.parallel.dispatchers.stats import SOURCE as DIRECT_SOURCE
+from moeflow.progress import Progress
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm")  # batched_mm pads every expert to all tokens: 10x slower here
 MOEFLOW = "moeflow"
@@ -388,12 +389,12 @@ def _cluster_steps(
 
 def run_cluster(
     grid: list[GeneratePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    master_port: int = 29780, timeout_s: float = 1800,
+    master_port: int = 29780, timeout_s: float = 1800, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.generate", "generate", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          None, master_port, timeout_s, calibrate=False)
+                          None, master_port, timeout_s, calibrate=False, progress=progress)
 
 
 def _rank_main(argv: list[str]) -> None:

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.progress import Progress
+
 TRAIN_HF = "train_hf"
 IMPLEMENTATIONS = ("all_to_all", "moeflow", TRAIN_HF)
 """transformers' own all-to-all, moeflow's backend with its defaults, and ``moeflow train --hf``'s
@@ -277,13 +279,13 @@ def _rank_main(argv: list[str]) -> None:
 
 def run_cluster(
     grid: list[HFEPPoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29802, timeout_s: float = 3600,
+    profile: str | None = None, master_port: int = 29802, timeout_s: float = 3600, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """The grid on the emulated cluster (no calibration: nothing here is planned); rank 0's records."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.hf_ep", "hf-ep", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          profile, master_port, timeout_s, calibrate=False)
+                          profile, master_port, timeout_s, calibrate=False, progress=progress)
 
 
 def run_loopback(grid: list[HFEPPoint], workers: int, repeats: int, emit: Any) -> list[dict[str, Any]]:

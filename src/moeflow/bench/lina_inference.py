@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from moeflow.comm.collectives import all_gather_objects, barrier
+from moeflow.progress import Progress
 
 SCHEDULES = ("static", "lina", "oracle", "ideal", "unpadded")
 # the routers' skew (the most over the least popular expert's mean logit) and whether the popular
@@ -361,14 +362,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_cluster(points: list[LinaPoint], nodes: int, ranks_per_node: int, inter_gbit: float,
-                profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600) -> list[dict[str, Any]]:
+                profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600,
+                progress: Progress | None = None) -> list[dict[str, Any]]:
     """The points on the emulated cluster; calibrated first (or on ``profile``) when a point has a
     replica budget, whose copies the cost model prices."""
     from moeflow.bench import run_on_cluster
 
     budget = any(point.replica_slots is not None for point in points)
     return run_on_cluster("moeflow.bench.lina_inference", "lina-inference", points, nodes, ranks_per_node,
-                          inter_gbit, 1, profile, master_port, timeout_s, calibrate=budget)
+                          inter_gbit, 1, profile, master_port, timeout_s, calibrate=budget, progress=progress)
 
 
 def _rank_main(argv: list[str]) -> None:

@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.progress import Progress
+
 STRONG_SKEW_GOAL = 1.3  # shadowing at strong skew: at least this much faster than off
 UNIFORM_TOLERANCE = 1.03  # at uniform load: no slower than this
 REDUNDANT_BALANCE_GOAL = 1.1  # redundant experts: max/mean rank load at most this (TensorRT-LLM's EPLB figure)
@@ -226,13 +228,13 @@ def _rank_main(argv: list[str]) -> None:
 
 def run(
     grid: list[SkewPoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600,
+    profile: str | None = None, master_port: int = 29790, timeout_s: float = 3600, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.skew", "skew", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          profile, master_port, timeout_s)
+                          profile, master_port, timeout_s, progress=progress)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

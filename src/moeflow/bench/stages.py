@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moeflow.progress import Progress
+
 SETTINGS = (("gpipe", False), ("1f1b", False), ("interleaved", False), ("zbv", False), ("dualpipev", False),
             ("dualpipev", True))
 """(schedule, overlap) of each setting measured."""
@@ -114,13 +116,13 @@ def _measure_point(values: dict[str, Any], groups: Any, profile: Any, repeats: i
 
 def run(
     grid: list[StagePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29760, timeout_s: float = 1800,
+    profile: str | None = None, master_port: int = 29760, timeout_s: float = 1800, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid, return rank 0's records (printed as they come)."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.stages", "stages", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          profile, master_port, timeout_s, calibrate=profile is not None)
+                          profile, master_port, timeout_s, calibrate=profile is not None, progress=progress)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

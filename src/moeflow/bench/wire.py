@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeflow.config import WIRE_DTYPES
+from moeflow.progress import Progress
 
 EXCHANGE_GOAL = 1.6  # bf16 against exact: the time in the exchange (issue 65)
 
@@ -122,14 +123,14 @@ def _rank_main(argv: list[str]) -> None:
 
 def run(
     grid: list[WirePoint], nodes: int, ranks_per_node: int, inter_gbit: float, repeats: int,
-    profile: str | None = None, master_port: int = 29797, timeout_s: float = 3600,
+    profile: str | None = None, master_port: int = 29797, timeout_s: float = 3600, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
     """Launch the emulated cluster, run the grid (no calibration: nothing here is planned), return
     rank 0's records (printed as they come)."""
     from moeflow.bench import run_on_cluster
 
     return run_on_cluster("moeflow.bench.wire", "wire", grid, nodes, ranks_per_node, inter_gbit, repeats,
-                          profile, master_port, timeout_s, calibrate=False)
+                          profile, master_port, timeout_s, calibrate=False, progress=progress)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -51,3 +51,18 @@ def require_testbed(command: str) -> None:
     reason = unavailable_reason()
     if reason:
         raise fail(command, reason)
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-progress`` on a long command: its bar is drawn only on a terminal anyway."""
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar on stderr (none is drawn when stderr is not a terminal: CI, a log)")
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether this command draws a progress bar: a person watches stderr and did not turn it off."""
+    import sys
+
+    from moeflow.progress import wants_progress
+
+    return wants_progress(sys.stderr, getattr(args, "progress", True))

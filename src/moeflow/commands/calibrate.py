@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int, show_progress
 from moeflow.config import DTYPE_NAMES
 
 
@@ -30,6 +30,7 @@ def add_parser(commands: Any) -> None:
     calibrate.add_argument("--hidden-dim", type=positive_int, default=None,
                            help="hidden dimension of the GEMMs timed (default 1024 on cpu, 8192 on cuda)")
     calibrate.add_argument("--repeats", type=positive_int, default=5, help="timings per point, medians (default 5)")
+    add_progress_flag(calibrate)
     calibrate.set_defaults(func=run)
 
 
@@ -79,15 +80,16 @@ def run(args: argparse.Namespace) -> int:
         device=device, dtype=args.dtype,
         latency_emulated=os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED"),
     )
+    progress = show_progress(args)
     if launched:
         per_node = os.environ.get("LOCAL_WORLD_SIZE")
-        profile = calibrate_from_env(replace(config, ranks_per_node=int(per_node) if per_node else None))
+        profile = calibrate_from_env(replace(config, ranks_per_node=int(per_node) if per_node else None), progress)
         if profile is None:
             return 0
     elif args.device == "cuda":
-        profile = calibrate_in_process(config)
+        profile = calibrate_in_process(config, progress)
     else:
-        profile = run_distributed(calibrate_rank, args.workers or 2, config, timeout_s=1800)[0]
+        profile = run_distributed(calibrate_rank, args.workers or 2, config, progress, timeout_s=1800)[0]
     for report in profile["quality"]["fits"]:
         print_json(report)
     saved = ClusterProfile.from_dict(profile)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int
 from moeflow.config import WIRE_DTYPES
 
 
@@ -65,6 +65,7 @@ def add_parser(commands: Any) -> None:
     plan.add_argument("--skew", default=None,
                       help="uniform, zipf:<s> or one-hot: FasterMoE's shadowing decision (Algorithm 1) and EPLB's "
                       "redundant slots (one extra per rank) for routing with this skew, hottest expert first")
+    add_progress_flag(plan)  # the joint planner's search; one layer's plans print at once
     plan.set_defaults(func=run)
 
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moeflow.commands import fail
+from moeflow.commands import fail, show_progress
 
 
 def wants_joint_plan(args: argparse.Namespace) -> bool:
@@ -22,6 +22,7 @@ def wants_joint_plan(args: argparse.Namespace) -> bool:
 
 def joint_plan(args: argparse.Namespace) -> int:
     from moeflow.config import EXACT_WIRE
+    from moeflow.progress import progress_bar
     from moeflow.sim import ClusterFileError, load_cluster, plan_label
     from moeflow.sim.planner import SearchSpace, search
 
@@ -33,11 +34,13 @@ def joint_plan(args: argparse.Namespace) -> int:
         cluster = load_cluster(source)
         cluster = cluster.resized(args.nodes) if args.nodes else cluster
         base, model = _model(args)
-        results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2),
-                         space=SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp,
-                                           ep_sizes=(args.ep_size,) if args.ep_size else (),
-                                           wire_dtype=args.wire_dtype or base.get("wire_dtype", EXACT_WIRE),
-                                           pp_sizes=_pp_sizes(args, base)))
+        space = SearchSpace(prioritize_alltoall=args.prioritize_alltoall, mp=args.mp,
+                            ep_sizes=(args.ep_size,) if args.ep_size else (),
+                            wire_dtype=args.wire_dtype or base.get("wire_dtype", EXACT_WIRE),
+                            pp_sizes=_pp_sizes(args, base))
+        with progress_bar("plan", "sim", enabled=show_progress(args)) as progress:
+            results = search(cluster, model, training=not args.forward_only, top=max(args.top, 2), space=space,
+                             progress=progress)
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("plan", error) from None
     for rank, result in enumerate(results[:args.top], 1):

@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int, show_progress
 from moeflow.pipeline.layout import SCHEDULES
 
 
@@ -62,10 +62,12 @@ def add_parser(commands: Any) -> None:
     sim.add_argument("--inference", action="store_true", help="one forward batch instead of a training step")
     sim.add_argument("--scaling", action="store_true",
                      help="time the simulator itself at 4..256 nodes and 8..64 layers for the first plan")
+    add_progress_flag(sim)
     sim.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeflow.progress import progress_bar
     from moeflow.sim import ClusterFileError, StepPlan, load_cluster, load_model, named_clusters, named_models
 
     if args.list:
@@ -90,8 +92,12 @@ def run(args: argparse.Namespace) -> int:
     except (ClusterFileError, ValueError, FileNotFoundError) as error:
         raise fail("simulate", error) from None
     if args.scaling:
-        return _scaling(cluster, model, plans[0])
-    results = [_simulate(cluster, model, plan, not args.inference) for plan in plans]
+        return _scaling(cluster, model, plans[0], show_progress(args))
+    results = []
+    with progress_bar("simulate", "plan", len(plans), enabled=show_progress(args)) as progress:
+        for plan in plans:
+            results.append(_simulate(cluster, model, plan, not args.inference))
+            progress.advance()
     best = min(results, key=lambda r: r["step_ms"])
     print(f"# {cluster.name}: {cluster.nodes} x {cluster.gpus_per_node} = {cluster.world_size} ranks, {model.name} "
           f"{model.layers} layers; best {best['plan']} at {best['step_ms']:.4g} ms per "
@@ -152,13 +158,16 @@ def _simulate(cluster: Any, model: Any, plan: Any, training: bool) -> dict[str, 
     return record
 
 
-def _scaling(cluster: Any, model: Any, plan: Any) -> int:
-    from moeflow.sim.scaling import growth_exponents, scaling_runs
+def _scaling(cluster: Any, model: Any, plan: Any, show: bool) -> int:
+    from moeflow.progress import progress_bar
+    from moeflow.sim.scaling import growth_exponents, scaling_points, scaling_runs
 
     records = []
-    for record in scaling_runs(cluster, model, plan):
-        print(json.dumps(record), flush=True)
-        records.append(record)
+    with progress_bar("simulate --scaling", "run", len(scaling_points()), enabled=show) as progress:
+        for record in scaling_runs(cluster, model, plan):
+            print(json.dumps(record), flush=True)
+            records.append(record)
+            progress.advance()
     largest = max(records, key=lambda r: (r["ranks"], r["layers"]))
     slopes = growth_exponents(records)
     print(json.dumps({"summary": "sim-speed", "largest_ranks": largest["ranks"], "largest_layers": largest["layers"],

@@ -19,6 +19,7 @@ from moeflow.perf.sim.cluster import Cluster
 from moeflow.perf.sim.plan import StepPlan, schedule_pairs, schedule_stages
 from moeflow.perf.sim.technique import PlanSpace
 from moeflow.perf.sim.workload import LayerLoad, ModelSpec, routing_loads
+from moeflow.progress import Progress, Quiet
 from moeflow.sim.pipelined import data_rank_sequences, data_rank_tokens, pipeline_sizes, stage_plan
 from moeflow.sim.step import WIRE_FEATURE, StepResult, sends_wire, simulate_step
 
@@ -188,9 +189,10 @@ def _group_plans(group: Cluster, model: ModelSpec, space: SearchSpace, whole_wor
 
 
 def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int = 5, proxy_layers: int = 2,
-           space: SearchSpace = SearchSpace()) -> list[StepResult]:
+           space: SearchSpace = SearchSpace(), progress: Progress | None = None) -> list[StepResult]:
     """The ``top`` plans, fastest first, simulated at the model's full depth. Inference plans no
-    pipeline (a pipelined plan is a training step's)."""
+    pipeline (a pipelined plan is a training step's). ``progress`` counts the simulations: a large
+    cluster's search takes minutes."""
     if not training and max(space.pp_sizes, default=1) > 1:
         raise ValueError("a pipelined plan (--pp-size > 1) is a training step's: drop --forward-only or --pp-size")
     space = space if training else replace(space, pp_sizes=(1,))
@@ -200,30 +202,34 @@ def search(cluster: Cluster, model: ModelSpec, training: bool = True, top: int =
         raise ValueError(f"no plan fits {model.dims.num_experts} experts on the {layout} cluster with mp {space.mp} "
                          f"and expert group sizes {list(space.ep_sizes) or 'any'}: an expert group holds whole MP "
                          "groups and its experts must divide over it (change --ep-size, --mp or the experts)")
-    loads = _Loads(model)
+    loads, progress = _Loads(model), progress or Quiet()
     flat = [plan for plan in candidates if plan.pp == 1]
-    results = _unpipelined(cluster, model, flat, training, top, proxy_layers, loads) if flat else []
+    results = _unpipelined(cluster, model, flat, training, top, proxy_layers, loads, progress) if flat else []
     for pp in sorted({plan.pp for plan in candidates} - {1}):
-        results += _pipelined(cluster, model, [plan for plan in candidates if plan.pp == pp], proxy_layers, loads)
+        results += _pipelined(cluster, model, [plan for plan in candidates if plan.pp == pp], proxy_layers, loads,
+                              progress)
     return sorted(results, key=lambda result: result.step_s)[:top]
 
 
 def _unpipelined(cluster: Cluster, model: ModelSpec, candidates: list[StepPlan], training: bool, top: int,
-                 proxy_layers: int, loads: _Loads) -> list[StepResult]:
+                 proxy_layers: int, loads: _Loads, progress: Progress) -> list[StepResult]:
     """The best unpipelined plans of the proxy, at full depth under each gradient sync."""
     proxy = model.with_overrides(layers=min(proxy_layers, model.layers))
     proxy_loads = _Loads(proxy)
 
     def proxy_time(plan: StepPlan) -> float:
-        return simulate_step(cluster, proxy, plan, training, proxy_loads.of(cluster, plan)).step_s
+        step_s = simulate_step(cluster, proxy, plan, training, proxy_loads.of(cluster, plan)).step_s
+        progress.advance()
+        return step_s
 
+    progress.expect(len(candidates))
     ranked = sorted(candidates, key=proxy_time)
-    return [simulate_step(cluster, model, variant, training, loads.of(cluster, variant))
-            for plan in ranked[:max(top, 1) * 2] for variant in gradient_sync_variants(plan, training)]
+    finalists = [variant for plan in ranked[:max(top, 1) * 2] for variant in gradient_sync_variants(plan, training)]
+    return _full_depth(cluster, model, finalists, training, loads, progress)
 
 
 def _pipelined(cluster: Cluster, model: ModelSpec, candidates: list[StepPlan], proxy_layers: int,
-               loads: _Loads) -> list[StepResult]:
+               loads: _Loads, progress: Progress) -> list[StepResult]:
     """One pipeline size's plans: its stage plans ranked once, unpipelined on a stage's ranks over a
     proxy of the fewest micro-batches' tokens; the schedules and micro-batch counts of the best
     :data:`PIPELINE_FINALISTS` at full depth."""
@@ -235,11 +241,26 @@ def _pipelined(cluster: Cluster, model: ModelSpec, candidates: list[StepPlan], p
     proxy_loads = _Loads(proxy)
 
     def proxy_time(plan: StepPlan) -> float:
-        return simulate_step(stage, proxy, plan, True, proxy_loads.of(stage, plan)).step_s
+        step_s = simulate_step(stage, proxy, plan, True, proxy_loads.of(stage, plan)).step_s
+        progress.advance()
+        return step_s
 
-    best = sorted(dict.fromkeys(stage_plan(plan) for plan in candidates), key=proxy_time)[:PIPELINE_FINALISTS]
-    return [simulate_step(cluster, model, plan, True, loads.of(cluster, plan))
-            for plan in candidates if stage_plan(plan) in best]
+    stage_plans = list(dict.fromkeys(stage_plan(plan) for plan in candidates))
+    progress.expect(len(stage_plans))
+    best = sorted(stage_plans, key=proxy_time)[:PIPELINE_FINALISTS]
+    return _full_depth(cluster, model, [plan for plan in candidates if stage_plan(plan) in best], True, loads,
+                       progress)
+
+
+def _full_depth(cluster: Cluster, model: ModelSpec, plans: list[StepPlan], training: bool, loads: _Loads,
+                progress: Progress) -> list[StepResult]:
+    """The finalists simulated at the model's full depth, each counted as it ends."""
+    progress.expect(len(plans))
+    results = []
+    for plan in plans:
+        results.append(simulate_step(cluster, model, plan, training, loads.of(cluster, plan)))
+        progress.advance()
+    return results
 
 
 def gradient_sync_variants(plan: StepPlan, training: bool = True) -> list[StepPlan]:

@@ -18,12 +18,17 @@ SCALING_NODES = (4, 16, 64, 256)
 SCALING_LAYERS = (8, 16, 32, 64)
 
 
+def scaling_points(nodes: tuple[int, ...] = SCALING_NODES,
+                   layers: tuple[int, ...] = SCALING_LAYERS) -> list[tuple[int, int]]:
+    """The (nodes, layers) timed, on the two axes through the largest point: the ranks axis at the
+    most layers, the layers axis at the most nodes."""
+    return [(n, max(layers)) for n in nodes] + [(max(nodes), n) for n in layers if n != max(layers)]
+
+
 def scaling_runs(cluster: Cluster, model: ModelSpec, plan: StepPlan, nodes: tuple[int, ...] = SCALING_NODES,
                  layers: tuple[int, ...] = SCALING_LAYERS) -> Iterator[dict[str, Any]]:
-    """One record per (nodes, layers) on the two axes through the largest point: the ranks axis at
-    the most layers, the layers axis at the most nodes."""
-    points = [(n, max(layers)) for n in nodes] + [(max(nodes), n) for n in layers if n != max(layers)]
-    for node_count, layer_count in points:
+    """One record per (nodes, layers) of :func:`scaling_points`."""
+    for node_count, layer_count in scaling_points(nodes, layers):
         sized = cluster.resized(node_count)
         deep = model.with_overrides(layers=layer_count)
         began = time.perf_counter()

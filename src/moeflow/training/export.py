@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
+from moeflow.progress import Progress, Quiet
 from moeflow.training.sharded_checkpoint import MODEL, read_full_tensors, saved_tensors
 
 INDEX = "model.safetensors.index.json"
 """transformers' index of a sharded safetensors checkpoint."""
 
 
-def export_model(checkpoint: Path, destination: Path) -> Path:
-    """Write ``destination`` (a temporary folder renamed into place) from a sharded checkpoint."""
+def export_model(checkpoint: Path, destination: Path, progress: Progress | None = None) -> Path:
+    """Write ``destination`` (a temporary folder renamed into place) from a sharded checkpoint;
+    ``progress`` counts the shards written."""
     groups = layer_groups([key[len(MODEL):] for key in saved_tensors(checkpoint) if key.startswith(MODEL)])
 
     def tensors_of(names: list[str]) -> dict[str, torch.Tensor]:
@@ -35,17 +37,21 @@ def export_model(checkpoint: Path, destination: Path) -> Path:
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, directory / name)
 
-    return write_shards(destination, groups, tensors_of, beside)
+    return write_shards(destination, groups, tensors_of, beside, progress)
 
 
 def write_shards(
     destination: Path, groups: list[list[str]], tensors_of: Callable[[list[str]], dict[str, torch.Tensor]],
-    beside: Callable[[Path], None],
+    beside: Callable[[Path], None], progress: Progress | None = None,
 ) -> Path:
     """One safetensors shard per group of names (``tensors_of`` reads a group's tensors: only one
     group is held at a time), transformers' index, and what ``beside`` adds; written into a
-    temporary folder renamed into place, so a failed export leaves no partial ``destination``."""
+    temporary folder renamed into place, so a failed export leaves no partial ``destination``.
+    ``progress`` counts the shards: a large model's export takes minutes."""
     from safetensors.torch import save_file
+
+    progress = progress or Quiet()
+    progress.expect(len(groups))
 
     temporary = destination.with_name(destination.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
@@ -59,6 +65,7 @@ def write_shards(
         weight_map.update(dict.fromkeys(tensors, shard))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors  # before the next group is read: one group in memory at a time
+        progress.advance()
     write_index(temporary, weight_map, total)
     beside(temporary)
     shutil.rmtree(destination, ignore_errors=True)

@@ -20,6 +20,7 @@ from torch import nn
 from moeflow.hf.families import family_of
 from moeflow.hf.lazy import _empty_model
 from moeflow.hf.weights import write_hf_block
+from moeflow.progress import Progress
 from moeflow.training.export import layer_groups, write_shards
 from moeflow.training.sharded_checkpoint import MODEL, read_full_tensors, saved_tensors
 
@@ -30,10 +31,11 @@ HF_CONFIG_FILES = ("config.json", "generation_config.json")
 """What a ``train --hf`` checkpoint copies from the source so that it exports on its own."""
 
 
-def export_hf(checkpoint: Path, destination: Path, tokenizer_source: Path | None = None) -> Path:
+def export_hf(checkpoint: Path, destination: Path, tokenizer_source: Path | None = None,
+              progress: Progress | None = None) -> Path:
     """Write ``destination`` (atomically: a temporary folder renamed) from ``checkpoint``, a
     sharded checkpoint of a ``train --hf`` run holding the source's ``config.json``; the tokenizer
-    files are copied from ``tokenizer_source`` when given."""
+    files are copied from ``tokenizer_source`` when given; ``progress`` counts the layers written."""
     import transformers
 
     if not (checkpoint / "config.json").is_file():
@@ -50,7 +52,7 @@ def export_hf(checkpoint: Path, destination: Path, tokenizer_source: Path | None
 
     keys = list(saved)
     return write_shards(destination, layer_groups(_saved_names(model)),
-                        lambda names: _layer_tensors(checkpoint, keys, model, names), beside)
+                        lambda names: _layer_tensors(checkpoint, keys, model, names), beside, progress)
 
 
 def _saved_names(model: nn.Module) -> list[str]:

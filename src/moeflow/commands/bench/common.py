@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import fail, positive_int, require_testbed, show_progress
 
 
 def add_cluster_layout(parser: argparse.ArgumentParser, ranks_per_node: int) -> None:
@@ -54,13 +54,17 @@ def pipeline_choice(text: str) -> int | str:
 
 
 def run_cluster_grid(command: str, run: Any, summarize: Any, grid: list[Any], args: argparse.Namespace) -> int:
-    """Launch the emulated cluster for a grid benchmark and print its summary."""
+    """Launch the emulated cluster for a grid benchmark (a bar of its points on a terminal) and print
+    its summary."""
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
     from moeflow.testbed import ClusterError
 
     require_testbed(command)
     try:
-        records = run(grid, args.nodes, args.ranks_per_node, args.inter_gbit, args.repeats, args.profile)
+        with progress_bar(command, "point", enabled=show_progress(args)) as progress:
+            records = run(grid, args.nodes, args.ranks_per_node, args.inter_gbit, args.repeats, args.profile,
+                          progress=progress)
     except (ClusterError, RuntimeError) as error:
         raise fail(command, error) from None
     print_json(summarize(records))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     run_cluster_grid,
@@ -39,6 +39,7 @@ def add(benches: Any) -> None:
                             help="links: megabytes of gradients to all-reduce (default 8)")
     contention.add_argument("--steps", type=positive_int, default=5, help="step: timed steps per mode (default 5)")
     contention.add_argument("--repeats", type=positive_int, default=5, help="links: timed rounds, medians (default 5)")
+    add_progress_flag(contention)
     contention.set_defaults(func=run_contention)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int
 from moeflow.commands.bench.common import add_cluster_layout, run_cluster_grid
 
 EXPERTS_PER_RANK = (1, 4, 16)
@@ -32,6 +32,7 @@ def add(benches: Any) -> None:
     dedup.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per exchange (default 5)")
     dedup.add_argument("--alltoall", choices=("linear", "2dh"), default="linear",
                        help="the all-to-all (default linear; 2dh: the dedup exchange sends a token once to each node)")
+    add_progress_flag(dedup)
     dedup.set_defaults(func=run_dedup)
 
 

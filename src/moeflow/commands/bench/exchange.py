@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     add_routed_layer,
@@ -34,6 +34,7 @@ def add(benches: Any) -> None:
                           help="every mode's pipeline: a policy, or one degree for all, run with the linear "
                           "all-to-all, so that only the exchange differs (default auto)")
     exchange.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    add_progress_flag(exchange)
     exchange.set_defaults(func=run_exchange)
 
 

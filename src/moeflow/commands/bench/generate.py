@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_progress_flag, fail, positive_int, require_testbed, show_progress
 
 
 def add(benches: Any) -> None:
@@ -31,6 +31,7 @@ def add(benches: Any) -> None:
                           help="processes: 1 runs here; 2 runs expert parallel on the emulated 2x1 cluster (default 1)")
     generate.add_argument("--inter-gbit", type=float, default=1.0,
                           help="--workers 2: bandwidth between nodes, Gbit/s (default 1)")
+    add_progress_flag(generate)
     generate.set_defaults(func=run_generate)
 
 
@@ -39,6 +40,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from moeflow.bench.generate import GeneratePoint, measure_point, read_bandwidth, run_cluster, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
     if args.new_tokens < 2:
         raise fail("bench generate", f"--new-tokens {args.new_tokens} leaves no decode step to time; use 2 or more")
@@ -49,7 +51,8 @@ def run_generate(args: argparse.Namespace) -> int:
         from moeflow.testbed import ClusterError
 
         try:
-            records = run_cluster(grid, 2, 1, args.inter_gbit, args.repeats)
+            with progress_bar("bench generate", "point", enabled=show_progress(args)) as progress:
+                records = run_cluster(grid, 2, 1, args.inter_gbit, args.repeats, progress=progress)
         except (ClusterError, RuntimeError) as error:
             raise fail("bench generate", error) from None
         share = [r["alltoall_share"] for r in records]
@@ -59,9 +62,11 @@ def run_generate(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     bandwidth = read_bandwidth()
     records = []
-    for point in grid:
-        for record in measure_point(point, args.repeats, bandwidth):
-            print_json(record)
-            records.append(record)
+    with progress_bar("bench generate", "point", len(grid), enabled=show_progress(args)) as progress:
+        for point in grid:
+            for record in measure_point(point, args.repeats, bandwidth):
+                print_json(record)
+                records.append(record)
+            progress.advance()
     print_json(summarize(records))
     return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int
 from moeflow.commands.bench.common import add_cluster_layout, run_cluster_grid
 from moeflow.config import ALLTOALL_ALGORITHMS, HF_EP_TOKEN_EXCHANGES
 
@@ -42,6 +42,7 @@ def add(benches: Any) -> None:
     hf_ep.add_argument("--pipeline", type=_chunks, default="auto",
                        help="the chunks moeflow's backend moves and computes a block's rows in, or auto: each "
                             "block searches its degree per batch size (default auto)")
+    add_progress_flag(hf_ep)
     hf_ep.set_defaults(func=run_hf_ep)
 
 

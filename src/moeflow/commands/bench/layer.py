@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int, show_progress
 from moeflow.commands.bench.common import (
     device_for,
 )
@@ -51,6 +51,7 @@ def add(benches: Any) -> None:
                        help="parameters, tokens and the floor's matmul in this dtype (default fp32)")
     layer.add_argument("--matmul-size", type=positive_int, default=2048,
                        help="side of the square matmul that gives the FLOP floor's rate (default 2048)")
+    add_progress_flag(layer)
     layer.set_defaults(func=run_layer)
 
 
@@ -70,12 +71,9 @@ def _layer_shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 
 def run_layer(args: argparse.Namespace) -> int:
-    import torch
-
-    from moeflow.bench.layer import LayerBenchConfig, measure_layer, slowest_worker, summarize
-    from moeflow.config import LayerDims, ffn_projections
-    from moeflow.distributed import run_distributed
+    from moeflow.bench.layer import summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
     if args.tokens < 0:
         raise fail("bench layer", f"--tokens must be >= 0, got {args.tokens}")
@@ -87,22 +85,36 @@ def run_layer(args: argparse.Namespace) -> int:
                    "and --step-shapes static or auto")
     if args.step_shapes == "static" and (args.workers > 1 or args.capacity_factor <= 0):
         raise fail("bench layer", "--step-shapes static runs one process with --capacity-factor > 0")
-    results = []
-    for num_experts, hidden_dim in _layer_shapes(args):
-        dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation),
-                         bias=not args.no_bias)
-        config = LayerBenchConfig(
-            dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
-            repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
-            device=str(device), dtype=args.dtype, matmul_size=args.matmul_size, expert_kernel=args.expert_kernel,
-            step_shapes=args.step_shapes, cuda_graph=args.cuda_graph,
-        )
-        if args.workers == 1:
-            torch.set_num_threads(1)
-            result = measure_layer(0, 1, config)
-        else:
-            result = slowest_worker(run_distributed(measure_layer, args.workers, config))
-        print_json(result)
-        results.append(result)
+    results, shapes = [], _layer_shapes(args)
+    with progress_bar("bench layer", "shape", len(shapes), enabled=show_progress(args)) as progress:
+        for num_experts, hidden_dim in shapes:
+            results.append(_measure_shape(args, device, num_experts, hidden_dim))
+            progress.advance()
     print_json(summarize(results))
     return 0
+
+
+def _measure_shape(args: argparse.Namespace, device: Any, num_experts: int, hidden_dim: int) -> dict[str, Any]:
+    """One shape's measurement, printed as it ends."""
+    import torch
+
+    from moeflow.bench.layer import LayerBenchConfig, measure_layer, slowest_worker
+    from moeflow.config import LayerDims, ffn_projections
+    from moeflow.distributed import run_distributed
+    from moeflow.files import print_json
+
+    dims = LayerDims(args.model_dim, hidden_dim, num_experts, args.top_k, ffn_projections(args.activation),
+                     bias=not args.no_bias)
+    config = LayerBenchConfig(
+        dims=dims, tokens=args.tokens, capacity_factor=args.capacity_factor, activation=args.activation,
+        repeats=args.repeats, warmup=args.warmup, measure_kernels=not args.no_kernels,
+        device=str(device), dtype=args.dtype, matmul_size=args.matmul_size, expert_kernel=args.expert_kernel,
+        step_shapes=args.step_shapes, cuda_graph=args.cuda_graph,
+    )
+    if args.workers == 1:
+        torch.set_num_threads(1)
+        result = measure_layer(0, 1, config)
+    else:
+        result = slowest_worker(run_distributed(measure_layer, args.workers, config))
+    print_json(result)
+    return result

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_progress_flag, fail, positive_int, require_testbed, show_progress
 from moeflow.commands.bench.common import (
     add_cluster_layout,
 )
@@ -40,12 +40,14 @@ def add(benches: Any) -> None:
     parser.add_argument("--plot", metavar="PNG",
                         help="write the Fig. 16-style plot of the times over ideal's to this PNG")
     add_cluster_layout(parser, 1)
+    add_progress_flag(parser)
     parser.set_defaults(func=run_lina_inference)
 
 
 def run_lina_inference(args: argparse.Namespace) -> int:
     from moeflow.bench.lina_inference import LinaPoint, run_cluster, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
     if "trained" in args.models and args.checkpoint is None:
         raise fail("bench lina-inference", "the trained model needs --checkpoint RUN_DIR (a moeflow train run), or "
@@ -57,7 +59,9 @@ def run_lina_inference(args: argparse.Namespace) -> int:
                         max_experts_per_rank=args.max_experts_per_rank, replica_slots=args.replica_slots)
               for model in args.models]
     try:
-        records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit, args.profile)
+        with progress_bar("bench lina-inference", "point", enabled=show_progress(args)) as progress:
+            records = run_cluster(points, args.nodes, args.ranks_per_node, args.inter_gbit, args.profile,
+                                  progress=progress)
     except (ClusterError, RuntimeError) as error:
         raise fail("bench lina-inference", error) from None
     if args.plot:

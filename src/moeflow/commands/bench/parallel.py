@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     run_cluster_grid,
@@ -35,6 +35,7 @@ def add(benches: Any) -> None:
                           help="> 1: Parm's S1, S2, S2+SAA and auto against the DeepSpeed-MoE baseline behind MP "
                           "attention of this many ranks (N_ESP = N_MP) instead of Tutel's r")
     parallel.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    add_progress_flag(parallel)
     parallel.set_defaults(func=run_parallel)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import positive_int
+from moeflow.commands import add_progress_flag, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     run_cluster_grid,
@@ -32,6 +32,7 @@ def add(benches: Any) -> None:
     pipeline.add_argument("--top-k", type=positive_int, nargs="+", default=[1, 2],
                           help="experts per token k to try (default 1 2)")
     pipeline.add_argument("--repeats", type=positive_int, default=3, help="timed rounds, medians (default 3)")
+    add_progress_flag(pipeline)
     pipeline.set_defaults(func=run_pipeline)
 
 

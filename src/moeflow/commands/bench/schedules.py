@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     run_cluster_grid,
@@ -31,6 +31,7 @@ def add(benches: Any) -> None:
     schedules.add_argument("--batch", type=positive_int, default=8, help="sequences per rank and step (default 8)")
     schedules.add_argument("--context", type=positive_int, default=128, help="tokens per sequence (default 128)")
     schedules.add_argument("--repeats", type=positive_int, default=5, help="timed steps per schedule (default 5)")
+    add_progress_flag(schedules)
     schedules.set_defaults(func=run_schedules)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int
 from moeflow.commands.bench.common import (
     add_cluster_layout,
     add_routed_layer,
@@ -40,6 +40,7 @@ def add(benches: Any) -> None:
                       help="every mode's token exchange: padded, ragged (only kept tokens travel) or auto "
                       "(default padded; the smart modes always send padded)")
     skew.add_argument("--repeats", type=positive_int, default=5, help="timed iterations per mode (default 5)")
+    add_progress_flag(skew)
     skew.set_defaults(func=run_skew)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import positive_int
+from moeflow.commands import add_progress_flag, positive_int
 from moeflow.commands.bench.common import add_cluster_layout, run_cluster_grid
 
 
@@ -33,6 +33,7 @@ def add(benches: Any) -> None:
     stages.add_argument("--microbatches", type=positive_int, default=8,
                         help="micro-batches a step; they divide --batch (default 8)")
     stages.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    add_progress_flag(stages)
     stages.set_defaults(func=run_stages)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int
 from moeflow.commands.bench.common import add_cluster_layout, add_routed_layer, run_cluster_grid
 
 
@@ -28,6 +28,7 @@ def add(benches: Any) -> None:
                       help="steps of each format's moeflow train run (default 200; 0: no runs)")
     wire.add_argument("--train-workers", type=positive_int, default=2, help="workers of those runs (default 2)")
     wire.add_argument("--loss-only", action="store_true", help="only the training runs (no emulated cluster)")
+    add_progress_flag(wire)
     wire.set_defaults(func=run_wire)
 
 
