@@ -4,10 +4,14 @@
 - ``expert_load.png``: per MoE layer, each expert's share of the routed tokens over the steps;
 - ``shadowed_experts.png``: beside it, per MoE layer, the experts FasterMoE shadowed at each step
   (its Fig. 11; only when some step shadowed one);
-- ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...);
+- ``load_heatmap.png``: the load of every MoE layer on one scale, one row per layer over the steps,
+  white where an expert gets its uniform share;
+- ``time_breakdown.png``: where a step's time goes (attention, routing, all-to-all, experts, ...),
+  with the warm-up and the planner's trial steps shaded and left out of the mean shares;
 - ``timeline.png``: one step on rank 0 from ``timeline.json`` (forward and backward, expert chunks,
   all-to-alls, gradient all-reduces: Lina's Fig. 7/8), with the all-to-all time spent beside an
-  all-reduce over the run (``comm_s`` of ``metrics.jsonl``).
+  all-reduce over the run (``comm_s`` of ``metrics.jsonl``);
+- ``report.html``: all of the above on one page with the run's tables (:mod:`moeflow.training.report_html`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from moeflow.files import json_text
 from moeflow.models.transformer import moe_non_gemm_share
 from moeflow.training.metrics import TIMELINE, iterate_records
 from moeflow.training.plan_file import measured_against_plan
+from moeflow.training.report_html import step_spans, write_html
 
 PHASE_COLORS = {
     "attention": "#4C72B0", "routing": "#DD8452", "all_to_all": "#C44E52", "experts": "#55A868",
@@ -29,22 +34,65 @@ PHASE_COLORS = {
 }
 
 
+PLANNER_SEARCH_SOURCES = ("warmup", "trial")
+"""The ``plan_source`` of a layer while the online planner searches (its untimed first call and its
+timed candidates, :mod:`moeflow.parallel.online_planner`): such a step runs a candidate plan, not the run's."""
+SETTLED_FACTOR = 1.5
+"""A run's step time has settled at its first step (after step 1) within this factor of the median step."""
+
+
 def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
-    out, running = np.empty_like(values), values[0]
+    """Exponential smoothing with Adam's bias correction: the running mean starts at zero and is divided
+    by ``1 - weight**n`` after ``n`` values, so the first value is not an anchor the curve drags along
+    (a 3 s warm-up step still drew 0.5 s at step 24 of 0.3 s steps). A NaN (a skipped step's missing
+    loss) leaves the curve where it was; before the first value it is NaN."""
+    out, running, seen = np.full(len(values), np.nan), 0.0, 0
     for i, value in enumerate(values):
-        if np.isnan(running):
-            running = value
-        elif not np.isnan(value):  # a skipped step's missing loss leaves the curve where it was
-            running = weight * running + (1 - weight) * value
-        out[i] = running
+        if not np.isnan(value):
+            running, seen = weight * running + (1 - weight) * value, seen + 1
+        if seen:
+            out[i] = running / (1 - weight**seen)
     return out
+
+
+def warmup_steps(records: list[dict[str, Any]]) -> list[int]:
+    """The steps before the step time settles (at least step 1: it builds buffers and caches), by
+    ``step_s`` against the run's median (:data:`SETTLED_FACTOR`)."""
+    times = [r.get("step_s") for r in records]
+    known = [t for t in times if t is not None]
+    if not known:
+        return [records[0]["step"]]
+    limit = SETTLED_FACTOR * float(np.median(known))
+    settled = next((i for i, t in enumerate(times) if i >= 1 and t is not None and t <= limit), len(records))
+    return [r["step"] for r in records[:settled]]
+
+
+def trial_steps(records: list[dict[str, Any]]) -> list[int]:
+    """The steps where some MoE layer ran a plan the online planner was trying (:data:`PLANNER_SEARCH_SOURCES`)."""
+    return [r["step"] for r in records
+            if any(layer.get("plan_source") in PLANNER_SEARCH_SOURCES for layer in r.get("moe", []))]
+
+
+def excluded_steps(records: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The steps that do not show the run's steady pace: the warm-up and the planner's trials."""
+    return {"warm_up": warmup_steps(records), "planner_trials": trial_steps(records)}
+
+
+def kept_records(records: list[dict[str, Any]], excluded: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The steps the time shares average over: all but the excluded ones (all of them, if none is left)."""
+    left_out = {step for steps in excluded.values() for step in steps}
+    return [r for r in records if r["step"] not in left_out] or records
 
 
 def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> dict[str, Any]:
     """The numbers a reader wants first: last losses against the unigram baseline, throughput,
-    the time shares, and the MoE layers' share of time outside the expert GEMMs."""
+    the time shares, and the MoE layers' share of time outside the expert GEMMs. The shares leave
+    out the warm-up and the planner's trial steps (``excluded_steps``), which are not the run's pace."""
     vals = [r for r in records if "val_loss" in r]
-    times = [r["time_s"] for r in records[len(records) // 5 :]] or [r["time_s"] for r in records]
+    excluded = excluded_steps(records)
+    kept = kept_records(records, excluded)
+    times = [r["time_s"] for r in kept]
+    step_s = [r["step_s"] for r in kept if r.get("step_s") is not None]
     mean_time = {k: float(np.mean([t.get(k, 0.0) for t in times])) for k in PHASE_COLORS}
     return {
         "steps": records[-1]["step"],
@@ -53,10 +101,12 @@ def summarize(records: list[dict[str, Any]], corpus: dict[str, Any] | None) -> d
         "unigram_entropy": corpus["unigram_entropy"] if corpus else None,
         "unigram_val_loss": corpus["unigram_val_loss"] if corpus else None,
         "median_tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
+        "median_step_s": float(np.median(step_s)) if step_s else None,
         "time_share": {k: v / max(sum(mean_time.values()), 1e-12) for k, v in mean_time.items()},
         "moe_non_gemm_share": moe_non_gemm_share(mean_time),
         "dropped_last_step": sum(layer["dropped"] for layer in records[-1].get("moe", [])),
         "shadowed_steps": sum(any(layer.get("shadowed") for layer in r.get("moe", [])) for r in records),
+        "excluded_steps": excluded,
         **_contention(records),
     }
 
@@ -81,7 +131,7 @@ def _contention(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:
-    """Write the PNGs and ``summary.json`` into ``run_dir``; return the summary."""
+    """Write the PNGs, ``summary.json`` and ``report.html`` into ``run_dir``; return the summary."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,18 +146,21 @@ def write_report(run_dir: Path) -> dict[str, Any]:
         summary["plan"] = planned
     _plot_loss(run_dir, records, corpus)
     _plot_expert_load(run_dir, records)
+    _plot_load_heatmap(run_dir, records)
     _plot_shadowed_experts(run_dir, records, summary["shadowed_steps"])
-    _plot_time_breakdown(run_dir, records, summary["time_share"])
+    _plot_time_breakdown(run_dir, records, summary["time_share"], summary["excluded_steps"])
     if (run_dir / TIMELINE).exists():
         _plot_timeline(run_dir, json.loads((run_dir / TIMELINE).read_text()), records)
     (run_dir / "summary.json").write_text(json_text(summary, indent=2) + "\n")
+    write_html(run_dir, records, summary)
     return summary
 
 
-def _save(figure: Any, path: Path) -> None:
+def _save(figure: Any, path: Path, tight: bool = True) -> None:
     import matplotlib.pyplot as plt
 
-    figure.tight_layout()
+    if tight:  # a figure laid out by its own engine (constrained, for a shared colour bar) keeps it
+        figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -133,6 +186,17 @@ def _plot_loss(run_dir: Path, records: list[dict[str, Any]], corpus: dict[str, A
     _save(figure, run_dir / "loss.png")
 
 
+def _layer_shares(records: list[dict[str, Any]], block: int, experts: int) -> np.ndarray:
+    """(experts, steps): each expert's share of block ``block``'s routed tokens at each step (NaN
+    at a step without a record of the block)."""
+    load = np.full((len(records), experts), np.nan)
+    for column, record in enumerate(records):
+        counts = next((m["tokens_per_expert"] for m in record.get("moe", []) if m["block"] == block), None)
+        if counts is not None:
+            load[column] = np.asarray(counts, dtype=float) / max(sum(counts), 1)
+    return load.T
+
+
 def _plot_expert_load(run_dir: Path, records: list[dict[str, Any]]) -> None:
     """Per MoE layer, each expert's share of the routed tokens over the steps (a heatmap)."""
     layers = records[-1].get("moe", [])
@@ -141,16 +205,41 @@ def _plot_expert_load(run_dir: Path, records: list[dict[str, Any]]) -> None:
     steps = np.array([r["step"] for r in records])
     figure, axes = _layer_grid(len(layers))
     for layer, axis in zip(layers, axes, strict=True):
-        load = np.array([
-            next(m["tokens_per_expert"] for m in r["moe"] if m["block"] == layer["block"]) for r in records
-        ], dtype=float).T
-        share = load / np.maximum(load.sum(axis=0, keepdims=True), 1)
+        share = _layer_shares(records, layer["block"], len(layer["tokens_per_expert"]))
         image = axis.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest",
                             extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[0] - 0.5, -0.5),
-                            vmin=0, vmax=max(2.0 / share.shape[0], float(share.max())))
+                            vmin=0, vmax=max(2.0 / share.shape[0], float(np.nanmax(share))))
         axis.set(xlabel="step", ylabel="expert", title=f"block {layer['block']}: share of routed tokens")
         figure.colorbar(image, ax=axis)
     _save(figure, run_dir / "expert_load.png")
+
+
+def _plot_load_heatmap(run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """Layers x experts over steps on one scale: a row per MoE layer sharing the step axis, white at
+    the uniform share 1/E, red over it, blue under it, so the layers' balance compares at a glance."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    layers = records[-1].get("moe", [])
+    if not layers:
+        return
+    steps = np.array([r["step"] for r in records])
+    shares = [_layer_shares(records, m["block"], len(m["tokens_per_expert"])) for m in layers]
+    uniform = 1.0 / max(share.shape[0] for share in shares)
+    top = max(2 * uniform, *(float(np.nanmax(share)) for share in shares))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=uniform, vmax=top)
+    figure, axes = plt.subplots(len(layers), 1, sharex=True, squeeze=False, layout="constrained",
+                                figsize=(10, 0.6 + sum(max(1.1, 0.16 * s.shape[0]) for s in shares)))
+    for layer, share, axis in zip(layers, shares, axes[:, 0], strict=True):
+        image = axis.imshow(share, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest",
+                            extent=(steps[0] - 0.5, steps[-1] + 0.5, share.shape[0] - 0.5, -0.5))
+        peak = float(np.nanmean(np.nanmax(share, axis=0))) * share.shape[0]
+        axis.set_ylabel(f"block {layer['block']}\nexpert", fontsize=8)
+        axis.set_title(f"block {layer['block']}: busiest expert {peak:.2f}x its uniform share (mean over steps)",
+                       fontsize=8, loc="left")
+    axes[-1, 0].set_xlabel("step")
+    figure.colorbar(image, ax=axes[:, 0], label=f"share of the layer's tokens (white: {uniform:.3g})")
+    _save(figure, run_dir / "load_heatmap.png", tight=False)
 
 
 def _layer_grid(count: int) -> tuple[Any, list[Any]]:
@@ -189,28 +278,54 @@ def _plot_shadowed_experts(run_dir: Path, records: list[dict[str, Any]], shadowe
     _save(figure, path)
 
 
-def _plot_time_breakdown(run_dir: Path, records: list[dict[str, Any]], share: dict[str, float]) -> None:
-    """Time per step by phase (stacked, smoothed) and each phase's mean share (one bar)."""
+EXCLUDED_SHADES = {"warm_up": ("#9E9E9E", "warm-up"), "planner_trials": ("#F2C14E", "planner trials")}
+"""Shade and legend of each kind of step the time shares leave out."""
+
+
+def _shade_excluded(axis: Any, excluded: dict[str, list[int]]) -> None:
+    """Shade the steps the shares leave out, one legend entry per kind."""
+    for kind, steps in excluded.items():
+        color, label = EXCLUDED_SHADES[kind]
+        for index, (first, last) in enumerate(step_spans(steps)):
+            axis.axvspan(first - 0.5, last + 0.5, color=color, alpha=0.3, linewidth=0,
+                         label=f"{label} (left out)" if index == 0 else None)
+
+
+def _plot_time_breakdown(run_dir: Path, records: list[dict[str, Any]], share: dict[str, float],
+                         excluded: dict[str, list[int]]) -> None:
+    """Time per step by phase (stacked, smoothed over the kept steps: the warm-up and trial steps,
+    shaded, are gaps) and each phase's mean share over the kept steps (one bar)."""
     import matplotlib.pyplot as plt
 
+    kept = {r["step"] for r in kept_records(records, excluded)}
+    first = next(i for i, r in enumerate(records) if r["step"] in kept)
     steps = np.array([r["step"] for r in records])
     phases = [p for p in PHASE_COLORS if any(r["time_s"].get(p, 0) > 0 for r in records)]
-    stacked = np.array([[r["time_s"].get(p, 0.0) * 1e3 for r in records] for p in phases])
+    stacked = np.array([[r["time_s"].get(p, 0.0) * 1e3 if r["step"] in kept else np.nan for r in records]
+                        for p in phases])
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
-    left.stackplot(steps, np.array([_smooth(row) for row in stacked]), colors=[PHASE_COLORS[p] for p in phases],
-                   labels=phases)
-    left.set(xlabel="step", ylabel="ms per step (rank 0, smoothed)", title="Time per step by phase")
+    left.stackplot(steps[first:], np.array([_smooth(row)[first:] for row in stacked]),
+                   colors=[PHASE_COLORS[p] for p in phases], labels=phases)
+    _shade_excluded(left, excluded)
+    left.set(xlabel="step", ylabel="ms per step (rank 0, smoothed)", title="Time per step by phase",
+             xlim=(steps[0] - 0.5, steps[-1] + 0.5))
     left.grid(alpha=0.3)
-    bottom = 0.0
-    for phase in phases:
-        right.bar(0, share[phase] * 100, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
-        if share[phase] > 0.03:
-            right.text(0, bottom + share[phase] * 50, f"{phase} {share[phase]:.0%}", ha="center", va="center",
-                       fontsize=8, color="white")
-        bottom += share[phase] * 100
-    right.set(xticks=[], ylabel="% of step", title="Mean share", ylim=(0, 100))
+    _share_bar(right, phases, share)
+    right.set_title(f"Mean share ({len(kept)} of {len(records)} steps)")
     left.legend(loc="upper right", fontsize=8, ncol=2)
     _save(figure, run_dir / "time_breakdown.png")
+
+
+def _share_bar(axis: Any, phases: list[str], share: dict[str, float]) -> None:
+    """One stacked bar of the phases' mean shares, labelled where a share is over 3 %."""
+    bottom = 0.0
+    for phase in phases:
+        axis.bar(0, share[phase] * 100, bottom=bottom, color=PHASE_COLORS[phase], label=phase)
+        if share[phase] > 0.03:
+            axis.text(0, bottom + share[phase] * 50, f"{phase} {share[phase]:.0%}", ha="center", va="center",
+                      fontsize=8, color="white")
+        bottom += share[phase] * 100
+    axis.set(xticks=[], ylabel="% of step", ylim=(0, 100))
 
 
 TIMELINE_LANES = {  # lane, color
