@@ -60,7 +60,13 @@ class _Bar:
         self.bar.update(items)
 
     def note(self, text: str) -> None:
-        self.bar.set_postfix_str(text, refresh=False)
+        self.bar.set_postfix_str(text, refresh=_shown(self.bar))
+
+
+def _shown(bar: Any) -> bool:
+    """Whether tqdm has drawn ``bar`` yet (it waits ``delay`` seconds): redrawing it sooner would
+    show a bar a short command never needed."""
+    return bool(bar.last_print_t >= bar.start_t + bar.delay)
 
 
 class _LinesAboveBar(io.TextIOBase):
@@ -85,7 +91,7 @@ class _LinesAboveBar(io.TextIOBase):
         self.out.flush()
 
     def _above(self, text: str) -> None:
-        shown = self.bar.last_print_t >= self.bar.start_t + self.bar.delay
+        shown = _shown(self.bar)
         if shown:
             self.bar.clear()
         self.out.write(text)
