@@ -24,6 +24,10 @@ loss falls from ln(vocab) towards 0 within a few dozen steps. What it shows:
 - ``clip_grad_norm_(model, max_norm)``: the norm of the whole model's gradient, every expert
   counted once (``torch.nn.utils.clip_grad_norm_`` would see only this process's experts).
 - The layer's ``aux_loss`` (the load-balancing loss) added to the task loss.
+- ``MoEMonitor(model)`` and one ``monitor.step()`` per step: every MoE layer's health (load per
+  expert and its balance, dead experts, drops, the router's entropy, the all-to-all's share of the
+  step) over every process's tokens, alerts in the log, and ``--metrics FILE`` (JSONL) or
+  ``--tensorboard DIR`` to keep it.
 
 The last line it prints is a JSON summary (first and last loss).
 """
@@ -43,6 +47,7 @@ from torch import nn
 from moeflow import MoEConfig, MoELayer
 from moeflow.comm import ParallelGroups
 from moeflow.comm.topology import topology_from_environment
+from moeflow.metrics import JsonlSink, MetricsSink, MoEMonitor, TensorBoardSink
 from moeflow.training.data_parallel import clip_grad_norm_, expert_data_parallel
 
 
@@ -76,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (default 0.01)")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip the gradient's norm to this (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    parser.add_argument("--metrics", help="write the MoE's health, one JSON record per step, to this file")
+    parser.add_argument("--tensorboard", help="write the MoE's health as TensorBoard event files under this folder")
     return parser.parse_args()
 
 
@@ -114,6 +121,7 @@ def train(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], exam
     model = TinyMoEModel(args.vocab, config, groups)
     trained = wrap(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    monitor = MoEMonitor(model, sinks=sinks(args) if rank == 0 else ())  # every MoE layer's health, per step
 
     successor = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(1234))  # the language
     data = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each process reads its own batches
@@ -127,19 +135,35 @@ def train(args: argparse.Namespace, wrap: Callable[[nn.Module], nn.Module], exam
         loss.backward()
         norm = clip_grad_norm_(model, args.max_norm)  # a collective: every process calls it
         optimizer.step()
+        health = monitor.step(step)  # a collective: every process calls it
 
         mean_loss = task_loss.detach().clone()
         dist.all_reduce(mean_loss)  # the task loss over all processes, for the log
         losses.append(mean_loss.item() / world_size)
         if rank == 0 and (step == 1 or step % 10 == 0 or step == args.steps):
-            per_expert = model.moe.last_stats.tokens_per_expert  # global counts, every process's tokens
+            moe = health.layers[0]  # every process's tokens
             print(f"step {step:4d}  loss {losses[-1]:.4f}  grad norm {float(norm):.3f}  "
-                  f"tokens per expert {list(per_expert)}", flush=True)
+                  f"tokens per expert {moe.tokens_per_expert}  load max/mean {moe.load_max_over_mean:.2f}  "
+                  f"dropped {moe.dropped_share:.1%}  router entropy {moe.router_entropy:.2f}", flush=True)
 
+    monitor.close()
     if rank == 0:
+        moe = health.layers[0]
         print(json.dumps({"example": example, "world_size": world_size, "steps": args.steps,
-                          "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4)}))
+                          "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
+                          "load_max_over_mean": round(moe.load_max_over_mean, 4), "dropped_share": moe.dropped_share,
+                          "router_entropy": round(moe.router_entropy, 4), "alerts": len(monitor.alerts.fired)}))
     dist.destroy_process_group()
+
+
+def sinks(args: argparse.Namespace) -> list[MetricsSink]:
+    """Where rank 0 writes the monitor's figures, as the flags ask."""
+    chosen: list[MetricsSink] = []
+    if args.metrics:
+        chosen.append(JsonlSink(args.metrics))
+    if args.tensorboard:
+        chosen.append(TensorBoardSink(args.tensorboard))
+    return chosen
 
 
 def main() -> None:

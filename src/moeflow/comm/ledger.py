@@ -92,6 +92,7 @@ class CollectiveLedger:
     on_enter: Callable[[LedgerEntry], None] | None = None
     location: Location = field(default_factory=Location)
     entries: deque[LedgerEntry] = field(default_factory=lambda: deque(maxlen=RING_ENTRIES))
+    bytes_by_layer: dict[int | None, int] = field(default_factory=dict)  # handed to collectives, by the layer there
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -137,6 +138,7 @@ class CollectiveLedger:
             here = replace(self.location) if phase is None else Location(self.location.step, phase)
             entry = LedgerEntry(seq, group, operation, nbytes, here, time.time())
             self.entries.append(entry)
+            self.bytes_by_layer[here.layer] = self.bytes_by_layer.get(here.layer, 0) + nbytes
             if self._beacon is not None:
                 text = _entry_text(entry)
                 self._open[id(entry)] = text

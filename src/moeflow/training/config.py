@@ -4,6 +4,7 @@ the same name. Validated in the launching process, before any worker starts."""
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import warnings
@@ -26,6 +27,7 @@ from moeflow.config import (
     validate_topology_gate,
 )
 from moeflow.data import TOKENIZERS
+from moeflow.metrics.alerts import HealthRules
 from moeflow.training.pipeline_settings import check_pipeline
 
 if TYPE_CHECKING:
@@ -37,6 +39,8 @@ LEGACY_GATES = ("plain", "topology")
 GRAD_SYNC_MODES = ("after", "overlap", "lina")
 """``grad_sync``: how the replicated gradients are all-reduced (:mod:`moeflow.training.grad_sync`)."""
 _MOE = model_moe_defaults()
+HEALTH_RULES = HealthRules()
+"""The monitor's alert rules a run takes unless its ``alert_*`` settings say otherwise."""
 SCRATCH_LR = (3e-3, 3e-4)
 """The peak and final learning rates of a model trained from scratch (moeflow's own small models)."""
 FINE_TUNING_LR = (5e-5, 5e-6)
@@ -126,6 +130,13 @@ class TrainConfig:
     run_dir: str | None = None  # default: runs/<timestamp>
     progress: bool = True
     collective_timeout_s: float = 60.0
+    # the MoE's health (moeflow.metrics): where it goes besides metrics.jsonl, and when it alerts
+    tensorboard: bool = False  # TensorBoard event files under <run-dir>/tensorboard (the tensorboard extra)
+    metrics_csv: bool = False  # <run-dir>/metrics.csv, a row per step
+    alert_collapse_steps: int = HEALTH_RULES.collapse_steps
+    alert_dead_window: int = HEALTH_RULES.dead_window
+    alert_dropped_share: float = HEALTH_RULES.max_dropped_share
+    alert_alltoall_share: float = HEALTH_RULES.max_alltoall_share
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "steps", "batch_size", "workers", "mp_size", "threads_per_worker", "eval_interval",
@@ -145,6 +156,10 @@ class TrainConfig:
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a number of megabytes > 0, got {value!r}")
         self._check_aux_loss_weight()
+        self.health_rules()  # its own checks, named by the fields here
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install 'moeflow[tensorboard]' (make "
+                             "setup installs it), or leave --tensorboard off (metrics.jsonl holds the same figures)")
         moe = self.model_config(self.vocab_size).moe  # the architecture's own checks
         if self.context < 2:
             raise ValueError(f"context must be at least 2 tokens, got {self.context}")
@@ -176,6 +191,19 @@ class TrainConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at <= self.steps):
             raise ValueError(f"stop_at must be a step in [1, steps={self.steps}], got {self.stop_at!r}")
+
+    def health_rules(self) -> HealthRules:
+        """When the trainer's monitor alerts (the ``alert_*`` settings)."""
+        try:
+            return replace(HEALTH_RULES, collapse_steps=self.alert_collapse_steps, dead_window=self.alert_dead_window,
+                           max_dropped_share=self.alert_dropped_share, max_alltoall_share=self.alert_alltoall_share)
+        except ValueError as error:
+            names = {"collapse_steps": "alert_collapse_steps", "dead_window": "alert_dead_window",
+                     "max_dropped_share": "alert_dropped_share", "max_alltoall_share": "alert_alltoall_share"}
+            message = str(error)
+            for rule, setting in names.items():
+                message = message.replace(f"HealthRules.{rule}", setting)
+            raise ValueError(message) from None
 
     def _check_aux_loss_weight(self) -> None:
         weight = self.aux_loss_weight
@@ -528,6 +556,14 @@ FIELD_HELP: dict[str, str] = {
     "run_dir": "the run folder; unset: runs/<time>",
     "progress": "show a progress bar",
     "collective_timeout_s": "seconds before a collective that hangs fails the job",
+    "tensorboard": "also write TensorBoard event files under <run-dir>/tensorboard: the losses, speed and every MoE "
+    "layer's health as scalars, each layer's load per expert as a histogram (needs the tensorboard package: "
+    "make setup installs it)",
+    "metrics_csv": "also write <run-dir>/metrics.csv: a row per step, a column per figure, for a spreadsheet",
+    "alert_collapse_steps": "warn when one expert takes over half of a layer's tokens for this many steps in a row",
+    "alert_dead_window": "warn when an expert receives no token for this many steps",
+    "alert_dropped_share": "warn when a layer drops more than this share of its assignments in a step",
+    "alert_alltoall_share": "warn when the all-to-alls take more than this share of a step",
 }
 """What each setting does: the help of its flag (one line each; a test checks every field has one)."""
 

@@ -10,10 +10,16 @@ from typing import Any
 
 from moeflow.comm.traffic import TimelineEvent
 from moeflow.files import json_text
+from moeflow.metrics import CsvSink, MetricsSink, StepHealth, TensorBoardSink
 from moeflow.models import TrainableLM
 from moeflow.parallel.balance import balance_mode
+from moeflow.training.config import TrainConfig
 
 METRICS = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"  # --metrics-csv
+TENSORBOARD = "tensorboard"  # --tensorboard: the event files' folder
+TRAINER_SCALARS = ("loss", "aux_loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_s")
+"""The step record's numbers the TensorBoard and CSV sinks draw besides the MoE's health."""
 
 
 PROGRESS = "progress"  # the workers' progress files (moeflow.comm.ledger): what a hang report reads
@@ -47,6 +53,35 @@ def moe_records(model: TrainableLM) -> list[dict[str, Any]]:
             "balance": balance_mode(layer.schedule),
         })
     return records
+
+
+def metric_sinks(config: TrainConfig, run_dir: Path, resume_step: int | None) -> list[MetricsSink]:
+    """The sinks the run's settings ask for besides ``metrics.jsonl`` (rank 0's)."""
+    sinks: list[MetricsSink] = []
+    if config.metrics_csv:
+        sinks.append(CsvSink(run_dir / METRICS_CSV, resume_step, [f"train/{name}" for name in TRAINER_SCALARS]))
+    if config.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / TENSORBOARD))
+    return sinks
+
+
+def health_fields(health: StepHealth) -> dict[str, Any]:
+    """What a step record holds of the monitor's figures: ``health`` (the step's all-to-all share and
+    each layer's), and ``alerts`` when one fired first at this step."""
+    record = health.record()
+    fields = {"health": {"alltoall_share": record["alltoall_share"], "layers": record["layers"]}}
+    return {**fields, "alerts": record["alerts"]} if record["alerts"] else fields
+
+
+def write_sinks(sinks: list[MetricsSink], record: dict[str, Any], health: StepHealth) -> None:
+    """A step to the sinks: the trainer's numbers (``train/...``) and the MoE's health."""
+    if not sinks:
+        return
+    scalars = {f"train/{name}": float(record[name]) for name in TRAINER_SCALARS
+               if isinstance(record.get(name), int | float) and not isinstance(record.get(name), bool)}
+    scalars.update(health.scalars())
+    for sink in sinks:
+        sink.write(record["step"], scalars, health.loads(), record)
 
 
 def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
+from moeflow.metrics import MetricsSink, MoEMonitor, StepHealth
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.runtime import give_back_free_memory
@@ -44,7 +46,17 @@ from moeflow.training.gradients import (
     replicated_parameters,
     synchronize_gradients,
 )
-from moeflow.training.metrics import METRICS, PROGRESS, TIMELINE, MetricsLog, moe_records, write_timeline
+from moeflow.training.metrics import (
+    METRICS,
+    PROGRESS,
+    TIMELINE,
+    MetricsLog,
+    health_fields,
+    metric_sinks,
+    moe_records,
+    write_sinks,
+    write_timeline,
+)
 from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, set_learning_rate
 from moeflow.training.packing import ExpertPacker, MicroOpTimes, TrafficMark, micro_op_times, parse_packing
@@ -128,6 +140,9 @@ class _Run:
     head_replicas: dist.ProcessGroup | None = None  # --mp-size: the workers holding this one's attention heads
     copy_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)  # packed copies' groups, by block size
     scaler: torch.amp.GradScaler | None = None  # --dtype fp16's loss scaler
+    monitor: MoEMonitor | None = None  # the MoE's health per step (every rank: its figures are global)
+    sinks: list[MetricsSink] = field(default_factory=list)  # --tensorboard, --metrics-csv (rank 0)
+    last_health: StepHealth | None = None
 
     def __post_init__(self) -> None:
         self.nonfinite = NonfiniteSteps(self.job.config.max_nonfinite_steps)
@@ -204,6 +219,10 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
         if state is not None and "grad_scaler" in state:
             run.scaler.load_state_dict(state["grad_scaler"])
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
+    if model.moe_layers():
+        run.monitor = MoEMonitor(model, group, config.health_rules(), warn=False, use_default_group=False)
+    if rank == 0:
+        run.sinks = metric_sinks(config, Path(job.run_dir), start_step if job.resume_from else None)
     return run, start_step
 
 
@@ -375,12 +394,15 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     phases.update(grad_sync=sync_s, optimizer=optimizer_s, data=data_s)
     if timeline.enabled:
         run.last_timeline = timeline.take()
+    monitor_began = time.perf_counter()
+    run.last_health = run.monitor.observe(step, step_s) if run.monitor is not None else None
+    monitor_s = time.perf_counter() - monitor_began
     return {
         "step": step, "loss": run.last_loss, "aux_loss": (total_sum - lm_sum) / run.world_size, "lr": lr,
         "skipped": skipped,
         "grad_norm": grad_norm, "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
         "tokens_seen": run.tokens_seen, "time_s": phases, "comm_s": contention_seconds(run.last_timeline),
-        "moe": moe,
+        "moe": moe, **(health_fields(run.last_health) if run.last_health else {}), "monitor_s": monitor_s,
         **({"rebalanced_blocks": rebalanced} if run.rebalancer is not None else {}),
         **({"packing": packing} if packing is not None else {}),
         **({"loss_scale": run.scaler.get_scale()} if run.scaler is not None else {}),
@@ -409,9 +431,13 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
         with run.ledger.at(phase="evaluation"):
             run.val_loss = evaluate(run.model, run.val_stream, config, run.replica, run.replicas, run.group,
                                     run.device)
+        if run.monitor is not None:
+            run.monitor.discard()  # the evaluation's forwards are not the next step's
         record["val_loss"] = run.val_loss
     if run.log is not None:
         run.log.write(record)
+        if run.last_health is not None:
+            write_sinks(run.sinks, record, run.last_health)
         if "val_loss" in record:  # the timeline of a step now and then (the report draws the last)
             write_timeline(Path(run.job.run_dir) / TIMELINE, step, run.last_timeline)
     if step % config.checkpoint_interval == 0 or step == last_step:
@@ -501,11 +527,17 @@ def train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
                 record = _train_step(run, step)
                 _evaluate_log_checkpoint(run, step, last_step, record)
             _show_progress(progress, run, record)
+            for alert in record.get("alerts", []) if run.rank == 0 else []:  # said once, above the bar
+                progress.write(f"moeflow train: warning: {alert['message']}", file=sys.stderr)
     finally:
         progress.close()
         run.model.groups.worker.shutdown()  # its thread ends before the process groups do
         if run.log is not None:
             run.log.close()
+        if run.monitor is not None:
+            run.monitor.close()  # its hooks, and rank 0's sinks
+        for sink in run.sinks:
+            sink.close()
     hf_checkpoint = _save_hf(run) if run.config.hf is not None and last_step == run.config.steps else None
     return _summary(run, last_step, hf_checkpoint)
 
