@@ -5,6 +5,7 @@ own records), the alerts are said once on the log and kept in metrics.jsonl, and
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,21 @@ def test_the_alert_settings_are_checked_by_name() -> None:
         TrainConfig(alert_dropped_share=0)
     with pytest.raises(ValueError, match="alert_dead_window must be >= 1"):
         TrainConfig(alert_dead_window=0)
+
+
+@pytest.mark.distributed
+def test_generate_writes_the_health_of_every_workers_tokens(tmp_path: Path, corpus_cache: Path) -> None:
+    from moeflow.training.generate import generate_text
+
+    run_dir = tmp_path / "run"
+    run_training(TrainConfig(**{**TINY, "run_dir": str(run_dir), "steps": 2}))
+    figures = {}
+    for workers in (1, 2):
+        path = tmp_path / f"health-{workers}.jsonl"
+        text = generate_text(str(run_dir), "{", new_tokens=6, workers=workers, health_path=path)
+        figures[workers] = json.loads(path.read_text())["layers"]
+        assert text.startswith("{")
+    for one, two in zip(figures[1], figures[2], strict=True):  # both workers sample the same tokens
+        assert [2 * count for count in one["tokens_per_expert"]] == two["tokens_per_expert"]
+        assert one["router_entropy"] == pytest.approx(two["router_entropy"], rel=1e-5)
+        assert one["bytes_sent"] == 0 < two["bytes_sent"]

@@ -65,6 +65,10 @@ def add_parser(commands: Any) -> None:
     generate.add_argument("--schedule-log", metavar="FILE",
                           help="--schedule lina|oracle: write per-batch plans, estimate accuracy and phase-2 rate "
                           "to this JSON lines file")
+    generate.add_argument("--health", metavar="FILE",
+                          help="write the MoE layers' health (load per expert, drops, the router's entropy, bytes "
+                          "sent) as JSON lines: over the whole generation with --checkpoint, per round of batches "
+                          "with --hf")
     generate.set_defaults(func=run_generate)
 
 
@@ -79,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
                              "--checkpoint keeps the expert-parallel placement")
         temperature = 0.8 if args.temperature is None else args.temperature
         print(generate_text(args.checkpoint, args.prompt, args.tokens, temperature, args.top_k, args.seed,
-                            args.workers))
+                            args.workers, health_path=None if args.health is None else Path(args.health)))
         return 0
     except (FileNotFoundError, ValueError) as error:
         print(f"moeflow generate: error: {error}", file=sys.stderr)
@@ -120,7 +124,8 @@ def _run_hf(args: argparse.Namespace) -> int:
     schedule = _schedule(args)
     records, log = generate_hf(
         args.hf, read_prompts(args.prompts), args.workers, args.batch_size, args.dtype, schedule,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0, top_p=args.top_p, seed=args.seed,
+        health_path=args.health, max_new_tokens=args.max_new_tokens, temperature=args.temperature or 0.0,
+        top_p=args.top_p, seed=args.seed,
     )
     for record in records:
         print(json_text(record), flush=True)

@@ -103,10 +103,13 @@ def train_config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Path 
 
 def run_train(args: argparse.Namespace) -> int:
     from moeflow.distributed import WorkerError
+    from moeflow.progress import wants_progress
     from moeflow.training.launch import run_training
 
     try:
         config, checkpoint = train_config_from_args(args)
+        if config.progress and not wants_progress(sys.stderr, True):  # a bar only where a person watches
+            config = config.updated({"progress": False})
         summary = run_training(config, checkpoint)
     except (ValueError, FileNotFoundError, FileExistsError, TypeError) as error:
         print(f"moeflow train: error: {error}", file=sys.stderr)

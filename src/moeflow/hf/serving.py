@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from moeflow.files import json_text, write_atomic
 from moeflow.hf.blocks import moe_blocks
 from moeflow.hf.generate import ExpertParallelGenerator, SamplingSettings
 from moeflow.hf.loading import load_hf_model, load_hf_tokenizer, special_tokens
@@ -20,6 +22,7 @@ from moeflow.inference import (
     schedule_layers,
 )
 from moeflow.inference.scheduler import summarize_records
+from moeflow.metrics import MoEMonitor
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,11 @@ def _progress(rank: int) -> Any:
 
 def generate_worker(
     rank: int, world_size: int, path: str, prompt_ids: list[list[int]], batch_size: int, dtype: str | None,
-    settings: SamplingSettings, schedule: ScheduleRequest | None = None,
-) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    settings: SamplingSettings, schedule: ScheduleRequest | None = None, health: bool = False,
+) -> tuple[list[list[int]], list[dict[str, Any]], list[dict[str, Any]]]:
     """One worker: load the model with this rank's experts, generate for its share of the prompts;
-    with a schedule, also a summary of its plans per round of batches."""
+    with a schedule, also a summary of its plans per round of batches; with ``health``, the MoE
+    layers' health per round (every worker's tokens: each round ends on every worker alike)."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # this worker process's own setting: one progress report, from worker 0
@@ -80,21 +84,29 @@ def generate_worker(
     scheduler = attach_schedule(model, schedule)
     mine = [prompt_ids[i] for i in shares(len(prompt_ids), world_size)[rank]]
     log: list[dict[str, Any]] = []
+    monitor = MoEMonitor(model, group, warn=rank == 0, use_default_group=False) if health else None
+    health_log: list[dict[str, Any]] = []
 
     def after_round(index: int) -> None:
         if scheduler is not None:
             log.append({"round": index, **summarize_records(scheduler.take_records())})
+        if monitor is not None:  # a collective: every worker ends the round here
+            health_log.append({"round": index, **monitor.observe(index).record()})
 
     generator = ExpertParallelGenerator(model, settings, eos, pad, group, _progress(rank), after_round)
-    return generator.generate(mine, batch_size), log
+    outputs = generator.generate(mine, batch_size)
+    if monitor is not None:
+        monitor.close()
+    return outputs, log, health_log
 
 
 def generate_hf(
     path: str, prompts: Sequence[dict[str, Any]], workers: int, batch_size: int, dtype: str | None = None,
-    schedule: ScheduleRequest | None = None, **sampling: Any,
+    schedule: ScheduleRequest | None = None, health_path: str | Path | None = None, **sampling: Any,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A record per prompt (its ids, the new ids and, with a tokenizer, the new text) and, with a
-    schedule, the per-round summary of the plans (the same on every worker: worker 0's)."""
+    schedule, the per-round summary of the plans (the same on every worker: worker 0's).
+    ``health_path``: a JSON lines file of the MoE layers' health per round of batches."""
     settings = SamplingSettings(**sampling)
     tokenizer = load_hf_tokenizer(path)
     prompt_ids = []
@@ -110,9 +122,12 @@ def generate_hf(
     from moeflow.distributed import run_distributed  # at the call, as the library's other spawns: light to import
 
     results = run_distributed(
-        generate_worker, workers, path, prompt_ids, batch_size, dtype, settings, schedule, timeout_s=24 * 3600.0,
+        generate_worker, workers, path, prompt_ids, batch_size, dtype, settings, schedule, health_path is not None,
+        timeout_s=24 * 3600.0,
     )
-    outputs = [ids for worker_outputs, _ in results for ids in worker_outputs]
+    if health_path is not None:
+        write_atomic(Path(health_path), "".join(json_text(record) + "\n" for record in results[0][2]))
+    outputs = [ids for worker_outputs, _, _ in results for ids in worker_outputs]
     records = []
     for index, (prompt, ids, new) in enumerate(zip(prompts, prompt_ids, outputs, strict=True)):
         record: dict[str, Any] = {"index": index, **prompt, "input_ids": ids, "output_ids": new}

@@ -12,6 +12,8 @@ import torch
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.data import PreparedCorpus, load_tokenizer
+from moeflow.files import json_text, write_atomic
+from moeflow.metrics import MoEMonitor
 from moeflow.models import MoETransformer
 from moeflow.parallel.registry import DEFAULT_SCHEDULE
 from moeflow.training.checkpoint import latest_checkpoint, load_checkpoint, read_state
@@ -56,38 +58,50 @@ def checkpoint_corpus(checkpoint: Path, cache_root: Path) -> PreparedCorpus:
 def generate_text(
     path: str, prompt: str, new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
     workers: int = 1, faults: FaultPlan | None = None, collective_timeout_s: float = 60.0,
-    progress_dir: Path | None = None,
+    progress_dir: Path | None = None, health_path: Path | None = None,
 ) -> str:
     """``new_tokens`` sampled after ``prompt``; with ``workers`` > 1 the experts are spread over that
     many gloo processes, which all sample the same tokens (the same logits and the same seed).
     ``faults``: faults to inject on purpose (the tests); ``progress_dir``: where the workers' progress
-    files go (default: a temporary folder)."""
+    files go (default: a temporary folder); ``health_path``: a JSON file of the MoE layers' health over
+    the generation (every worker's tokens)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if workers == 1:
-        return _sample(path, prompt, new_tokens, temperature, top_k, seed, None)
+        return _sample(path, (prompt, new_tokens, temperature, top_k, seed), None, health_path)
     from moeflow.distributed import run_distributed
 
     folder = nullcontext(str(progress_dir)) if progress_dir else tempfile.TemporaryDirectory(prefix="moeflow-progress-")
     with folder as progress:
         sampling = (prompt, new_tokens, temperature, top_k, seed)
-        return run_distributed(_sample_worker, workers, path, sampling, progress, faults,
+        return run_distributed(_sample_worker, workers, path, sampling, progress, faults, health_path,
                                collective_timeout_s=collective_timeout_s)[0]
 
 
 def _sample_worker(rank: int, world_size: int, path: str, sampling: tuple[Any, ...], progress: str,
-                   faults: FaultPlan | None) -> str:
+                   faults: FaultPlan | None, health_path: Path | None) -> str:
     ledger = worker_ledger(rank, world_size, Path(progress), faults)
-    return _sample(path, *sampling, ParallelGroups.from_group(None, ledger=ledger))
+    groups = ParallelGroups.from_group(None, ledger=ledger)
+    return _sample(path, sampling, groups, health_path if rank == 0 else None, health=health_path is not None)
 
 
-def _sample(path: str, prompt: str, new_tokens: int, temperature: float, top_k: int | None, seed: int,
-            groups: ParallelGroups | None) -> str:
+def _sample(path: str, sampling: tuple[Any, ...], groups: ParallelGroups | None, health_path: Path | None,
+            health: bool | None = None) -> str:
+    """Sample on this worker; with ``health`` (every worker alike), the monitor watches the
+    generation and ``health_path`` (one worker's) receives its figures."""
+    prompt, new_tokens, temperature, top_k, seed = sampling
     model, tokenizer, _ = load_model(path, groups)
     ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id("<|endoftext|>")]
     generator = torch.Generator().manual_seed(seed)
+    watched = health if health is not None else health_path is not None
+    monitor = MoEMonitor(model, None if groups is None else groups.expert, use_default_group=False) if watched else None
     with model.groups.ledger.at(phase="generation"):
         out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
+    if monitor is not None:  # the whole generation as one step: a collective on every worker
+        figures = monitor.observe(1).record()
+        monitor.close()
+        if health_path is not None:
+            write_atomic(Path(health_path), json_text(figures) + "\n")
     return tokenizer.decode(out[0].tolist())
