@@ -167,3 +167,14 @@ def test_bad_rules_name_the_setting() -> None:
         HealthRules(max_dropped_share=1.5)
     with pytest.raises(ValueError, match="MoEMonitor: the model holds no moeflow MoELayer"):
         MoEMonitor(torch.nn.Linear(2, 2))
+
+
+def test_bench_monitor_prints_pairs_and_the_overhead(capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.bench.monitor import run
+    from moeflow.training.config import TrainConfig
+
+    tiny = TrainConfig(vocab_size=64, context=16, layers=2, heads=2, model_dim=16, hidden_dim=32, batch_size=2)
+    summary = run(repeats=2, warmup=0, config=tiny)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and '"summary": "bench monitor"' in lines[-1]
+    assert summary["observe_s"] > 0 and math.isfinite(summary["overhead"])

@@ -1,6 +1,6 @@
 """``moeflow bench layer | kernels | overlap | alltoall | pipeline | schedules | parallel | skew | exchange |
 contention | train | generate | lina-inference | simulator | papers | plan | memory | faults | wire | dedup |
-hf-ep``: each
+hf-ep | monitor``: each
 prints one JSON object per measurement and a summary line. Each benchmark owns its parser, in the module of its name."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from moeflow.commands.bench import (
     layer,
     lina_inference,
     memory,
+    monitor,
     overlap,
     papers,
     parallel,
@@ -33,7 +34,7 @@ from moeflow.commands.bench import (
 )
 
 BENCHES = (layer, kernels, overlap, alltoall, pipeline, stages, schedules, parallel, skew, exchange, contention, train,
-            generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup, hf_ep)
+            generate, lina_inference, simulator, papers, plan, memory, faults, wire, dedup, hf_ep, monitor)
 """Every benchmark, in the order ``moeflow bench --help`` lists them."""
 
 
