@@ -6,6 +6,7 @@ Dropped tokens are never silent: every forward fills a :class:`RoutingStats`.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +47,13 @@ class PipelineTiming:
     @property
     def expert_total_s(self) -> float:
         return self.expert_forward_s + self.expert_backward_s
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """The largest of ``values`` over their mean: how far the busiest expert (or rank) runs over a
+    balanced load (1.0 when even, empty or all zero)."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0
 
 
 def region_clock(timing: PipelineTiming | None) -> float:
@@ -112,8 +120,7 @@ class RoutingStats:
     def rank_imbalance(self) -> float:
         """Max over mean of ``rank_tokens``: how long the slowest rank's experts run against a
         balanced load (1.0 when even or unknown)."""
-        mean = sum(self.rank_tokens) / len(self.rank_tokens) if self.rank_tokens else 0.0
-        return max(self.rank_tokens) / mean if mean else 1.0
+        return max_over_mean(self.rank_tokens)
 
     @property
     def effective_capacity_factor(self) -> float:

@@ -26,6 +26,7 @@ import torch
 
 from moeflow.config import LayerDims
 from moeflow.core.routing.selection import ExpertChoice
+from moeflow.core.stats import max_over_mean
 from moeflow.inference.assignment import (
     MAX_EXPERTS_PER_RANK,
     assignment_placement,
@@ -107,16 +108,11 @@ class LayerRecord:
     @property
     def skew(self) -> float:
         """max / mean expert load."""
-        return _max_over_mean(self.load)
+        return max_over_mean(self.load)
 
     def to_dict(self) -> dict[str, object]:
         return {**dataclasses.asdict(self), "skew": self.skew, "held": self.held,
-                "rank_skew": _max_over_mean(self.rank_tokens)}
-
-
-def _max_over_mean(values: list[int] | list[float]) -> float:
-    mean = float(np.mean(values)) if len(values) else 0.0
-    return float(np.max(values)) / mean if mean > 0 else 1.0
+                "rank_skew": max_over_mean(self.rank_tokens)}
 
 
 def top_experts(load_E: np.ndarray, count: int) -> frozenset[int]:
@@ -359,7 +355,7 @@ def summarize_records(records: list[LayerRecord]) -> dict[str, object]:
             "accuracy": float(np.mean(judged)) if judged else None,
             "phase2_rate": float(np.mean([r.phase == 2 for r in group])) if judged else None,
             "skew": float(np.mean([r.skew for r in group])),
-            "rank_skew": float(np.mean([_max_over_mean(r.rank_tokens) for r in group])),
+            "rank_skew": float(np.mean([max_over_mean(r.rank_tokens) for r in group])),
             "fetched_per_forward": float(np.mean([r.fetched for r in group])),
             "moved_per_forward": float(np.mean([r.early + r.late for r in group])),
             "late_per_forward": float(np.mean([r.late for r in group])),

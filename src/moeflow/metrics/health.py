@@ -1,5 +1,6 @@
 """The figures of one MoE layer's step, computed from its counts: the formulas live here once (the
-monitor, the tests and the report read them from here), and the records the sinks write."""
+monitor, the tests and the report read them from here; max over mean is
+:func:`moeflow.core.stats.max_over_mean`, the statistics' own), and the records the sinks write."""
 
 from __future__ import annotations
 
@@ -9,13 +10,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-
-
-def load_max_over_mean(tokens_per_expert: Sequence[int]) -> float:
-    """The busiest expert's load over the mean (1.0 balanced, E when one expert takes every token;
-    1.0 when nothing was routed)."""
-    mean = sum(tokens_per_expert) / len(tokens_per_expert) if tokens_per_expert else 0.0
-    return max(tokens_per_expert) / mean if mean else 1.0
 
 
 def load_coefficient_of_variation(tokens_per_expert: Sequence[int]) -> float:

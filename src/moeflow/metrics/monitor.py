@@ -8,6 +8,7 @@ Every figure covers every rank's tokens: :meth:`MoEMonitor.step` is a collective
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ import moeflow.metrics.health as figures
 from moeflow.comm.collectives import reduce_values
 from moeflow.comm.groups import default_group
 from moeflow.comm.ledger import tracked
-from moeflow.core.stats import PipelineTiming
+from moeflow.core.stats import PipelineTiming, max_over_mean
 from moeflow.metrics.alerts import AlertState, HealthRules
 from moeflow.metrics.health import LayerHealth, StepHealth
 from moeflow.metrics.sinks import MetricsSink
@@ -140,8 +141,8 @@ class MoEMonitor:
                 window.fold(layer)
         step_s, totals = self._global_totals(step_s)
         layers = [self._layer_health(index, totals[index], step_s) for index in range(len(self.layers))]
-        unchecked = StepHealth(step, step_s, layers)
-        health = StepHealth(step, step_s, layers, self.alerts.check(unchecked, self.steps_seen))
+        health = StepHealth(step, step_s, layers)
+        health = dataclasses.replace(health, alerts=self.alerts.check(health, self.steps_seen))
         if self.warn:
             for alert in health.alerts:
                 warnings.warn(f"moeflow: {alert.message}", MoEHealthWarning, stacklevel=2)
@@ -205,7 +206,7 @@ class MoEMonitor:
         plan = layer.last_stats.plan if layer.last_stats is not None else None
         return LayerHealth(
             block=int(layer.index), tokens_per_expert=counts,
-            load_max_over_mean=figures.load_max_over_mean(counts),
+            load_max_over_mean=max_over_mean(counts),
             load_cv=figures.load_coefficient_of_variation(counts), busiest_share=figures.busiest_share(counts),
             dead_experts=dead, dropped=dropped, dropped_share=figures.dropped_share(dropped, sum(counts)),
             router_entropy=entropy / routed if routed else None,

@@ -5,6 +5,7 @@ TensorBoard's writer is imported only when that sink is made (the ``tensorboard`
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,14 +23,23 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON record per line (appended; flushed each step, so a crashed run keeps its steps)."""
+    """One JSON record per line (appended; flushed each step, so a crashed run keeps its steps).
+    ``keep_through``: a resumed run's step; the file's records after it are dropped first."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, keep_through: int | None = None) -> None:
         self.path = Path(path)
+        if keep_through is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= keep_through]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self._handle = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, step: int, scalars: Mapping[str, float], loads: Mapping[str, Sequence[int]],
               record: Mapping[str, Any]) -> None:
+        self.write_record(record)
+
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """One record, as its line."""
         self._handle.write(json_text(dict(record)) + "\n")
         self._handle.flush()
 

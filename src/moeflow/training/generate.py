@@ -84,24 +84,23 @@ def _sample_worker(rank: int, world_size: int, path: str, sampling: tuple[Any, .
                    faults: FaultPlan | None, health_path: Path | None) -> str:
     ledger = worker_ledger(rank, world_size, Path(progress), faults)
     groups = ParallelGroups.from_group(None, ledger=ledger)
-    return _sample(path, sampling, groups, health_path if rank == 0 else None, health=health_path is not None)
+    return _sample(path, sampling, groups, health_path)
 
 
-def _sample(path: str, sampling: tuple[Any, ...], groups: ParallelGroups | None, health_path: Path | None,
-            health: bool | None = None) -> str:
-    """Sample on this worker; with ``health`` (every worker alike), the monitor watches the
-    generation and ``health_path`` (one worker's) receives its figures."""
+def _sample(path: str, sampling: tuple[Any, ...], groups: ParallelGroups | None, health_path: Path | None) -> str:
+    """Sample on this worker; with ``health_path`` (every worker alike), the monitor watches the
+    generation and the first worker writes its figures there."""
     prompt, new_tokens, temperature, top_k, seed = sampling
     model, tokenizer, _ = load_model(path, groups)
     ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id("<|endoftext|>")]
     generator = torch.Generator().manual_seed(seed)
-    watched = health if health is not None else health_path is not None
+    watched = health_path is not None
     monitor = MoEMonitor(model, None if groups is None else groups.expert, use_default_group=False) if watched else None
     with model.groups.ledger.at(phase="generation"):
         out = model.generate(torch.tensor([ids]), new_tokens, temperature, top_k, generator)
     if monitor is not None:  # the whole generation as one step: a collective on every worker
         figures = monitor.observe(1).record()
         monitor.close()
-        if health_path is not None:
+        if model.groups.rank == 0:
             write_atomic(Path(health_path), json_text(figures) + "\n")
     return tokenizer.decode(out[0].tolist())

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.comm.traffic import TimelineEvent
-from moeflow.files import json_text
-from moeflow.metrics import CsvSink, MetricsSink, StepHealth, TensorBoardSink
+from moeflow.metrics import CsvSink, JsonlSink, MetricsSink, StepHealth, TensorBoardSink
 from moeflow.models import TrainableLM
 from moeflow.parallel.balance import balance_mode
 from moeflow.training.config import TrainConfig
@@ -91,22 +90,9 @@ def write_timeline(path: Path, step: int, events: list[TimelineEvent]) -> None:
     path.write_text(json.dumps({"step": step, "events": rows}))
 
 
-class MetricsLog:
-    """``metrics.jsonl`` on rank 0; a resumed run first drops the records after its checkpoint."""
-
-    def __init__(self, path: Path, resume_step: int | None) -> None:
-        self.path = path
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._handle = open(path, "a")  # noqa: SIM115 - open for the whole run, closed by close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._handle.write(json_text(record) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
+def metrics_log(run_dir: Path, resume_step: int | None) -> JsonlSink:
+    """``metrics.jsonl`` (rank 0's); a resumed run first drops the records after its checkpoint."""
+    return JsonlSink(run_dir / METRICS, resume_step)
 
 
 def iterate_records(run_dir: Path) -> Iterator[dict[str, Any]]:

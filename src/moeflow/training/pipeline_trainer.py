@@ -25,13 +25,14 @@ from moeflow.comm.collectives import all_gather_objects
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
+from moeflow.metrics import JsonlSink
 from moeflow.pipeline import Pipeline, pipeline_stages
 from moeflow.pipeline.groups import MESH_DIMS
 from moeflow.runtime import give_back_free_memory
 from moeflow.training.batches import token_windows, training_batch, validation_windows
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.faults import worker_ledger
-from moeflow.training.metrics import METRICS, PROGRESS, MetricsLog
+from moeflow.training.metrics import PROGRESS, metrics_log
 from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, set_learning_rate
 from moeflow.training.pipeline_settings import pipeline_microbatches
@@ -54,7 +55,7 @@ class _PipelinedRun:
     pipeline: Pipeline
     optimizer: torch.optim.Optimizer
     train_stream: np.ndarray  # memory-mapped: every replica draws its rows of the global batch from it
-    log: MetricsLog | None
+    log: JsonlSink | None
     tokens_seen: int = 0
     throughput: list[float] = field(default_factory=list)
     last_loss: float = float("nan")
@@ -97,7 +98,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         give_back_free_memory()
         start_step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         _restore_planners(pipeline, state, rank, world_size)
-    log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
+    log = metrics_log(Path(job.run_dir), start_step if job.resume_from else None) if rank == 0 else None
     run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, job.corpus.load("train"), log, tokens_seen)
     return run, start_step
 
@@ -149,7 +150,7 @@ def _evaluate_log_checkpoint(run: _PipelinedRun, step: int, last_step: int, reco
     if step % config.eval_interval == 0 or step == config.steps:
         run.val_loss = record["val_loss"] = _validation_loss(run)
     if run.log is not None:
-        run.log.write(record)
+        run.log.write_record(record)
     if step % config.checkpoint_interval == 0 or step == last_step:
         planners = {index: layer.planner.state_dict()
                     for index, layer in zip(run.pipeline.model.moe_block_indices(), run.pipeline.moe_layers(),

@@ -28,7 +28,7 @@ from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
 from moeflow.comm.traffic import TimelineEvent, contention_seconds
 from moeflow.data import PreparedCorpus
-from moeflow.metrics import MetricsSink, MoEMonitor, StepHealth
+from moeflow.metrics import JsonlSink, MetricsSink, MoEMonitor, StepHealth
 from moeflow.models import MoETransformer, TrainableLM
 from moeflow.models.transformer import phase_seconds
 from moeflow.runtime import give_back_free_memory
@@ -47,12 +47,11 @@ from moeflow.training.gradients import (
     synchronize_gradients,
 )
 from moeflow.training.metrics import (
-    METRICS,
     PROGRESS,
     TIMELINE,
-    MetricsLog,
     health_fields,
     metric_sinks,
+    metrics_log,
     moe_records,
     write_sinks,
     write_timeline,
@@ -125,7 +124,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     train_stream: np.ndarray  # memory-mapped: every replica draws its rows of the global batch from it
     val_stream: np.ndarray
-    log: MetricsLog | None
+    log: JsonlSink | None
     tokens_seen: int = 0
     throughput: list[float] = field(default_factory=list)
     val_loss: float | None = None
@@ -208,7 +207,7 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     packer = _packer(config, model, optimizer, state, replicas)
     for layer, planned in zip(model.moe_layers(), rank_planner_states(state or {}, rank, world_size), strict=False):
         layer.planner.load_state_dict(planned)  # the same plans as the interrupted run: bit-exact under auto
-    log = MetricsLog(Path(job.run_dir) / METRICS, start_step if job.resume_from else None) if rank == 0 else None
+    log = metrics_log(Path(job.run_dir), start_step if job.resume_from else None) if rank == 0 else None
     run = _Run(job, rank, world_size, device, group, model, optimizer, corpus.load("train"), corpus.load("val"), log,
                tokens_seen, rebalancer=rebalancer, packer=packer, expert_names=model.expert_parameter_names(),
                expert_replicas=replicas, head_replicas=head_replicas)
@@ -435,7 +434,7 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
             run.monitor.discard()  # the evaluation's forwards are not the next step's
         record["val_loss"] = run.val_loss
     if run.log is not None:
-        run.log.write(record)
+        run.log.write_record(record)
         if run.last_health is not None:
             write_sinks(run.sinks, record, run.last_health)
         if "val_loss" in record:  # the timeline of a step now and then (the report draws the last)
