@@ -165,7 +165,7 @@ def test_a_balanced_router_is_silent() -> None:
 def test_bad_rules_name_the_setting() -> None:
     with pytest.raises(ValueError, match="max_dropped_share must be in"):
         HealthRules(max_dropped_share=1.5)
-    with pytest.raises(ValueError, match="MoEMonitor: the model holds no moeflow MoELayer"):
+    with pytest.raises(ValueError, match="MoEMonitor: the model holds no moeflow MoE block"):
         MoEMonitor(torch.nn.Linear(2, 2))
 
 

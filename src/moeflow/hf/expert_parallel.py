@@ -51,8 +51,12 @@ from moeflow.config import (
     WIRE_DTYPES,
     require_choice,
 )
+from moeflow.core.stats import ExecutionPlan, RoutingStats
 from moeflow.hf.degree_search import CANDIDATES, DegreeSearch, Key
+from moeflow.hf.monitored import BackendBlock, routing_stats
 from moeflow.hf.pipelined import ChunkPlan, pipelined
+from moeflow.metrics.blocks import WATCH_ATTRIBUTE, WatchedBlock
+from moeflow.moe.forward_memory import recomputing
 from moeflow.timing.measure import sample_seconds
 
 if TYPE_CHECKING:
@@ -142,13 +146,18 @@ ROUTES = {DEDUP: dedup_routes, PAIRS: pair_routes}
 """How ``dedup`` and ``pairs`` lay out the rows they send."""
 
 
+def exchange_for(token_exchange: str, top_k_index: torch.Tensor) -> str:
+    """The exchange a batch travels by: ``token_exchange``, or under ``auto`` by its routed pairs."""
+    if token_exchange == AUTO:
+        return DEDUP if top_k_index.numel() >= DEDUP_MIN_PAIRS else PAIRS
+    return token_exchange
+
+
 def routes_for(
     token_exchange: str, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int
 ) -> Routes:
     """The rows ``token_exchange`` sends of this batch (``auto``: by its routed pairs)."""
-    if token_exchange == AUTO:
-        token_exchange = DEDUP if top_k_index.numel() >= DEDUP_MIN_PAIRS else PAIRS
-    return ROUTES[token_exchange](top_k_index, top_k_weights, num_local, world)
+    return ROUTES[exchange_for(token_exchange, top_k_index)](top_k_index, top_k_weights, num_local, world)
 
 
 @dataclass
@@ -169,9 +178,13 @@ class Backend:
 
 class MoeflowEP(EPImplementation):
     """The rows of one MoE block to the ranks of their experts and back, as its :class:`Backend` says
-    (:func:`configure` registers a subclass that carries one)."""
+    (:func:`configure` registers a subclass that carries one). ``last_stats``: the last forward's
+    routing over the expert group (counts per expert, the exchange and chunks that ran), which
+    :class:`~moeflow.metrics.MoEMonitor` reads; ``index``: the block's number there."""
 
     backend: Backend
+    last_stats: RoutingStats | None = None
+    index: int | None = None
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -181,6 +194,12 @@ class MoeflowEP(EPImplementation):
         self.search = DegreeSearch() if self.backend.settings.pipeline == "auto" else None
         if self.search is not None:
             self.backend.searches.append(self.search)
+        setattr(experts, WATCH_ATTRIBUTE, self.watched)
+
+    def watched(self, block: nn.Module) -> WatchedBlock:
+        """This block as :class:`~moeflow.metrics.MoEMonitor` reads it (``block``: the MoE block
+        that holds the experts, and their router)."""
+        return BackendBlock(self, block)
 
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -202,14 +221,27 @@ class MoeflowEP(EPImplementation):
     ) -> torch.Tensor:
         """Each token's weighted expert output: its rows to the experts' ranks and back."""
         settings, world = self.backend.settings, self.groups.size
-        routes = routes_for(settings.token_exchange, top_k_index, top_k_weights, self.num_local_experts, world)
+        exchange = exchange_for(settings.token_exchange, top_k_index)
+        routes = ROUTES[exchange](top_k_index, top_k_weights, self.num_local_experts, world)
         largest = max(CANDIDATES) if self.search is not None else int(settings.pipeline)
-        matrix, width, degree = self._agree(routes, largest)
+        with self.groups.ledger.at(layer=self.index, direction="forward"):
+            matrix, width, offered, counts = self._agree(routes, largest, top_k_index)
+            output, degree, source = self._searched(hidden_states, routes, matrix, width, offered)
+        if not recomputing():  # activation checkpointing's recompute is the same forward again
+            self.last_stats = routing_stats(counts, top_k_index.shape[1], self._plan(exchange, degree, offered, source))
+        return output
+
+    def _searched(
+        self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, offered: int
+    ) -> tuple[torch.Tensor, int, str]:
+        """:meth:`_run` in the chunks set, or the search's (which it times while it searches); the
+        chunks that ran and whence they came."""
         if self.search is None:
-            return self._run(hidden_states, routes, matrix, width, degree)
-        key = DegreeSearch.key(sum(map(sum, matrix)), degree)
+            return self._run(hidden_states, routes, matrix, width, offered), offered, "forced"
+        key = DegreeSearch.key(sum(map(sum, matrix)), offered)
         if torch._C._current_autograd_node() is not None:  # activation checkpointing's recompute: as it ran
-            return self._run(hidden_states, routes, matrix, width, self.search.as_ran(key))
+            degree = self.search.as_ran(key)
+            return self._run(hidden_states, routes, matrix, width, degree), degree, "settled"
         degree, timed = self.search.next(key)
         if timed:
             output = self._timed(hidden_states, routes, matrix, width, degree, key)
@@ -217,7 +249,15 @@ class MoeflowEP(EPImplementation):
             output = self._run(hidden_states, routes, matrix, width, degree)
         if output.requires_grad:
             self._await_backward(key, output)
-        return output
+        return output, degree, "trial" if timed else "settled"
+
+    def _plan(self, exchange: str, degree: int, offered: int, source: str) -> ExecutionPlan:
+        """How the forward ran, in the terms of a moeflow layer's plan."""
+        settings = self.backend.settings
+        return ExecutionPlan(schedule="pipelined" if degree > 1 else "sequential", alltoall=settings.alltoall,
+                             pipeline_degree=degree, requested_degree=offered, policy=str(settings.pipeline),
+                             source=source, world_size=self.groups.size, expert_kernel="transformers",
+                             token_exchange=exchange)
 
     def _timed(
         self, hidden_states: torch.Tensor, routes: Routes, matrix: SplitMatrix, width: int, degree: int,
@@ -290,18 +330,24 @@ class MoeflowEP(EPImplementation):
         slots_NK = differentiable_exchange(algorithm, slots_NK, self.groups, matrix)  # the gate weights exact
         return rows_NM, slots_NK[:, :width].detach().round().long(), slots_NK[:, width:].to(dtype)
 
-    def _agree(self, routes: Routes, pipeline: int) -> tuple[SplitMatrix, int, int]:
-        """Every rank's rows to every rank, the widest row's expert slots and the chunks all ranks'
+    def _agree(
+        self, routes: Routes, pipeline: int, top_k_index: torch.Tensor
+    ) -> tuple[SplitMatrix, int, int, list[int]]:
+        """Every rank's rows to every rank, the widest row's expert slots, the chunks all ranks'
         batches fill (each rank offers up to ``pipeline``, :data:`PIPELINE_MIN_ROWS` rows a chunk;
-        the fewest offered runs): one all-gather."""
+        the fewest offered runs) and the group's (token, expert) pairs per expert: one all-gather."""
         group, world = self.groups.expert, self.groups.size
         offered = max(1, min(pipeline, len(routes.token_N) // PIPELINE_MIN_ROWS))
-        mine = torch.cat([routes.sizes_W, routes.sizes_W.new_tensor([routes.width, offered])])
-        every = mine.new_empty(world * (world + 2))
+        experts = self.num_local_experts * world
+        counts_E = torch.bincount(top_k_index.reshape(-1), minlength=experts).to(routes.sizes_W)
+        mine = torch.cat([routes.sizes_W, routes.sizes_W.new_tensor([routes.width, offered]), counts_E])
+        every = mine.new_empty(world * len(mine))
         with self.groups.ledger.tracked("all-gather", group, every.numel() * every.element_size()):
             all_gather_into(every, mine, group)
-        table = every.view(world, world + 2).tolist()
-        return [row[:world] for row in table], max(row[world] for row in table), min(row[-1] for row in table)
+        table = every.view(world, len(mine)).tolist()
+        counts = [sum(column) for column in zip(*(row[world + 2:] for row in table), strict=True)]
+        return ([row[:world] for row in table], max(row[world] for row in table), min(row[world + 1] for row in table),
+                counts)
 
     def _experts(self, rows_NM: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received, one weighted sum per row. A row of several

@@ -53,7 +53,7 @@ class LayerHealth:
     """One MoE layer's step, over every rank's tokens (``group`` of the monitor). Counts are of
     assignments (a top-k token makes k). ``router_entropy`` is the mean per-token entropy in nats
     (None: no router forward seen); ``alltoall_share`` the layer's communication that expert compute
-    did not hide, as a share of the step (0 on one process, None: no step time)."""
+    did not hide, as a share of the step (0 on one process; None: no step time, or not measured)."""
 
     block: int
     tokens_per_expert: list[int]
@@ -71,7 +71,7 @@ class LayerHealth:
     alltoall: str | None
     token_exchange: str | None
     bytes_sent: int
-    alltoall_s: float
+    alltoall_s: float | None  # None: not measured (moeflow's transformers backend)
     alltoall_share: float | None
 
     def scalars(self) -> dict[str, float]:
@@ -99,9 +99,10 @@ class StepHealth:
 
     @property
     def alltoall_share(self) -> float | None:
-        if not self.step_s:
+        measured = [layer.alltoall_s for layer in self.layers if layer.alltoall_s is not None]
+        if not self.step_s or not measured:
             return None
-        return sum(layer.alltoall_s for layer in self.layers) / self.step_s
+        return sum(measured) / self.step_s
 
     def record(self) -> dict[str, Any]:
         """The JSON record (``metrics.jsonl``'s ``health``; a user's JSONL sink's line)."""

@@ -1,6 +1,8 @@
-"""One monitor for any loop: it watches every :class:`~moeflow.MoELayer` of a model through forward
-hooks and, once per step, turns what their forwards left (``last_stats``, the router's logits, the
-bytes the ledger counted) into each layer's :class:`~moeflow.metrics.health.LayerHealth`.
+"""One monitor for any loop: it watches every MoE block of a model through forward hooks (a
+:class:`~moeflow.MoELayer`, or a transformers block run by moeflow's expert-parallel backend:
+:mod:`moeflow.metrics.blocks`) and, once per step, turns what their forwards left (``last_stats``,
+the router's logits, the bytes the ledger counted) into each layer's
+:class:`~moeflow.metrics.health.LayerHealth`.
 
 Every figure covers every rank's tokens: :meth:`MoEMonitor.step` is a collective over ``group``
 (one small all-reduce), so every rank calls it, at the same point of its loop.
@@ -25,10 +27,10 @@ from moeflow.comm.groups import default_group
 from moeflow.comm.ledger import tracked
 from moeflow.core.stats import PipelineTiming, max_over_mean
 from moeflow.metrics.alerts import AlertState, HealthRules
+from moeflow.metrics.blocks import WatchedBlock, watched_blocks
 from moeflow.metrics.health import LayerHealth, StepHealth
 from moeflow.metrics.sinks import MetricsSink
 from moeflow.moe.forward_memory import recomputing
-from moeflow.moe.layer import MoELayer
 
 
 class MoEHealthWarning(UserWarning):
@@ -56,15 +58,16 @@ class _Window:
         self.counts = np.zeros(self.num_experts, dtype=np.int64)
         self.dropped, self.entropy, self.routed, self.timings, self.unread = 0, None, 0, [], False
 
-    def fold(self, layer: MoELayer) -> None:
-        """Add the layer's last forward's statistics (read now: a forward's may arrive late)."""
+    def fold(self, block: WatchedBlock) -> None:
+        """Add the block's last forward's statistics (read now: a forward's may arrive late)."""
         self.unread = False
-        stats = layer.last_stats
+        stats = block.last_stats
         if stats is None:
             return
         self.counts += np.asarray(stats.tokens_per_expert, dtype=np.int64)
         self.dropped += stats.dropped
-        if stats.plan is not None and stats.plan.world_size > 1 and stats.plan.alltoall != "none":
+        communicated = stats.plan is not None and stats.plan.world_size > 1 and stats.plan.alltoall != "none"
+        if block.timed and communicated:
             self.timings.append(stats.timing)
 
     def alltoall_s(self) -> float:
@@ -80,12 +83,13 @@ class MoEMonitor:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, rules: HealthRules | None = None,
                  sinks: Sequence[MetricsSink] = (), warn: bool | None = None, use_default_group: bool = True) -> None:
-        self.layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+        self.layers = watched_blocks(model)
         if not self.layers:
-            raise ValueError("MoEMonitor: the model holds no moeflow MoELayer; convert a transformers model with "
-                             "moeflow.hf first, or pass the model that holds the layers")
+            raise ValueError("MoEMonitor: the model holds no moeflow MoE block; convert a transformers model with "
+                             "moeflow.hf, or load it with ep_implementation='moeflow', or pass the model that holds "
+                             "the layers")
         for position, layer in enumerate(self.layers):
-            if layer.index is None:  # a standalone layer: numbered as the monitor sees it
+            if layer.index is None:  # a standalone layer or a backend's block: numbered as the monitor sees it
                 layer.index = position
         self.group = group if group is not None or not use_default_group else default_group()
         self.rules = rules or HealthRules()
@@ -93,17 +97,17 @@ class MoEMonitor:
         self.warn = warn if warn is not None else (self.group is None or dist.get_rank(self.group) == 0)
         self.alerts = AlertState(self.rules)
         self.steps_seen = 0
-        self._windows = [_Window(layer.config.num_experts) for layer in self.layers]
-        self._last_seen = [np.zeros(layer.config.num_experts, dtype=np.int64) for layer in self.layers]
+        self._windows = [_Window(layer.num_experts) for layer in self.layers]
+        self._last_seen = [np.zeros(layer.num_experts, dtype=np.int64) for layer in self.layers]
         self._bytes_at = self._ledger_bytes()
         self._clock = time.perf_counter()
         self._hooks = [hook for layer, window in zip(self.layers, self._windows, strict=True)
                        for hook in self._watch(layer, window)]
 
-    def _watch(self, layer: MoELayer, window: _Window) -> list[torch.utils.hooks.RemovableHandle]:
+    def _watch(self, layer: WatchedBlock, window: _Window) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks: a forward's statistics are folded in at the next forward (or the step); the router's
         logits give the entropy. A recompute (activation checkpointing) is not a new forward."""
-        score_function = layer.config.score_function
+        score_function = layer.score_function
 
         def before(module: nn.Module, args: object) -> None:
             if window.unread:
@@ -113,15 +117,17 @@ class MoEMonitor:
             if not recomputing():
                 window.unread = True
 
-        def routed(module: nn.Module, args: object, logits_TE: torch.Tensor) -> None:
+        def routed(module: nn.Module, args: object, output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
             if recomputing():
                 return
+            logits_TE = output[0] if isinstance(output, tuple) else output
+            logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1])
             entropy = figures.router_entropy_sum(logits_TE, score_function)
             window.entropy = entropy if window.entropy is None else window.entropy + entropy
             window.routed += logits_TE.shape[0]
 
-        return [layer.register_forward_pre_hook(before), layer.register_forward_hook(after),
-                layer.gate.register_forward_hook(routed)]
+        hooks = [layer.module.register_forward_pre_hook(before), layer.module.register_forward_hook(after)]
+        return hooks + ([layer.router.register_forward_hook(routed)] if layer.router is not None else [])
 
     def discard(self) -> None:
         """Forget the forwards since the last step (an evaluation between two training steps)."""
@@ -166,7 +172,7 @@ class MoEMonitor:
             sink.close()
 
     def _ledger_bytes(self) -> list[int]:
-        return [layer.groups.ledger.bytes_by_layer.get(layer.index, 0) for layer in self.layers]
+        return [layer.ledger.bytes_by_layer.get(layer.index, 0) for layer in self.layers]
 
     def _global_totals(self, step_s: float) -> tuple[float, list[list[float]]]:
         """The step's seconds and per layer [counts..., dropped, all-to-all seconds, entropy, routed
@@ -182,27 +188,29 @@ class MoEMonitor:
         if self.group is None:
             return step_s, rows
         flat = [step_s, *(value for row in rows for value in row)]
-        ledger = self.layers[0].groups.ledger
+        ledger = self.layers[0].ledger
         with tracked(ledger, "monitor all-reduce", self.group, len(flat) * 8):
             reduced = reduce_values(flat, self.group)
         ranks = dist.get_world_size(self.group)
         out, offset = [], 1
         for layer, row in zip(self.layers, rows, strict=True):
             values, offset = reduced[offset : offset + len(row)], offset + len(row)
-            experts = layer.config.num_experts
-            out.append([value / layer.groups.size for value in values[: experts + 1]]
+            experts = layer.num_experts
+            out.append([value / layer.stats_ranks for value in values[: experts + 1]]
                        + [values[experts + 1] / ranks, *values[experts + 2 :]])
         return reduced[0] / ranks, out
 
     def _layer_health(self, index: int, totals: list[float], step_s: float | None) -> LayerHealth:
         layer, last_seen = self.layers[index], self._last_seen[index]
-        experts = layer.config.num_experts
+        experts = layer.num_experts
         counts = [round(value) for value in totals[:experts]]
         dropped, alltoall_s, entropy, routed, sent = totals[experts:]
         dropped = round(dropped)
         last_seen[np.asarray(counts) > 0] = self.steps_seen
         dead = np.flatnonzero(self.steps_seen - last_seen >= self.rules.dead_window).tolist()
-        bias = layer.gate.expert_bias.detach()
+        bias = layer.bias()
+        bias_min, bias_max = (0.0, 0.0) if bias is None else (float(bias.detach().min()), float(bias.detach().max()))
+        timed = alltoall_s if layer.timed else None
         plan = layer.last_stats.plan if layer.last_stats is not None else None
         return LayerHealth(
             block=int(layer.index), tokens_per_expert=counts,
@@ -210,9 +218,9 @@ class MoEMonitor:
             load_cv=figures.load_coefficient_of_variation(counts), busiest_share=figures.busiest_share(counts),
             dead_experts=dead, dropped=dropped, dropped_share=figures.dropped_share(dropped, sum(counts)),
             router_entropy=entropy / routed if routed else None,
-            bias_min=float(bias.min()), bias_max=float(bias.max()),
+            bias_min=bias_min, bias_max=bias_max,
             schedule=plan.schedule if plan else None, pipeline_degree=plan.pipeline_degree if plan else None,
             alltoall=plan.alltoall if plan else None, token_exchange=plan.token_exchange if plan else None,
-            bytes_sent=round(sent), alltoall_s=alltoall_s,
-            alltoall_share=alltoall_s / step_s if step_s else None,
+            bytes_sent=round(sent), alltoall_s=timed,
+            alltoall_share=timed / step_s if step_s and timed is not None else None,
         )

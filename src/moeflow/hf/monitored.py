@@ -1,0 +1,63 @@
+"""A transformers MoE block run by moeflow's expert-parallel backend, as
+:class:`~moeflow.metrics.MoEMonitor` reads it (:class:`~moeflow.metrics.blocks.WatchedBlock`): the
+backend's statistics of the block's forward, the router the block's family keeps
+(:mod:`moeflow.hf.families`), its selection bias where the family has one.
+
+The backend measures no all-to-all seconds (that would synchronise the device every call), so its
+blocks' ``alltoall_s`` is None; the bytes are its forward's exchanges."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from moeflow.core.stats import ExecutionPlan, RoutingStats
+from moeflow.hf.families import Family, family_of, selection_bias
+
+if TYPE_CHECKING:
+    from moeflow.hf.expert_parallel import MoeflowEP
+
+
+def routing_stats(counts: list[int], top_k: int, plan: ExecutionPlan) -> RoutingStats:
+    """A dropless forward's statistics: ``counts`` (token, expert) pairs per expert over the group."""
+    return RoutingStats(num_tokens=sum(counts) // top_k, top_k=top_k, capacity=0, capacity_factor=0.0,
+                        tokens_per_expert=counts, dropped_per_expert=[0] * len(counts), plan=plan)
+
+
+def _router(block: nn.Module, family: Family) -> nn.Module | None:
+    """The module whose output holds the router's logits: the owner of the family's router weight."""
+    owner: object = block
+    for name in family.router.split(".")[:-1]:
+        owner = getattr(owner, name, None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+class BackendBlock:
+    """One block of a model loaded with ``ep_implementation="moeflow"``."""
+
+    timed = False
+
+    def __init__(self, implementation: MoeflowEP, block: nn.Module) -> None:
+        self.implementation, self.block, self.module = implementation, block, implementation.expert_module
+        self.family = family_of(block)
+        self.router = _router(block, self.family) if self.family is not None else None
+        self.score_function = self.family.score_function if self.family is not None else "softmax"
+        self.num_experts = implementation.num_local_experts * implementation.groups.size
+        self.stats_ranks, self.ledger = implementation.groups.size, implementation.groups.ledger
+
+    @property
+    def index(self) -> int | None:
+        return self.implementation.index
+
+    @index.setter
+    def index(self, value: int | None) -> None:
+        self.implementation.index = value
+
+    @property
+    def last_stats(self) -> RoutingStats | None:
+        return self.implementation.last_stats
+
+    def bias(self) -> torch.Tensor | None:
+        return selection_bias(self.block, self.family) if self.family is not None else None
