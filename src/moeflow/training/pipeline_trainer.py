@@ -5,11 +5,14 @@ As in the trainer without a pipeline, a step is a function of (seed, step, data 
 checkpointed state: each of a stage's DP x EP data ranks reads its own batch, every stage of a
 pipeline the same one. Checkpoints are the sharded ones (DCP, the model's names): a rank writes
 its stages' parameters, so a run saved at one layout resumes at another that fits, P = 1 included.
+Each step's record holds the MoE's health as without a pipeline: every stage's monitor watches its
+own blocks and the stages' figures are joined (:mod:`moeflow.metrics.stages`).
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,14 +28,15 @@ from moeflow.comm.collectives import all_gather_objects
 from moeflow.comm.groups import ParallelGroups
 from moeflow.comm.mesh import timed_mesh
 from moeflow.comm.topology import Topology
-from moeflow.metrics import JsonlSink
+from moeflow.metrics import JsonlSink, MetricsSink, MoEMonitor, StepHealth
+from moeflow.metrics.stages import StageHealth
 from moeflow.pipeline import Pipeline, pipeline_stages
 from moeflow.pipeline.groups import MESH_DIMS
 from moeflow.runtime import give_back_free_memory
 from moeflow.training.batches import token_windows, training_batch, validation_windows
 from moeflow.training.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.training.faults import worker_ledger
-from moeflow.training.metrics import PROGRESS, metrics_log
+from moeflow.training.metrics import PROGRESS, health_fields, metric_sinks, metrics_log, write_sinks
 from moeflow.training.nonfinite import NonfiniteSteps
 from moeflow.training.optimizer import build_optimizer, set_learning_rate
 from moeflow.training.pipeline_settings import pipeline_microbatches
@@ -62,6 +66,10 @@ class _PipelinedRun:
     val_loss: float | None = None
     checkpoint: Path | None = None
     nonfinite: NonfiniteSteps = field(init=False)
+    monitor: MoEMonitor | None = None  # this rank's stages' MoE layers, over the stage's data ranks
+    stage_health: StageHealth | None = None  # every stage's figures joined (every rank; None: no MoE block)
+    sinks: list[MetricsSink] = field(default_factory=list)  # --tensorboard, --metrics-csv (rank 0)
+    last_health: StepHealth | None = None
 
     def __post_init__(self) -> None:
         self.nonfinite = NonfiniteSteps(self.job.config.max_nonfinite_steps)
@@ -100,7 +108,38 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         _restore_planners(pipeline, state, rank, world_size)
     log = metrics_log(Path(job.run_dir), start_step if job.resume_from else None) if rank == 0 else None
     run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, job.corpus.load("train"), log, tokens_seen)
+    _watch_health(run, start_step if job.resume_from else None)
     return run, start_step
+
+
+def _watch_health(run: _PipelinedRun, resume_step: int | None) -> None:
+    """The MoE's health, as the trainer without a pipeline keeps it: each rank's monitor watches its
+    own stages' layers over its stage's data ranks (the pipeline's group, made up front by every
+    rank), whose figures cover every rank's tokens; the stages' are joined each step."""
+    config = run.job.config
+    if not run.pipeline.model.config.moe_blocks:
+        return
+    if run.pipeline.moe_layers():  # a stage of dense blocks only reports nothing
+        run.monitor = MoEMonitor(run.pipeline.model, run.pipeline.groups.data, config.health_rules(), warn=False,
+                                 use_default_group=False)
+    run.stage_health = StageHealth(config.health_rules())
+    if run.rank == 0:
+        run.sinks = metric_sinks(config, Path(run.job.run_dir), resume_step)
+
+
+def _observe_health(run: _PipelinedRun, step: int, step_s: float) -> dict[str, Any]:
+    """The step's health as the record's fields (``health``, ``alerts``, ``monitor_s``): the stage's
+    all-reduce, then each stage's first data rank's figures and rank 0's step time to every rank
+    (every rank makes both, in this order)."""
+    if run.stage_health is None:
+        return {}
+    began = time.perf_counter()
+    own = run.monitor.observe(step, step_s) if run.monitor is not None else None
+    data = run.pipeline.groups.data
+    first = data is None or dist.get_rank(data) == 0  # the stage's other ranks hold the same figures
+    parts = all_gather_objects((step_s, own if first else None), dist.group.WORLD)
+    run.last_health = run.stage_health.merge(step, parts[0][0], [health for _, health in parts])
+    return {**health_fields(run.last_health), "monitor_s": time.perf_counter() - began}
 
 
 def _train_step(run: _PipelinedRun, step: int) -> dict[str, Any]:
@@ -127,7 +166,8 @@ def _train_step(run: _PipelinedRun, step: int) -> dict[str, Any]:
     run.last_loss = loss
     return {"step": step, "loss": loss, "lr": lr, "skipped": skipped, "grad_norm": grad_norm,
             "tokens_per_s": tokens / step_s, "step_s": step_s, "tokens_seen": run.tokens_seen,
-            "time_s": {"other": compute_s, "optimizer": time.perf_counter() - optimizer_began, "data": data_s}}
+            "time_s": {"other": compute_s, "optimizer": time.perf_counter() - optimizer_began, "data": data_s},
+            **_observe_health(run, step, step_s)}
 
 
 def _validation_loss(run: _PipelinedRun) -> float:
@@ -149,8 +189,12 @@ def _evaluate_log_checkpoint(run: _PipelinedRun, step: int, last_step: int, reco
     config = run.job.config
     if step % config.eval_interval == 0 or step == config.steps:
         run.val_loss = record["val_loss"] = _validation_loss(run)
+        if run.monitor is not None:
+            run.monitor.discard()  # the evaluation's forwards are not the next step's
     if run.log is not None:
         run.log.write_record(record)
+        if run.last_health is not None:
+            write_sinks(run.sinks, record, run.last_health)
     if step % config.checkpoint_interval == 0 or step == last_step:
         planners = {index: layer.planner.state_dict()
                     for index, layer in zip(run.pipeline.model.moe_block_indices(), run.pipeline.moe_layers(),
@@ -197,11 +241,17 @@ def pipeline_train_worker(rank: int, world_size: int, job: Job) -> dict[str, Any
                 _evaluate_log_checkpoint(run, step, last_step, record)
             progress.set_postfix({"loss": f"{run.last_loss:.3f}"}, refresh=False)
             progress.update(1)
+            for alert in record.get("alerts", []) if rank == 0 else []:  # said once, above the bar
+                progress.write(f"moeflow train: warning: {alert['message']}", file=sys.stderr)
     finally:
         progress.close()
         run.pipeline.model.groups.worker.shutdown()
         if run.log is not None:
             run.log.close()
+        if run.monitor is not None:
+            run.monitor.close()  # its hooks
+        for sink in run.sinks:
+            sink.close()
     return {
         "steps": last_step, "workers": world_size, "pp_size": config.pp_size, "pp_schedule": config.pp_schedule,
         "microbatches": pipeline_microbatches(config), "ep_size": config.expert_workers,
