@@ -8,16 +8,24 @@ blocks' ``alltoall_s`` is None; the bytes are its forward's exchanges."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from moeflow.comm.groups import ParallelGroups
 from moeflow.core.stats import ExecutionPlan, RoutingStats
 from moeflow.hf.families import Family, family_of, selection_bias
 
-if TYPE_CHECKING:
-    from moeflow.hf.expert_parallel import MoeflowEP
+
+class Implementation(Protocol):
+    """What a block reads of the backend's implementation that runs it (``MoeflowEP``)."""
+
+    expert_module: nn.Module
+    num_local_experts: int
+    groups: ParallelGroups
+    last_stats: RoutingStats | None
+    index: int | None
 
 
 def routing_stats(counts: list[int], top_k: int, plan: ExecutionPlan) -> RoutingStats:
@@ -39,7 +47,7 @@ class BackendBlock:
 
     timed = False
 
-    def __init__(self, implementation: MoeflowEP, block: nn.Module) -> None:
+    def __init__(self, implementation: Implementation, block: nn.Module) -> None:
         self.implementation, self.block, self.module = implementation, block, implementation.expert_module
         self.family = family_of(block)
         self.router = _router(block, self.family) if self.family is not None else None
