@@ -72,7 +72,7 @@ class TrainConfig:
     num_experts: int = _MOE.num_experts
     top_k: int = _MOE.top_k
     moe_every: int = 1
-    capacity_factor: float | None = None  # None: MoEConfig's; with hf, dropless as the model was trained
+    capacity_factor: float | None = None  # None: the default model's (dropless); with hf, dropless as trained
     eval_capacity_factor: float = 0.0
     aux_loss_weight: str | float | None = None  # None: MoEConfig's, with hf the model's if it turns it on; "model"
     activation: str = _MOE.activation
@@ -465,7 +465,7 @@ FIELD_HELP: dict[str, str] = {
     "top_k": "experts each token is routed to",
     "moe_every": "an MoE FFN in every N-th block, dense FFNs elsewhere",
     "capacity_factor": f"Tutel's capacity factor in training (> 0 fixed, 0 no drops, < 0 capped no drops); unset: "
-    f"{_MOE.capacity_factor}, or 0 with --hf",
+    f"{_MOE.capacity_factor:g} (no token dropped)",
     "eval_capacity_factor": "capacity factor at evaluation (0: no token dropped)",
     "aux_loss_weight": f"weight of the load-balancing loss of every MoE layer; unset: {_MOE.aux_loss_weight}, or with "
     f"--hf the model's router_aux_loss_coef if its config sets output_router_logits (else 0); {MODEL_BALANCING} "
