@@ -142,6 +142,31 @@ def test_a_collapsed_router_and_dead_experts_alert_once() -> None:
     assert "expert(s) [1, 2, 3] received no token for 4 steps" in str(caught[1].message)
 
 
+def test_a_resumed_monitor_goes_on_where_the_interrupted_one_stopped() -> None:
+    """Through its JSON state (a checkpoint's): the dead-expert window and the collapse streak go on,
+    and an alert said before the interruption is not said again."""
+    import json
+
+    rules = HealthRules(collapse_steps=3, dead_window=4)
+    layer = _layer(top_k=1, capacity_factor=0)
+    layer.gate.expert_bias[0] = 100.0  # every token picks expert 0
+    whole = MoEMonitor(layer, rules=rules)
+    with pytest.warns(MoEHealthWarning):
+        uninterrupted = _fired(_run(layer, whole, 6))
+    whole.close()
+    first = MoEMonitor(layer, rules=rules)
+    with pytest.warns(MoEHealthWarning):  # the collapse, at step 3
+        before = _fired(_run(layer, first, 3))
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    resumed = MoEMonitor(layer, rules=rules)
+    resumed.load_state_dict(state)
+    with pytest.warns(MoEHealthWarning) as caught:  # only the dead experts, at step 4
+        after = _fired(_run(layer, resumed, 3))
+    assert before + after == uninterrupted == [[], [], [COLLAPSED], [DEAD_EXPERT], [], []]
+    assert len(caught) == 1 and "received no token for 4 steps" in str(caught[0].message)
+
+
 def test_drops_over_the_set_share_alert() -> None:
     layer = _layer(capacity_factor=0.25)
     monitor = MoEMonitor(layer, rules=HealthRules(max_dropped_share=0.2))

@@ -25,11 +25,15 @@ def test_a_pipelined_run_records_every_blocks_health_once_and_alerts_once(
 ) -> None:
     """P 2 x EP 2 on 4 workers, 2 micro-batches a step, dropping (capacity factor 0.25): every
     block's counts are the step's assignments before capacity over both data ranks; an evaluation
-    (step 2) does not count in the next step; each block's drops alert fires once, said by rank 0."""
+    (step 2) does not count in the next step; each block's drops alert fires once, said by rank 0,
+    also over a resume (the checkpoint keeps the alerts said)."""
+    from moeflow.cli import main
+
     run_dir = tmp_path / "run"
     config: dict[str, Any] = {**PIPELINED, "run_dir": str(run_dir), "steps": 3, "eval_interval": 2,
-                              "checkpoint_interval": 3, "capacity_factor": 0.25, "metrics_csv": True}
-    run_training(TrainConfig(**config), report=False)
+                              "checkpoint_interval": 2, "capacity_factor": 0.25, "metrics_csv": True}
+    run_training(TrainConfig(**config, stop_at=2), report=False)
+    assert main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
     records = list(iterate_records(run_dir))
     assignments = config["batch_size"] * config["context"] * config["top_k"] * 2  # 2 data ranks per stage
     for record in records:

@@ -55,6 +55,20 @@ def test_a_dropping_run_alerts_once_and_every_sink_holds_the_health(
         for record in records]
 
 
+@pytest.mark.distributed
+def test_a_resumed_run_does_not_say_an_alert_again(tmp_path: Path, corpus_cache: Path) -> None:
+    from moeflow.cli import main
+
+    run_dir = tmp_path / "run"
+    dropping = {**TINY, "run_dir": str(run_dir), "capacity_factor": 0.25, "checkpoint_interval": 2}
+    run_training(TrainConfig(**dropping, stop_at=2), report=False)
+    assert main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
+    records = list(iterate_records(run_dir))
+    assert [record["step"] for record in records] == [1, 2, 3, 4]
+    alerts = [(alert["kind"], alert["step"]) for record in records for alert in record.get("alerts", [])]
+    assert alerts == [("drops", 1)] * 2  # each MoE block once, over both halves
+
+
 def test_the_alert_settings_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match="alert_dropped_share must be in"):
         TrainConfig(alert_dropped_share=0)
@@ -68,6 +82,9 @@ def test_generate_writes_the_health_of_every_workers_tokens(tmp_path: Path, corp
 
     run_dir = tmp_path / "run"
     run_training(TrainConfig(**{**TINY, "run_dir": str(run_dir), "steps": 2}))
+    records = list(iterate_records(run_dir))  # the default capacity factor: dropless, so no drops alert
+    assert [layer["dropped"] for record in records for layer in record["health"]["layers"]] == [0] * 4
+    assert not any("alerts" in record for record in records)
     figures = {}
     for workers in (1, 2):
         path = tmp_path / f"health-{workers}.jsonl"

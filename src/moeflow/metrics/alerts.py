@@ -67,6 +67,16 @@ class AlertState:
     collapsed_for: dict[int, int] = field(default_factory=dict)
     fired: set[tuple[str, int | None]] = field(default_factory=set)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The streaks and the alerts said, as JSON (a resumed run says none twice)."""
+        return {"collapsed_for": {str(block): steps for block, steps in self.collapsed_for.items()},
+                "fired": sorted([kind, block] for kind, block in self.fired)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state."""
+        self.collapsed_for = {int(block): int(steps) for block, steps in state.get("collapsed_for", {}).items()}
+        self.fired = {(str(kind), None if block is None else int(block)) for kind, block in state.get("fired", [])}
+
     def check(self, health: StepHealth, steps_seen: int) -> list[Alert]:
         """The alerts that fire first at this step."""
         found = [alert for layer in health.layers for alert in self._layer_alerts(layer, health.step, steps_seen)]

@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,6 +163,23 @@ class MoEMonitor:
         for sink in self.sinks:
             sink.write(health.step, health.scalars(), health.loads(), health.record())
         return health
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the monitor remembers between steps, as JSON: the steps seen, the step each expert last
+        received a token, the collapse streaks and the alerts said. Every rank holds the same (its
+        figures are global), so one rank's copy resumes them all."""
+        last_seen = {str(layer.index): seen.tolist() for layer, seen in zip(self.layers, self._last_seen, strict=True)}
+        return {"steps_seen": self.steps_seen, "last_seen": last_seen, **self.alerts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state: a resumed run's dead-expert window and alerts go on
+        where the interrupted run's stopped (a block it did not watch starts afresh)."""
+        self.steps_seen = int(state["steps_seen"])
+        for layer, seen in zip(self.layers, self._last_seen, strict=True):
+            saved = state["last_seen"].get(str(layer.index))
+            if saved is not None and len(saved) == len(seen):
+                seen[:] = saved
+        self.alerts.load_state_dict(state)
 
     def close(self) -> None:
         """Remove the hooks and close the sinks."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeflow.metrics.alerts import AlertState, HealthRules
 from moeflow.metrics.health import StepHealth
@@ -46,3 +47,13 @@ class StageHealth:
         self.steps_seen += 1
         health = merge_stages(step, step_s, parts)
         return dataclasses.replace(health, alerts=self.alerts.check(health, self.steps_seen))
+
+    def state_dict(self, last_seen: dict[str, list[int]]) -> dict[str, Any]:
+        """The whole model's monitor state, as :meth:`~moeflow.metrics.MoEMonitor.state_dict` writes it:
+        ``last_seen`` joins the stages' monitors' (by block)."""
+        return {"steps_seen": self.steps_seen, "last_seen": last_seen, **self.alerts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s (or a monitor's) state."""
+        self.steps_seen = int(state["steps_seen"])
+        self.alerts.load_state_dict(state)

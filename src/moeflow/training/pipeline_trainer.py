@@ -100,7 +100,7 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         seed=config.seed, expert_groups=experts, device=device, overlap=None if config.pp_overlap else False,
     )
     optimizer = build_optimizer(pipeline.model, config)
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, state = 0, 0, {}
     if job.resume_from is not None:
         state = load_checkpoint(Path(job.resume_from), pipeline.model, optimizer, rank, world_size)
         give_back_free_memory()
@@ -108,11 +108,11 @@ def _start(rank: int, world_size: int, job: Job) -> tuple[_PipelinedRun, int]:
         _restore_planners(pipeline, state, rank, world_size)
     log = metrics_log(Path(job.run_dir), start_step if job.resume_from else None) if rank == 0 else None
     run = _PipelinedRun(job, rank, mesh, pipeline, optimizer, job.corpus.load("train"), log, tokens_seen)
-    _watch_health(run, start_step if job.resume_from else None)
+    _watch_health(run, start_step if job.resume_from else None, state.get("monitor"))
     return run, start_step
 
 
-def _watch_health(run: _PipelinedRun, resume_step: int | None) -> None:
+def _watch_health(run: _PipelinedRun, resume_step: int | None, saved: dict[str, Any] | None) -> None:
     """The MoE's health, as the trainer without a pipeline keeps it: each rank's monitor watches its
     own stages' layers over its stage's data ranks (the pipeline's group, made up front by every
     rank), whose figures cover every rank's tokens; the stages' are joined each step."""
@@ -123,6 +123,10 @@ def _watch_health(run: _PipelinedRun, resume_step: int | None) -> None:
         run.monitor = MoEMonitor(run.pipeline.model, run.pipeline.groups.data, config.health_rules(), warn=False,
                                  use_default_group=False)
     run.stage_health = StageHealth(config.health_rules())
+    if saved is not None:  # the window and the alerts said go on (a run without a pipeline saved it too)
+        run.stage_health.load_state_dict(saved)
+        if run.monitor is not None:
+            run.monitor.load_state_dict(saved)
     if run.rank == 0:
         run.sinks = metric_sinks(config, Path(run.job.run_dir), resume_step)
 
@@ -199,9 +203,14 @@ def _evaluate_log_checkpoint(run: _PipelinedRun, step: int, last_step: int, reco
         planners = {index: layer.planner.state_dict()
                     for index, layer in zip(run.pipeline.model.moe_block_indices(), run.pipeline.moe_layers(),
                                             strict=True)}
-        every_rank = all_gather_objects(planners, dist.group.WORLD)  # each rank's own, by block
+        seen = run.monitor.state_dict()["last_seen"] if run.monitor is not None else {}
+        every_rank = all_gather_objects((planners, seen), dist.group.WORLD)  # each rank's own, by block
         state = {"tokens_seen": run.tokens_seen, "config": config.to_dict(), "corpus": run.job.corpus.to_dict(),
-                 "loss": run.last_loss, "val_loss": run.val_loss, "planners_by_rank_block": every_rank}
+                 "loss": run.last_loss, "val_loss": run.val_loss,
+                 "planners_by_rank_block": [planned for planned, _ in every_rank]}
+        if run.stage_health is not None:  # the format of MoEMonitor.state_dict: either trainer resumes it
+            last_seen = {block: when for _, held in every_rank for block, when in held.items()}
+            state["monitor"] = run.stage_health.state_dict(last_seen)
         run.checkpoint = save_checkpoint(
             Path(run.job.run_dir), step, run.pipeline.model, run.optimizer, dist.group.WORLD, run.rank,
             config.workers, state, [run.job.corpus.tokenizer_path], config.keep_checkpoints,

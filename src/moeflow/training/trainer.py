@@ -220,6 +220,8 @@ def _start_run(rank: int, world_size: int, job: Job) -> tuple[_Run, int]:
     model.groups.traffic.timeline.enabled = rank == 0  # the step's events behind comm_s and timeline.json
     if model.moe_layers():
         run.monitor = MoEMonitor(model, group, config.health_rules(), warn=False, use_default_group=False)
+        if state is not None and "monitor" in state:
+            run.monitor.load_state_dict(state["monitor"])  # its window and the alerts said go on
     if rank == 0:
         run.sinks = metric_sinks(config, Path(job.run_dir), start_step if job.resume_from else None)
     return run, start_step
@@ -449,6 +451,8 @@ def _evaluate_log_checkpoint(run: _Run, step: int, last_step: int, record: dict[
             state["rebalancer"] = run.rebalancer.state()
         if run.packer is not None:
             state["packer"] = run.packer.state()
+        if run.monitor is not None:
+            state["monitor"] = run.monitor.state_dict()
         with tracked(run.ledger, "checkpoint save", run.group, phase="checkpoint"):
             run.checkpoint = save_checkpoint(
                 Path(run.job.run_dir), step, run.model, run.optimizer, run.group, run.rank, run.world_size, state,
