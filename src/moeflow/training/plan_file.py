@@ -39,8 +39,6 @@ PLAN_OWNED = ("workers", "ranks_per_node", "ep_size", "mp_size", "esp_size", "pa
               "pp_overlap")
 """The settings a plan decides: a base config's values of them are dropped, so the run is the plan's
 layout and schedule (an unset one takes ``moeflow train``'s default)."""
-WARMUP_SHARE = 5
-"""The first 1 / WARMUP_SHARE of a run's steps are not measured against the plan (buffers grow, caches fill)."""
 
 
 def model_of_config(config: TrainConfig) -> ModelSpec:
@@ -250,14 +248,14 @@ def run_record(config: TrainConfig) -> dict[str, Any]:
     return {**table, **({"overridden": changed} if changed else {})}
 
 
-def measured_against_plan(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The plan's prediction beside the run's median step time (after the warm-up steps), or None
-    for a run that was not started from a plan."""
+def measured_against_plan(run_dir: Path, steady: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The plan's prediction beside the median time of the run's ``steady`` steps (the report's: not
+    the warm-up, not the planner's trials), or None for a run that was not started from a plan."""
     path = run_dir / RUN_RECORD
-    if not path.exists() or not records:
+    if not path.exists() or not steady:
         return None
     table = json.loads(path.read_text())
-    steps = [r["step_s"] for r in records[len(records) // WARMUP_SHARE:] if "step_s" in r]
+    steps = [r["step_s"] for r in steady if "step_s" in r]
     if not steps:
         return None
     measured = statistics.median(steps) * 1e3

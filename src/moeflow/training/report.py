@@ -141,7 +141,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     corpus_path = run_dir / "corpus.json"
     corpus = json.loads(corpus_path.read_text()) if corpus_path.exists() else None
     summary = summarize(records, corpus)
-    planned = measured_against_plan(run_dir, records)
+    planned = measured_against_plan(run_dir, kept_records(records, summary["excluded_steps"]))
     if planned is not None:
         summary["plan"] = planned
     _plot_loss(run_dir, records, corpus)
