@@ -20,7 +20,8 @@ PLAN = ["plan", "--cluster", "fastermoe-johnny", "--model", "fastermoe-gpt", "--
 LONG_COMMANDS = [("calibrate",), ("simulate",), ("plan",), ("export",), ("bench", "layer"), ("bench", "generate"),
                  ("bench", "lina-inference"), *[("bench", name) for name in (
                      "contention", "dedup", "exchange", "hf-ep", "parallel", "pipeline", "schedules", "skew", "stages",
-                     "wire")]]
+                     "wire", "alltoall", "kernels", "overlap", "memory", "simulator", "plan", "train", "faults",
+                     "papers")]]
 """The commands that draw a bar: each takes --no-progress."""
 
 
@@ -170,3 +171,101 @@ def test_calibration_names_each_measurement_as_it_goes() -> None:
     two = _measurements(CalibrationConfig(), 2, None)  # type: ignore[arg-type]
     assert list(one) == ["gemm", "ffn", "dispatch", "layer"]
     assert list(two) == ["gemm", "ffn", "dispatch", "collectives", "interference", "layer", "pipelined"]
+
+
+def test_bench_overlap_counts_its_samples_on_a_terminal_and_prints_the_same_records(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, shown_at_once: None) -> None:
+    overlap = ["bench", "overlap", "--num-experts", "2", "--capacity", "16", "--model-dim", "16", "--hidden-dim", "16",
+               "--degrees", "1", "2", "--repeats", "1"]
+    terminal, turned_off = Terminal(), Terminal()
+    watched = _run(overlap, terminal, capsys, monkeypatch)
+    quiet = _run([*overlap, "--no-progress"], turned_off, capsys, monkeypatch)
+    keys = [sorted(json.loads(line)) for line in watched.splitlines()]
+    assert keys == [sorted(json.loads(line)) for line in quiet.splitlines()] and len(keys) == 3  # 2 degrees, summary
+    assert "8/8" in terminal.getvalue() and "sample/s" in terminal.getvalue()  # (comp, copy, d1, d2) x 2 rounds
+    assert turned_off.getvalue() == ""
+
+
+def test_bench_kernels_counts_every_sample() -> None:
+    from moeflow.bench.kernels import KernelBenchConfig, measure_kernels
+
+    counted = Counted()
+    config = KernelBenchConfig(tokens=32, model_dim=16, hidden_dim=16, num_experts=4, top_k=2, device="cpu",
+                               dtype="fp32", matmul_size=32, copy_mb=1, repeats=2, warmup=1)
+    records = measure_kernels(config, counted)
+    timed = [r for r in records if r["kernel"] != "auto"]  # one record per timed function
+    assert counted.expected == counted.done == 3 * len(timed)
+
+
+def test_bench_alltoall_counts_each_layout_and_size(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeflow.bench import POINT_DONE, alltoall
+
+    def launch(spec: object, command: list[str], sink: io.StringIO, **_: object) -> int:
+        for size in command[command.index("--sizes") + 1:command.index("--repeats")]:
+            sink.write(f'[rank 0] {{"bench": "alltoall", "bytes_per_destination": {size}}}\n[rank 0] {POINT_DONE}\n')
+        return 0
+
+    monkeypatch.setattr("moeflow.testbed.launch", launch)
+    counted = Counted()
+    records = alltoall.run([(2, 1), (1, 2)], [1024, 4096, 16384], 1.0, 0.0, 1, progress=counted)
+    assert counted.expected == counted.done == 6 and len(records) == 6
+    assert len(capsys.readouterr().out.splitlines()) == 6  # the records alone
+
+
+def test_bench_plan_counts_its_calibration_and_every_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from moeflow.bench import plan_runs
+
+    plans = [(tmp_path / f"plan-{n}.toml", {"label": f"p{n}", "predicted_step_ms": 1.0}) for n in (1, 2)]
+    monkeypatch.setattr(plan_runs, "calibrate", lambda spec, path, port: path)
+    monkeypatch.setattr(plan_runs, "plan_files", lambda profile, settings, folder, top: plans)
+    monkeypatch.setattr(plan_runs, "train_run", lambda spec, plan, run_dir, port: 2.0)
+    spec = argparse.Namespace(nodes=2, ranks_per_node=1, inter_gbit=1.0)
+    counted = Counted()
+    records = plan_runs.run(spec, tmp_path, {}, 2, 3, None, emit=lambda line: None, progress=counted)
+    assert len(records) == 2 and counted.expected == counted.done == 1 + 2 * 3
+
+
+def test_bench_simulator_counts_calibrations_and_points_even_where_ranks_report_none(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from moeflow.bench import sim_validation
+
+    def run_on_cluster(module: str, name: str, grid: list[object], *rest: object, progress: Counted | None = None,
+                       **_: object) -> list[dict[str, object]]:
+        if progress is not None and module != "moeflow.bench.pipeline":  # its ranks print no point done
+            progress.expect(len(grid))
+            progress.advance(len(grid))
+        return []
+
+    class Profile:
+        def save(self, path: Path) -> None:
+            pass
+
+    monkeypatch.setattr("moeflow.bench.run_on_cluster", run_on_cluster)
+    monkeypatch.setattr("moeflow.perf.profile.ClusterProfile.load", staticmethod(lambda path: Profile()))
+    monkeypatch.setattr("moeflow.perf.profile.median_profile", lambda runs: Profile())
+    monkeypatch.setattr(sim_validation, "compare", lambda *args: [])
+    counted = Counted()
+    sim_validation.run(((2, 1), (2, 2)), (1.0,), list(sim_validation.GRID), 1, tmp_path, print, ("pipeline", "skew"),
+                       counted)
+    points = len(sim_validation.GRID) + len(sim_validation.SKEW_GRID)
+    assert counted.expected == counted.done == 2 * (sim_validation.CALIBRATIONS + points)
+
+
+def test_bench_faults_counts_each_fault(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeflow.bench import faults
+
+    record = {"fault": "delay", "ended": "completed", "report": []}
+    monkeypatch.setattr(faults, "run_training", lambda *args, **kwargs: {})
+    monkeypatch.setattr(faults, "run_drill", lambda *args: record)
+    counted = Counted()
+    assert faults.run(5.0, False, ("delay",), counted) == 0
+    assert counted.expected == counted.done == len([d for d in faults.drills() if d.kind == "delay"])
+
+
+def test_bench_papers_counts_its_tables_on_a_terminal(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, shown_at_once: None) -> None:
+    terminal = Terminal()
+    out = _run(["bench", "papers", "--only", "tutel-fig14", "lina-contention"], terminal, capsys, monkeypatch)
+    assert json.loads(out.splitlines()[-1])["summary"] == "papers"
+    assert "2/2" in terminal.getvalue() and "table/s" in terminal.getvalue()

@@ -18,6 +18,9 @@ import sys
 from datetime import timedelta
 from typing import Any
 
+from moeflow.bench import POINT_DONE
+from moeflow.progress import Progress, Quiet
+
 DEFAULT_SIZES = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
 DEFAULT_LAYOUTS = ((2, 2), (4, 2), (1, 4))
 
@@ -58,20 +61,25 @@ def _rank_main(argv: list[str]) -> None:
                     "ms": seconds * 1e3, "send_gbit_per_s_per_rank": x.numel() * 4 * 8 / seconds / 1e9,
                     "latency_emulated": os.environ.get("MOEFLOW_TESTBED_LATENCY_EMULATED") == "1",
                 }), flush=True)
+            print(POINT_DONE, flush=True)
     destroy_process_groups()
 
 
 def run(
     layouts: list[tuple[int, int]], sizes: list[int], inter_gbit: float, latency_us: float, repeats: int,
-    master_port: int = 29700,
+    master_port: int = 29700, progress: Progress | None = None,
 ) -> list[dict[str, Any]]:
-    """Launch each layout and return every rank-0 measurement (printed as they arrive)."""
+    """Launch each layout and return every rank-0 measurement (printed as they arrive);
+    ``progress`` counts the (layout, size) points done."""
     from moeflow.bench import RankZeroRecords
     from moeflow.testbed import ClusterSpec, launch
 
+    progress = progress or Quiet()
+    progress.expect(len(layouts) * len(sizes))
     results: list[dict[str, Any]] = []
     for index, (nodes, per_node) in enumerate(layouts):
-        sink = RankZeroRecords(inter_gbit=inter_gbit, inter_latency_us=latency_us)
+        progress.note(f"{nodes}x{per_node}")
+        sink = RankZeroRecords(progress, inter_gbit=inter_gbit, inter_latency_us=latency_us)
         spec = ClusterSpec(nodes, per_node, inter_gbit, latency_us)
         command = [sys.executable, "-m", "moeflow.bench.alltoall", "--sizes", *map(str, sizes),
                    "--repeats", str(repeats)]

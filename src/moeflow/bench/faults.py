@@ -22,6 +22,7 @@ from moeflow.comm.ledger import ProgressBeacon
 from moeflow.data import stdlib_directory
 from moeflow.distributed import WorkerError
 from moeflow.files import print_json
+from moeflow.progress import Progress, Quiet
 from moeflow.training.checkpoint import latest_checkpoint
 from moeflow.training.config import TrainConfig
 from moeflow.training.faults import FAULT_KINDS, FaultPlan, WorkerFault
@@ -136,16 +137,23 @@ def drills(grad_syncs: tuple[str, ...] = ("after", "overlap", "lina")) -> list[D
     return [Drill(kind, worker, phase, mode) for phase, mode in phases for kind in FAULT_KINDS for worker in (0, 1)]
 
 
-def run(timeout_s: float, resume: bool, kinds: tuple[str, ...] = FAULT_KINDS) -> int:
-    """The whole drill, one JSON line per fault and a summary; 1 if any fault was not handled."""
+def run(timeout_s: float, resume: bool, kinds: tuple[str, ...] = FAULT_KINDS, progress: Progress | None = None) -> int:
+    """The whole drill, one JSON line per fault and a summary; 1 if any fault was not handled.
+    ``progress`` counts the faults drilled."""
+    chosen, progress = [d for d in drills() if d.kind in kinds], progress or Quiet()
+    progress.expect(len(chosen))
     with tempfile.TemporaryDirectory(prefix="moeflow-faults-") as scratch:
         trained = Path(scratch) / "trained"
+        progress.note("the run to generate from")
         run_training(drill_config(trained, "after", timeout_s), report=False)
         records = []
-        for index, drill in enumerate(d for d in drills() if d.kind in kinds):
+        for index, drill in enumerate(chosen):
+            progress.note(f"{drill.kind} worker {drill.worker}: {drill.phase}"
+                          + (f" ({drill.grad_sync})" if drill.phase == "gradient sync" else ""))
             record = run_drill(drill, Path(scratch) / f"drill-{index}", timeout_s, resume, trained)
             records.append(record)
             print_json({**record, "report": " | ".join(record["report"])})
+            progress.advance()
     bad = [r for r in records if not handled(r, timeout_s)]
     worst = max((r["exit_s"] for r in records if r["ended"] == "failed"), default=0.0)
     print(f"fault drill: {len(records) - len(bad)} of {len(records)} faults handled; slowest exit {worst:.1f} s "

@@ -28,6 +28,7 @@ from moeflow.kernels.choice import KernelTable, candidates
 from moeflow.kernels.precision import DTYPES
 from moeflow.kernels.ragged import FilledRows, looped_mm, ragged_mm
 from moeflow.kernels.slot_gather import decode, encode, make_slot_map
+from moeflow.progress import Progress, Quiet
 from moeflow.timing.measure import device_medians
 
 AUTO_KERNELS = {"encode": "encode", "decode": "decode", "grouped_gemm": "gemm"}  # bench kernel -> KernelChoice field
@@ -62,8 +63,24 @@ def _routing(config: KernelBenchConfig, device: torch.device) -> tuple[Any, torc
     return plan, counts_E
 
 
-def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
-    """One JSON record per measurement (peak, bandwidth, each kernel and backend)."""
+def counting_samples(progress: Progress, fns: int, rounds: int) -> Callable[[], None]:
+    """A ``before_each`` for :func:`device_medians` that counts its ``fns`` x ``rounds`` samples on
+    ``progress`` (untimed): each call but the first marks the sample before it done; the caller
+    advances the last when the medians return."""
+    progress.expect(fns * rounds)
+    calls = [0]
+
+    def before_each() -> None:
+        if calls[0]:
+            progress.advance()
+        calls[0] += 1
+
+    return before_each
+
+
+def measure_kernels(config: KernelBenchConfig, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """One JSON record per measurement (peak, bandwidth, each kernel and backend); ``progress``
+    counts the timed samples (every kernel and backend, round-robin, warm-up rounds included)."""
     device, dtype = torch.device(config.device), DTYPES[config.dtype]
     torch.manual_seed(0)
     size, element_bytes = config.matmul_size, torch.finfo(dtype).bits // 8
@@ -97,7 +114,10 @@ def measure_kernels(config: KernelBenchConfig) -> list[dict[str, Any]]:
     for backend in gemm_backends:
         fns[f"grouped_gemm.{backend}"] = lambda backend=backend: ragged_mm(packed_NM, w_EMH, rows, backend)
     fns["grouped_gemm.loop"] = lambda: looped_mm(packed_NM, w_EMH, rows)
-    medians = device_medians(fns, device, config.repeats, config.warmup)
+    progress = progress or Quiet()
+    count = counting_samples(progress, len(fns), config.warmup + config.repeats)
+    medians = device_medians(fns, device, config.repeats, config.warmup, before_each=count)
+    progress.advance()
     records = _records(config, medians, plan, int(counts_E.sum()), element_bytes)
     if device.type == "cuda":  # what kernel_backend="auto" picks here, measured at its own probe shape
         choice = KernelTable().resolve("auto", device, dtype)

@@ -49,6 +49,7 @@ from moeflow.bench.memory_accounting import (
     worker_record,
 )
 from moeflow.files import print_json
+from moeflow.progress import Progress, Quiet
 
 if TYPE_CHECKING:
     import torch
@@ -268,9 +269,12 @@ def _add_imports(records: list[dict[str, Any]], imports: int) -> None:
         record["ratio_after_imports"] = (record["peak_bytes"] - imports) / record["share_bytes"]
 
 
-def run(config: MemoryBenchConfig) -> int:
+def run(config: MemoryBenchConfig, progress: Progress | None = None) -> int:
     """Measure every scenario at every worker count; print each record and the summary. The
-    imports process runs once per scenario, on the modules of its first worker count's workers."""
+    imports process runs once per scenario, on the modules of its first worker count's workers.
+    ``progress`` counts the (scenario, worker count) measurements done."""
+    progress = progress or Quiet()
+    progress.expect(len(config.scenarios) * len(config.workers))
     baseline = baseline_bytes()
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-memory-") as scratch:
@@ -279,6 +283,7 @@ def run(config: MemoryBenchConfig) -> int:
         for scenario in config.scenarios:
             imports = None
             for workers in config.workers:
+                progress.note(f"{scenario}, workers {workers}")
                 found, modules = _measure(config, scenario, workers, baseline, Path(scratch))
                 if config.imports and imports is None:
                     imports = imports_bytes(modules)
@@ -287,5 +292,6 @@ def run(config: MemoryBenchConfig) -> int:
                 for record in found:
                     print_json(record)
                 records += found
+                progress.advance()
     print_json(summarize(records, baseline))
     return 0

@@ -21,6 +21,7 @@ from moeflow.core.experts import FFNCompute, FFNWeights
 from moeflow.kernels.precision import DTYPES
 from moeflow.parallel.chunk_pipeline import ExpertExchange, pipelined_experts
 from moeflow.perf.schedule_models import LOCAL
+from moeflow.progress import Progress, Quiet
 from moeflow.timing.measure import device_medians
 
 
@@ -70,8 +71,12 @@ class OverlapBenchConfig:
     warmup: int = 1
 
 
-def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
-    """One record per degree: the pipelined forward against t_comp, t_copy and their max and sum."""
+def measure_overlap(config: OverlapBenchConfig, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """One record per degree: the pipelined forward against t_comp, t_copy and their max and sum;
+    ``progress`` counts the timed samples (each degree, t_comp and t_copy, round-robin, warm-up
+    rounds included)."""
+    from moeflow.bench.kernels import counting_samples
+
     c, e = config, config.num_experts
     device, dtype = torch.device(c.device), DTYPES[c.dtype]
     torch.manual_seed(0)
@@ -86,8 +91,11 @@ def measure_overlap(config: OverlapBenchConfig) -> list[dict[str, Any]]:
         "copy": lambda: chunk_exchange.from_experts(chunk_exchange.to_experts(buffer), c.capacity),
         **{f"d{d}": lambda d=d: pipelined_experts(buffer, compute, weights, chunk_exchange, d) for d in c.degrees},
     }
+    progress = progress or Quiet()
     with torch.no_grad():
-        medians = device_medians(fns, device, c.repeats, c.warmup)
+        count = counting_samples(progress, len(fns), c.warmup + c.repeats)
+        medians = device_medians(fns, device, c.repeats, c.warmup, before_each=count)
+        progress.advance()
     comp, copy = medians["comp"], medians["copy"]
     base = {"bench": "overlap", **record_fields(c)}
     return [{**base, "degree": d, "pipelined_ms": medians[f"d{d}"] * 1e3, "comp_ms": comp * 1e3,

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from moeflow.progress import Progress, Quiet
+
 BENCH_MODEL: Mapping[str, Any] = MappingProxyType(dict(
     layers=2, heads=4, model_dim=256, hidden_dim=1024, num_experts=8, top_k=2, batch_size=8, context=128,
     steps=12, eval_interval=1000, eval_windows=8, checkpoint_interval=1000, progress=False,
@@ -84,17 +86,30 @@ def train_run(spec: Any, plan: Path, run_dir: Path, master_port: int) -> float:
     return float(json.loads((run_dir / "summary.json").read_text())["plan"]["measured_step_ms"])
 
 
+def _calibrated(spec: Any, folder: Path, master_port: int, progress: Progress) -> Path:
+    """:func:`calibrate` into ``folder``, counted on ``progress``."""
+    progress.expect(1)
+    progress.note("calibration")
+    path = calibrate(spec, folder / "profile.json", master_port)
+    progress.advance()
+    return path
+
+
 def run(spec: Any, folder: Path, settings: dict[str, Any], top: int, repeats: int, profile: Path | None,
-        emit: Any = print, master_port: int = 29700) -> list[dict[str, Any]]:
+        emit: Any = print, master_port: int = 29700, progress: Progress | None = None) -> list[dict[str, Any]]:
     """Calibrate (unless ``profile``), plan, run every top plan ``repeats`` times round-robin; one
-    record per plan, fastest predicted first."""
-    profile = profile or calibrate(spec, folder / "profile.json", master_port)
+    record per plan, fastest predicted first. ``progress`` counts the calibration and the runs."""
+    progress = progress or Quiet()
+    profile = profile or _calibrated(spec, folder, master_port, progress)
     plans = plan_files(profile, settings, folder, top)
+    progress.expect(len(plans) * repeats)
     times: list[list[float]] = [[] for _ in plans]
     for repeat in range(repeats):
         for index, (path, _) in enumerate(plans):
+            progress.note(f"plan {index + 1}/{len(plans)}, run {repeat + 1}/{repeats}")
             run_dir = folder / f"run-{index + 1}-{repeat + 1}"
             times[index].append(train_run(spec, path, run_dir, master_port + 1 + repeat * len(plans) + index))
+            progress.advance()
     records = []
     for index, ((path, table), measured) in enumerate(zip(plans, times, strict=True), 1):
         median = statistics.median(measured)

@@ -42,6 +42,7 @@ from moeflow.bench.pipeline import GridPoint
 from moeflow.bench.schedules import SchedulePoint
 from moeflow.bench.skew import SkewPoint
 from moeflow.config import LayerDims
+from moeflow.progress import Progress, Quiet
 
 FIXED_SETTING = re.compile(r"d(\d+)-(\w+)")
 LAYOUTS = ((2, 1), (2, 2))
@@ -258,39 +259,77 @@ def replay(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
-def calibrated(folder: Path, layout: str, nodes: int, per_node: int, gbit: float) -> Path:
-    """The median of ``CALIBRATIONS`` calibrations of the cluster (each kept beside it)."""
+def calibrated(folder: Path, layout: str, nodes: int, per_node: int, gbit: float,
+               progress: Progress | None = None) -> Path:
+    """The median of ``CALIBRATIONS`` calibrations of the cluster (each kept beside it);
+    ``progress`` counts them."""
     from moeflow.bench import run_on_cluster
     from moeflow.perf.profile import ClusterProfile, median_profile
 
-    runs = []
+    runs, progress = [], progress or Quiet()
     for index in range(CALIBRATIONS):
+        progress.note(f"{layout} {gbit:g} Gbit/s: calibration {index + 1}/{CALIBRATIONS}")
         path = folder / f"calibration-{layout}-{gbit:g}gbit-{index}.json"
         run_on_cluster("moeflow.bench.pipeline", "calibration", [], nodes, per_node, gbit, 1, None, 29760, 600,
                        save_profile=str(path))
         runs.append(ClusterProfile.load(path))
+        progress.advance()
     path = profile_path(folder, layout, gbit)
     median_profile(runs).save(path)
     return path
 
 
+def _bench_grids(grid: list[GridPoint], per_node: int, benches: tuple[str, ...]) -> list[tuple[str, list[Any]]]:
+    """Each of ``benches`` with the points it measures on a cluster of ``per_node`` ranks a node."""
+    parallel = PARALLEL_GRID + (PARM_GRID if per_node % 2 == 0 else ())  # an MP group inside a node
+    grids = {"pipeline": grid, "schedules": SCHEDULE_GRID, "parallel": parallel, "skew": SKEW_GRID,
+             "exchange": EXCHANGE_GRID}
+    return [(name, list(grids[name])) for name in benches]
+
+
+def _items(grid: list[GridPoint], per_node: int, benches: tuple[str, ...]) -> int:
+    """What a run's progress counts at one (layout, bandwidth): its calibrations and grid points."""
+    return CALIBRATIONS + sum(len(points) for _, points in _bench_grids(grid, per_node, benches))
+
+
+class _GridPoints:
+    """``progress`` for one benchmark's grid in a run expected up front: its own ``expect`` adds
+    nothing; it counts the points its ranks reported done."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.done = progress, 0
+
+    def expect(self, items: int) -> None:
+        """Expected already."""
+
+    def advance(self, items: int = 1) -> None:
+        self.done += items
+        self.progress.advance(items)
+
+    def note(self, text: str) -> None:
+        self.progress.note(text)
+
+
 def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], grid: list[GridPoint], repeats: int,
-        folder: Path, emit: Any, benches: tuple[str, ...] = BENCHES) -> list[dict[str, Any]]:
+        folder: Path, emit: Any, benches: tuple[str, ...] = BENCHES,
+        progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure and simulate ``benches`` on every (layout, bandwidth); profiles and measurements are
-    kept in ``folder``."""
+    kept in ``folder``. ``progress`` counts the calibrations and the grid points measured."""
     from moeflow.bench import run_on_cluster
 
+    progress = progress or Quiet()
+    progress.expect(len(bandwidths) * sum(_items(grid, per_node, benches) for _, per_node in layouts))
     records: list[dict[str, Any]] = []
     for (nodes, per_node), gbit in ((layout, gbit) for layout in layouts for gbit in bandwidths):
         layout = f"{nodes}x{per_node}"
-        profile = calibrated(folder, layout, nodes, per_node, gbit)
+        profile = calibrated(folder, layout, nodes, per_node, gbit, progress)
         measured = []
-        parallel = PARALLEL_GRID + (PARM_GRID if per_node % 2 == 0 else ())  # an MP group inside a node
-        grids = {"pipeline": grid, "schedules": SCHEDULE_GRID, "parallel": parallel, "skew": SKEW_GRID,
-                 "exchange": EXCHANGE_GRID}
-        for module, points in ((name, grids[name]) for name in benches):
-            measured += run_on_cluster(f"moeflow.bench.{module}", module, list(points), nodes, per_node, gbit,
-                                       repeats, str(profile), 29760, 3600)
+        for module, points in _bench_grids(grid, per_node, benches):
+            progress.note(f"{layout} {gbit:g} Gbit/s: {module}")
+            reported = _GridPoints(progress)
+            measured += run_on_cluster(f"moeflow.bench.{module}", module, points, nodes, per_node, gbit,
+                                       repeats, str(profile), 29760, 3600, progress=reported)
+            progress.advance(len(points) - reported.done)  # bench pipeline's ranks report no point done
         with (folder / MEASURED).open("a") as sink:
             sink.writelines(json.dumps(r) + "\n" for r in measured)
         for record in compare(measured, profile, layout, gbit):

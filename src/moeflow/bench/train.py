@@ -57,12 +57,14 @@ def _bench_worker(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     return {**summary, "matmul_flops": rates[0]}
 
 
-def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:
+def measure(config: TrainConfig, warmup: int, progress: bool = False) -> dict[str, Any]:
+    """Train ``config`` (no evaluation, no checkpoint) and measure its MFU and phases; ``progress``:
+    the trainer's bar of its steps (rank 0's, on stderr)."""
     from moeflow.distributed import run_distributed
     from moeflow.training.launch import prepare_job
 
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-train-") as run_dir:
-        job = prepare_job(replace(config, run_dir=run_dir, progress=False, eval_interval=10**9,
+        job = prepare_job(replace(config, run_dir=run_dir, progress=progress, eval_interval=10**9,
                                   checkpoint_interval=10**9))
         config, corpus = job.config, job.corpus
         result = run_distributed(_bench_worker, config.workers, job, threads_per_worker=config.threads_per_worker,
@@ -89,8 +91,9 @@ def measure(config: TrainConfig, warmup: int) -> dict[str, Any]:
     }
 
 
-def run(config: TrainConfig, warmup: int) -> int:
-    result = measure(config, warmup)
+def run(config: TrainConfig, warmup: int, progress: bool = False) -> int:
+    """Measure, print the run's record, its phases and the targets; ``progress``: a bar of the steps."""
+    result = measure(config, warmup, progress)
     print_json({k: v for k, v in result.items() if not isinstance(v, dict)})
     print_json({"bench": "train_phases", **result["phase_ms"]})
     targets = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_progress_flag, fail, positive_int, require_testbed, show_progress
 
 
 def add(benches: Any) -> None:
@@ -23,12 +23,14 @@ def add(benches: Any) -> None:
                           help="one-way latency between nodes in microseconds (needs sch_netem; recorded when absent; "
                           "default 100)")
     alltoall.add_argument("--repeats", type=positive_int, default=7, help="timed rounds, medians (default 7)")
+    add_progress_flag(alltoall)
     alltoall.set_defaults(func=run_alltoall)
 
 
 def run_alltoall(args: argparse.Namespace) -> int:
     from moeflow.bench.alltoall import DEFAULT_SIZES, run, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
     from moeflow.testbed import ClusterError
 
     layouts = []
@@ -39,8 +41,9 @@ def run_alltoall(args: argparse.Namespace) -> int:
         layouts.append((int(nodes), int(per_node)))
     require_testbed("bench alltoall")
     try:
-        results = run(layouts, list(args.sizes or DEFAULT_SIZES), args.inter_gbit, args.inter_latency_us,
-                      args.repeats)
+        with progress_bar("bench alltoall", "point", enabled=show_progress(args)) as progress:
+            results = run(layouts, list(args.sizes or DEFAULT_SIZES), args.inter_gbit, args.inter_latency_us,
+                          args.repeats, progress=progress)
     except (ClusterError, RuntimeError) as error:
         raise fail("bench alltoall", error) from None
     print_json(summarize(results))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail
+from moeflow.commands import add_progress_flag, fail, show_progress
 
 
 def add(benches: Any) -> None:
@@ -25,13 +25,16 @@ def add(benches: Any) -> None:
     faults.add_argument("--kinds", nargs="+", default=["kill", "stop", "delay"], choices=["kill", "stop", "delay"],
                         help="the faults to inject (default all)")
     faults.add_argument("--resume", action="store_true", help="resume each failed run from its last checkpoint")
+    add_progress_flag(faults)
     faults.set_defaults(func=run_faults)
 
 
 def run_faults(args: argparse.Namespace) -> int:
     from moeflow.bench.faults import DELAY_S, run
+    from moeflow.progress import progress_bar
 
     if args.collective_timeout_s <= DELAY_S:
         raise fail("bench faults", f"--collective-timeout-s {args.collective_timeout_s} must exceed the drill's "
                    f"{DELAY_S:g} s delay (a delay shorter than the timeout must not fail the job)")
-    return run(args.collective_timeout_s, args.resume, tuple(args.kinds))
+    with progress_bar("bench faults", "fault", enabled=show_progress(args)) as progress:
+        return run(args.collective_timeout_s, args.resume, tuple(args.kinds), progress)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int, show_progress
 from moeflow.commands.bench.common import (
     device_for,
 )
@@ -34,6 +34,7 @@ def add(benches: Any) -> None:
     kernels.add_argument("--matmul-size", type=positive_int, default=None,
                          help="side of the square peak matmul (default 8192 on CUDA, 2048 on CPU)")
     kernels.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    add_progress_flag(kernels)
     kernels.set_defaults(func=run_kernels)
 
 
@@ -42,6 +43,7 @@ def run_kernels(args: argparse.Namespace) -> int:
 
     from moeflow.bench.kernels import KernelBenchConfig, measure_kernels, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
     device = device_for(args.device, "bench kernels")
     if args.top_k > args.num_experts:
@@ -55,7 +57,8 @@ def run_kernels(args: argparse.Namespace) -> int:
     )
     if not on_gpu:
         torch.set_num_threads(1)
-    records = measure_kernels(config)
+    with progress_bar("bench kernels", "sample", enabled=show_progress(args)) as progress:
+        records = measure_kernels(config, progress)
     for record in records:
         print_json(record)
     print_json(summarize(records))

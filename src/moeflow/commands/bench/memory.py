@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int, show_progress
 
 
 def add(benches: Any) -> None:
@@ -49,6 +49,7 @@ def add(benches: Any) -> None:
     memory.add_argument("--skip-imports", action="store_true",
                         help="skip the process that imports what the workers loaded (the code's own share of the "
                         "peak), which takes a few seconds per scenario")
+    add_progress_flag(memory)
     memory.set_defaults(func=run_memory)
 
 
@@ -58,6 +59,7 @@ def run_memory(args: argparse.Namespace) -> int:
 
     from moeflow.bench.memory import HEADS, MemoryBenchConfig, is_generation, run, training_config
     from moeflow.bench.memory_layouts import LAYOUT_SCENARIOS, check_layout
+    from moeflow.progress import progress_bar
 
     uneven = [w for w in args.workers if args.num_experts % w]
     if uneven:
@@ -84,6 +86,7 @@ def run_memory(args: argparse.Namespace) -> int:
         if "training" in config.scenarios:  # the trainer's own checks, before anything runs
             for workers in config.workers:
                 training_config(config, workers, Path("unused"))
-        return run(config)
+        with progress_bar("bench memory", "measurement", enabled=show_progress(args)) as progress:
+            return run(config, progress)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         raise fail("bench memory", error) from None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import add_renamed_flag, fail, positive_int
+from moeflow.commands import add_progress_flag, add_renamed_flag, fail, positive_int, show_progress
 from moeflow.commands.bench.common import (
     device_for,
 )
@@ -33,6 +33,7 @@ def add(benches: Any) -> None:
     overlap.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
                          help="dtype of the expert weights and the chunks (default fp32)")
     overlap.add_argument("--repeats", type=positive_int, default=5, help="timed rounds, medians (default 5)")
+    add_progress_flag(overlap)
     overlap.set_defaults(func=run_overlap)
 
 
@@ -41,6 +42,7 @@ def run_overlap(args: argparse.Namespace) -> int:
 
     from moeflow.bench.overlap import OverlapBenchConfig, measure_overlap, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
     device = device_for(args.device, "bench overlap")
     degrees = tuple(args.degrees)
@@ -48,10 +50,12 @@ def run_overlap(args: argparse.Namespace) -> int:
         raise fail("bench overlap", f"--degrees must lie in 1..--capacity ({args.capacity}), got {args.degrees}")
     if device.type == "cpu":
         torch.set_num_threads(1)  # the experts on one core, the copies on the communication thread
-    records = measure_overlap(OverlapBenchConfig(
+    config = OverlapBenchConfig(
         num_experts=args.num_experts, capacity=args.capacity, model_dim=args.model_dim, hidden_dim=args.hidden_dim,
         degrees=degrees, device=str(device), dtype=args.dtype, repeats=args.repeats,
-    ))
+    )
+    with progress_bar("bench overlap", "sample", enabled=show_progress(args)) as progress:
+        records = measure_overlap(config, progress)
     for record in records:
         print_json(record)
     print_json(summarize(records))

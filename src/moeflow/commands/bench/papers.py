@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moeflow.commands import add_progress_flag, show_progress
+
 
 def add(benches: Any) -> None:
     from moeflow.bench.paper_trends import TRENDS
@@ -19,6 +21,7 @@ def add(benches: Any) -> None:
     papers.add_argument("--only", nargs="+", choices=sorted(TRENDS), default=None,
                         help="simulate only these tables (default all)")
     papers.add_argument("--plot", default=None, metavar="FOLDER", help="write one bar chart per table into this folder")
+    add_progress_flag(papers)
     papers.set_defaults(func=run_papers)
 
 
@@ -27,12 +30,16 @@ def run_papers(args: argparse.Namespace) -> int:
 
     from moeflow.bench.paper_trends import TRENDS, plot, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
 
-    rows = []
-    for name in args.only or TRENDS:
-        for row in TRENDS[name]():
-            print_json(row)
-            rows.append(row)
+    rows, names = [], args.only or list(TRENDS)
+    with progress_bar("bench papers", "table", len(names), enabled=show_progress(args)) as progress:
+        for name in names:
+            progress.note(name)
+            for row in TRENDS[name]():
+                print_json(row)
+                rows.append(row)
+            progress.advance()
     if args.plot:
         Path(args.plot).mkdir(parents=True, exist_ok=True)
         for path in plot(rows, Path(args.plot)):

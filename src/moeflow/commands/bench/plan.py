@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_progress_flag, fail, positive_int, require_testbed, show_progress
 from moeflow.commands.bench.common import add_cluster_layout
 
 
@@ -27,6 +27,7 @@ def add(benches: Any) -> None:
     plan.add_argument("--steps", type=positive_int, default=None, help="training steps per run (default 12)")
     plan.add_argument("--out", default=None, help="keep the profile, plan files and runs in this folder "
                       "(default: a temporary one)")
+    add_progress_flag(plan)
     plan.set_defaults(func=run_plan_bench)
 
 
@@ -36,6 +37,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
 
     from moeflow.bench.plan_runs import BENCH_MODEL, run, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
     from moeflow.testbed import ClusterError, ClusterSpec
     from moeflow.training.config import load_config_file
 
@@ -49,8 +51,10 @@ def run_plan_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.out or scratch)
         folder.mkdir(parents=True, exist_ok=True)
+        profile = Path(args.profile) if args.profile else None
         try:
-            records = run(spec, folder, settings, args.top, args.repeats, Path(args.profile) if args.profile else None)
+            with progress_bar("bench plan", "run", enabled=show_progress(args)) as progress:
+                records = run(spec, folder, settings, args.top, args.repeats, profile, progress=progress)
         except (ClusterError, RuntimeError, ValueError) as error:
             raise fail("bench plan", error) from None
     print_json(summarize(records))

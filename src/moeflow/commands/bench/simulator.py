@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int, require_testbed
+from moeflow.commands import add_progress_flag, fail, positive_int, require_testbed, show_progress
 
 
 def add(benches: Any) -> None:
@@ -31,6 +31,7 @@ def add(benches: Any) -> None:
                      help=f"the benchmarks to measure, comma list (default {','.join(SIMULATOR_BENCHES)})")
     sim.add_argument("--replay", default=None, metavar="FOLDER",
                      help="score a recorded run again (its measured.jsonl and profiles) instead of measuring")
+    add_progress_flag(sim)
     sim.set_defaults(func=run_simulator)
 
 
@@ -40,6 +41,7 @@ def run_simulator(args: argparse.Namespace) -> int:
 
     from moeflow.bench.sim_validation import BENCHES, GRID, run, summarize
     from moeflow.files import print_json
+    from moeflow.progress import progress_bar
     from moeflow.testbed import ClusterError
 
     if args.replay:
@@ -67,7 +69,8 @@ def run_simulator(args: argparse.Namespace) -> int:
         folder = Path(args.profiles or scratch)
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json, benches)
+            with progress_bar("bench simulator", "point", enabled=show_progress(args)) as progress:
+                records = run(layouts, bandwidths, list(GRID), args.repeats, folder, print_json, benches, progress)
         except (ClusterError, RuntimeError) as error:
             raise fail("bench simulator", error) from None
     _simulator_plot(records, args.plot)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moeflow.commands import fail, positive_int
+from moeflow.commands import add_progress_flag, fail, positive_int, show_progress
 
 
 def add(benches: Any) -> None:
@@ -22,6 +22,7 @@ def add(benches: Any) -> None:
     train.add_argument("--workers", type=positive_int, default=None,
                        help="worker processes that train (default: the config's, 2)")
     train.add_argument("--config", default=None, help="a TOML, YAML or JSON file of training settings")
+    add_progress_flag(train)
     train.set_defaults(func=run_train)
 
 
@@ -37,4 +38,4 @@ def run_train(args: argparse.Namespace) -> int:
         config = TrainConfig(**{**values, "stop_at": None})
     except (ValueError, FileNotFoundError) as error:
         raise fail("bench train", error) from None
-    return run(config, args.warmup)
+    return run(config, args.warmup, progress=show_progress(args) and config.progress)
