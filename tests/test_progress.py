@@ -232,7 +232,7 @@ def test_bench_simulator_counts_calibrations_and_points_even_where_ranks_report_
 
     def run_on_cluster(module: str, name: str, grid: list[object], *rest: object, progress: Counted | None = None,
                        **_: object) -> list[dict[str, object]]:
-        if progress is not None and module != "moeflow.bench.pipeline":  # its ranks print no point done
+        if progress is not None and module != "moeflow.bench.pipeline":  # as a run that reports no point done
             progress.expect(len(grid))
             progress.advance(len(grid))
         return []

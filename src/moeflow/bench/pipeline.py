@@ -170,7 +170,7 @@ def _rank_main(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench import cluster_profile
+    from moeflow.bench import POINT_DONE, cluster_profile
     from moeflow.distributed import destroy_process_groups
     from moeflow.runtime import tune_cpu_allocator, tuning_requested
 
@@ -190,6 +190,8 @@ def _rank_main(argv: list[str]) -> None:
     profile = cluster_profile(args.profile, args.save_profile, "pipeline", emit)
     for values in json.loads(args.grid):
         _measure_point(GridPoint(**values), profile, args.repeats, emit)
+        if dist.get_rank() == 0:
+            print(POINT_DONE, flush=True)  # the command's bar advances a point
     destroy_process_groups()
 
 

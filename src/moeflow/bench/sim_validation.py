@@ -329,7 +329,7 @@ def run(layouts: tuple[tuple[int, int], ...], bandwidths: tuple[float, ...], gri
             reported = _GridPoints(progress)
             measured += run_on_cluster(f"moeflow.bench.{module}", module, points, nodes, per_node, gbit,
                                        repeats, str(profile), 29760, 3600, progress=reported)
-            progress.advance(len(points) - reported.done)  # bench pipeline's ranks report no point done
+            progress.advance(len(points) - reported.done)  # points a run did not report (it ended early)
         with (folder / MEASURED).open("a") as sink:
             sink.writelines(json.dumps(r) + "\n" for r in measured)
         for record in compare(measured, profile, layout, gbit):
