@@ -68,6 +68,15 @@ def tiny_model(
     return randomize(model, seed).to(dtype).eval()
 
 
+def saved_tiny_models(folder: Any, families: tuple[str, ...], seed: int) -> dict[str, Any]:
+    """Each family's tiny model saved in a folder of its own (``folder``: pytest's tmp_path_factory)."""
+    paths = {}
+    for family in families:
+        paths[family] = folder.mktemp(family)
+        tiny_model(family, seed=seed).save_pretrained(paths[family])
+    return paths
+
+
 class _V4Expert(nn.Module):
     """One SwiGLU expert as transformers v4 stored it (w1/w3/w2 for Mixtral, gate/up/down otherwise)."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_models import tiny_model
+from hf_models import saved_tiny_models
 from moeflow.comm.topology import Topology
 from pool import run_distributed
 
@@ -82,11 +82,7 @@ def _count_chunk_exchanges() -> Any:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    paths = {}
-    for family in ("qwen3_moe", "deepseek_v3"):
-        paths[family] = tmp_path_factory.mktemp(family)
-        tiny_model(family, seed=1).save_pretrained(paths[family])
-    return paths
+    return saved_tiny_models(tmp_path_factory, ("qwen3_moe", "deepseek_v3"), seed=1)
 
 
 @pytest.fixture(scope="module")

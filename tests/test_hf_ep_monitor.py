@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_models import tiny_model
+from hf_models import saved_tiny_models
 from pool import run_distributed
 
 TOKENS = (2, 24)
@@ -72,11 +72,7 @@ def _monitored_step(rank: int, world: int, path: str, tensor_parallel: bool) -> 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    paths = {}
-    for family in ("qwen3_moe", "deepseek_v3"):
-        paths[family] = tmp_path_factory.mktemp(family)
-        tiny_model(family, seed=3).save_pretrained(paths[family])
-    return paths
+    return saved_tiny_models(tmp_path_factory, ("qwen3_moe", "deepseek_v3"), seed=3)
 
 
 @pytest.mark.distributed
