@@ -183,13 +183,13 @@ def test_configure_names_the_bad_setting() -> None:
 def test_routes_send_every_choice_once_and_dedup_a_token_once_per_rank(token_exchange: str) -> None:
     """Every (token, expert) choice arrives once, with its weight, at the rank holding the expert;
     under dedup each (token, rank) pair is one row, its valid slots first."""
-    from moeflow.hf.expert_parallel import DEDUP_MIN_PAIRS, routes_for
+    from moeflow.hf.expert_parallel import DEDUP_MIN_PAIRS, ROUTES, exchange_for
 
     generator = torch.Generator().manual_seed(0)
     tokens, top_k, local, world = 12, 3, 2, 4
     index_TK = torch.stack([torch.randperm(local * world, generator=generator)[:top_k] for _ in range(tokens)])
     weights_TK = torch.rand(tokens, top_k, generator=generator)
-    routes = routes_for(token_exchange, index_TK, weights_TK, local, world)
+    routes = ROUTES[exchange_for(token_exchange, index_TK)](index_TK, weights_TK, local, world)
     ranks_N = torch.repeat_interleave(torch.arange(world), routes.sizes_W)
     valid_NK = routes.ids_NK < local
     received = {(int(t), int(r) * local + int(i), float(w)) for t, r, ids, ws, valid in

@@ -147,17 +147,11 @@ ROUTES = {DEDUP: dedup_routes, PAIRS: pair_routes}
 
 
 def exchange_for(token_exchange: str, top_k_index: torch.Tensor) -> str:
-    """The exchange a batch travels by: ``token_exchange``, or under ``auto`` by its routed pairs."""
+    """The exchange a batch travels by (:data:`ROUTES` lays out its rows): ``token_exchange``, or
+    under ``auto`` by its routed pairs."""
     if token_exchange == AUTO:
         return DEDUP if top_k_index.numel() >= DEDUP_MIN_PAIRS else PAIRS
     return token_exchange
-
-
-def routes_for(
-    token_exchange: str, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_local: int, world: int
-) -> Routes:
-    """The rows ``token_exchange`` sends of this batch (``auto``: by its routed pairs)."""
-    return ROUTES[exchange_for(token_exchange, top_k_index)](top_k_index, top_k_weights, num_local, world)
 
 
 @dataclass
@@ -344,8 +338,8 @@ class MoeflowEP(EPImplementation):
         every = mine.new_empty(world * len(mine))
         with self.groups.ledger.tracked("all-gather", group, every.numel() * every.element_size()):
             all_gather_into(every, mine, group)
-        table = every.view(world, len(mine)).tolist()
-        counts = [sum(column) for column in zip(*(row[world + 2:] for row in table), strict=True)]
+        rows = every.view(world, len(mine))
+        table, counts = rows[:, : world + 2].tolist(), rows[:, world + 2 :].sum(0).tolist()
         return ([row[:world] for row in table], max(row[world] for row in table), min(row[world + 1] for row in table),
                 counts)
 

@@ -210,6 +210,11 @@ def shared_mlp(block: nn.Module, family: Family) -> nn.Module | None:
     return None if family.shared is None else getattr(block, family.shared, None)
 
 
+def router_module(block: nn.Module, family: Family) -> Any:
+    """The module that holds the block's router weight: its output holds the router's logits."""
+    return _router_modules(block, family)[0]
+
+
 def _router_modules(block: nn.Module, family: Family) -> list[Any]:
     """The router module, its parents up to the block: where settings are looked up, nearest first."""
     path = family.router.split(".")[:-1]

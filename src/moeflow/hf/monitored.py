@@ -15,7 +15,7 @@ from torch import nn
 
 from moeflow.comm.groups import ParallelGroups
 from moeflow.core.stats import ExecutionPlan, RoutingStats
-from moeflow.hf.families import Family, family_of, selection_bias
+from moeflow.hf.families import Family, family_of, router_module, selection_bias
 
 
 class Implementation(Protocol):
@@ -35,10 +35,8 @@ def routing_stats(counts: list[int], top_k: int, plan: ExecutionPlan) -> Routing
 
 
 def _router(block: nn.Module, family: Family) -> nn.Module | None:
-    """The module whose output holds the router's logits: the owner of the family's router weight."""
-    owner: object = block
-    for name in family.router.split(".")[:-1]:
-        owner = getattr(owner, name, None)
+    """The module whose output holds the router's logits (None: the family's path finds none)."""
+    owner = router_module(block, family)
     return owner if isinstance(owner, nn.Module) else None
 
 
